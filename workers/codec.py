@@ -1,0 +1,47 @@
+"""The codec seam: everything the worker knows about HTTP/1.1 wire parsing comes through here.
+
+Today the codec is h11 (sans-IO: bytes in, events out). Keeping the names in one module means a
+faster codec can replace it without touching the server or the proxy.
+"""
+
+from __future__ import annotations
+
+import h11
+
+Request = h11.Request
+Response = h11.Response
+InformationalResponse = h11.InformationalResponse
+Data = h11.Data
+EndOfMessage = h11.EndOfMessage
+ConnectionClosed = h11.ConnectionClosed
+NEED_DATA = h11.NEED_DATA
+PAUSED = h11.PAUSED
+DONE = h11.DONE
+MUST_CLOSE = h11.MUST_CLOSE
+ProtocolError = h11.ProtocolError
+RemoteProtocolError = h11.RemoteProtocolError
+LocalProtocolError = h11.LocalProtocolError
+
+
+def server_codec(max_header_bytes: int) -> h11.Connection:
+    return h11.Connection(h11.SERVER, max_incomplete_event_size=max_header_bytes)
+
+
+def client_codec(max_header_bytes: int = 65536) -> h11.Connection:
+    return h11.Connection(h11.CLIENT, max_incomplete_event_size=max_header_bytes)
+
+
+_REASONS = {
+    200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found", 405: b"Method Not Allowed",
+    408: b"Request Timeout", 413: b"Content Too Large", 414: b"URI Too Long", 429: b"Too Many Requests",
+    431: b"Request Header Fields Too Large", 500: b"Internal Server Error", 501: b"Not Implemented",
+    502: b"Bad Gateway", 503: b"Service Unavailable", 504: b"Gateway Timeout",
+    505: b"HTTP Version Not Supported",
+}
+
+
+def raw_response(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
+    """A complete response built without a codec: for answers sent when framing is in doubt."""
+    lines = [b"HTTP/1.1 %d %s" % (status, _REASONS.get(status, b"Error"))]
+    lines += [name + b": " + value for name, value in headers]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body

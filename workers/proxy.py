@@ -1,0 +1,327 @@
+"""The request lifecycle: auth -> quota -> route -> endpoint -> upstream -> stream back.
+
+One ``Proxy`` per worker. ``handle`` runs once per request; the response streams through an
+``UpstreamCall`` (the upstream connection's sink) as bytes arrive, so nothing is buffered whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from typing import Any
+
+from workers.errors import GatewayError
+from workers.server import Exchange
+from workers.upstream import (
+    CONNECT_ERROR,
+    PROTOCOL,
+    TIMEOUT,
+    ConnectFailed,
+    PoolExhausted,
+    UpstreamConnection,
+)
+
+log = logging.getLogger("gridgate.proxy")
+_perf = time.perf_counter
+
+# Request headers the gateway consumes or rewrites; everything else is forwarded as-is.
+_H_AUTHORIZATION, _H_API_KEY, _H_CONNECTION, _H_REQUEST_ID, _H_XFF, _H_COOKIE, _H_DROP = range(7)
+_REQUEST_SPECIAL: dict[bytes, int] = {
+    b"authorization": _H_AUTHORIZATION,
+    b"x-api-key": _H_API_KEY,
+    b"connection": _H_CONNECTION,
+    b"x-request-id": _H_REQUEST_ID,
+    b"x-forwarded-for": _H_XFF,
+    b"cookie": _H_COOKIE,
+    b"host": _H_DROP,
+    b"content-length": _H_DROP,
+    b"transfer-encoding": _H_DROP,
+    b"keep-alive": _H_DROP,
+    b"proxy-connection": _H_DROP,
+    b"proxy-authorization": _H_DROP,
+    b"te": _H_DROP,
+    b"trailer": _H_DROP,
+    b"upgrade": _H_DROP,
+    b"expect": _H_DROP,
+    b"x-ai-routing-candidate": _H_DROP,
+    b"x-ai-routing-request-id": _H_DROP,
+    b"x-ai-routing-revision": _H_DROP,
+}
+_RESPONSE_DROP = frozenset(
+    (b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"te", b"trailer", b"upgrade",
+     b"x-request-id")
+)
+_MAX_ATTEMPTS = 3
+
+
+def _connection_tokens(value: bytes) -> set[bytes]:
+    return {token.strip().lower() for token in value.split(b",") if token.strip()}
+
+
+def _valid_request_id(value: bytes) -> bool:
+    return 0 < len(value) <= 128 and all(33 <= c <= 126 for c in value)
+
+
+class UpstreamCall:
+    """Sink of one upstream attempt: relays the response to the client as it arrives."""
+
+    __slots__ = (
+        "exchange", "conn", "head_future", "done_future", "failure", "status", "extra_headers",
+        "response_started", "is_sse", "on_end", "on_data",
+    )
+
+    def __init__(self, exchange: Exchange, extra_headers: list[tuple[bytes, bytes]]) -> None:
+        loop = asyncio.get_running_loop()
+        self.exchange = exchange
+        self.conn: UpstreamConnection | None = None
+        self.head_future: asyncio.Future = loop.create_future()
+        self.done_future: asyncio.Future = loop.create_future()
+        self.failure: tuple[str, str] | None = None
+        self.status = 0
+        self.extra_headers = extra_headers
+        self.response_started = False
+        self.is_sse = False
+        self.on_data: Any = None
+
+    def upstream_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.status = status
+        exchange = self.exchange
+        out = []
+        drop = _RESPONSE_DROP
+        chunked = False
+        listed: set[bytes] | None = None
+        for name, value in headers:
+            if name in drop:
+                if name == b"transfer-encoding":
+                    chunked = True
+                elif name == b"connection":
+                    listed = _connection_tokens(value)
+                continue
+            if name == b"content-type" and value.startswith(b"text/event-stream"):
+                self.is_sse = True
+            out.append((name, value))
+        if chunked or listed:
+            out = [
+                (n, v) for n, v in out
+                if not (chunked and n == b"content-length") and not (listed and n in listed)
+            ]
+        out += self.extra_headers
+        self.response_started = True
+        if not exchange.client_gone:
+            exchange.start(status, out)
+        if not self.head_future.done():
+            self.head_future.set_result(None)
+
+    def upstream_data(self, data: bytes) -> None:
+        if self.on_data is not None:
+            data = self.on_data(data)
+        self.exchange.write(data)
+
+    def upstream_end(self) -> None:
+        self.exchange.end()
+        if not self.head_future.done():
+            self.head_future.set_result(None)
+        if not self.done_future.done():
+            self.done_future.set_result(None)
+
+    def upstream_failed(self, reason: str, detail: str) -> None:
+        self.failure = (reason, detail)
+        if not self.response_started:
+            if not self.head_future.done():
+                self.head_future.set_result(None)
+            return
+        # After the first byte the stream cannot be retried: end it visibly, never silently.
+        exchange = self.exchange
+        if self.is_sse and not exchange.client_gone:
+            exchange.write(
+                b'data: {"error": {"message": "upstream stream failed: %s", "type": "upstream_error", '
+                b'"code": "upstream_%s"}}\n\n' % (reason.encode(), reason.encode())
+            )
+            exchange.end()
+        else:
+            exchange.abort()
+        if not self.done_future.done():
+            self.done_future.set_result(None)
+
+    def client_lost(self) -> None:
+        conn = self.conn
+        if conn is not None and conn.sink is self:
+            conn.abandon()
+        self.failure = ("client_lost", "client disconnected")
+        for future in (self.head_future, self.done_future):
+            if not future.done():
+                future.set_result(None)
+
+    def pause_upstream(self) -> None:
+        if self.conn is not None:
+            self.conn.pause()
+
+    def resume_upstream(self) -> None:
+        if self.conn is not None:
+            self.conn.resume()
+
+
+class RequestIds:
+    """Cheap unique request ids: a random per-process prefix and a counter."""
+
+    def __init__(self) -> None:
+        self._prefix = os.urandom(6).hex().encode() + b"-"
+        self._counter = itertools.count(1)
+
+    def next(self) -> bytes:
+        return self._prefix + b"%x" % next(self._counter)
+
+
+class Proxy:
+    """Per-worker request handler. ``runtime`` supplies routing, endpoints and the optional gates."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+        self.ids = RequestIds()
+
+    async def handle(self, exchange: Exchange) -> None:
+        runtime = self.runtime
+        # One pass over the client's headers: pick out what we consume, keep the rest to forward.
+        forward: list[tuple[bytes, bytes]] = []
+        authorization = api_key = request_id = xff = cookie = None
+        listed: set[bytes] | None = None
+        special = _REQUEST_SPECIAL
+        lookups = runtime.header_lookups  # {lowercased name: slot} for model/affinity headers
+        found: dict[bytes, bytes] = {}
+        for name, value in exchange.headers:
+            kind = special.get(name)
+            if kind is None:
+                if name in lookups:
+                    found[name] = value
+                if name[:11] == b"x-gridgate-":
+                    continue
+                forward.append((name, value))
+            elif kind == _H_AUTHORIZATION:
+                authorization = value
+            elif kind == _H_API_KEY:
+                api_key = value
+            elif kind == _H_REQUEST_ID:
+                request_id = value
+            elif kind == _H_XFF:
+                xff = value
+            elif kind == _H_COOKIE:
+                cookie = value
+                forward.append((name, value))
+            elif kind == _H_CONNECTION:
+                listed = _connection_tokens(value)
+        if listed:
+            forward = [(n, v) for n, v in forward if n not in listed]
+        if request_id is None or not _valid_request_id(request_id):
+            request_id = self.ids.next()
+        id_header = (b"x-request-id", request_id)
+
+        try:
+            await self._proxy(exchange, runtime, forward, authorization, api_key, request_id, xff, cookie, found)
+        except GatewayError as error:
+            exchange.send_error(error, [id_header])
+
+    async def _proxy(
+        self, exchange: Exchange, runtime: Any, forward: list[tuple[bytes, bytes]],
+        authorization: bytes | None, api_key: bytes | None, request_id: bytes, xff: bytes | None,
+        cookie: bytes | None, found: dict[bytes, bytes],
+    ) -> None:
+        id_header = (b"x-request-id", request_id)
+        tenant = runtime.authenticate(authorization, api_key)
+        if exchange.method == b"GET" and exchange.target == b"/v1/models":
+            body = runtime.models_body()
+            exchange.respond(200, [(b"content-type", b"application/json"), id_header], body)
+            return
+        request = runtime.capability(exchange, found)
+        admission = await runtime.admit(tenant, request)
+        extra_response: list[tuple[bytes, bytes]] = [id_header]
+        try:
+            await self._forward(
+                exchange, runtime, forward, request, request_id, xff, cookie, found, admission, extra_response,
+            )
+        except BaseException:
+            runtime.settle(admission, 0, None)
+            raise
+
+    async def _forward(
+        self, exchange: Exchange, runtime: Any, forward: list[tuple[bytes, bytes]], request: Any,
+        request_id: bytes, xff: bytes | None, cookie: bytes | None, found: dict[bytes, bytes],
+        admission: Any, extra_response: list[tuple[bytes, bytes]],
+    ) -> None:
+        route = runtime.route(request, found, cookie)
+        cluster = runtime.clusters[route.cluster]
+        extra_response += runtime.route_headers(route, admission)
+        peer = exchange.peer
+        forward.append((b"x-forwarded-for", xff + b", " + peer if xff else peer))
+        forward.append((b"x-request-id", request_id))
+        forward += cluster.auth_headers
+        if cluster.provider_hop:
+            forward += runtime.provider_hop_headers(route, request_id)
+        body = runtime.upstream_body(request, exchange.body)
+        if body:
+            forward.append((b"content-length", b"%d" % len(body)))
+        elif exchange.method not in (b"GET", b"HEAD", b"DELETE", b"OPTIONS"):
+            forward.append((b"content-length", b"0"))
+
+        excluded: set[int] = set()
+        fresh = False
+        failure: tuple[str, str] = (CONNECT_ERROR, "no endpoint")
+        balance_key = cluster.balance_key(found, exchange.target)
+        for _attempt in range(_MAX_ATTEMPTS):
+            endpoint = cluster.pick(balance_key, excluded)
+            if endpoint is None:
+                break
+            try:
+                conn = await endpoint.pool.acquire(fresh=fresh)
+            except ConnectFailed as error:
+                cluster.record(endpoint, error.reason)
+                excluded.add(endpoint.index)
+                failure = (CONNECT_ERROR, str(error))
+                fresh = False
+                continue
+            except PoolExhausted as error:
+                raise GatewayError(503, "upstream_busy", str(error), [(b"retry-after", b"1")]) from None
+            call = UpstreamCall(exchange, extra_response)
+            call.conn = conn
+            call.on_data = runtime.response_filter(request, admission)
+            exchange.on_client_lost = call.client_lost
+            exchange.on_pause_writing = call.pause_upstream
+            exchange.on_resume_writing = call.resume_upstream
+            overhead_ms = (_perf() - exchange.t_start) * 1000.0
+            extra_response.append((b"x-gridgate-overhead-ms", b"%.3f" % overhead_ms))
+            cluster.begin(endpoint)
+            try:
+                conn.send_request(
+                    call, exchange.method, exchange.target, [(b"host", endpoint.host_header), *forward], body
+                )
+                await call.head_future
+                if call.response_started:
+                    await call.done_future
+            finally:
+                cluster.end(endpoint)
+            failure = call.failure or failure
+            if call.response_started:
+                cluster.record(endpoint, None if call.status < 500 else "5xx")
+                runtime.settle(admission, call.status, call)
+                return
+            if call.failure is None or call.failure[0] == "client_lost":
+                runtime.settle(admission, 0, None)
+                return
+            extra_response.pop()  # the overhead header is re-measured on the next attempt
+            reason = call.failure[0]
+            cluster.record(endpoint, reason)
+            if conn.reused and not fresh and reason != TIMEOUT:
+                # A pooled connection may have been closed by the provider: retry once on a fresh one.
+                fresh = True
+                continue
+            fresh = False
+            if reason == TIMEOUT:
+                break
+            excluded.add(endpoint.index)
+        reason, detail = failure
+        if reason == TIMEOUT:
+            raise GatewayError(504, "upstream_timeout", f"upstream did not answer in time ({detail})")
+        code = "bad_upstream_response" if reason == PROTOCOL else "upstream_unavailable"
+        raise GatewayError(502, code, f"upstream request failed: {detail}")

@@ -1,0 +1,328 @@
+"""Upstream side: per endpoint, per worker, a keep-alive pool of HTTP/1.1 client connections.
+
+A connection delivers the response to a *sink* through four callbacks (head, data, end, failed)
+instead of async iteration: streaming a chunk costs one method call, not a task switch. Framing
+doubt (both Content-Length and Transfer-Encoding, bytes after the end, a protocol error) means the
+connection is closed instead of being returned to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ssl
+import time
+from typing import Any, Protocol
+
+from workers import codec
+
+_monotonic = time.monotonic
+
+# Why an attempt failed; the proxy maps these to 502/504 and to outlier-detection outcomes.
+CONNECT_ERROR = "connect"
+RESET = "reset"
+TIMEOUT = "timeout"
+PROTOCOL = "protocol"
+
+
+class UpstreamSink(Protocol):
+    def upstream_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
+    def upstream_data(self, data: bytes) -> None: ...
+    def upstream_end(self) -> None: ...
+    def upstream_failed(self, reason: str, detail: str) -> None: ...
+
+
+class PoolExhausted(Exception):
+    """Every connection of the endpoint is busy and none freed up in time."""
+
+
+class ConnectFailed(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+class UpstreamConnection(asyncio.Protocol):
+    __slots__ = (
+        "pool", "transport", "codec", "sink", "reused", "closed", "last_activity", "_timer",
+        "_keep", "_got_head", "_paused", "_sent", "_loop",
+    )
+
+    def __init__(self, pool: UpstreamPool) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.codec = codec.client_codec()
+        self.sink: UpstreamSink | None = None
+        self.reused = False
+        self.closed = False
+        self.last_activity = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._keep = True
+        self._got_head = False
+        self._paused = False
+        self._sent = False
+        self._loop = pool.loop
+
+    # -- used by the proxy -----------------------------------------------------------------
+    def send_request(
+        self, sink: UpstreamSink, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> None:
+        self.sink = sink
+        self._got_head = False
+        self._keep = True
+        self._sent = True
+        if self.closed:
+            # The provider closed it between acquire and send: a retryable failure before any byte.
+            self._fail(RESET, "upstream connection closed before the request was sent")
+            return
+        conn = self.codec
+        data = conn.send(codec.Request(method=method, target=target, headers=headers))
+        if body:
+            data += conn.send(codec.Data(data=body))
+        data += conn.send(codec.EndOfMessage())
+        self.last_activity = _monotonic()
+        self.transport.write(data)
+        self._timer = self._loop.call_later(self.pool.read_timeout, self._check_timeout)
+
+    def pause(self) -> None:
+        if not self._paused and not self.closed:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._paused and not self.closed:
+            self._paused = False
+            self.last_activity = _monotonic()
+            self.transport.resume_reading()
+
+    def abandon(self) -> None:
+        """The client went away mid-exchange: this connection's framing state is unknown, drop it."""
+        self.sink = None
+        self._finish(reusable=False)
+
+    # -- transport callbacks ---------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.last_activity = _monotonic()
+        sink = self.sink
+        if sink is None:
+            # Bytes while idle: the provider is not speaking HTTP as we understand it.
+            self._finish(reusable=False)
+            return
+        conn = self.codec
+        conn.receive_data(data)
+        try:
+            while True:
+                event = conn.next_event()
+                kind = type(event)
+                if kind is codec.Data:
+                    sink.upstream_data(event.data)
+                elif kind is codec.Response:
+                    self._on_head(sink, event)
+                elif kind is codec.EndOfMessage:
+                    self._on_end(sink)
+                    return
+                elif event is codec.NEED_DATA:
+                    return
+                elif kind is codec.InformationalResponse:
+                    continue
+                else:  # ConnectionClosed or PAUSED
+                    self._fail(RESET, "upstream closed the connection")
+                    return
+        except codec.RemoteProtocolError as error:
+            self._fail(PROTOCOL, f"malformed upstream response: {error}")
+
+    def eof_received(self) -> bool | None:
+        if self.sink is not None:
+            self.data_received(b"")  # an empty feed is how the codec learns about EOF
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        was_closed = self.closed
+        self.closed = True
+        self._cancel_timer()
+        if self.sink is not None:
+            self._fail(RESET, "upstream connection lost")
+        elif not was_closed:
+            self.pool.connection_gone(self)
+
+    # -- internals -------------------------------------------------------------------------
+    def _on_head(self, sink: UpstreamSink, event: Any) -> None:
+        self._got_head = True
+        has_cl = has_te = False
+        for name, _value in event.headers:
+            if name == b"content-length":
+                has_cl = True
+            elif name == b"transfer-encoding":
+                has_te = True
+        if has_cl and has_te:
+            # RFC 9112 §6.3: forward as chunked, but never reuse this connection.
+            self._keep = False
+        sink.upstream_head(event.status_code, event.headers)
+
+    def _on_end(self, sink: UpstreamSink) -> None:
+        conn = self.codec
+        reusable = (
+            self._keep and conn.our_state is codec.DONE and conn.their_state is codec.DONE
+            and not conn.trailing_data[0]
+        )
+        self.sink = None
+        self._finish(reusable)
+        sink.upstream_end()
+
+    def _fail(self, reason: str, detail: str) -> None:
+        sink = self.sink
+        self.sink = None
+        self._finish(reusable=False)
+        if sink is not None:
+            sink.upstream_failed(reason, detail)
+
+    def _finish(self, reusable: bool) -> None:
+        self._cancel_timer()
+        if reusable:
+            try:
+                self.codec.start_next_cycle()
+            except codec.LocalProtocolError:
+                reusable = False
+        if self._paused and reusable:
+            self.resume()
+        self._sent = False
+        self.pool.release(self, reusable)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._cancel_timer()
+            if self.transport is not None:
+                self.transport.abort()
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check_timeout(self) -> None:
+        self._timer = None
+        if self.sink is None:
+            return
+        idle = _monotonic() - self.last_activity
+        limit = self.pool.read_timeout
+        if self._paused or idle < limit:
+            # A paused stream waits on the client, not the provider; re-check later.
+            self._timer = self._loop.call_later(max(limit - idle, 0.05), self._check_timeout)
+            return
+        self._fail(TIMEOUT, f"no upstream bytes for {limit:g}s")
+
+    @property
+    def got_head(self) -> bool:
+        return self._got_head
+
+
+class UpstreamPool:
+    """LIFO keep-alive pool for one endpoint in one worker, bounded by ``max_connections``."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        max_connections: int,
+        connect_timeout: float,
+        read_timeout: float,
+        ssl_context: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
+        wait_timeout: float | None = None,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.max_connections = max_connections
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.ssl_context = ssl_context
+        self.server_hostname = server_hostname
+        self.wait_timeout = connect_timeout if wait_timeout is None else wait_timeout
+        self.loop = asyncio.get_running_loop()
+        self.idle: list[UpstreamConnection] = []
+        self.open_count = 0
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+
+    async def acquire(self, fresh: bool = False) -> UpstreamConnection:
+        idle = self.idle
+        if fresh and self.open_count >= self.max_connections and idle:
+            self.release(idle.pop(), reusable=False)  # make room for the fresh connection
+        while idle and not fresh:
+            conn = idle.pop()
+            if not conn.closed:
+                conn.reused = True
+                return conn
+        if self.open_count < self.max_connections:
+            return await self._connect()
+        waiter = self.loop.create_future()
+        self._waiters.append(waiter)
+        try:
+            handed = await asyncio.wait_for(waiter, self.wait_timeout)
+        except TimeoutError:
+            raise PoolExhausted(f"all {self.max_connections} connections to {self.host}:{self.port} busy") from None
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+        if handed is None:
+            return await self._connect()
+        handed.reused = True
+        return handed
+
+    async def _connect(self) -> UpstreamConnection:
+        self.open_count += 1
+        try:
+            _transport, conn = await asyncio.wait_for(
+                self.loop.create_connection(
+                    lambda: UpstreamConnection(self), self.host, self.port,
+                    ssl=self.ssl_context, server_hostname=self.server_hostname if self.ssl_context else None,
+                ),
+                self.connect_timeout,
+            )
+        except TimeoutError:
+            self._slot_freed()
+            raise ConnectFailed(TIMEOUT, f"connect to {self.host}:{self.port} timed out") from None
+        except (OSError, ssl.SSLError) as error:
+            self._slot_freed()
+            raise ConnectFailed(CONNECT_ERROR, f"connect to {self.host}:{self.port} failed: {error}") from None
+        except BaseException:
+            self._slot_freed()
+            raise
+        return conn
+
+    def release(self, conn: UpstreamConnection, reusable: bool) -> None:
+        if reusable and not conn.closed:
+            while self._waiters:
+                waiter = self._waiters.popleft()
+                if not waiter.done():
+                    waiter.set_result(conn)
+                    return
+            self.idle.append(conn)
+            return
+        conn.close()
+        self._slot_freed()
+
+    def connection_gone(self, conn: UpstreamConnection) -> None:
+        """An idle connection was closed by the provider: drop it so it is never reused."""
+        try:
+            self.idle.remove(conn)
+        except ValueError:
+            return
+        self._slot_freed()
+
+    def _slot_freed(self) -> None:
+        self.open_count -= 1
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def close(self) -> None:
+        for conn in self.idle:
+            conn.close()
+        self.idle.clear()
