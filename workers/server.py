@@ -26,6 +26,7 @@ _perf = time.perf_counter
 # Pipelined bytes buffered while a request is being answered before we stop reading the socket.
 _PIPELINE_BUFFER_LIMIT = 65536
 _HEAD, _BODY, _HANDLING, _CLOSED = range(4)
+_LINGER_S = 2.0
 
 
 class ServerSettings:
@@ -172,8 +173,7 @@ class ServerConnection(asyncio.Protocol):
             body = error_body(503, "too_many_connections", "worker connection limit reached, retry")
             headers = [*error_headers(body), (b"retry-after", b"1"), (b"connection", b"close")]
             transport.write(raw_response(503, headers, body))  # type: ignore[attr-defined]
-            self.state = _CLOSED
-            transport.close()
+            self._linger_close()
             return
         server.connections.add(self)
         peer = transport.get_extra_info("peername")
@@ -349,7 +349,20 @@ class ServerConnection(asyncio.Protocol):
         body = error_body(error.status, error.code, error.message)
         headers = [*error_headers(body), *error.headers, (b"connection", b"close")]
         self.write(raw_response(error.status, headers, body))
-        self.close()
+        self._linger_close()
+
+    def _linger_close(self) -> None:
+        """Half-close and discard input for a moment before closing.
+
+        Closing a socket with unread input makes the kernel send RST, which can destroy the error
+        response we just wrote before the client reads it (the classic lingering-close problem).
+        """
+        self.state = _CLOSED
+        self.server.connections.discard(self)
+        transport = self.transport
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._arm(_LINGER_S, transport.close)
 
     def close(self, abort: bool = False) -> None:
         if self.state == _CLOSED:
