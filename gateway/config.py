@@ -315,6 +315,18 @@ def _cross_checks(config: Config) -> list[str]:
     for index, name in enumerate(config.routing.provider_hop_clusters):
         if name not in names:
             problems.append(f"routing.provider_hop_clusters[{index}]: unknown cluster {name!r}")
+    for index, cluster in enumerate(config.clusters):
+        auth = cluster.upstream_auth
+        if auth is None:
+            continue
+        secret = os.environ.get(auth.value_env)
+        if secret is None:
+            problems.append(f"clusters[{index}].upstream_auth.value_env: environment variable {auth.value_env} is not set")
+        elif not all(32 <= ord(ch) < 127 for ch in secret):
+            problems.append(f"clusters[{index}].upstream_auth.value_env: {auth.value_env} holds characters not allowed "
+                            "in a header value")
+        if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", auth.header):
+            problems.append(f"clusters[{index}].upstream_auth.header: not a valid header name")
     affinity = config.routing.session_affinity
     if affinity.enabled and not (affinity.header or affinity.cookie):
         problems.append("routing.session_affinity: enabled needs a header or a cookie")

@@ -175,10 +175,16 @@ class AdminServer:
         self._app = app
         self._sock = sock
         self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.StreamWriter] = set()
 
-    @property
-    def fileno(self) -> int:
-        return self._sock.fileno()
+    def fds(self) -> list[int]:
+        """The listening socket and open connections: a forked child must close them."""
+        fds = [self._sock.fileno()]
+        for writer in self._connections:
+            sock = writer.get_extra_info("socket")
+            if sock is not None and sock.fileno() >= 0:
+                fds.append(sock.fileno())
+        return [fd for fd in fds if fd >= 0]
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve_connection, sock=self._sock)
@@ -193,6 +199,7 @@ class AdminServer:
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD_BYTES)
+        self._connections.add(writer)
         try:
             while True:
                 request = await _read_request(conn, reader)
@@ -212,6 +219,7 @@ class AdminServer:
         except (ConnectionError, TimeoutError, h11.LocalProtocolError):
             pass
         finally:
+            self._connections.discard(writer)
             writer.close()
 
 

@@ -23,6 +23,20 @@ RemoteProtocolError = h11.RemoteProtocolError
 LocalProtocolError = h11.LocalProtocolError
 
 
+def request_event(method: bytes, target: bytes, headers: list[tuple[bytes, bytes]]) -> h11.Request:
+    """An outgoing request whose header names and values are already valid bytes.
+
+    ``_parsed=True`` skips h11's per-header regex validation (about a quarter of its send cost):
+    every name and value we emit either came out of h11's parser or was built and checked by us.
+    """
+    return h11.Request(method=method, target=target, headers=headers, _parsed=True)
+
+
+def response_event(status: int, headers: list[tuple[bytes, bytes]]) -> h11.Response:
+    """An outgoing response head; see ``request_event`` for why validation is skipped."""
+    return h11.Response(status_code=status, headers=headers, _parsed=True)
+
+
 def server_codec(max_header_bytes: int) -> h11.Connection:
     return h11.Connection(h11.SERVER, max_incomplete_event_size=max_header_bytes)
 

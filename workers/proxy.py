@@ -120,6 +120,9 @@ class UpstreamCall:
             data = self.on_data(data)
         self.exchange.write(data)
 
+    def upstream_flush(self) -> None:
+        self.exchange.flush()
+
     def upstream_end(self) -> None:
         self.exchange.end()
         if not self.head_future.done():

@@ -95,23 +95,28 @@ class Exchange:
         return self.conn.state == _CLOSED
 
     def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """Queue the response head; bytes leave on ``flush`` or ``end`` (one syscall per burst)."""
         self.started = True
         conn = self.conn
         if conn.server.draining or self.close_after:
             headers.append((b"connection", b"close"))
-        conn.write(conn.codec.send(codec.Response(status_code=status, headers=headers)))
+        conn.pending.append(conn.codec.send(codec.response_event(status, headers)))
 
     def write(self, data: bytes) -> None:
         if data:
             conn = self.conn
-            conn.write(conn.codec.send(codec.Data(data=data)))
+            conn.pending.append(conn.codec.send(codec.Data(data=data)))
+
+    def flush(self) -> None:
+        self.conn.flush()
 
     def end(self) -> None:
         if self.finished:
             return
         self.finished = True
         conn = self.conn
-        conn.write(conn.codec.send(codec.EndOfMessage()))
+        conn.pending.append(conn.codec.send(codec.EndOfMessage()))
+        conn.flush()
         conn.finish_exchange(self)
 
     def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
@@ -135,6 +140,7 @@ class Exchange:
         """Drop the connection mid-response: the client sees truncated framing, never a false end."""
         if not self.finished:
             self.finished = True
+            self.conn.flush()
             self.conn.finish_exchange(self, aborted=True)
 
 
@@ -142,7 +148,7 @@ class ServerConnection(asyncio.Protocol):
     __slots__ = (
         "server", "settings", "transport", "codec", "state", "exchange", "peer", "_timer",
         "_head_bytes", "_t_head", "_body", "_body_len", "_guard", "_framing", "_request",
-        "_reading_paused", "_writing_paused", "_loop",
+        "_reading_paused", "_writing_paused", "_loop", "pending",
     )
 
     def __init__(self, server: ServerState) -> None:
@@ -164,6 +170,7 @@ class ServerConnection(asyncio.Protocol):
         self._reading_paused = False
         self._writing_paused = False
         self._loop = asyncio.get_running_loop()
+        self.pending: list[bytes] = []
 
     # -- transport callbacks -------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -315,6 +322,13 @@ class ServerConnection(asyncio.Protocol):
     def write(self, data: bytes) -> None:
         if self.state != _CLOSED:
             self.transport.write(data)
+
+    def flush(self) -> None:
+        pending = self.pending
+        if pending:
+            if self.state != _CLOSED:
+                self.transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+            pending.clear()
 
     def finish_exchange(self, exchange: Exchange, aborted: bool = False) -> None:
         self.server.in_flight -= 1

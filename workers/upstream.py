@@ -29,6 +29,7 @@ class UpstreamSink(Protocol):
     def upstream_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
     def upstream_data(self, data: bytes) -> None: ...
     def upstream_end(self) -> None: ...
+    def upstream_flush(self) -> None: ...
     def upstream_failed(self, reason: str, detail: str) -> None: ...
 
 
@@ -76,7 +77,7 @@ class UpstreamConnection(asyncio.Protocol):
             self._fail(RESET, "upstream connection closed before the request was sent")
             return
         conn = self.codec
-        data = conn.send(codec.Request(method=method, target=target, headers=headers))
+        data = conn.send(codec.request_event(method, target, headers))
         if body:
             data += conn.send(codec.Data(data=body))
         data += conn.send(codec.EndOfMessage())
@@ -125,6 +126,7 @@ class UpstreamConnection(asyncio.Protocol):
                     self._on_end(sink)
                     return
                 elif event is codec.NEED_DATA:
+                    sink.upstream_flush()
                     return
                 elif kind is codec.InformationalResponse:
                     continue
