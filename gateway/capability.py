@@ -1,0 +1,207 @@
+"""Capability lookup: which ``(kind, name)`` a request asks for (CONTRACT §3, §4.4).
+
+Pure and fast: one msgspec decode of a JSON body into a small Struct that names only
+the fields the gateway uses; every other field is skipped by the decoder, not built.
+
+Rules, in order:
+
+1. A JSON-RPC 2.0 body (``"jsonrpc": "2.0"``) is MCP:
+   - ``tools/call`` routes to the ``mcp_tool`` capability named by ``params.name``
+     (it wins over the model header: the body names the tool being called);
+   - every other message (``initialize``, ``notifications/*``, ``tools/list``, ``ping``,
+     ``resources/*``, ``prompts/*``, a client's response to a server request) names no
+     tool and returns ``("mcp_tool", "")``, the *MCP session route*: the first admissible
+     ``mcp_tool`` candidate in overlay file order (see
+     ``gateway.overlay.snapshot.MCP_SESSION_CAPABILITY``). Reasons: those methods must
+     reach a real MCP server that answers them (the gateway cannot synthesise a
+     ``tools/list`` answer: the overlay has no tool schemas); one deterministic target
+     keeps ``initialize`` and the session's follow-ups on the same server; and with
+     session affinity enabled the session route keeps any live ``mcp_tool`` binding of
+     the session (e.g. the server its last ``tools/call`` went to).
+2. Else the model header (trimmed of OWS; 1..256 visible ASCII, else 400
+   ``invalid_model_header``) names an ``inference_model``.
+3. Else the body's ``"model"`` string (1..256 bytes, not blank, else 400 ``invalid_model``).
+4. Else 400 ``missing_capability``.
+
+A body is decoded when it is non-empty and its content type is JSON (``application/json``
+or ``*+json``) or absent. Undecodable JSON is 400 ``invalid_json``; a known field of the
+wrong type (``"stream": "yes"``) is 400 ``invalid_request``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+MAX_NAME_BYTES = 256
+MCP_SESSION_NAME = ""  # see gateway.overlay.snapshot.MCP_SESSION_CAPABILITY
+_OWS = b" \t"
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool | None = None
+
+
+class ToolParams(msgspec.Struct):
+    name: str | None = None
+
+
+class BodyFields(msgspec.Struct):
+    """The request-body fields the gateway reads (quota estimate, usage, routing)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    jsonrpc: str | None = None
+    method: str | None = None
+    params: ToolParams | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        options = self.stream_options
+        return bool(options is not None and options.include_usage)
+
+
+class CapabilityRequest(msgspec.Struct, frozen=True):
+    """The capability to route and the decoded body fields (None when no JSON body was read)."""
+
+    kind: str
+    name: str
+    body: BodyFields | None
+
+
+class CapabilityError(msgspec.Struct, frozen=True):
+    """A 400 the proxy answers with an OpenAI-style error body."""
+
+    status: int
+    code: str
+    message: str
+
+
+_DECODER = msgspec.json.Decoder(BodyFields)
+
+
+_VISIBLE_ASCII = bytes(range(33, 127))
+
+
+def _visible_ascii(value: bytes) -> bool:
+    # translate() deletes the visible characters in C; anything left is not visible ASCII.
+    return not value.translate(None, _VISIBLE_ASCII)
+
+
+def header_token(raw: bytes | str | None, max_bytes: int = MAX_NAME_BYTES) -> bytes | None:
+    """Trim OWS; return the value if it is 1..max_bytes visible ASCII, else None."""
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        try:
+            raw = raw.encode("latin-1")
+        except UnicodeEncodeError:
+            return None
+    value = raw.strip(_OWS)
+    if not value or len(value) > max_bytes or not _visible_ascii(value):
+        return None
+    return value
+
+
+def is_json_content_type(content_type: bytes | str | None) -> bool:
+    if content_type is None:
+        return True
+    if isinstance(content_type, str):
+        content_type = content_type.encode("latin-1", "replace")
+    media = content_type.split(b";", 1)[0].strip(_OWS).lower()
+    return not media or media == b"application/json" or media.endswith(b"+json")
+
+
+def decode_body(body: bytes | bytearray | memoryview) -> BodyFields | CapabilityError:
+    try:
+        return _DECODER.decode(body)
+    except msgspec.ValidationError as exc:
+        return CapabilityError(400, "invalid_request", f"Invalid request body: {exc}")
+    except msgspec.DecodeError as exc:
+        return CapabilityError(400, "invalid_json", f"Request body is not valid JSON: {exc}")
+
+
+def _valid_body_name(name: str) -> bool:
+    return bool(name.strip()) and len(name.encode("utf-8", "surrogatepass")) <= MAX_NAME_BYTES
+
+
+def lookup_capability(
+    header_value: bytes | str | None,
+    body: bytes | bytearray | memoryview,
+    content_type: bytes | str | None,
+) -> CapabilityRequest | CapabilityError:
+    """Which capability a request asks for, plus its body fields. See the module docstring."""
+    fields: BodyFields | None = None
+    if body and is_json_content_type(content_type):
+        decoded = decode_body(body)
+        if type(decoded) is CapabilityError:
+            return decoded
+        fields = decoded
+        if fields.jsonrpc == "2.0":
+            # Any JSON-RPC message but tools/call (other methods, or a client's response
+            # to a server request) belongs to the MCP session, not to one tool.
+            if fields.method != "tools/call":
+                return CapabilityRequest("mcp_tool", MCP_SESSION_NAME, fields)
+            tool = fields.params.name if fields.params is not None else None
+            if tool is None or not _valid_body_name(tool):
+                return CapabilityError(
+                    400, "invalid_request", "tools/call needs params.name: the tool to call (1..256 bytes)."
+                )
+            return CapabilityRequest("mcp_tool", tool, fields)
+
+    if header_value is not None:
+        name = header_token(header_value)
+        if name is None:
+            return CapabilityError(
+                400, "invalid_model_header", "The model header must be 1..256 visible ASCII characters."
+            )
+        return CapabilityRequest("inference_model", name.decode("ascii"), fields)
+
+    model = fields.model if fields is not None else None
+    if model is not None:
+        if not _valid_body_name(model):
+            return CapabilityError(
+                400, "invalid_model", 'The body "model" must be 1..256 bytes and not blank.'
+            )
+        return CapabilityRequest("inference_model", model, fields)
+    return CapabilityError(
+        400,
+        "missing_capability",
+        'No capability: send the model header or a JSON body with a "model" string.',
+    )
+
+
+def _cookie_value(cookie_header: bytes, name: bytes) -> bytes | None:
+    """First value of cookie ``name`` in a ``Cookie`` header (RFC 6265 ``a=b; c=d``)."""
+    for pair in cookie_header.split(b";"):
+        key, sep, value = pair.partition(b"=")
+        if sep and key.strip(_OWS) == name:
+            value = value.strip(_OWS)
+            if len(value) >= 2 and value[0] == 0x22 and value[-1] == 0x22:
+                value = value[1:-1]
+            return value
+    return None
+
+
+def session_key(
+    header_value: bytes | str | None,
+    cookie_header: bytes | str | None = None,
+    cookie_name: bytes | str | None = None,
+) -> bytes | None:
+    """The session-affinity key: the configured header if valid, else the configured cookie.
+
+    Both are trimmed and must be 1..256 visible ASCII; an invalid or oversized value is
+    ignored (no affinity) rather than rejected.
+    """
+    key = header_token(header_value)
+    if key is not None:
+        return key
+    if cookie_header is None or cookie_name is None:
+        return None
+    if isinstance(cookie_header, str):
+        cookie_header = cookie_header.encode("latin-1", "replace")
+    if isinstance(cookie_name, str):
+        cookie_name = cookie_name.encode("latin-1", "replace")
+    return header_token(_cookie_value(cookie_header, cookie_name))

@@ -1,0 +1,183 @@
+"""Session-affinity table shared by every worker of a host (CONTRACT §4.4).
+
+The supervisor allocates an anonymous shared mapping *before* forking::
+
+    mm = mmap.mmap(-1, AffinityTable.required_bytes(capacity))   # MAP_SHARED on Unix
+    table = AffinityTable(memoryview(mm), capacity)                # in every worker too
+
+Layout: a 64-byte header, then fixed 64-byte records grouped into buckets of
+``WAYS`` records (set-associative). A key (the session id bytes) is hashed with
+xxh3-128: the low half picks the bucket and is the tag, both halves identify it.
+Nothing grows: a full bucket evicts the record that expires first, which is an
+expired one if there is any (bindings carry an absolute expiry), else the oldest.
+
+Concurrency without locks: writers are different processes and Python has no
+compare-and-swap on shared memory, so two writers may race on one record. Each record
+carries a sequence counter (odd while being written) and an xxh3 checksum over its
+payload (key, stable id, capability, expiry). A reader accepts a record only when the
+sequence is even and unchanged around the read *and* the checksum matches; a torn read
+or an interleaving of two writers therefore reads as "absent" (the session is simply
+re-bound), never as a binding that was not written for that key. Lost updates under a
+write race are possible and harmless: affinity is a preference, not a guarantee.
+
+Record words (little-endian u64; expiry is a float64 of the caller's clock)::
+
+    0 seq | 1 key_lo | 2 key_hi | 3 stable_id_hash | 4 capability_hash | 5 expires_at | 6 checksum | 7 unused
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+import xxhash
+
+WAYS = 8
+RECORD_BYTES = 64
+HEADER_BYTES = 64
+_WORDS = RECORD_BYTES // 8
+_HEADER_WORDS = HEADER_BYTES // 8
+_MAGIC = int.from_bytes(b"GGAFFIN1", "little")
+_LAYOUT_VERSION = 1
+_MASK64 = (1 << 64) - 1
+_PAYLOAD = struct.Struct("<QQQQd")  # words 1..5
+_PAYLOAD_OFFSET = 8
+_PAYLOAD_END = _PAYLOAD_OFFSET + _PAYLOAD.size
+_READ_ATTEMPTS = 2
+
+_xxh3_128 = xxhash.xxh3_128_intdigest
+_xxh3_64 = xxhash.xxh3_64_intdigest
+
+
+class Binding(NamedTuple):
+    stable_id_hash: int
+    capability_hash: int
+    expires_at: float
+
+
+def _split_key(key: bytes) -> tuple[int, int]:
+    digest = _xxh3_128(key)
+    # Tag 0 marks a never-written slot, so a live key's low half is never 0.
+    return (digest & _MASK64) or 1, digest >> 64
+
+
+class AffinityTable:
+    """Bounded key -> (stable_id_hash, capability_hash, expires_at) map in shared memory."""
+
+    __slots__ = ("capacity", "_buckets", "_bytes", "_words", "_floats")
+
+    @staticmethod
+    def bucket_count(capacity: int) -> int:
+        if capacity < 1:
+            raise ValueError("affinity capacity must be >= 1")
+        return -(-capacity // WAYS)
+
+    @staticmethod
+    def required_bytes(capacity: int) -> int:
+        """Bytes of shared memory for ``capacity`` bindings (rounded up to whole buckets)."""
+        return HEADER_BYTES + AffinityTable.bucket_count(capacity) * WAYS * RECORD_BYTES
+
+    def __init__(self, buf: memoryview, capacity: int) -> None:
+        buckets = self.bucket_count(capacity)
+        size = self.required_bytes(capacity)
+        view = memoryview(buf).cast("B")
+        if len(view) < size:
+            raise ValueError(f"affinity table needs {size} bytes, buffer has {len(view)}")
+        view = view[:size]
+        self._bytes = view
+        self._words = view.cast("Q")
+        self._floats = view.cast("d")
+        self._buckets = buckets
+        self.capacity = buckets * WAYS
+        header = (_MAGIC, _LAYOUT_VERSION, WAYS, buckets)
+        current = tuple(self._words[0:4])
+        if current == (0, 0, 0, 0):
+            # Fresh zeroed mapping: every worker may race here, all writing the same values.
+            self._words[1], self._words[2], self._words[3] = _LAYOUT_VERSION, WAYS, buckets
+            self._words[0] = _MAGIC
+        elif current != header:
+            raise ValueError("shared memory does not hold an affinity table of this capacity")
+
+    def _bucket_base(self, key_lo: int) -> int:
+        """Word index of the first record of the key's bucket."""
+        return _HEADER_WORDS + (key_lo % self._buckets) * WAYS * _WORDS
+
+    def _read(self, rec: int, key_lo: int, key_hi: int) -> Binding | None:
+        words = self._words
+        for _ in range(_READ_ATTEMPTS):
+            seq = words[rec]
+            if seq & 1:
+                continue  # a writer is inside this record
+            start = rec * 8
+            payload = bytes(self._bytes[start + _PAYLOAD_OFFSET : start + _PAYLOAD_END])
+            checksum = words[rec + 6]
+            if words[rec] != seq:
+                continue
+            if _xxh3_64(payload) != checksum:
+                return None  # torn, interleaved by two writers, or never written
+            lo, hi, stable, capability, expires_at = _PAYLOAD.unpack(payload)
+            if lo != key_lo or hi != key_hi:
+                return None
+            return Binding(stable, capability, expires_at)
+        return None
+
+    def lookup(self, key: bytes, now: float) -> Binding | None:
+        """The live binding of ``key`` at ``now``, or None (absent, expired or unreadable)."""
+        key_lo, key_hi = _split_key(key)
+        base = self._bucket_base(key_lo)
+        tags = self._words[base + 1 : base + WAYS * _WORDS : _WORDS].tolist()
+        if key_lo not in tags:
+            return None
+        if tags.count(key_lo) == 1:
+            found = self._read(base + tags.index(key_lo) * _WORDS, key_lo, key_hi)
+            return found if found is not None and found.expires_at > now else None
+        # Two racing writers can leave one key in two ways: the later binding wins.
+        best: Binding | None = None
+        for way, tag in enumerate(tags):
+            if tag == key_lo:
+                found = self._read(base + way * _WORDS, key_lo, key_hi)
+                if (
+                    found is not None
+                    and found.expires_at > now
+                    and (best is None or found.expires_at > best.expires_at)
+                ):
+                    best = found
+        return best
+
+    def bind(self, key: bytes, stable_id_hash: int, capability_hash: int, expires_at: float) -> None:
+        """Bind ``key`` until ``expires_at`` (absolute, same clock as ``lookup``'s ``now``)."""
+        key_lo, key_hi = _split_key(key)
+        base = self._bucket_base(key_lo)
+        words = self._words
+        tags = words[base + 1 : base + WAYS * _WORDS : _WORDS].tolist()
+        if key_lo in tags:
+            way = tags.index(key_lo)  # re-bind in place
+        elif 0 in tags:
+            way = tags.index(0)
+        else:
+            expiries = self._floats[base + 5 : base + WAYS * _WORDS : _WORDS].tolist()
+            way = min(range(WAYS), key=expiries.__getitem__)  # expired first, else the oldest
+        rec = base + way * _WORDS
+        payload = _PAYLOAD.pack(key_lo, key_hi, stable_id_hash, capability_hash, expires_at)
+        odd = ((words[rec] + 1) | 1) & _MASK64
+        words[rec] = odd
+        start = rec * 8
+        self._bytes[start + _PAYLOAD_OFFSET : start + _PAYLOAD_END] = payload
+        words[rec + 6] = _xxh3_64(payload)
+        words[rec] = (odd + 1) & _MASK64
+
+    def count_live(self, now: float) -> int:
+        """Readable, unexpired records (a full scan: for metrics and tests, not the request path)."""
+        live = 0
+        for slot in range(self._buckets * WAYS):
+            rec = _HEADER_WORDS + slot * _WORDS
+            key_lo = self._words[rec + 1]
+            if key_lo:
+                found = self._read(rec, key_lo, self._words[rec + 2])
+                live += found is not None and found.expires_at > now
+        return live
+
+    def release(self) -> None:
+        """Drop the views so the owner can close the mapping."""
+        for view in (self._floats, self._words, self._bytes):
+            view.release()
