@@ -80,26 +80,30 @@ def error_response(status: int, message: str, code: str, kind: str = "invalid_re
 
 
 class MetricsExposition:
-    """``/metrics``: a prometheus_client registry other modules plug collectors into.
+    """``/metrics``: the pluggable registry other modules add metric families to.
 
-    A collector is any object with ``collect()`` yielding metric families (e.g.
-    ``GaugeMetricFamily``), computed at scrape time from shared memory or the
-    supervisor's state, so nothing is duplicated or kept in sync by hand.
+    Two ways in, both evaluated at scrape time (from shared memory or the
+    supervisor's state, so nothing is kept in sync by hand):
+    - ``register(collector)``: any object whose ``collect()`` yields prometheus_client
+      metric families (e.g. ``GaugeMetricFamily``);
+    - ``register_text(render)``: a callable returning finished exposition text
+      (families are independent blocks, so texts concatenate into one valid page).
     """
 
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self) -> None:
         self._registry = CollectorRegistry(auto_describe=False)
+        self._texts: list[Callable[[], bytes]] = []
 
     def register(self, collector: Any) -> None:
         self._registry.register(collector)
 
-    def unregister(self, collector: Any) -> None:
-        self._registry.unregister(collector)
+    def register_text(self, render: Callable[[], bytes]) -> None:
+        self._texts.append(render)
 
     def render(self) -> bytes:
-        return generate_latest(self._registry)
+        return b"".join([generate_latest(self._registry), *(render() for render in self._texts)])
 
 
 Handler = Callable[[dict[str, list[str]]], Awaitable[AdminResponse]]

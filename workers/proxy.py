@@ -224,6 +224,7 @@ class Proxy:
         try:
             await self._proxy(exchange, runtime, forward, authorization, api_key, request_id, xff, cookie, found)
         except GatewayError as error:
+            runtime.metrics.request(None, error.status)
             exchange.send_error(error, [id_header])
 
     async def _proxy(
@@ -236,6 +237,7 @@ class Proxy:
         if exchange.method == b"GET" and exchange.target == b"/v1/models":
             body = runtime.models_body()
             exchange.respond(200, [(b"content-type", b"application/json"), id_header], body)
+            runtime.metrics.request(None, 200)
             return
         request = runtime.capability(exchange, found)
         admission = await runtime.admit(tenant, request)
@@ -292,8 +294,8 @@ class Proxy:
             exchange.on_client_lost = call.client_lost
             exchange.on_pause_writing = call.pause_upstream
             exchange.on_resume_writing = call.resume_upstream
-            overhead_ms = (_perf() - exchange.t_start) * 1000.0
-            extra_response.append((b"x-gridgate-overhead-ms", b"%.3f" % overhead_ms))
+            overhead = _perf() - exchange.t_start
+            extra_response.append((b"x-gridgate-overhead-ms", b"%.3f" % (overhead * 1000.0)))
             cluster.begin(endpoint)
             try:
                 conn.send_request(
@@ -306,6 +308,8 @@ class Proxy:
                 cluster.end(endpoint)
             failure = call.failure or failure
             if call.response_started:
+                runtime.metrics.overhead(overhead)
+                runtime.metrics.request(cluster.name, call.status)
                 cluster.record(endpoint, None if call.status < 500 else "5xx")
                 runtime.settle(admission, call.status, call)
                 return
@@ -313,6 +317,7 @@ class Proxy:
                 runtime.settle(admission, 0, None)
                 return
             extra_response.pop()  # the overhead header is re-measured on the next attempt
+            runtime.metrics.retry()
             reason = call.failure[0]
             cluster.record(endpoint, reason)
             if conn.reused and not fresh and reason != TIMEOUT:

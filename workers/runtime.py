@@ -9,17 +9,25 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 import msgspec
 
+from gateway.capability import CapabilityError, CapabilityRequest, lookup_capability, session_key
 from gateway.config import Cluster, Config, parse_host_port
-from gateway.overlay.snapshot import Snapshot, snapshot_from_bytes
+from gateway.metrics import COUNTERS, WorkerMetrics
+from gateway.overlay.snapshot import Snapshot
+from gateway.overlay.watch import OverlayWatcher, SnapshotHolder
+from gateway.routing import RouteDecision, RouteFailure, Router
+from shm.affinity import AffinityTable
+from shm.metrics import MetricsTable
 from workers.context import WorkerContext
 from workers.errors import GatewayError
 from workers.upstream import UpstreamPool
 
 log = logging.getLogger("gridgate.runtime")
+_monotonic = time.monotonic
 
 
 class EndpointRuntime:
@@ -81,34 +89,7 @@ class ClusterRuntime:
             endpoint.pool.close()
 
 
-class _BodyFields(msgspec.Struct):
-    model: str | None = None
-
-
-_decode_fields = msgspec.json.Decoder(_BodyFields).decode
-
-
-class RequestInfo:
-    __slots__ = ("kind", "name", "fields")
-
-    def __init__(self, kind: str, name: str, fields: Any) -> None:
-        self.kind = kind
-        self.name = name
-        self.fields = fields
-
-
-class RouteDecision:
-    __slots__ = ("cluster", "stable_id", "group", "mode", "affinity", "revision", "is_envelope")
-
-    def __init__(self, cluster: str, stable_id: str, group: int | None, mode: str, affinity: str,
-                 revision: str, is_envelope: bool) -> None:
-        self.cluster = cluster
-        self.stable_id = stable_id
-        self.group = group
-        self.mode = mode
-        self.affinity = affinity
-        self.revision = revision
-        self.is_envelope = is_envelope
+_FORM_URLENCODED = b"application/x-www-form-urlencoded"
 
 
 class Runtime:
@@ -117,11 +98,43 @@ class Runtime:
         self.config: Config = ctx.config
         routing = self.config.routing
         self.model_header = routing.model_header.lower().encode()
-        self.header_lookups = {self.model_header: 0}
+        affinity = routing.session_affinity
+        self.affinity_header = affinity.header.lower().encode() if affinity.enabled and affinity.header else None
+        self.affinity_cookie = affinity.cookie.encode() if affinity.enabled and affinity.cookie else None
+        self.header_lookups = {self.model_header: 0, b"content-type": 1}
+        if self.affinity_header:
+            self.header_lookups[self.affinity_header] = 2
         self.route_headers_enabled = routing.route_headers
-        self.snapshot: Snapshot = self._load_snapshot()
+        overlay_path = self.config.overlay_path()
+        scope = routing.expected_overlay_scope if routing.expected_overlay_scope.is_configured() else None
+        self.watcher = OverlayWatcher(overlay_path, float(routing.reload_debounce))
+        self.overlay = SnapshotHolder.open(overlay_path, scope)
+        self.router = Router(max(ctx.slot, 0), affinity=self._affinity_table(), affinity_ttl_s=float(affinity.ttl))
+        self.router.prepare(self.overlay.snapshot)
+        self.metrics = self._metrics_writer()
         self.clusters: dict[str, ClusterRuntime] = {}
         self._models_body = b""
+
+    def _affinity_table(self) -> AffinityTable | None:
+        segment = self.ctx.segment
+        affinity = self.config.routing.session_affinity
+        if not affinity.enabled or segment is None:
+            return None
+        region = segment.region(self.ctx.extras.get("affinity_region", "affinity"))
+        return AffinityTable(region, self.ctx.extras.get("affinity_capacity", affinity.capacity))
+
+    def _metrics_writer(self) -> WorkerMetrics:
+        segment = self.ctx.segment
+        names = [cluster.name for cluster in self.config.clusters]
+        if segment is None or self.ctx.slot < 0:
+            return WorkerMetrics([0] * COUNTERS, names)
+        table = MetricsTable(segment.region(self.ctx.extras.get("metrics_region", "metrics")),
+                             segment.max_workers, COUNTERS)
+        return WorkerMetrics(table.row(self.ctx.slot), names)
+
+    @property
+    def snapshot(self) -> Snapshot:
+        return self.overlay.snapshot
 
     async def start(self) -> None:
         hop = set(self.config.routing.provider_hop_clusters)
@@ -136,13 +149,28 @@ class Runtime:
     def heartbeat(self) -> None:
         pass
 
-    def _load_snapshot(self) -> Snapshot:
-        path = self.config.overlay_path()
-        with open(path, "rb") as handle:
-            return snapshot_from_bytes(handle.read())
-
     def poll_overlay(self, now: float, force: bool = False) -> tuple[bool, str | None]:
-        return False, None
+        """Re-read the overlay when the file changed (or on SIGHUP); keep last-known-good on error."""
+        if not (self.watcher.poll(now) or force):
+            return False, None
+        changed, error = self.overlay.reload()
+        if force:
+            self.watcher.mark_seen()
+        if error is not None:
+            self.metrics.overlay_reload("rejected")
+            log.warning("overlay rejected (%s); keeping revision %s", error, self.snapshot.revision)
+            return False, str(error)
+        if not changed:
+            self.metrics.overlay_reload("unchanged")
+            return False, None
+        self.metrics.overlay_reload("applied")
+        self.router.prepare(self.snapshot)
+        self._models_body = self._render_models()
+        unknown = [name for name in self.snapshot.clusters if name not in self.clusters]
+        if unknown:
+            log.warning("overlay names clusters missing from the config: %s", ", ".join(unknown))
+        log.info("serving overlay revision %s", self.snapshot.revision)
+        return True, None
 
     def _render_models(self) -> bytes:
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "gridgate"}
@@ -156,57 +184,45 @@ class Runtime:
     def models_body(self) -> bytes:
         return self._models_body
 
-    def capability(self, exchange: Any, found: dict[bytes, bytes]) -> RequestInfo:
-        header = found.get(self.model_header)
-        fields = None
-        if exchange.body:
-            try:
-                fields = _decode_fields(exchange.body)
-            except msgspec.DecodeError:
-                raise GatewayError(400, "invalid_json", "request body is not valid JSON") from None
-        if header is not None:
-            return RequestInfo("inference_model", header.decode("ascii").strip(), fields)
-        if fields is not None and fields.model:
-            return RequestInfo("inference_model", fields.model, fields)
-        raise GatewayError(400, "missing_model", "no model: set the model header or the JSON body \"model\"")
+    def capability(self, exchange: Any, found: dict[bytes, bytes]) -> CapabilityRequest:
+        content_type = found.get(b"content-type")
+        if content_type is not None and content_type.startswith(_FORM_URLENCODED) and exchange.body[:1] == b"{":
+            content_type = None  # `curl -d '{...}'` sends JSON under the form type; read it as JSON
+        request = lookup_capability(found.get(self.model_header), exchange.body, content_type)
+        if type(request) is CapabilityError:
+            raise GatewayError(request.status, request.code, request.message)
+        return request
 
-    async def admit(self, tenant: str | None, request: RequestInfo) -> Any:
+    async def admit(self, tenant: str | None, request: CapabilityRequest) -> Any:
         return None
 
     def settle(self, admission: Any, status: int, call: Any) -> None:
         pass
 
-    def route(self, request: RequestInfo, found: dict[bytes, bytes], cookie: bytes | None) -> RouteDecision:
-        snapshot = self.snapshot
-        capability = snapshot.capability(request.kind, request.name)
-        if capability is None:
-            raise GatewayError(404, "model_not_found", f"model {request.name!r} is not served")
-        if not capability.serving:
-            raise GatewayError(503, "no_provider_available", f"no provider admits {request.name!r} now")
-        candidate = capability.serving[0]
-        return RouteDecision(candidate.cluster, candidate.stable_id, capability.serving_group, snapshot.mode,
-                             "none", snapshot.revision, snapshot.is_envelope)
+    def route(self, request: CapabilityRequest, found: dict[bytes, bytes], cookie: bytes | None) -> RouteDecision:
+        key = None
+        if self.affinity_header is not None or self.affinity_cookie is not None:
+            key = session_key(found.get(self.affinity_header), cookie, self.affinity_cookie)
+        decision = self.router.route(self.overlay.snapshot, request.kind, request.name, key, _monotonic())
+        if type(decision) is RouteFailure:
+            raise GatewayError(decision.status, decision.code, decision.message)
+        if decision.cluster not in self.clusters:
+            raise GatewayError(503, "no_provider_available",
+                               f"provider cluster {decision.cluster!r} is not configured on this gateway")
+        self.metrics.affinity(decision.affinity)
+        return decision
 
     def route_headers(self, route: RouteDecision, admission: Any) -> list[tuple[bytes, bytes]]:
-        if not self.route_headers_enabled:
-            return []
-        return [
-            (b"x-gridgate-provider", route.cluster.encode()),
-            (b"x-gridgate-stable-id", route.stable_id.encode()),
-            (b"x-gridgate-selection-group", b"" if route.group is None else b"%d" % route.group),
-            (b"x-gridgate-selection-mode", route.mode.encode()),
-            (b"x-gridgate-overlay-revision", route.revision.encode()),
-            (b"x-gridgate-affinity", route.affinity.encode()),
-        ]
+        return list(route.evidence) if self.route_headers_enabled else []
 
     def provider_hop_headers(self, route: RouteDecision, request_id: bytes) -> list[tuple[bytes, bytes]]:
-        headers = [(b"x-ai-routing-candidate", route.stable_id.encode()), (b"x-ai-routing-request-id", request_id)]
-        if route.is_envelope:
+        headers = [(b"x-ai-routing-candidate", route.evidence[1][1]), (b"x-ai-routing-request-id", request_id)]
+        if self.snapshot.is_envelope:
             headers.append((b"x-ai-routing-revision", route.revision.encode()))
         return headers
 
-    def upstream_body(self, request: RequestInfo, body: bytes) -> bytes:
+    def upstream_body(self, request: CapabilityRequest, body: bytes) -> bytes:
         return body
 
-    def response_filter(self, request: RequestInfo, admission: Any) -> Any:
+    def response_filter(self, request: CapabilityRequest, admission: Any) -> Any:
         return None

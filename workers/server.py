@@ -56,6 +56,8 @@ class ServerState:
         self.connections: set[ServerConnection] = set()
         self.draining = False
         self.in_flight = 0
+        # Called with the status of every request rejected before it reached the proxy (metrics).
+        self.on_reject: Callable[[int], None] | None = None
 
     def close_idle(self) -> None:
         for conn in list(self.connections):
@@ -360,6 +362,8 @@ class ServerConnection(asyncio.Protocol):
         """Answer a request whose framing is in doubt, then close without reading more."""
         if self.state == _CLOSED:
             return
+        if self.server.on_reject is not None:
+            self.server.on_reject(error.status)
         body = error_body(error.status, error.code, error.message)
         headers = [*error_headers(body), *error.headers, (b"connection", b"close")]
         self.write(raw_response(error.status, headers, body))

@@ -61,6 +61,7 @@ class Worker:
         await runtime.start()
         proxy = Proxy(runtime)
         state = ServerState(ServerSettings(self.config), proxy.handle)
+        state.on_reject = lambda status: runtime.metrics.request(None, status)
         try:
             sock = bind_listener(self.config.listen)
         except OSError as error:

@@ -1,0 +1,181 @@
+"""Metric catalogue (fixed counter offsets shared by every process) and the Prometheus renderer.
+
+Workers increment cells of their own row in ``shm.metrics.MetricsTable`` with precomputed
+offsets; the supervisor sums rows and renders text with ``prometheus_client``'s exposition
+code. Label sets are bounded: clusters by a grow-only index (``MAX_CLUSTERS``), status codes
+by class, gateway errors by a fixed list of statuses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import CollectorRegistry
+
+MAX_CLUSTERS = 64
+STATUS_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
+GATEWAY_STATUSES = (400, 401, 404, 405, 408, 413, 414, 429, 431, 500, 501, 502, 503, 504, 505)
+OVERHEAD_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
+AFFINITY_OUTCOMES = ("none", "new", "reused", "failover")
+QUOTA_DECISIONS = ("admitted", "denied", "backend_error_rejected", "backend_error_allowed")
+QUOTA_TOKEN_KINDS = ("estimated", "actual", "refunded", "overage")
+OVERLAY_RESULTS = ("applied", "unchanged", "rejected")
+
+# Offsets of each family inside a worker's row. Row i of cluster c, class k: REQUESTS + c*5 + k;
+# cluster index MAX_CLUSTERS stands for "answered by the gateway itself".
+REQUESTS = 0
+GATEWAY_ERRORS = REQUESTS + (MAX_CLUSTERS + 1) * len(STATUS_CLASSES)
+OVERHEAD_BUCKETS = GATEWAY_ERRORS + len(GATEWAY_STATUSES)
+OVERHEAD_SUM_US = OVERHEAD_BUCKETS + len(OVERHEAD_BUCKETS_S) + 1  # last bucket is +Inf
+OVERHEAD_COUNT = OVERHEAD_SUM_US + 1
+AFFINITY = OVERHEAD_COUNT + 1
+RETRIES = AFFINITY + len(AFFINITY_OUTCOMES)
+QUOTA_DECISION = RETRIES + 1
+QUOTA_TOKENS = QUOTA_DECISION + len(QUOTA_DECISIONS)
+QUOTA_BACKEND_ERRORS = QUOTA_TOKENS + len(QUOTA_TOKEN_KINDS)
+QUOTA_RECONCILE_DROPS = QUOTA_BACKEND_ERRORS + 1
+OVERLAY_RELOADS = QUOTA_RECONCILE_DROPS + 1
+COUNTERS = OVERLAY_RELOADS + len(OVERLAY_RESULTS)
+
+GATEWAY_CLUSTER = MAX_CLUSTERS
+_GATEWAY_STATUS_INDEX = {status: i for i, status in enumerate(GATEWAY_STATUSES)}
+
+
+def request_cell(cluster_index: int, status: int) -> int:
+    klass = min(max(status // 100, 1), 5) - 1
+    return REQUESTS + cluster_index * len(STATUS_CLASSES) + klass
+
+
+def gateway_error_cell(status: int) -> int | None:
+    index = _GATEWAY_STATUS_INDEX.get(status)
+    return None if index is None else GATEWAY_ERRORS + index
+
+
+def overhead_cell(seconds: float) -> int:
+    for index, bound in enumerate(OVERHEAD_BUCKETS_S):
+        if seconds <= bound:
+            return OVERHEAD_BUCKETS + index
+    return OVERHEAD_BUCKETS + len(OVERHEAD_BUCKETS_S)
+
+
+class WorkerMetrics:
+    """A worker's writer over its own row: every method is a few integer additions."""
+
+    __slots__ = ("row", "cluster_index")
+
+    def __init__(self, row: memoryview | list[int], cluster_names: list[str]) -> None:
+        self.row = row
+        self.cluster_index = {name: i for i, name in enumerate(cluster_names[:MAX_CLUSTERS])}
+
+    def request(self, cluster: str | None, status: int) -> None:
+        index = GATEWAY_CLUSTER if cluster is None else self.cluster_index.get(cluster, GATEWAY_CLUSTER)
+        self.row[request_cell(index, status)] += 1
+        if cluster is None:
+            cell = gateway_error_cell(status)
+            if cell is not None:
+                self.row[cell] += 1
+
+    def overhead(self, seconds: float) -> None:
+        row = self.row
+        row[overhead_cell(seconds)] += 1
+        row[OVERHEAD_SUM_US] += int(seconds * 1e6)
+        row[OVERHEAD_COUNT] += 1
+
+    def affinity(self, outcome: str) -> None:
+        self.row[AFFINITY + AFFINITY_OUTCOMES.index(outcome)] += 1
+
+    def retry(self) -> None:
+        self.row[RETRIES] += 1
+
+    def quota_decision(self, reason: str) -> None:
+        self.row[QUOTA_DECISION + QUOTA_DECISIONS.index(reason)] += 1
+
+    def quota_tokens(self, kind: str, tokens: int) -> None:
+        self.row[QUOTA_TOKENS + QUOTA_TOKEN_KINDS.index(kind)] += tokens
+
+    def overlay_reload(self, result: str) -> None:
+        self.row[OVERLAY_RELOADS + OVERLAY_RESULTS.index(result)] += 1
+
+    def set_cell(self, cell: int, value: int) -> None:
+        self.row[cell] = value
+
+
+class _StaticCollector:
+    def __init__(self, families: list) -> None:
+        self._families = families
+
+    def collect(self) -> Iterable:
+        return iter(self._families)
+
+
+def render_prometheus(
+    totals: list[int],
+    cluster_names: list[str],
+    extra_families: Iterable[Callable[[], Iterable]] = (),
+) -> bytes:
+    """Prometheus text for the summed counters plus families contributed by other modules."""
+    families: list = []
+    requests = CounterMetricFamily(
+        "gridgate_requests", "Requests answered, by provider cluster (or 'gateway') and status class.",
+        labels=["cluster", "code"],
+    )
+    for c_index, name in [*enumerate(cluster_names[:MAX_CLUSTERS]), (GATEWAY_CLUSTER, "gateway")]:
+        for k_index, klass in enumerate(STATUS_CLASSES):
+            value = totals[REQUESTS + c_index * len(STATUS_CLASSES) + k_index]
+            if value:
+                requests.add_metric([name, klass], value)
+    families.append(requests)
+    errors = CounterMetricFamily("gridgate_gateway_errors", "Errors the gateway answered itself.", labels=["status"])
+    for index, status in enumerate(GATEWAY_STATUSES):
+        errors.add_metric([str(status)], totals[GATEWAY_ERRORS + index])
+    families.append(errors)
+    cumulative, buckets = 0, []
+    for index, bound in enumerate((*OVERHEAD_BUCKETS_S, float("inf"))):
+        cumulative += totals[OVERHEAD_BUCKETS + index]
+        buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+    families.append(HistogramMetricFamily(
+        "gridgate_overhead_seconds", "Gateway time from request bytes in to the upstream request written.",
+        buckets=buckets, sum_value=totals[OVERHEAD_SUM_US] / 1e6,
+    ))
+    affinity = CounterMetricFamily("gridgate_affinity", "Session-affinity outcomes.", labels=["outcome"])
+    for index, outcome in enumerate(AFFINITY_OUTCOMES):
+        affinity.add_metric([outcome], totals[AFFINITY + index])
+    families.append(affinity)
+    families.append(CounterMetricFamily(
+        "gridgate_upstream_retries", "Upstream attempts retried before the response started.",
+        value=totals[RETRIES],
+    ))
+    decisions = CounterMetricFamily("gridgate_quota_decisions", "Token-quota admission decisions.", labels=["reason"])
+    for index, reason in enumerate(QUOTA_DECISIONS):
+        decisions.add_metric([reason], totals[QUOTA_DECISION + index])
+    families.append(decisions)
+    tokens = CounterMetricFamily("gridgate_quota_tokens", "Tokens by accounting kind.", labels=["kind"])
+    for index, kind in enumerate(QUOTA_TOKEN_KINDS):
+        tokens.add_metric([kind], totals[QUOTA_TOKENS + index])
+    families.append(tokens)
+    families.append(CounterMetricFamily(
+        "gridgate_quota_backend_errors", "Quota backend (Valkey) errors.", value=totals[QUOTA_BACKEND_ERRORS],
+    ))
+    families.append(CounterMetricFamily(
+        "gridgate_quota_reconcile_dropped", "Reconciliations dropped (queue full or retries exhausted).",
+        value=totals[QUOTA_RECONCILE_DROPS],
+    ))
+    reloads = CounterMetricFamily("gridgate_overlay_reloads", "Overlay reloads by result, summed over workers.",
+                                  labels=["result"])
+    for index, result in enumerate(OVERLAY_RESULTS):
+        reloads.add_metric([result], totals[OVERLAY_RELOADS + index])
+    families.append(reloads)
+    for contribute in extra_families:
+        families.extend(contribute())
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_StaticCollector(families))
+    return generate_latest(registry)
+
+
+def gauge(name: str, documentation: str, labels: list[str], samples: Iterable[tuple[list[str], float]]):
+    family = GaugeMetricFamily(name, documentation, labels=labels)
+    for label_values, value in samples:
+        family.add_metric(label_values, value)
+    return family
