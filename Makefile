@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test bench lint clean
+.PHONY: install run test bench bench-core lint clean
 
 install: $(STAMP)
 
@@ -21,6 +21,11 @@ test: install
 
 bench: install
 	$(BIN)/python -m loadtest.bench
+
+# wrk-based data-plane figures (req/s per worker core, overhead percentiles, RSS, 1,000 streams).
+bench-core: install
+	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
+	$(BIN)/python -m loadtest.bench_core
 
 lint: install
 	$(BIN)/ruff check .

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 import time
 from typing import Any
 
 import msgspec
 
 from gateway.capability import CapabilityError, CapabilityRequest, lookup_capability, session_key
-from gateway.config import Cluster, Config, parse_host_port
+from gateway.config import Cluster, Config, Tls, parse_host_port
 from gateway.metrics import COUNTERS, WorkerMetrics
 from gateway.overlay.snapshot import Snapshot
 from gateway.overlay.watch import OverlayWatcher, SnapshotHolder
@@ -41,6 +42,18 @@ class EndpointRuntime:
         self.host_header = address.encode()
 
 
+def tls_client_context(tls: bool | Tls) -> tuple[ssl.SSLContext | None, str | None]:
+    """The upstream TLS context of a cluster: system CAs by default, or the configured CA file."""
+    if tls is False:
+        return None, None
+    options = tls if isinstance(tls, Tls) else Tls()
+    context = ssl.create_default_context(cafile=options.ca_file)
+    if not options.verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context, options.sni
+
+
 class ClusterRuntime:
     """One provider cluster in one worker: its endpoints' pools and the endpoint picker."""
 
@@ -54,11 +67,13 @@ class ClusterRuntime:
                 (cluster.upstream_auth.header.lower().encode(), b"Bearer " + secret.encode())
             )
         self.endpoints: list[EndpointRuntime] = []
+        ssl_context, sni = tls_client_context(cluster.tls)
         for index, (address, weight) in enumerate(cluster.weighted_endpoints()):
             host, port = parse_host_port(address)
             pool = UpstreamPool(
                 host, port, max_connections=cluster.max_connections,
                 connect_timeout=float(cluster.connect_timeout), read_timeout=float(cluster.read_timeout),
+                ssl_context=ssl_context, server_hostname=sni or host,
             )
             self.endpoints.append(EndpointRuntime(index, address, weight, pool))
         self._next = 0
