@@ -1,0 +1,12 @@
+"""Token quota: rules and estimates (pure), usage extraction (pure), the Valkey ledger, the gate.
+
+Import the submodules directly; this package imports nothing so the pure rooms stay I/O-free.
+
+    rules     QuotaRule, Budget, RuleSet             which budgets apply (first match wins)
+    estimate  estimate_tokens                        the reservation size
+    usage     rewrite_request_for_usage, usage_observer   actual usage from responses
+    ledger    QuotaLedger                            the Lua script and key layout in Valkey
+    gate      QuotaGate, Admission                   what a worker calls per request
+    backend   create_client, backend_url             valkey.asyncio client from the config
+    embedded  EmbeddedValkey                         the bundled server the supervisor runs
+"""

@@ -1,0 +1,253 @@
+"""Actual token usage from responses, and the request rewrite that makes streams report it. Pure.
+
+Request side: a streaming request without ``stream_options.include_usage`` gets no usage from an
+OpenAI-compatible provider, so the gateway sets it (``rewrite_request_for_usage``) and then hides what
+that changes from the client (``SseUsageFilter``): the extra usage-only chunk (``"choices": []`` and a
+``usage`` object) and the ``"usage": null`` member the provider adds to every other chunk. The
+client's bytes are those it would have received without the rewrite.
+
+Response side: ``usage_observer`` picks the observer for one response. Each ``feed(chunk)`` returns the
+bytes to send to the client (the same object when nothing changes); ``flush()`` at the end returns
+what is held back; ``total_tokens`` is the last ``usage.total_tokens`` seen (None if none). Chunk
+boundaries may fall anywhere, including inside ``"total_tokens"`` or its number.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Protocol
+
+import msgspec
+
+# --- request side -------------------------------------------------------------------------------
+
+
+class _StreamFields(msgspec.Struct):
+    stream: Any = False
+    stream_options: Any = msgspec.UNSET
+
+
+_stream_fields = msgspec.json.Decoder(_StreamFields)
+_INCLUDE_USAGE_MEMBER = b'"stream_options":{"include_usage":true}'
+_JSON_WS = b" \t\r\n"
+
+
+def needs_usage_rewrite(stream: Any, stream_options: Any) -> bool:
+    """True when a streamed response would not carry usage unless the gateway asks for it."""
+    if stream is not True:
+        return False
+    return not (isinstance(stream_options, dict) and stream_options.get("include_usage") is True)
+
+
+def rewrite_request_for_usage(body: bytes) -> bytes | None:
+    """The request body with ``stream_options.include_usage`` set, or None when no rewrite is needed
+    (not streaming, already asked for usage, or not a JSON object: the provider judges that).
+
+    Call only for streaming requests (the worker has decoded ``stream`` already), so non-streaming
+    requests pay nothing. When ``stream_options`` is absent (the common case) the member is spliced
+    in after the opening brace without re-encoding the body; otherwise the body is re-encoded.
+    The caller must send the new ``Content-Length``.
+    """
+    try:
+        fields = _stream_fields.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if not needs_usage_rewrite(fields.stream, fields.stream_options):
+        return None
+    if fields.stream_options is msgspec.UNSET:
+        start = _skip_ws(body, 0)
+        after = _skip_ws(body, start + 1)
+        separator = b"" if body[after : after + 1] == b"}" else b","
+        return b"".join((body[: start + 1], _INCLUDE_USAGE_MEMBER, separator, body[start + 1 :]))
+    if fields.stream_options is not None and not isinstance(fields.stream_options, dict):
+        return None  # invalid stream_options: not ours to fix, the provider will say so
+    document = msgspec.json.decode(body)
+    document["stream_options"] = {**(fields.stream_options or {}), "include_usage": True}
+    return msgspec.json.encode(document)
+
+
+def _skip_ws(data: bytes, pos: int) -> int:
+    while pos < len(data) and data[pos] in _JSON_WS:
+        pos += 1
+    return pos
+
+
+# --- response side ------------------------------------------------------------------------------
+
+
+class UsageObserver(Protocol):
+    total_tokens: int | None
+
+    def feed(self, chunk: bytes) -> bytes: ...
+
+    def flush(self) -> bytes: ...
+
+
+def usage_observer(content_type: bytes | None, usage_rewritten: bool) -> UsageObserver:
+    """The observer for one response: the SSE filter when the gateway rewrote the request and the
+    provider streams, else the pass-through scanner."""
+    if usage_rewritten and content_type is not None and b"text/event-stream" in content_type.lower():
+        return SseUsageFilter()
+    return UsageScanner()
+
+
+_TOTAL_KEY = b'"total_tokens"'
+_TOTAL_VALUE = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
+_TOTAL_INCOMPLETE = re.compile(rb'"total_tokens"\s*(?::\s*\d*)?')
+_MAX_HELD = 256  # bytes of a split "total_tokens": N kept across chunks
+
+
+class UsageScanner:
+    """Finds ``"total_tokens": N`` in a byte stream (JSON or SSE) without parsing or buffering it.
+
+    Why a byte scan is exact enough: in JSON a raw ``"`` cannot occur inside a string (it is escaped
+    as ``\\"``), so ``"total_tokens"`` followed by ``:`` is always a key; only ``usage`` objects carry
+    it. The last value wins (the final usage of a stream).
+    """
+
+    __slots__ = ("total_tokens", "_held")
+
+    def __init__(self) -> None:
+        self.total_tokens: int | None = None
+        self._held = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._held + chunk if self._held else chunk
+        self._held = b""
+        pos = 0
+        while (i := data.find(_TOTAL_KEY, pos)) >= 0:
+            match = _TOTAL_VALUE.match(data, i)
+            if match is None or match.end() == len(data):
+                # Cut mid-value (the digits may go on in the next chunk) or not a number at all.
+                if _TOTAL_INCOMPLETE.match(data, i).end() == len(data):  # type: ignore[union-attr]
+                    if len(data) - i <= _MAX_HELD:
+                        self._held = data[i:]
+                    return chunk
+                pos = i + 1
+                continue
+            self.total_tokens = int(match.group(1))
+            pos = match.end()
+        # Keep what could be the start of a key split by the chunk boundary.
+        self._held = data[-(len(_TOTAL_KEY) - 1) :]
+        return chunk
+
+    def flush(self) -> bytes:
+        if self._held:
+            # A number that ended exactly at the end of the stream.
+            match = _TOTAL_VALUE.match(self._held)
+            if match is not None:
+                self.total_tokens = int(match.group(1))
+            self._held = b""
+        return b""
+
+
+_EVENT = re.compile(rb".*?(?:\r\n\r\n|\n\n)", re.S)
+# The last top-level member is `"usage": null` when it directly precedes the event's closing brace.
+_TRAILING_USAGE_NULL = re.compile(rb',\s*"usage"\s*:\s*null(\s*\}\s*)\Z')
+# Elsewhere: with its separator (group 1 is kept: the layout after the opening brace).
+_ANY_USAGE_NULL = (
+    re.compile(rb'(),\s*"usage"\s*:\s*null(?=\s*[,}])'),
+    re.compile(rb'(\{\s*)"usage"\s*:\s*null\s*,\s*'),
+    re.compile(rb'(\{\s*)"usage"\s*:\s*null\s*(?=\})'),
+)
+_MAX_PENDING_EVENT = 1 << 20  # an "event" larger than this is not SSE we understand: pass through
+
+
+class _ChunkShape(msgspec.Struct):
+    choices: Any = msgspec.UNSET
+    usage: Any = msgspec.UNSET
+
+
+_chunk_shape = msgspec.json.Decoder(_ChunkShape)
+
+
+class SseUsageFilter:
+    """Removes what ``include_usage`` added to an OpenAI-style SSE stream and records the usage.
+
+    Whole events are forwarded as soon as their blank-line terminator arrives; only an incomplete
+    trailing event is held back (the client could not act on half an event anyway). Events without
+    ``"usage"`` pass untouched. ``"usage": null`` is removed from the top-level object (the provider
+    puts it last; if it does not, the last such member in the event is removed).
+    """
+
+    __slots__ = ("total_tokens", "_pending", "_scanner")
+
+    def __init__(self) -> None:
+        self.total_tokens: int | None = None
+        self._pending = b""
+        self._scanner: UsageScanner | None = None  # set when the stream turned out not to be SSE
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self._scanner is not None:
+            self._scanner.feed(chunk)
+            self.total_tokens = self._scanner.total_tokens
+            return chunk
+        data = self._pending + chunk if self._pending else chunk
+        lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+        if end == 0:  # no complete event yet
+            return self._hold(data)
+        complete, self._pending = data[:end], data[end:]
+        if b'"usage"' not in complete:
+            return complete
+        out, pos = [], 0
+        for event in _EVENT.finditer(complete):
+            out.append(self._filter_event(event.group()))
+            pos = event.end()
+        out.append(complete[pos:])  # stray blank lines between events: forwarded as they are
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        rest, self._pending = self._pending, b""
+        if self._scanner is None and b'"usage"' in rest:
+            # A last event without its terminator: filter it the same way.
+            return self._filter_event(rest)
+        return rest
+
+    def _hold(self, data: bytes) -> bytes:
+        if len(data) <= _MAX_PENDING_EVENT:
+            self._pending = data
+            return b""
+        # Not SSE as we know it: stop filtering and keep only scanning.
+        self._pending = b""
+        self._scanner = UsageScanner()
+        self._scanner.feed(data)
+        self.total_tokens = self._scanner.total_tokens
+        return data
+
+    def _filter_event(self, event: bytes) -> bytes:
+        if b'"usage"' not in event:
+            return event
+        body = event.rstrip(b"\r\n")
+        # Search only the tail: the member sits right before the closing brace.
+        trailing = _TRAILING_USAGE_NULL.search(body, max(0, len(body) - 64))
+        if trailing is not None:  # the common chunk: `{..., "usage": null}` -> `{...}`
+            return body[: trailing.start()] + trailing.group(1) + event[len(body) :]
+        shape = _decode_data(event)
+        if shape is None:
+            return event
+        if isinstance(shape.usage, dict):
+            total = shape.usage.get("total_tokens")
+            if type(total) is int:
+                self.total_tokens = total
+            if shape.choices == []:
+                return b""  # the usage-only chunk the client did not ask for
+            return event
+        if shape.usage is None:
+            for pattern in _ANY_USAGE_NULL:
+                matches = list(pattern.finditer(event))
+                if matches:
+                    last = matches[-1]
+                    return event[: last.start()] + last.group(1) + event[last.end() :]
+        return event
+
+
+def _decode_data(event: bytes) -> _ChunkShape | None:
+    lines = [line[5:] for line in event.splitlines() if line.startswith(b"data:")]
+    if not lines:
+        return None
+    payload = b"\n".join(line[1:] if line.startswith(b" ") else line for line in lines)
+    try:
+        return _chunk_shape.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None  # [DONE], or not JSON: forward untouched

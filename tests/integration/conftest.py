@@ -1,0 +1,20 @@
+"""Integration fixtures: a real Valkey from the bundled binary, one per test session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from gateway.quota.embedded import EmbeddedValkey
+
+
+@pytest.fixture(scope="session")
+def valkey_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL of an embedded Valkey shared by the session (tests isolate themselves by tenant name)."""
+    server = EmbeddedValkey(tmp_path_factory.mktemp("valkey"))
+    url = server.start()
+    try:
+        yield url
+    finally:
+        server.stop()

@@ -1,0 +1,235 @@
+from __future__ import annotations
+
+import json
+import random
+
+import msgspec
+import pytest
+
+from gateway.quota.usage import (
+    SseUsageFilter,
+    UsageScanner,
+    needs_usage_rewrite,
+    rewrite_request_for_usage,
+    usage_observer,
+)
+
+USAGE = {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+
+
+def sse_stream(
+    include_usage: bool, *, compact: bool = True, newline: bytes = b"\n", usage_first: bool = False
+) -> bytes:
+    """An OpenAI-style chat completion stream; with include_usage the provider adds `"usage": null` to
+    every chunk and a final usage-only chunk."""
+    separators = (",", ":") if compact else (", ", ": ")
+    pieces = ["Hel", 'lo "usage": null', " wor", "ld", None]
+    events = []
+    for piece in pieces:
+        chunk: dict[str, object] = {}
+        if include_usage and usage_first:
+            chunk["usage"] = None
+        delta = {"content": piece} if piece is not None else {}
+        chunk |= {
+            "id": "chatcmpl-1",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "m",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": None if piece else "stop"}],
+        }
+        if include_usage and not usage_first:
+            chunk["usage"] = None
+        events.append(chunk)
+    if include_usage:
+        events.append(
+            {
+                "id": "chatcmpl-1",
+                "object": "chat.completion.chunk",
+                "created": 1,
+                "model": "m",
+                "choices": [],
+                "usage": USAGE,
+            }
+        )
+    blank = newline + newline
+    out = b"".join(b"data: " + json.dumps(e, separators=separators).encode() + blank for e in events)
+    return out + b": keep-alive" + blank + b"data: [DONE]" + blank
+
+
+def run(observer: UsageScanner | SseUsageFilter, data: bytes, cuts: list[int]) -> bytes:
+    out = []
+    prev = 0
+    for cut in [*sorted(cuts), len(data)]:
+        out.append(observer.feed(data[prev:cut]))
+        prev = cut
+    out.append(observer.flush())
+    return b"".join(out)
+
+
+def random_cuts(data: bytes, rng: random.Random) -> list[int]:
+    return rng.sample(range(1, len(data)), rng.randint(1, min(40, len(data) - 1)))
+
+
+# --- extraction -----------------------------------------------------------------------------------
+
+
+def test_scanner_finds_total_tokens_in_plain_json_at_every_split() -> None:
+    body = json.dumps(
+        {"id": "x", "choices": [{"message": {"content": "hi"}}], "usage": USAGE}, indent=1
+    ).encode()
+    for cut in range(len(body) + 1):
+        scanner = UsageScanner()
+        assert run(scanner, body, [cut]) == body
+        assert scanner.total_tokens == 9, cut
+
+
+def test_scanner_finds_usage_in_an_sse_stream_across_random_splits() -> None:
+    stream = sse_stream(include_usage=True)
+    rng = random.Random(7)
+    for _ in range(300):
+        scanner = UsageScanner()
+        assert run(scanner, stream, random_cuts(stream, rng)) == stream
+        assert scanner.total_tokens == 9
+
+
+def test_scanner_handles_one_byte_chunks_and_numbers_ending_the_stream() -> None:
+    body = b'{"usage":{"total_tokens":  123456}}'
+    scanner = UsageScanner()
+    run(scanner, body, list(range(1, len(body))))
+    assert scanner.total_tokens == 123456
+    truncated = b'{"usage":{"total_tokens":77'
+    scanner = UsageScanner()
+    run(scanner, truncated, [20])
+    assert scanner.total_tokens == 77
+
+
+def test_scanner_ignores_lookalikes_inside_strings_and_non_numbers() -> None:
+    body = json.dumps({"content": 'say "total_tokens": 5', "usage": {"total_tokens": None}}).encode()
+    scanner = UsageScanner()
+    run(scanner, body, [10])
+    assert scanner.total_tokens is None
+
+
+def test_last_usage_wins() -> None:
+    scanner = UsageScanner()
+    run(scanner, b'data: {"usage":{"total_tokens":3}}\n\ndata: {"usage":{"total_tokens":11}}\n\n', [5])
+    assert scanner.total_tokens == 11
+
+
+# --- the client sees exactly the stream it asked for -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        {"compact": False},
+        {"newline": b"\r\n"},
+        {"usage_first": True},
+        {"usage_first": True, "compact": False},
+    ],
+)
+def test_filter_makes_the_usage_stream_byte_identical_to_the_plain_one(variant: dict) -> None:
+    with_usage = sse_stream(include_usage=True, **variant)
+    plain = sse_stream(include_usage=False, **variant)
+    rng = random.Random(11)
+    splits = [[], [1], [len(with_usage) - 1], *[random_cuts(with_usage, rng) for _ in range(200)]]
+    for cuts in splits:
+        sse = SseUsageFilter()
+        assert run(sse, with_usage, cuts) == plain
+        assert sse.total_tokens == 9
+
+
+def test_filter_one_byte_at_a_time() -> None:
+    with_usage = sse_stream(include_usage=True)
+    sse = SseUsageFilter()
+    assert run(sse, with_usage, list(range(1, len(with_usage)))) == sse_stream(include_usage=False)
+    assert sse.total_tokens == 9
+
+
+def test_filter_forwards_whole_events_immediately() -> None:
+    stream = sse_stream(include_usage=True)
+    first_event_end = stream.index(b"\n\n") + 2
+    sse = SseUsageFilter()
+    out = sse.feed(stream[: first_event_end + 10])
+    assert out == sse_stream(include_usage=False)[: len(out)]
+    assert out.endswith(b"}\n\n")
+
+
+def test_filter_leaves_a_usage_chunk_with_choices_alone_but_records_it() -> None:
+    event = b'data: {"choices":[{"index":0,"delta":{}}],"usage":{"total_tokens":42}}\n\n'
+    sse = SseUsageFilter()
+    assert run(sse, event, [17]) == event
+    assert sse.total_tokens == 42
+
+
+def test_filter_gives_up_on_a_body_that_is_not_sse() -> None:
+    body = b'{"usage": {"total_tokens": 5}, "pad": "' + b"x" * (2 << 20) + b'"}'
+    sse = SseUsageFilter()
+    assert run(sse, body, [1000, 1 << 20, (1 << 20) + 5]) == body
+    assert sse.total_tokens == 5
+
+
+def test_observer_choice_follows_rewrite_and_content_type() -> None:
+    assert isinstance(usage_observer(b"text/event-stream; charset=utf-8", True), SseUsageFilter)
+    assert isinstance(usage_observer(b"application/json", True), UsageScanner)
+    assert isinstance(usage_observer(b"text/event-stream", False), UsageScanner)
+    assert isinstance(usage_observer(None, True), UsageScanner)
+
+
+# --- request rewrite ---------------------------------------------------------------------------------
+
+
+def test_rewrite_adds_include_usage_without_touching_the_rest() -> None:
+    body = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]}'
+    new = rewrite_request_for_usage(body)
+    assert new is not None
+    assert new.endswith(body[1:])  # spliced in, the original bytes follow unchanged
+    assert json.loads(new) == {**json.loads(body), "stream_options": {"include_usage": True}}
+
+
+@pytest.mark.parametrize(
+    ("stream_options", "expected"),
+    [
+        (None, {"include_usage": True}),
+        ({"include_usage": False}, {"include_usage": True}),
+        ({"continuous_usage_stats": True}, {"continuous_usage_stats": True, "include_usage": True}),
+    ],
+)
+def test_rewrite_sets_include_usage_in_existing_stream_options(
+    stream_options: object, expected: dict
+) -> None:
+    body = json.dumps({"model": "m", "stream": True, "stream_options": stream_options}).encode()
+    new = rewrite_request_for_usage(body)
+    assert new is not None
+    assert msgspec.json.decode(new) == {"model": "m", "stream": True, "stream_options": expected}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "m", "stream": true, "stream_options": {"include_usage": true}}',
+        b'{"model": "m", "stream": false}',
+        b'{"model": "m"}',
+        b'{"model": "m", "stream": "yes"}',
+        b'{"stream": true, "stream_options": 3}',
+        b"not json",
+        b"[1, 2]",
+    ],
+)
+def test_no_rewrite_when_not_needed_or_not_ours_to_fix(body: bytes) -> None:
+    assert rewrite_request_for_usage(body) is None
+
+
+def test_rewrite_of_a_minimal_object() -> None:
+    assert json.loads(rewrite_request_for_usage(b' {"stream":true} ') or b"") == {
+        "stream_options": {"include_usage": True},
+        "stream": True,
+    }
+
+
+def test_needs_usage_rewrite_from_decoded_fields() -> None:
+    assert needs_usage_rewrite(True, None)
+    assert needs_usage_rewrite(True, {"include_usage": False})
+    assert not needs_usage_rewrite(True, {"include_usage": True})
+    assert not needs_usage_rewrite(False, None)
