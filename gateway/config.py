@@ -203,6 +203,9 @@ class Auth(_Strict):
 class QuotaBackend(_Strict):
     kind: Literal["embedded", "valkey"] = "embedded"
     url: str | None = None
+    # embedded only: where the bundled Valkey keeps its append-only file, so budgets survive restarts.
+    # Default: $STATE_DIRECTORY/valkey under systemd, else a temporary directory (not persistent).
+    data_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind == "valkey":

@@ -9,6 +9,7 @@ by class, gateway errors by a fixed list of statuses.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import generate_latest
@@ -89,17 +90,22 @@ class WorkerMetrics:
     def retry(self) -> None:
         self.row[RETRIES] += 1
 
-    def quota_decision(self, reason: str) -> None:
-        self.row[QUOTA_DECISION + QUOTA_DECISIONS.index(reason)] += 1
-
-    def quota_tokens(self, kind: str, tokens: int) -> None:
-        self.row[QUOTA_TOKENS + QUOTA_TOKEN_KINDS.index(kind)] += tokens
+    def publish_quota(self, counters: Any) -> None:
+        """Copy the quota gate's monotonic per-worker counters (gateway.quota.gate.QuotaCounters)."""
+        row = self.row
+        row[QUOTA_DECISION] = counters.admitted
+        row[QUOTA_DECISION + 1] = counters.denied + counters.denied_concurrency
+        row[QUOTA_DECISION + 2] = counters.backend_error_rejected
+        row[QUOTA_DECISION + 3] = counters.backend_error_allowed
+        row[QUOTA_TOKENS] = counters.tokens_estimated
+        row[QUOTA_TOKENS + 1] = counters.tokens_actual
+        row[QUOTA_TOKENS + 2] = counters.tokens_refunded
+        row[QUOTA_TOKENS + 3] = counters.tokens_overage
+        row[QUOTA_BACKEND_ERRORS] = counters.backend_errors
+        row[QUOTA_RECONCILE_DROPS] = counters.reconcile_drops + counters.reconcile_failures
 
     def overlay_reload(self, result: str) -> None:
         self.row[OVERLAY_RELOADS + OVERLAY_RESULTS.index(result)] += 1
-
-    def set_cell(self, cell: int, value: int) -> None:
-        self.row[cell] = value
 
 
 class _StaticCollector:

@@ -34,6 +34,7 @@ class GatewayError(Exception):
         message: str,
         headers: list[tuple[bytes, bytes]] | None = None,
         close: bool = False,
+        error_type: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -42,10 +43,11 @@ class GatewayError(Exception):
         self.headers = headers or []
         # True when framing is in doubt: the connection must not be reused.
         self.close = close
+        self.error_type = error_type
 
 
-def error_body(status: int, code: str, message: str) -> bytes:
-    kind = _TYPE_BY_STATUS.get(status, "api_error")
+def error_body(status: int, code: str, message: str, error_type: str | None = None) -> bytes:
+    kind = error_type or _TYPE_BY_STATUS.get(status, "api_error")
     return _encode({"error": {"message": message, "type": kind, "code": code}})
 
 

@@ -13,6 +13,7 @@ import os
 import time
 from typing import Any
 
+from gateway.quota.usage import usage_observer
 from workers.errors import GatewayError
 from workers.server import Exchange
 from workers.upstream import (
@@ -70,7 +71,7 @@ class UpstreamCall:
 
     __slots__ = (
         "exchange", "conn", "head_future", "done_future", "failure", "status", "extra_headers",
-        "response_started", "is_sse", "on_end", "on_data",
+        "response_started", "is_sse", "metering", "usage",
     )
 
     def __init__(self, exchange: Exchange, extra_headers: list[tuple[bytes, bytes]]) -> None:
@@ -84,7 +85,9 @@ class UpstreamCall:
         self.extra_headers = extra_headers
         self.response_started = False
         self.is_sse = False
-        self.on_data: Any = None
+        # None: not metered; False/True: metered, and whether the request was rewritten to ask for usage.
+        self.metering: bool | None = None
+        self.usage: Any = None
 
     def upstream_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.status = status
@@ -93,6 +96,7 @@ class UpstreamCall:
         drop = _RESPONSE_DROP
         chunked = False
         listed: set[bytes] | None = None
+        content_type = None
         for name, value in headers:
             if name in drop:
                 if name == b"transfer-encoding":
@@ -100,9 +104,12 @@ class UpstreamCall:
                 elif name == b"connection":
                     listed = _connection_tokens(value)
                 continue
-            if name == b"content-type" and value.startswith(b"text/event-stream"):
-                self.is_sse = True
+            if name == b"content-type":
+                content_type = value
+                self.is_sse = value.startswith(b"text/event-stream")
             out.append((name, value))
+        if self.metering is not None:
+            self.usage = usage_observer(content_type, self.metering)
         if chunked or listed:
             out = [
                 (n, v) for n, v in out
@@ -116,14 +123,17 @@ class UpstreamCall:
             self.head_future.set_result(None)
 
     def upstream_data(self, data: bytes) -> None:
-        if self.on_data is not None:
-            data = self.on_data(data)
+        usage = self.usage
+        if usage is not None:
+            data = usage.feed(data)
         self.exchange.write(data)
 
     def upstream_flush(self) -> None:
         self.exchange.flush()
 
     def upstream_end(self) -> None:
+        if self.usage is not None:
+            self.exchange.write(self.usage.flush())
         self.exchange.end()
         if not self.head_future.done():
             self.head_future.set_result(None)
@@ -240,31 +250,31 @@ class Proxy:
             runtime.metrics.request(None, 200)
             return
         request = runtime.capability(exchange, found)
-        admission = await runtime.admit(tenant, request)
-        extra_response: list[tuple[bytes, bytes]] = [id_header]
+        admission = await runtime.admit(tenant, request, len(exchange.body))
         try:
-            await self._forward(
-                exchange, runtime, forward, request, request_id, xff, cookie, found, admission, extra_response,
-            )
+            route = runtime.route(request, found, cookie)
+        except GatewayError:
+            runtime.settle(admission, 200, 0)  # nothing was sent upstream: release the whole reservation
+            raise
+        try:
+            await self._forward(exchange, runtime, forward, request, route, request_id, xff, found, admission)
         except BaseException:
             runtime.settle(admission, 0, None)
             raise
 
     async def _forward(
-        self, exchange: Exchange, runtime: Any, forward: list[tuple[bytes, bytes]], request: Any,
-        request_id: bytes, xff: bytes | None, cookie: bytes | None, found: dict[bytes, bytes],
-        admission: Any, extra_response: list[tuple[bytes, bytes]],
+        self, exchange: Exchange, runtime: Any, forward: list[tuple[bytes, bytes]], request: Any, route: Any,
+        request_id: bytes, xff: bytes | None, found: dict[bytes, bytes], admission: Any,
     ) -> None:
-        route = runtime.route(request, found, cookie)
         cluster = runtime.clusters[route.cluster]
-        extra_response += runtime.route_headers(route, admission)
+        extra_response = [(b"x-request-id", request_id), *runtime.route_headers(route, admission)]
         peer = exchange.peer
         forward.append((b"x-forwarded-for", xff + b", " + peer if xff else peer))
         forward.append((b"x-request-id", request_id))
         forward += cluster.auth_headers
         if cluster.provider_hop:
             forward += runtime.provider_hop_headers(route, request_id)
-        body = runtime.upstream_body(request, exchange.body)
+        body, metering = runtime.upstream_body(request, exchange.body, admission)
         if body:
             forward.append((b"content-length", b"%d" % len(body)))
         elif exchange.method not in (b"GET", b"HEAD", b"DELETE", b"OPTIONS"):
@@ -290,7 +300,7 @@ class Proxy:
                 raise GatewayError(503, "upstream_busy", str(error), [(b"retry-after", b"1")]) from None
             call = UpstreamCall(exchange, extra_response)
             call.conn = conn
-            call.on_data = runtime.response_filter(request, admission)
+            call.metering = metering
             exchange.on_client_lost = call.client_lost
             exchange.on_pause_writing = call.pause_upstream
             exchange.on_resume_writing = call.resume_upstream
@@ -311,10 +321,12 @@ class Proxy:
                 runtime.metrics.overhead(overhead)
                 runtime.metrics.request(cluster.name, call.status)
                 cluster.record(endpoint, None if call.status < 500 else "5xx")
-                runtime.settle(admission, call.status, call)
+                lost = call.failure is not None and call.failure[0] == "client_lost"
+                tokens = call.usage.total_tokens if call.usage is not None else None
+                runtime.settle(admission, call.status, tokens, disconnected=lost)
                 return
             if call.failure is None or call.failure[0] == "client_lost":
-                runtime.settle(admission, 0, None)
+                runtime.settle(admission, 0, None, disconnected=True)
                 return
             extra_response.pop()  # the overhead header is re-measured on the next attempt
             runtime.metrics.retry()

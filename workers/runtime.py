@@ -15,11 +15,17 @@ from typing import Any
 
 import msgspec
 
+from gateway.auth import Authenticator
 from gateway.capability import CapabilityError, CapabilityRequest, lookup_capability, session_key
 from gateway.config import Cluster, Config, Tls, parse_host_port
 from gateway.metrics import COUNTERS, WorkerMetrics
 from gateway.overlay.snapshot import Snapshot
 from gateway.overlay.watch import OverlayWatcher, SnapshotHolder
+from gateway.quota.backend import create_client
+from gateway.quota.gate import Admission, QuotaGate
+from gateway.quota.ledger import QuotaLedger
+from gateway.quota.rules import rules_from_config
+from gateway.quota.usage import rewrite_request_for_usage
 from gateway.routing import RouteDecision, RouteFailure, Router
 from shm.affinity import AffinityTable
 from shm.metrics import MetricsTable
@@ -105,6 +111,8 @@ class ClusterRuntime:
 
 
 _FORM_URLENCODED = b"application/x-www-form-urlencoded"
+# Quota for requests without authentication is accounted to this tenant.
+ANONYMOUS_TENANT = "anonymous"
 
 
 class Runtime:
@@ -129,6 +137,9 @@ class Runtime:
         self.metrics = self._metrics_writer()
         self.clusters: dict[str, ClusterRuntime] = {}
         self._models_body = b""
+        auth = self.config.auth
+        self.auth = Authenticator([(key.tenant, key.key) for key in auth.keys]) if auth is not None else None
+        self.quota: QuotaGate | None = None
 
     def _affinity_table(self) -> AffinityTable | None:
         segment = self.ctx.segment
@@ -152,6 +163,12 @@ class Runtime:
         return self.overlay.snapshot
 
     async def start(self) -> None:
+        quota = self.config.quota
+        if quota is not None and self.ctx.quota_url:
+            ledger = QuotaLedger(create_client(self.ctx.quota_url),
+                                 reservation_timeout_s=float(quota.reservation_timeout))
+            self.quota = QuotaGate(ledger, rules_from_config(quota), on_backend_error=quota.on_backend_error)
+            await self.quota.start()
         hop = set(self.config.routing.provider_hop_clusters)
         for cluster in self.config.clusters:
             self.clusters[cluster.name] = ClusterRuntime(cluster, cluster.name in hop)
@@ -160,9 +177,13 @@ class Runtime:
     async def stop(self) -> None:
         for cluster in self.clusters.values():
             cluster.close()
+        if self.quota is not None:
+            await self.quota.close()
 
     def heartbeat(self) -> None:
-        pass
+        """Once a second: publish the quota gate's own counters into this worker's metrics row."""
+        if self.quota is not None:
+            self.metrics.publish_quota(self.quota.counters)
 
     def poll_overlay(self, now: float, force: bool = False) -> tuple[bool, str | None]:
         """Re-read the overlay when the file changed (or on SIGHUP); keep last-known-good on error."""
@@ -193,8 +214,19 @@ class Runtime:
         return msgspec.json.encode({"object": "list", "data": data})
 
     # -- per request -------------------------------------------------------------------------
-    def authenticate(self, authorization: bytes | None, api_key: bytes | None) -> str | None:
-        return None
+    def authenticate(self, authorization: bytes | None, api_key: bytes | None) -> str:
+        """The tenant of the presented key; 401 when auth is on and the key is missing or unknown."""
+        if self.auth is None:
+            return ANONYMOUS_TENANT
+        tenant = self.auth.authenticate(authorization, api_key)
+        if tenant is None:
+            missing = authorization is None and api_key is None
+            raise GatewayError(
+                401, "invalid_api_key",
+                "missing API key: send Authorization: Bearer <key> or X-Api-Key" if missing else "invalid API key",
+                [(b"www-authenticate", b'Bearer realm="gridgate"')],
+            )
+        return tenant
 
     def models_body(self) -> bytes:
         return self._models_body
@@ -208,11 +240,28 @@ class Runtime:
             raise GatewayError(request.status, request.code, request.message)
         return request
 
-    async def admit(self, tenant: str | None, request: CapabilityRequest) -> Any:
-        return None
+    async def admit(self, tenant: str, request: CapabilityRequest, body_len: int) -> Admission | None:
+        """Reserve tokens before routing; a denial never reaches a provider (429/503 with headers)."""
+        gate = self.quota
+        if gate is None:
+            return None
+        fields = request.body
+        admission = await gate.admit(
+            tenant, request.name, body_len,
+            fields.max_tokens if fields is not None else None,
+            fields.max_completion_tokens if fields is not None else None,
+        )
+        if admission.allowed:
+            return admission
+        message, error_type, code = admission.error or ("request not admitted", None, "quota_unavailable")
+        raise GatewayError(admission.status or 503, code, message, list(admission.headers), error_type=error_type)
 
-    def settle(self, admission: Any, status: int, call: Any) -> None:
-        pass
+    def settle(self, admission: Admission | None, status: int, total_tokens: int | None,
+               disconnected: bool = False) -> None:
+        """Reconcile a reservation off the response path (never blocks)."""
+        if admission is None or self.quota is None:
+            return
+        self.quota.settle(admission, status, total_tokens, client_disconnected=disconnected)
 
     def route(self, request: CapabilityRequest, found: dict[bytes, bytes], cookie: bytes | None) -> RouteDecision:
         key = None
@@ -227,8 +276,11 @@ class Runtime:
         self.metrics.affinity(decision.affinity)
         return decision
 
-    def route_headers(self, route: RouteDecision, admission: Any) -> list[tuple[bytes, bytes]]:
-        return list(route.evidence) if self.route_headers_enabled else []
+    def route_headers(self, route: RouteDecision, admission: Admission | None) -> list[tuple[bytes, bytes]]:
+        headers = list(route.evidence) if self.route_headers_enabled else []
+        if admission is not None:
+            headers += admission.headers
+        return headers
 
     def provider_hop_headers(self, route: RouteDecision, request_id: bytes) -> list[tuple[bytes, bytes]]:
         headers = [(b"x-ai-routing-candidate", route.evidence[1][1]), (b"x-ai-routing-request-id", request_id)]
@@ -236,8 +288,19 @@ class Runtime:
             headers.append((b"x-ai-routing-revision", route.revision.encode()))
         return headers
 
-    def upstream_body(self, request: CapabilityRequest, body: bytes) -> bytes:
-        return body
+    def upstream_body(
+        self, request: CapabilityRequest, body: bytes, admission: Admission | None,
+    ) -> tuple[bytes, bool | None]:
+        """The body to send and the metering mode (None: not metered; True: rewritten to ask for usage).
 
-    def response_filter(self, request: CapabilityRequest, admission: Any) -> Any:
-        return None
+        A metered stream whose client did not ask for a usage chunk is rewritten to ask for one; the
+        response filter then removes that chunk so the client sees exactly what it asked for.
+        """
+        if admission is None or admission.reservation is None:
+            return body, None
+        fields = request.body
+        if fields is not None and fields.stream and not fields.include_usage:
+            rewritten = rewrite_request_for_usage(body)
+            if rewritten is not None:
+                return rewritten, True
+        return body, False

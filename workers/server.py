@@ -132,7 +132,7 @@ class Exchange:
         if self.started:
             self.abort()
             return
-        body = error_body(error.status, error.code, error.message)
+        body = error_body(error.status, error.code, error.message, error.error_type)
         headers = [(b"content-type", b"application/json"), *error.headers, *(extra_headers or ())]
         if error.close:
             self.close_after = True

@@ -1,12 +1,13 @@
 """Quota rules: which budgets apply to a (tenant, model). Pure: data in, data out.
 
-The lead maps the config's ``quota.rules`` onto these structs; this module never reads config.
+``rules_from_config`` maps the config's ``quota.rules`` onto these structs (duck-typed: no config import).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 MAX_BUDGETS_PER_RULE = 8
 
@@ -109,3 +110,18 @@ class RuleSet:
     def rules_for_tenant(self, tenant: str) -> list[QuotaRule]:
         """Every rule that can apply to ``tenant`` for some model (for ``/admin/quota``)."""
         return [r for r in self.rules if r.match_tenant in (None, tenant)]
+
+
+def rules_from_config(quota: Any) -> list[QuotaRule]:
+    """The config's ``quota.rules`` (gateway.config structs) as the ledger's rule structs."""
+    return [
+        QuotaRule(
+            name=rule.name,
+            budgets=tuple(Budget(int(budget.window), budget.tokens) for budget in rule.budgets),
+            default_max_tokens=rule.estimate.default_max_tokens,
+            match_tenant=rule.match.tenant if rule.match else None,
+            match_model=rule.match.model if rule.match else None,
+            max_in_flight=rule.max_in_flight or 0,
+        )
+        for rule in quota.rules
+    ]

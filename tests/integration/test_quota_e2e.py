@@ -1,0 +1,177 @@
+"""Auth and token quota through real gateways, real providers and the bundled Valkey."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import uuid
+
+from gateway.auth import hash_api_key
+from gateway.quota.embedded import EmbeddedValkey
+from tests.harness import Client, admin_get, candidate, chat, envelope, request
+
+
+def _served(handle) -> int:
+    _, _, body = request("127.0.0.1", handle.port, "GET", "/metrics")
+    return sum(int(float(m)) for m in re.findall(rb'^mock_requests_served_total\{[^}]*endpoint="chat"\} (\S+)',
+                                                   body, re.M))
+
+
+def _auth(tenants: dict[str, str]) -> dict:
+    return {"keys": [{"tenant": tenant, "key": hash_api_key(key)} for tenant, key in tenants.items()]}
+
+
+def _quota(url: str, tokens: int, window: str = "1h", **extra) -> dict:
+    return {
+        "backend": {"kind": "valkey", "url": url},
+        "reservation_timeout": "2s",
+        "rules": [{"name": f"r-{uuid.uuid4().hex[:8]}", "budgets": [{"window": window, "tokens": tokens}],
+                   "estimate": {"default_max_tokens": 10}, **extra}],
+    }
+
+
+def _bearer(key: str) -> list[tuple[str, str]]:
+    return [("Authorization", f"Bearer {key}")]
+
+
+def test_auth_rejects_missing_and_unknown_keys(mock_provider, gateway_factory):
+    handle = mock_provider("p")
+    gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
+                              extra={"auth": _auth({"team-a": "sk-a"})})
+    before = _served(handle)
+    missing = chat(gateway.port, "m")
+    assert missing.status == 401 and missing.json()["error"]["type"] == "authentication_error"
+    unknown = chat(gateway.port, "m", headers=_bearer("sk-wrong"))
+    assert unknown.status == 401
+    assert _served(handle) == before
+    assert chat(gateway.port, "m", headers=_bearer("sk-a")).status == 200
+    assert chat(gateway.port, "m", headers=[("X-Api-Key", "sk-a")]).status == 200
+
+
+def test_admits_within_budget_and_denies_over_it(valkey_url, mock_provider, gateway_factory):
+    handle = mock_provider("p")
+    # Each request reserves ceil(body/4) + max_tokens; the mock reports usage, which is reconciled.
+    gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
+                              extra={"auth": _auth({"t-budget": "sk-b"}), "quota": _quota(valkey_url, 300)})
+    first = chat(gateway.port, "m", headers=_bearer("sk-b"), max_tokens=200)
+    assert first.status == 200
+    assert int(first.headers["x-ratelimit-remaining-tokens"]) < 300
+    served = _served(handle)
+    denied = chat(gateway.port, "m", headers=_bearer("sk-b"), max_tokens=290)
+    assert denied.status == 429
+    assert denied.json()["error"]["code"] == "rate_limit_exceeded"
+    assert int(denied.headers["retry-after"]) >= 1
+    assert denied.headers["x-ratelimit-limit-tokens"] == "300"
+    assert "x-ratelimit-remaining-tokens" in denied.headers and "x-ratelimit-reset-tokens" in denied.headers
+    assert _served(handle) == served  # a denied request never reaches a provider
+
+
+def test_reconciliation_refunds_unused_reservation(valkey_url, mock_provider, gateway_factory):
+    handle = mock_provider("p", tokens=5)
+    gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
+                              extra={"auth": _auth({"t-refund": "sk-r"}), "quota": _quota(valkey_url, 1000)})
+    # Reserves ~900 but uses ~20: after reconciliation a second large request fits.
+    for _ in range(3):
+        response = chat(gateway.port, "m", headers=_bearer("sk-r"), max_tokens=900)
+        assert response.status == 200, response.body
+        time.sleep(0.3)  # reconciliation is off the response path
+
+
+def test_streamed_usage_is_charged_and_client_sees_no_usage_chunk(valkey_url, mock_provider, gateway_factory):
+    handle = mock_provider("p", tokens=7)
+    gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
+                              extra={"auth": _auth({"t-stream": "sk-s"}), "quota": _quota(valkey_url, 100000)})
+    response = chat(gateway.port, "m", headers=_bearer("sk-s"), stream=True, max_tokens=5000)
+    assert response.status == 200
+    assert b"[DONE]" in response.body
+    assert b'"usage"' not in response.body  # the client did not ask for usage: none is shown
+    time.sleep(0.5)
+    _, _, body = admin_get(gateway.admin_port, "/admin/quota?tenant=t-stream")
+    report = json.loads(body)
+    used = [window["used"] for rule in report["rules"] for window in rule["windows"]]
+    assert used and 0 < used[0] < 100, report  # the actual usage (a few tokens), not the 5000+ estimate
+
+
+def test_two_gateways_share_one_budget_exactly(valkey_url, mock_provider, gateway_factory):
+    handle = mock_provider("p", latency_ms=50)
+    body = b'{"model": "m"}'  # 14 bytes: a prompt estimate of 4 tokens, plus 32 = 36 per request
+    quota = _quota(valkey_url, 10 * 36)
+    quota["rules"][0]["estimate"]["default_max_tokens"] = 32
+    options = {"auth": _auth({"t-shared": "sk-x"}), "quota": quota}
+    gateways = [gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]), workers=2, extra=options)
+                for _ in range(2)]
+    statuses: list[int] = []
+    lock = threading.Lock()
+    # The provider answers 500, which is charged at the estimate: no refund can make room mid-test.
+    headers = [*_bearer("sk-x"), ("X-Mock-Status", "500")]
+
+    def fire(port: int) -> None:
+        client = Client(port)
+        try:
+            status = client.request("POST", "/v1/chat/completions", body, headers).status
+        finally:
+            client.close()
+        with lock:
+            statuses.append(status)
+
+    threads = [threading.Thread(target=fire, args=(gateways[i % 2].port,)) for i in range(30)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert statuses.count(500) == 10, statuses
+    assert statuses.count(429) == 20
+
+
+def test_backend_down_reject_and_allow_policies_then_recovery(tmp_path, mock_provider, gateway_factory):
+    server = EmbeddedValkey(tmp_path / "valkey")
+    url = server.start()
+    handle = mock_provider("p")
+    reject = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
+                             extra={"auth": _auth({"t-down": "sk-d"}), "quota": _quota(url, 100000)})
+    allow_quota = _quota(url, 100000)
+    allow_quota["on_backend_error"] = "allow"
+    allow = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
+                            extra={"auth": _auth({"t-down": "sk-d"}), "quota": allow_quota})
+    assert chat(reject.port, "m", headers=_bearer("sk-d")).status == 200
+    server.stop()
+    try:
+        down = chat(reject.port, "m", headers=_bearer("sk-d"))
+        assert down.status == 503
+        assert down.json()["error"]["type"]
+        assert chat(allow.port, "m", headers=_bearer("sk-d")).status == 200
+        started = time.monotonic()
+        for _ in range(5):  # the breaker is open: no per-request latency for the dead backend
+            assert chat(reject.port, "m", headers=_bearer("sk-d")).status == 503
+        assert time.monotonic() - started < 1.0
+    finally:
+        restarted = EmbeddedValkey(tmp_path / "valkey")  # same data dir: same socket, same URL
+    assert restarted.start() == url
+    try:
+        deadline = time.monotonic() + 10
+        status = 0
+        while time.monotonic() < deadline:
+            status = chat(reject.port, "m", headers=_bearer("sk-d")).status
+            if status == 200:
+                break
+            time.sleep(0.3)
+        assert status == 200
+    finally:
+        restarted.stop()
+
+
+def test_budget_survives_gateway_restart(tmp_path, mock_provider, gateway_factory):
+    handle = mock_provider("p")
+    data_dir = str(tmp_path / "state")
+    quota = {"backend": {"kind": "embedded", "data_dir": data_dir}, "reservation_timeout": "2s",
+             "rules": [{"name": "persist", "budgets": [{"window": "1h", "tokens": 60}],
+                        "estimate": {"default_max_tokens": 40}}]}
+    options = {"auth": _auth({"t-persist": "sk-p"}), "quota": quota}
+    first = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]), extra=options)
+    headers = _bearer("sk-p") + [("X-Mock-Status", "500")]  # non-2xx: charged at the estimate
+    assert chat(first.port, "m", headers=headers).status == 500
+    assert first.stop() == 0
+    second = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]), extra=options)
+    assert chat(second.port, "m", headers=_bearer("sk-p")).status == 429
