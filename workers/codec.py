@@ -6,6 +6,8 @@ faster codec can replace it without touching the server or the proxy.
 
 from __future__ import annotations
 
+from http import HTTPStatus
+
 import h11
 
 Request = h11.Request
@@ -34,7 +36,7 @@ def request_event(method: bytes, target: bytes, headers: list[tuple[bytes, bytes
 
 def response_event(status: int, headers: list[tuple[bytes, bytes]]) -> h11.Response:
     """An outgoing response head; see ``request_event`` for why validation is skipped."""
-    return h11.Response(status_code=status, headers=headers, _parsed=True)
+    return h11.Response(status_code=status, headers=headers, reason=_PHRASES.get(status, b""), _parsed=True)
 
 
 def server_codec(max_header_bytes: int) -> h11.Connection:
@@ -45,17 +47,11 @@ def client_codec(max_header_bytes: int = 65536) -> h11.Connection:
     return h11.Connection(h11.CLIENT, max_incomplete_event_size=max_header_bytes)
 
 
-_REASONS = {
-    200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found", 405: b"Method Not Allowed",
-    408: b"Request Timeout", 413: b"Content Too Large", 414: b"URI Too Long", 429: b"Too Many Requests",
-    431: b"Request Header Fields Too Large", 500: b"Internal Server Error", 501: b"Not Implemented",
-    502: b"Bad Gateway", 503: b"Service Unavailable", 504: b"Gateway Timeout",
-    505: b"HTTP Version Not Supported",
-}
+_PHRASES = {status.value: status.phrase.encode() for status in HTTPStatus}
 
 
 def raw_response(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
     """A complete response built without a codec: for answers sent when framing is in doubt."""
-    lines = [b"HTTP/1.1 %d %s" % (status, _REASONS.get(status, b"Error"))]
+    lines = [b"HTTP/1.1 %d %s" % (status, _PHRASES.get(status, b"Error"))]
     lines += [name + b": " + value for name, value in headers]
     return b"\r\n".join(lines) + b"\r\n\r\n" + body
