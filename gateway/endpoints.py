@@ -268,3 +268,30 @@ def endpoints_report(segment: Segment, clusters: Sequence[ClusterSpec], *, wall_
         {"pid": writer_pid, "heartbeat_age_s": round((now_ns - writer_beat) / 1e9, 3)},
         "clusters": report_clusters,
     }
+
+
+def cluster_specs_from_config(config: Any) -> list[ClusterSpec]:
+    """The config's ``clusters`` (gateway.config structs, duck-typed) as specs for balancers and health."""
+    specs = []
+    for cluster in config.clusters:
+        tls = cluster.tls if not isinstance(cluster.tls, bool) else None
+        check, outlier = cluster.health_check, cluster.outlier_detection
+        strategy = cluster.load_balancer_strategy
+        if not isinstance(strategy, str):
+            strategy = {name: {"header": options.header} for name, options in strategy.items()}
+        specs.append(ClusterSpec(
+            name=cluster.name,
+            endpoints=tuple(EndpointSpec(address, weight) for address, weight in cluster.weighted_endpoints()),
+            strategy_spec=strategy,
+            health_check=None if check is None else HealthCheckSpec(
+                type=check.type, path=check.path, interval_s=float(check.interval), timeout_s=float(check.timeout),
+                healthy_threshold=check.healthy_threshold, unhealthy_threshold=check.unhealthy_threshold,
+                tls=bool(cluster.tls), tls_server_name=tls.sni if tls else None,
+                tls_ca_file=tls.ca_file if tls else None, tls_verify=tls.verify if tls else True,
+            ),
+            outlier=None if outlier is None else OutlierSpec(
+                consecutive_failures=outlier.consecutive_failures, base_ejection_s=float(outlier.base_ejection),
+                max_ejection_percent=outlier.max_ejection_percent,
+            ),
+        ))
+    return specs

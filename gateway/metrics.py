@@ -38,7 +38,8 @@ QUOTA_TOKENS = QUOTA_DECISION + len(QUOTA_DECISIONS)
 QUOTA_BACKEND_ERRORS = QUOTA_TOKENS + len(QUOTA_TOKEN_KINDS)
 QUOTA_RECONCILE_DROPS = QUOTA_BACKEND_ERRORS + 1
 OVERLAY_RELOADS = QUOTA_RECONCILE_DROPS + 1
-COUNTERS = OVERLAY_RELOADS + len(OVERLAY_RESULTS)
+PANIC_ENTRIES = OVERLAY_RELOADS + len(OVERLAY_RESULTS)  # per cluster index
+COUNTERS = PANIC_ENTRIES + MAX_CLUSTERS
 
 GATEWAY_CLUSTER = MAX_CLUSTERS
 _GATEWAY_STATUS_INDEX = {status: i for i, status in enumerate(GATEWAY_STATUSES)}
@@ -103,6 +104,13 @@ class WorkerMetrics:
         row[QUOTA_TOKENS + 3] = counters.tokens_overage
         row[QUOTA_BACKEND_ERRORS] = counters.backend_errors
         row[QUOTA_RECONCILE_DROPS] = counters.reconcile_drops + counters.reconcile_failures
+
+    def publish_panic(self, entries_by_cluster: dict[str, int]) -> None:
+        """Copy each cluster balancer's panic-mode entry count (per process, monotonic)."""
+        for name, entries in entries_by_cluster.items():
+            index = self.cluster_index.get(name)
+            if index is not None:
+                self.row[PANIC_ENTRIES + index] = entries
 
     def overlay_reload(self, result: str) -> None:
         self.row[OVERLAY_RELOADS + OVERLAY_RESULTS.index(result)] += 1
@@ -173,6 +181,12 @@ def render_prometheus(
     for index, result in enumerate(OVERLAY_RESULTS):
         reloads.add_metric([result], totals[OVERLAY_RELOADS + index])
     families.append(reloads)
+    panic = CounterMetricFamily("gridgate_panic_mode_entries",
+                                "Times a cluster had no healthy endpoint and routed across all of them.",
+                                labels=["cluster"])
+    for c_index, name in enumerate(cluster_names[:MAX_CLUSTERS]):
+        panic.add_metric([name], totals[PANIC_ENTRIES + c_index])
+    families.append(panic)
     for contribute in extra_families:
         families.extend(contribute())
     registry = CollectorRegistry(auto_describe=False)

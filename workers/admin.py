@@ -7,10 +7,11 @@ a hot path, so clarity wins over speed.
 
 The pieces:
 - ``AdminSources``: what the supervisor provides (readiness, reports);
-- ``MetricsExposition``: the pluggable ``/metrics`` registry: any module adds a
-  prometheus_client collector with ``register()``;
+- ``MetricsExposition``: the pluggable ``/metrics`` page: modules add a
+  prometheus_client collector (``register``) or finished text (``register_text``);
 - ``AdminApp``: routes a request to a response (no sockets, easy to test);
-- ``AdminServer``: h11 over asyncio streams on a socket the caller bound.
+- ``AdminServer``: h11 over asyncio streams on a socket the caller bound;
+- ``QuotaReporter``: the quota page's own client of the shared ledger.
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 import h11
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from gateway.config import Quota
 
 log = logging.getLogger("gridgate.admin")
 
@@ -263,8 +267,58 @@ async def _send(
     ]
     if close:
         headers.append(("connection", "close"))
-    writer.write(conn.send(h11.Response(status_code=response.status, headers=headers)))
+    reason = HTTPStatus(response.status).phrase.encode()
+    writer.write(conn.send(h11.Response(status_code=response.status, headers=headers, reason=reason)))
     if response.body and not head_only:
         writer.write(conn.send(h11.Data(data=response.body)))
     writer.write(conn.send(h11.EndOfMessage()))
     await writer.drain()
+
+
+# --------------------------------------------------------------------------- /admin/quota
+
+
+def ledger_rules(quota: Quota) -> list[Any]:
+    """The config's quota rules as the ledger's rule structs."""
+    from gateway.quota.rules import Budget, QuotaRule
+
+    return [
+        QuotaRule(
+            name=rule.name,
+            budgets=tuple(Budget(int(budget.window), budget.tokens) for budget in rule.budgets),
+            default_max_tokens=rule.estimate.default_max_tokens,
+            match_tenant=rule.match.tenant if rule.match else None,
+            match_model=rule.match.model if rule.match else None,
+            max_in_flight=rule.max_in_flight or 0,
+        )
+        for rule in quota.rules
+    ]
+
+
+class QuotaReporter:
+    """``/admin/quota``: reads the shared ledger from the supervisor's loop through its own client."""
+
+    def __init__(self, url: str, quota: Quota) -> None:
+        self.key = (url, quota)
+        self._url, self._quota = url, quota
+        self._client: Any = None
+        self._gate: Any = None
+
+    async def report(self, tenant: str) -> dict[str, Any]:
+        from gateway.quota.backend import create_client
+        from gateway.quota.gate import QuotaBackendUnavailable, QuotaGate
+        from gateway.quota.ledger import QuotaLedger
+
+        if self._gate is None:  # made lazily: the client belongs to the running loop
+            self._client = create_client(self._url, timeout_s=1.0)
+            ledger = QuotaLedger(self._client, reservation_timeout_s=float(self._quota.reservation_timeout))
+            self._gate = QuotaGate(ledger, ledger_rules(self._quota), on_backend_error=self._quota.on_backend_error)
+        try:
+            return await self._gate.quota_report(tenant)
+        except QuotaBackendUnavailable as exc:
+            raise ReportUnavailable(f"quota backend unavailable: {exc}") from None
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = self._gate = None

@@ -16,8 +16,17 @@ from typing import Any
 import msgspec
 
 from gateway.auth import Authenticator
+from gateway.balancing import hash_key
 from gateway.capability import CapabilityError, CapabilityRequest, lookup_capability, session_key
 from gateway.config import Cluster, Config, Tls, parse_host_port
+from gateway.endpoints import (
+    ClusterSpec,
+    SharedEndpointState,
+    all_endpoint_ids,
+    build_cluster_balancer,
+    cluster_refs,
+    cluster_specs_from_config,
+)
 from gateway.metrics import COUNTERS, WorkerMetrics
 from gateway.overlay.snapshot import Snapshot
 from gateway.overlay.watch import OverlayWatcher, SnapshotHolder
@@ -28,7 +37,9 @@ from gateway.quota.rules import rules_from_config
 from gateway.quota.usage import rewrite_request_for_usage
 from gateway.routing import RouteDecision, RouteFailure, Router
 from shm.affinity import AffinityTable
+from shm.counters import Outcome, WorkerRow, WorkerStatus
 from shm.metrics import MetricsTable
+from shm.segment import Segment
 from workers.context import WorkerContext
 from workers.errors import GatewayError
 from workers.upstream import UpstreamPool
@@ -41,7 +52,7 @@ class EndpointRuntime:
     __slots__ = ("index", "address", "weight", "pool", "host_header")
 
     def __init__(self, index: int, address: str, weight: int, pool: UpstreamPool) -> None:
-        self.index = index
+        self.index = index  # the endpoint's shared-memory slot
         self.address = address
         self.weight = weight
         self.pool = pool
@@ -61,53 +72,70 @@ def tls_client_context(tls: bool | Tls) -> tuple[ssl.SSLContext | None, str | No
 
 
 class ClusterRuntime:
-    """One provider cluster in one worker: its endpoints' pools and the endpoint picker."""
+    """One provider cluster in one worker: its endpoints' pools and the shared-memory balancer."""
 
-    def __init__(self, cluster: Cluster, provider_hop: bool) -> None:
+    def __init__(self, cluster: Cluster, spec: ClusterSpec, provider_hop: bool, slot_map: dict[str, int],
+                 view: SharedEndpointState, row: WorkerRow) -> None:
         self.name = cluster.name
         self.provider_hop = provider_hop
+        self.row = row
         self.auth_headers: list[tuple[bytes, bytes]] = []
         if cluster.upstream_auth is not None:
             secret = os.environ.get(cluster.upstream_auth.value_env, "")
             self.auth_headers.append(
                 (cluster.upstream_auth.header.lower().encode(), b"Bearer " + secret.encode())
             )
-        self.endpoints: list[EndpointRuntime] = []
+        self.balancer = build_cluster_balancer(spec, slot_map, view)
+        self.key_header = self.balancer.key_header
+        self.hashing = self.balancer.strategy in ("consistent_hash", "maglev")
         ssl_context, sni = tls_client_context(cluster.tls)
-        for index, (address, weight) in enumerate(cluster.weighted_endpoints()):
-            host, port = parse_host_port(address)
+        self.by_slot: dict[int, EndpointRuntime] = {}
+        for ref in cluster_refs(spec, slot_map):
+            host, port = parse_host_port(ref.address)
             pool = UpstreamPool(
                 host, port, max_connections=cluster.max_connections,
                 connect_timeout=float(cluster.connect_timeout), read_timeout=float(cluster.read_timeout),
                 ssl_context=ssl_context, server_hostname=sni or host,
             )
-            self.endpoints.append(EndpointRuntime(index, address, weight, pool))
-        self._next = 0
+            self.by_slot[ref.slot] = EndpointRuntime(ref.slot, ref.address, ref.weight, pool)
 
     def balance_key(self, found: dict[bytes, bytes], target: bytes) -> bytes | None:
-        return None
+        if not self.hashing:
+            return None
+        return hash_key(found.get(self.key_header) if self.key_header else None, target)
 
     def pick(self, key: bytes | None, excluded: set[int]) -> EndpointRuntime | None:
-        endpoints = self.endpoints
-        for _ in range(len(endpoints)):
-            endpoint = endpoints[self._next % len(endpoints)]
-            self._next += 1
-            if endpoint.index not in excluded:
-                return endpoint
-        return None
+        ref = self.balancer.pick(key, excluded) if excluded else self.balancer.pick(key)
+        return None if ref is None else self.by_slot[ref.slot]
 
     def begin(self, endpoint: EndpointRuntime) -> None:
-        pass
+        self.row.inc_inflight(endpoint.index)
 
     def end(self, endpoint: EndpointRuntime) -> None:
-        pass
+        self.row.dec_inflight(endpoint.index)
 
     def record(self, endpoint: EndpointRuntime, failure: str | None) -> None:
-        pass
+        """Passive health: every outcome lands in this worker's row (the health process reads them)."""
+        self.row.record(endpoint.index, Outcome.from_reason(failure))
 
     def close(self) -> None:
-        for endpoint in self.endpoints:
+        for endpoint in self.by_slot.values():
             endpoint.pool.close()
+
+
+AFFINITY_REGION = "affinity"
+METRICS_REGION = "metrics"
+
+
+def _private_segment(config: Config) -> Segment:
+    """A segment for a worker started without a supervisor (profiling, experiments)."""
+    segment = Segment.create(1, max(64, sum(len(c.endpoints) for c in config.clusters)), extra_regions={
+        AFFINITY_REGION: AffinityTable.required_bytes(config.routing.session_affinity.capacity),
+        METRICS_REGION: MetricsTable.required_bytes(1, COUNTERS),
+    })
+    segment.directory.assign(all_endpoint_ids(cluster_specs_from_config(config)))
+    segment.claim_worker_row(0)
+    return segment
 
 
 _FORM_URLENCODED = b"application/x-www-form-urlencoded"
@@ -119,6 +147,10 @@ class Runtime:
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
         self.config: Config = ctx.config
+        self.segment = ctx.segment if ctx.segment is not None else _private_segment(self.config)
+        slot = max(ctx.slot, 0)
+        self.row = WorkerRow(self.segment, slot)
+        self.row.mark(WorkerStatus.RUNNING, os.getpid(), time.monotonic_ns())
         routing = self.config.routing
         self.model_header = routing.model_header.lower().encode()
         affinity = routing.session_affinity
@@ -142,21 +174,17 @@ class Runtime:
         self.quota: QuotaGate | None = None
 
     def _affinity_table(self) -> AffinityTable | None:
-        segment = self.ctx.segment
         affinity = self.config.routing.session_affinity
-        if not affinity.enabled or segment is None:
+        if not affinity.enabled:
             return None
-        region = segment.region(self.ctx.extras.get("affinity_region", "affinity"))
+        region = self.segment.region(self.ctx.extras.get("affinity_region", AFFINITY_REGION))
         return AffinityTable(region, self.ctx.extras.get("affinity_capacity", affinity.capacity))
 
     def _metrics_writer(self) -> WorkerMetrics:
-        segment = self.ctx.segment
-        names = [cluster.name for cluster in self.config.clusters]
-        if segment is None or self.ctx.slot < 0:
-            return WorkerMetrics([0] * COUNTERS, names)
-        table = MetricsTable(segment.region(self.ctx.extras.get("metrics_region", "metrics")),
-                             segment.max_workers, COUNTERS)
-        return WorkerMetrics(table.row(self.ctx.slot), names)
+        names = self.ctx.extras.get("metric_clusters") or [cluster.name for cluster in self.config.clusters]
+        table = MetricsTable(self.segment.region(self.ctx.extras.get("metrics_region", METRICS_REGION)),
+                             self.segment.max_workers, COUNTERS)
+        return WorkerMetrics(table.row(self.row.index), names)
 
     @property
     def snapshot(self) -> Snapshot:
@@ -170,8 +198,14 @@ class Runtime:
             self.quota = QuotaGate(ledger, rules_from_config(quota), on_backend_error=quota.on_backend_error)
             await self.quota.start()
         hop = set(self.config.routing.provider_hop_clusters)
-        for cluster in self.config.clusters:
-            self.clusters[cluster.name] = ClusterRuntime(cluster, cluster.name in hop)
+        segment = self.segment
+        slot_map = segment.directory.slot_map()
+        view = SharedEndpointState(segment, self.row.index)
+        for cluster, spec in zip(self.config.clusters, cluster_specs_from_config(self.config), strict=True):
+            runtime = ClusterRuntime(cluster, spec, cluster.name in hop, slot_map, view, self.row)
+            self.clusters[cluster.name] = runtime
+            if runtime.key_header:
+                self.header_lookups[runtime.key_header] = 3
         self._models_body = self._render_models()
 
     async def stop(self) -> None:
@@ -181,9 +215,11 @@ class Runtime:
             await self.quota.close()
 
     def heartbeat(self) -> None:
-        """Once a second: publish the quota gate's own counters into this worker's metrics row."""
+        """Once a second: liveness for the health process, and per-process counters into shared metrics."""
+        self.row.heartbeat(time.monotonic_ns())
         if self.quota is not None:
             self.metrics.publish_quota(self.quota.counters)
+        self.metrics.publish_panic({name: c.balancer.panic_entries for name, c in self.clusters.items()})
 
     def poll_overlay(self, now: float, force: bool = False) -> tuple[bool, str | None]:
         """Re-read the overlay when the file changed (or on SIGHUP); keep last-known-good on error."""
