@@ -1,0 +1,5 @@
+"""``python -m gateway`` is the ``gridgate`` command."""
+
+from gateway.cli import main
+
+raise SystemExit(main())

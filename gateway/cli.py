@@ -1,0 +1,198 @@
+"""``gridgate`` command line (CONTRACT §1).
+
+Exit codes: 0 success, 1 invalid input or config (the message names the field),
+2 usage error (argparse's own code). Expected failures print one line per problem
+on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from gateway.config import Config, ConfigError, load_config, parse_host_port
+
+EXIT_OK = 0
+EXIT_INVALID = 1
+EXIT_USAGE = 2
+
+
+class CommandError(Exception):
+    """An expected failure: each line of ``problems`` goes to stderr, then exit 1."""
+
+    def __init__(self, *problems: str) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = list(problems)
+
+
+# ---------------------------------------------------------------- argument types
+
+
+def _worker_count(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"invalid worker count {text!r}: 'auto' or an integer >= 1")
+
+
+def _listen_address(text: str) -> str:
+    try:
+        parse_host_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+# ---------------------------------------------------------------- sub-commands
+
+
+def _load_config(path: str) -> Config:
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        raise CommandError(*exc.problems) from None
+
+
+def _check_overlay(config: Config) -> None:
+    """The overlay the config names must be acceptable, or the gateway would not start."""
+    from gateway.supervisor import validate_overlay
+
+    try:
+        validate_overlay(config)
+    except ConfigError as exc:
+        raise CommandError(*exc.problems) from None
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    config = _load_config(args.config)
+    _check_overlay(config)
+    print("ok")
+    return EXIT_OK
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from gateway.supervisor import RunOverrides, StartupError, Supervisor
+
+    overrides = RunOverrides(workers=args.workers, listen=args.listen)
+    config = overrides.apply(_load_config(args.config))
+    try:
+        return Supervisor(args.config, config, overrides).run()
+    except StartupError as exc:
+        raise CommandError(str(exc)) from None
+
+
+def cmd_control(args: argparse.Namespace) -> int:
+    # The control plane ships in a later release; say so instead of pretending to run.
+    print("gridgate control: the control plane is not available in this build", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def cmd_overlay_digest(args: argparse.Namespace) -> int:
+    from gateway.overlay.contract import OverlayRejected, parse_json
+    from gateway.overlay.digest import semantic_revision
+
+    try:
+        with open(args.file, "rb") as handle:
+            document = parse_json(handle.read())
+    except OSError as exc:
+        raise CommandError(f"{args.file}: cannot read: {exc.strerror}") from None
+    except OverlayRejected as exc:
+        raise CommandError(f"{args.file}: {exc}") from None
+    # An envelope carries the overlay document under "overlay"; a legacy file is the document.
+    if isinstance(document, dict) and isinstance(document.get("overlay"), dict):
+        document = document["overlay"]
+    if not isinstance(document, dict):
+        raise CommandError(f"{args.file}: malformed_structure: the overlay must be a JSON object")
+    try:
+        print(semantic_revision(document))
+    except ValueError as exc:  # rfc8785 refuses values without a canonical form
+        raise CommandError(f"{args.file}: malformed_structure: {exc}") from None
+    return EXIT_OK
+
+
+def cmd_overlay_validate(args: argparse.Namespace) -> int:
+    from gateway.overlay.contract import OverlayRejected
+    from gateway.overlay.watch import load_overlay_file
+
+    scope = _load_config(args.config).routing.expected_overlay_scope if args.config else None
+    try:
+        load_overlay_file(args.file, scope)
+    except OverlayRejected as exc:
+        raise CommandError(str(exc)) from None  # "reason: detail", the reason first for scripts
+    print("ok")
+    return EXIT_OK
+
+
+def cmd_keys_hash(args: argparse.Namespace) -> int:
+    from gateway.auth import hash_api_key
+
+    key = sys.stdin.read()
+    if not key.strip():
+        raise CommandError("keys hash: no API key on stdin")
+    print(hash_api_key(key))
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gridgate", description="High-throughput LLM gateway.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    run = commands.add_parser("run", help="run the supervisor and its workers in the foreground")
+    run.add_argument("-c", "--config", required=True, metavar="FILE", help="YAML config file")
+    run.add_argument("--workers", type=_worker_count, metavar="N", help="worker processes ('auto' = one per CPU)")
+    run.add_argument("--listen", type=_listen_address, metavar="HOST:PORT", help="data-plane address")
+    run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    run.set_defaults(handler=cmd_run)
+
+    check = commands.add_parser("check", help="validate the config and the overlay it names")
+    check.add_argument("-c", "--config", required=True, metavar="FILE", help="YAML config file")
+    check.set_defaults(handler=cmd_check)
+
+    overlay = commands.add_parser("overlay", help="inspect routing overlay files")
+    overlay_commands = overlay.add_subparsers(dest="overlay_command", metavar="ACTION", required=True)
+    digest = overlay_commands.add_parser("digest", help="print the 64-hex semantic revision of an overlay")
+    digest.add_argument("file", metavar="FILE")
+    digest.set_defaults(handler=cmd_overlay_digest)
+    validate = overlay_commands.add_parser("validate", help="exit 0 if the overlay is acceptable, else 1")
+    validate.add_argument("file", metavar="FILE")
+    validate.add_argument(
+        "-c", "--config", metavar="FILE", help="also enforce this config's routing.expected_overlay_scope"
+    )
+    validate.set_defaults(handler=cmd_overlay_validate)
+
+    control = commands.add_parser("control", help="run the control plane (not available in this build)")
+    control.add_argument("-c", "--config", required=True, metavar="FILE", help="control-plane spec file")
+    control.set_defaults(handler=cmd_control)
+
+    keys = commands.add_parser("keys", help="API key helpers")
+    keys_commands = keys.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
+    hash_ = keys_commands.add_parser("hash", help="read an API key on stdin, print its sha256: form")
+    hash_.set_defaults(handler=cmd_keys_hash)
+    return parser
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_logging(getattr(args, "log_level", "warning"))
+    try:
+        return args.handler(args)
+    except CommandError as exc:
+        for problem in exc.problems:
+            print(problem, file=sys.stderr)
+        return EXIT_INVALID
+    except KeyboardInterrupt:
+        return 130
