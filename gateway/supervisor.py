@@ -41,20 +41,13 @@ from typing import Any, NoReturn
 import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from gateway.config import Config, ConfigError, Tls, load_config, parse_host_port
-from gateway.endpoints import (
-    ClusterSpec,
-    EndpointSpec,
-    HealthCheckSpec,
-    OutlierSpec,
-    all_endpoint_ids,
-    endpoints_report,
-)
+from gateway.config import Config, ConfigError, load_config, parse_host_port
+from gateway.endpoints import cluster_specs_from_config, endpoints_report
+from gateway.host_segment import AFFINITY_REGION, METRICS_REGION, create_segment, endpoint_ids
 from gateway.metrics import COUNTERS, render_prometheus
 from gateway.notify import Notifier
 from gateway.overlay.contract import OverlayRejected
 from gateway.overlay.watch import load_overlay_file
-from shm.affinity import AffinityTable
 from shm.metrics import MetricsTable
 from shm.segment import MAX_WORKERS_LIMIT, Segment
 from workers.admin import AdminApp, AdminServer, MetricsExposition, QuotaReporter, ReportUnavailable
@@ -241,26 +234,6 @@ def needs_health_process(config: Config) -> bool:
     return any(c.health_check is not None or c.outlier_detection is not None for c in config.clusters)
 
 
-def _endpoint_capacity(config: Config) -> int:
-    # Reloads may add endpoints; the segment cannot grow after fork, so leave headroom.
-    configured = sum(len(cluster.endpoints) for cluster in config.clusters)
-    return max(256, 4 * configured)
-
-
-# Extra regions of the segment (names in ctx.extras). The affinity table is sized once, at start.
-AFFINITY_REGION = "affinity"
-METRICS_REGION = "metrics"  # shm.metrics.MetricsTable: one gateway.metrics counter row per worker slot
-
-
-def create_segment(config: Config, worker_rows: int) -> Segment:
-    """The shared-memory segment (anonymous mmap, inherited by every fork)."""
-    regions = {
-        AFFINITY_REGION: AffinityTable.required_bytes(config.routing.session_affinity.capacity),
-        METRICS_REGION: MetricsTable.required_bytes(worker_rows, COUNTERS),
-    }
-    return Segment.create(worker_rows, _endpoint_capacity(config), extra_regions=regions)
-
-
 class WorkerCounters:
     """The workers' request counters in shared memory, summed when /metrics is scraped."""
 
@@ -276,36 +249,7 @@ class WorkerCounters:
         return render_prometheus([a + b for a, b in zip(live, self.retired, strict=True)], cluster_names)
 
 
-def cluster_specs(config: Config) -> list[ClusterSpec]:
-    """The config's clusters as gateway.endpoints specs (what the health and report rooms read)."""
-    specs = []
-    for cluster in config.clusters:
-        tls = cluster.tls if isinstance(cluster.tls, Tls) else None
-        check, outlier = cluster.health_check, cluster.outlier_detection
-        strategy = cluster.load_balancer_strategy
-        if not isinstance(strategy, str):
-            strategy = {name: {"header": options.header} for name, options in strategy.items()}
-        specs.append(ClusterSpec(
-            name=cluster.name,
-            endpoints=tuple(EndpointSpec(address, weight) for address, weight in cluster.weighted_endpoints()),
-            strategy_spec=strategy,
-            health_check=None if check is None else HealthCheckSpec(
-                type=check.type, path=check.path, interval_s=float(check.interval), timeout_s=float(check.timeout),
-                healthy_threshold=check.healthy_threshold, unhealthy_threshold=check.unhealthy_threshold,
-                tls=bool(cluster.tls), tls_server_name=tls.sni if tls else None,
-                tls_ca_file=tls.ca_file if tls else None, tls_verify=tls.verify if tls else True,
-            ),
-            outlier=None if outlier is None else OutlierSpec(
-                consecutive_failures=outlier.consecutive_failures, base_ejection_s=float(outlier.base_ejection),
-                max_ejection_percent=outlier.max_ejection_percent,
-            ),
-        ))
-    return specs
-
-
-def endpoint_ids(*configs: Config) -> list[str]:
-    """Every endpoint id of these configs: their shared-memory slots (kept across reloads by id)."""
-    return list(dict.fromkeys(eid for config in configs for eid in all_endpoint_ids(cluster_specs(config))))
+cluster_specs = cluster_specs_from_config
 
 
 class EmbeddedQuotaBackend:

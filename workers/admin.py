@@ -30,6 +30,7 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from gateway.config import Quota
+from gateway.quota.rules import rules_from_config
 
 log = logging.getLogger("gridgate.admin")
 
@@ -278,23 +279,6 @@ async def _send(
 # --------------------------------------------------------------------------- /admin/quota
 
 
-def ledger_rules(quota: Quota) -> list[Any]:
-    """The config's quota rules as the ledger's rule structs."""
-    from gateway.quota.rules import Budget, QuotaRule
-
-    return [
-        QuotaRule(
-            name=rule.name,
-            budgets=tuple(Budget(int(budget.window), budget.tokens) for budget in rule.budgets),
-            default_max_tokens=rule.estimate.default_max_tokens,
-            match_tenant=rule.match.tenant if rule.match else None,
-            match_model=rule.match.model if rule.match else None,
-            max_in_flight=rule.max_in_flight or 0,
-        )
-        for rule in quota.rules
-    ]
-
-
 class QuotaReporter:
     """``/admin/quota``: reads the shared ledger from the supervisor's loop through its own client."""
 
@@ -312,7 +296,7 @@ class QuotaReporter:
         if self._gate is None:  # made lazily: the client belongs to the running loop
             self._client = create_client(self._url, timeout_s=1.0)
             ledger = QuotaLedger(self._client, reservation_timeout_s=float(self._quota.reservation_timeout))
-            self._gate = QuotaGate(ledger, ledger_rules(self._quota), on_backend_error=self._quota.on_backend_error)
+            self._gate = QuotaGate(ledger, rules_from_config(self._quota), on_backend_error=self._quota.on_backend_error)
         try:
             return await self._gate.quota_report(tenant)
         except QuotaBackendUnavailable as exc:

@@ -22,11 +22,11 @@ from gateway.config import Cluster, Config, Tls, parse_host_port
 from gateway.endpoints import (
     ClusterSpec,
     SharedEndpointState,
-    all_endpoint_ids,
     build_cluster_balancer,
     cluster_refs,
     cluster_specs_from_config,
 )
+from gateway.host_segment import AFFINITY_REGION, METRICS_REGION, create_segment, endpoint_ids
 from gateway.metrics import COUNTERS, WorkerMetrics
 from gateway.overlay.snapshot import Snapshot
 from gateway.overlay.watch import OverlayWatcher, SnapshotHolder
@@ -123,17 +123,10 @@ class ClusterRuntime:
             endpoint.pool.close()
 
 
-AFFINITY_REGION = "affinity"
-METRICS_REGION = "metrics"
-
-
 def _private_segment(config: Config) -> Segment:
     """A segment for a worker started without a supervisor (profiling, experiments)."""
-    segment = Segment.create(1, max(64, sum(len(c.endpoints) for c in config.clusters)), extra_regions={
-        AFFINITY_REGION: AffinityTable.required_bytes(config.routing.session_affinity.capacity),
-        METRICS_REGION: MetricsTable.required_bytes(1, COUNTERS),
-    })
-    segment.directory.assign(all_endpoint_ids(cluster_specs_from_config(config)))
+    segment = create_segment(config, 1)
+    segment.directory.assign(endpoint_ids(config))
     segment.claim_worker_row(0)
     return segment
 

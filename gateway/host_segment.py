@@ -1,0 +1,38 @@
+"""The host's shared-memory segment as gridgate lays it out: endpoint rows plus two extra regions.
+
+Created once by the supervisor before it forks (or privately by a worker run on its own for
+profiling). Capacities are fixed for the segment's life, so they leave room for reloads.
+"""
+
+from __future__ import annotations
+
+from gateway.config import Config
+from gateway.endpoints import all_endpoint_ids, cluster_specs_from_config
+from gateway.metrics import COUNTERS
+from shm.affinity import AffinityTable
+from shm.metrics import MetricsTable
+from shm.segment import Segment
+
+# Extra regions of the segment (names travel to workers in ctx.extras).
+AFFINITY_REGION = "affinity"
+METRICS_REGION = "metrics"  # shm.metrics.MetricsTable: one gateway.metrics counter row per worker slot
+
+
+def endpoint_capacity(config: Config) -> int:
+    # Reloads may add endpoints; the segment cannot grow after fork, so leave headroom.
+    configured = sum(len(cluster.endpoints) for cluster in config.clusters)
+    return max(256, 4 * configured)
+
+
+def create_segment(config: Config, worker_rows: int) -> Segment:
+    """The shared-memory segment (anonymous mmap, inherited by every fork)."""
+    regions = {
+        AFFINITY_REGION: AffinityTable.required_bytes(config.routing.session_affinity.capacity),
+        METRICS_REGION: MetricsTable.required_bytes(worker_rows, COUNTERS),
+    }
+    return Segment.create(worker_rows, endpoint_capacity(config), extra_regions=regions)
+
+
+def endpoint_ids(*configs: Config) -> list[str]:
+    """Every endpoint id of these configs: their shared-memory slots (kept across reloads by id)."""
+    return list(dict.fromkeys(eid for config in configs for eid in all_endpoint_ids(cluster_specs_from_config(config))))
