@@ -27,6 +27,7 @@ _perf = time.perf_counter
 _PIPELINE_BUFFER_LIMIT = 65536
 _HEAD, _BODY, _HANDLING, _CLOSED = range(4)
 _LINGER_S = 2.0
+_FRESH_GRACE_S = 1.0
 
 
 class ServerSettings:
@@ -59,10 +60,19 @@ class ServerState:
         # Called with the status of every request rejected before it reached the proxy (metrics).
         self.on_reject: Callable[[int], None] | None = None
 
-    def close_idle(self) -> None:
+    def close_idle(self, now: float) -> None:
+        """Draining: close keep-alive connections between requests.
+
+        A connection accepted moments ago has not had the chance to send its first request: it keeps
+        ``_FRESH_GRACE_S`` to do so (and is then answered with ``Connection: close``).
+        """
         for conn in list(self.connections):
-            if conn.exchange is None:
-                conn.close()
+            if conn.exchange is None and conn.state == _HEAD and not conn.head_started:
+                if conn.served or now - conn.opened_at > _FRESH_GRACE_S:
+                    conn.close()
+
+    def has_fresh_connections(self, now: float) -> bool:
+        return any(not conn.served and now - conn.opened_at <= _FRESH_GRACE_S for conn in self.connections)
 
 
 class Exchange:
@@ -150,7 +160,7 @@ class ServerConnection(asyncio.Protocol):
     __slots__ = (
         "server", "settings", "transport", "codec", "state", "exchange", "peer", "_timer",
         "_head_bytes", "_t_head", "_body", "_body_len", "_guard", "_framing", "_request",
-        "_reading_paused", "_writing_paused", "_loop", "pending",
+        "_reading_paused", "_writing_paused", "_loop", "pending", "served", "opened_at",
     )
 
     def __init__(self, server: ServerState) -> None:
@@ -173,12 +183,14 @@ class ServerConnection(asyncio.Protocol):
         self._writing_paused = False
         self._loop = asyncio.get_running_loop()
         self.pending: list[bytes] = []
+        self.served = 0
+        self.opened_at = self._loop.time()
 
     # -- transport callbacks -------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         server = self.server
-        if len(server.connections) >= self.settings.max_connections or server.draining:
+        if len(server.connections) >= self.settings.max_connections:
             body = error_body(503, "too_many_connections", "worker connection limit reached, retry")
             headers = [*error_headers(body), (b"retry-after", b"1"), (b"connection", b"close")]
             transport.write(raw_response(503, headers, body))  # type: ignore[attr-defined]
@@ -332,8 +344,13 @@ class ServerConnection(asyncio.Protocol):
                 self.transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
             pending.clear()
 
+    @property
+    def head_started(self) -> bool:
+        return self._head_bytes > 0
+
     def finish_exchange(self, exchange: Exchange, aborted: bool = False) -> None:
         self.server.in_flight -= 1
+        self.served += 1
         self.exchange = None
         if self.state == _CLOSED:
             return

@@ -76,13 +76,13 @@ class Worker:
         await self.stopping.wait()
 
         send_status(ctx.status_fd, {"kind": "draining", "slot": ctx.slot})
-        server.close()
         state.draining = True
-        state.close_idle()
+        server.close()
+        state.close_idle(loop.time())
         deadline = loop.time() + float(self.config.timeouts.graceful_shutdown)
-        while state.in_flight > 0 and loop.time() < deadline:
+        while (state.in_flight > 0 or state.has_fresh_connections(loop.time())) and loop.time() < deadline:
             await asyncio.sleep(0.05)
-            state.close_idle()
+            state.close_idle(loop.time())
         background.cancel()
         for conn in list(state.connections):
             conn.close(abort=True)
