@@ -85,9 +85,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_control(args: argparse.Namespace) -> int:
-    # The control plane ships in a later release; say so instead of pretending to run.
-    print("gridgate control: the control plane is not available in this build", file=sys.stderr)
-    return EXIT_USAGE
+    from gateway.control.runner import control_main
+
+    return control_main(args.config)
 
 
 def cmd_overlay_digest(args: argparse.Namespace) -> int:
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     validate.set_defaults(handler=cmd_overlay_validate)
 
-    control = commands.add_parser("control", help="run the control plane (not available in this build)")
+    control = commands.add_parser("control", help="run the control plane: observe providers, publish routing overlays")
     control.add_argument("-c", "--config", required=True, metavar="FILE", help="control-plane spec file")
     control.set_defaults(handler=cmd_control)
 

@@ -38,7 +38,7 @@ def parse_duration(text: str) -> Seconds:
     return Seconds(int(match.group(1)) * _UNIT_SECONDS[match.group(2)])
 
 
-def _dec_hook(kind: type, value: Any) -> Any:
+def decode_hook(kind: type, value: Any) -> Any:
     if kind is Seconds:
         if isinstance(value, str):
             return parse_duration(value)
@@ -288,7 +288,7 @@ _UNKNOWN = re.compile(r"Object contains unknown field `(?P<field>[^`]+)`")
 _MISSING = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
 
 
-def _problem_line(error: msgspec.ValidationError) -> str:
+def validation_problem(error: msgspec.ValidationError) -> str:
     match = _AT_PATH.match(str(error))
     assert match is not None
     message, path = match.group("msg"), (match.group("path") or "").lstrip(".")
@@ -348,9 +348,9 @@ def parse_config(text: str, base_dir: str = ".") -> Config:
         raise ConfigError(["(top level): the config must be a mapping"])
     raw = {**raw, "base_dir": base_dir}
     try:
-        config = msgspec.convert(raw, Config, dec_hook=_dec_hook)
+        config = msgspec.convert(raw, Config, dec_hook=decode_hook)
     except msgspec.ValidationError as exc:
-        raise ConfigError([_problem_line(exc)]) from None
+        raise ConfigError([validation_problem(exc)]) from None
     problems = _cross_checks(config)
     if problems:
         raise ConfigError(problems)

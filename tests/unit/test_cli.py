@@ -110,10 +110,11 @@ def test_keys_hash_without_a_key_is_an_error(monkeypatch, capsys):
     assert code == 1 and out == "" and "no API key" in err
 
 
-def test_control_says_it_is_not_available(config_dir, capsys):
+def test_control_with_a_gateway_config_names_the_spec_problems(config_dir, capsys):
+    # A gateway config is not a control-plane spec: exit 1 with field-named problems, no traceback.
     code, out, err = run(capsys, "control", "-c", str(config_dir / "gateway.yaml"))
-    assert code == 2 and out == ""
-    assert "not available in this build" in err and err.count("\n") == 1
+    assert code == 1 and out == ""
+    assert "Traceback" not in err and ":" in err
 
 
 @pytest.mark.parametrize(

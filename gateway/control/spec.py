@@ -1,0 +1,312 @@
+"""The control-plane spec file (YAML), documented in ``deploy/control/README.md``.
+
+Same rules as the gateway config (CONTRACT §2): msgspec Structs reject unknown keys,
+durations are ``500ms``/``5s``/``2m``, and every problem is one ``field.path: message``
+line. The three ``*Policy`` blocks use Grid's camelCase names so they read like a Grid
+network spec; everything else is gridgate's snake_case.
+
+Cross-checks go further than types: a spec that loads here renders overlays the data
+plane accepts (stable ids are visible ASCII, no two providers claim one candidate
+identity, at most 1024 candidates), so a bad catalogue fails at start, not at publish.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import metadata
+from typing import Literal
+from urllib.parse import urlsplit
+
+import msgspec
+import yaml
+
+# One error builder for every YAML file gridgate reads: the config's.
+from gateway.config import ConfigError, Seconds, decode_hook, validation_problem
+from gateway.overlay.contract import MAX_CANDIDATES, MAX_TEXT_BYTES
+
+NO_METRICS = "noMetrics"
+QUEUE_DEPTH = "queueDepth"
+KV_CACHE_PRESSURE = "kvCachePressure"
+GEOGRAPHY_FIRST = "geographyFirst"
+SCORE_FIRST = "scoreFirst"
+INSTANTANEOUS = "instantaneous"
+STABILIZED = "stabilized"
+
+# Used for the strategy's own metric when the spec leaves its threshold out.
+DEFAULT_QUEUE_DEPTH_THRESHOLD = 32.0
+DEFAULT_KV_CACHE_THRESHOLD = 0.9
+
+
+def _package_version() -> str:
+    try:
+        return metadata.version("gridgate")
+    except metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    pass
+
+
+class Scope(_Strict):
+    """The envelope scope; a gateway's ``expected_overlay_scope`` must match it."""
+
+    network: str
+    gateway: str
+    namespace: str
+    local_site: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"network": self.network, "gateway": self.gateway, "namespace": self.namespace,
+                "local_site": self.local_site}
+
+
+class Producer(_Strict):
+    """Provenance of the published envelopes."""
+
+    name: str = "gridgate-control"
+    version: str = msgspec.field(default_factory=_package_version)
+    source_uid: str | None = None  # default: "gridgate-control/<network>"
+
+
+class ScoringPolicy(_Strict):
+    strategy: Literal["noMetrics", "queueDepth", "kvCachePressure"] = NO_METRICS
+    # Above a threshold a provider is under pressure: existing_only. None = not checked, except
+    # for the strategy's own metric, which always has one (the defaults above).
+    queue_depth_threshold: float | None = msgspec.field(name="queueDepthThreshold", default=None)
+    kv_cache_threshold: float | None = msgspec.field(name="kvCacheThreshold", default=None)
+    # Scores are quantized into this many bands below the threshold, so metric jitter inside a band
+    # changes neither the groups nor the semantic revision.
+    score_bands: int = msgspec.field(name="scoreBands", default=4)
+
+    def uses_metrics(self) -> bool:
+        return self.strategy != NO_METRICS
+
+    def effective_queue_depth_threshold(self) -> float | None:
+        if self.queue_depth_threshold is None and self.strategy == QUEUE_DEPTH:
+            return DEFAULT_QUEUE_DEPTH_THRESHOLD
+        return self.queue_depth_threshold
+
+    def effective_kv_cache_threshold(self) -> float | None:
+        if self.kv_cache_threshold is None and self.strategy == KV_CACHE_PRESSURE:
+            return DEFAULT_KV_CACHE_THRESHOLD
+        return self.kv_cache_threshold
+
+
+class SelectionPolicy(_Strict):
+    mode: Literal["deterministic", "roundRobin", "random"] = "deterministic"
+
+
+class Admission(_Strict):
+    mode: Literal["instantaneous", "stabilized"] = INSTANTANEOUS
+    # stabilized: a provider's published state changes only after this many consecutive
+    # observations agree on the new state (a hold-down against flapping).
+    observations: int = 3
+
+    def required_observations(self) -> int:
+        return self.observations if self.mode == STABILIZED else 1
+
+
+class SecretRef(_Strict):
+    name: str
+    namespace: str
+    key: str
+
+
+class CredentialRef(_Strict):
+    """Copied into the candidate as-is: the gateway resolves the secret, never the control plane."""
+
+    strategy: Literal["apikey", "bearer_token"]
+    secret_ref: SecretRef = msgspec.field(name="secretRef")
+    header: str | None = None
+
+    def as_dict(self) -> dict[str, object]:
+        ref = {"name": self.secret_ref.name, "namespace": self.secret_ref.namespace, "key": self.secret_ref.key}
+        out: dict[str, object] = {"strategy": self.strategy, "secretRef": ref}
+        if self.header is not None:
+            out["header"] = self.header
+        return out
+
+
+class Provider(_Strict):
+    name: str
+    site: str
+    models: list[str]
+    health_url: str
+    metrics_url: str | None = None
+    cluster: str | None = None  # the gateway cluster name; default: name
+    kind: Literal["inference_model", "mcp_tool"] = "inference_model"
+    credential: CredentialRef | None = None
+
+    @property
+    def cluster_name(self) -> str:
+        return self.cluster or self.name
+
+    def stable_id(self, model: str) -> str:
+        return f"{self.kind}/{model}/{self.site}/{self.cluster_name}"
+
+
+class ControlSpec(_Strict):
+    output: str
+    scope: Scope
+    providers: list[Provider]
+    producer: Producer = msgspec.field(default_factory=Producer)
+    interval: Seconds = Seconds(5)
+    probe_timeout: Seconds = Seconds(2)
+    routing_policy: Literal["geographyFirst", "scoreFirst"] = msgspec.field(
+        name="routingPolicy", default=GEOGRAPHY_FIRST
+    )
+    scoring_policy: ScoringPolicy = msgspec.field(name="scoringPolicy", default_factory=ScoringPolicy)
+    selection_policy: SelectionPolicy = msgspec.field(name="selectionPolicy", default_factory=SelectionPolicy)
+    admission: Admission = msgspec.field(default_factory=Admission)
+
+    @property
+    def source_uid(self) -> str:
+        return self.producer.source_uid or f"gridgate-control/{self.scope.network}"
+
+
+# --------------------------------------------------------------------------- cross-checks
+
+
+def _text_problem(value: str, path: str) -> str | None:
+    """The data plane's rule for overlay text fields: 1..256 UTF-8 bytes, not blank."""
+    if not value.strip() or len(value.encode("utf-8", "surrogatepass")) > MAX_TEXT_BYTES:
+        return f"{path}: must be 1..{MAX_TEXT_BYTES} bytes, not blank"
+    return None
+
+
+def _url_problem(url: str, path: str) -> str | None:
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        return f"{path}: invalid URL {url!r} ({exc})"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"{path}: must be an http:// or https:// URL with a host, got {url!r}"
+    if port == 0:
+        return f"{path}: port must be 1..65535"
+    return None
+
+
+def _provider_problems(spec: ControlSpec) -> list[str]:
+    problems: list[str] = []
+    seen_names: dict[str, int] = {}
+    seen_ids: dict[str, str] = {}
+    for index, provider in enumerate(spec.providers):
+        path = f"providers[{index}]"
+        for field in ("name", "site"):
+            problem = _text_problem(getattr(provider, field), f"{path}.{field}")
+            if problem:
+                problems.append(problem)
+        if provider.cluster is not None and (problem := _text_problem(provider.cluster, f"{path}.cluster")):
+            problems.append(problem)
+        if provider.name in seen_names:
+            problems.append(f"{path}.name: duplicate provider name {provider.name!r} "
+                            f"(first at providers[{seen_names[provider.name]}])")
+        seen_names.setdefault(provider.name, index)
+        if (problem := _url_problem(provider.health_url, f"{path}.health_url")):
+            problems.append(problem)
+        if provider.metrics_url is not None and (problem := _url_problem(provider.metrics_url, f"{path}.metrics_url")):
+            problems.append(problem)
+        if provider.metrics_url is None and spec.scoring_policy.uses_metrics():
+            problems.append(f"{path}.metrics_url: required by scoringPolicy.strategy "
+                            f"{spec.scoring_policy.strategy}")
+        if not provider.models:
+            problems.append(f"{path}.models: must list at least one model")
+        for m_index, model in enumerate(provider.models):
+            m_path = f"{path}.models[{m_index}]"
+            if (problem := _text_problem(model, m_path)):
+                problems.append(problem)
+                continue
+            stable_id = provider.stable_id(model)
+            # The data plane requires visible ASCII stable ids; ours are kind/model/site/cluster.
+            if not (len(stable_id) <= MAX_TEXT_BYTES and all(33 <= ord(c) <= 126 for c in stable_id)):
+                problems.append(f"{m_path}: stable id {stable_id!r} must be 1..{MAX_TEXT_BYTES} visible "
+                                "ASCII characters (model, site and cluster without spaces)")
+                continue
+            owner = seen_ids.setdefault(stable_id, m_path)
+            if owner != m_path:
+                problems.append(f"{m_path}: {stable_id} is already offered by {owner} "
+                                "(same kind, model, site and cluster)")
+    count = sum(len(p.models) for p in spec.providers)
+    if count > MAX_CANDIDATES:
+        problems.append(f"providers: {count} candidates (provider x model) exceed the overlay limit {MAX_CANDIDATES}")
+    if not spec.providers:
+        problems.append("providers: must list at least one provider")
+    return problems
+
+
+def _cross_checks(spec: ControlSpec) -> list[str]:
+    problems: list[str] = []
+    for field in ("network", "gateway", "namespace", "local_site"):
+        if (problem := _text_problem(getattr(spec.scope, field), f"scope.{field}")):
+            problems.append(problem)
+    for field, value in (("name", spec.producer.name), ("version", spec.producer.version),
+                         ("source_uid", spec.source_uid)):
+        if (problem := _text_problem(value, f"producer.{field}")):
+            problems.append(problem)
+    if spec.interval <= 0:
+        problems.append("interval: must be > 0")
+    if spec.probe_timeout <= 0:
+        problems.append("probe_timeout: must be > 0")
+    elif spec.probe_timeout > spec.interval:
+        problems.append("probe_timeout: must not exceed interval (a cycle would overrun the next)")
+    scoring = spec.scoring_policy
+    for name, value in (("queueDepthThreshold", scoring.queue_depth_threshold),
+                        ("kvCacheThreshold", scoring.kv_cache_threshold)):
+        if value is not None and value <= 0:
+            problems.append(f"scoringPolicy.{name}: must be > 0")
+    if not 1 <= scoring.score_bands <= 100:
+        problems.append("scoringPolicy.scoreBands: must be 1..100")
+    if spec.admission.observations < 1:
+        problems.append("admission.observations: must be >= 1")
+    if not os.path.basename(spec.output).strip():
+        problems.append("output: must name a file")
+    elif not os.path.isdir(os.path.dirname(spec.output) or "."):
+        problems.append(f"output: directory {os.path.dirname(spec.output)} does not exist")
+    return problems + _provider_problems(spec)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def parse_spec(text: str, base_dir: str = ".") -> ControlSpec:
+    """Parse YAML text into a validated spec; ``output`` is resolved against ``base_dir``.
+
+    Raises :class:`ConfigError` with one ``field: message`` line per problem.
+    """
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark else "file"
+        raise ConfigError([f"({where}): invalid YAML: {getattr(exc, 'problem', exc)}"]) from None
+    if not isinstance(raw, dict):
+        raise ConfigError(["(top level): the spec must be a mapping"])
+    try:
+        spec = msgspec.convert(raw, ControlSpec, dec_hook=decode_hook)
+    except msgspec.ValidationError as exc:
+        raise ConfigError([validation_problem(exc)]) from None
+    spec = msgspec.structs.replace(spec, output=os.path.join(base_dir, spec.output))
+    problems = _cross_checks(spec)
+    if problems:
+        raise ConfigError(problems)
+    return spec
+
+
+def load_spec(path: str) -> ControlSpec:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError as exc:
+        raise ConfigError([f"(file): cannot read {path}: {exc.strerror}"]) from None
+    return parse_spec(text, base_dir=os.path.dirname(os.path.abspath(path)))
+
+
+def check_spec(path: str) -> list[str]:
+    """Every problem of the spec file at ``path``, one ``field: message`` line each; [] when valid."""
+    try:
+        load_spec(path)
+    except ConfigError as exc:
+        return list(exc.problems)
+    return []
