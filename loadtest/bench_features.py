@@ -1,0 +1,168 @@
+"""What each feature costs on the request path, measured in one run (ratios, not absolute figures).
+
+    python -m loadtest.bench_features [--duration 8] [--connections 32]
+
+One gateway worker pinned to core 0; wrk and the mock providers on core 1. The same topology is
+run with the routing core only, then with active health checks and outlier detection, session
+affinity, auth + token quota (embedded Valkey), and everything together. For each: proxied req/s
+(32 connections), its ratio to the core run, and the gateway overhead p50/p99 at one connection
+(``x-gridgate-overhead-ms``: request bytes in to upstream request written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+import yaml
+
+from gateway.auth import hash_api_key
+from loadtest.bench_core import (
+    BENCH_CONFIG,
+    CHAT_PATH,
+    REPORTS_DIR,
+    GatewayProcess,
+    Topology,
+    markdown_table,
+    pin_self,
+    raise_fd_limit,
+    run_wrk,
+    start_mocks,
+    stop_all,
+    timestamp,
+    write_json,
+    write_text,
+)
+from loadtest.report import child_pids
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WRK_FEATURES = os.path.join(HERE, "configs", "wrk_features.lua")
+BENCH_KEY = "sk-bench"
+
+FAST_HEALTH = {"type": "http", "path": "/health", "interval": "1s", "timeout": "500ms"}
+
+
+def _health(config: dict[str, Any]) -> None:
+    for cluster in config["clusters"]:
+        cluster["health_check"] = dict(FAST_HEALTH)
+        cluster["outlier_detection"] = {"consecutive_failures": 5, "base_ejection": "30s"}
+
+
+def _affinity(config: dict[str, Any]) -> None:
+    config["routing"]["session_affinity"] = {"enabled": True, "header": "X-Session-Id", "ttl": "1h"}
+
+
+def _quota(config: dict[str, Any], data_dir: str) -> None:
+    config["auth"] = {"keys": [{"tenant": "bench", "key": hash_api_key(BENCH_KEY)}]}
+    config["quota"] = {
+        "backend": {"kind": "embedded", "data_dir": data_dir},
+        "rules": [{"name": "bench", "match": {"tenant": "bench"},
+                   "budgets": [{"window": "1m", "tokens": 10**12}, {"window": "1d", "tokens": 10**13}]}],
+    }
+
+
+def variants(base: dict[str, Any], work_dir: str) -> list[tuple[str, dict[str, Any]]]:
+    def derive(*features) -> dict[str, Any]:
+        config = copy.deepcopy(base)
+        for feature in features:
+            feature(config)
+        return config
+
+    quota = lambda c: _quota(c, os.path.join(work_dir, "valkey"))  # noqa: E731
+    return [
+        ("core (auth, quota, health off)", derive()),
+        ("+ health checks + outlier detection", derive(_health)),
+        ("+ session affinity", derive(_affinity)),
+        ("+ auth + token quota", derive(quota)),
+        ("everything", derive(_health, _affinity, quota)),
+    ]
+
+
+def pin_valkey(supervisor_pid: int, cpus: set[int] | None) -> None:
+    """The embedded Valkey stands in for a remote server: keep it off the measured worker's core."""
+    if not cpus:
+        return
+    for pid in child_pids(supervisor_pid):
+        try:
+            with open(f"/proc/{pid}/comm") as comm:
+                if "valkey" in comm.read():
+                    os.sched_setaffinity(pid, cpus)
+        except OSError:
+            continue
+
+
+def write_variant(config: dict[str, Any], work_dir: str, index: int) -> str:
+    path = os.path.join(work_dir, f"variant-{index}.yaml")
+    with open(path, "w") as out:
+        yaml.safe_dump(config, out)
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    if shutil.which("wrk") is None:
+        print("bench_features: wrk not found on PATH; skipping (apt-get install -y wrk)")
+        return 0
+    multi_core = len(os.sched_getaffinity(0)) > 1
+    gateway_cpus = {0} if multi_core else None
+    load_cpus = {1} if multi_core else None
+    raise_fd_limit()
+    pin_self(load_cpus)
+    with open(BENCH_CONFIG) as src:
+        base = yaml.safe_load(src)
+    work_dir = tempfile.mkdtemp(prefix="gridgate-bench-")
+    shutil.copy(os.path.join(os.path.dirname(BENCH_CONFIG), base["routing"]["overlay_file"]), work_dir)
+    topology = Topology.from_config(BENCH_CONFIG)
+    url = f"http://{topology.listen[0]}:{topology.listen[1]}{CHAT_PATH}"
+    mocks = start_mocks(topology, load_cpus, tokens=16, models="demo-model")
+    rows: list[dict[str, Any]] = []
+    try:
+        for index, (name, config) in enumerate(variants(base, work_dir)):
+            variant_topology = Topology.from_config(write_variant(config, work_dir, index))
+            gateway = GatewayProcess(variant_topology, 1, gateway_cpus)
+            try:
+                gateway.wait_ready()
+                pin_valkey(gateway.process.pid, load_cpus)
+                time.sleep(1.0)
+                run_wrk(url, WRK_FEATURES, args.connections, 2, load_cpus)  # warm-up
+                print(f"bench_features: {name}", file=sys.stderr)
+                throughput = run_wrk(url, WRK_FEATURES, args.connections, args.duration, load_cpus)
+                overhead = run_wrk(url, WRK_FEATURES, 1, max(3, args.duration // 2), load_cpus)
+                rows.append({"variant": name, "throughput": throughput, "overhead_1conn": overhead,
+                             "rss_kib": gateway.rss()["workers_kib"]})
+            finally:
+                gateway.stop()
+    finally:
+        stop_all(mocks)
+        shutil.rmtree(work_dir, ignore_errors=True)
+    core = rows[0]["throughput"].get("requests_per_s") or 1.0
+    table_rows = []
+    for row in rows:
+        rps = row["throughput"].get("requests_per_s", 0.0)
+        over = row["overhead_1conn"].get("overhead_ms", {})
+        errors = row["throughput"].get("non_2xx", 0) + row["throughput"].get("socket_errors", 0)
+        table_rows.append((row["variant"], f"{rps:,.0f}", f"{rps / core:.1%}", f"{over.get('p50', 0):.3f}",
+                           f"{over.get('p99', 0):.3f}", str(errors)))
+    table = markdown_table(("variant (1 worker core)", "req/s", "vs core", "overhead p50 ms", "overhead p99 ms",
+                            "errors"), table_rows)
+    stamp = timestamp()
+    write_json(os.path.join(REPORTS_DIR, f"bench-features-{stamp}.json"), rows)
+    write_text(os.path.join(REPORTS_DIR, f"bench-features-{stamp}.md"), table + "\n")
+    print(table)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench_features", description=__doc__.split("\n")[0])
+    parser.add_argument("--duration", type=int, default=8)
+    parser.add_argument("--connections", type=int, default=32)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
