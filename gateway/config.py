@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 import yaml
+
+T = TypeVar("T")
 
 
 class ConfigError(Exception):
@@ -336,8 +338,11 @@ def _cross_checks(config: Config) -> list[str]:
     return problems
 
 
-def parse_config(text: str, base_dir: str = ".") -> Config:
-    """Parse YAML text into a validated Config; raise ConfigError naming each bad field."""
+def convert_yaml(text: str, kind: type[T], extra: dict[str, Any] | None = None) -> T:
+    """YAML text -> a validated msgspec Struct of ``kind``; ConfigError naming the field otherwise.
+
+    The one loader behind the gateway config and the control-plane spec.
+    """
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -345,12 +350,24 @@ def parse_config(text: str, base_dir: str = ".") -> Config:
         where = f"line {mark.line + 1}" if mark else "file"
         raise ConfigError([f"({where}): invalid YAML: {getattr(exc, 'problem', exc)}"]) from None
     if not isinstance(raw, dict):
-        raise ConfigError(["(top level): the config must be a mapping"])
-    raw = {**raw, "base_dir": base_dir}
+        raise ConfigError(["(top level): the file must be a mapping"])
     try:
-        config = msgspec.convert(raw, Config, dec_hook=decode_hook)
+        return msgspec.convert({**raw, **(extra or {})}, kind, dec_hook=decode_hook)
     except msgspec.ValidationError as exc:
         raise ConfigError([validation_problem(exc)]) from None
+
+
+def read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except OSError as exc:
+        raise ConfigError([f"(file): cannot read {path}: {exc.strerror}"]) from None
+
+
+def parse_config(text: str, base_dir: str = ".") -> Config:
+    """Parse YAML text into a validated Config; raise ConfigError naming each bad field."""
+    config = convert_yaml(text, Config, {"base_dir": base_dir})
     problems = _cross_checks(config)
     if problems:
         raise ConfigError(problems)
@@ -358,9 +375,4 @@ def parse_config(text: str, base_dir: str = ".") -> Config:
 
 
 def load_config(path: str) -> Config:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
-    except OSError as exc:
-        raise ConfigError([f"(file): cannot read {path}: {exc.strerror}"]) from None
-    return parse_config(text, base_dir=os.path.dirname(os.path.abspath(path)))
+    return parse_config(read_text(path), base_dir=os.path.dirname(os.path.abspath(path)))

@@ -51,7 +51,7 @@ from loadtest.report import (
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_CONFIG = os.path.join(ROOT, "loadtest", "configs", "bench.yaml")
 WRK_CHAT = os.path.join(ROOT, "loadtest", "configs", "wrk_chat.lua")
-WRK_OVERHEAD = os.path.join(ROOT, "loadtest", "configs", "wrk_overhead.lua")
+WRK_OVERHEAD = os.path.join(ROOT, "loadtest", "configs", "wrk_features.lua")
 CHAT_PATH = "/v1/chat/completions"
 
 

@@ -4,22 +4,20 @@
     python -m loadtest.make_overlay --check deploy/demo/overlay.json           # exit 1 if stale
 
 The digest is SHA-256 over the RFC 8785 canonical JSON of `{candidates, local_site, network,
-selection_policy (when present)}` taken from the overlay document. This is a deliberately tiny,
-independent copy of the rule (the real validator lives in `gateway/overlay/`), so a demo or bench
-overlay can be kept correct without importing the gateway.
+selection_policy (when present)}` taken from the overlay document. The digest itself comes from
+`gateway.overlay.digest`, the same code the gateway validates with.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
 import tempfile
 from typing import Any
 
-import rfc8785
+from gateway.overlay.digest import semantic_revision
 
 
 def overlay_document(data: dict[str, Any]) -> dict[str, Any]:
@@ -28,28 +26,16 @@ def overlay_document(data: dict[str, Any]) -> dict[str, Any]:
     return inner if isinstance(inner, dict) else data
 
 
-def semantic_digest(document: dict[str, Any]) -> str:
-    """64-hex semantic revision of an overlay document."""
-    semantic: dict[str, Any] = {
-        "candidates": document.get("candidates"),
-        "local_site": document.get("local_site"),
-        "network": document.get("network"),
-    }
-    if "selection_policy" in document:
-        semantic["selection_policy"] = document["selection_policy"]
-    return hashlib.sha256(rfc8785.dumps(semantic)).hexdigest()
-
-
 def stamp(envelope: dict[str, Any]) -> dict[str, Any]:
     """Set `revision` and `content_digest` of an envelope to the recomputed digest (in place)."""
-    digest = semantic_digest(overlay_document(envelope))
+    digest = semantic_revision(overlay_document(envelope))
     envelope["revision"] = {"kind": "content_addressed", "algorithm": "sha256", "value": digest}
     envelope["content_digest"] = {"algorithm": "sha256", "value": digest}
     return envelope
 
 
 def is_stamped(envelope: dict[str, Any]) -> bool:
-    digest = semantic_digest(overlay_document(envelope))
+    digest = semantic_revision(overlay_document(envelope))
     revision, content = envelope.get("revision"), envelope.get("content_digest")
     return (isinstance(revision, dict) and revision.get("value") == digest
             and isinstance(content, dict) and content.get("value") == digest)
@@ -91,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.files:
         with open(path) as src:
             envelope = json.load(src)
-        digest = semantic_digest(overlay_document(envelope))
+        digest = semantic_revision(overlay_document(envelope))
         if args.check:
             ok = is_stamped(envelope)
             stale += not ok

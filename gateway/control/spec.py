@@ -18,10 +18,9 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 import msgspec
-import yaml
 
 # One error builder for every YAML file gridgate reads: the config's.
-from gateway.config import ConfigError, Seconds, decode_hook, validation_problem
+from gateway.config import ConfigError, Seconds, convert_yaml, read_text
 from gateway.overlay.contract import MAX_CANDIDATES, MAX_TEXT_BYTES
 
 NO_METRICS = "noMetrics"
@@ -275,18 +274,7 @@ def parse_spec(text: str, base_dir: str = ".") -> ControlSpec:
 
     Raises :class:`ConfigError` with one ``field: message`` line per problem.
     """
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}" if mark else "file"
-        raise ConfigError([f"({where}): invalid YAML: {getattr(exc, 'problem', exc)}"]) from None
-    if not isinstance(raw, dict):
-        raise ConfigError(["(top level): the spec must be a mapping"])
-    try:
-        spec = msgspec.convert(raw, ControlSpec, dec_hook=decode_hook)
-    except msgspec.ValidationError as exc:
-        raise ConfigError([validation_problem(exc)]) from None
+    spec = convert_yaml(text, ControlSpec)
     spec = msgspec.structs.replace(spec, output=os.path.join(base_dir, spec.output))
     problems = _cross_checks(spec)
     if problems:
@@ -295,12 +283,7 @@ def parse_spec(text: str, base_dir: str = ".") -> ControlSpec:
 
 
 def load_spec(path: str) -> ControlSpec:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
-    except OSError as exc:
-        raise ConfigError([f"(file): cannot read {path}: {exc.strerror}"]) from None
-    return parse_spec(text, base_dir=os.path.dirname(os.path.abspath(path)))
+    return parse_spec(read_text(path), base_dir=os.path.dirname(os.path.abspath(path)))
 
 
 def check_spec(path: str) -> list[str]:
