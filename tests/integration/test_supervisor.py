@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from gateway.supervisor import CrashBackoff, SlotPool
+from tests.contract_fixtures import OVERLAY_FIXTURES
 from tests.harness import (
     ROOT,
     Gateway,
@@ -31,7 +32,7 @@ from tests.harness import (
     status_of,
 )
 
-FIXTURES = Path(ROOT).parent / "shared" / "contract" / "overlay-v1"
+FIXTURES = OVERLAY_FIXTURES
 CLUSTERS = {"cluster-a": ["127.0.0.1:9"]}  # never contacted: these tests only use gateway-local answers
 OVERLAY = envelope([candidate("m", "cluster-a")])
 FAST_DRAIN = {"timeouts": {"graceful_shutdown": "2s"}}

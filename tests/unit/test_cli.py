@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import main
+from tests.contract_fixtures import OVERLAY_FIXTURES
 
 # The normative fixtures live next to the repository (CONTRACT §4: ../shared/contract/overlay-v1).
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "contract" / "overlay-v1"
+FIXTURES = OVERLAY_FIXTURES
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())["fixtures"]
 
 CONFIG = """\

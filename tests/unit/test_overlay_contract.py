@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import pathlib
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,8 +12,9 @@ import pytest
 from gateway.overlay.contract import OverlayRejected, parse_json, validate_overlay
 from gateway.overlay.digest import semantic_revision
 from gateway.overlay.snapshot import snapshot_from_bytes, snapshot_from_object
+from tests.contract_fixtures import OVERLAY_FIXTURES
 
-FIXTURES = pathlib.Path(__file__).resolve().parents[3] / "shared" / "contract" / "overlay-v1"
+FIXTURES = OVERLAY_FIXTURES
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())["fixtures"]
 
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import pathlib
 
 import pytest
 
 from gateway.overlay.contract import parse_json
 from gateway.overlay.digest import canonical_bytes, semantic_revision
+from tests.contract_fixtures import OVERLAY_FIXTURES
 
-FIXTURES = pathlib.Path(__file__).resolve().parents[3] / "shared" / "contract" / "overlay-v1"
+FIXTURES = OVERLAY_FIXTURES
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())["fixtures"]
 
 
