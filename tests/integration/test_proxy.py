@@ -10,7 +10,17 @@ import time
 
 import pytest
 
-from tests.harness import Client, candidate, chat, envelope, free_port, raw_exchange, request, status_of
+from tests.harness import (
+    Client,
+    admin_get,
+    candidate,
+    chat,
+    envelope,
+    free_port,
+    raw_exchange,
+    request,
+    status_of,
+)
 
 
 def _served(handle) -> int:
@@ -267,3 +277,50 @@ def test_worker_connection_limit_answers_503(mock_provider, gateway_factory):
     assert b"retry-after: 1" in raw.lower()
     for client in held:
         client.close()
+
+
+class _OneShotKeepAliveServer:
+    """Answers the first request of each connection with keep-alive, then drops the connection when the
+    second request arrives on it: exactly what a provider closing an idle pooled connection looks like."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.connections = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _handle(conn: socket.socket) -> None:
+        conn.settimeout(5)
+        try:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+            conn.recv(65536)  # the next request on the pooled connection: hang up without answering
+        except OSError:
+            pass
+        conn.close()
+
+
+def test_stale_pooled_connection_is_retried_on_a_fresh_one(gateway_factory):
+    server = _OneShotKeepAliveServer()
+    gateway = gateway_factory({"flaky": [f"127.0.0.1:{server.port}"]}, envelope([candidate("m", "flaky")]))
+    client = Client(gateway.port)
+    for _ in range(5):
+        response = client.request("POST", "/v1/chat/completions", {"model": "m"})
+        assert response.status == 200, response.body
+    client.close()
+    assert server.connections >= 5
+    _, _, metrics = admin_get(gateway.admin_port, "/metrics")
+    retries = re.search(rb"^gridgate_upstream_retries_total (\S+)", metrics, re.M)
+    assert retries and float(retries.group(1)) >= 1  # the stale connection was really hit, then retried
