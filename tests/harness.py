@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -275,3 +276,23 @@ def status_of(raw: bytes) -> int:
     line = raw.split(b"\r\n", 1)[0]
     parts = line.split(b" ")
     return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+
+
+# What a mock provider saw, read from its Prometheus page: outcomes, not calls.
+_TRAFFIC_ENDPOINTS = ("chat", "completions", "embeddings", "debug", "models")
+
+
+def mock_served(handle: Any, endpoints: Iterable[str] = _TRAFFIC_ENDPOINTS) -> int:
+    """Requests the mock answered on these endpoints (default: everything but health/metrics/admin)."""
+    _, _, body = request("127.0.0.1", handle.port, "GET", "/metrics")
+    total = 0
+    for name in endpoints:
+        match = re.search(rb'^mock_requests_served_total\{[^}]*endpoint="%s"\} (\S+)' % name.encode(), body, re.M)
+        total += int(float(match.group(1))) if match else 0
+    return total
+
+
+def mock_in_flight(handle: Any) -> int:
+    _, _, body = request("127.0.0.1", handle.port, "GET", "/metrics")
+    match = re.search(rb"^mock_requests_in_flight\{[^}]*\} (\S+)", body, re.M)
+    return int(float(match.group(1))) if match else -1

@@ -10,17 +10,11 @@ import threading
 import time
 from collections import Counter
 
-from tests.harness import admin_get, candidate, chat, envelope, free_port, request
+from tests.harness import admin_get, candidate, chat, envelope, free_port, mock_served, request
 
 
 def _set_health(handle, status: int) -> None:
     request("127.0.0.1", handle.port, "POST", "/admin/health", {"status": status})
-
-
-def _served(handle, endpoint: str) -> int:
-    _, _, body = request("127.0.0.1", handle.port, "GET", "/metrics")
-    match = re.search(rb'^mock_requests_served_total\{[^}]*endpoint="%s"\} (\S+)' % endpoint.encode(), body, re.M)
-    return int(float(match.group(1))) if match else 0
 
 
 def _spread(port: int, count: int, **kwargs) -> Counter:
@@ -139,9 +133,9 @@ def test_health_probes_do_not_multiply_with_workers(mock_provider, gateway_facto
     check = {**FAST_HEALTH, "interval": "250ms"}
     gateway = gateway_factory({"c": [handle.address]}, envelope([candidate("m", "c")]), workers=3,
                               cluster_options={"health_check": check})
-    start = _served(handle, "health")
+    start = mock_served(handle, ["health"])
     time.sleep(2.0)
-    probes = _served(handle, "health") - start
+    probes = mock_served(handle, ["health"]) - start
     assert 5 <= probes <= 11, probes  # ~8 per 2 s from one prober, not 3x that
     assert len(gateway.worker_pids()) == 3
 

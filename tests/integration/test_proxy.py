@@ -17,21 +17,12 @@ from tests.harness import (
     chat,
     envelope,
     free_port,
+    mock_in_flight,
+    mock_served,
     raw_exchange,
     request,
     status_of,
 )
-
-
-def _served(handle) -> int:
-    _, _, body = request("127.0.0.1", handle.port, "GET", "/metrics")
-    return sum(int(float(m)) for m in re.findall(rb'^mock_requests_served_total\{[^}]*endpoint="(?:chat|completions|embeddings|debug|models)"\} (\S+)', body, re.M))
-
-
-def _in_flight(handle) -> int:
-    _, _, body = request("127.0.0.1", handle.port, "GET", "/metrics")
-    match = re.search(rb"^mock_requests_in_flight\{[^}]*\} (\S+)", body, re.M)
-    return int(float(match.group(1))) if match else -1
 
 
 @pytest.fixture
@@ -78,13 +69,13 @@ def test_models_list_comes_from_the_overlay(mock_provider, gateway_factory):
     handle = mock_provider("p")
     overlay = envelope([candidate("alpha", "p"), candidate("beta", "p")])
     gateway = gateway_factory({"p": [handle.address]}, overlay)
-    before = _served(handle)
+    before = mock_served(handle)
     status, _, body = request("127.0.0.1", gateway.port, "GET", "/v1/models")
     assert status == 200
     data = json.loads(body)
     assert data["object"] == "list"
     assert [m["id"] for m in data["data"]] == ["alpha", "beta"]
-    assert _served(handle) == before  # answered by the gateway itself
+    assert mock_served(handle) == before  # answered by the gateway itself
 
 
 @pytest.mark.parametrize(
@@ -98,7 +89,7 @@ def test_models_list_comes_from_the_overlay(mock_provider, gateway_factory):
 )
 def test_gateway_errors_are_openai_json(one_provider, body, headers, status, code):
     handle, gateway = one_provider
-    before = _served(handle)
+    before = mock_served(handle)
     got, response_headers, payload = request(
         "127.0.0.1", gateway.port, "POST", "/v1/chat/completions", body,
         headers=[("Content-Type", "application/json"), *headers],
@@ -109,7 +100,7 @@ def test_gateway_errors_are_openai_json(one_provider, body, headers, status, cod
     assert set(error) == {"message", "type", "code"}
     if code:
         assert error["code"] == code
-    assert _served(handle) == before
+    assert mock_served(handle) == before
 
 
 def test_stream_arrives_incrementally(mock_provider, gateway_factory):
@@ -257,12 +248,12 @@ def test_client_disconnect_closes_upstream(mock_provider, gateway_factory):
     client = Client(gateway.port)
     client.send("POST", "/v1/chat/completions", {"model": "m", "stream": True})
     client.sock.recv(65536)
-    assert _in_flight(handle) == 1
+    assert mock_in_flight(handle) == 1
     client.close()
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and _in_flight(handle) != 0:
+    while time.monotonic() < deadline and mock_in_flight(handle) != 0:
         time.sleep(0.05)
-    assert _in_flight(handle) == 0
+    assert mock_in_flight(handle) == 0
 
 
 def test_worker_connection_limit_answers_503(mock_provider, gateway_factory):

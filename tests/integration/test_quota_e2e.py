@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 import uuid
 
 from gateway.auth import hash_api_key
 from gateway.quota.embedded import EmbeddedValkey
-from tests.harness import Client, admin_get, candidate, chat, envelope, request
-
-
-def _served(handle) -> int:
-    _, _, body = request("127.0.0.1", handle.port, "GET", "/metrics")
-    return sum(int(float(m)) for m in re.findall(rb'^mock_requests_served_total\{[^}]*endpoint="chat"\} (\S+)',
-                                                   body, re.M))
+from tests.harness import Client, admin_get, candidate, chat, envelope, mock_served
 
 
 def _auth(tenants: dict[str, str]) -> dict:
@@ -40,12 +33,12 @@ def test_auth_rejects_missing_and_unknown_keys(mock_provider, gateway_factory):
     handle = mock_provider("p")
     gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
                               extra={"auth": _auth({"team-a": "sk-a"})})
-    before = _served(handle)
+    before = mock_served(handle)
     missing = chat(gateway.port, "m")
     assert missing.status == 401 and missing.json()["error"]["type"] == "authentication_error"
     unknown = chat(gateway.port, "m", headers=_bearer("sk-wrong"))
     assert unknown.status == 401
-    assert _served(handle) == before
+    assert mock_served(handle) == before
     assert chat(gateway.port, "m", headers=_bearer("sk-a")).status == 200
     assert chat(gateway.port, "m", headers=[("X-Api-Key", "sk-a")]).status == 200
 
@@ -58,14 +51,14 @@ def test_admits_within_budget_and_denies_over_it(valkey_url, mock_provider, gate
     first = chat(gateway.port, "m", headers=_bearer("sk-b"), max_tokens=200)
     assert first.status == 200
     assert int(first.headers["x-ratelimit-remaining-tokens"]) < 300
-    served = _served(handle)
+    served = mock_served(handle)
     denied = chat(gateway.port, "m", headers=_bearer("sk-b"), max_tokens=290)
     assert denied.status == 429
     assert denied.json()["error"]["code"] == "rate_limit_exceeded"
     assert int(denied.headers["retry-after"]) >= 1
     assert denied.headers["x-ratelimit-limit-tokens"] == "300"
     assert "x-ratelimit-remaining-tokens" in denied.headers and "x-ratelimit-reset-tokens" in denied.headers
-    assert _served(handle) == served  # a denied request never reaches a provider
+    assert mock_served(handle) == served  # a denied request never reaches a provider
 
 
 def test_reconciliation_refunds_unused_reservation(valkey_url, mock_provider, gateway_factory):

@@ -7,21 +7,15 @@ connection, and send nothing to the provider.
 from __future__ import annotations
 
 import json
-import re
 import time
 
 import pytest
 
-from tests.harness import candidate, envelope, raw_exchange, request, status_of
+from tests.harness import candidate, envelope, mock_served, raw_exchange, status_of
 
 MAX_HEADER = 4096
 MAX_BODY = 2048
 MAX_URL = 1024
-
-
-def _served(handle) -> int:
-    _, _, body = request("127.0.0.1", handle.port, "GET", "/metrics")
-    return sum(int(float(m)) for m in re.findall(rb'^mock_requests_served_total\{[^}]*endpoint="(?:chat|completions|embeddings|debug|models)"\} (\S+)', body, re.M))
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +92,7 @@ CASES = {
 def test_rejects_and_closes(strict_gateway, case, split):
     handle, gateway = strict_gateway
     payload, expected = CASES[case]
-    before = _served(handle)
+    before = mock_served(handle)
     raw = raw_exchange(gateway.port, payload, split=split, pause=0.0005)
     assert status_of(raw) == expected, raw[:300]
     head, _, body = raw.partition(b"\r\n\r\n")
@@ -107,12 +101,12 @@ def test_rejects_and_closes(strict_gateway, case, split):
     error = json.loads(body)["error"]
     assert error["message"] and error["type"] and error["code"]
     # The server closed the connection (raw_exchange returned on EOF) and nothing went upstream.
-    assert _served(handle) == before
+    assert mock_served(handle) == before
 
 
 def test_pipelined_request_after_rejection_is_never_processed(strict_gateway):
     handle, gateway = strict_gateway
-    before = _served(handle)
+    before = mock_served(handle)
     smuggled = b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Length: 14\r\n\r\n" + GOOD_BODY
     payload = (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Length: 5\r\n"
@@ -120,7 +114,7 @@ def test_pipelined_request_after_rejection_is_never_processed(strict_gateway):
     )
     raw = raw_exchange(gateway.port, payload)
     assert raw.count(b"HTTP/1.1 ") == 1 and status_of(raw) == 400
-    assert _served(handle) == before
+    assert mock_served(handle) == before
 
 
 def test_absolute_form_target_is_accepted(strict_gateway):
@@ -132,7 +126,7 @@ def test_absolute_form_target_is_accepted(strict_gateway):
 
 def test_chunked_request_body_is_forwarded(strict_gateway):
     handle, gateway = strict_gateway
-    before = _served(handle)
+    before = mock_served(handle)
     payload = (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
         b"5;ext=1\r\n" + GOOD_BODY[:5] + b"\r\n9\r\n" + GOOD_BODY[5:] + b"\r\n0\r\n\r\n"
@@ -140,7 +134,7 @@ def test_chunked_request_body_is_forwarded(strict_gateway):
     for split in (None, 3):
         raw = raw_exchange(gateway.port, payload, split=split, pause=0.0005)
         assert status_of(raw) == 200, raw[:300]
-    assert _served(handle) == before + 2
+    assert mock_served(handle) == before + 2
 
 
 @pytest.mark.parametrize("split", [None, 5], ids=["whole", "split"])
