@@ -214,8 +214,9 @@ def test_workers_that_never_start_end_the_supervisor_with_one_line(gateway_facto
     program = (
         "import sys\n"
         "import gateway.supervisor as supervisor\n"
+        "import gateway.supervisor.lifecycle as lifecycle\n"
         "from gateway.config import load_config\n"
-        "supervisor.RESTART_BACKOFF_BASE = 0.02\n"
+        "lifecycle.RESTART_BACKOFF_BASE = 0.02\n"
         "def broken(ctx):\n"
         "    raise RuntimeError('cannot start')\n"
         f"config = load_config({gateway.config_path!r})\n"
