@@ -168,3 +168,24 @@ def test_budget_survives_gateway_restart(tmp_path, mock_provider, gateway_factor
     assert first.stop() == 0
     second = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]), extra=options)
     assert chat(second.port, "m", headers=_bearer("sk-p")).status == 429
+
+
+def test_tenant_concurrency_cap_applies_across_workers(valkey_url, mock_provider, gateway_factory):
+    handle = mock_provider("p", latency_ms=1500)
+    gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]), workers=2,
+                              extra={"auth": _auth({"t-cap": "sk-c"}),
+                                     "quota": _quota(valkey_url, 100000, max_in_flight=1)})
+    slow: list[int] = []
+    first = threading.Thread(target=lambda: slow.append(chat(gateway.port, "m", headers=_bearer("sk-c")).status))
+    first.start()
+    time.sleep(0.4)
+    second = chat(gateway.port, "m", headers=_bearer("sk-c"))
+    assert second.status == 429
+    assert second.headers["retry-after"] == "1"
+    first.join()
+    assert slow == [200]
+    # The reservation is released by the off-path reconciliation, moments after the response ended.
+    deadline, status = time.monotonic() + 3, 0
+    while time.monotonic() < deadline and status != 200:
+        status = chat(gateway.port, "m", headers=_bearer("sk-c")).status
+    assert status == 200
