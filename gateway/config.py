@@ -76,7 +76,7 @@ class Limits(_Strict):
     def __post_init__(self) -> None:
         for name in ("max_header_bytes", "max_body_bytes", "max_connections_per_worker", "max_url_bytes"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
+                raise ValueError(f"{name}: must be >= 1")
 
 
 class Timeouts(_Strict):
@@ -92,7 +92,7 @@ class WeightedEndpoint(_Strict):
     def __post_init__(self) -> None:
         parse_host_port(self.address)
         if not 1 <= self.weight <= 1000:
-            raise ValueError("weight must be 1..1000")
+            raise ValueError("weight: must be 1..1000")
 
 
 class HashStrategy(_Strict):
@@ -142,20 +142,20 @@ class Cluster(_Strict):
 
     def __post_init__(self) -> None:
         if not self.name:
-            raise ValueError("name must not be empty")
+            raise ValueError("name: must not be empty")
         if not self.endpoints:
-            raise ValueError("endpoints must not be empty")
+            raise ValueError("endpoints: must not be empty")
         for entry in self.endpoints:
             if isinstance(entry, str):
                 parse_host_port(entry)
         strategy = self.load_balancer_strategy
         if isinstance(strategy, str):
             if strategy not in _SIMPLE_STRATEGIES:
-                raise ValueError(f"load_balancer_strategy {strategy!r} is not one of {', '.join(_SIMPLE_STRATEGIES)}")
+                raise ValueError(f"load_balancer_strategy: {strategy!r} is not one of {', '.join(_SIMPLE_STRATEGIES)}")
         elif len(strategy) != 1 or next(iter(strategy)) not in ("consistent_hash", "maglev"):
-            raise ValueError("load_balancer_strategy must be a name or {consistent_hash: {...}} / {maglev: {...}}")
+            raise ValueError("load_balancer_strategy: must be a name or {consistent_hash: {...}} / {maglev: {...}}")
         if self.max_connections < 1:
-            raise ValueError("max_connections must be >= 1")
+            raise ValueError("max_connections: must be >= 1")
 
     def weighted_endpoints(self) -> list[tuple[str, int]]:
         return [(e, 1) if isinstance(e, str) else (e.address, e.weight) for e in self.endpoints]
@@ -195,7 +195,7 @@ class ApiKey(_Strict):
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"sha256:[0-9a-f]{64}", self.key):
-            raise ValueError("key must be 'sha256:<64 lowercase hex>' (see `gridgate keys hash`)")
+            raise ValueError("key: must be 'sha256:<64 lowercase hex>' (see `gridgate keys hash`)")
 
 
 class Auth(_Strict):
@@ -213,7 +213,7 @@ class QuotaBackend(_Strict):
         if self.kind == "valkey":
             schemes = ("valkey://", "redis://", "rediss://", "valkeys://", "valkey+cluster://", "unix://")
             if not self.url or not self.url.startswith(schemes):
-                raise ValueError("url must be a valkey://, redis://, rediss:// or valkey+cluster:// URL")
+                raise ValueError("url: must be a valkey://, redis://, rediss:// or valkey+cluster:// URL")
 
 
 class Budget(_Strict):
@@ -243,7 +243,7 @@ class QuotaRule(_Strict):
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.budgets) <= 8:
-            raise ValueError("budgets must have 1..8 entries")
+            raise ValueError("budgets: must have 1..8 entries")
 
 
 class Quota(_Strict):
@@ -255,7 +255,7 @@ class Quota(_Strict):
     def __post_init__(self) -> None:
         for index, rule in enumerate(self.rules):
             if rule.match is None and index != len(self.rules) - 1:
-                raise ValueError(f"rules[{index}] ({rule.name}) has no match: the default rule must be last")
+                raise ValueError(f"rules[{index}].match: rule {rule.name!r} has no match, so it is the default and must be last")
 
 
 class Config(_Strict):
@@ -287,6 +287,7 @@ class Config(_Strict):
 
 _AT_PATH = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
 _UNKNOWN = re.compile(r"Object contains unknown field `(?P<field>[^`]+)`")
+_NAMED_FIELD = re.compile(r"^([A-Za-z_][\w\[\]\.]*): (.*)$", re.S)
 _MISSING = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
 
 
@@ -294,6 +295,10 @@ def validation_problem(error: msgspec.ValidationError) -> str:
     match = _AT_PATH.match(str(error))
     assert match is not None
     message, path = match.group("msg"), (match.group("path") or "").lstrip(".")
+    named = _NAMED_FIELD.match(message)
+    if named:  # a __post_init__ check: "field: message"
+        path = f"{path}.{named.group(1)}" if path else named.group(1)
+        message = named.group(2)
     for pattern, text in ((_UNKNOWN, "unknown key"), (_MISSING, "required key is missing")):
         field = pattern.search(message)
         if field:
