@@ -250,13 +250,14 @@ class ReservationIds:
 class QuotaLedger:
     """Valkey-backed token ledger. Each method is exactly one script call (plus a reload on NOSCRIPT).
 
-    ``client`` is a ``valkey.asyncio.Valkey`` or ``ValkeyCluster`` with ``decode_responses=False``.
-    Timeouts and failure policy belong to the caller (``QuotaGate``); errors propagate.
+    ``client`` is what ``backend.create_client`` returns: the pipelined ``RespClient`` (one node) or
+    a valkey-py ``ValkeyCluster``, both with bytes replies and valkey-py's exceptions. Timeouts and
+    failure policy belong to the caller (``QuotaGate``); errors propagate.
 
-    ``max_concurrent_calls`` bounds the calls in flight, and with them the connections the client
-    opens (each call holds one connection for its round trip): a burst of requests waits for a slot
-    (inside the caller's timeout) instead of opening thousands of sockets and exhausting the
-    server's ``maxclients``.
+    ``max_concurrent_calls`` bounds the calls in flight, and with them the connections a pooled
+    client opens (each call holds one connection for its round trip): a burst of requests waits for
+    a slot (inside the caller's timeout) instead of opening thousands of sockets and exhausting the
+    server's ``maxclients``. (``RespClient`` pipelines everything on one connection.)
     """
 
     def __init__(self, client: Any, *, reservation_timeout_s: float, max_concurrent_calls: int = 64) -> None:
