@@ -7,6 +7,7 @@ Import the submodules directly; this package imports nothing so the pure rooms s
     usage     rewrite_request_for_usage, usage_observer   actual usage from responses
     ledger    QuotaLedger                            the Lua script and key layout in Valkey
     gate      QuotaGate, Admission                   what a worker calls per request
-    backend   create_client, backend_url             valkey.asyncio client from the config
+    resp      RespClient                             lean pipelined client for one Valkey node
+    backend   create_client, backend_url             the client for a backend URL (RespClient or ValkeyCluster)
     embedded  EmbeddedValkey                         the bundled server the supervisor runs
 """

@@ -265,8 +265,9 @@ class QuotaGate:
         if not self._breaker.allow(now):
             return self._backend_unavailable(now, estimate)
         try:
-            async with asyncio.timeout(self._timeout_s):
-                decision = await self._ledger.reserve(rule, tenant, estimate)
+            # No asyncio.timeout here (it costs a timer per request): the client enforces
+            # ``timeout_s`` itself (RespClient's watchdog, ValkeyCluster's socket timeout).
+            decision = await self._ledger.reserve(rule, tenant, estimate)
         except BACKEND_ERRORS as exc:
             self._breaker.failure(now)
             self.counters.backend_errors += 1

@@ -228,22 +228,16 @@ def key_prefix(rule_name: str, tenant: str) -> str:
 class ReservationIds:
     """Unique reservation ids without a syscall per request: a random per-process prefix + a counter.
 
-    The prefix is renewed after fork so two workers forked from one parent never share ids.
+    Made by the ledger, which each worker builds after the fork, so no two processes share a prefix.
     """
 
-    __slots__ = ("_pid", "_prefix", "_counter")
+    __slots__ = ("_prefix", "_counter")
 
     def __init__(self) -> None:
-        self._renew()
-
-    def _renew(self) -> None:
-        self._pid = os.getpid()
         self._prefix = os.urandom(6).hex().encode()
         self._counter = itertools.count(1)
 
     def next(self) -> bytes:
-        if os.getpid() != self._pid:
-            self._renew()
         return b"%s%x" % (self._prefix, next(self._counter))
 
 
