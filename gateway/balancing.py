@@ -439,6 +439,15 @@ class _HashBalancer(Balancer):
             self._accept = accept
             self._sampler = _WeightedSampler([ref for ref, _ in candidates], _effective_weights(candidates))
 
+    def _choose(self, key: bytes | None, exclude: Collection[int]) -> EndpointRef | None:
+        if key is None:
+            return self._sampler.pick(exclude)
+        h = _xxh3(key)
+        return self._lookup(key, h, h % FULL_PERMILLE, exclude)
+
+    def _lookup(self, key: bytes, h: int, share: int, exclude: Collection[int]) -> EndpointRef | None:
+        raise NotImplementedError
+
     def _acceptable(self, e: int, share: int, exclude: Collection[int]) -> bool:
         permille = self._accept[e]
         if permille >= FULL_PERMILLE or share < permille:
@@ -456,11 +465,7 @@ class ConsistentHash(_HashBalancer):
         self._points, self._owners = _cached_ring(tuple(e.address for e in endpoints), tuple(e.weight for e in endpoints))
         super().__init__(endpoints, view, header=header, cluster=cluster)
 
-    def _choose(self, key: bytes | None, exclude: Collection[int]) -> EndpointRef | None:
-        if key is None:
-            return self._sampler.pick(exclude)
-        h = _xxh3(key)
-        share = h % FULL_PERMILLE
+    def _lookup(self, key: bytes, h: int, share: int, exclude: Collection[int]) -> EndpointRef | None:
         points, owners = self._points, self._owners
         n = len(points)
         i = bisect_left(points, h)
@@ -499,11 +504,7 @@ class Maglev(_HashBalancer):
         self._table = _cached_maglev(tuple(e.address for e in endpoints), tuple(e.weight for e in endpoints))
         super().__init__(endpoints, view, header=header, cluster=cluster)
 
-    def _choose(self, key: bytes | None, exclude: Collection[int]) -> EndpointRef | None:
-        if key is None:
-            return self._sampler.pick(exclude)
-        h = _xxh3(key)
-        share = h % FULL_PERMILLE
+    def _lookup(self, key: bytes, h: int, share: int, exclude: Collection[int]) -> EndpointRef | None:
         e = self._table[h % MAGLEV_TABLE_SIZE]
         if self._acceptable(e, share, exclude):
             return self._all[e]

@@ -23,7 +23,6 @@ import os
 import re
 import resource
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -34,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from loadtest.mock_provider import MockProviderHandle, child_setup, start_mock_provider_process
+from loadtest.mock_provider import MockProviderHandle, child_setup, start_mock_provider_process, terminate
 from loadtest.report import (
     REPORTS_DIR,
     child_pids,
@@ -163,16 +162,10 @@ class GatewayProcess:
                 "workers_kib": {str(pid): kib for pid, kib in workers.items() if kib is not None}}
 
     def stop(self, timeout: float = 35.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        code = terminate(self.process, timeout)
         if self.log is not None:
             self.log.close()
-        return self.process.returncode
+        return code
 
 
 def raise_fd_limit() -> None:

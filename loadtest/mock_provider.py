@@ -1004,6 +1004,18 @@ def main(argv: list[str] | None = None) -> int:
 # In-process API for tests and benchmarks
 
 
+def terminate(process: subprocess.Popen, timeout: float) -> int:
+    """SIGTERM, wait up to ``timeout``, then SIGKILL; the exit code."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
+
+
 class MockProviderHandle:
     """A mock provider running as a subprocess; `stop()` (or leaving the `with` block) ends it."""
 
@@ -1026,13 +1038,7 @@ class MockProviderHandle:
         return self.process.pid
 
     def stop(self, timeout: float = 5.0) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout)
+        terminate(self.process, timeout)
         if self.process.stdout is not None:
             self.process.stdout.close()
 

@@ -187,15 +187,14 @@ def test_upstream_failure_mid_stream_ends_with_error_event(mock_provider, gatewa
     assert b"upstream_reset" in raw or b"upstream stream failed" in raw
 
 
-class _GarbageServer:
-    """A TCP server that answers every connection with fixed bytes (a misbehaving provider)."""
+class _RawProvider:
+    """A TCP server whose ``handle(conn)`` plays a misbehaving provider, one thread per connection."""
 
-    def __init__(self, reply: bytes) -> None:
+    def __init__(self) -> None:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(16)
         self.port = self.sock.getsockname()[1]
-        self.reply = reply
         self.connections = 0
         threading.Thread(target=self._serve, daemon=True).start()
 
@@ -206,14 +205,31 @@ class _GarbageServer:
             except OSError:
                 return
             self.connections += 1
-            conn.settimeout(2)
-            try:
-                conn.recv(65536)
-                conn.sendall(self.reply)
-            except OSError:
-                pass
-            time.sleep(0.05)
-            conn.close()
+            threading.Thread(target=self._run, args=(conn,), daemon=True).start()
+
+    def _run(self, conn: socket.socket) -> None:
+        conn.settimeout(5)
+        try:
+            self.handle(conn)
+        except OSError:
+            pass
+        conn.close()
+
+    def handle(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+
+class _GarbageServer(_RawProvider):
+    """Answers every connection with fixed bytes, then closes."""
+
+    def __init__(self, reply: bytes) -> None:
+        self.reply = reply
+        super().__init__()
+
+    def handle(self, conn: socket.socket) -> None:
+        conn.recv(65536)
+        conn.sendall(self.reply)
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize(
@@ -270,37 +286,14 @@ def test_worker_connection_limit_answers_503(mock_provider, gateway_factory):
         client.close()
 
 
-class _OneShotKeepAliveServer:
+class _OneShotKeepAliveServer(_RawProvider):
     """Answers the first request of each connection with keep-alive, then drops the connection when the
     second request arrives on it: exactly what a provider closing an idle pooled connection looks like."""
 
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.port = self.sock.getsockname()[1]
-        self.connections = 0
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
-
-    @staticmethod
-    def _handle(conn: socket.socket) -> None:
-        conn.settimeout(5)
-        try:
-            conn.recv(65536)
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
-            conn.recv(65536)  # the next request on the pooled connection: hang up without answering
-        except OSError:
-            pass
-        conn.close()
+    def handle(self, conn: socket.socket) -> None:
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+        conn.recv(65536)  # the next request on the pooled connection: hang up without answering
 
 
 def test_stale_pooled_connection_is_retried_on_a_fresh_one(gateway_factory):
