@@ -56,6 +56,9 @@ _RESPONSE_DROP = frozenset(
      b"x-request-id")
 )
 _MAX_ATTEMPTS = 3
+_QUOTA_HEADERS = frozenset(
+    (b"x-ratelimit-limit-tokens", b"x-ratelimit-remaining-tokens", b"x-ratelimit-reset-tokens")
+)
 
 
 def _connection_tokens(value: bytes) -> set[bytes]:
@@ -71,7 +74,7 @@ class UpstreamCall:
 
     __slots__ = (
         "exchange", "conn", "head_future", "done_future", "failure", "status", "extra_headers",
-        "response_started", "is_sse", "metering", "usage",
+        "response_started", "is_sse", "metering", "usage", "length_framed",
     )
 
     def __init__(self, exchange: Exchange, extra_headers: list[tuple[bytes, bytes]]) -> None:
@@ -88,13 +91,14 @@ class UpstreamCall:
         # None: not metered; False/True: metered, and whether the request was rewritten to ask for usage.
         self.metering: bool | None = None
         self.usage: Any = None
+        self.length_framed = False  # the client was promised a Content-Length
 
     def upstream_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.status = status
-        exchange = self.exchange
         out = []
         drop = _RESPONSE_DROP
-        chunked = False
+        metered = self.metering is not None
+        chunked = has_length = False
         listed: set[bytes] | None = None
         content_type = None
         for name, value in headers:
@@ -107,18 +111,24 @@ class UpstreamCall:
             if name == b"content-type":
                 content_type = value
                 self.is_sse = value.startswith(b"text/event-stream")
+            elif name == b"content-length":
+                has_length = True
+            elif metered and name in _QUOTA_HEADERS:
+                continue  # the gateway's own token budget headers replace the provider's
             out.append((name, value))
-        if self.metering is not None:
+        if metered:
             self.usage = usage_observer(content_type, self.metering)
-        if chunked or listed:
+        # Re-frame as chunked when the provider did, or when the usage filter may shorten the body.
+        reframe = chunked or (has_length and self.metering is True)
+        if reframe or listed:
             out = [
                 (n, v) for n, v in out
-                if not (chunked and n == b"content-length") and not (listed and n in listed)
+                if not (reframe and n == b"content-length") and not (listed and n in listed)
             ]
+        self.length_framed = has_length and not reframe
         out += self.extra_headers
         self.response_started = True
-        if not exchange.client_gone:
-            exchange.start(status, out)
+        self.exchange.start(status, out)
         if not self.head_future.done():
             self.head_future.set_result(None)
 
@@ -148,7 +158,7 @@ class UpstreamCall:
             return
         # After the first byte the stream cannot be retried: end it visibly, never silently.
         exchange = self.exchange
-        if self.is_sse and not exchange.client_gone:
+        if self.is_sse and not self.length_framed and not exchange.client_gone:
             exchange.write(
                 b'data: {"error": {"message": "upstream stream failed: %s", "type": "upstream_error", '
                 b'"code": "upstream_%s"}}\n\n' % (reason.encode(), reason.encode())
@@ -168,13 +178,17 @@ class UpstreamCall:
             if not future.done():
                 future.set_result(None)
 
+    # Flow control: only while the connection still serves this call (after its end it may already
+    # be back in the pool, serving someone else).
     def pause_upstream(self) -> None:
-        if self.conn is not None:
-            self.conn.pause()
+        conn = self.conn
+        if conn is not None and conn.sink is self:
+            conn.pause()
 
     def resume_upstream(self) -> None:
-        if self.conn is not None:
-            self.conn.resume()
+        conn = self.conn
+        if conn is not None and conn.sink is self:
+            conn.resume()
 
 
 class RequestIds:
@@ -219,7 +233,7 @@ class Proxy:
             elif kind == _H_REQUEST_ID:
                 request_id = value
             elif kind == _H_XFF:
-                xff = value
+                xff = value if xff is None else xff + b", " + value
             elif kind == _H_COOKIE:
                 cookie = value
                 forward.append((name, value))
@@ -281,8 +295,10 @@ class Proxy:
             forward.append((b"content-length", b"0"))
 
         excluded: set[int] = set()
-        fresh = False
+        fresh = reached = False
         failure: tuple[str, str] = (CONNECT_ERROR, "no endpoint")
+        busy: PoolExhausted | None = None
+        evidence = runtime.route_headers_enabled
         balance_key = cluster.balance_key(found, exchange.target)
         for _attempt in range(_MAX_ATTEMPTS):
             endpoint = cluster.pick(balance_key, excluded)
@@ -297,7 +313,15 @@ class Proxy:
                 fresh = False
                 continue
             except PoolExhausted as error:
-                raise GatewayError(503, "upstream_busy", str(error), [(b"retry-after", b"1")]) from None
+                busy = error  # every connection of this endpoint is in use: try another endpoint
+                excluded.add(endpoint.index)
+                fresh = False
+                continue
+            if exchange.client_gone:
+                # The client left while we waited for admission or a connection: send nothing.
+                endpoint.pool.release(conn, reusable=True)
+                runtime.settle(admission, 200, 0)
+                return
             call = UpstreamCall(exchange, extra_response)
             call.conn = conn
             call.metering = metering
@@ -305,12 +329,16 @@ class Proxy:
             exchange.on_pause_writing = call.pause_upstream
             exchange.on_resume_writing = call.resume_upstream
             overhead = _perf() - exchange.t_start
-            extra_response.append((b"x-gridgate-overhead-ms", b"%.3f" % (overhead * 1000.0)))
+            if evidence:
+                extra_response.append((b"x-gridgate-overhead-ms", b"%.3f" % (overhead * 1000.0)))
             cluster.begin(endpoint)
+            reached = True
             try:
                 conn.send_request(
                     call, exchange.method, exchange.target, [(b"host", endpoint.host_header), *forward], body
                 )
+                if exchange.client_paused:
+                    call.pause_upstream()  # the client is still behind on an earlier response
                 await call.head_future
                 if call.response_started:
                     await call.done_future
@@ -328,7 +356,8 @@ class Proxy:
             if call.failure is None or call.failure[0] == "client_lost":
                 runtime.settle(admission, 0, None, disconnected=True)
                 return
-            extra_response.pop()  # the overhead header is re-measured on the next attempt
+            if evidence:
+                extra_response.pop()  # the overhead header is re-measured on the next attempt
             runtime.metrics.retry()
             reason = call.failure[0]
             cluster.record(endpoint, reason)
@@ -340,6 +369,10 @@ class Proxy:
             if reason == TIMEOUT:
                 break
             excluded.add(endpoint.index)
+        if not reached:
+            runtime.settle(admission, 200, 0)  # no provider received the request: release the reservation
+            if busy is not None:
+                raise GatewayError(503, "upstream_busy", str(busy), [(b"retry-after", b"1")])
         reason, detail = failure
         if reason == TIMEOUT:
             raise GatewayError(504, "upstream_timeout", f"upstream did not answer in time ({detail})")

@@ -106,6 +106,11 @@ class Exchange:
     def client_gone(self) -> bool:
         return self.conn.state == _CLOSED
 
+    @property
+    def client_paused(self) -> bool:
+        """The client's socket buffer is above its high-water mark (it reads slower than we write)."""
+        return self.conn.writing_paused
+
     def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         """Queue the response head; bytes leave on ``flush`` or ``end`` (one syscall per burst)."""
         self.started = True
@@ -115,9 +120,14 @@ class Exchange:
         conn.pending.append(conn.codec.send(codec.response_event(status, headers)))
 
     def write(self, data: bytes) -> None:
-        if data:
+        if data and not self.finished:
             conn = self.conn
-            conn.pending.append(conn.codec.send(codec.Data(data=data)))
+            try:
+                conn.pending.append(conn.codec.send(codec.Data(data=data)))
+            except codec.LocalProtocolError:
+                # More bytes than the declared Content-Length (or no head yet): the framing we
+                # promised cannot be kept, so the client must see a cut, not a false end.
+                self.abort()
 
     def flush(self) -> None:
         self.conn.flush()
@@ -125,16 +135,22 @@ class Exchange:
     def end(self) -> None:
         if self.finished:
             return
-        self.finished = True
         conn = self.conn
-        conn.pending.append(conn.codec.send(codec.EndOfMessage()))
+        try:
+            end_bytes = conn.codec.send(codec.EndOfMessage())
+        except codec.LocalProtocolError:
+            self.abort()  # fewer bytes than the declared Content-Length: cut, never a false end
+            return
+        self.finished = True
+        conn.pending.append(end_bytes)
         conn.flush()
         conn.finish_exchange(self)
 
     def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         headers.append((b"content-length", b"%d" % len(body)))
         self.start(status, headers)
-        self.write(body)
+        if self.method != b"HEAD":  # a HEAD answer announces the length but carries no body
+            self.write(body)
         self.end()
 
     def send_error(self, error: GatewayError, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -160,7 +176,7 @@ class ServerConnection(asyncio.Protocol):
     __slots__ = (
         "server", "settings", "transport", "codec", "state", "exchange", "peer", "_timer",
         "_head_bytes", "_t_head", "_body", "_body_len", "_guard", "_framing", "_request",
-        "_reading_paused", "_writing_paused", "_loop", "pending", "served", "opened_at",
+        "_reading_paused", "_writing_paused", "_loop", "pending", "served", "opened_at", "_eof",
     )
 
     def __init__(self, server: ServerState) -> None:
@@ -185,6 +201,7 @@ class ServerConnection(asyncio.Protocol):
         self.pending: list[bytes] = []
         self.served = 0
         self.opened_at = self._loop.time()
+        self._eof = False
 
     # -- transport callbacks -------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -210,10 +227,12 @@ class ServerConnection(asyncio.Protocol):
             exchange.on_client_lost()
 
     def eof_received(self) -> bool | None:
-        # A half-closed client cannot get a pipelined answer reliably; close once idle.
-        if self.exchange is None:
+        """The client half-closed: answer what it already sent, then close."""
+        self._eof = True
+        if self.exchange is None and not self.codec.trailing_data[0]:
             self.close()
-        return None
+            return None
+        return True  # keep our side open until the answer is written
 
     def pause_writing(self) -> None:
         self._writing_paused = True
@@ -241,12 +260,15 @@ class ServerConnection(asyncio.Protocol):
                 self._t_head = _perf()
                 self._arm(self.settings.header_read_s, self._on_header_timeout)
             self._head_bytes += len(data)
-        elif state == _BODY and self._guard is not None:
-            try:
-                self._guard.feed(data)
-            except GatewayError as error:
-                self._reject(error)
-                return
+        elif state == _BODY:
+            # An idle deadline, not a total one: a steady upload of a large body keeps going.
+            self._arm(self.settings.keepalive_idle_s, self._on_idle_timeout)
+            if self._guard is not None:
+                try:
+                    self._guard.feed(data)
+                except GatewayError as error:
+                    self._reject(error)
+                    return
         elif state == _CLOSED:
             return
         self.codec.receive_data(data)
@@ -345,6 +367,10 @@ class ServerConnection(asyncio.Protocol):
             pending.clear()
 
     @property
+    def writing_paused(self) -> bool:
+        return self._writing_paused
+
+    @property
     def head_started(self) -> bool:
         return self._head_bytes > 0
 
@@ -365,6 +391,9 @@ class ServerConnection(asyncio.Protocol):
             return
         self.state = _HEAD
         self._head_bytes = len(conn.trailing_data[0])
+        if self._eof and not self._head_bytes:
+            self.close()
+            return
         if self._reading_paused:
             self._reading_paused = False
             self.transport.resume_reading()

@@ -46,7 +46,7 @@ class ConnectFailed(Exception):
 class UpstreamConnection(asyncio.Protocol):
     __slots__ = (
         "pool", "transport", "codec", "sink", "reused", "closed", "last_activity", "_timer",
-        "_keep", "_got_head", "_paused", "_sent", "_loop",
+        "_keep", "_got_head", "_paused", "_sent", "_loop", "slot_returned",
     )
 
     def __init__(self, pool: UpstreamPool) -> None:
@@ -63,6 +63,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._paused = False
         self._sent = False
         self._loop = pool.loop
+        self.slot_returned = False
 
     # -- used by the proxy -----------------------------------------------------------------
     def send_request(
@@ -115,7 +116,7 @@ class UpstreamConnection(asyncio.Protocol):
         conn = self.codec
         conn.receive_data(data)
         try:
-            while True:
+            while self.sink is sink:  # a callback may have let go of this connection (client gone)
                 event = conn.next_event()
                 kind = type(event)
                 if kind is codec.Data:
@@ -260,23 +261,32 @@ class UpstreamPool:
                 conn.reused = True
                 return conn
         if self.open_count < self.max_connections:
+            self.open_count += 1  # reserve the slot before the await
             return await self._connect()
         waiter = self.loop.create_future()
         self._waiters.append(waiter)
         try:
             handed = await asyncio.wait_for(waiter, self.wait_timeout)
-        except TimeoutError:
-            raise PoolExhausted(f"all {self.max_connections} connections to {self.host}:{self.port} busy") from None
-        finally:
-            if not waiter.done():
+        except BaseException as exc:
+            if waiter.done() and not waiter.cancelled():
+                # Handed something just as we gave up: pass it on rather than leak it.
+                got = waiter.result()
+                if got is None:
+                    self._slot_freed()
+                else:
+                    self.release(got, reusable=True)
+            else:
                 waiter.cancel()
+            if isinstance(exc, TimeoutError):
+                raise PoolExhausted(f"all {self.max_connections} connections to {self.host}:{self.port} busy") from None
+            raise
         if handed is None:
-            return await self._connect()
+            return await self._connect()  # a freed slot was handed to us, already counted
         handed.reused = True
         return handed
 
     async def _connect(self) -> UpstreamConnection:
-        self.open_count += 1
+        """Open a connection for a slot the caller has already counted in ``open_count``."""
         try:
             _transport, conn = await asyncio.wait_for(
                 self.loop.create_connection(
@@ -306,7 +316,9 @@ class UpstreamPool:
             self.idle.append(conn)
             return
         conn.close()
-        self._slot_freed()
+        if not conn.slot_returned:  # a connection frees its slot once, however many paths end it
+            conn.slot_returned = True
+            self._slot_freed()
 
     def connection_gone(self, conn: UpstreamConnection) -> None:
         """An idle connection was closed by the provider: drop it so it is never reused."""
@@ -314,15 +326,18 @@ class UpstreamPool:
             self.idle.remove(conn)
         except ValueError:
             return
-        self._slot_freed()
+        if not conn.slot_returned:
+            conn.slot_returned = True
+            self._slot_freed()
 
     def _slot_freed(self) -> None:
-        self.open_count -= 1
+        """Hand the slot to the first live waiter (it stays counted), else give it back."""
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
                 return
+        self.open_count -= 1
 
     def close(self) -> None:
         for conn in self.idle:
