@@ -58,10 +58,10 @@ def _load_config(path: str) -> Config:
 
 def _check_overlay(config: Config) -> None:
     """The overlay the config names must be acceptable, or the gateway would not start."""
-    from gateway.supervisor import validate_overlay
+    from gateway.supervisor import validate_deployment
 
     try:
-        validate_overlay(config)
+        validate_deployment(config)
     except ConfigError as exc:
         raise CommandError(*exc.problems) from None
 

@@ -168,6 +168,10 @@ class SessionAffinity(_Strict):
     ttl: Seconds = Seconds(3600)
     capacity: int = 65536
 
+    def __post_init__(self) -> None:
+        if self.capacity < 8:
+            raise ValueError("capacity: must be >= 8 bindings")
+
 
 class OverlayScope(_Strict):
     network: str | None = None
@@ -241,9 +245,6 @@ class QuotaRule(_Strict):
     estimate: Estimate = Estimate()
     max_in_flight: int | None = None
 
-    def __post_init__(self) -> None:
-        if not 1 <= len(self.budgets) <= 8:
-            raise ValueError("budgets: must have 1..8 entries")
 
 
 class Quota(_Strict):
@@ -252,10 +253,6 @@ class Quota(_Strict):
     on_backend_error: Literal["reject", "allow"] = "reject"
     reservation_timeout: Seconds = Seconds(120)
 
-    def __post_init__(self) -> None:
-        for index, rule in enumerate(self.rules):
-            if rule.match is None and index != len(self.rules) - 1:
-                raise ValueError(f"rules[{index}].match: rule {rule.name!r} has no match, so it is the default and must be last")
 
 
 class Config(_Strict):
@@ -356,6 +353,9 @@ def convert_yaml(text: str, kind: type[T], extra: dict[str, Any] | None = None) 
         raise ConfigError([f"({where}): invalid YAML: {getattr(exc, 'problem', exc)}"]) from None
     if not isinstance(raw, dict):
         raise ConfigError(["(top level): the file must be a mapping"])
+    for key in extra or {}:
+        if key in raw:
+            raise ConfigError([f"{key}: unknown key"])  # set by the loader, never by the file
     try:
         return msgspec.convert({**raw, **(extra or {})}, kind, dec_hook=decode_hook)
     except msgspec.ValidationError as exc:

@@ -58,7 +58,7 @@ from gateway.supervisor.startup import (
     StartupError,
     bind_admin_socket,
     check_listen_address,
-    validate_overlay,
+    validate_deployment,
 )
 
 __all__ = [
@@ -92,6 +92,6 @@ __all__ = [
     "needs_health_process",
     "quota_url_for",
     "run_child",
-    "validate_overlay",
+    "validate_deployment",
 ]
 

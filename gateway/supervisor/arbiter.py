@@ -33,7 +33,7 @@ from gateway.supervisor.startup import (
     StartupError,
     bind_admin_socket,
     check_listen_address,
-    validate_overlay,
+    validate_deployment,
 )
 from shm.segment import MAX_WORKERS_LIMIT
 from workers.admin import AdminApp, AdminServer, MetricsExposition, QuotaReporter
@@ -109,7 +109,7 @@ class Supervisor(ReloadMixin, ReadinessMixin, ProcessMixin):
         admin_sock: socket.socket | None = None
         try:
             try:
-                validate_overlay(self.config)  # an invalid overlay at startup is a startup error
+                validate_deployment(self.config)  # an invalid overlay at startup is a startup error
             except ConfigError as exc:
                 raise StartupError("; ".join(exc.problems)) from None
             # Cheap checks first, so a taken port fails before anything was started.

@@ -51,6 +51,9 @@ def become_child(close_fds: list[int], supervisor_pid: int) -> None:
         signal.signal(sig, signal.SIG_DFL)
     # Ctrl-C reaches the whole process group; the supervisor turns it into SIGTERM per worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A reload forwarded while the worker is still booting must not kill it (the default action):
+    # the worker installs its own SIGHUP handler once it serves, and reads the overlay at start anyway.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     # Forget the parent's running loop so the child can start its own (uvloop in workers).
     asyncio._set_running_loop(None)
     asyncio.set_event_loop_policy(None)

@@ -12,7 +12,9 @@ EXIT_CANNOT_BIND = EXIT_BIND_FAILED
 
 # Workers send a heartbeat once a second (workers/status.py).
 HEARTBEAT_STALE_AFTER = 5.0  # readyz and the systemd watchdog stop vouching for it
-HUNG_AFTER = 30.0  # the worker's loop is stuck: SIGKILL and replace it
+# The worker's loop is stuck: SIGKILL and replace it. Well inside the unit's WatchdogSec (30s), which
+# stops being fed once a heartbeat is HEARTBEAT_STALE_AFTER old: the replacement must be up first.
+HUNG_AFTER = 10.0
 BOOT_TIMEOUT = 60.0  # a worker that never reports ready is killed
 RELOAD_TIMEOUT = 60.0  # a new generation that is not ready by then is abandoned
 KILL_GRACE = 1.0  # after graceful_shutdown, before SIGKILL: lets a worker finish its own deadline

@@ -22,7 +22,12 @@ from gateway.supervisor.lifecycle import Child, PendingGeneration, in_background
 from gateway.supervisor.observability import SupervisorAdminSources
 from gateway.supervisor.policy import RELOAD_TIMEOUT
 from gateway.supervisor.quota_backend import quota_url_for
-from gateway.supervisor.startup import StartupError, bind_admin_socket, check_listen_address, validate_overlay
+from gateway.supervisor.startup import (
+    StartupError,
+    bind_admin_socket,
+    check_listen_address,
+    validate_deployment,
+)
 from workers.admin import AdminApp, AdminServer
 
 log = logging.getLogger("gridgate.supervisor")
@@ -48,7 +53,7 @@ class ReloadMixin:
                     f"workers: {new.worker_count()} exceeds the {self.max_workers} the shared memory was sized "
                     "for at start; restart the service to grow further"
                 ])
-            validate_overlay(new)
+            validate_deployment(new)
         except ConfigError as exc:
             self._reload_failed(exc.problems)
             return

@@ -15,6 +15,7 @@ import msgspec
 from gateway.config import Config, ConfigError, parse_host_port
 from gateway.overlay.contract import OverlayRejected
 from gateway.overlay.watch import load_overlay_file
+from gateway.quota.rules import rules_from_config, validate_rules
 
 
 class StartupError(Exception):
@@ -37,15 +38,20 @@ class RunOverrides:
         return msgspec.structs.replace(config, **changes) if changes else config
 
 
-def validate_overlay(config: Config) -> None:
-    """Raise ConfigError when the overlay the config names would be rejected at startup."""
+def validate_deployment(config: Config) -> None:
+    """Raise ConfigError when the workers would refuse this config: checks that need other rooms
+    (the overlay it names, the quota rules as the ledger reads them), beyond the schema itself."""
+    problems: list[str] = []
+    if config.quota is not None:
+        problems += validate_rules(rules_from_config(config.quota))
     path = config.overlay_path()
-    if path is None:
-        return
-    try:
-        load_overlay_file(path, config.routing.expected_overlay_scope)
-    except OverlayRejected as exc:
-        raise ConfigError([f"routing.overlay_file: {path}: {exc}"]) from None
+    if path is not None:
+        try:
+            load_overlay_file(path, config.routing.expected_overlay_scope)
+        except OverlayRejected as exc:
+            problems.append(f"routing.overlay_file: {path}: {exc}")
+    if problems:
+        raise ConfigError(problems)
 
 
 def _resolve(address: str) -> tuple[int, tuple[Any, ...]]:

@@ -58,6 +58,17 @@ def test_check_names_the_unknown_key(config_dir, capsys):
     assert err == "surprise: unknown key\n"
 
 
+def test_check_reports_quota_rules_the_workers_would_refuse(config_dir, capsys):
+    quota = ("quota:\n  backend: {kind: valkey, url: 'valkey://127.0.0.1:1/0'}\n  rules:\n"
+             "    - {name: r, budgets: [{window: 1m, tokens: 5}, {window: 60s, tokens: 9}]}\n"
+             "    - {name: r, budgets: [{window: 1h, tokens: 5}]}\n")
+    (config_dir / "gateway.yaml").write_text(CONFIG + quota)
+    code, out, err = run(capsys, "check", "-c", str(config_dir / "gateway.yaml"))
+    assert code == 1 and out == ""
+    assert "quota.rules[0].budgets: two budgets with the same window" in err
+    assert "quota.rules[1].name: duplicate rule name 'r'" in err
+
+
 def test_check_reports_an_invalid_overlay(config_dir, capsys):
     shutil.copy(FIXTURES / "invalid-digest.json", config_dir / "overlay.json")
     code, _, err = run(capsys, "check", "-c", str(config_dir / "gateway.yaml"))
