@@ -36,6 +36,10 @@ class SlotPool:
         self.capacity = capacity
         self._free = set(range(capacity))
 
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
     def acquire(self) -> int:
         if not self._free:
             raise RuntimeError("no free shared-memory worker row")

@@ -36,6 +36,10 @@ class ProcessMixin:
     # ------------------------------------------------------------------ forking
 
     def _spawn_worker(self, config: Config, generation: int) -> None:
+        if not self.slots.free:
+            # Every row is held by a worker still draining: the maintenance tick retries once one exits.
+            log.warning("no free shared-memory worker row (workers still draining); worker start postponed")
+            return
         self._spawn("worker", self.worker_entry, config, generation)
 
     def _spawn(self, role: str, entry: Callable[[WorkerContext], object], config: Config, generation: int) -> None:
@@ -152,7 +156,9 @@ class ProcessMixin:
                 self._signal(child, signal.SIGKILL)
 
     def _maintain_health(self, now: float) -> None:
-        if needs_health_process(self.config) and not self._health() and now >= self._next_health_spawn:
+        # One writer of the health records: a replacement starts only once the old prober is reaped.
+        prober_alive = any(c.role == "health" for c in self.children.values())
+        if needs_health_process(self.config) and not prober_alive and now >= self._next_health_spawn:
             self._spawn("health", self.health_entry, self.config, self.generation)
 
     def _retire(self, child: Child, grace: float) -> None:

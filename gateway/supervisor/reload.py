@@ -77,6 +77,12 @@ class ReloadMixin:
     # ------------------------------------------------------------------ reload: generations
 
     def _start_generation(self, new: Config) -> None:
+        if new.worker_count() > self.slots.free:
+            self._reload_failed([
+                f"workers: {new.worker_count()} new workers need shared-memory rows but only {self.slots.free} "
+                "are free (older generations are still draining); retry when they have finished"
+            ])
+            return
         try:
             if new.listen != self.config.listen:
                 check_listen_address(new.listen)
