@@ -28,7 +28,8 @@ from gateway.endpoints import (
 )
 from gateway.host_segment import AFFINITY_REGION, METRICS_REGION, create_segment, endpoint_ids
 from gateway.metrics import COUNTERS, WorkerMetrics
-from gateway.overlay.snapshot import Snapshot
+from gateway.overlay.contract import OverlayRejected
+from gateway.overlay.snapshot import Snapshot, snapshot_from_bytes
 from gateway.overlay.watch import OverlayWatcher, SnapshotHolder
 from gateway.quota.backend import create_client
 from gateway.quota.gate import Admission, QuotaGate
@@ -156,7 +157,7 @@ class Runtime:
         overlay_path = self.config.overlay_path()
         scope = routing.expected_overlay_scope if routing.expected_overlay_scope.is_configured() else None
         self.watcher = OverlayWatcher(overlay_path, float(routing.reload_debounce))
-        self.overlay = SnapshotHolder.open(overlay_path, scope)
+        self.overlay = self._open_overlay(overlay_path, scope)
         self.router = Router(max(ctx.slot, 0), affinity=self._affinity_table(), affinity_ttl_s=float(affinity.ttl))
         self.router.prepare(self.overlay.snapshot)
         self.metrics = self._metrics_writer()
@@ -165,6 +166,19 @@ class Runtime:
         auth = self.config.auth
         self.auth = Authenticator([(key.tenant, key.key) for key in auth.keys]) if auth is not None else None
         self.quota: QuotaGate | None = None
+
+    def _open_overlay(self, path: str, scope: Any) -> SnapshotHolder:
+        """The overlay file; if it is invalid right now, the last good bytes the supervisor kept."""
+        try:
+            return SnapshotHolder.open(path, scope)
+        except OverlayRejected as error:
+            fallback = self.ctx.extras.get("overlay_fallback")
+            if not fallback:
+                raise
+            snapshot = snapshot_from_bytes(fallback, scope)
+            log.warning("overlay file rejected at start (%s); serving last-known-good revision %s",
+                        error, snapshot.revision)
+            return SnapshotHolder(path, scope, snapshot)
 
     def _affinity_table(self) -> AffinityTable | None:
         affinity = self.config.routing.session_affinity

@@ -23,6 +23,7 @@ from gateway.notify import Notifier
 from gateway.supervisor.children import _default_health_entry, _default_worker_entry
 from gateway.supervisor.lifecycle import Child, CrashBackoff, PendingGeneration, SlotPool, in_background
 from gateway.supervisor.observability import SupervisorAdminSources, SupervisorCollector, WorkerCounters
+from gateway.supervisor.overlay_keeper import LastGoodOverlay
 from gateway.supervisor.policy import SIGNAL_ACTIONS, TICK
 from gateway.supervisor.processes import ProcessMixin
 from gateway.supervisor.quota_backend import EmbeddedQuotaBackend, quota_url_for
@@ -67,6 +68,7 @@ class Supervisor(ReloadMixin, ReadinessMixin, ProcessMixin):
         self.max_workers = max(self.target, headroom)
         # Two generations side by side during a reload.
         self.slots = SlotPool(2 * self.max_workers)
+        self.last_good_overlay = LastGoodOverlay()
         self.children: dict[int, Child] = {}
         self.pending: PendingGeneration | None = None
 
@@ -112,6 +114,7 @@ class Supervisor(ReloadMixin, ReadinessMixin, ProcessMixin):
                 validate_deployment(self.config)  # an invalid overlay at startup is a startup error
             except ConfigError as exc:
                 raise StartupError("; ".join(exc.problems)) from None
+            self.last_good_overlay.capture(self.config)
             # Cheap checks first, so a taken port fails before anything was started.
             check_listen_address(self.config.listen)
             admin_sock = bind_admin_socket(self.config.admin.listen)

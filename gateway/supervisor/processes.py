@@ -52,7 +52,7 @@ class ProcessMixin:
             status_fd=write_fd, quota_url=quota_url_for(config, self.embedded_quota),
             extras={
                 "role": role, "affinity_region": AFFINITY_REGION, "affinity_capacity": self.affinity_capacity,
-                "metrics_region": METRICS_REGION,
+                "metrics_region": METRICS_REGION, "overlay_fallback": self.last_good_overlay.data,
             },
         )
         if self.segment is not None and slot >= 0:

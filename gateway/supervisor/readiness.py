@@ -48,6 +48,7 @@ class ReadinessMixin:
             first = not child.ready
             child.ready, child.last_heartbeat = True, now
             child.revision = message.get("revision")
+            self.last_good_overlay.observe(self.config, child.revision)
             child.mode = message.get("mode")
             if "capabilities" in message:
                 child.capabilities = list(message["capabilities"])

@@ -199,3 +199,28 @@ def test_admin_overlay_reports_every_worker(providers, gateway_factory):
     assert data["mode"] == "roundRobin"
     assert len(data["workers"]) == 2
     assert all(w["serving_revision"] == data["serving_revision"] and w["pid"] > 0 for w in data["workers"])
+
+
+def test_replacement_worker_serves_last_known_good_while_the_file_is_invalid(providers, gateway_factory):
+    import os
+
+    overlay = envelope([candidate("m", "provider-a")])
+    gateway = gateway_factory(_clusters(providers), overlay, workers=1,
+                              extra={"routing": {"reload_debounce": "100ms"}})
+    with open(gateway.overlay_path, "w") as handle:
+        handle.write("{ not json")
+    time.sleep(0.5)
+    (pid,) = gateway.worker_pids()
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        pids = gateway.worker_pids() if admin_get(gateway.admin_port, "/readyz")[0] == 200 else []
+        if pids and pids != [pid]:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"no replacement worker became ready:\n{gateway.log()}")
+    response = chat(gateway.port, "m")
+    assert response.status == 200
+    assert response.headers["x-gridgate-overlay-revision"] == overlay["revision"]["value"]
+    assert "last-known-good" in gateway.log()
