@@ -63,6 +63,17 @@ class EmbeddedValkey:
     def pid(self) -> int | None:
         return self._process.pid if self._process else None
 
+    def exited(self) -> bool:
+        """The server process died (it was started and is no longer running)."""
+        return self._process is not None and self._process.poll() is not None
+
+    def restart(self) -> str:
+        """Start again after the process died: same socket or port and password, so the same URL."""
+        if self._process is not None:
+            self._process.wait()
+            self._process = None
+        return self.start()
+
     def start(self) -> str:
         """Launch the server and wait until it answers PING; returns the client URL."""
         if self._process is not None:

@@ -178,6 +178,7 @@ class Supervisor(ReloadMixin, ReadinessMixin, ProcessMixin):
             self._advance_reload(now)
             self._maintain_workers(now)
             self._maintain_health(now)
+            self.embedded_quota.watch(now)
             self._release_old_endpoint_slots()
         self._notify_systemd(now)
 

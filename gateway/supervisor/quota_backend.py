@@ -22,6 +22,8 @@ class EmbeddedQuotaBackend:
         self._data_dir: str | None = None
         self._owns_data_dir = False
         self.url: str | None = None
+        self._next_restart = 0.0
+        self._restart_delay = 1.0
 
     def ensure_started(self, data_dir: str | None) -> str:
         if self.url is not None:
@@ -44,6 +46,21 @@ class EmbeddedQuotaBackend:
             raise StartupError(f"quota.backend: cannot start the embedded Valkey in {self._data_dir}: {exc}") from None
         log.info("embedded Valkey started at %s", self.url)
         return self.url
+
+    def watch(self, now: float) -> None:
+        """Restart the bundled Valkey if it died: the workers keep their URL and reconnect by themselves."""
+        server = self._server
+        if server is None or not server.exited() or now < self._next_restart:
+            return
+        log.error("embedded Valkey exited unexpectedly; restarting it")
+        try:
+            server.restart()
+            log.info("embedded Valkey restarted at %s", self.url)
+            self._restart_delay = 1.0
+        except Exception as exc:
+            log.error("embedded Valkey restart failed (%s); retrying in %.0fs", exc, self._restart_delay)
+            self._next_restart = now + self._restart_delay
+            self._restart_delay = min(self._restart_delay * 2, 30.0)
 
     def stop(self) -> None:
         if self._server is not None:

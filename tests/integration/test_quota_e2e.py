@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 import uuid
@@ -189,3 +191,34 @@ def test_tenant_concurrency_cap_applies_across_workers(valkey_url, mock_provider
     while time.monotonic() < deadline and status != 200:
         status = chat(gateway.port, "m", headers=_bearer("sk-c")).status
     assert status == 200
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def test_embedded_valkey_that_dies_is_restarted(tmp_path, mock_provider, gateway_factory):
+    handle = mock_provider("p")
+    quota = {"backend": {"kind": "embedded", "data_dir": str(tmp_path / "state")},
+             "rules": [{"name": "revive", "budgets": [{"window": "1h", "tokens": 100000}]}]}
+    gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
+                              extra={"auth": _auth({"t-revive": "sk-v"}), "quota": quota})
+    assert chat(gateway.port, "m", headers=_bearer("sk-v")).status == 200
+    (valkey,) = [pid for pid in _children(gateway.process.pid) if "valkey" in open(f"/proc/{pid}/comm").read()]
+    os.kill(valkey, signal.SIGKILL)
+    deadline, status = time.monotonic() + 15, 0
+    while time.monotonic() < deadline and status != 200:
+        time.sleep(0.3)
+        status = chat(gateway.port, "m", headers=_bearer("sk-v")).status
+    assert status == 200
+    assert "embedded Valkey restarted" in gateway.log()
