@@ -185,6 +185,9 @@ class OverlayScope(_Strict):
 
 class Routing(_Strict):
     overlay_file: str | None = None
+    # Instead of a file: the overlay's candidate objects inline (a legacy overlay, local_site "inline",
+    # deterministic selection); changed by a config reload.
+    candidates: list[dict[str, Any]] | None = None
     model_header: str = "X-Model"
     session_affinity: SessionAffinity = SessionAffinity()
     expected_overlay_scope: OverlayScope = OverlayScope()
@@ -317,8 +320,10 @@ def _cross_checks(config: Config) -> list[str]:
             problems.append(f"{field}: {exc}")
     if config.workers != "auto" and int(config.workers) < 1:
         problems.append("workers: must be 'auto' or an integer >= 1")
-    if config.routing.overlay_file is None:
-        problems.append("routing.overlay_file: required key is missing")
+    if config.routing.overlay_file is None and config.routing.candidates is None:
+        problems.append("routing.overlay_file: required key is missing (or give routing.candidates inline)")
+    elif config.routing.overlay_file is not None and config.routing.candidates is not None:
+        problems.append("routing.candidates: give either routing.overlay_file or inline candidates, not both")
     for index, name in enumerate(config.routing.provider_hop_clusters):
         if name not in names:
             problems.append(f"routing.provider_hop_clusters[{index}]: unknown cluster {name!r}")

@@ -30,7 +30,7 @@ from gateway.host_segment import AFFINITY_REGION, METRICS_REGION, create_segment
 from gateway.metrics import COUNTERS, WorkerMetrics
 from gateway.overlay.contract import OverlayRejected
 from gateway.overlay.snapshot import Snapshot, snapshot_from_bytes
-from gateway.overlay.watch import OverlayWatcher, SnapshotHolder
+from gateway.overlay.watch import OverlayWatcher, SnapshotHolder, load_inline_overlay
 from gateway.quota.backend import create_client
 from gateway.quota.gate import Admission, QuotaGate
 from gateway.quota.ledger import QuotaLedger
@@ -156,8 +156,12 @@ class Runtime:
         self.route_headers_enabled = routing.route_headers
         overlay_path = self.config.overlay_path()
         scope = routing.expected_overlay_scope if routing.expected_overlay_scope.is_configured() else None
-        self.watcher = OverlayWatcher(overlay_path, float(routing.reload_debounce))
-        self.overlay = self._open_overlay(overlay_path, scope)
+        if overlay_path is None:  # inline candidates: they change with the config, not a file
+            self.watcher: OverlayWatcher | None = None
+            self.overlay = SnapshotHolder(None, scope, load_inline_overlay(routing.candidates or [], scope))
+        else:
+            self.watcher = OverlayWatcher(overlay_path, float(routing.reload_debounce))
+            self.overlay = self._open_overlay(overlay_path, scope)
         self.router = Router(max(ctx.slot, 0), affinity=self._affinity_table(), affinity_ttl_s=float(affinity.ttl))
         self.router.prepare(self.overlay.snapshot)
         self.metrics = self._metrics_writer()
@@ -230,7 +234,7 @@ class Runtime:
 
     def poll_overlay(self, now: float, force: bool = False) -> tuple[bool, str | None]:
         """Re-read the overlay when the file changed (or on SIGHUP); keep last-known-good on error."""
-        if not (self.watcher.poll(now) or force):
+        if self.watcher is None or not (self.watcher.poll(now) or force):
             return False, None
         changed, error = self.overlay.reload()
         if force:

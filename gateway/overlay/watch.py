@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from gateway.overlay.contract import EMPTY, MAX_OVERLAY_BYTES, TOO_LARGE, UNREADABLE, OverlayRejected
-from gateway.overlay.snapshot import Snapshot, snapshot_from_bytes
+from gateway.overlay.snapshot import Snapshot, snapshot_from_bytes, snapshot_from_object
 
 _Signature = tuple[Any, ...]
 
@@ -127,3 +127,11 @@ class SnapshotHolder:
             return False, None
         self.snapshot = candidate
         return True, None
+
+
+INLINE_LOCAL_SITE = "inline"
+
+
+def load_inline_overlay(candidates: list[Any], expected_scope: Any = None) -> Snapshot:
+    """The config's inline ``routing.candidates`` as a legacy overlay document, validated the same way."""
+    return snapshot_from_object({"local_site": INLINE_LOCAL_SITE, "candidates": candidates}, expected_scope)

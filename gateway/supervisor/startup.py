@@ -14,7 +14,7 @@ import msgspec
 
 from gateway.config import Config, ConfigError, parse_host_port
 from gateway.overlay.contract import OverlayRejected
-from gateway.overlay.watch import load_overlay_file
+from gateway.overlay.watch import load_inline_overlay, load_overlay_file
 from gateway.quota.rules import rules_from_config, validate_rules
 
 
@@ -50,6 +50,11 @@ def validate_deployment(config: Config) -> None:
             load_overlay_file(path, config.routing.expected_overlay_scope)
         except OverlayRejected as exc:
             problems.append(f"routing.overlay_file: {path}: {exc}")
+    elif config.routing.candidates is not None:
+        try:
+            load_inline_overlay(config.routing.candidates, config.routing.expected_overlay_scope)
+        except OverlayRejected as exc:
+            problems.append(f"routing.candidates: {exc}")
     if problems:
         raise ConfigError(problems)
 

@@ -224,3 +224,16 @@ def test_replacement_worker_serves_last_known_good_while_the_file_is_invalid(pro
     assert response.status == 200
     assert response.headers["x-gridgate-overlay-revision"] == overlay["revision"]["value"]
     assert "last-known-good" in gateway.log()
+
+
+def test_inline_candidates_route_without_an_overlay_file(providers, gateway_factory):
+    gateway = gateway_factory(_clusters(providers), envelope([candidate("unused", "provider-a")]), start=False)
+    del gateway.config["routing"]["overlay_file"]
+    gateway.config["routing"]["candidates"] = [candidate("inline-model", "provider-c", group=None)]
+    gateway.write_config()
+    gateway.start()
+    response = chat(gateway.port, "inline-model")
+    assert response.status == 200
+    assert response.headers["x-mock-provider"] == "provider-c"
+    assert response.headers["x-gridgate-selection-mode"] == "deterministic"
+    assert chat(gateway.port, "unused").status == 404

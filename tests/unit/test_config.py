@@ -75,3 +75,12 @@ def test_duplicate_clusters_and_missing_secrets_are_reported(monkeypatch):
 
 def test_invalid_yaml_is_one_line():
     assert problems("clusters: [\n")[0].startswith("(line")
+
+
+def test_inline_candidates_replace_the_overlay_file():
+    inline = 'clusters: [{name: a, endpoints: ["h:1"]}]\nrouting: {candidates: [{kind: inference_model, name: m}]}\n'
+    assert parse_config(inline).routing.candidates == [{"kind": "inference_model", "name": "m"}]
+    both = 'clusters: [{name: a, endpoints: ["h:1"]}]\nrouting: {overlay_file: o.json, candidates: []}\n'
+    assert problems(both)[0].startswith("routing.candidates: give either")
+    neither = 'clusters: [{name: a, endpoints: ["h:1"]}]\nrouting: {}\n'
+    assert problems(neither)[0].startswith("routing.overlay_file: required")
