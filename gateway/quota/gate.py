@@ -44,6 +44,11 @@ log = logging.getLogger("gridgate.quota")
 BackendPolicy = Literal["reject", "allow"]
 BACKEND_ERRORS = (ValkeyError, OSError, TimeoutError)
 
+# An admit whose reply was lost is cancelled after these pauses (the backend was slow or down);
+# a bound on such pending cancels keeps a dead backend from piling up tasks.
+_CANCEL_DELAYS_S = (0.5, 2.0, 5.0, 15.0)
+_MAX_PENDING_CANCELS = 1024
+
 _H_RETRY_AFTER = b"retry-after"
 _H_LIMIT = b"x-ratelimit-limit-tokens"
 _H_REMAINING = b"x-ratelimit-remaining-tokens"
@@ -202,6 +207,7 @@ class QuotaGate:
         self._breaker = Breaker(breaker_failures, breaker_cooldown_s)
         self._clock = clock
         self._queue: asyncio.Queue[tuple[Reservation, int]] = asyncio.Queue(reconcile_queue_size)
+        self._cancels: set[asyncio.Task] = set()
         self._batch = reconcile_batch
         self._retry_delays = tuple(reconcile_retry_delays_s)
         self._drainer: asyncio.Task[None] | None = None
@@ -246,6 +252,8 @@ class QuotaGate:
             except asyncio.CancelledError:
                 pass
             self._drainer = None
+        for task in list(self._cancels):
+            task.cancel()  # unfinished: those reservations are charged at their estimate on expiry
         await self._ledger.client.aclose()
 
     async def admit(
@@ -264,13 +272,16 @@ class QuotaGate:
         now = self._clock()
         if not self._breaker.allow(now):
             return self._backend_unavailable(now, estimate)
+        reservation_id = self._ledger.new_id()
         try:
             # No asyncio.timeout here (it costs a timer per request): the client enforces
             # ``timeout_s`` itself (RespClient's watchdog, ValkeyCluster's socket timeout).
-            decision = await self._ledger.reserve(rule, tenant, estimate)
+            decision = await self._ledger.reserve(rule, tenant, estimate, reservation_id)
         except BACKEND_ERRORS as exc:
             self._breaker.failure(now)
             self.counters.backend_errors += 1
+            # The admit may still run once the backend catches up: undo it then (off the request path).
+            self._cancel_later(rule.name, tenant, reservation_id)
             if self._breaker.is_open:
                 log.warning("quota backend failing (%s); breaker open", _describe(exc))
             return self._backend_unavailable(now, estimate)
@@ -361,6 +372,24 @@ class QuotaGate:
         return Admission(
             False, "backend_error_rejected", 503, ((_H_RETRY_AFTER, b"%d" % retry_after),), None, estimate
         )
+
+    def _cancel_later(self, rule_name: str, tenant: str, reservation_id: bytes) -> None:
+        if len(self._cancels) >= _MAX_PENDING_CANCELS:
+            self.counters.reconcile_drops += 1  # charged at the estimate when it expires
+            return
+        task = asyncio.get_running_loop().create_task(self._cancel(rule_name, tenant, reservation_id))
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
+
+    async def _cancel(self, rule_name: str, tenant: str, reservation_id: bytes) -> None:
+        """Retry until the lost admit is found and released, or long enough that it never ran."""
+        for delay in _CANCEL_DELAYS_S:
+            await asyncio.sleep(delay)
+            try:
+                if await self._ledger.cancel(rule_name, tenant, reservation_id):
+                    return
+            except BACKEND_ERRORS:
+                continue
 
     async def _reconcile_forever(self) -> None:
         queue = self._queue

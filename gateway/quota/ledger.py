@@ -38,11 +38,11 @@ from valkey.exceptions import NoScriptError
 from gateway.quota.rules import QuotaRule
 
 SCRIPT_NAME = "gridgate-quota-ledger"
-SCRIPT_VERSION = 1
+SCRIPT_VERSION = 2
 KEY_PREFIX = "gg:q:v1"
 
 LEDGER_SCRIPT = (
-    f"""-- {SCRIPT_NAME} v{SCRIPT_VERSION} (keys {KEY_PREFIX}); modes: admit | settle | report
+    f"""-- {SCRIPT_NAME} v{SCRIPT_VERSION} (keys {KEY_PREFIX}); modes: admit | settle | cancel | report
 """
     + r"""
 local mode = ARGV[1]
@@ -139,6 +139,22 @@ elseif mode == 'settle' then
   redis.call('ZREM', zkey, ARGV[3])
   if tonumber(deadline) <= now then return {2, release(ARGV[3], nil)} end
   return {1, release(ARGV[3], tonumber(ARGV[4]))}
+
+elseif mode == 'cancel' then
+  -- ARGV: mode, prefix, id. The admit's reply never reached the gateway (it timed out), so the
+  -- request was refused: release that reservation unused. Rare, so a scan of one tenant's set is fine.
+  local cursor = '0'
+  repeat
+    local page = redis.call('ZSCAN', zkey, cursor, 'MATCH', ARGV[3] .. '|*', 'COUNT', 1000)
+    cursor = page[1]
+    if #page[2] > 0 then
+      local member = page[2][1]
+      redis.call('ZREM', zkey, member)
+      release(member, 0)
+      return 1
+    end
+  until cursor == '0'
+  return 0
 
 elseif mode == 'report' then
   -- ARGV: mode, prefix, window_s... -> now, in_flight, {used, reserved, reset_ms}...
@@ -276,12 +292,17 @@ class QuotaLedger:
         if sha != LEDGER_SHA:  # would mean the server hashes differently: refuse to guess
             raise RuntimeError(f"unexpected script sha {sha} (expected {LEDGER_SHA})")
 
-    async def reserve(self, rule: QuotaRule, tenant: str, estimate: int) -> Decision:
+    def new_id(self) -> bytes:
+        return self._ids.next()
+
+    async def reserve(self, rule: QuotaRule, tenant: str, estimate: int, reservation_id: bytes | None = None
+                      ) -> Decision:
         zkey, prefix = self._keys_for(rule.name, tenant)
         args = self._rule_args.get(rule.name)
         if args is None:
             args = self._rule_args[rule.name] = _admit_tail(rule)
-        reply = await self._eval(zkey, b"admit", prefix, self._ids.next(), estimate, self._timeout_ms, *args)
+        rid = reservation_id if reservation_id is not None else self._ids.next()
+        reply = await self._eval(zkey, b"admit", prefix, rid, estimate, self._timeout_ms, *args)
         fields = reply.split(b" ", 6)
         verdict = int(fields[0])
         reservation = None
@@ -303,6 +324,11 @@ class QuotaLedger:
             reservation.zkey, "settle", reservation.prefix, reservation.member, max(0, actual_tokens)
         )
         return reply[0], reply[1]
+
+    async def cancel(self, rule_name: str, tenant: str, reservation_id: bytes) -> bool:
+        """Release, unused, a reservation whose admit reply was lost; False if there is none (yet)."""
+        zkey, prefix = self._keys_for(rule_name, tenant)
+        return bool(await self._eval(zkey, "cancel", prefix, reservation_id))
 
     async def settle_many(
         self, items: Sequence[tuple[Reservation, int]]

@@ -528,3 +528,38 @@ def test_a_second_server_on_the_same_data_dir_is_refused(tmp_path: Path) -> None
             EmbeddedValkey(tmp_path / "data").start()
     finally:
         first.stop()
+
+
+def test_an_admit_whose_reply_was_lost_is_released_once_the_backend_catches_up(valkey_url: str) -> None:
+    tenant = new_tenant()
+    rule = rule_for(tenant, (LONG, 1000), max_in_flight=1)
+
+    async def stall_backend() -> None:
+        # A busy script: Valkey reads nothing else meanwhile, like an overloaded server. (TIME is frozen
+        # inside scripts, so it counts instead: ~1.5 s here, well under the 5 s busy-script threshold
+        # after which Valkey would refuse, not queue, other commands.)
+        client = create_client(valkey_url, timeout_s=30)
+        script = "local x = 0 for i = 1, tonumber(ARGV[1]) do x = x + i end return 1"
+        try:
+            await client.execute_command("EVAL", script, 0, 450_000_000)
+        finally:
+            await client.aclose()
+
+    async def scenario() -> None:
+        async with open_gate(valkey_url, [rule], request_timeout_s=0.25) as gate:
+            stall = asyncio.create_task(stall_backend())
+            await asyncio.sleep(0.1)
+            lost = await admit(gate, tenant, 100)
+            assert lost.reason == "backend_error_rejected" and lost.status == 503
+            await stall
+            # The admit ran after all; the gate cancels it off the request path.
+            deadline = time.monotonic() + 8
+            report = await gate.quota_report(tenant)
+            while time.monotonic() < deadline and (window(report)["reserved"] or report["rules"][0]["in_flight"]):
+                await asyncio.sleep(0.2)
+                report = await gate.quota_report(tenant)
+            assert window(report)["reserved"] == 0 and window(report)["used"] == 0
+            assert report["rules"][0]["in_flight"] == 0
+            assert (await admit(gate, tenant, 100)).allowed  # the concurrency slot is free again
+
+    asyncio.run(scenario())
