@@ -83,6 +83,7 @@ class PendingGeneration:
     generation: int
     deadline: float
     admin_sock: socket.socket | None  # bound early when admin.listen changes, swapped in on promotion
+    workers: int  # how many the new generation runs (SIGTTIN/SIGTTOU adjustments carried over)
 
 
 _BACKGROUND: set[asyncio.Task] = set()

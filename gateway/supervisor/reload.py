@@ -77,9 +77,9 @@ class ReloadMixin:
     # ------------------------------------------------------------------ reload: generations
 
     def _start_generation(self, new: Config) -> None:
-        if new.worker_count() > self.slots.free:
+        if self._desired_workers(new) > self.slots.free:
             self._reload_failed([
-                f"workers: {new.worker_count()} new workers need shared-memory rows but only {self.slots.free} "
+                f"workers: {self._desired_workers(new)} new workers need shared-memory rows but only {self.slots.free} "
                 "are free (older generations are still draining); retry when they have finished"
             ])
             return
@@ -100,17 +100,22 @@ class ReloadMixin:
         # Numbers are never reused: an abandoned generation may still be draining when the next starts.
         self._generations_started += 1
         generation = self._generations_started
-        self.pending = PendingGeneration(new, generation, time.monotonic() + RELOAD_TIMEOUT, admin_sock)
-        for _ in range(new.worker_count()):
+        workers = self._desired_workers(new)
+        self.pending = PendingGeneration(new, generation, time.monotonic() + RELOAD_TIMEOUT, admin_sock, workers)
+        for _ in range(workers):
             self._spawn_worker(new, self.pending.generation)
-        log.info("reload: starting generation %d with %d workers", self.pending.generation, new.worker_count())
+        log.info("reload: starting generation %d with %d workers", self.pending.generation, workers)
+
+    def _desired_workers(self, new: Config) -> int:
+        """The config's count when its ``workers`` changed; else the current one, SIGTTIN/TTOU included."""
+        return new.worker_count() if new.workers != self.config.workers else self.target
 
     def _advance_reload(self, now: float) -> None:
         pending = self.pending
         if pending is None:
             return
         booting = [c for c in self._workers() if c.generation == pending.generation and not c.retiring]
-        if len(booting) == pending.config.worker_count() and all(c.ready for c in booting):
+        if len(booting) == pending.workers and all(c.ready for c in booting):
             self._promote(pending, booting)
         elif now >= pending.deadline:
             self._abandon_generation(f"new workers not ready within {RELOAD_TIMEOUT:.0f}s")
@@ -121,7 +126,7 @@ class ReloadMixin:
             self._retire(child, old_config.timeouts.graceful_shutdown)
         self.pending = None
         self.config, self.generation = pending.config, pending.generation
-        self.target = self.config.worker_count()
+        self.target = pending.workers
         self._swap_admin(self.config, pending.admin_sock)
         # The prober follows the clusters: restart it with the new config.
         for child in self._health():

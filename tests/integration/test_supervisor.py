@@ -362,6 +362,17 @@ def test_sigttin_and_sigttou_change_the_worker_count(start_gateway):
     assert metric(gateway, "gridgate_workers_target") == 2
 
 
+def test_a_config_reload_keeps_the_sigttin_worker_count(start_gateway):
+    gateway = start_gateway(workers=1)
+    gateway.signal(signal.SIGTTIN)
+    before = wait_until(lambda: ready_with(gateway, 2), "two workers")
+    gateway.config["timeouts"]["keepalive_idle"] = "31s"  # a change the workers need: new generation
+    gateway.write_config()
+    gateway.signal(signal.SIGHUP)
+    after = wait_until(lambda: (p := ready_with(gateway, 2)) and not set(p) & set(before) and p, "new generation")
+    assert len(after) == 2 and metric(gateway, "gridgate_workers_target") == 2
+
+
 # --------------------------------------------------------------------------- systemd notifications
 
 
