@@ -7,12 +7,11 @@ One ``Proxy`` per worker. ``handle`` runs once per request; the response streams
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import os
 import time
 from typing import Any
 
+from gateway.ids import CounterIds
 from gateway.quota.usage import usage_observer
 from workers.errors import GatewayError
 from workers.server import Exchange
@@ -191,23 +190,12 @@ class UpstreamCall:
             conn.resume()
 
 
-class RequestIds:
-    """Cheap unique request ids: a random per-process prefix and a counter."""
-
-    def __init__(self) -> None:
-        self._prefix = os.urandom(6).hex().encode() + b"-"
-        self._counter = itertools.count(1)
-
-    def next(self) -> bytes:
-        return self._prefix + b"%x" % next(self._counter)
-
-
 class Proxy:
     """Per-worker request handler. ``runtime`` supplies routing, endpoints and the optional gates."""
 
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
-        self.ids = RequestIds()
+        self.ids = CounterIds(b"-")
 
     async def handle(self, exchange: Exchange) -> None:
         runtime = self.runtime

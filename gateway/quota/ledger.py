@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import itertools
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from valkey.exceptions import NoScriptError
 
+from gateway.ids import CounterIds
 from gateway.quota.rules import QuotaRule
 
 SCRIPT_NAME = "gridgate-quota-ledger"
@@ -241,22 +240,6 @@ def key_prefix(rule_name: str, tenant: str) -> str:
     return f"{KEY_PREFIX}:{{{escape_key_part(rule_name)}:{escape_key_part(tenant)}}}"
 
 
-class ReservationIds:
-    """Unique reservation ids without a syscall per request: a random per-process prefix + a counter.
-
-    Made by the ledger, which each worker builds after the fork, so no two processes share a prefix.
-    """
-
-    __slots__ = ("_prefix", "_counter")
-
-    def __init__(self) -> None:
-        self._prefix = os.urandom(6).hex().encode()
-        self._counter = itertools.count(1)
-
-    def next(self) -> bytes:
-        return b"%s%x" % (self._prefix, next(self._counter))
-
-
 class QuotaLedger:
     """Valkey-backed token ledger. Each method is exactly one script call (plus a reload on NOSCRIPT).
 
@@ -274,7 +257,7 @@ class QuotaLedger:
         self._client = client
         self._slots = asyncio.Semaphore(max_concurrent_calls)
         self._timeout_ms = max(1, int(reservation_timeout_s * 1000))
-        self._ids = ReservationIds()
+        self._ids = CounterIds()  # made per worker, after the fork
         # (rule name, tenant) -> (zkey, prefix), pre-encoded; bounded: tenants come from configured keys.
         self._keys: dict[tuple[str, str], tuple[bytes, bytes]] = {}
         # Per rule, the static tail of the admit ARGV (pre-encoded): max_in_flight, window/limit pairs.

@@ -1,0 +1,20 @@
+"""Cheap unique ids without a syscall per call: a random per-process prefix and a counter.
+
+Build the generator in the process that uses it (after the fork), so no two processes share a prefix.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+
+class CounterIds:
+    __slots__ = ("_prefix", "_counter")
+
+    def __init__(self, separator: bytes = b"") -> None:
+        self._prefix = os.urandom(6).hex().encode() + separator
+        self._counter = itertools.count(1)
+
+    def next(self) -> bytes:
+        return b"%s%x" % (self._prefix, next(self._counter))
