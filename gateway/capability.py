@@ -32,6 +32,9 @@ from __future__ import annotations
 
 import msgspec
 
+from gateway.http.errors import ErrorReply
+from gateway.http.media import is_json_content_type
+
 MAX_NAME_BYTES = 256
 MCP_SESSION_NAME = ""  # see gateway.overlay.snapshot.MCP_SESSION_CAPABILITY
 _OWS = b" \t"
@@ -71,14 +74,6 @@ class CapabilityRequest(msgspec.Struct, frozen=True):
     body: BodyFields | None
 
 
-class CapabilityError(msgspec.Struct, frozen=True):
-    """A 400 the proxy answers with an OpenAI-style error body."""
-
-    status: int
-    code: str
-    message: str
-
-
 _DECODER = msgspec.json.Decoder(BodyFields)
 
 
@@ -105,22 +100,13 @@ def header_token(raw: bytes | str | None, max_bytes: int = MAX_NAME_BYTES) -> by
     return value
 
 
-def is_json_content_type(content_type: bytes | str | None) -> bool:
-    if content_type is None:
-        return True
-    if isinstance(content_type, str):
-        content_type = content_type.encode("latin-1", "replace")
-    media = content_type.split(b";", 1)[0].strip(_OWS).lower()
-    return not media or media == b"application/json" or media.endswith(b"+json")
-
-
-def decode_body(body: bytes | bytearray | memoryview) -> BodyFields | CapabilityError:
+def decode_body(body: bytes | bytearray | memoryview) -> BodyFields | ErrorReply:
     try:
         return _DECODER.decode(body)
     except msgspec.ValidationError as exc:
-        return CapabilityError(400, "invalid_request", f"Invalid request body: {exc}")
+        return ErrorReply(400, "invalid_request", f"Invalid request body: {exc}")
     except msgspec.DecodeError as exc:
-        return CapabilityError(400, "invalid_json", f"Request body is not valid JSON: {exc}")
+        return ErrorReply(400, "invalid_json", f"Request body is not valid JSON: {exc}")
 
 
 def _valid_body_name(name: str) -> bool:
@@ -131,12 +117,12 @@ def lookup_capability(
     header_value: bytes | str | None,
     body: bytes | bytearray | memoryview,
     content_type: bytes | str | None,
-) -> CapabilityRequest | CapabilityError:
+) -> CapabilityRequest | ErrorReply:
     """Which capability a request asks for, plus its body fields. See the module docstring."""
     fields: BodyFields | None = None
     if body and is_json_content_type(content_type):
         decoded = decode_body(body)
-        if type(decoded) is CapabilityError:
+        if type(decoded) is ErrorReply:
             return decoded
         fields = decoded
         if fields.jsonrpc == "2.0":
@@ -146,7 +132,7 @@ def lookup_capability(
                 return CapabilityRequest("mcp_tool", MCP_SESSION_NAME, fields)
             tool = fields.params.name if fields.params is not None else None
             if tool is None or not _valid_body_name(tool):
-                return CapabilityError(
+                return ErrorReply(
                     400, "invalid_request", "tools/call needs params.name: the tool to call (1..256 bytes)."
                 )
             return CapabilityRequest("mcp_tool", tool, fields)
@@ -154,7 +140,7 @@ def lookup_capability(
     if header_value is not None:
         name = header_token(header_value)
         if name is None:
-            return CapabilityError(
+            return ErrorReply(
                 400, "invalid_model_header", "The model header must be 1..256 visible ASCII characters."
             )
         return CapabilityRequest("inference_model", name.decode("ascii"), fields)
@@ -162,11 +148,11 @@ def lookup_capability(
     model = fields.model if fields is not None else None
     if model is not None:
         if not _valid_body_name(model):
-            return CapabilityError(
+            return ErrorReply(
                 400, "invalid_model", 'The body "model" must be 1..256 bytes and not blank.'
             )
         return CapabilityRequest("inference_model", model, fields)
-    return CapabilityError(
+    return ErrorReply(
         400,
         "missing_capability",
         'No capability: send the model header or a JSON body with a "model" string.',

@@ -15,6 +15,7 @@ import random
 from typing import TYPE_CHECKING, NamedTuple
 from urllib.parse import quote
 
+from gateway.http.errors import ErrorReply
 from gateway.overlay.contract import Candidate
 from gateway.overlay.snapshot import Capability, Snapshot
 
@@ -79,30 +80,16 @@ def _decision(
     )
 
 
-class RouteFailure:
-    """No route: ``status`` 404 ``model_not_found`` or 503 ``no_admissible``."""
-
-    __slots__ = ("status", "code", "message")
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        self.status = status
-        self.code = code
-        self.message = message
-
-    def __repr__(self) -> str:
-        return f"RouteFailure({self.status}, {self.code}, {self.message!r})"
-
-
 def _label(kind: str, name: str) -> str:
     if not name:
         return "MCP session (no tool named)"
     return f"model `{name}`" if kind == "inference_model" else f"MCP tool `{name}`"
 
 
-def model_not_found(kind: str, name: str) -> RouteFailure:
+def model_not_found(kind: str, name: str) -> ErrorReply:
     if not name:
-        return RouteFailure(404, "model_not_found", "The serving routing overlay has no MCP tool.")
-    return RouteFailure(
+        return ErrorReply(404, "model_not_found", "The serving routing overlay has no MCP tool.")
+    return ErrorReply(
         404, "model_not_found", f"The {_label(kind, name)} is not in the serving routing overlay."
     )
 
@@ -153,7 +140,7 @@ class _Plan:
         }
         self.capability_hash = cap.hash
         self.accepts_any_binding = cap.accepts_any_binding
-        self.unavailable = RouteFailure(
+        self.unavailable = ErrorReply(
             503,
             "no_admissible",
             f"No provider currently admits new requests for the {_label(cap.kind, cap.name)}.",
@@ -205,7 +192,7 @@ class Router:
             if plans[cap.index] is None:
                 plans[cap.index] = _Plan(cap, snapshot, self._worker_index)
 
-    def _pick(self, plan: _Plan, outcome: int) -> RouteDecision | RouteFailure:
+    def _pick(self, plan: _Plan, outcome: int) -> RouteDecision | ErrorReply:
         choices = plan.fresh[outcome]
         if not choices:
             return plan.unavailable
@@ -225,7 +212,7 @@ class Router:
         name: str,
         session_key: bytes | None = None,
         now: float = 0.0,
-    ) -> RouteDecision | RouteFailure:
+    ) -> RouteDecision | ErrorReply:
         """Route one request for capability ``(kind, name)``.
 
         ``session_key`` is the affinity key (see ``gateway.capability.session_key``) and

@@ -51,7 +51,7 @@ async def bench_gate(url: str, n: int, concurrency: int) -> dict[str, float]:
     results: dict[str, float] = {}
     try:
         for i in range(200):  # warm the connection pool and the script
-            gate.settle(await gate.admit(tenants[i % 16], "m", 2048, 256, None), 200, 100)
+            gate.charge(await gate.admit(tenants[i % 16], "m", 2048, 256, None), 100)
         await gate.drain()
 
         latencies = []
@@ -67,7 +67,7 @@ async def bench_gate(url: str, n: int, concurrency: int) -> dict[str, float]:
 
         start = time.perf_counter()
         for admission in admissions:
-            gate.settle(admission, 200, 100)
+            gate.charge(admission, 100)
         enqueue = time.perf_counter() - start
         await gate.drain()
         results["settle enqueue (request path)"] = enqueue / n * 1e6
@@ -75,7 +75,7 @@ async def bench_gate(url: str, n: int, concurrency: int) -> dict[str, float]:
 
         async def worker(count: int) -> None:
             for i in range(count):
-                gate.settle(await gate.admit(tenants[i % 16], "m", 2048, 256, None), 200, 100)
+                gate.charge(await gate.admit(tenants[i % 16], "m", 2048, 256, None), 100)
 
         start = time.perf_counter()
         await asyncio.gather(*(worker(n // concurrency) for _ in range(concurrency)))

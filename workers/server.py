@@ -1,10 +1,15 @@
 """The client-facing HTTP/1.1 server: one asyncio Protocol per connection driving the codec.
 
 It reads a request head (with the strict checks h11 does not make), reads the bounded body, then
-hands an ``Exchange`` to the proxy. Responses go out through the same codec, so keep-alive,
-pipelining (answered in order) and HTTP/1.0 close semantics come from one state machine. When the
+hands an ``Exchange`` to the request handler. Responses are framed by the same connection's codec, so
+keep-alive, pipelining (answered in order) and HTTP/1.0 close semantics live in one place. When the
 framing of a request is in doubt the answer is written raw and the connection is closed: nothing
 else is read from it.
+
+Deadlines: one timer per connection, re-armed only when it fires. A connection keeps a deadline
+(header block, body idle, keep-alive idle) in a field; the timer never sleeps longer than the shortest
+timeout, so moving the deadline later or earlier by at least that much never needs a re-arm, and a
+request costs no timer operations at all.
 """
 
 from __future__ import annotations
@@ -13,21 +18,23 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
-from workers import codec
-from workers.codec import raw_response
-from workers.errors import GatewayError, error_body, error_headers
-from workers.framing import ChunkedBodyGuard, check_request_head
+from gateway.config import Config
+from gateway.http import codec
+from gateway.http.errors import JSON_CONTENT_TYPE, ErrorReply, GatewayError, error_headers
+from gateway.http.framing import ChunkedBodyGuard, RequestFraming, check_request_head
 
 log = logging.getLogger("gridgate.server")
 
 _perf = time.perf_counter
+_INF = float("inf")
 # Pipelined bytes buffered while a request is being answered before we stop reading the socket.
 _PIPELINE_BUFFER_LIMIT = 65536
 _HEAD, _BODY, _HANDLING, _CLOSED = range(4)
 _LINGER_S = 2.0
 _FRESH_GRACE_S = 1.0
+# What a deadline means when it passes.
+_ON_IDLE, _ON_HEADER, _ON_BODY = range(3)
 
 
 class ServerSettings:
@@ -35,10 +42,10 @@ class ServerSettings:
 
     __slots__ = (
         "max_header_bytes", "max_body_bytes", "max_url_bytes", "max_connections",
-        "header_read_s", "keepalive_idle_s",
+        "header_read_s", "keepalive_idle_s", "timer_period_s",
     )
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Config) -> None:
         limits, timeouts = config.limits, config.timeouts
         self.max_header_bytes = limits.max_header_bytes
         self.max_body_bytes = limits.max_body_bytes
@@ -46,6 +53,8 @@ class ServerSettings:
         self.max_connections = limits.max_connections_per_worker
         self.header_read_s = float(timeouts.header_read)
         self.keepalive_idle_s = float(timeouts.keepalive_idle)
+        # The connection timer never sleeps longer than the shortest deadline (see the module doc).
+        self.timer_period_s = min(self.header_read_s, self.keepalive_idle_s)
 
 
 class ServerState:
@@ -57,7 +66,7 @@ class ServerState:
         self.connections: set[ServerConnection] = set()
         self.draining = False
         self.in_flight = 0
-        # Called with the status of every request rejected before it reached the proxy (metrics).
+        # Called with the status of every request rejected before it reached the handler (metrics).
         self.on_reject: Callable[[int], None] | None = None
 
     def close_idle(self, now: float) -> None:
@@ -76,7 +85,11 @@ class ServerState:
 
 
 class Exchange:
-    """One request and the means to answer it. The proxy owns it until ``end``/``abort``."""
+    """One request and the means to answer it. The handler owns it until ``end``/``abort``.
+
+    Handlers may set ``on_client_lost`` (the client went away mid-exchange) and
+    ``on_pause_writing``/``on_resume_writing`` (the client reads slower than we write).
+    """
 
     __slots__ = (
         "conn", "method", "target", "version", "headers", "body", "t_start", "started", "finished",
@@ -111,22 +124,24 @@ class Exchange:
         """The client's socket buffer is above its high-water mark (it reads slower than we write)."""
         return self.conn.writing_paused
 
-    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        """Queue the response head; bytes leave on ``flush`` or ``end`` (one syscall per burst)."""
+    def start(self, status: int, headers: list[tuple[bytes, bytes]], content_length: int | None = None) -> None:
+        """Queue the response head; bytes leave on ``flush`` or ``end`` (one syscall per burst).
+
+        ``headers`` hold no framing headers: ``content_length`` None means chunked (or until close).
+        """
         self.started = True
         conn = self.conn
-        if conn.server.draining or self.close_after:
-            headers.append((b"connection", b"close"))
-        conn.pending.append(conn.codec.send(codec.response_event(status, headers)))
+        close = conn.server.draining or self.close_after
+        conn.pending.append(conn.codec.response_head(status, headers, content_length, close))
 
     def write(self, data: bytes) -> None:
         if data and not self.finished:
             conn = self.conn
             try:
-                conn.pending.append(conn.codec.send(codec.Data(data=data)))
-            except codec.LocalProtocolError:
-                # More bytes than the declared Content-Length (or no head yet): the framing we
-                # promised cannot be kept, so the client must see a cut, not a false end.
+                conn.pending.append(conn.codec.response_data(data))
+            except codec.FramingError:
+                # More bytes than the declared Content-Length: the framing we promised cannot be
+                # kept, so the client must see a cut, not a false end.
                 self.abort()
 
     def flush(self) -> None:
@@ -137,32 +152,31 @@ class Exchange:
             return
         conn = self.conn
         try:
-            end_bytes = conn.codec.send(codec.EndOfMessage())
-        except codec.LocalProtocolError:
+            end_bytes = conn.codec.response_end()
+        except codec.FramingError:
             self.abort()  # fewer bytes than the declared Content-Length: cut, never a false end
             return
         self.finished = True
-        conn.pending.append(end_bytes)
+        if end_bytes:
+            conn.pending.append(end_bytes)
         conn.flush()
         conn.finish_exchange(self)
 
     def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        headers.append((b"content-length", b"%d" % len(body)))
-        self.start(status, headers)
+        self.start(status, headers, len(body))
         if self.method != b"HEAD":  # a HEAD answer announces the length but carries no body
             self.write(body)
         self.end()
 
-    def send_error(self, error: GatewayError, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    def send_error(self, reply: ErrorReply, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
         """Answer with an OpenAI-style error, or abort if the response already started."""
         if self.started:
             self.abort()
             return
-        body = error_body(error.status, error.code, error.message, error.error_type)
-        headers = [(b"content-type", b"application/json"), *error.headers, *(extra_headers or ())]
-        if error.close:
+        headers = [JSON_CONTENT_TYPE, *reply.headers, *(extra_headers or ())]
+        if reply.close:
             self.close_after = True
-        self.respond(error.status, headers, body)
+        self.respond(reply.status, headers, reply.body())
 
     def abort(self) -> None:
         """Drop the connection mid-response: the client sees truncated framing, never a false end."""
@@ -174,29 +188,31 @@ class Exchange:
 
 class ServerConnection(asyncio.Protocol):
     __slots__ = (
-        "server", "settings", "transport", "codec", "state", "exchange", "peer", "_timer",
-        "_head_bytes", "_t_head", "_body", "_body_len", "_guard", "_framing", "_request",
-        "_reading_paused", "_writing_paused", "_loop", "pending", "served", "opened_at", "_eof",
+        "server", "settings", "transport", "codec", "state", "exchange", "peer", "_timer", "_deadline",
+        "_on_deadline", "_head_bytes", "_t_head", "_body", "_body_len", "_guard", "_framing", "_request",
+        "_reading_paused", "writing_paused", "_loop", "pending", "served", "opened_at", "_eof",
     )
 
     def __init__(self, server: ServerState) -> None:
         self.server = server
         self.settings = server.settings
         self.transport: asyncio.Transport | None = None
-        self.codec = codec.server_codec(server.settings.max_header_bytes)
+        self.codec = codec.ServerCodec(server.settings.max_header_bytes)
         self.state = _HEAD
         self.exchange: Exchange | None = None
         self.peer = b""
         self._timer: asyncio.TimerHandle | None = None
+        self._deadline = _INF
+        self._on_deadline = _ON_IDLE
         self._head_bytes = 0
         self._t_head = 0.0
         self._body: list[bytes] = []
         self._body_len = 0
         self._guard: ChunkedBodyGuard | None = None
-        self._framing: Any = None
-        self._request: Any = None
+        self._framing: RequestFraming | None = None
+        self._request: codec.RequestHead | None = None
         self._reading_paused = False
-        self._writing_paused = False
+        self.writing_paused = False
         self._loop = asyncio.get_running_loop()
         self.pending: list[bytes] = []
         self.served = 0
@@ -208,15 +224,16 @@ class ServerConnection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         server = self.server
         if len(server.connections) >= self.settings.max_connections:
-            body = error_body(503, "too_many_connections", "worker connection limit reached, retry")
+            reply = ErrorReply(503, "too_many_connections", "worker connection limit reached, retry")
+            body = reply.body()
             headers = [*error_headers(body), (b"retry-after", b"1"), (b"connection", b"close")]
-            transport.write(raw_response(503, headers, body))  # type: ignore[attr-defined]
+            transport.write(codec.raw_response(503, headers, body))  # type: ignore[attr-defined]
             self._linger_close()
             return
         server.connections.add(self)
         peer = transport.get_extra_info("peername")
         self.peer = peer[0].encode() if isinstance(peer, tuple) else b""
-        self._arm(self.settings.header_read_s, self._on_idle_timeout)
+        self._set_deadline(self.settings.header_read_s, _ON_IDLE)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.state = _CLOSED
@@ -229,19 +246,19 @@ class ServerConnection(asyncio.Protocol):
     def eof_received(self) -> bool | None:
         """The client half-closed: answer what it already sent, then close."""
         self._eof = True
-        if self.exchange is None and not self.codec.trailing_data[0]:
+        if self.exchange is None and not self.codec.buffered:
             self.close()
             return None
         return True  # keep our side open until the answer is written
 
     def pause_writing(self) -> None:
-        self._writing_paused = True
+        self.writing_paused = True
         exchange = self.exchange
         if exchange is not None and exchange.on_pause_writing is not None:
             exchange.on_pause_writing()
 
     def resume_writing(self) -> None:
-        self._writing_paused = False
+        self.writing_paused = False
         exchange = self.exchange
         if exchange is not None and exchange.on_resume_writing is not None:
             exchange.on_resume_writing()
@@ -250,94 +267,98 @@ class ServerConnection(asyncio.Protocol):
         state = self.state
         if state == _HANDLING:
             # Pipelined bytes: keep them in the codec until the current answer is done.
-            self.codec.receive_data(data)
-            if len(self.codec.trailing_data[0]) > _PIPELINE_BUFFER_LIMIT and not self._reading_paused:
+            self.codec.feed(data)
+            if self.codec.buffered > _PIPELINE_BUFFER_LIMIT and not self._reading_paused:
                 self._reading_paused = True
                 self.transport.pause_reading()
             return
         if state == _HEAD:
             if self._head_bytes == 0:
                 self._t_head = _perf()
-                self._arm(self.settings.header_read_s, self._on_header_timeout)
+                self._set_deadline(self.settings.header_read_s, _ON_HEADER)
             self._head_bytes += len(data)
         elif state == _BODY:
             # An idle deadline, not a total one: a steady upload of a large body keeps going.
-            self._arm(self.settings.keepalive_idle_s, self._on_idle_timeout)
+            self._set_deadline(self.settings.keepalive_idle_s, _ON_BODY)
             if self._guard is not None:
                 try:
                     self._guard.feed(data)
                 except GatewayError as error:
-                    self._reject(error)
+                    self._reject(error.reply)
                     return
         elif state == _CLOSED:
             return
-        self.codec.receive_data(data)
+        self.codec.feed(data)
         self._process()
 
     # -- parsing ---------------------------------------------------------------------------
     def _process(self) -> None:
-        conn = self.codec
+        parser = self.codec
         try:
             while True:
-                event = conn.next_event()
+                event = parser.next_event()
                 kind = type(event)
-                if kind is codec.Data:
+                if kind is codec.Body:
                     self._body_len += len(event.data)
                     if self._body_len > self.settings.max_body_bytes:
-                        raise GatewayError(413, "request_too_large",
-                                           f"request body larger than {self.settings.max_body_bytes} bytes",
-                                           close=True)
+                        raise GatewayError(ErrorReply(
+                            413, "request_too_large", f"request body larger than {self.settings.max_body_bytes} bytes",
+                            close=True,
+                        ))
                     self._body.append(event.data)
-                elif kind is codec.Request:
+                elif kind is codec.RequestHead:
                     self._on_request_head(event)
                 elif kind is codec.EndOfMessage:
                     self._dispatch()
                     return
                 elif event is codec.NEED_DATA:
                     if self.state == _HEAD and self._head_bytes > self.settings.max_header_bytes:
-                        raise GatewayError(431, "headers_too_large", "request header block too large", close=True)
+                        raise GatewayError(ErrorReply(431, "headers_too_large", "request header block too large",
+                                                      close=True))
                     return
-                elif kind is codec.ConnectionClosed or event is codec.PAUSED:
+                else:  # ConnectionClosed, or PAUSED (cannot happen before the request ended)
                     self.close()
                     return
         except GatewayError as error:
-            self._reject(error)
-        except codec.RemoteProtocolError as error:
-            status = error.error_status_hint
-            code = "headers_too_large" if status == 431 else "invalid_request"
-            self._reject(GatewayError(status, code, f"malformed HTTP request: {error}", close=True))
+            self._reject(error.reply)
+        except codec.ParseError as error:
+            code = "headers_too_large" if error.status == 431 else "invalid_request"
+            self._reject(ErrorReply(error.status, code, f"malformed HTTP request: {error}", close=True))
 
-    def _on_request_head(self, event: Any) -> None:
-        head_size = self._head_bytes - len(self.codec.trailing_data[0])
+    def _on_request_head(self, event: codec.RequestHead) -> None:
+        head_size = self._head_bytes - self.codec.buffered
         settings = self.settings
         if head_size > settings.max_header_bytes:
-            raise GatewayError(431, "headers_too_large", "request header block too large", close=True)
-        self._cancel_timer()
-        self._framing = check_request_head(
+            raise GatewayError(ErrorReply(431, "headers_too_large", "request header block too large", close=True))
+        framing = self._framing = check_request_head(
             event.method, event.target, event.http_version, event.headers,
             settings.max_url_bytes, settings.max_body_bytes,
         )
         self._request = event
         self.state = _BODY
-        self._arm(settings.keepalive_idle_s, self._on_idle_timeout)
-        if self._framing.chunked:
+        self._set_deadline(settings.keepalive_idle_s, _ON_BODY)
+        if framing.chunked:
             self._guard = ChunkedBodyGuard(settings.max_body_bytes, settings.max_header_bytes)
-            self._guard.feed(bytes(self.codec.trailing_data[0]))
-        if self.codec.they_are_waiting_for_100_continue:
-            self.write(self.codec.send(codec.InformationalResponse(status_code=100, headers=[])))
+            self._guard.feed(self.codec.buffered_bytes())
+        if self.codec.expects_continue:
+            self.write(codec.CONTINUE_RESPONSE)
 
     def _dispatch(self) -> None:
         event = self._request
+        framing = self._framing
+        assert event is not None and framing is not None
         body = self._body
         exchange = Exchange(
-            self, event.method, self._framing.target, event.http_version, event.headers,
+            self, event.method, framing.target, event.http_version, event.headers,
             bytes(body[0]) if len(body) == 1 else b"".join(body), self._t_head,
         )
+        self.codec.expect_response(event.method, event.http_version == b"1.1", framing.keep_alive)
         self._body = []
         self._body_len = 0
         self._guard = None
         self._request = None
         self.state = _HANDLING
+        self._deadline = _INF
         self.exchange = exchange
         self.server.in_flight += 1
         self._loop.create_task(self._run(exchange))
@@ -345,11 +366,9 @@ class ServerConnection(asyncio.Protocol):
     async def _run(self, exchange: Exchange) -> None:
         try:
             await self.server.handler(exchange)
-        except GatewayError as error:
-            exchange.send_error(error)
         except Exception:
             log.exception("request handler failed")
-            exchange.send_error(GatewayError(500, "internal_error", "the gateway failed to handle the request"))
+            exchange.send_error(ErrorReply(500, "internal_error", "the gateway failed to handle the request"))
         finally:
             if not exchange.finished:
                 exchange.abort()
@@ -367,10 +386,6 @@ class ServerConnection(asyncio.Protocol):
             pending.clear()
 
     @property
-    def writing_paused(self) -> bool:
-        return self._writing_paused
-
-    @property
     def head_started(self) -> bool:
         return self._head_bytes > 0
 
@@ -380,17 +395,13 @@ class ServerConnection(asyncio.Protocol):
         self.exchange = None
         if self.state == _CLOSED:
             return
-        conn = self.codec
-        if aborted or exchange.close_after or conn.our_state is codec.MUST_CLOSE or self.server.draining:
+        parser = self.codec
+        if aborted or exchange.close_after or parser.must_close or self.server.draining:
             self.close(abort=aborted)
             return
-        try:
-            conn.start_next_cycle()
-        except codec.LocalProtocolError:
-            self.close()
-            return
+        parser.next_cycle()
         self.state = _HEAD
-        self._head_bytes = len(conn.trailing_data[0])
+        self._head_bytes = parser.buffered
         if self._eof and not self._head_bytes:
             self.close()
             return
@@ -399,20 +410,20 @@ class ServerConnection(asyncio.Protocol):
             self.transport.resume_reading()
         if self._head_bytes:
             self._t_head = _perf()
-            self._arm(self.settings.header_read_s, self._on_header_timeout)
+            self._set_deadline(self.settings.header_read_s, _ON_HEADER)
             self._process()
         else:
-            self._arm(self.settings.keepalive_idle_s, self._on_idle_timeout)
+            self._set_deadline(self.settings.keepalive_idle_s, _ON_IDLE)
 
-    def _reject(self, error: GatewayError) -> None:
+    def _reject(self, reply: ErrorReply) -> None:
         """Answer a request whose framing is in doubt, then close without reading more."""
         if self.state == _CLOSED:
             return
         if self.server.on_reject is not None:
-            self.server.on_reject(error.status)
-        body = error_body(error.status, error.code, error.message)
-        headers = [*error_headers(body), *error.headers, (b"connection", b"close")]
-        self.write(raw_response(error.status, headers, body))
+            self.server.on_reject(reply.status)
+        body = reply.body()
+        headers = [*error_headers(body), *reply.headers, (b"connection", b"close")]
+        self.write(codec.raw_response(reply.status, headers, body))
         self._linger_close()
 
     def _linger_close(self) -> None:
@@ -423,10 +434,11 @@ class ServerConnection(asyncio.Protocol):
         """
         self.state = _CLOSED
         self.server.connections.discard(self)
+        self._cancel_timer()
         transport = self.transport
         if transport.can_write_eof():
             transport.write_eof()
-        self._arm(_LINGER_S, transport.close)
+        self._timer = self._loop.call_later(_LINGER_S, transport.close)
 
     def close(self, abort: bool = False) -> None:
         if self.state == _CLOSED:
@@ -439,27 +451,33 @@ class ServerConnection(asyncio.Protocol):
         else:
             self.transport.close()
 
-    # -- timers ----------------------------------------------------------------------------
-    def _arm(self, delay: float, callback: Callable[[], None]) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = self._loop.call_later(delay, callback)
+    # -- deadlines -------------------------------------------------------------------------
+    def _set_deadline(self, delay: float, meaning: int) -> None:
+        now = self._loop.time()
+        self._deadline = now + delay
+        self._on_deadline = meaning
+        if self._timer is None:
+            self._timer = self._loop.call_at(now + min(delay, self.settings.timer_period_s), self._on_timer)
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
-    def _on_header_timeout(self) -> None:
+    def _on_timer(self) -> None:
         self._timer = None
-        if self.state == _HEAD:
-            self._reject(GatewayError(408, "request_timeout", "request header block not received in time"))
-
-    def _on_idle_timeout(self) -> None:
-        self._timer = None
-        if self.state == _BODY:
-            self._reject(GatewayError(408, "request_timeout", "request body not received in time"))
-        elif self.state == _HEAD and self._head_bytes:
-            self._on_header_timeout()
+        if self.state == _CLOSED or self._deadline == _INF:
+            return  # re-armed by the next _set_deadline
+        now = self._loop.time()
+        if now < self._deadline:
+            wake = min(self._deadline, now + self.settings.timer_period_s)
+            self._timer = self._loop.call_at(wake, self._on_timer)
+            return
+        self._deadline = _INF
+        meaning = self._on_deadline
+        if meaning == _ON_BODY and self.state == _BODY:
+            self._reject(ErrorReply(408, "request_timeout", "request body not received in time"))
+        elif self.state == _HEAD and (meaning == _ON_HEADER or self._head_bytes):
+            self._reject(ErrorReply(408, "request_timeout", "request header block not received in time"))
         elif self.state == _HEAD:
             self.close()

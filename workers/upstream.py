@@ -1,9 +1,12 @@
 """Upstream side: per endpoint, per worker, a keep-alive pool of HTTP/1.1 client connections.
 
-A connection delivers the response to a *sink* through four callbacks (head, data, end, failed)
-instead of async iteration: streaming a chunk costs one method call, not a task switch. Framing
-doubt (both Content-Length and Transfer-Encoding, bytes after the end, a protocol error) means the
-connection is closed instead of being returned to the pool.
+A connection delivers the response to a *sink* through five callbacks (head, data, flush, end,
+failed) instead of async iteration: streaming a chunk costs one method call, not a task switch.
+Framing doubt (both Content-Length and Transfer-Encoding, bytes after the end, a protocol error)
+means the connection is closed instead of being returned to the pool.
+
+Read timeouts use a deadline field and one timer per connection that is re-armed only when it fires
+(``last_activity`` moves the deadline; the timer re-checks), so a request costs no timer operations.
 """
 
 from __future__ import annotations
@@ -12,17 +15,13 @@ import asyncio
 import collections
 import ssl
 import time
-from typing import Any, Protocol
+from typing import Protocol
 
-from workers import codec
+from gateway.http import codec
+from gateway.request.failures import Failure
 
 _monotonic = time.monotonic
-
-# Why an attempt failed; the proxy maps these to 502/504 and to outlier-detection outcomes.
-CONNECT_ERROR = "connect"
-RESET = "reset"
-TIMEOUT = "timeout"
-PROTOCOL = "protocol"
+_COPY_BODY_BELOW = 65536
 
 
 class UpstreamSink(Protocol):
@@ -30,7 +29,7 @@ class UpstreamSink(Protocol):
     def upstream_data(self, data: bytes) -> None: ...
     def upstream_end(self) -> None: ...
     def upstream_flush(self) -> None: ...
-    def upstream_failed(self, reason: str, detail: str) -> None: ...
+    def upstream_failed(self, failure: Failure, detail: str) -> None: ...
 
 
 class PoolExhausted(Exception):
@@ -38,53 +37,50 @@ class PoolExhausted(Exception):
 
 
 class ConnectFailed(Exception):
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, failure: Failure, detail: str) -> None:
         super().__init__(detail)
-        self.reason = reason
+        self.failure = failure
 
 
 class UpstreamConnection(asyncio.Protocol):
     __slots__ = (
         "pool", "transport", "codec", "sink", "reused", "closed", "last_activity", "_timer",
-        "_keep", "_got_head", "_paused", "_sent", "_loop", "slot_returned",
+        "_keep", "_paused", "_loop", "slot_returned",
     )
 
     def __init__(self, pool: UpstreamPool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
-        self.codec = codec.client_codec()
+        self.codec = codec.ClientCodec()
         self.sink: UpstreamSink | None = None
         self.reused = False
         self.closed = False
         self.last_activity = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._keep = True
-        self._got_head = False
         self._paused = False
-        self._sent = False
         self._loop = pool.loop
         self.slot_returned = False
 
-    # -- used by the proxy -----------------------------------------------------------------
+    # -- used by the request path ------------------------------------------------------------
     def send_request(
         self, sink: UpstreamSink, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
     ) -> None:
+        """Write the request; ``headers`` carry Host and Content-Length (when there is a body)."""
         self.sink = sink
-        self._got_head = False
         self._keep = True
-        self._sent = True
         if self.closed:
             # The provider closed it between acquire and send: a retryable failure before any byte.
-            self._fail(RESET, "upstream connection closed before the request was sent")
+            self._fail(Failure.RESET, "connection closed before the request was sent")
             return
-        conn = self.codec
-        data = conn.send(codec.request_event(method, target, headers))
-        if body:
-            data += conn.send(codec.Data(data=body))
-        data += conn.send(codec.EndOfMessage())
+        head = self.codec.encode_request(method, target, headers)
         self.last_activity = _monotonic()
-        self.transport.write(data)
-        self._timer = self._loop.call_later(self.pool.read_timeout, self._check_timeout)
+        if len(body) > _COPY_BODY_BELOW:
+            self.transport.writelines((head, body))  # no copy of a large body
+        else:
+            self.transport.write(head + body if body else head)  # one write, one TLS record
+        if self._timer is None:
+            self._timer = self._loop.call_later(self.pool.read_timeout, self._on_timer)
 
     def pause(self) -> None:
         if not self._paused and not self.closed:
@@ -102,7 +98,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.sink = None
         self._finish(reusable=False)
 
-    # -- transport callbacks ---------------------------------------------------------------
+    # -- transport callbacks -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
@@ -113,15 +109,15 @@ class UpstreamConnection(asyncio.Protocol):
             # Bytes while idle: the provider is not speaking HTTP as we understand it.
             self._finish(reusable=False)
             return
-        conn = self.codec
-        conn.receive_data(data)
+        parser = self.codec
+        parser.feed(data)
         try:
             while self.sink is sink:  # a callback may have let go of this connection (client gone)
-                event = conn.next_event()
+                event = parser.next_event()
                 kind = type(event)
-                if kind is codec.Data:
+                if kind is codec.Body:
                     sink.upstream_data(event.data)
-                elif kind is codec.Response:
+                elif kind is codec.ResponseHead:
                     self._on_head(sink, event)
                 elif kind is codec.EndOfMessage:
                     self._on_end(sink)
@@ -129,13 +125,13 @@ class UpstreamConnection(asyncio.Protocol):
                 elif event is codec.NEED_DATA:
                     sink.upstream_flush()
                     return
-                elif kind is codec.InformationalResponse:
+                elif kind is codec.Informational:
                     continue
                 else:  # ConnectionClosed or PAUSED
-                    self._fail(RESET, "upstream closed the connection")
+                    self._fail(Failure.RESET, "connection closed before the response completed")
                     return
-        except codec.RemoteProtocolError as error:
-            self._fail(PROTOCOL, f"malformed upstream response: {error}")
+        except codec.ParseError:
+            self._fail(Failure.MALFORMED, "malformed response")
 
     def eof_received(self) -> bool | None:
         if self.sink is not None:
@@ -147,13 +143,12 @@ class UpstreamConnection(asyncio.Protocol):
         self.closed = True
         self._cancel_timer()
         if self.sink is not None:
-            self._fail(RESET, "upstream connection lost")
+            self._fail(Failure.RESET, "connection lost before the response completed")
         elif not was_closed:
             self.pool.connection_gone(self)
 
-    # -- internals -------------------------------------------------------------------------
-    def _on_head(self, sink: UpstreamSink, event: Any) -> None:
-        self._got_head = True
+    # -- internals -----------------------------------------------------------------------------
+    def _on_head(self, sink: UpstreamSink, event: codec.ResponseHead) -> None:
         has_cl = has_te = False
         for name, _value in event.headers:
             if name == b"content-length":
@@ -166,32 +161,25 @@ class UpstreamConnection(asyncio.Protocol):
         sink.upstream_head(event.status_code, event.headers)
 
     def _on_end(self, sink: UpstreamSink) -> None:
-        conn = self.codec
-        reusable = (
-            self._keep and conn.our_state is codec.DONE and conn.their_state is codec.DONE
-            and not conn.trailing_data[0]
-        )
         self.sink = None
-        self._finish(reusable)
+        self._finish(self._keep and self.codec.reusable)
         sink.upstream_end()
 
-    def _fail(self, reason: str, detail: str) -> None:
+    def _fail(self, failure: Failure, detail: str) -> None:
         sink = self.sink
         self.sink = None
         self._finish(reusable=False)
         if sink is not None:
-            sink.upstream_failed(reason, detail)
+            sink.upstream_failed(failure, detail)
 
     def _finish(self, reusable: bool) -> None:
-        self._cancel_timer()
         if reusable:
             try:
-                self.codec.start_next_cycle()
-            except codec.LocalProtocolError:
+                self.codec.next_cycle()
+            except codec.FramingError:
                 reusable = False
         if self._paused and reusable:
             self.resume()
-        self._sent = False
         self.pool.release(self, reusable)
 
     def close(self) -> None:
@@ -206,21 +194,18 @@ class UpstreamConnection(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
 
-    def _check_timeout(self) -> None:
+    def _on_timer(self) -> None:
+        """The read deadline: idle connections let the timer lapse (the next request re-arms it)."""
         self._timer = None
-        if self.sink is None:
+        if self.sink is None or self.closed:
             return
         idle = _monotonic() - self.last_activity
         limit = self.pool.read_timeout
         if self._paused or idle < limit:
             # A paused stream waits on the client, not the provider; re-check later.
-            self._timer = self._loop.call_later(max(limit - idle, 0.05), self._check_timeout)
+            self._timer = self._loop.call_later(max(limit - idle, 0.05), self._on_timer)
             return
-        self._fail(TIMEOUT, f"no upstream bytes for {limit:g}s")
-
-    @property
-    def got_head(self) -> bool:
-        return self._got_head
+        self._fail(Failure.TIMEOUT, f"no response bytes for {limit:g}s")
 
 
 class UpstreamPool:
@@ -251,14 +236,26 @@ class UpstreamPool:
         self.open_count = 0
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
 
-    async def acquire(self, fresh: bool = False) -> UpstreamConnection:
+    def try_acquire(self) -> UpstreamConnection | None:
+        """An idle keep-alive connection, without awaiting; None when a connect or a wait is needed."""
         idle = self.idle
-        if fresh and self.open_count >= self.max_connections and idle:
-            self.release(idle.pop(), reusable=False)  # make room for the fresh connection
-        while idle and not fresh:
+        while idle:
             conn = idle.pop()
             if not conn.closed:
                 conn.reused = True
+                return conn
+        return None
+
+    async def acquire(self, fresh: bool = False) -> UpstreamConnection:
+        """A connection for one exchange: idle (unless ``fresh``), newly opened, or handed over by a
+        finishing exchange. Raises ConnectFailed or PoolExhausted."""
+        idle = self.idle
+        if fresh:
+            if self.open_count >= self.max_connections and idle:
+                self.release(idle.pop(), reusable=False)  # make room for the fresh connection
+        else:
+            conn = self.try_acquire()
+            if conn is not None:
                 return conn
         if self.open_count < self.max_connections:
             self.open_count += 1  # reserve the slot before the await
@@ -278,7 +275,7 @@ class UpstreamPool:
             else:
                 waiter.cancel()
             if isinstance(exc, TimeoutError):
-                raise PoolExhausted(f"all {self.max_connections} connections to {self.host}:{self.port} busy") from None
+                raise PoolExhausted(f"all {self.max_connections} connections busy") from None
             raise
         if handed is None:
             return await self._connect()  # a freed slot was handed to us, already counted
@@ -297,10 +294,13 @@ class UpstreamPool:
             )
         except TimeoutError:
             self._slot_freed()
-            raise ConnectFailed(TIMEOUT, f"connect to {self.host}:{self.port} timed out") from None
-        except (OSError, ssl.SSLError) as error:
+            raise ConnectFailed(Failure.CONNECT_TIMEOUT, f"connect timed out after {self.connect_timeout:g}s") from None
+        except ssl.SSLError as error:
             self._slot_freed()
-            raise ConnectFailed(CONNECT_ERROR, f"connect to {self.host}:{self.port} failed: {error}") from None
+            raise ConnectFailed(Failure.REFUSED, f"TLS handshake failed: {error.reason or 'error'}") from None
+        except OSError as error:
+            self._slot_freed()
+            raise ConnectFailed(Failure.REFUSED, (error.strerror or "connection failed").lower()) from None
         except BaseException:
             self._slot_freed()
             raise

@@ -87,8 +87,8 @@ class Admission:
     """The verdict the worker acts on.
 
     ``allowed`` False -> answer ``status`` (429 or 503) with ``headers``, send nothing upstream.
-    ``allowed`` True -> forward; add ``headers`` to the response; call ``QuotaGate.settle`` exactly
-    once when the response ends (settling an unmetered admission is a no-op).
+    ``allowed`` True -> forward; add ``headers`` to the response; when the request ends call one of
+    ``QuotaGate.release`` / ``charge_estimate`` / ``charge`` (settling an unmetered admission is a no-op).
     """
 
     __slots__ = ("allowed", "reason", "status", "headers", "reservation", "estimate")
@@ -310,26 +310,26 @@ class QuotaGate:
         headers = ((_H_RETRY_AFTER, b"%d" % retry_after), limit, remaining, reset)
         return Admission(False, reason, 429, headers, None, estimate)
 
-    def settle(
-        self,
-        admission: Admission,
-        status: int,
-        total_tokens: int | None,
-        *,
-        client_disconnected: bool = False,
-    ) -> None:
-        """Record the outcome; never blocks. Charged: ``total_tokens`` for a completed 2xx response
-        that reported usage, else the estimate (non-2xx, disconnect, no usage seen)."""
+    def release(self, admission: Admission) -> None:
+        """Nothing reached a provider: give the whole reservation back. Never blocks."""
+        self._settle(admission, 0)
+
+    def charge_estimate(self, admission: Admission) -> None:
+        """A provider may have worked but reported no usage (non-2xx, cut, disconnect): charge the estimate."""
+        self._settle(admission, None)
+
+    def charge(self, admission: Admission, tokens: int) -> None:
+        """A complete response reported its usage: charge exactly that (refunding or adding the difference)."""
+        self._settle(admission, tokens)
+
+    def _settle(self, admission: Admission, tokens: int | None) -> None:
+        """Queue the reconciliation (settled once, however often it is called)."""
         reservation = admission.reservation
         if reservation is None:
             return
-        admission.reservation = None  # settle once, even if the worker calls twice
-        if 200 <= status < 300 and total_tokens is not None and not client_disconnected:
-            actual = total_tokens
-        else:
-            actual = reservation.estimate
+        admission.reservation = None
         try:
-            self._queue.put_nowait((reservation, actual))
+            self._queue.put_nowait((reservation, reservation.estimate if tokens is None else tokens))
         except asyncio.QueueFull:
             self.counters.reconcile_drops += 1
 

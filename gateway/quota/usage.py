@@ -83,10 +83,10 @@ class UsageObserver(Protocol):
     def flush(self) -> bytes: ...
 
 
-def usage_observer(content_type: bytes | None, usage_rewritten: bool) -> UsageObserver:
+def usage_observer(is_event_stream: bool, usage_rewritten: bool) -> UsageObserver:
     """The observer for one response: the SSE filter when the gateway rewrote the request and the
     provider streams, else the pass-through scanner."""
-    if usage_rewritten and content_type is not None and b"text/event-stream" in content_type.lower():
+    if usage_rewritten and is_event_stream:
         return SseUsageFilter()
     return UsageScanner()
 

@@ -108,7 +108,7 @@ def fork_child(entry: Callable[[WorkerContext], object], ctx: WorkerContext, clo
 
 # The default entry points (private: their names show in the crash log line above).
 def _default_worker_entry(ctx: WorkerContext) -> None:
-    from workers.worker import worker_main
+    from workers.main import worker_main
 
     worker_main(ctx)
 

@@ -5,7 +5,7 @@ Kept together (as they were at the top of the single module) so they are read an
 
 import signal
 
-from workers.worker import EXIT_BIND_FAILED
+from workers.main import EXIT_BIND_FAILED
 
 # A worker exits with this code when its listening socket cannot be bound (one name for both sides).
 EXIT_CANNOT_BIND = EXIT_BIND_FAILED

@@ -158,7 +158,7 @@ def test_quota_is_exact_on_a_cluster_across_slots(cluster_url: str) -> None:
             assert per_tenant == [10] * len(tenants)
             # Settle everything in pipelined batches that span the three nodes.
             for admission in results:
-                gate.settle(admission, 200, 40)
+                gate.charge(admission, 40)
             await gate.drain()
             assert gate.counters.reconcile_failures == 0
             for tenant in tenants:
@@ -181,7 +181,7 @@ def test_cluster_reloads_a_lost_script(cluster_url: str) -> None:
             admission = await gate.admit(tenant, "m", 0, 300, None)
             assert admission.allowed
             await gate._ledger.client.script_flush()
-            gate.settle(admission, 200, 100)
+            gate.charge(admission, 100)
             await gate.drain()
             window = (await gate.quota_report(tenant))["rules"][0]["windows"][0]
             assert window["used"] == 100

@@ -21,6 +21,7 @@ from gateway.quota.embedded import EmbeddedValkey, EmbeddedValkeyError
 from gateway.quota.gate import QuotaGate
 from gateway.quota.ledger import SETTLE_APPLIED, SETTLE_NOOP, QuotaLedger, key_prefix
 from gateway.quota.rules import Budget, QuotaRule
+from gateway.request.attempts import Settlement, settlement_for
 
 # Windows this long never roll over during a test run (they are aligned to the epoch).
 LONG = 10_000_000
@@ -162,7 +163,7 @@ def test_reconciliation_refunds_unused_reservation_so_later_requests_fit(valkey_
             first = await admit(gate, tenant, 600)
             assert first.allowed
             assert not (await admit(gate, tenant, 600)).allowed
-            gate.settle(first, 200, 100)
+            gate.charge(first, 100)
             await gate.drain()
             report = await gate.quota_report(tenant)
             assert (window(report)["used"], window(report)["reserved"]) == (100, 0)
@@ -178,7 +179,7 @@ def test_overage_is_charged(valkey_url: str) -> None:
     async def scenario() -> None:
         async with open_gate(valkey_url, [rule_for(tenant, (LONG, 1000))]) as gate:
             admission = await admit(gate, tenant, 100)
-            gate.settle(admission, 200, 900)
+            gate.charge(admission, 900)
             await gate.drain()
             assert window(await gate.quota_report(tenant))["used"] == 900
             assert gate.counters.tokens_overage == 800
@@ -203,8 +204,8 @@ def test_reconciling_twice_charges_once(valkey_url: str) -> None:
                 assert (await ledger.settle(reservation, 400))[0] == SETTLE_NOOP
             finally:
                 await ledger.client.aclose()
-            gate.settle(admission, 200, 70)  # the gate's own settle is now a duplicate too
-            gate.settle(admission, 200, 70)  # and a second call on the handle does nothing
+            gate.charge(admission, 70)  # the gate's own settle is now a duplicate too
+            gate.charge(admission, 70)  # and a second call on the handle does nothing
             await gate.drain()
             report = await gate.quota_report(tenant)
             assert (window(report)["used"], window(report)["reserved"]) == (50, 0)
@@ -225,7 +226,8 @@ def test_failed_or_unreported_responses_are_charged_at_the_estimate(
     async def scenario() -> None:
         async with open_gate(valkey_url, [rule_for(tenant, (LONG, 1000))]) as gate:
             admission = await admit(gate, tenant, 400)
-            gate.settle(admission, status, total, client_disconnected=disconnected)
+            assert settlement_for(status, total, disconnected) == Settlement.CHARGE_ESTIMATE
+            gate.charge_estimate(admission)
             await gate.drain()
             report = await gate.quota_report(tenant)
             assert (window(report)["used"], window(report)["reserved"]) == (400, 0)
@@ -246,7 +248,7 @@ def test_abandoned_reservation_is_charged_at_its_estimate_after_the_timeout(valk
             report = await gate.quota_report(tenant)
             assert (window(report)["used"], window(report)["reserved"]) == (300, 0)
             assert report["rules"][0]["in_flight"] == 0
-            gate.settle(abandoned, 200, 5)  # too late: stays charged at the estimate
+            gate.charge(abandoned, 5)  # too late: stays charged at the estimate
             await gate.drain()
             assert window(await gate.quota_report(tenant))["used"] == 300
 
@@ -260,7 +262,7 @@ def test_an_expired_reservation_settled_before_anyone_noticed_is_charged_at_esti
         async with open_gate(valkey_url, [rule_for(tenant, (LONG, 1000))], reservation_timeout_s=0.3) as gate:
             admission = await admit(gate, tenant, 300)
             await asyncio.sleep(0.4)
-            gate.settle(admission, 200, 5)
+            gate.charge(admission, 5)
             await gate.drain()
             assert gate.counters.reservations_expired == 1
             assert window(await gate.quota_report(tenant))["used"] == 300
@@ -322,7 +324,7 @@ def test_concurrency_cap_limits_requests_in_flight(valkey_url: str) -> None:
             third = await admit(gate, tenant, 10)
             assert (third.status, third.reason) == (429, "denied_concurrency")
             assert dict(third.headers)[b"retry-after"] == b"1"
-            gate.settle(first, 200, 10)
+            gate.charge(first, 10)
             await gate.drain()
             assert (await admit(gate, tenant, 10)).allowed
 
@@ -365,7 +367,7 @@ def test_every_key_has_a_ttl(valkey_url: str) -> None:
         async with open_gate(valkey_url, [rule], reservation_timeout_s=120) as gate:
             await admit(gate, tenant, 10)
             settled = await admit(gate, tenant, 10)
-            gate.settle(settled, 200, 3)
+            gate.charge(settled, 3)
             await gate.drain()
             client = gate._ledger.client
             keys = [
@@ -389,7 +391,7 @@ def test_lost_script_cache_is_reloaded_transparently(valkey_url: str) -> None:
             admission = await admit(gate, tenant, 100)
             assert admission.allowed
             await gate._ledger.client.script_flush()
-            gate.settle(admission, 200, 40)  # the pipelined settle path reloads too
+            gate.charge(admission, 40)  # the pipelined settle path reloads too
             await gate.drain()
             assert window(await gate.quota_report(tenant))["used"] == 40
             assert gate.counters.reconcile_failures == 0
@@ -402,7 +404,7 @@ def test_unmatched_tenant_is_unmetered_without_a_round_trip(valkey_url: str) -> 
         async with open_gate(valkey_url, [rule_for("someone-else", (LONG, 1))]) as gate:
             admission = await admit(gate, new_tenant(), 10**9)
             assert admission.allowed and admission.reason == "unmetered" and admission.headers == ()
-            gate.settle(admission, 200, 5)  # nothing to settle
+            gate.charge(admission, 5)  # nothing to settle
 
     asyncio.run(scenario())
 
@@ -449,7 +451,7 @@ def test_backend_down_applies_policy_with_breaker_and_recovers(tmp_path: Path, p
             else:
                 assert {(a.allowed, a.reason) for a in outcomes} == {(True, "backend_error_allowed")}
                 assert gate.counters.backend_error_allowed == 202
-                gate.settle(outcomes[0], 200, 10)  # nothing was reserved: nothing to settle
+                gate.charge(outcomes[0], 10)  # nothing was reserved: nothing to settle
             server.start()  # same port and data: the budget so far survives
             await asyncio.sleep(0.6)
             probe = await admit(gate, tenant, 100)
@@ -501,7 +503,7 @@ def test_budgets_survive_an_embedded_server_restart(tmp_path: Path) -> None:
     async def spend() -> None:
         async with open_gate(url, rules) as gate:
             admission = await admit(gate, tenant, 700)
-            gate.settle(admission, 200, 650)
+            gate.charge(admission, 650)
             await gate.drain()
 
     async def check() -> None:

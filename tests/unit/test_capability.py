@@ -7,13 +7,13 @@ import json
 import pytest
 
 from gateway.capability import (
-    CapabilityError,
     CapabilityRequest,
     header_token,
-    is_json_content_type,
     lookup_capability,
     session_key,
 )
+from gateway.http.errors import ErrorReply
+from gateway.http.media import is_json_content_type
 from gateway.overlay.snapshot import MCP_SESSION_CAPABILITY
 
 JSON = b"application/json"
@@ -27,9 +27,9 @@ def ok(header: bytes | str | None, body: bytes, content_type: bytes | str | None
 
 def error(
     header: bytes | str | None, body: bytes, content_type: bytes | str | None = JSON
-) -> CapabilityError:
+) -> ErrorReply:
     result = lookup_capability(header, body, content_type)
-    assert isinstance(result, CapabilityError), result
+    assert isinstance(result, ErrorReply), result
     return result
 
 

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
+from gateway.http.errors import ErrorReply
 from gateway.overlay.snapshot import MCP_SESSION_CAPABILITY, Snapshot, snapshot_from_object
-from gateway.routing import RouteDecision, RouteFailure, Router
+from gateway.routing import RouteDecision, Router
 from shm.affinity import AffinityTable
 
 MODEL = "inference_model"
@@ -171,17 +172,17 @@ def test_workers_start_at_different_offsets_and_spread_evenly() -> None:
 def test_unknown_capability_is_model_not_found() -> None:
     snapshot = snap(cand("a", 0))
     result = Router().route(snapshot, MODEL, "missing")
-    assert isinstance(result, RouteFailure)
+    assert isinstance(result, ErrorReply)
     assert (result.status, result.code) == (404, "model_not_found")
     assert "missing" in result.message
     mismatch = Router().route(snapshot, "mcp_tool", "m")
-    assert isinstance(mismatch, RouteFailure) and mismatch.status == 404
+    assert isinstance(mismatch, ErrorReply) and mismatch.status == 404
 
 
 def test_known_capability_without_admissible_candidate_is_503() -> None:
     snapshot = snap(cand("a", 0, "none"), cand("b", 1, "existing_only"))
     result = Router().route(snapshot, MODEL, "m")
-    assert isinstance(result, RouteFailure)
+    assert isinstance(result, ErrorReply)
     assert (result.status, result.code) == (503, "no_admissible")
 
 
@@ -230,7 +231,7 @@ def test_mcp_session_methods_route_to_first_admissible_tool() -> None:
     tool = Router().route(snapshot, "mcp_tool", "search")
     assert isinstance(tool, RouteDecision) and tool.cluster == "tools-c"
     no_tools = Router().route(snap(cand("m")), *MCP_SESSION_CAPABILITY)
-    assert isinstance(no_tools, RouteFailure) and no_tools.status == 404
+    assert isinstance(no_tools, ErrorReply) and no_tools.status == 404
 
 
 # --------------------------------------------------------------------------- affinity
@@ -355,7 +356,7 @@ def test_nothing_admissible_with_a_session_is_503_and_binds_nothing() -> None:
     table = affinity_table()
     snapshot = snap(cand("a", 0, "existing_only"))
     result = sticky(table).route(snapshot, MODEL, "m", b"s1", 0.0)
-    assert isinstance(result, RouteFailure) and result.status == 503
+    assert isinstance(result, ErrorReply) and result.status == 503
     assert table.count_live(0.0) == 0
 
 

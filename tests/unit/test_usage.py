@@ -171,10 +171,9 @@ def test_filter_gives_up_on_a_body_that_is_not_sse() -> None:
 
 
 def test_observer_choice_follows_rewrite_and_content_type() -> None:
-    assert isinstance(usage_observer(b"text/event-stream; charset=utf-8", True), SseUsageFilter)
-    assert isinstance(usage_observer(b"application/json", True), UsageScanner)
-    assert isinstance(usage_observer(b"text/event-stream", False), UsageScanner)
-    assert isinstance(usage_observer(None, True), UsageScanner)
+    assert isinstance(usage_observer(True, True), SseUsageFilter)
+    assert isinstance(usage_observer(False, True), UsageScanner)
+    assert isinstance(usage_observer(True, False), UsageScanner)
 
 
 # --- request rewrite ---------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ Every rejection here closes the connection: once framing is in doubt nothing mor
 
 from __future__ import annotations
 
-from workers.errors import GatewayError
+from gateway.http.errors import ErrorReply, GatewayError
 
 MAX_CHUNK_LINE = 4096  # chunk-size line including extensions
 MAX_CHUNK_SIZE_DIGITS = 16
@@ -15,18 +15,19 @@ _HEX_DIGITS = b"0123456789abcdefABCDEF"
 
 
 def _reject(status: int, code: str, message: str) -> GatewayError:
-    return GatewayError(status, code, message, close=True)
+    return GatewayError(ErrorReply(status, code, message, close=True))
 
 
 class RequestFraming:
     """The framing facts of a validated request head."""
 
-    __slots__ = ("target", "content_length", "chunked")
+    __slots__ = ("target", "content_length", "chunked", "keep_alive")
 
-    def __init__(self, target: bytes, content_length: int, chunked: bool) -> None:
+    def __init__(self, target: bytes, content_length: int, chunked: bool, keep_alive: bool) -> None:
         self.target = target
         self.content_length = content_length
         self.chunked = chunked
+        self.keep_alive = keep_alive  # HTTP/1.1 without `Connection: close`
 
 
 def check_request_head(
@@ -49,6 +50,7 @@ def check_request_head(
     content_length = -1
     chunked = False
     hosts = 0
+    keep_alive = version == b"1.1"
     for name, value in headers:
         if name == b"host":
             hosts += 1
@@ -58,6 +60,8 @@ def check_request_head(
             content_length = int(value)
         elif name == b"transfer-encoding":
             chunked = True
+        elif name == b"connection" and keep_alive and b"close" in value.lower():
+            keep_alive = not any(token.strip() == b"close" for token in value.lower().split(b","))
     if hosts == 0 and version == b"1.1":
         raise _reject(400, "invalid_host", "HTTP/1.1 requests need a Host header")
     if chunked:
@@ -67,7 +71,7 @@ def check_request_head(
             raise _reject(400, "invalid_framing", "Transfer-Encoding is not allowed in HTTP/1.0")
     if content_length > max_body_bytes:
         raise _reject(413, "request_too_large", f"request body larger than {max_body_bytes} bytes")
-    return RequestFraming(target, content_length, chunked)
+    return RequestFraming(target, content_length, chunked, keep_alive)
 
 
 def _origin_form(target: bytes) -> bytes:

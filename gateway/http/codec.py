@@ -1,0 +1,233 @@
+"""The HTTP/1.1 codec seam: the only module that knows the wire parser (h11 today).
+
+Parsing goes through h11 (sans-IO: bytes in, events out). Serialising does not: the gateway writes
+message heads and body framing itself, because every header it emits either came out of the parser
+or was built by the gateway, and h11's send path (per-header validation plus its state machine) was
+about a third of a request's codec cost. h11 only has to learn what it needs to parse the peer's
+next message:
+
+- server side (``ServerCodec``): a fresh parser per request cycle, seeded with the bytes already
+  received (pipelining), so responses never pass through it;
+- client side (``ClientCodec``): one canned request event per method tells the response parser the
+  request's method (a HEAD response has no body).
+
+Events are the parser's objects under the names below; the rest of the gateway reads only the
+attributes documented here, so swapping the parser is a change to this module alone:
+
+- ``RequestHead``: ``method``, ``target``, ``headers`` (list of (lowercase name, value) bytes pairs),
+  ``http_version`` (b"1.0" / b"1.1");
+- ``ResponseHead``: ``status_code``, ``headers``; ``Informational``: a 1xx head;
+- ``Body``: ``data``; ``EndOfMessage``; ``ConnectionClosed``;
+- the sentinels ``NEED_DATA`` (feed more bytes) and ``PAUSED`` (a complete message is waiting for
+  the next cycle).
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+import h11
+
+RequestHead = h11.Request
+ResponseHead = h11.Response
+Informational = h11.InformationalResponse
+Body = h11.Data
+EndOfMessage = h11.EndOfMessage
+ConnectionClosed = h11.ConnectionClosed
+NEED_DATA = h11.NEED_DATA
+PAUSED = h11.PAUSED
+
+REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
+CONTINUE_RESPONSE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+# Response body framing modes.
+_NO_BODY, _LENGTH, _CHUNKED, _UNTIL_CLOSE = range(4)
+_CHUNKED_HEADER = (b"transfer-encoding", b"chunked")
+_CLOSE_HEADER = (b"connection", b"close")
+_LAST_CHUNK = b"0\r\n\r\n"
+
+
+class ParseError(Exception):
+    """The peer sent bytes that are not valid HTTP/1.1; ``status`` is the answer a server gives."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class FramingError(Exception):
+    """A message we send would break its own framing (more or fewer bytes than promised)."""
+
+
+def _head_bytes(start_line: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
+    parts = [start_line]
+    append = parts.append
+    for name, value in headers:
+        append(name + b": " + value)
+    append(b"\r\n")
+    return b"\r\n".join(parts)
+
+
+def raw_response(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
+    """A complete response built without any framing state: for answers sent when framing is in doubt."""
+    return _head_bytes(b"HTTP/1.1 %d %s" % (status, REASONS.get(status, b"Error")), headers) + body
+
+
+class ServerCodec:
+    """One client connection: parses requests, frames the responses to them (one at a time, in order)."""
+
+    __slots__ = ("_parser", "_max_head", "_mode", "_remaining", "must_close", "_method", "_http11", "_keep_alive")
+
+    def __init__(self, max_header_bytes: int) -> None:
+        self._max_head = max_header_bytes
+        self._parser = h11.Connection(h11.SERVER, max_incomplete_event_size=max_header_bytes)
+        self._mode = _NO_BODY
+        self._remaining = 0
+        self.must_close = False  # after the current response, the connection cannot be reused
+        self._method = b"GET"
+        self._http11 = True
+        self._keep_alive = True
+
+    # -- parsing ------------------------------------------------------------------------------
+    def feed(self, data: bytes) -> None:
+        """Bytes received from the client (b"" means the client half-closed)."""
+        self._parser.receive_data(data)
+
+    def next_event(self):  # -> RequestHead | Body | EndOfMessage | ConnectionClosed | NEED_DATA | PAUSED
+        try:
+            return self._parser.next_event()
+        except h11.RemoteProtocolError as error:
+            raise ParseError(str(error), error.error_status_hint) from None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not parsed yet (the rest of a pipelined stream)."""
+        return len(self._parser.trailing_data[0])
+
+    def buffered_bytes(self) -> bytes:
+        return bytes(self._parser.trailing_data[0])
+
+    @property
+    def expects_continue(self) -> bool:
+        """The request announced ``Expect: 100-continue`` and has not sent its body yet."""
+        return self._parser.they_are_waiting_for_100_continue
+
+    def next_cycle(self) -> None:
+        """Start parsing the next request on this connection (after its response ended)."""
+        old = self._parser
+        data, closed = old.trailing_data
+        parser = self._parser = h11.Connection(h11.SERVER, max_incomplete_event_size=self._max_head)
+        if data:
+            parser.receive_data(bytes(data))
+        if closed:
+            parser.receive_data(b"")
+
+    # -- responding ---------------------------------------------------------------------------
+    def expect_response(self, method: bytes, http11: bool, keep_alive: bool) -> None:
+        """The request about to be answered: its method decides body framing, its version chunking."""
+        self._method = method
+        self._http11 = http11
+        self._keep_alive = keep_alive
+
+    def response_head(
+        self, status: int, headers: list[tuple[bytes, bytes]], content_length: int | None, close: bool = False
+    ) -> bytes:
+        """The head bytes; ``headers`` must hold no framing or Connection headers (they are added here).
+
+        ``content_length`` None frames the body as chunked (HTTP/1.1) or until close (HTTP/1.0).
+        """
+        no_body = self._method == b"HEAD" or status in (204, 304)
+        if content_length is not None:
+            headers.append((b"content-length", b"%d" % content_length))
+            mode = _NO_BODY if no_body else _LENGTH
+            self._remaining = content_length
+        elif status in (204, 304):
+            mode = _NO_BODY
+        elif self._http11:
+            headers.append(_CHUNKED_HEADER)  # a HEAD answer carries the headers a GET would get
+            mode = _NO_BODY if no_body else _CHUNKED
+        else:
+            mode = _NO_BODY if no_body else _UNTIL_CLOSE
+        self._mode = mode
+        must_close = close or not self._keep_alive or mode == _UNTIL_CLOSE
+        if must_close:
+            headers.append(_CLOSE_HEADER)
+        self.must_close = must_close
+        return _head_bytes(b"HTTP/1.1 %d %s" % (status, REASONS.get(status, b"")), headers)
+
+    def response_data(self, data: bytes) -> bytes:
+        mode = self._mode
+        if mode == _CHUNKED:
+            return b"%x\r\n%b\r\n" % (len(data), data)
+        if mode == _LENGTH:
+            if len(data) > self._remaining:
+                raise FramingError("more body bytes than the declared Content-Length")
+            self._remaining -= len(data)
+            return data
+        if mode == _UNTIL_CLOSE:
+            return data
+        raise FramingError("this response has no body")
+
+    def response_end(self) -> bytes:
+        mode = self._mode
+        self._mode = _NO_BODY
+        if mode == _CHUNKED:
+            return _LAST_CHUNK
+        if mode == _LENGTH and self._remaining:
+            raise FramingError("fewer body bytes than the declared Content-Length")
+        return b""
+
+
+# One canned request event per method: sending it tells h11's client side which method the response
+# answers. Its bytes are discarded; the real request is serialised by ``encode_request``.
+_CANNED_HOST = [(b"host", b"upstream")]
+_canned_requests: dict[bytes, h11.Request] = {}
+_CANNED_LIMIT = 64
+_END = h11.EndOfMessage()
+
+
+def _canned_request(method: bytes) -> h11.Request:
+    event = _canned_requests.get(method)
+    if event is None:
+        event = h11.Request(method=method, target=b"/", headers=_CANNED_HOST)
+        if len(_canned_requests) < _CANNED_LIMIT:
+            _canned_requests[method] = event
+    return event
+
+
+class ClientCodec:
+    """One upstream connection: serialises requests, parses the responses."""
+
+    __slots__ = ("_parser",)
+
+    def __init__(self, max_header_bytes: int = 65536) -> None:
+        self._parser = h11.Connection(h11.CLIENT, max_incomplete_event_size=max_header_bytes)
+
+    def encode_request(self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
+        """The request head bytes. ``headers`` carry Host and the body framing (Content-Length);
+        the body follows as raw bytes."""
+        parser = self._parser
+        parser.send(_canned_request(method))
+        parser.send(_END)
+        return _head_bytes(method + b" " + target + b" HTTP/1.1", headers)
+
+    def feed(self, data: bytes) -> None:
+        self._parser.receive_data(data)
+
+    def next_event(self):  # -> ResponseHead | Informational | Body | EndOfMessage | ConnectionClosed | ...
+        try:
+            return self._parser.next_event()
+        except h11.RemoteProtocolError as error:
+            raise ParseError(str(error), 502) from None
+
+    @property
+    def reusable(self) -> bool:
+        """The exchange ended cleanly on both sides, with nothing unexpected after the response."""
+        parser = self._parser
+        return parser.our_state is h11.DONE and parser.their_state is h11.DONE and not parser.trailing_data[0]
+
+    def next_cycle(self) -> None:
+        try:
+            self._parser.start_next_cycle()
+        except h11.LocalProtocolError as error:
+            raise FramingError(str(error)) from None

@@ -1,0 +1,1 @@
+"""Sans-IO steps of one proxied request: header scan, attempt bookkeeping, quota settlement."""

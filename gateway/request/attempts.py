@@ -1,0 +1,114 @@
+"""Sans-IO bookkeeping of one request's upstream attempts and of what its quota reservation owes.
+
+The proxy does the I/O; this decides: after a failed attempt, what next (another endpoint, the same
+endpoint on a fresh connection, or stop); which error the client finally sees; and how the token
+reservation is settled (release, charge the estimate, or charge the reported usage).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Generic, TypeVar
+
+from gateway.http.errors import ErrorReply
+from gateway.request.failures import Failure
+
+E = TypeVar("E")
+
+MAX_ENDPOINT_ATTEMPTS = 3  # connections tried inside one provider for one request
+
+
+class Next(IntEnum):
+    """What to do after an attempt failed before any response byte reached the client."""
+
+    STOP = 0
+    OTHER_ENDPOINT = 1  # pick again, without the endpoints that failed
+    FRESH_CONNECTION = 2  # pick again on a newly opened connection (a pooled one was stale)
+
+
+class Settlement(IntEnum):
+    """How a token reservation is settled when the request ends."""
+
+    RELEASE = 0  # nothing reached a provider: give the whole reservation back
+    CHARGE_ESTIMATE = 1  # a provider may have done work but reported no usage
+    CHARGE_USAGE = 2  # a complete 2xx response reported its usage
+
+
+def settlement_for(status: int, total_tokens: int | None, client_gone: bool) -> Settlement:
+    """A response started: charge the reported usage of a complete 2xx, else the estimate."""
+    if 200 <= status < 300 and total_tokens is not None and not client_gone:
+        return Settlement.CHARGE_USAGE
+    return Settlement.CHARGE_ESTIMATE
+
+
+class ProviderAttempts(Generic[E]):
+    """Attempts inside one provider: which endpoints failed, whether to retry on a fresh connection,
+    and the failure to report if every attempt fails."""
+
+    __slots__ = ("provider", "left", "excluded", "fresh", "reached", "failure", "detail", "busy")
+
+    def __init__(self, provider: str, max_attempts: int = MAX_ENDPOINT_ATTEMPTS) -> None:
+        self.provider = provider
+        self.left = max_attempts
+        self.excluded: list[E] | None = None  # endpoints not to pick again (allocated on first failure)
+        self.fresh = False  # the next attempt must open a new connection
+        self.reached = False  # a request was written to some endpoint of this provider
+        self.failure: Failure | None = None
+        self.detail = ""
+        self.busy = False  # an endpoint had no free connection
+
+    def _exclude(self, endpoint: E) -> None:
+        if self.excluded is None:
+            self.excluded = [endpoint]
+        else:
+            self.excluded.append(endpoint)
+
+    def _spend(self) -> Next:
+        self.left -= 1
+        return Next.OTHER_ENDPOINT if self.left > 0 else Next.STOP
+
+    def connect_failed(self, endpoint: E, failure: Failure, detail: str) -> Next:
+        self.failure, self.detail = failure, detail
+        self.fresh = False
+        self._exclude(endpoint)
+        return self._spend()
+
+    def pool_busy(self, endpoint: E) -> Next:
+        self.busy = True
+        self.fresh = False
+        self._exclude(endpoint)
+        return self._spend()
+
+    def sent(self) -> None:
+        self.reached = True
+
+    def failed_before_head(self, endpoint: E, failure: Failure, detail: str, reused: bool) -> Next:
+        """The request was written but no response head arrived."""
+        self.failure, self.detail = failure, detail
+        if failure == Failure.TIMEOUT:
+            return Next.STOP  # the provider may still be working on it: do not send it twice here
+        if reused and not self.fresh:
+            # A pooled connection may have been closed by the provider: retry once on a fresh one.
+            self.fresh = True
+            self.left -= 1
+            return Next.FRESH_CONNECTION if self.left > 0 else Next.STOP
+        self.fresh = False
+        self._exclude(endpoint)
+        return self._spend()
+
+    def error_reply(self) -> ErrorReply:
+        """The client's answer when no attempt produced a response."""
+        provider = self.provider
+        headers = [(b"x-gridgate-provider", provider.encode())]
+        if not self.reached and self.busy:
+            headers.append((b"retry-after", b"1"))
+            return ErrorReply(503, "upstream_busy", f"{provider}: all connections busy", headers)
+        failure = self.failure
+        if failure is None:
+            return ErrorReply(502, "upstream_unavailable", f"{provider}: no endpoint available", headers)
+        message = f"{provider}: {self.detail}"
+        if failure == Failure.TIMEOUT:
+            return ErrorReply(504, "upstream_timeout", message, headers)
+        if failure == Failure.MALFORMED:
+            return ErrorReply(502, "bad_upstream_response", message, headers)
+        return ErrorReply(502, "upstream_unavailable", message, headers)

@@ -1,0 +1,17 @@
+"""Why an upstream attempt failed: one typed vocabulary for the pool, the retry logic, passive health
+and the error the client finally sees. Each failure travels with a detail in plain words
+("connection refused"), never library internals."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class Failure(IntEnum):
+    REFUSED = 1  # the connection could not be opened (refused, unreachable, TLS handshake)
+    CONNECT_TIMEOUT = 2  # the connection did not open within connect_timeout
+    RESET = 3  # the provider closed or reset the connection
+    TIMEOUT = 4  # no response bytes within the read (or first-byte) deadline
+    MALFORMED = 5  # the response was not valid HTTP/1.1
+    BUSY = 6  # every connection to the endpoint was in use past the wait deadline
+

@@ -1,0 +1,143 @@
+"""One pass over a client's request headers: what the gateway consumes, what it forwards.
+
+A ``HeaderPlan`` is built once per worker from the config (which names matter and why); ``scan``
+runs once per request and returns ``RequestHeaders``. Hop-by-hop headers, the client's credentials,
+framing headers and client-supplied ``x-gridgate-*`` / ``x-ai-routing-*`` headers are never forwarded;
+names listed in ``Connection`` are dropped too (RFC 9110 §7.6.1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+# What a header name means to the gateway.
+(
+    _FORWARD, _AUTHORIZATION, _API_KEY, _CONNECTION, _REQUEST_ID, _XFF, _COOKIE, _DROP, _MODEL, _SESSION,
+    _CONTENT_TYPE, _BALANCE_KEY, _PIN,
+) = range(13)
+
+_ALWAYS: dict[bytes, int] = {
+    b"authorization": _AUTHORIZATION,
+    b"x-api-key": _API_KEY,
+    b"connection": _CONNECTION,
+    b"x-request-id": _REQUEST_ID,
+    b"x-forwarded-for": _XFF,
+    b"cookie": _COOKIE,
+    b"content-type": _CONTENT_TYPE,
+    b"host": _DROP,
+    b"content-length": _DROP,
+    b"transfer-encoding": _DROP,
+    b"keep-alive": _DROP,
+    b"proxy-connection": _DROP,
+    b"proxy-authorization": _DROP,
+    b"te": _DROP,
+    b"trailer": _DROP,
+    b"upgrade": _DROP,
+    b"expect": _DROP,
+    b"x-ai-routing-candidate": _DROP,
+    b"x-ai-routing-request-id": _DROP,
+    b"x-ai-routing-revision": _DROP,
+}
+_MAX_REQUEST_ID = 128
+
+
+def connection_tokens(value: bytes) -> set[bytes]:
+    """The lowercase option names listed in a ``Connection`` header value."""
+    return {token.strip().lower() for token in value.split(b",") if token.strip()}
+
+
+def valid_request_id(value: bytes) -> bool:
+    return 0 < len(value) <= _MAX_REQUEST_ID and all(33 <= c <= 126 for c in value)
+
+
+class RequestHeaders:
+    """The outcome of one scan. ``forward`` is the list to send upstream (the caller appends to it)."""
+
+    __slots__ = (
+        "forward", "authorization", "api_key", "request_id", "xff", "cookie", "content_type", "model",
+        "session", "pin", "balance_keys",
+    )
+
+    def __init__(self) -> None:
+        self.forward: list[tuple[bytes, bytes]] = []
+        self.authorization: bytes | None = None
+        self.api_key: bytes | None = None
+        self.request_id: bytes | None = None
+        self.xff: bytes | None = None
+        self.cookie: bytes | None = None
+        self.content_type: bytes | None = None
+        self.model: bytes | None = None  # the configured capability header
+        self.session: bytes | None = None  # the configured session-affinity header
+        self.pin: bytes | None = None  # the configured pin header
+        self.balance_keys: dict[bytes, bytes] | None = None  # consistent-hash headers of the clusters
+
+
+class HeaderPlan:
+    """Which request header names the gateway reads, built once per worker."""
+
+    __slots__ = ("_kinds",)
+
+    def __init__(
+        self,
+        model_header: str,
+        session_header: str | None = None,
+        pin_header: str | None = None,
+        balance_key_headers: Iterable[str] = (),
+    ) -> None:
+        kinds = dict(_ALWAYS)
+        for name in balance_key_headers:
+            kinds[name.lower().encode()] = _BALANCE_KEY
+        if session_header:
+            kinds[session_header.lower().encode()] = _SESSION
+        if pin_header:
+            kinds[pin_header.lower().encode()] = _PIN
+        kinds[model_header.lower().encode()] = _MODEL
+        self._kinds = kinds
+
+    def scan(self, headers: list[tuple[bytes, bytes]]) -> RequestHeaders:
+        """Sort one request's headers (names are lowercase, as the codec delivers them)."""
+        found = RequestHeaders()
+        forward = found.forward
+        kinds = self._kinds
+        listed: set[bytes] | None = None
+        for name, value in headers:
+            kind = kinds.get(name)
+            if kind is None:
+                if name[:11] != b"x-gridgate-":
+                    forward.append((name, value))
+            elif kind == _AUTHORIZATION:
+                found.authorization = value
+            elif kind == _API_KEY:
+                found.api_key = value
+            elif kind == _CONTENT_TYPE:
+                found.content_type = value
+                forward.append((name, value))
+            elif kind == _MODEL:
+                found.model = value
+                forward.append((name, value))
+            elif kind == _REQUEST_ID:
+                found.request_id = value
+            elif kind == _XFF:
+                found.xff = value if found.xff is None else found.xff + b", " + value
+            elif kind == _COOKIE:
+                found.cookie = value
+                forward.append((name, value))
+            elif kind == _CONNECTION:
+                listed = connection_tokens(value) if listed is None else listed | connection_tokens(value)
+            elif kind == _SESSION:
+                found.session = value
+                forward.append((name, value))
+            elif kind == _BALANCE_KEY:
+                if found.balance_keys is None:
+                    found.balance_keys = {}
+                found.balance_keys[name] = value
+                forward.append((name, value))
+            elif kind == _PIN:
+                found.pin = value
+            # _DROP: consumed or hop-by-hop
+        if listed:
+            found.forward = [(n, v) for n, v in forward if n not in listed]
+        request_id = found.request_id
+        if request_id is not None and not valid_request_id(request_id):
+            found.request_id = None
+        return found

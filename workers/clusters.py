@@ -1,0 +1,153 @@
+"""The worker's provider clusters: per cluster its endpoints (each with its keep-alive pool), the
+shared-memory balancer that picks among them, and the passive-health and in-flight bookkeeping.
+
+Built once per worker from the config; the request path asks ``ClusterManager.get(name)`` and then
+``pick``/``begin``/``end``/``record`` on the cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import ssl
+
+from gateway.balancing import hash_key
+from gateway.config import Cluster, Config, Tls, parse_host_port
+from gateway.endpoints import (
+    ClusterSpec,
+    SharedEndpointState,
+    build_cluster_balancer,
+    cluster_refs,
+    cluster_specs_from_config,
+)
+from gateway.request.failures import Failure
+from shm.counters import Outcome, WorkerRow
+from shm.segment import Segment
+from workers.upstream import UpstreamPool
+
+# Passive health: how each upstream failure counts for outlier detection (a malformed response breaks
+# the exchange like a reset does; a busy pool says nothing about the endpoint's health).
+_OUTCOME_OF = {
+    Failure.REFUSED: Outcome.CONNECT,
+    Failure.CONNECT_TIMEOUT: Outcome.TIMEOUT,
+    Failure.RESET: Outcome.RESET,
+    Failure.MALFORMED: Outcome.RESET,
+    Failure.TIMEOUT: Outcome.TIMEOUT,
+}
+
+
+def client_tls_context(tls: bool | Tls) -> tuple[ssl.SSLContext | None, str | None]:
+    """The upstream TLS context of a cluster: system CAs by default, or the configured CA file."""
+    if tls is False:
+        return None, None
+    options = tls if isinstance(tls, Tls) else Tls()
+    context = ssl.create_default_context(cafile=options.ca_file)
+    if not options.verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context, options.sni
+
+
+class UpstreamEndpoint:
+    """One endpoint of a cluster in this worker."""
+
+    __slots__ = ("slot", "address", "weight", "pool", "host_header")
+
+    def __init__(self, slot: int, address: str, weight: int, pool: UpstreamPool) -> None:
+        self.slot = slot  # the endpoint's shared-memory slot
+        self.address = address
+        self.weight = weight
+        self.pool = pool
+        self.host_header = address.encode()
+
+
+class UpstreamCluster:
+    """One provider cluster in one worker."""
+
+    __slots__ = ("name", "provider_hop", "auth_headers", "balancer", "key_header", "hashing", "by_slot", "_row")
+
+    def __init__(self, cluster: Cluster, spec: ClusterSpec, provider_hop: bool, slot_map: dict[str, int],
+                 view: SharedEndpointState, row: WorkerRow) -> None:
+        self.name = cluster.name
+        self.provider_hop = provider_hop
+        self._row = row
+        self.auth_headers: list[tuple[bytes, bytes]] = []
+        if cluster.upstream_auth is not None:
+            secret = os.environ.get(cluster.upstream_auth.value_env, "")
+            self.auth_headers.append((cluster.upstream_auth.header.lower().encode(), b"Bearer " + secret.encode()))
+        self.balancer = build_cluster_balancer(spec, slot_map, view)
+        self.key_header = self.balancer.key_header
+        self.hashing = self.balancer.strategy in ("consistent_hash", "maglev")
+        ssl_context, sni = client_tls_context(cluster.tls)
+        self.by_slot: dict[int, UpstreamEndpoint] = {}
+        for ref in cluster_refs(spec, slot_map):
+            host, port = parse_host_port(ref.address)
+            pool = UpstreamPool(
+                host, port, max_connections=cluster.max_connections,
+                connect_timeout=float(cluster.connect_timeout), read_timeout=float(cluster.read_timeout),
+                ssl_context=ssl_context, server_hostname=sni or host,
+            )
+            self.by_slot[ref.slot] = UpstreamEndpoint(ref.slot, ref.address, ref.weight, pool)
+
+    def balance_key(self, keys: dict[bytes, bytes] | None, target: bytes) -> bytes | None:
+        """The hashing key of a request (hashing strategies only)."""
+        if not self.hashing:
+            return None
+        header = self.key_header
+        return hash_key(keys.get(header) if keys and header else None, target)
+
+    def pick(self, key: bytes | None, excluded: list[UpstreamEndpoint] | None) -> UpstreamEndpoint | None:
+        if excluded is None:
+            ref = self.balancer.pick(key)
+        else:
+            ref = self.balancer.pick(key, {endpoint.slot for endpoint in excluded})
+        return None if ref is None else self.by_slot[ref.slot]
+
+    def begin(self, endpoint: UpstreamEndpoint) -> None:
+        self._row.inc_inflight(endpoint.slot)
+
+    def end(self, endpoint: UpstreamEndpoint) -> None:
+        self._row.dec_inflight(endpoint.slot)
+
+    def record_success(self, endpoint: UpstreamEndpoint, status: int) -> None:
+        """A response arrived: 5xx counts against the endpoint, anything else for it."""
+        self._row.record(endpoint.slot, Outcome.HTTP_5XX if status >= 500 else Outcome.OK)
+
+    def record_failure(self, endpoint: UpstreamEndpoint, failure: Failure) -> None:
+        outcome = _OUTCOME_OF.get(failure)
+        if outcome is not None:
+            self._row.record(endpoint.slot, outcome)
+
+    def close(self) -> None:
+        for endpoint in self.by_slot.values():
+            endpoint.pool.close()
+
+
+class ClusterManager:
+    """Every configured cluster of this worker, by name."""
+
+    __slots__ = ("_clusters",)
+
+    def __init__(self, config: Config, segment: Segment, row: WorkerRow) -> None:
+        hop = set(config.routing.provider_hop_clusters)
+        slot_map = segment.directory.slot_map()
+        view = SharedEndpointState(segment, row.index)
+        self._clusters = {
+            cluster.name: UpstreamCluster(cluster, spec, cluster.name in hop, slot_map, view, row)
+            for cluster, spec in zip(config.clusters, cluster_specs_from_config(config), strict=True)
+        }
+
+    def get(self, name: str) -> UpstreamCluster | None:
+        return self._clusters.get(name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._clusters
+
+    def balance_key_headers(self) -> list[str]:
+        return [c.key_header.decode() for c in self._clusters.values() if c.key_header]
+
+    def panic_entries(self) -> dict[str, int]:
+        return {name: cluster.balancer.panic_entries for name, cluster in self._clusters.items()}
+
+    def close(self) -> None:
+        for cluster in self._clusters.values():
+            cluster.close()

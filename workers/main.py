@@ -1,0 +1,232 @@
+"""The worker process: its composition root and its one uvloop event loop.
+
+``worker_main`` runs in the forked child and never returns (it ends in ``os._exit``). ``Worker``
+builds everything the request path uses from the ``WorkerContext`` (shared-memory row and views,
+overlay follower, router, clusters, auth, quota gate, metrics), binds its own ``SO_REUSEPORT``
+listener, serves until SIGTERM/SIGINT, then drains. Periodic work (heartbeats, overlay reloads) runs
+in one background task, off the request path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+
+import uvloop
+
+from gateway.auth import Authenticator
+from gateway.config import Config, parse_host_port
+from gateway.host_segment import AFFINITY_REGION, METRICS_REGION, create_segment, endpoint_ids
+from gateway.metrics import COUNTERS, WorkerMetrics
+from gateway.quota.backend import create_client
+from gateway.quota.gate import QuotaGate
+from gateway.quota.ledger import QuotaLedger
+from gateway.quota.rules import rules_from_config
+from gateway.request.headers import HeaderPlan
+from gateway.routing import Router
+from shm.affinity import AffinityTable
+from shm.counters import WorkerRow, WorkerStatus
+from shm.metrics import MetricsTable
+from shm.segment import Segment
+from workers.clusters import ClusterManager
+from workers.context import WorkerContext
+from workers.overlay_follower import OverlayFollower
+from workers.proxy import Proxy
+from workers.server import ServerConnection, ServerSettings, ServerState
+from workers.status import send_status
+
+log = logging.getLogger("gridgate.worker")
+
+EXIT_BIND_FAILED = 3
+_HEARTBEAT_S = 1.0
+_OVERLAY_POLL_S = 0.25
+
+
+def bind_listener(address: str, backlog: int = 2048) -> socket.socket:
+    """Our own listening socket; SO_REUSEPORT lets every worker bind the same address."""
+    host, port = parse_host_port(address)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _private_segment(config: Config) -> Segment:
+    """A segment for a worker started without a supervisor (profiling, experiments)."""
+    segment = create_segment(config, 1)
+    segment.directory.assign(endpoint_ids(config))
+    segment.claim_worker_row(0)
+    return segment
+
+
+class Worker:
+    """One worker process: builds the request path from its context, serves, drains."""
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+        self.config: Config = ctx.config
+        self.reload_requested = False
+        self.segment: Segment = ctx.segment if ctx.segment is not None else _private_segment(self.config)
+        self.row = WorkerRow(self.segment, max(ctx.slot, 0))
+        self.row.mark(WorkerStatus.RUNNING, os.getpid(), time.monotonic_ns())
+        self.metrics = self._metrics_writer()
+        self.overlay = OverlayFollower(self.config, ctx.extras.get("overlay_fallback"))
+        affinity = self.config.routing.session_affinity
+        self.router = Router(max(ctx.slot, 0), affinity=self._affinity_table(), affinity_ttl_s=float(affinity.ttl))
+        self.router.prepare(self.overlay.snapshot)
+        auth = self.config.auth
+        self.auth = Authenticator([(key.tenant, key.key) for key in auth.keys]) if auth is not None else None
+        self.quota: QuotaGate | None = None
+        self.clusters: ClusterManager | None = None
+
+    def _affinity_table(self) -> AffinityTable | None:
+        affinity = self.config.routing.session_affinity
+        if not affinity.enabled:
+            return None
+        region = self.segment.region(self.ctx.extras.get("affinity_region", AFFINITY_REGION))
+        return AffinityTable(region, self.ctx.extras.get("affinity_capacity", affinity.capacity))
+
+    def _metrics_writer(self) -> WorkerMetrics:
+        names = self.ctx.extras.get("metric_clusters") or [cluster.name for cluster in self.config.clusters]
+        table = MetricsTable(self.segment.region(self.ctx.extras.get("metrics_region", METRICS_REGION)),
+                             self.segment.max_workers, COUNTERS)
+        return WorkerMetrics(table.row(self.row.index), names)
+
+    async def _build_proxy(self) -> Proxy:
+        """The parts that need the running loop (pools, the quota client), then the request handler."""
+        config = self.config
+        quota = config.quota
+        if quota is not None and self.ctx.quota_url:
+            ledger = QuotaLedger(create_client(self.ctx.quota_url), reservation_timeout_s=float(quota.reservation_timeout))
+            self.quota = QuotaGate(ledger, rules_from_config(quota), on_backend_error=quota.on_backend_error)
+            await self.quota.start()
+        clusters = self.clusters = ClusterManager(config, self.segment, self.row)
+        routing = config.routing
+        affinity = routing.session_affinity
+        header_plan = HeaderPlan(
+            routing.model_header,
+            session_header=affinity.header if affinity.enabled else None,
+            balance_key_headers=clusters.balance_key_headers(),
+        )
+        return Proxy(
+            header_plan=header_plan, auth=self.auth, overlay=self.overlay, router=self.router, clusters=clusters,
+            quota=self.quota, metrics=self.metrics, route_headers=routing.route_headers,
+            affinity_enabled=affinity.enabled, affinity_cookie=affinity.cookie,
+        )
+
+    async def serve(self) -> int:
+        loop = asyncio.get_running_loop()
+        stopping = asyncio.Event()
+        proxy = await self._build_proxy()
+        state = ServerState(ServerSettings(self.config), proxy.handle)
+        state.on_reject = lambda status: self.metrics.request(None, status)
+        try:
+            sock = bind_listener(self.config.listen)
+        except OSError as error:
+            log.error("cannot listen on %s: %s", self.config.listen, error.strerror)
+            return EXIT_BIND_FAILED
+        server = await loop.create_server(lambda: ServerConnection(state), sock=sock)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stopping.set)
+        loop.add_signal_handler(signal.SIGHUP, self._request_reload)
+        self._send_ready()
+        background = loop.create_task(self._background())
+        await stopping.wait()
+
+        send_status(self.ctx.status_fd, {"kind": "draining", "slot": self.ctx.slot})
+        state.draining = True
+        server.close()
+        state.close_idle(loop.time())
+        deadline = loop.time() + float(self.config.timeouts.graceful_shutdown)
+        while (state.in_flight > 0 or state.has_fresh_connections(loop.time())) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+            state.close_idle(loop.time())
+        background.cancel()
+        for conn in list(state.connections):
+            conn.close(abort=True)
+        await self._stop()
+        return 0
+
+    async def _stop(self) -> None:
+        if self.clusters is not None:
+            self.clusters.close()
+        if self.quota is not None:
+            await self.quota.close()
+
+    def _request_reload(self) -> None:
+        self.reload_requested = True
+
+    def _send_ready(self) -> None:
+        snapshot = self.overlay.snapshot
+        send_status(self.ctx.status_fd, {
+            "kind": "ready", "slot": self.ctx.slot, "pid": os.getpid(),
+            "revision": snapshot.revision, "mode": snapshot.mode,
+            "capabilities": [f"{kind}/{name}" for kind, name in snapshot.capability_keys],
+        })
+
+    def _heartbeat(self) -> None:
+        """Liveness for the health process, and per-process counters into shared metrics."""
+        send_status(self.ctx.status_fd, {"kind": "heartbeat", "slot": self.ctx.slot, "t": time.time()})
+        self.row.heartbeat(time.monotonic_ns())
+        if self.quota is not None:
+            self.metrics.publish_quota(self.quota.counters)
+        if self.clusters is not None:
+            self.metrics.publish_panic(self.clusters.panic_entries())
+
+    def _poll_overlay(self, now: float) -> None:
+        forced, self.reload_requested = self.reload_requested, False
+        result = self.overlay.poll(now, force=forced, on_result=self.metrics.overlay_reload)
+        if result.error is not None:
+            send_status(self.ctx.status_fd, {
+                "kind": "overlay_rejected", "slot": self.ctx.slot, "reason": result.error,
+                "retained_revision": self.overlay.snapshot.revision,
+            })
+        if result.changed:
+            snapshot = self.overlay.snapshot
+            self.router.prepare(snapshot)
+            unknown = [name for name in snapshot.clusters if self.clusters is not None and name not in self.clusters]
+            if unknown:
+                log.warning("overlay names clusters missing from the config: %s", ", ".join(unknown))
+            self._send_ready()
+
+    async def _background(self) -> None:
+        """Heartbeats and the overlay follower: cheap periodic work off the request path."""
+        next_heartbeat = 0.0
+        while True:
+            now = time.monotonic()
+            if now >= next_heartbeat:
+                self._heartbeat()
+                next_heartbeat = now + _HEARTBEAT_S
+            try:
+                self._poll_overlay(now)
+            except Exception:  # never let the follower die: keep serving last-known-good
+                log.exception("overlay reload failed")
+            await asyncio.sleep(_OVERLAY_POLL_S)
+
+
+def worker_main(ctx: WorkerContext) -> None:
+    """Entry point in the forked child. Never returns."""
+    code = 1
+    try:
+        logging.basicConfig(
+            level=logging.INFO, format=f"%(asctime)s worker[{os.getpid()}] %(levelname)s %(name)s: %(message)s"
+        )
+        code = uvloop.run(Worker(ctx).serve())
+    except BaseException:
+        log.exception("worker crashed")
+        code = 1
+    finally:
+        logging.shutdown()
+        os._exit(code)

@@ -1,0 +1,146 @@
+"""The sink of one upstream attempt: relays the provider's response to the client as it arrives.
+
+The upstream connection calls ``upstream_head``/``_data``/``_flush``/``_end``/``_failed``; the client
+connection calls ``client_lost`` and the flow-control pair. ``done`` resolves once, when the attempt is
+over: failed before the head (the proxy may try again), ended, failed mid-response, or abandoned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from gateway.http.errors import sse_error_event
+from gateway.http.media import is_event_stream
+from gateway.quota.usage import UsageObserver, usage_observer
+from gateway.request.failures import Failure
+from gateway.request.headers import connection_tokens
+from workers.server import Exchange
+from workers.upstream import UpstreamConnection
+
+# Response headers never relayed: hop-by-hop ones, framing (re-done by the codec), and the provider's
+# request id (the gateway's own is sent).
+_RESPONSE_DROP = frozenset(
+    (b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"te", b"trailer", b"upgrade",
+     b"x-request-id", b"content-length")
+)
+# A metered response's token headers are the gateway's, not the provider's.
+_QUOTA_HEADERS = frozenset(
+    (b"x-ratelimit-limit-tokens", b"x-ratelimit-remaining-tokens", b"x-ratelimit-reset-tokens")
+)
+
+
+class ResponseRelay:
+    __slots__ = (
+        "exchange", "conn", "done", "failure", "detail", "client_left", "status", "extra_headers",
+        "response_started", "is_sse", "metering", "usage", "length_framed",
+    )
+
+    def __init__(
+        self, exchange: Exchange, conn: UpstreamConnection, extra_headers: list[tuple[bytes, bytes]],
+        metering: bool | None,
+    ) -> None:
+        self.exchange = exchange
+        self.conn = conn
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.failure: Failure | None = None
+        self.detail = ""
+        self.client_left = False
+        self.status = 0
+        self.extra_headers = extra_headers
+        self.response_started = False
+        self.is_sse = False
+        # None: not metered; False/True: metered, and whether the request was rewritten to ask for usage.
+        self.metering = metering
+        self.usage: UsageObserver | None = None
+        self.length_framed = False  # the client was promised a Content-Length
+
+    @property
+    def total_tokens(self) -> int | None:
+        return None if self.usage is None else self.usage.total_tokens
+
+    def _finish(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+    # -- from the upstream connection -----------------------------------------------------------
+    def upstream_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.status = status
+        out = []
+        metered = self.metering is not None
+        chunked = False
+        content_length: int | None = None
+        listed: set[bytes] | None = None
+        content_type = None
+        for name, value in headers:
+            if name in _RESPONSE_DROP:
+                if name == b"content-length":
+                    content_length = int(value)  # the codec accepted it, so it is digits
+                elif name == b"transfer-encoding":
+                    chunked = True
+                elif name == b"connection":
+                    listed = connection_tokens(value)
+                continue
+            if name == b"content-type":
+                content_type = value
+            elif metered and name in _QUOTA_HEADERS:
+                continue
+            out.append((name, value))
+        self.is_sse = is_event_stream(content_type)
+        if metered:
+            self.usage = usage_observer(self.is_sse, bool(self.metering))
+        # Re-frame as chunked when the provider did, or when the usage filter may shorten the body.
+        if chunked or self.metering is True:
+            content_length = None
+        if listed:
+            out = [(n, v) for n, v in out if n not in listed]
+        self.length_framed = content_length is not None
+        out += self.extra_headers
+        self.response_started = True
+        self.exchange.start(status, out, content_length)
+
+    def upstream_data(self, data: bytes) -> None:
+        usage = self.usage
+        if usage is not None:
+            data = usage.feed(data)
+        self.exchange.write(data)
+
+    def upstream_flush(self) -> None:
+        self.exchange.flush()
+
+    def upstream_end(self) -> None:
+        if self.usage is not None:
+            self.exchange.write(self.usage.flush())
+        self.exchange.end()
+        self._finish()
+
+    def upstream_failed(self, failure: Failure, detail: str) -> None:
+        self.failure, self.detail = failure, detail
+        if self.response_started:
+            # After the first byte the attempt cannot be retried: end it visibly, never silently.
+            exchange = self.exchange
+            if self.is_sse and not self.length_framed and not exchange.client_gone:
+                exchange.write(sse_error_event(f"upstream_{failure.name.lower()}", f"upstream stream failed: {detail}"))
+                exchange.end()
+            else:
+                exchange.abort()
+        self._finish()
+
+    # -- from the client connection -------------------------------------------------------------
+    def client_lost(self) -> None:
+        conn = self.conn
+        if conn.sink is self:
+            conn.abandon()
+        self.client_left = True
+        self._finish()
+
+    # Flow control: only while the connection still serves this call (after its end it may already
+    # be back in the pool, serving someone else).
+    def pause_upstream(self) -> None:
+        conn = self.conn
+        if conn.sink is self:
+            conn.pause()
+
+    def resume_upstream(self) -> None:
+        conn = self.conn
+        if conn.sink is self:
+            conn.resume()
