@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 
 from gateway.config import Config, ConfigError, load_config, parse_host_port
 
@@ -56,19 +58,12 @@ def _load_config(path: str) -> Config:
         raise CommandError(*exc.problems) from None
 
 
-def _check_overlay(config: Config) -> None:
-    """The overlay the config names must be acceptable, or the gateway would not start."""
-    from gateway.supervisor import validate_deployment
-
-    try:
-        validate_deployment(config)
-    except ConfigError as exc:
-        raise CommandError(*exc.problems) from None
-
-
 def cmd_check(args: argparse.Namespace) -> int:
-    config = _load_config(args.config)
-    _check_overlay(config)
+    from gateway.check import check_problems
+
+    problems = check_problems(_load_config(args.config), environ=None if args.no_env else os.environ)
+    if problems:
+        raise CommandError(*problems)
     print("ok")
     return EXIT_OK
 
@@ -139,40 +134,69 @@ def cmd_keys_hash(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- parser
 
 
+def package_version() -> str:
+    try:
+        return metadata.version("gridgate")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+def _command(commands: argparse._SubParsersAction, name: str, summary: str, details: str = "") -> argparse.ArgumentParser:
+    """A sub-command whose ``-h`` starts with the summary shown in its parent's list."""
+    description = f"{summary[0].upper()}{summary[1:]}." + (f" {details}" if details else "")
+    return commands.add_parser(name, help=summary, description=description)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gridgate", description="High-throughput LLM gateway.")
+    parser = argparse.ArgumentParser(
+        prog="gridgate",
+        description="High-throughput gateway between LLM clients and equivalent LLM provider gateways.",
+        epilog="Exit codes: 0 success, 1 invalid input or config (the message names the field), 2 usage error.",
+    )
+    parser.add_argument("--version", action="version", version=f"gridgate {package_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    run = commands.add_parser("run", help="run the supervisor and its workers in the foreground")
+    run = _command(commands, "run", "run the supervisor and its workers in the foreground",
+                   "Runs until SIGTERM/SIGINT; SIGHUP reloads the config and the overlay, SIGTTIN/SIGTTOU add or "
+                   "remove a worker. --workers and --listen win over the file, also on every reload.")
     run.add_argument("-c", "--config", required=True, metavar="FILE", help="YAML config file")
     run.add_argument("--workers", type=_worker_count, metavar="N", help="worker processes ('auto' = one per CPU)")
     run.add_argument("--listen", type=_listen_address, metavar="HOST:PORT", help="data-plane address")
     run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     run.set_defaults(handler=cmd_run)
 
-    check = commands.add_parser("check", help="validate the config and the overlay it names")
+    check = _command(commands, "check", "validate the config and the overlay it names",
+                     "Prints ok and exits 0, or prints one line per problem on stderr, each naming the field, "
+                     "and exits 1.")
     check.add_argument("-c", "--config", required=True, metavar="FILE", help="YAML config file")
+    check.add_argument("--no-env", action="store_true",
+                       help="do not require the upstream_auth.value_env secrets to be set (for CI)")
     check.set_defaults(handler=cmd_check)
 
-    overlay = commands.add_parser("overlay", help="inspect routing overlay files")
+    overlay = _command(commands, "overlay", "inspect routing overlay files")
     overlay_commands = overlay.add_subparsers(dest="overlay_command", metavar="ACTION", required=True)
-    digest = overlay_commands.add_parser("digest", help="print the 64-hex semantic revision of an overlay")
+    digest = _command(overlay_commands, "digest", "print the 64-hex semantic revision of an overlay",
+                      "The SHA-256 of the RFC 8785 canonical form of the overlay document's candidates, "
+                      "local_site, network and selection_policy; envelopes and legacy files alike.")
     digest.add_argument("file", metavar="FILE")
     digest.set_defaults(handler=cmd_overlay_digest)
-    validate = overlay_commands.add_parser("validate", help="exit 0 if the overlay is acceptable, else 1")
+    validate = _command(overlay_commands, "validate", "exit 0 if the overlay is acceptable, else 1",
+                        "On rejection, stderr starts with the reason (digest_mismatch, scope_mismatch, ...).")
     validate.add_argument("file", metavar="FILE")
     validate.add_argument(
         "-c", "--config", metavar="FILE", help="also enforce this config's routing.expected_overlay_scope"
     )
     validate.set_defaults(handler=cmd_overlay_validate)
 
-    control = commands.add_parser("control", help="run the control plane: observe providers, publish routing overlays")
+    control = _command(commands, "control", "run the control plane: observe providers, publish routing overlays",
+                       "Runs until SIGTERM/SIGINT; publishes only when the semantic revision changes.")
     control.add_argument("-c", "--config", required=True, metavar="FILE", help="control-plane spec file")
     control.set_defaults(handler=cmd_control)
 
-    keys = commands.add_parser("keys", help="API key helpers")
+    keys = _command(commands, "keys", "API key helpers")
     keys_commands = keys.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
-    hash_ = keys_commands.add_parser("hash", help="read an API key on stdin, print its sha256: form")
+    hash_ = _command(keys_commands, "hash", "read an API key on stdin, print its sha256: form",
+                     "Paste the output into auth.keys[].key; the key itself never goes into the config.")
     hash_.set_defaults(handler=cmd_keys_hash)
     return parser
 

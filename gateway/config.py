@@ -1,51 +1,20 @@
-"""The configuration schema (CONTRACT §2) and its one loader.
+"""The gateway configuration schema (CONTRACT §2) and its loader.
 
 msgspec Structs with ``forbid_unknown_fields`` give us unknown-key rejection and
-field paths for free; ``ConfigError`` turns msgspec's messages into one line per
-problem that starts with the field path, which is what ``gridgate check`` prints.
+field paths for free; :mod:`gateway.yaml_config` turns msgspec's messages into one
+line per problem that starts with the field path, which is what ``gridgate check``
+prints. Every key is documented in docs/configuration.md (a test keeps them in step).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import msgspec
-import yaml
 
-T = TypeVar("T")
-
-
-class ConfigError(Exception):
-    """A configuration problem; ``problems`` holds one ``field: message`` line each."""
-
-    def __init__(self, problems: list[str]) -> None:
-        super().__init__("; ".join(problems))
-        self.problems = problems
-
-
-class Seconds(float):
-    """A duration in seconds, written in the file as ``500ms``, ``30s``, ``2m``, ``1h`` or ``1d``."""
-
-
-_DURATION = re.compile(r"^\s*(\d+)\s*(ms|s|m|h|d)\s*$")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-
-
-def parse_duration(text: str) -> Seconds:
-    match = _DURATION.match(text)
-    if not match:
-        raise ValueError(f"invalid duration {text!r} (integer with unit ms, s, m, h or d)")
-    return Seconds(int(match.group(1)) * _UNIT_SECONDS[match.group(2)])
-
-
-def decode_hook(kind: type, value: Any) -> Any:
-    if kind is Seconds:
-        if isinstance(value, str):
-            return parse_duration(value)
-        raise ValueError(f"invalid duration {value!r} (integer with unit ms, s, m, h or d)")
-    raise NotImplementedError
+from gateway.yaml_config import ConfigError, Seconds, convert_yaml, read_text
 
 
 def parse_host_port(text: str) -> tuple[str, int]:
@@ -56,8 +25,28 @@ def parse_host_port(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def is_header_name(text: str) -> bool:
+    """An HTTP field name (RFC 9110 token)."""
+    return _HEADER_NAME.fullmatch(text) is not None
+
+
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     pass
+
+
+class ServerTls(_Strict):
+    """HTTPS on the data-plane listener; paths are relative to the config file."""
+
+    cert_file: str
+    key_file: str
+
+    def __post_init__(self) -> None:
+        for name in ("cert_file", "key_file"):
+            if not getattr(self, name).strip():
+                raise ValueError(f"{name}: must name a file")
 
 
 class Admin(_Strict):
@@ -71,10 +60,12 @@ class Limits(_Strict):
     max_header_bytes: int = 65536
     max_body_bytes: int = 10485760
     max_connections_per_worker: int = 10000
+    # The response that reaches it carries `Connection: close`, so replaced or added workers get load.
+    max_requests_per_connection: int = 1000
     max_url_bytes: int = 8192
 
     def __post_init__(self) -> None:
-        for name in ("max_header_bytes", "max_body_bytes", "max_connections_per_worker", "max_url_bytes"):
+        for name in self.__struct_fields__:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
 
@@ -183,6 +174,87 @@ class OverlayScope(_Strict):
         return any(v is not None for v in (self.network, self.gateway, self.namespace, self.local_site))
 
 
+class Backoff(_Strict):
+    base: Seconds = Seconds(0.01)
+    max: Seconds = Seconds(0.5)
+
+    def __post_init__(self) -> None:
+        if self.max < self.base:
+            raise ValueError("max: must be >= base")
+
+
+class Retry(_Strict):
+    """Provider-level failover (CONTRACT §11): attempts and deadline for all providers together."""
+
+    attempts: int = 3
+    deadline: Seconds = Seconds(30)
+    backoff: Backoff = Backoff()
+    first_byte_timeout: Seconds | None = None
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError("attempts: must be >= 1 (1 = no failover)")
+        if self.deadline <= 0:
+            raise ValueError("deadline: must be > 0")
+        if self.first_byte_timeout is not None and self.first_byte_timeout <= 0:
+            raise ValueError("first_byte_timeout: must be > 0 (or null for none)")
+
+
+class Cooling(_Strict):
+    """How long a provider answering 429/503 is skipped; its Retry-After wins, capped at ``max``."""
+
+    default: Seconds = Seconds(5)
+    max: Seconds = Seconds(300)
+
+    def __post_init__(self) -> None:
+        if self.default <= 0:
+            raise ValueError("default: must be > 0")
+        if self.max < self.default:
+            raise ValueError("max: must be >= default")
+
+
+_STABLE_HASH_FACTS = ("tenant", "session", "request_id")
+
+
+def _check_stable_hash_key(parts: list[str]) -> None:
+    if not parts:
+        raise ValueError("stable_hash_key: must name at least one request fact")
+    for index, part in enumerate(parts):
+        name = part[len("header:"):] if part.startswith("header:") else None
+        if part not in _STABLE_HASH_FACTS and not (name and is_header_name(name)):
+            raise ValueError(f"stable_hash_key[{index}]: {part!r} is not tenant, session, request_id "
+                             "or header:<Name>")
+        if parts.index(part) != index:
+            raise ValueError(f"stable_hash_key[{index}]: {part!r} is listed twice")
+
+
+class ModelMatch(_Strict):
+    capability: str  # glob over the capability (model) name, e.g. "gpt-4o*"
+    cluster: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.capability:
+            raise ValueError("capability: must not be empty (use \"*\" for every capability)")
+
+
+class ModelFacts(_Strict):
+    """Request-aware eligibility facts of the candidates it matches (CONTRACT §12)."""
+
+    match: ModelMatch
+    context_window: int | None = None
+    features: list[Literal["tools", "vision", "json_schema", "audio", "embeddings"]] | None = None
+    region: str | None = None
+    traffic_weight: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.context_window is not None and self.context_window < 1:
+            raise ValueError("context_window: must be >= 1 token")
+        if self.region is not None and not self.region:
+            raise ValueError("region: must not be empty")
+        if self.traffic_weight is not None and not 1 <= self.traffic_weight <= 1000:
+            raise ValueError("traffic_weight: must be 1..1000")
+
+
 class Routing(_Strict):
     overlay_file: str | None = None
     # Instead of a file: the overlay's candidate objects inline (a legacy overlay, local_site "inline",
@@ -194,6 +266,52 @@ class Routing(_Strict):
     route_headers: bool = True
     provider_hop_clusters: list[str] = []
     reload_debounce: Seconds = Seconds(0.5)
+    retry: Retry = Retry()
+    cooling: Cooling = Cooling()
+    picker: Literal["overlay", "weighted", "stable_hash", "least_loaded"] = "overlay"
+    stable_hash_key: list[str] = msgspec.field(default_factory=lambda: ["tenant", "session"])
+    models: list[ModelFacts] = []
+    pin_header: str = "X-Gridgate-Pin"
+
+    def __post_init__(self) -> None:
+        _check_stable_hash_key(self.stable_hash_key)
+        for name in ("model_header", "pin_header"):
+            if not is_header_name(getattr(self, name)):
+                raise ValueError(f"{name}: not a valid header name")
+
+
+class TenantPolicy(_Strict):
+    """Routing policy of one tenant (CONTRACT §12); an omitted list means no restriction."""
+
+    tenant: str
+    allowed_capabilities: list[str] | None = None  # globs over capability names
+    allowed_regions: list[str] | None = None
+    may_pin: bool = False
+    priority: Literal["interactive", "batch"] = "interactive"
+
+    def __post_init__(self) -> None:
+        if not self.tenant:
+            raise ValueError("tenant: must not be empty")
+        for name in ("allowed_capabilities", "allowed_regions"):
+            values = getattr(self, name)
+            if values is not None and not values:
+                raise ValueError(f"{name}: must not be empty (omit the key for no restriction)")
+            if values is not None and not all(values):
+                raise ValueError(f"{name}: entries must not be empty")
+
+
+class AccessLog(_Strict):
+    """One JSON line per request (CONTRACT §14)."""
+
+    enabled: bool = True
+    path: str = "-"  # "-" = stdout; else a file (relative to the config file), reopened on SIGUSR1
+    sample: float = 1.0  # fraction of successful requests logged; errors always are
+
+    def __post_init__(self) -> None:
+        if not self.path.strip():
+            raise ValueError("path: must be '-' (stdout) or a file path")
+        if not 0.0 <= self.sample <= 1.0:
+            raise ValueError("sample: must be between 0.0 and 1.0")
 
 
 class ApiKey(_Strict):
@@ -262,10 +380,13 @@ class Config(_Strict):
     clusters: list[Cluster]
     routing: Routing
     listen: str = "127.0.0.1:8080"
+    server_tls: ServerTls | None = None
     workers: int | Literal["auto"] = "auto"
     admin: Admin = Admin()
     limits: Limits = Limits()
     timeouts: Timeouts = Timeouts()
+    tenants: list[TenantPolicy] = []
+    access_log: AccessLog = AccessLog()
     auth: Auth | None = None
     quota: Quota | None = None
     # Where the config file lives; relative paths (overlay_file) resolve against it.
@@ -274,9 +395,13 @@ class Config(_Strict):
     def worker_count(self) -> int:
         return os.cpu_count() or 1 if self.workers == "auto" else int(self.workers)
 
+    def file_path(self, path: str) -> str:
+        """A path from the file, resolved against the config file's directory."""
+        return os.path.join(self.base_dir, path)
+
     def overlay_path(self) -> str | None:
         path = self.routing.overlay_file
-        return None if path is None else os.path.join(self.base_dir, path)
+        return None if path is None else self.file_path(path)
 
     def cluster(self, name: str) -> Cluster | None:
         for cluster in self.clusters:
@@ -285,29 +410,8 @@ class Config(_Strict):
         return None
 
 
-_AT_PATH = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
-_UNKNOWN = re.compile(r"Object contains unknown field `(?P<field>[^`]+)`")
-_NAMED_FIELD = re.compile(r"^([A-Za-z_][\w\[\]\.]*): (.*)$", re.S)
-_MISSING = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
-
-
-def validation_problem(error: msgspec.ValidationError) -> str:
-    match = _AT_PATH.match(str(error))
-    assert match is not None
-    message, path = match.group("msg"), (match.group("path") or "").lstrip(".")
-    named = _NAMED_FIELD.match(message)
-    if named:  # a __post_init__ check: "field: message"
-        path = f"{path}.{named.group(1)}" if path else named.group(1)
-        message = named.group(2)
-    for pattern, text in ((_UNKNOWN, "unknown key"), (_MISSING, "required key is missing")):
-        field = pattern.search(message)
-        if field:
-            path = f"{path}.{field.group('field')}" if path else field.group("field")
-            message = text
-    return f"{path or '(top level)'}: {message}"
-
-
 def _cross_checks(config: Config) -> list[str]:
+    """Checks that span fields; each problem names its field. Secrets are checked in gateway.check."""
     problems = []
     names = [c.name for c in config.clusters]
     for index, name in enumerate(names):
@@ -320,64 +424,46 @@ def _cross_checks(config: Config) -> list[str]:
             problems.append(f"{field}: {exc}")
     if config.workers != "auto" and int(config.workers) < 1:
         problems.append("workers: must be 'auto' or an integer >= 1")
-    if config.routing.overlay_file is None and config.routing.candidates is None:
-        problems.append("routing.overlay_file: required key is missing (or give routing.candidates inline)")
-    elif config.routing.overlay_file is not None and config.routing.candidates is not None:
-        problems.append("routing.candidates: give either routing.overlay_file or inline candidates, not both")
-    for index, name in enumerate(config.routing.provider_hop_clusters):
-        if name not in names:
-            problems.append(f"routing.provider_hop_clusters[{index}]: unknown cluster {name!r}")
     for index, cluster in enumerate(config.clusters):
-        auth = cluster.upstream_auth
-        if auth is None:
-            continue
-        secret = os.environ.get(auth.value_env)
-        if secret is None:
-            problems.append(f"clusters[{index}].upstream_auth.value_env: environment variable {auth.value_env} is not set")
-        elif not all(32 <= ord(ch) < 127 for ch in secret):
-            problems.append(f"clusters[{index}].upstream_auth.value_env: {auth.value_env} holds characters not allowed "
-                            "in a header value")
-        if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", auth.header):
+        if cluster.upstream_auth is not None and not is_header_name(cluster.upstream_auth.header):
             problems.append(f"clusters[{index}].upstream_auth.header: not a valid header name")
-    affinity = config.routing.session_affinity
+    return problems + _routing_checks(config, set(names)) + _tenant_checks(config)
+
+
+def _routing_checks(config: Config, cluster_names: set[str]) -> list[str]:
+    routing, problems = config.routing, []
+    if routing.overlay_file is None and routing.candidates is None:
+        problems.append("routing.overlay_file: required key is missing (or give routing.candidates inline)")
+    elif routing.overlay_file is not None and routing.candidates is not None:
+        problems.append("routing.candidates: give either routing.overlay_file or inline candidates, not both")
+    for index, name in enumerate(routing.provider_hop_clusters):
+        if name not in cluster_names:
+            problems.append(f"routing.provider_hop_clusters[{index}]: unknown cluster {name!r}")
+    for index, entry in enumerate(routing.models):
+        if entry.match.cluster is not None and entry.match.cluster not in cluster_names:
+            problems.append(f"routing.models[{index}].match.cluster: unknown cluster {entry.match.cluster!r}")
+    affinity = routing.session_affinity
     if affinity.enabled and not (affinity.header or affinity.cookie):
         problems.append("routing.session_affinity: enabled needs a header or a cookie")
     return problems
 
 
-def convert_yaml(text: str, kind: type[T], extra: dict[str, Any] | None = None) -> T:
-    """YAML text -> a validated msgspec Struct of ``kind``; ConfigError naming the field otherwise.
-
-    The one loader behind the gateway config and the control-plane spec.
-    """
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}" if mark else "file"
-        raise ConfigError([f"({where}): invalid YAML: {getattr(exc, 'problem', exc)}"]) from None
-    if not isinstance(raw, dict):
-        raise ConfigError(["(top level): the file must be a mapping"])
-    for key in extra or {}:
-        if key in raw:
-            raise ConfigError([f"{key}: unknown key"])  # set by the loader, never by the file
-    try:
-        return msgspec.convert({**raw, **(extra or {})}, kind, dec_hook=decode_hook)
-    except msgspec.ValidationError as exc:
-        raise ConfigError([validation_problem(exc)]) from None
+def _tenant_checks(config: Config) -> list[str]:
+    problems = []
+    names = [policy.tenant for policy in config.tenants]
+    known = None if config.auth is None else {key.tenant for key in config.auth.keys}
+    for index, name in enumerate(names):
+        if names.index(name) != index:
+            problems.append(f"tenants[{index}].tenant: duplicate tenant {name!r}")
+        elif known is not None and name not in known:
+            # A misspelt policy would silently leave the real tenant unrestricted.
+            problems.append(f"tenants[{index}].tenant: {name!r} has no key in auth.keys")
+    return problems
 
 
-def read_text(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.read()
-    except OSError as exc:
-        raise ConfigError([f"(file): cannot read {path}: {exc.strerror}"]) from None
-
-
-def parse_config(text: str, base_dir: str = ".") -> Config:
+def parse_config(text: str, base_dir: str = ".", source: str | None = None) -> Config:
     """Parse YAML text into a validated Config; raise ConfigError naming each bad field."""
-    config = convert_yaml(text, Config, {"base_dir": base_dir})
+    config = convert_yaml(text, Config, {"base_dir": base_dir}, source)
     problems = _cross_checks(config)
     if problems:
         raise ConfigError(problems)
@@ -385,4 +471,4 @@ def parse_config(text: str, base_dir: str = ".") -> Config:
 
 
 def load_config(path: str) -> Config:
-    return parse_config(read_text(path), base_dir=os.path.dirname(os.path.abspath(path)))
+    return parse_config(read_text(path), base_dir=os.path.dirname(os.path.abspath(path)), source=path)

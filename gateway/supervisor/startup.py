@@ -1,4 +1,4 @@
-"""Checks before anything is forked: the overlay, the data-plane port, the admin listener.
+"""Checks before anything is forked: the config (gateway.check), the data-plane port, the admin listener.
 
 Each failure is a ``StartupError`` whose message is one line naming the cause.
 """
@@ -12,10 +12,9 @@ from typing import Any
 
 import msgspec
 
-from gateway.config import Config, ConfigError, parse_host_port
-from gateway.overlay.contract import OverlayRejected
-from gateway.overlay.watch import load_inline_overlay, load_overlay_file
-from gateway.quota.rules import rules_from_config, validate_rules
+# The pre-fork config checks live with `gridgate check`, so both refuse the same configs.
+from gateway.check import validate_deployment as validate_deployment
+from gateway.config import Config, parse_host_port
 
 
 class StartupError(Exception):
@@ -36,27 +35,6 @@ class RunOverrides:
         if self.listen is not None:
             changes["listen"] = self.listen
         return msgspec.structs.replace(config, **changes) if changes else config
-
-
-def validate_deployment(config: Config) -> None:
-    """Raise ConfigError when the workers would refuse this config: checks that need other rooms
-    (the overlay it names, the quota rules as the ledger reads them), beyond the schema itself."""
-    problems: list[str] = []
-    if config.quota is not None:
-        problems += validate_rules(rules_from_config(config.quota))
-    path = config.overlay_path()
-    if path is not None:
-        try:
-            load_overlay_file(path, config.routing.expected_overlay_scope)
-        except OverlayRejected as exc:
-            problems.append(f"routing.overlay_file: {path}: {exc}")
-    elif config.routing.candidates is not None:
-        try:
-            load_inline_overlay(config.routing.candidates, config.routing.expected_overlay_scope)
-        except OverlayRejected as exc:
-            problems.append(f"routing.candidates: {exc}")
-    if problems:
-        raise ConfigError(problems)
 
 
 def _resolve(address: str) -> tuple[int, tuple[Any, ...]]:

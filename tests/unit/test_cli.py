@@ -6,6 +6,9 @@ import hashlib
 import io
 import json
 import shutil
+import subprocess
+import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -74,6 +77,90 @@ def test_check_reports_an_invalid_overlay(config_dir, capsys):
     code, _, err = run(capsys, "check", "-c", str(config_dir / "gateway.yaml"))
     assert code == 1
     assert err.startswith("routing.overlay_file: ") and "digest_mismatch" in err
+
+
+def test_check_reports_overlay_clusters_this_gateway_lacks(config_dir, capsys):
+    # The gateway would skip such candidates at run time; under review they are a problem.
+    (config_dir / "gateway.yaml").write_text(CONFIG.replace("cluster-a", "cluster-b"))
+    code, out, err = run(capsys, "check", "-c", str(config_dir / "gateway.yaml"))
+    assert code == 1 and out == ""
+    assert err == (f"routing.overlay_file: {config_dir / 'overlay.json'}: candidates[0].cluster: 'cluster-a' is not "
+                   "a configured cluster; such candidates are never selected\n")
+
+
+def test_check_reports_inline_candidates_with_unknown_clusters(config_dir, capsys):
+    inline = CONFIG.replace("  overlay_file: overlay.json\n", "  candidates:\n" + "".join(
+        f"    - {{kind: inference_model, name: m, site: s, cluster: {name}}}\n" for name in ("cluster-a", "x", "x")))
+    (config_dir / "gateway.yaml").write_text(inline)
+    code, _, err = run(capsys, "check", "-c", str(config_dir / "gateway.yaml"))
+    assert code == 1
+    assert err.startswith("routing.candidates: candidates[1].cluster: 'x' is not a configured cluster "
+                          "(and 1 more candidates)")
+
+
+def test_check_reports_unset_secrets_unless_no_env(config_dir, capsys, monkeypatch):
+    monkeypatch.delenv("GG_TEST_SECRET", raising=False)
+    (config_dir / "gateway.yaml").write_text(CONFIG.replace(
+        '    endpoints: ["127.0.0.1:9001"]\n',
+        '    endpoints: ["127.0.0.1:9001"]\n    upstream_auth: {value_env: GG_TEST_SECRET}\n'))
+    path = str(config_dir / "gateway.yaml")
+    assert run(capsys, "check", "-c", path) == (
+        1, "", "clusters[0].upstream_auth.value_env: environment variable GG_TEST_SECRET is not set\n")
+    assert run(capsys, "check", "--no-env", "-c", path) == (0, "ok\n", "")
+    monkeypatch.setenv("GG_TEST_SECRET", "bad\nvalue")
+    assert "holds characters not allowed" in run(capsys, "check", "-c", path)[2]
+    monkeypatch.setenv("GG_TEST_SECRET", "sk-good")
+    assert run(capsys, "check", "-c", path) == (0, "ok\n", "")
+
+
+def test_check_yaml_errors_carry_file_line_and_column(config_dir, capsys):
+    path = config_dir / "gateway.yaml"
+    path.write_text(CONFIG + "workers: x: y\n")
+    assert run(capsys, "check", "-c", str(path)) == (
+        1, "", f"{path}:7:11: invalid YAML: mapping values are not allowed here\n")
+
+
+def test_check_worker_count_in_words(config_dir, capsys):
+    (config_dir / "gateway.yaml").write_text(CONFIG + "workers: two\n")
+    assert run(capsys, "check", "-c", str(config_dir / "gateway.yaml")) == (
+        1, "", "workers: expected an integer or auto, got 'two'\n")
+
+
+@pytest.fixture
+def tls_files(tmp_path: Path) -> tuple[Path, Path, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not available")
+    files = []
+    for name in ("one", "two"):
+        cert, key = tmp_path / f"{name}.crt", tmp_path / f"{name}.key"
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                        "-nodes", "-days", "1", "-subj", "/CN=gw.test", "-keyout", str(key), "-out", str(cert)],
+                       check=True, capture_output=True)
+        files += [cert, key]
+    return files[0], files[1], files[3]  # cert one, its key, a key that does not match it
+
+
+@pytest.mark.parametrize(
+    ("tls", "expected"),
+    [
+        ("{cert_file: one.crt, key_file: one.key}", None),
+        ("{cert_file: absent.crt, key_file: one.key}", "server_tls.cert_file: cannot read {dir}/absent.crt: "
+                                                        "No such file or directory"),
+        ("{cert_file: one.key, key_file: one.key}", "server_tls.cert_file: {dir}/one.key holds no PEM certificate"),
+        ("{cert_file: one.crt, key_file: one.crt}", "server_tls.key_file: {dir}/one.crt holds no PEM private key"),
+        ("{cert_file: one.crt, key_file: two.key}", "server_tls: {dir}/one.crt and {dir}/two.key do not load as a "
+                                                     "certificate and its key: KEY_VALUES_MISMATCH"),
+    ],
+)
+def test_check_loads_the_listener_certificate(config_dir, tls_files, tls, expected, capsys):
+    cert_dir = tls_files[0].parent
+    (cert_dir / "overlay.json").write_bytes((config_dir / "overlay.json").read_bytes())
+    (cert_dir / "gateway.yaml").write_text(CONFIG + f"server_tls: {tls}\n")
+    code, out, err = run(capsys, "check", "-c", str(cert_dir / "gateway.yaml"))
+    if expected is None:
+        assert (code, out, err) == (0, "ok\n", "")
+    else:
+        assert (code, err) == (1, expected.format(dir=cert_dir) + "\n")
 
 
 def test_check_reports_a_missing_file(tmp_path, capsys):
@@ -145,8 +232,25 @@ def test_usage_errors_exit_2(argv, capsys):
     [[], ["run"], ["check"], ["overlay"], ["overlay", "digest"], ["overlay", "validate"], ["control"], ["keys"],
      ["keys", "hash"]],
 )
-def test_every_command_accepts_h(argv, capsys):
+def test_every_command_accepts_h_and_describes_itself(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([*argv, "-h"])
     assert exit_info.value.code == 0
-    assert "usage: gridgate" in capsys.readouterr().out
+    usage, description, *_ = capsys.readouterr().out.split("\n\n")
+    assert usage.startswith(" ".join(["usage: gridgate", *argv]))
+    assert description[0].isupper() and not description.startswith(("options:", "positional arguments:"))
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"gridgate {metadata.version('gridgate')}\n"
+
+
+def test_the_cli_and_check_load_no_data_plane_module():
+    # Layers import downward only (DESIGN): `gridgate check` must work where the data plane cannot load.
+    probe = ("import sys; from gateway.cli import main, cmd_check; import gateway.check; "
+             "print(sorted(m for m in sys.modules if m.startswith(('workers', 'uvloop', 'h11'))))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert result.stdout == "[]\n"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.config import ConfigError, parse_config, parse_duration
+from gateway.config import ConfigError, parse_config
+from gateway.yaml_config import parse_duration
 
 BASE = 'clusters: [{name: a, endpoints: ["127.0.0.1:9001"]}]\nrouting: {overlay_file: o.json}\n'
 
@@ -30,6 +31,42 @@ def test_defaults_follow_the_contract():
     assert cluster.read_timeout == 300 and cluster.weighted_endpoints() == [("127.0.0.1:9001", 1)]
     assert config.routing.model_header == "X-Model" and config.routing.route_headers is True
     assert config.auth is None and config.quota is None
+    assert config.server_tls is None and config.tenants == []
+    assert config.limits.max_requests_per_connection == 1000
+    assert (config.access_log.enabled, config.access_log.path, config.access_log.sample) == (True, "-", 1.0)
+
+
+def test_routing_policy_defaults_follow_the_contract():
+    routing = parse_config(BASE).routing
+    assert (routing.retry.attempts, routing.retry.deadline, routing.retry.first_byte_timeout) == (3, 30, None)
+    assert (routing.retry.backoff.base, routing.retry.backoff.max) == (0.01, 0.5)
+    assert (routing.cooling.default, routing.cooling.max) == (5, 300)
+    assert routing.picker == "overlay" and routing.stable_hash_key == ["tenant", "session"]
+    assert routing.models == [] and routing.pin_header == "X-Gridgate-Pin"
+
+
+def test_routing_policy_and_tenants_parse():
+    config = parse_config(
+        'clusters: [{name: a, endpoints: ["h:1"]}]\nauth: {keys: [{tenant: t1, key: "sha256:' + "0" * 64 + '"}]}\n'
+        "routing:\n  overlay_file: o\n  picker: stable_hash\n  stable_hash_key: [tenant, 'header:X-User']\n"
+        "  retry: {attempts: 1, deadline: 5s, backoff: {base: 0ms, max: 0ms}, first_byte_timeout: 2s}\n"
+        "  models: [{match: {capability: 'gpt-*', cluster: a}, context_window: 8192, features: [tools, vision],"
+        " region: eu, traffic_weight: 3}]\n"
+        "tenants: [{tenant: t1, allowed_capabilities: ['gpt-*'], may_pin: true, priority: batch}]\n"
+    )
+    model = config.routing.models[0]
+    assert (model.match.capability, model.match.cluster, model.context_window) == ("gpt-*", "a", 8192)
+    assert model.features == ["tools", "vision"] and model.region == "eu" and model.traffic_weight == 3
+    tenant = config.tenants[0]
+    assert tenant.allowed_capabilities == ["gpt-*"] and tenant.allowed_regions is None  # None: no restriction
+    assert tenant.may_pin and tenant.priority == "batch"
+    assert config.routing.retry.first_byte_timeout == 2
+
+
+def test_relative_files_resolve_against_the_config_directory():
+    config = parse_config(BASE + "server_tls: {cert_file: c.pem, key_file: /abs/k.pem}\n", base_dir="/etc/gg")
+    assert config.file_path(config.server_tls.cert_file) == "/etc/gg/c.pem"
+    assert config.file_path(config.server_tls.key_file) == "/abs/k.pem"
 
 
 @pytest.mark.parametrize(
@@ -48,12 +85,67 @@ def test_defaults_follow_the_contract():
          "quota.backend.url: must be"),
         ("routing: {overlay_file: o.json, provider_hop_clusters: [zz]}\n",
          "routing.provider_hop_clusters[0]: unknown cluster"),
+        ("server_tls: {cert_file: c.pem}\n", "server_tls.key_file: required key is missing"),
+        ("server_tls: {cert_file: '', key_file: k}\n", "server_tls.cert_file: must name a file"),
+        ("limits: {max_requests_per_connection: 0}\n", "limits.max_requests_per_connection: must be >= 1"),
+        ("access_log: {sample: 1.5}\n", "access_log.sample: must be between 0.0 and 1.0"),
+        ("access_log: {path: ''}\n", "access_log.path: must be '-'"),
+        ("access_log: {enabled: maybe}\n", "access_log.enabled: expected true or false, got 'maybe'"),
+        ("routing: {overlay_file: o, retry: {attempts: 0}}\n", "routing.retry.attempts: must be >= 1"),
+        ("routing: {overlay_file: o, retry: {deadline: 0s}}\n", "routing.retry.deadline: must be > 0"),
+        ("routing: {overlay_file: o, retry: {first_byte_timeout: 0ms}}\n", "routing.retry.first_byte_timeout: must be > 0"),
+        ("routing: {overlay_file: o, retry: {backoff: {base: 1s, max: 10ms}}}\n",
+         "routing.retry.backoff.max: must be >= base"),
+        ("routing: {overlay_file: o, cooling: {default: 10m}}\n", "routing.cooling.max: must be >= default"),
+        ("routing: {overlay_file: o, picker: fastest}\n",
+         "routing.picker: expected least_loaded, overlay, stable_hash or weighted, got 'fastest'"),
+        ("routing: {overlay_file: o, stable_hash_key: [tenant, user]}\n",
+         "routing.stable_hash_key[1]: 'user' is not tenant, session, request_id or header:<Name>"),
+        ("routing: {overlay_file: o, stable_hash_key: ['header:']}\n", "routing.stable_hash_key[0]:"),
+        ("routing: {overlay_file: o, stable_hash_key: [session, session]}\n",
+         "routing.stable_hash_key[1]: 'session' is listed twice"),
+        ("routing: {overlay_file: o, stable_hash_key: []}\n", "routing.stable_hash_key: must name at least one"),
+        ("routing: {overlay_file: o, pin_header: 'X Pin'}\n", "routing.pin_header: not a valid header name"),
+        ("routing: {overlay_file: o, models: [{context_window: 5}]}\n",
+         "routing.models[0].match: required key is missing"),
+        ("routing: {overlay_file: o, models: [{match: {capability: m, cluster: zz}}]}\n",
+         "routing.models[0].match.cluster: unknown cluster 'zz'"),
+        ("routing: {overlay_file: o, models: [{match: {capability: m}, features: [tools, telepathy]}]}\n",
+         "routing.models[0].features[1]: expected audio, embeddings, json_schema, tools or vision, got 'telepathy'"),
+        ("routing: {overlay_file: o, models: [{match: {capability: m}, context_window: 0}]}\n",
+         "routing.models[0].context_window: must be >= 1"),
+        ("routing: {overlay_file: o, models: [{match: {capability: m}, traffic_weight: 0}]}\n",
+         "routing.models[0].traffic_weight: must be 1..1000"),
+        ("tenants: [{tenant: t, priority: urgent}]\n",
+         "tenants[0].priority: expected batch or interactive, got 'urgent'"),
+        ("tenants: [{tenant: t, allowed_regions: []}]\n",
+         "tenants[0].allowed_regions: must not be empty (omit the key for no restriction)"),
+        ("tenants: [{tenant: t}, {tenant: t}]\n", "tenants[1].tenant: duplicate tenant 't'"),
+        ("tenants: [{allowed_regions: [eu]}]\n", "tenants[0].tenant: required key is missing"),
+        ("tenants: [{tenant: t}]\nauth: {keys: [{tenant: u, key: 'sha256:" + "0" * 64 + "'}]}\n",
+         "tenants[0].tenant: 't' has no key in auth.keys"),
     ],
 )
 def test_errors_name_the_field(extra, expected):
     text = BASE.replace("routing: {overlay_file: o.json}\n", "") if extra.startswith("routing") else BASE
     found = problems(text + extra)
     assert any(line.startswith(expected) for line in found), found
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ("workers: two\n", "workers: expected an integer or auto, got 'two'"),
+        ("workers: 1.5\n", "workers: expected an integer or auto, got 1.5"),
+        ("listen: 8080\n", "listen: expected a string, got 8080"),
+        ("admin: [a]\n", "admin: expected a mapping, got a list"),
+        ("timeouts: {keepalive_idel: 5s}\n", "timeouts.keepalive_idel: unknown key (did you mean keepalive_idle?)"),
+        ("tenants: {tenant: t}\n", "tenants: expected a list, got a mapping"),
+        ("server_tls: true\n", "server_tls: expected a mapping or null, got true"),
+    ],
+)
+def test_type_errors_speak_yaml(extra, expected):
+    assert problems(BASE + extra) == [expected]
 
 
 def test_cluster_field_errors_are_precise():
@@ -64,17 +156,26 @@ def test_cluster_field_errors_are_precise():
     assert found[0].startswith("clusters[0].load_balancer_strategy: 'fastest' is not one of")
 
 
-def test_duplicate_clusters_and_missing_secrets_are_reported(monkeypatch):
+def test_duplicate_clusters_are_reported():
+    text = 'clusters: [{name: a, endpoints: ["h:1"]}, {name: a, endpoints: ["h:2"]}]\nrouting: {overlay_file: o}\n'
+    assert problems(text) == ["clusters[1].name: duplicate cluster name 'a'"]
+
+
+def test_an_unset_secret_is_not_a_schema_problem(monkeypatch):
+    # The environment is judged by gateway.check (so `gridgate check --no-env` can skip it), not the schema.
     monkeypatch.delenv("GG_TEST_SECRET", raising=False)
-    text = ('clusters: [{name: a, endpoints: ["h:1"], upstream_auth: {value_env: GG_TEST_SECRET}}, '
-            '{name: a, endpoints: ["h:2"]}]\nrouting: {overlay_file: o}\n')
-    found = problems(text)
-    assert "clusters[1].name: duplicate cluster name 'a'" in found
-    assert any(line.startswith("clusters[0].upstream_auth.value_env: environment variable") for line in found)
+    text = 'clusters: [{name: a, endpoints: ["h:1"], upstream_auth: {value_env: GG_TEST_SECRET}}]\n'
+    assert parse_config(text + "routing: {overlay_file: o}\n").clusters[0].upstream_auth.value_env == "GG_TEST_SECRET"
 
 
-def test_invalid_yaml_is_one_line():
-    assert problems("clusters: [\n")[0].startswith("(line")
+def test_invalid_yaml_is_one_line_with_line_and_column():
+    assert problems("clusters: [\n") == [
+        "(line 2, column 1): invalid YAML: expected the node content, but found '<stream end>' "
+        "(while parsing a flow node)"
+    ]
+    with pytest.raises(ConfigError) as info:
+        parse_config("routing:\n  overlay_file: [a\n  bad: 1\n", source="/etc/gridgate.yaml")
+    assert info.value.problems[0].startswith("/etc/gridgate.yaml:3:")
 
 
 def test_inline_candidates_replace_the_overlay_file():

@@ -1,0 +1,117 @@
+"""A loaded config checked against what it names: the overlay, quota rules, secrets, TLS files.
+
+The schema (gateway.config) judges the file alone; these checks read other files and the
+environment. Two callers, one set of rules:
+
+- the supervisor, before it forks and on every reload: :func:`validate_deployment` raises for
+  what would stop the gateway from serving;
+- ``gridgate check``: :func:`check_problems` also reports overlay candidates whose cluster this
+  gateway lacks (the gateway tolerates them and skips those candidates at run time, CONTRACT §3,
+  but a config under review should not carry them), and can skip the environment for CI.
+
+Imports stay on the pure floors (overlay, quota rules): nothing from the data plane.
+"""
+
+from __future__ import annotations
+
+import os
+import ssl
+from collections.abc import Mapping
+
+from gateway.config import Config, ConfigError, ServerTls
+from gateway.overlay.contract import OverlayRejected
+from gateway.overlay.snapshot import Snapshot
+from gateway.overlay.watch import load_inline_overlay, load_overlay_file
+from gateway.quota.rules import rules_from_config, validate_rules
+
+
+def validate_deployment(config: Config) -> None:
+    """Raise ConfigError, one line per problem, when the gateway could not serve this config."""
+    problems, _ = _problems_and_overlay(config, os.environ)
+    if problems:
+        raise ConfigError(problems)
+
+
+def check_problems(config: Config, *, environ: Mapping[str, str] | None = os.environ) -> list[str]:
+    """Everything ``gridgate check`` reports; ``environ=None`` skips the secrets (``--no-env``)."""
+    problems, snapshot = _problems_and_overlay(config, environ)
+    if snapshot is not None:
+        problems += unconfigured_cluster_problems(config, snapshot)
+    return problems
+
+
+def _problems_and_overlay(config: Config, environ: Mapping[str, str] | None) -> tuple[list[str], Snapshot | None]:
+    problems: list[str] = []
+    if config.quota is not None:
+        problems += validate_rules(rules_from_config(config.quota))
+    if environ is not None:
+        problems += secret_problems(config, environ)
+    if config.server_tls is not None:
+        problems += server_tls_problems(config, config.server_tls)
+    snapshot = None
+    path = config.overlay_path()
+    try:
+        if path is not None:
+            snapshot = load_overlay_file(path, config.routing.expected_overlay_scope)
+        elif config.routing.candidates is not None:
+            snapshot = load_inline_overlay(config.routing.candidates, config.routing.expected_overlay_scope)
+    except OverlayRejected as exc:
+        problems.append(f"routing.overlay_file: {path}: {exc}" if path else f"routing.candidates: {exc}")
+    return problems, snapshot
+
+
+def secret_problems(config: Config, environ: Mapping[str, str]) -> list[str]:
+    """Each ``upstream_auth.value_env`` must be set and usable in a header value."""
+    problems = []
+    for index, cluster in enumerate(config.clusters):
+        auth = cluster.upstream_auth
+        if auth is None:
+            continue
+        field = f"clusters[{index}].upstream_auth.value_env"
+        secret = environ.get(auth.value_env)
+        if secret is None:
+            problems.append(f"{field}: environment variable {auth.value_env} is not set")
+        elif not all(32 <= ord(ch) < 127 for ch in secret):
+            problems.append(f"{field}: {auth.value_env} holds characters not allowed in a header value")
+    return problems
+
+
+def server_tls_problems(config: Config, tls: ServerTls) -> list[str]:
+    """The certificate chain and key must load as the listener will load them."""
+    cert, key = config.file_path(tls.cert_file), config.file_path(tls.key_file)
+    problems = []
+    for field, path, marker, what in (("cert_file", cert, b"-----BEGIN CERTIFICATE-----", "certificate"),
+                                      ("key_file", key, b"PRIVATE KEY-----", "private key")):
+        try:
+            with open(path, "rb") as handle:
+                content = handle.read()
+        except OSError as exc:
+            problems.append(f"server_tls.{field}: cannot read {path}: {exc.strerror}")
+            continue
+        if marker not in content:
+            problems.append(f"server_tls.{field}: {path} holds no PEM {what}")
+    if problems:
+        return problems
+    try:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        # A passphrase would be asked on the terminal; the gateway has none to give.
+        context.load_cert_chain(cert, key, password=lambda: b"")
+    except ssl.SSLError as exc:
+        return [f"server_tls: {cert} and {key} do not load as a certificate and its key: {exc.reason or exc}"]
+    return []
+
+
+def unconfigured_cluster_problems(config: Config, snapshot: Snapshot) -> list[str]:
+    """One line per overlay cluster this config lacks, naming the first candidate that uses it."""
+    configured = {cluster.name for cluster in config.clusters}
+    field = "routing.overlay_file" if config.routing.overlay_file is not None else "routing.candidates"
+    where = f"{config.overlay_path()}: " if config.routing.overlay_file is not None else ""
+    problems = []
+    for name in snapshot.clusters:
+        if name in configured:
+            continue
+        users = [cand.position for cand in snapshot.candidates if cand.cluster == name]
+        more = f" (and {len(users) - 1} more candidates)" if len(users) > 1 else ""
+        problems.append(f"{field}: {where}candidates[{users[0]}].cluster: {name!r} is not a configured "
+                        f"cluster{more}; such candidates are never selected")
+    return problems
