@@ -48,6 +48,7 @@ def _problems_and_overlay(config: Config, environ: Mapping[str, str] | None) -> 
         problems += secret_problems(config, environ)
     if config.server_tls is not None:
         problems += server_tls_problems(config, config.server_tls)
+    problems += upstream_ca_problems(config)
     snapshot = None
     path = config.overlay_path()
     try:
@@ -99,6 +100,20 @@ def server_tls_problems(config: Config, tls: ServerTls) -> list[str]:
     except ssl.SSLError as exc:
         return [f"server_tls: {cert} and {key} do not load as a certificate and its key: {exc.reason or exc}"]
     return []
+
+
+def upstream_ca_problems(config: Config) -> list[str]:
+    """Each cluster's ``tls.ca_file`` must load, as the workers and the health prober load it."""
+    problems = []
+    for index, cluster in enumerate(config.clusters):
+        if isinstance(cluster.tls, bool) or cluster.tls.ca_file is None:
+            continue
+        try:
+            ssl.create_default_context(cafile=cluster.tls.ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            reason = getattr(exc, "reason", None) or exc.strerror or exc
+            problems.append(f"clusters[{index}].tls.ca_file: cannot load {cluster.tls.ca_file}: {reason}")
+    return problems
 
 
 def unconfigured_cluster_problems(config: Config, snapshot: Snapshot) -> list[str]:

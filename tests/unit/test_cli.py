@@ -163,6 +163,17 @@ def test_check_loads_the_listener_certificate(config_dir, tls_files, tls, expect
         assert (code, err) == (1, expected.format(dir=cert_dir) + "\n")
 
 
+def test_check_loads_upstream_ca_files(config_dir, tls_files, capsys):
+    cert, key, _ = tls_files
+    (config_dir / "gateway.yaml").write_text(CONFIG.replace(
+        '    endpoints: ["127.0.0.1:9001"]\n', f'    endpoints: ["127.0.0.1:9001"]\n    tls: {{ca_file: {cert}}}\n'))
+    assert run(capsys, "check", "-c", str(config_dir / "gateway.yaml")) == (0, "ok\n", "")
+    (config_dir / "gateway.yaml").write_text(CONFIG.replace(
+        '    endpoints: ["127.0.0.1:9001"]\n', f'    endpoints: ["127.0.0.1:9001"]\n    tls: {{ca_file: {key}}}\n'))
+    code, _, err = run(capsys, "check", "-c", str(config_dir / "gateway.yaml"))
+    assert code == 1 and err.startswith(f"clusters[0].tls.ca_file: cannot load {key}: ")
+
+
 def test_check_reports_a_missing_file(tmp_path, capsys):
     code, _, err = run(capsys, "check", "-c", str(tmp_path / "absent.yaml"))
     assert code == 1 and "cannot read" in err
