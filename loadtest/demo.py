@@ -36,12 +36,12 @@ PROVIDER_OPTIONS = {"latency_ms": 20, "ttft_ms": 150, "tokens_per_s": 25, "token
 READY_TIMEOUT_S = 30.0
 
 BANNER = """
-gridgate demo is up: data plane http://127.0.0.1:8080, admin http://127.0.0.1:9901
-  curl -s localhost:8080/v1/models
-  curl -si localhost:8080/v1/chat/completions -d '{"model":"demo-model","messages":[{"role":"user","content":"hi"}]}'
-  curl -sN localhost:8080/v1/chat/completions -d '{"model":"demo-model","stream":true,"messages":[{"role":"user","content":"hi"}]}'
+gridgate demo is up: data plane http://127.0.0.1:8080, admin http://127.0.0.1:9901 (API key: sk-demo)
+  curl -s localhost:8080/v1/models -H 'Authorization: Bearer sk-demo'
+  curl -si localhost:8080/v1/chat/completions -H 'Authorization: Bearer sk-demo' -H 'Content-Type: application/json' -d '{"model":"demo-model","messages":[{"role":"user","content":"hi"}]}'
+  curl -sN localhost:8080/v1/chat/completions -H 'Authorization: Bearer sk-demo' -H 'Content-Type: application/json' -d '{"model":"demo-model","stream":true,"messages":[{"role":"user","content":"hi"}]}'
   curl -s localhost:9901/admin/overlay      curl -s localhost:9001/metrics
-  curl -s -XPOST localhost:9001/admin/health -d '{"status":503}'   # fail provider-a's health check
+  curl -s -XPOST localhost:9001/admin/health -H 'Content-Type: application/json' -d '{"status":503}'   # fail provider-a's health check
 Ctrl-C stops everything.
 """
 
