@@ -304,7 +304,7 @@ class AccessLog(_Strict):
     """One JSON line per request (CONTRACT §14)."""
 
     enabled: bool = True
-    path: str = "-"  # "-" = stdout; else a file (relative to the config file), reopened on SIGUSR1
+    path: str = "-"  # "-" = stdout; else a file, reopened on SIGUSR1 (resolve it with Config.file_path)
     sample: float = 1.0  # fraction of successful requests logged; errors always are
 
     def __post_init__(self) -> None:

@@ -129,8 +129,7 @@ def validation_problem(error: msgspec.ValidationError, kind: type, raw: Any) -> 
 def describe(kind: schema.Type) -> str:
     """A schema type in the words of a YAML writer: ``an integer or auto``."""
     if isinstance(kind, schema.UnionType):
-        words = [describe(member) for member in kind.types]
-        return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+        return _alternatives([describe(member) for member in kind.types])
     if isinstance(kind, schema.LiteralType):
         return _alternatives([str(value) for value in kind.values])
     if isinstance(kind, schema.CustomType) and kind.cls is Seconds:
