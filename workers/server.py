@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from gateway.config import Config
 from gateway.http import codec
 from gateway.http.errors import JSON_CONTENT_TYPE, ErrorReply, GatewayError, error_headers
-from gateway.http.framing import ChunkedBodyGuard, RequestFraming, check_request_head
+from gateway.http.framing import ChunkedDecoder, RequestFraming, check_request_head
 
 log = logging.getLogger("gridgate.server")
 
@@ -189,7 +189,7 @@ class Exchange:
 class ServerConnection(asyncio.Protocol):
     __slots__ = (
         "server", "settings", "transport", "codec", "state", "exchange", "peer", "_timer", "_deadline",
-        "_on_deadline", "_head_bytes", "_t_head", "_body", "_body_len", "_guard", "_framing", "_request",
+        "_on_deadline", "_head_bytes", "_t_head", "_body", "_body_len", "_decoder", "_framing", "_request",
         "_reading_paused", "writing_paused", "_loop", "pending", "served", "opened_at", "_eof",
     )
 
@@ -208,7 +208,7 @@ class ServerConnection(asyncio.Protocol):
         self._t_head = 0.0
         self._body: list[bytes] = []
         self._body_len = 0
-        self._guard: ChunkedBodyGuard | None = None
+        self._decoder: ChunkedDecoder | None = None  # a chunked body is decoded here, not by the codec
         self._framing: RequestFraming | None = None
         self._request: codec.RequestHead | None = None
         self._reading_paused = False
@@ -280,12 +280,9 @@ class ServerConnection(asyncio.Protocol):
         elif state == _BODY:
             # An idle deadline, not a total one: a steady upload of a large body keeps going.
             self._set_deadline(self.settings.keepalive_idle_s, _ON_BODY)
-            if self._guard is not None:
-                try:
-                    self._guard.feed(data)
-                except GatewayError as error:
-                    self._reject(error.reply)
-                    return
+            if self._decoder is not None:
+                self._decode(data)
+                return
         elif state == _CLOSED:
             return
         self.codec.feed(data)
@@ -308,6 +305,9 @@ class ServerConnection(asyncio.Protocol):
                     self._body.append(event.data)
                 elif kind is codec.RequestHead:
                     self._on_request_head(event)
+                    if self._decoder is not None:
+                        self._decode(parser.detach())
+                        return
                 elif kind is codec.EndOfMessage:
                     self._dispatch()
                     return
@@ -337,11 +337,25 @@ class ServerConnection(asyncio.Protocol):
         self._request = event
         self.state = _BODY
         self._set_deadline(settings.keepalive_idle_s, _ON_BODY)
-        if framing.chunked:
-            self._guard = ChunkedBodyGuard(settings.max_body_bytes, settings.max_header_bytes)
-            self._guard.feed(self.codec.buffered_bytes())
         if self.codec.expects_continue:
             self.write(codec.CONTINUE_RESPONSE)
+        if framing.chunked:
+            self._decoder = ChunkedDecoder(settings.max_body_bytes, settings.max_header_bytes)
+
+    def _decode(self, data: bytes) -> None:
+        """Feed wire bytes of a chunked body to its decoder; dispatch once the body is complete."""
+        decoder = self._decoder
+        assert decoder is not None
+        try:
+            pieces = decoder.feed(data)
+        except GatewayError as error:
+            self._reject(error.reply)
+            return
+        self._body += pieces
+        if decoder.done:
+            if decoder.leftover:
+                self.codec.feed(decoder.leftover)  # the next pipelined request
+            self._dispatch()
 
     def _dispatch(self) -> None:
         event = self._request
@@ -355,7 +369,7 @@ class ServerConnection(asyncio.Protocol):
         self.codec.expect_response(event.method, event.http_version == b"1.1", framing.keep_alive)
         self._body = []
         self._body_len = 0
-        self._guard = None
+        self._decoder = None
         self._request = None
         self.state = _HANDLING
         self._deadline = _INF

@@ -76,11 +76,19 @@ def raw_response(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -
 class ServerCodec:
     """One client connection: parses requests, frames the responses to them (one at a time, in order)."""
 
-    __slots__ = ("_parser", "_max_head", "_mode", "_remaining", "must_close", "_method", "_http11", "_keep_alive")
+    __slots__ = (
+        "_parser", "_max_head", "_stash", "_stash_closed", "_at_start", "_held_cr", "_mode", "_remaining", "must_close", "_method",
+        "_http11", "_keep_alive",
+    )
 
     def __init__(self, max_header_bytes: int) -> None:
         self._max_head = max_header_bytes
         self._parser = h11.Connection(h11.SERVER, max_incomplete_event_size=max_header_bytes)
+        # Detached (a chunked body is decoded by the caller): received bytes wait here for the next cycle.
+        self._stash: bytearray | None = None
+        self._stash_closed = False
+        self._at_start = True  # no byte of the current request reached the parser yet
+        self._held_cr = False
         self._mode = _NO_BODY
         self._remaining = 0
         self.must_close = False  # after the current response, the connection cannot be reused
@@ -91,7 +99,28 @@ class ServerCodec:
     # -- parsing ------------------------------------------------------------------------------
     def feed(self, data: bytes) -> None:
         """Bytes received from the client (b"" means the client half-closed)."""
+        if self._stash is not None:
+            if data:
+                self._stash += data
+            else:
+                self._stash_closed = True
+            return
+        if self._at_start and data:
+            data = self._skip_empty_line(data)
+            if not data:
+                return
         self._parser.receive_data(data)
+
+    def _skip_empty_line(self, data: bytes) -> bytes:
+        """RFC 9112 §2.2: ignore one empty line (CRLF) received before the request line."""
+        if self._held_cr:
+            self._held_cr = False
+            data = b"\r" + data
+        if data == b"\r":
+            self._held_cr = True
+            return b""
+        self._at_start = False
+        return data[2:] if data[:2] == b"\r\n" else data
 
     def next_event(self):  # -> RequestHead | Body | EndOfMessage | ConnectionClosed | NEED_DATA | PAUSED
         try:
@@ -102,9 +131,13 @@ class ServerCodec:
     @property
     def buffered(self) -> int:
         """Bytes received but not parsed yet (the rest of a pipelined stream)."""
-        return len(self._parser.trailing_data[0])
+        stash = self._stash
+        return len(self._parser.trailing_data[0]) if stash is None else len(stash)
 
-    def buffered_bytes(self) -> bytes:
+    def detach(self) -> bytes:
+        """Stop parsing this request here and return the bytes after its head: the caller decodes the
+        body itself (chunked); later bytes are kept for the next cycle."""
+        self._stash = bytearray()
         return bytes(self._parser.trailing_data[0])
 
     @property
@@ -114,13 +147,19 @@ class ServerCodec:
 
     def next_cycle(self) -> None:
         """Start parsing the next request on this connection (after its response ended)."""
-        old = self._parser
-        data, closed = old.trailing_data
-        parser = self._parser = h11.Connection(h11.SERVER, max_incomplete_event_size=self._max_head)
+        if self._stash is not None:
+            data, closed = bytes(self._stash), self._stash_closed
+            self._stash, self._stash_closed = None, False
+        else:
+            pending, closed = self._parser.trailing_data
+            data = bytes(pending)
+        self._parser = h11.Connection(h11.SERVER, max_incomplete_event_size=self._max_head)
+        self._at_start = True
+        self._held_cr = False
         if data:
-            parser.receive_data(bytes(data))
+            self.feed(data)
         if closed:
-            parser.receive_data(b"")
+            self._parser.receive_data(b"")
 
     # -- responding ---------------------------------------------------------------------------
     def expect_response(self, method: bytes, http11: bool, keep_alive: bool) -> None:

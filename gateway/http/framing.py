@@ -1,17 +1,31 @@
 """Strict-intermediary checks that h11 does not make (RFC 9112 §§2.2, 3.2, 5, 6, 7.1; RFC 9110 §7.6.1).
 
-Pure functions over the parsed request head, plus a raw scanner for chunked request bodies: h11
-accepts absurd chunk sizes and unbounded chunk extensions when a chunk header arrives in one piece.
+Pure functions over the parsed request head, plus the decoder of chunked request bodies (h11 accepts
+absurd chunk sizes and unbounded chunk extensions when a chunk header arrives in one piece, and
+refuses valid sizes with many leading zeros, so chunked request bodies are decoded here).
 Every rejection here closes the connection: once framing is in doubt nothing more is read from it.
 """
 
 from __future__ import annotations
 
+import re
+
 from gateway.http.errors import ErrorReply, GatewayError
 
 MAX_CHUNK_LINE = 4096  # chunk-size line including extensions
-MAX_CHUNK_SIZE_DIGITS = 16
-_HEX_DIGITS = b"0123456789abcdefABCDEF"
+# A header value may hold HTAB, SP, visible ASCII and obs-text; other control bytes are refused
+# (RFC 9110 §5.5), so nothing h11 tolerates can be forwarded.
+_CONTROL_BYTE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+# uri-host [ ":" port ] (RFC 9112 §3.2, RFC 3986 §3.2.2): an IP literal or a reg-name / IPv4 address;
+# no userinfo, no spaces, no controls, no list.
+_HOST = re.compile(rb"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9\-._~!$&'()*+;=%]+)(?::[0-9]*)?")
+_CHUNK_SIZE_LINE = re.compile(
+    rb"([0-9A-Fa-f]+)"  # 1*HEXDIG: any number of digits (leading zeros too); the value is what is limited
+    rb"((?:[ \t]*;[ \t]*[!#$%&'*+.^_`|~0-9A-Za-z-]+"  # chunk-ext-name
+    rb"(?:[ \t]*=[ \t]*(?:[!#$%&'*+.^_`|~0-9A-Za-z-]+|\"(?:[\t !#-\[\]-~\x80-\xff]|\\[\t !-~\x80-\xff])*\"))?)*)"
+    rb"[ \t]*\r\n"
+)
+_TRAILER_LINE = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+:[\t \x21-\x7e\x80-\xff]*\r\n")
 
 
 def _reject(status: int, code: str, message: str) -> GatewayError:
@@ -54,14 +68,16 @@ def check_request_head(
     for name, value in headers:
         if name == b"host":
             hosts += 1
-            if not value or b"," in value or b" " in value or b"\t" in value:
-                raise _reject(400, "invalid_host", "Host must be a single non-empty authority")
+            if not _HOST.fullmatch(value):
+                raise _reject(400, "invalid_host", "Host must be a single valid authority (host[:port])")
         elif name == b"content-length":
             content_length = int(value)
         elif name == b"transfer-encoding":
             chunked = True
         elif name == b"connection" and keep_alive and b"close" in value.lower():
             keep_alive = not any(token.strip() == b"close" for token in value.lower().split(b","))
+    if _CONTROL_BYTE.search(b"\t".join([value for _, value in headers])):
+        raise _reject(400, "invalid_header", "a header value contains a control character")
     if hosts == 0 and version == b"1.1":
         raise _reject(400, "invalid_host", "HTTP/1.1 requests need a Host header")
     if chunked:
@@ -92,15 +108,18 @@ def _origin_form(target: bytes) -> bytes:
     raise _reject(400, "invalid_target", "request target must be origin-form or absolute-form")
 
 
-class ChunkedBodyGuard:
-    """Scans a chunked request body on the wire before h11 sees it.
+class ChunkedDecoder:
+    """Decodes a chunked request body from the wire (RFC 9112 §7.1), strictly.
 
-    Rejects chunk-size lines that are too long (oversized extensions), sizes with too many digits,
-    a declared total above the body limit, and oversized trailer sections. Bytes after the final
-    chunk belong to the next pipelined request and are ignored.
+    Refuses chunk lines longer than ``MAX_CHUNK_LINE`` (oversized extensions), malformed sizes or
+    extensions, a missing CRLF after chunk data, a declared total above the body limit and oversized
+    or malformed trailer sections (trailers are dropped, never forwarded). Leading zeros in a size are
+    fine: the limit applies to the value. ``feed`` returns the decoded body pieces; once ``done``,
+    ``leftover`` holds the bytes after the body (the next pipelined request).
     """
 
-    __slots__ = ("_max_body", "_max_trailers", "_line", "_remaining", "_state", "_total", "_trailer_bytes")
+    __slots__ = ("_max_body", "_max_trailers", "_line", "_remaining", "_state", "_total", "_trailer_bytes",
+                 "leftover")
 
     _SIZE, _DATA, _DATA_CRLF, _TRAILERS, _DONE = range(5)
 
@@ -112,60 +131,63 @@ class ChunkedBodyGuard:
         self._state = self._SIZE
         self._total = 0
         self._trailer_bytes = 0
+        self.leftover = b""
 
     @property
     def done(self) -> bool:
         return self._state == self._DONE
 
-    def feed(self, data: bytes) -> None:
-        """Inspect the next body bytes; raise GatewayError (close) on a framing violation."""
+    def feed(self, data: bytes) -> list[bytes]:
+        """Decode the next wire bytes; raise GatewayError (close) on a framing violation."""
+        pieces: list[bytes] = []
         pos, end = 0, len(data)
-        while pos < end and self._state != self._DONE:
+        while pos < end:
             state = self._state
             if state == self._DATA:
                 step = min(self._remaining, end - pos)
+                pieces.append(data[pos:pos + step])
                 self._remaining -= step
                 pos += step
                 if self._remaining == 0:
                     self._state = self._DATA_CRLF
-                    self._remaining = 2
                 continue
-            if state == self._DATA_CRLF:
-                step = min(self._remaining, end - pos)
-                self._remaining -= step
-                pos += step
-                if self._remaining == 0:
-                    self._state = self._SIZE
-                continue
+            if state == self._DONE:
+                self.leftover += data[pos:]
+                break
             newline = data.find(b"\n", pos)
             piece = data[pos:] if newline < 0 else data[pos:newline + 1]
             pos += len(piece)
             self._line += piece
-            if state == self._SIZE:
-                if len(self._line) > MAX_CHUNK_LINE:
-                    raise _reject(400, "invalid_chunk", "chunk header or extension too long")
-                if newline >= 0:
-                    self._end_size_line()
-            else:
+            if state == self._TRAILERS:
                 self._trailer_bytes += len(piece)
                 if self._trailer_bytes > self._max_trailers:
                     raise _reject(431, "trailers_too_large", "chunked trailer section too large")
-                if newline >= 0:
-                    if self._line in (b"\r\n", b"\n"):
-                        self._state = self._DONE
-                    self._line = b""
+            elif len(self._line) > MAX_CHUNK_LINE:
+                raise _reject(400, "invalid_chunk", "chunk header or extension too long")
+            if newline >= 0:
+                line, self._line = self._line, b""
+                self._end_line(state, line)
+        return pieces
 
-    def _end_size_line(self) -> None:
-        size_text = self._line.split(b";", 1)[0].strip()
-        self._line = b""
-        if not size_text or len(size_text) > MAX_CHUNK_SIZE_DIGITS or size_text.strip(_HEX_DIGITS):
-            raise _reject(400, "invalid_chunk", "invalid chunk size")
-        size = int(size_text, 16)
-        self._total += size
-        if self._total > self._max_body:
-            raise _reject(413, "request_too_large", f"request body larger than {self._max_body} bytes")
-        if size == 0:
-            self._state = self._TRAILERS
-        else:
-            self._state = self._DATA
-            self._remaining = size
+    def _end_line(self, state: int, line: bytes) -> None:
+        if state == self._DATA_CRLF:
+            if line != b"\r\n":
+                raise _reject(400, "invalid_chunk", "chunk data not followed by CRLF")
+            self._state = self._SIZE
+        elif state == self._SIZE:
+            match = _CHUNK_SIZE_LINE.fullmatch(line)
+            if match is None:
+                raise _reject(400, "invalid_chunk", "invalid chunk size line")
+            size = int(match.group(1), 16)
+            self._total += size
+            if self._total > self._max_body:
+                raise _reject(413, "request_too_large", f"request body larger than {self._max_body} bytes")
+            if size == 0:
+                self._state = self._TRAILERS
+            else:
+                self._state = self._DATA
+                self._remaining = size
+        elif line == b"\r\n":  # the empty line that ends the trailer section
+            self._state = self._DONE
+        elif _TRAILER_LINE.fullmatch(line) is None:
+            raise _reject(400, "invalid_chunk", "invalid trailer field")

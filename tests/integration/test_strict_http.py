@@ -67,9 +67,26 @@ CASES = {
     "absurd_chunk_size": (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nTransfer-Encoding: chunked\r\n\r\n"
         b"fffffffffffffff\r\nabc", 413),
-    "too_many_chunk_size_digits": (
+    "absurd_chunk_size_behind_leading_zeros": (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nTransfer-Encoding: chunked\r\n\r\n"
-        b"00000000000000000001\r\na\r\n0\r\n\r\n", 400),
+        b"000000000000000000000000fffffffff\r\nabc", 413),
+    "chunk_data_without_crlf": (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"e\r\n" + GOOD_BODY + b"XX0\r\n\r\n", 400),
+    "malformed_chunk_extension": (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"e;=\x01\r\n" + GOOD_BODY + b"\r\n0\r\n\r\n", 400),
+    "malformed_trailer": (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"e\r\n" + GOOD_BODY + b"\r\n0\r\nno colon here\r\n\r\n", 400),
+    "control_byte_0x01_in_header_value": (b"GET /v1/models HTTP/1.1\r\nHost: g\r\nX-A: a\x01b\r\n\r\n", 400),
+    "control_byte_0x07_in_header_value": (b"GET /v1/models HTTP/1.1\r\nHost: g\r\nX-A: \x07\r\n\r\n", 400),
+    "control_byte_0x1f_in_header_value": (b"GET /v1/models HTTP/1.1\r\nHost: g\r\nX-A: a\x1f\r\n\r\n", 400),
+    "control_byte_0x7f_in_header_value": (b"GET /v1/models HTTP/1.1\r\nHost: g\r\nX-A: a\x7fb\r\n\r\n", 400),
+    "control_byte_in_host": (b"GET /v1/models HTTP/1.1\r\nHost: \x07\r\n\r\n", 400),
+    "userinfo_in_host": (b"GET /v1/models HTTP/1.1\r\nHost: user@a\r\n\r\n", 400),
+    "bad_port_in_host": (b"GET /v1/models HTTP/1.1\r\nHost: a:8x\r\n\r\n", 400),
+    "two_leading_empty_lines": (b"\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: g\r\n\r\n", 400),
     "oversized_chunk_extension": (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nTransfer-Encoding: chunked\r\n\r\n"
         b"e;ext=" + b"x" * 5000 + b"\r\n" + GOOD_BODY + b"\r\n0\r\n\r\n", 400),
@@ -135,6 +152,35 @@ def test_chunked_request_body_is_forwarded(strict_gateway):
         raw = raw_exchange(gateway.port, payload, split=split, pause=0.0005)
         assert status_of(raw) == 200, raw[:300]
     assert mock_served(handle) == before + 2
+
+
+@pytest.mark.parametrize("split", [None, 1, 3], ids=["whole", "split1", "split3"])
+@pytest.mark.parametrize("case", ["leading_zeros", "leading_empty_line", "valid_hosts"])
+def test_valid_but_odd_syntax_is_accepted_and_reframed(strict_gateway, case, split):
+    handle, gateway = strict_gateway
+    before = mock_served(handle)
+    if case == "leading_zeros":  # 1*HEXDIG: the size limit applies to the value, not the digits
+        payload = (b"POST /debug/echo HTTP/1.1\r\nHost: g\r\nX-Model: m\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n"
+                   b"Connection: close\r\n\r\n" + b"0" * 40 + b"5\r\nhello\r\n" + b"0" * 30 + b"\r\n\r\n")
+    elif case == "leading_empty_line":  # RFC 9112 §2.2: one empty line before the request line is ignored
+        payload = b"\r\nPOST /debug/echo HTTP/1.1\r\nHost: g\r\nX-Model: m\r\nContent-Type: text/plain\r\nContent-Length: 5\r\n" \
+                  b"Connection: close\r\n\r\nhello"
+    else:
+        payload = b"POST /debug/echo HTTP/1.1\r\nHost: [::1]:8080\r\nX-Model: m\r\nContent-Type: text/plain\r\nContent-Length: 5\r\n" \
+                  b"Connection: close\r\n\r\nhello"
+    raw = raw_exchange(gateway.port, payload, split=split, pause=0.0005)
+    assert status_of(raw) == 200, raw[:300]
+    echoed = json.loads(raw.partition(b"\r\n\r\n")[2])
+    headers = {k.lower(): v for k, v in echoed["headers"]}
+    assert echoed["body"] == "hello" and headers["content-length"] == "5" and "transfer-encoding" not in headers
+    assert mock_served(handle) == before + 1
+
+
+def test_empty_line_between_keepalive_requests_is_ignored(strict_gateway):
+    _, gateway = strict_gateway
+    one = b"GET /v1/models HTTP/1.1\r\nHost: g\r\n\r\n"
+    raw = raw_exchange(gateway.port, one + b"\r\n" + one[:-2] + b"Connection: close\r\n\r\n")
+    assert raw.count(b"HTTP/1.1 200 ") == 2
 
 
 @pytest.mark.parametrize("split", [None, 5], ids=["whole", "split"])

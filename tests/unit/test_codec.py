@@ -1,0 +1,148 @@
+"""The codec seam: requests parsed, responses and upstream requests framed by the gateway itself."""
+
+from __future__ import annotations
+
+import h11
+import pytest
+
+from gateway.http import codec
+
+
+def parse_all(server: codec.ServerCodec) -> list:
+    events = []
+    while True:
+        event = server.next_event()
+        if event is codec.NEED_DATA or event is codec.PAUSED:
+            return events
+        events.append(event)
+
+
+def client_parse(data: bytes, method: bytes = b"GET") -> list:
+    """Read our bytes back with a plain h11 client: what any correct HTTP/1.1 peer would see."""
+    peer = h11.Connection(h11.CLIENT)
+    peer.send(h11.Request(method=method, target=b"/", headers=[(b"host", b"x")]))
+    peer.send(h11.EndOfMessage())
+    peer.receive_data(data)
+    events = []
+    while True:
+        event = peer.next_event()
+        if event is h11.NEED_DATA or event is h11.PAUSED:
+            return events
+        events.append(event)
+        if type(event) is h11.EndOfMessage:
+            return events
+
+
+def answer(server: codec.ServerCodec, status: int, content_length: int | None, chunks: list[bytes],
+           close: bool = False) -> bytes:
+    out = server.response_head(status, [(b"content-type", b"text/plain")], content_length, close)
+    for chunk in chunks:
+        out += server.response_data(chunk)
+    return out + server.response_end()
+
+
+def test_request_with_body_then_pipelined_request_is_kept_for_the_next_cycle():
+    server = codec.ServerCodec(65536)
+    server.feed(b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabcGET /b HTTP/1.1\r\nHost: x\r\n\r\n")
+    head, body, end = parse_all(server)
+    assert (head.method, head.target, body.data, type(end)) == (b"POST", b"/a", b"abc", codec.EndOfMessage)
+    assert server.buffered > 0
+    server.next_cycle()
+    (second, end2) = parse_all(server)
+    assert second.target == b"/b" and type(end2) is codec.EndOfMessage
+
+
+@pytest.mark.parametrize("version, chunks", [(b"1.1", [b"hello ", b"world"]), (b"1.1", [])])
+def test_unknown_length_is_chunked_for_http11(version, chunks):
+    server = codec.ServerCodec(65536)
+    server.expect_response(b"GET", http11=True, keep_alive=True)
+    data = answer(server, 200, None, chunks)
+    assert b"transfer-encoding: chunked" in data
+    events = client_parse(data)
+    assert b"".join(e.data for e in events if type(e) is h11.Data) == b"".join(chunks)
+    assert type(events[-1]) is h11.EndOfMessage and not server.must_close
+
+
+def test_http10_client_gets_a_close_delimited_body_and_the_connection_closes():
+    server = codec.ServerCodec(65536)
+    server.expect_response(b"GET", http11=False, keep_alive=False)
+    data = answer(server, 200, None, [b"abc"])
+    assert b"transfer-encoding" not in data and b"connection: close" in data and data.endswith(b"abc")
+    assert server.must_close
+
+
+def test_content_length_is_enforced_both_ways():
+    server = codec.ServerCodec(65536)
+    server.expect_response(b"GET", http11=True, keep_alive=True)
+    server.response_head(200, [], 3)
+    with pytest.raises(codec.FramingError):
+        server.response_data(b"abcd")
+    server.response_head(200, [], 3)
+    server.response_data(b"ab")
+    with pytest.raises(codec.FramingError):
+        server.response_end()
+
+
+def test_head_response_announces_length_but_carries_no_body():
+    server = codec.ServerCodec(65536)
+    server.expect_response(b"HEAD", http11=True, keep_alive=True)
+    data = server.response_head(200, [], 42)
+    assert b"content-length: 42" in data and data.endswith(b"\r\n\r\n")
+    with pytest.raises(codec.FramingError):
+        server.response_data(b"x")
+    assert server.response_end() == b""
+
+
+@pytest.mark.parametrize("status", [204, 304])
+def test_bodyless_statuses_get_no_framing_headers(status):
+    server = codec.ServerCodec(65536)
+    server.expect_response(b"GET", http11=True, keep_alive=True)
+    data = server.response_head(status, [], None)
+    assert b"transfer-encoding" not in data and b"content-length" not in data
+    assert server.response_end() == b""
+
+
+def test_close_requested_by_client_or_gateway_adds_connection_close():
+    server = codec.ServerCodec(65536)
+    server.expect_response(b"GET", http11=True, keep_alive=False)
+    assert b"connection: close" in server.response_head(200, [], 0) and server.must_close
+    server.expect_response(b"GET", http11=True, keep_alive=True)
+    assert b"connection: close" in server.response_head(200, [], 0, close=True) and server.must_close
+    server.expect_response(b"GET", http11=True, keep_alive=True)
+    assert b"connection" not in server.response_head(200, [], 0) and not server.must_close
+
+
+def test_malformed_request_raises_parse_error_with_a_status():
+    server = codec.ServerCodec(65536)
+    server.feed(b"GET / HTTP/1.1\r\nHost x\r\n\r\n")
+    with pytest.raises(codec.ParseError) as caught:
+        parse_all(server)
+    assert caught.value.status == 400
+
+
+def test_client_codec_round_trip_and_reuse():
+    client = codec.ClientCodec()
+    head = client.encode_request(b"POST", b"/v1/x", [(b"host", b"up"), (b"content-length", b"2")])
+    assert head.startswith(b"POST /v1/x HTTP/1.1\r\nhost: up\r\ncontent-length: 2\r\n") and head.endswith(b"\r\n\r\n")
+    client.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+    events = [client.next_event() for _ in range(3)]
+    assert events[0].status_code == 200 and events[1].data == b"ok" and type(events[2]) is codec.EndOfMessage
+    assert client.reusable
+    client.next_cycle()
+    client.encode_request(b"HEAD", b"/", [(b"host", b"up")])
+    client.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\n\r\n")
+    assert client.next_event().status_code == 200
+    assert type(client.next_event()) is codec.EndOfMessage  # a HEAD answer has no body
+
+
+def test_client_codec_bad_response_is_a_parse_error():
+    client = codec.ClientCodec()
+    client.encode_request(b"GET", b"/", [(b"host", b"up")])
+    client.feed(b"NOT HTTP\r\n\r\n")
+    with pytest.raises(codec.ParseError):
+        client.next_event()
+
+
+def test_raw_response_is_complete():
+    data = codec.raw_response(400, [(b"content-length", b"2")], b"no")
+    assert data == b"HTTP/1.1 400 Bad Request\r\ncontent-length: 2\r\n\r\nno"
