@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 
+import h11
 import pytest
 
 from tests.harness import (
@@ -54,7 +55,8 @@ def test_forwards_and_rewrites_headers(one_provider):
     assert echoed["host"] == one_provider[0].address
     assert headers["x-request-id"] == "req-abc"
     assert headers["x-gridgate-provider"] == "solo"
-    assert float(headers["x-gridgate-overhead-ms"]) >= 0
+    overhead = float(headers["x-gridgate-overhead-ms"])
+    assert 0 < overhead < 1000  # measured in milliseconds, before the upstream request was written
 
 
 def test_generates_request_id_when_missing(one_provider):
@@ -139,13 +141,15 @@ def test_keepalive_and_pipelining_answer_in_order(one_provider):
     assert received.count(b"HTTP/1.1 200") == 3
 
 
-def test_keepalive_reuses_one_connection(one_provider):
-    _, gateway = one_provider
+def test_keepalive_reuses_one_connection(gateway_factory):
+    server = _KeepAliveServer()
+    gateway = gateway_factory({"ka": [f"127.0.0.1:{server.port}"]}, envelope([candidate("m", "ka")]))
     client = Client(gateway.port)
     for _ in range(20):
         response = client.request("POST", "/v1/chat/completions", {"model": "m"})
-        assert response.status == 200
+        assert response.status == 200 and response.body == b"{}"
     client.close()
+    assert (server.connections, server.requests) == (1, 20)  # one pooled upstream connection served all
 
 
 def test_upstream_connect_failure_is_502(gateway_factory):
@@ -284,6 +288,28 @@ def test_worker_connection_limit_answers_503(mock_provider, gateway_factory):
     assert b"retry-after: 1" in raw.lower()
     for client in held:
         client.close()
+
+
+class _KeepAliveServer(_RawProvider):
+    """Answers every request of a connection (keep-alive), counting connections and requests."""
+
+    requests = 0
+
+    def handle(self, conn: socket.socket) -> None:
+        parser = h11.Connection(h11.SERVER)
+        while True:
+            event = parser.next_event()
+            if event is h11.NEED_DATA:
+                parser.receive_data(conn.recv(65536))
+            elif type(event) is h11.EndOfMessage:
+                self.requests += 1
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+                parser.send(h11.Response(status_code=200, headers=[("content-length", "2")]))
+                parser.send(h11.Data(data=b"{}"))
+                parser.send(h11.EndOfMessage())
+                parser.start_next_cycle()
+            elif type(event) is h11.ConnectionClosed:
+                return
 
 
 class _OneShotKeepAliveServer(_RawProvider):

@@ -31,6 +31,17 @@ def _bearer(key: str) -> list[tuple[str, str]]:
     return [("Authorization", f"Bearer {key}")]
 
 
+def _wait_reconciled(gateway, tenant: str, timeout: float = 5.0) -> dict:
+    """Poll /admin/quota until nothing is reserved for the tenant (reconciliation is off the response path)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        report = json.loads(admin_get(gateway.admin_port, f"/admin/quota?tenant={tenant}")[2])
+        reserved = [window["reserved"] for rule in report["rules"] for window in rule["windows"]]
+        if not any(reserved) or time.monotonic() > deadline:
+            return report
+        time.sleep(0.02)
+
+
 def test_auth_rejects_missing_and_unknown_keys(mock_provider, gateway_factory):
     handle = mock_provider("p")
     gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
@@ -71,7 +82,7 @@ def test_reconciliation_refunds_unused_reservation(valkey_url, mock_provider, ga
     for _ in range(3):
         response = chat(gateway.port, "m", headers=_bearer("sk-r"), max_tokens=900)
         assert response.status == 200, response.body
-        time.sleep(0.3)  # reconciliation is off the response path
+        _wait_reconciled(gateway, "t-refund")
 
 
 def test_streamed_usage_is_charged_and_client_sees_no_usage_chunk(valkey_url, mock_provider, gateway_factory):
@@ -82,9 +93,7 @@ def test_streamed_usage_is_charged_and_client_sees_no_usage_chunk(valkey_url, mo
     assert response.status == 200
     assert b"[DONE]" in response.body
     assert b'"usage"' not in response.body  # the client did not ask for usage: none is shown
-    time.sleep(0.5)
-    _, _, body = admin_get(gateway.admin_port, "/admin/quota?tenant=t-stream")
-    report = json.loads(body)
+    report = _wait_reconciled(gateway, "t-stream")
     used = [window["used"] for rule in report["rules"] for window in rule["windows"]]
     assert used and 0 < used[0] < 100, report  # the actual usage (a few tokens), not the 5000+ estimate
 
