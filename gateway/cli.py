@@ -69,12 +69,13 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from gateway.supervisor import RunOverrides, StartupError, Supervisor
+    from gateway.supervisor import RunOverrides, StartupError
+    from gateway.supervisor.arbiter import Arbiter
 
     overrides = RunOverrides(workers=args.workers, listen=args.listen)
     config = overrides.apply(_load_config(args.config))
     try:
-        return Supervisor(args.config, config, overrides).run()
+        return Arbiter(args.config, config, overrides).run()
     except StartupError as exc:
         raise CommandError(str(exc)) from None
 

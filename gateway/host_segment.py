@@ -13,7 +13,7 @@ from shm.affinity import AffinityTable
 from shm.metrics import MetricsTable
 from shm.segment import Segment
 
-# Extra regions of the segment (names travel to workers in ctx.extras).
+# Extra regions of the segment (names travel to workers in the WorkerContext).
 AFFINITY_REGION = "affinity"
 METRICS_REGION = "metrics"  # shm.metrics.MetricsTable: one gateway.metrics counter row per worker slot
 

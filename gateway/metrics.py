@@ -2,16 +2,17 @@
 
 Workers increment cells of their own row in ``shm.metrics.MetricsTable`` with precomputed
 offsets; the supervisor sums rows and renders text with ``prometheus_client``'s exposition
-code. Label sets are bounded: clusters by a grow-only index (``MAX_CLUSTERS``), status codes
-by class, gateway errors by a fixed list of statuses.
+code. Label sets are bounded: clusters by the supervisor's append-only ``ClusterRegistry`` (at most
+``MAX_CLUSTERS`` names, the rest share the ``other`` label), status codes by class, gateway errors
+by a fixed list of statuses.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
@@ -25,9 +26,10 @@ QUOTA_TOKEN_KINDS = ("estimated", "actual", "refunded", "overage")
 OVERLAY_RESULTS = ("applied", "unchanged", "rejected")
 
 # Offsets of each family inside a worker's row. Row i of cluster c, class k: REQUESTS + c*5 + k;
-# cluster index MAX_CLUSTERS stands for "answered by the gateway itself".
+# cluster index MAX_CLUSTERS stands for "answered by the gateway itself", MAX_CLUSTERS + 1 for a
+# cluster the registry had no room left for.
 REQUESTS = 0
-GATEWAY_ERRORS = REQUESTS + (MAX_CLUSTERS + 1) * len(STATUS_CLASSES)
+GATEWAY_ERRORS = REQUESTS + (MAX_CLUSTERS + 2) * len(STATUS_CLASSES)
 OVERHEAD_BUCKETS = GATEWAY_ERRORS + len(GATEWAY_STATUSES)
 OVERHEAD_SUM_US = OVERHEAD_BUCKETS + len(OVERHEAD_BUCKETS_S) + 1  # last bucket is +Inf
 OVERHEAD_COUNT = OVERHEAD_SUM_US + 1
@@ -42,6 +44,7 @@ PANIC_ENTRIES = OVERLAY_RELOADS + len(OVERLAY_RESULTS)  # per cluster index
 COUNTERS = PANIC_ENTRIES + MAX_CLUSTERS
 
 GATEWAY_CLUSTER = MAX_CLUSTERS
+OTHER_CLUSTER = MAX_CLUSTERS + 1
 _GATEWAY_STATUS_INDEX = {status: i for i, status in enumerate(GATEWAY_STATUSES)}
 
 
@@ -62,17 +65,51 @@ def overhead_cell(seconds: float) -> int:
     return OVERHEAD_BUCKETS + len(OVERHEAD_BUCKETS_S)
 
 
+class ClusterRegistry:
+    """Cluster name -> metrics index, append-only for the life of the supervisor.
+
+    Indexes are shared-memory cell offsets that workers of every generation write and the supervisor
+    renders, so an index must never change meaning: a reload that reorders, removes or renames
+    clusters only appends the new names. Workers get ``names`` at fork time (a prefix of every later
+    value). Once ``MAX_CLUSTERS`` names are taken, further clusters are counted under ``other``.
+    """
+
+    def __init__(self, capacity: int = MAX_CLUSTERS) -> None:
+        self._capacity = capacity
+        self._names: list[str] = []
+        self._seen: set[str] = set()  # every name registered, labelled or not
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The labelled names; position = metrics index."""
+        return tuple(self._names)
+
+    def register(self, names: Iterable[str]) -> list[str]:
+        """Give every new name the next index; returns the new names that found no room (once each)."""
+        unlabelled = []
+        for name in names:
+            if name in self._seen:
+                continue
+            self._seen.add(name)
+            if len(self._names) < self._capacity:
+                self._names.append(name)
+            else:
+                unlabelled.append(name)
+        return unlabelled
+
+
 class WorkerMetrics:
     """A worker's writer over its own row: every method is a few integer additions."""
 
     __slots__ = ("row", "cluster_index")
 
-    def __init__(self, row: memoryview | list[int], cluster_names: list[str]) -> None:
+    def __init__(self, row: memoryview | list[int], cluster_names: Sequence[str]) -> None:
+        """``cluster_names``: the registry's names (position = index), e.g. ``WorkerContext.metric_clusters``."""
         self.row = row
         self.cluster_index = {name: i for i, name in enumerate(cluster_names[:MAX_CLUSTERS])}
 
     def request(self, cluster: str | None, status: int) -> None:
-        index = GATEWAY_CLUSTER if cluster is None else self.cluster_index.get(cluster, GATEWAY_CLUSTER)
+        index = GATEWAY_CLUSTER if cluster is None else self.cluster_index.get(cluster, OTHER_CLUSTER)
         self.row[request_cell(index, status)] += 1
         if cluster is None:
             cell = gateway_error_cell(status)
@@ -124,18 +161,15 @@ class _StaticCollector:
         return iter(self._families)
 
 
-def render_prometheus(
-    totals: list[int],
-    cluster_names: list[str],
-    extra_families: Iterable[Callable[[], Iterable]] = (),
-) -> bytes:
-    """Prometheus text for the summed counters plus families contributed by other modules."""
+def render_prometheus(totals: list[int], cluster_names: Sequence[str]) -> bytes:
+    """Prometheus text for the summed counters; ``cluster_names`` is the registry's (position = index)."""
     families: list = []
     requests = CounterMetricFamily(
         "gridgate_requests", "Requests answered, by provider cluster (or 'gateway') and status class.",
         labels=["cluster", "code"],
     )
-    for c_index, name in [*enumerate(cluster_names[:MAX_CLUSTERS]), (GATEWAY_CLUSTER, "gateway")]:
+    labels = [*enumerate(cluster_names[:MAX_CLUSTERS]), (GATEWAY_CLUSTER, "gateway"), (OTHER_CLUSTER, "other")]
+    for c_index, name in labels:
         for k_index, klass in enumerate(STATUS_CLASSES):
             value = totals[REQUESTS + c_index * len(STATUS_CLASSES) + k_index]
             if value:
@@ -187,15 +221,7 @@ def render_prometheus(
     for c_index, name in enumerate(cluster_names[:MAX_CLUSTERS]):
         panic.add_metric([name], totals[PANIC_ENTRIES + c_index])
     families.append(panic)
-    for contribute in extra_families:
-        families.extend(contribute())
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_StaticCollector(families))
     return generate_latest(registry)
 
-
-def gauge(name: str, documentation: str, labels: list[str], samples: Iterable[tuple[list[str], float]]):
-    family = GaugeMetricFamily(name, documentation, labels=labels)
-    for label_values, value in samples:
-        family.add_metric(label_values, value)
-    return family

@@ -20,8 +20,17 @@ import uvloop
 
 from gateway.auth import Authenticator
 from gateway.config import Config, parse_host_port
-from gateway.host_segment import AFFINITY_REGION, METRICS_REGION, create_segment, endpoint_ids
+from gateway.host_segment import create_segment, endpoint_ids
 from gateway.metrics import COUNTERS, WorkerMetrics
+from gateway.process_protocol import (
+    EXIT_CANNOT_BIND,
+    Draining,
+    Heartbeat,
+    OverlayRejected,
+    Ready,
+    WorkerContext,
+    send_status,
+)
 from gateway.quota.backend import create_client
 from gateway.quota.gate import QuotaGate
 from gateway.quota.ledger import QuotaLedger
@@ -33,15 +42,12 @@ from shm.counters import WorkerRow, WorkerStatus
 from shm.metrics import MetricsTable
 from shm.segment import Segment
 from workers.clusters import ClusterManager
-from workers.context import WorkerContext
 from workers.overlay_follower import OverlayFollower
 from workers.proxy import Proxy
 from workers.server import ServerConnection, ServerSettings, ServerState
-from workers.status import send_status
 
 log = logging.getLogger("gridgate.worker")
 
-EXIT_BIND_FAILED = 3
 _HEARTBEAT_S = 1.0
 _OVERLAY_POLL_S = 0.25
 
@@ -82,7 +88,7 @@ class Worker:
         self.row = WorkerRow(self.segment, max(ctx.slot, 0))
         self.row.mark(WorkerStatus.RUNNING, os.getpid(), time.monotonic_ns())
         self.metrics = self._metrics_writer()
-        self.overlay = OverlayFollower(self.config, ctx.extras.get("overlay_fallback"))
+        self.overlay = OverlayFollower(self.config, ctx.overlay_fallback)
         affinity = self.config.routing.session_affinity
         self.router = Router(max(ctx.slot, 0), affinity=self._affinity_table(), affinity_ttl_s=float(affinity.ttl))
         self.router.prepare(self.overlay.snapshot)
@@ -95,12 +101,12 @@ class Worker:
         affinity = self.config.routing.session_affinity
         if not affinity.enabled:
             return None
-        region = self.segment.region(self.ctx.extras.get("affinity_region", AFFINITY_REGION))
-        return AffinityTable(region, self.ctx.extras.get("affinity_capacity", affinity.capacity))
+        region = self.segment.region(self.ctx.affinity_region)
+        return AffinityTable(region, self.ctx.affinity_capacity)
 
     def _metrics_writer(self) -> WorkerMetrics:
-        names = self.ctx.extras.get("metric_clusters") or [cluster.name for cluster in self.config.clusters]
-        table = MetricsTable(self.segment.region(self.ctx.extras.get("metrics_region", METRICS_REGION)),
+        names = self.ctx.metric_clusters or [cluster.name for cluster in self.config.clusters]
+        table = MetricsTable(self.segment.region(self.ctx.metrics_region),
                              self.segment.max_workers, COUNTERS)
         return WorkerMetrics(table.row(self.row.index), names)
 
@@ -136,7 +142,7 @@ class Worker:
             sock = bind_listener(self.config.listen)
         except OSError as error:
             log.error("cannot listen on %s: %s", self.config.listen, error.strerror)
-            return EXIT_BIND_FAILED
+            return EXIT_CANNOT_BIND
         server = await loop.create_server(lambda: ServerConnection(state), sock=sock)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stopping.set)
@@ -145,7 +151,7 @@ class Worker:
         background = loop.create_task(self._background())
         await stopping.wait()
 
-        send_status(self.ctx.status_fd, {"kind": "draining", "slot": self.ctx.slot})
+        send_status(self.ctx.status_fd, Draining())
         state.draining = True
         server.close()
         state.close_idle(loop.time())
@@ -170,15 +176,14 @@ class Worker:
 
     def _send_ready(self) -> None:
         snapshot = self.overlay.snapshot
-        send_status(self.ctx.status_fd, {
-            "kind": "ready", "slot": self.ctx.slot, "pid": os.getpid(),
-            "revision": snapshot.revision, "mode": snapshot.mode,
-            "capabilities": [f"{kind}/{name}" for kind, name in snapshot.capability_keys],
-        })
+        send_status(self.ctx.status_fd, Ready(
+            revision=snapshot.revision, mode=snapshot.mode,
+            capabilities=[f"{kind}/{name}" for kind, name in snapshot.capability_keys],
+        ))
 
     def _heartbeat(self) -> None:
         """Liveness for the health process, and per-process counters into shared metrics."""
-        send_status(self.ctx.status_fd, {"kind": "heartbeat", "slot": self.ctx.slot, "t": time.time()})
+        send_status(self.ctx.status_fd, Heartbeat())
         self.row.heartbeat(time.monotonic_ns())
         if self.quota is not None:
             self.metrics.publish_quota(self.quota.counters)
@@ -189,10 +194,9 @@ class Worker:
         forced, self.reload_requested = self.reload_requested, False
         result = self.overlay.poll(now, force=forced, on_result=self.metrics.overlay_reload)
         if result.error is not None:
-            send_status(self.ctx.status_fd, {
-                "kind": "overlay_rejected", "slot": self.ctx.slot, "reason": result.error,
-                "retained_revision": self.overlay.snapshot.revision,
-            })
+            send_status(self.ctx.status_fd, OverlayRejected(
+                reason=result.error, retained_revision=self.overlay.snapshot.revision,
+            ))
         if result.changed:
             snapshot = self.overlay.snapshot
             self.router.prepare(snapshot)

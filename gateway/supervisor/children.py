@@ -13,8 +13,8 @@ from typing import NoReturn
 
 from gateway.config import Config
 from gateway.endpoints import cluster_specs_from_config
+from gateway.process_protocol import EXIT_CRASHED, EXIT_OK, WorkerContext
 from gateway.supervisor.policy import SIGNAL_ACTIONS
-from workers.context import WorkerContext
 
 log = logging.getLogger("gridgate.supervisor")
 
@@ -68,12 +68,12 @@ def become_child(close_fds: list[int], supervisor_pid: int) -> None:
 
 def run_child(entry: Callable[[WorkerContext], object], ctx: WorkerContext) -> NoReturn:
     """Run a child's entry point; whatever happens, end the process here (never return into the parent's code)."""
-    code = 1
+    code = EXIT_CRASHED
     try:
         entry(ctx)
-        code = 0
+        code = EXIT_OK
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+        code = exc.code if isinstance(exc.code, int) else EXIT_CRASHED
     except BaseException:
         try:
             log.exception("%s process (slot %d) crashed", getattr(entry, "__name__", "child"), ctx.slot)
@@ -99,14 +99,15 @@ def fork_child(entry: Callable[[WorkerContext], object], ctx: WorkerContext, clo
             try:
                 become_child(close_in_child, supervisor_pid)
             except BaseException:
-                os._exit(1)  # never fall back into the parent's code
+                os._exit(EXIT_CRASHED)  # never fall back into the parent's code
             run_child(entry, ctx)
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, set(SIGNAL_ACTIONS))
     return pid
 
 
-# The default entry points (private: their names show in the crash log line above).
+# The default entry points (private: their names show in the crash log line above). Each imports its
+# process's code only in the child, so the supervisor never loads the data plane (uvloop, the proxy).
 def _default_worker_entry(ctx: WorkerContext) -> None:
     from workers.main import worker_main
 

@@ -1,5 +1,8 @@
-"""Bookkeeping of the supervisor's children: slots, crash backoff, child records, pending reloads,
-and the references that keep fire-and-forget tasks alive."""
+"""Pure bookkeeping of the supervisor's children: slots, crash backoff, start-up failures, child
+records, pending reloads, and the references that keep fire-and-forget tasks alive.
+
+Nothing here forks, signals or reads a pipe; the worker set (worker_set.py) does that with these.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +13,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.config import Config
-from gateway.supervisor.policy import RESTART_BACKOFF_BASE, RESTART_BACKOFF_CAP, STABLE_AFTER
-from workers.status import StatusReader
+from gateway.process_protocol import StatusReader
+from gateway.supervisor.policy import (
+    RESTART_BACKOFF_BASE,
+    RESTART_BACKOFF_CAP,
+    STABLE_AFTER,
+    STARTUP_FAILURE_LIMIT,
+)
+from shm.segment import MAX_WORKERS_LIMIT
+
+
+def max_workers_for(target: int) -> int:
+    """The most workers one generation may have (SIGTTIN and reloads included); rows cover two."""
+    headroom = min(max(2 * target, target + 8), MAX_WORKERS_LIMIT // 2)
+    return max(target, headroom)
 
 
 class CrashBackoff:
@@ -27,6 +42,19 @@ class CrashBackoff:
             self.streak = 0
         self.streak += 1
         return 0.0 if self.streak == 1 else min(self.cap, self.base * 2 ** (self.streak - 2))
+
+
+class StartupGuard:
+    """Gives up when workers keep dying before any of them ever became ready (a broken deployment)."""
+
+    def __init__(self, limit: int = STARTUP_FAILURE_LIMIT) -> None:
+        self.limit = limit
+        self.failures = 0
+
+    def boot_failed(self) -> bool:
+        """Count one worker that died before it was ready; True once that happened ``limit`` times."""
+        self.failures += 1
+        return self.failures >= self.limit
 
 
 class SlotPool:

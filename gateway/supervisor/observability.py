@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import time
-from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from gateway.admin.quota import QuotaReporter
+from gateway.config import Config
 from gateway.endpoints import cluster_specs_from_config, endpoints_report
 from gateway.host_segment import METRICS_REGION
 from gateway.metrics import COUNTERS, render_prometheus
+from gateway.supervisor.quota_backend import EmbeddedQuotaBackend, quota_url_for
 from shm.metrics import MetricsTable
 from shm.segment import Segment
-from workers.admin import ReportUnavailable
 
-if TYPE_CHECKING:  # annotations only: the arbiter imports this module
-    from gateway.supervisor.arbiter import Supervisor
+if TYPE_CHECKING:  # annotations only: these modules import this one
+    from gateway.supervisor.readiness import Readiness
+    from gateway.supervisor.reload import GenerationSwap
+    from gateway.supervisor.worker_set import WorkerSet
 
 
 class WorkerCounters:
@@ -30,67 +33,69 @@ class WorkerCounters:
     def retire(self, slot: int) -> None:
         self.table.retire(slot, self.retired)
 
-    def render(self, slots: list[int], cluster_names: list[str]) -> bytes:
+    def render(self, slots: list[int], cluster_names: Sequence[str]) -> bytes:
+        """``cluster_names``: the supervisor's cluster registry, the one the workers index by."""
         live = self.table.sum_rows(slots)
         return render_prometheus([a + b for a, b in zip(live, self.retired, strict=True)], cluster_names)
 
 
 class SupervisorAdminSources:
-    """What the admin pages read from the supervisor (workers/admin.py ``AdminSources``)."""
+    """What the admin pages read from the supervisor (gateway.admin.pages ``AdminSources``)."""
 
-    def __init__(self, supervisor: Supervisor) -> None:
-        self._supervisor = supervisor
+    def __init__(
+        self,
+        readiness: Readiness,
+        running_config: Callable[[], Config],
+        segment: Segment,
+        quota_backend: EmbeddedQuotaBackend,
+        quota_reporter: QuotaReporter,
+    ) -> None:
+        self._readiness = readiness
+        self._running_config = running_config
+        self._segment = segment
+        self._quota_backend = quota_backend
+        self._quota_reporter = quota_reporter
 
     def readiness(self) -> tuple[bool, str]:
-        return self._supervisor.readiness()
+        return self._readiness.readiness()
 
     def overlay_report(self) -> dict[str, Any]:
-        serving = self._supervisor._serving()
-        ready = [c for c in serving if c.ready]
-        revisions = Counter(c.revision for c in ready)
-        revision = revisions.most_common(1)[0][0] if revisions else None
-        leader = next((c for c in ready if c.revision == revision), None)
-        return {
-            "serving_revision": revision,
-            "mode": leader.mode if leader else None,
-            "capabilities": leader.capabilities if leader else [],
-            "converged": len(revisions) <= 1 and len(ready) == len(serving),
-            "workers": [{"pid": c.pid, "serving_revision": c.revision} for c in serving],
-            "last_rejection": self._supervisor.last_overlay_rejection,
-        }
+        return self._readiness.overlay_report()
 
     def endpoints_report(self) -> dict[str, Any]:
-        segment = self._supervisor.segment
-        if segment is None:
-            raise ReportUnavailable("shared memory is not available")
-        return endpoints_report(segment, cluster_specs_from_config(self._supervisor.config))
+        return endpoints_report(self._segment, cluster_specs_from_config(self._running_config()))
 
     def quota_enabled(self) -> bool:
-        return self._supervisor.config.quota is not None
+        return self._running_config().quota is not None
 
     async def quota_report(self, tenant: str) -> dict[str, Any]:
-        return await self._supervisor.current_quota_reporter().report(tenant)
+        config = self._running_config()
+        url = quota_url_for(config, self._quota_backend)
+        assert url is not None and config.quota is not None  # the page checks quota_enabled first
+        return await self._quota_reporter.report(url, config.quota, tenant)
 
 
 class SupervisorCollector:
     """The supervisor's own metric families, computed at scrape time."""
 
-    def __init__(self, supervisor: Supervisor) -> None:
-        self._supervisor = supervisor
+    def __init__(self, workers: WorkerSet, swap: GenerationSwap) -> None:
+        self._workers = workers
+        self._swap = swap
 
     def collect(self) -> Iterator[Any]:
-        sup = self._supervisor
+        workers, swap = self._workers, self._swap
         now = time.monotonic()
-        serving = sup._serving()
-        yield GaugeMetricFamily("gridgate_workers_live", "Worker processes alive (all generations)", len(sup._workers()))
+        serving = workers.serving()
+        yield GaugeMetricFamily("gridgate_workers_live", "Worker processes alive (all generations)",
+                                len(workers.workers()))
         yield GaugeMetricFamily("gridgate_workers_ready", "Serving workers that reported ready",
                                 sum(1 for c in serving if c.ready))
-        yield GaugeMetricFamily("gridgate_workers_target", "Workers the supervisor keeps running", sup.target)
-        yield GaugeMetricFamily("gridgate_config_generation", "Config generation being served", sup.generation)
-        yield CounterMetricFamily("gridgate_worker_restarts", "Workers replaced after dying", sup.restarts_total)
-        yield CounterMetricFamily("gridgate_reloads", "Reloads requested (SIGHUP)", sup.reloads_total)
+        yield GaugeMetricFamily("gridgate_workers_target", "Workers the supervisor keeps running", workers.target)
+        yield GaugeMetricFamily("gridgate_config_generation", "Config generation being served", workers.generation)
+        yield CounterMetricFamily("gridgate_worker_restarts", "Workers replaced after dying", workers.restarts_total)
+        yield CounterMetricFamily("gridgate_reloads", "Reloads requested (SIGHUP)", swap.reloads_total)
         yield CounterMetricFamily("gridgate_reload_failures", "Reloads that kept the running config",
-                                  sup.reload_failures_total)
+                                  swap.reload_failures_total)
         ages = [c.heartbeat_age(now) for c in serving if c.ready]
         yield GaugeMetricFamily("gridgate_worker_heartbeat_age_max_seconds",
                                 "Oldest heartbeat among serving workers", max(ages, default=0.0))

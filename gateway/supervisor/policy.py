@@ -1,16 +1,12 @@
-"""The supervisor's policy in one place: the signal table, the exit-code contract, timeouts and backoff.
+"""The supervisor's policy in one place: the signal table, timeouts and backoff.
 
-Kept together (as they were at the top of the single module) so they are read and tuned together.
+Kept together so they are read and tuned together. The exit codes children end with are part of the
+process protocol (gateway/process_protocol.py), which the workers import too.
 """
 
 import signal
 
-from workers.main import EXIT_BIND_FAILED
-
-# A worker exits with this code when its listening socket cannot be bound (one name for both sides).
-EXIT_CANNOT_BIND = EXIT_BIND_FAILED
-
-# Workers send a heartbeat once a second (workers/status.py).
+# Workers send a heartbeat once a second (gateway/process_protocol.py).
 HEARTBEAT_STALE_AFTER = 5.0  # readyz and the systemd watchdog stop vouching for it
 # The worker's loop is stuck: SIGKILL and replace it. Well inside the unit's WatchdogSec (30s), which
 # stops being fed once a heartbeat is HEARTBEAT_STALE_AFTER old: the replacement must be up first.
@@ -27,8 +23,8 @@ STARTUP_FAILURE_LIMIT = 5  # consecutive boot failures before any worker was eve
 
 TICK = 0.25
 
-# The signal table: a handler only enqueues the action's name; the loop then runs
-# ``Supervisor.handle_<action>`` (arbiter.py), one action at a time.
+# The signal table: a handler only enqueues the action's name; the arbiter's loop then runs the
+# action (``Arbiter._actions``, arbiter.py), one at a time.
 SIGNAL_ACTIONS: dict[signal.Signals, str] = {
     signal.SIGHUP: "reload",
     signal.SIGTERM: "terminate",

@@ -1,10 +1,13 @@
 """Reload (SIGHUP) by generation swap.
 
-``ReloadMixin`` is one part of ``Supervisor`` (arbiter.py). Every config reload that needs new
-workers forks a new generation next to the old one (``SO_REUSEPORT`` sockets overlap, so no connection
-is refused), waits until all of it reports ``ready``, then retires the old one with SIGTERM (drain)
-and SIGKILL after ``graceful_shutdown``. A reload that changes nothing a worker cares about only
-forwards SIGHUP so the workers re-read the overlay.
+Every config reload that needs new workers forks a new generation next to the old one
+(``SO_REUSEPORT`` sockets overlap, so no connection is refused), waits until all of it reports
+``ready``, then retires the old one with SIGTERM (drain) and SIGKILL after ``graceful_shutdown``. A
+reload that changes nothing a worker cares about only forwards SIGHUP so the workers re-read the
+overlay. An invalid config, a taken port or too little shared memory keeps the running config.
+
+``GenerationSwap`` owns the running config and the reload in progress; the decisions themselves are
+pure (generations.py).
 """
 
 from __future__ import annotations
@@ -13,174 +16,197 @@ import logging
 import signal
 import socket
 import time
+from collections.abc import Callable
 
-import msgspec
-
+from gateway.admin.server import AdminServer
 from gateway.config import Config, ConfigError, load_config
 from gateway.host_segment import endpoint_ids
+from gateway.process_protocol import EXIT_CANNOT_BIND
+from gateway.supervisor.children import describe_exit
+from gateway.supervisor.generations import ReloadPlan, SwapStep, plan_reload, swap_step
 from gateway.supervisor.lifecycle import Child, PendingGeneration, in_background
-from gateway.supervisor.observability import SupervisorAdminSources
 from gateway.supervisor.policy import RELOAD_TIMEOUT
-from gateway.supervisor.quota_backend import quota_url_for
+from gateway.supervisor.quota_backend import EmbeddedQuotaBackend, quota_url_for
+from gateway.supervisor.readiness import Readiness
 from gateway.supervisor.startup import (
+    RunOverrides,
     StartupError,
     bind_admin_socket,
     check_listen_address,
     validate_deployment,
 )
-from workers.admin import AdminApp, AdminServer
+from gateway.supervisor.worker_set import WorkerSet, exit_code
+from shm.segment import Segment
 
 log = logging.getLogger("gridgate.supervisor")
 
 
-class ReloadMixin:
+class GenerationSwap:
     """SIGHUP: reload the config in place or by starting, promoting or abandoning a generation."""
 
-    # ------------------------------------------------------------------ the signal action (SIGHUP)
+    def __init__(
+        self,
+        config_path: str,
+        overrides: RunOverrides,
+        config: Config,
+        *,
+        workers: WorkerSet,
+        readiness: Readiness,
+        admin: AdminServer,
+        segment: Segment,
+        quota_backend: EmbeddedQuotaBackend,
+        request_reload: Callable[[], None],
+    ) -> None:
+        self._config_path = config_path
+        self._overrides = overrides
+        self.config = config  # the running config: the serving generation's
+        self.pending: PendingGeneration | None = None
+        self.reloads_total = 0
+        self.reload_failures_total = 0
+        self._workers = workers
+        self._readiness = readiness
+        self._admin = admin
+        self._segment = segment
+        self._quota_backend = quota_backend
+        self._request_reload = request_reload
+        self._reload_again = False
+        self._endpoint_slots_widened = False  # the directory holds two generations' endpoints
+        # Numbers are never reused: an abandoned generation may still be draining when the next starts.
+        self._generations_started = workers.generation
 
-    def handle_reload(self) -> None:
-        if self._stopping:
-            return
+    def fds(self) -> list[int]:
+        """The admin socket bound for a pending generation: a forked child must close it."""
+        sock = None if self.pending is None else self.pending.admin_sock
+        return [] if sock is None else [sock.fileno()]
+
+    # ------------------------------------------------------------------ SIGHUP
+
+    def reload(self) -> None:
         if self.pending is not None:
             self._reload_again = True  # picked up when the reload in progress ends
             return
         self.reloads_total += 1
-        self.notifier.reloading("reloading configuration")
+        self._readiness.reloading()
+        workers = self._workers
         try:
-            new = self.overrides.apply(load_config(self.config_path))
-            if new.worker_count() > self.max_workers:
-                raise ConfigError([
-                    f"workers: {new.worker_count()} exceeds the {self.max_workers} the shared memory was sized "
-                    "for at start; restart the service to grow further"
-                ])
+            new = self._overrides.apply(load_config(self._config_path))
+            plan = plan_reload(new, self.config, target=workers.target, max_workers=workers.max_workers,
+                               free_rows=workers.free_rows)
             validate_deployment(new)
         except ConfigError as exc:
-            self._reload_failed(exc.problems)
+            self._refused(exc.problems)
             return
+        if plan.new_generation:
+            self._start_generation(new, plan)
+        else:
+            self._apply_in_place(new, plan)
 
-        if _same_workers(new, self.config):
-            # Nothing a worker cares about changed: they only need to re-read the overlay.
-            try:
-                self._swap_admin(new, bind_admin_socket(new.admin.listen) if _admin_moved(new, self.config) else None)
-            except StartupError as exc:
-                self._reload_failed([str(exc)])
-                return
-            if new.workers != self.config.workers:
-                self.target = new.worker_count()
-            self.config = new
-            self._signal_serving(signal.SIGHUP)
-            log.info("reload: configuration unchanged for workers; forwarded SIGHUP to re-read the overlay")
-            self.notifier.ready(self._status_text())
-            return
-        self._start_generation(new)
-
-    # ------------------------------------------------------------------ reload: generations
-
-    def _start_generation(self, new: Config) -> None:
-        if self._desired_workers(new) > self.slots.free:
-            self._reload_failed([
-                f"workers: {self._desired_workers(new)} new workers need shared-memory rows but only {self.slots.free} "
-                "are free (older generations are still draining); retry when they have finished"
-            ])
-            return
+    def _apply_in_place(self, new: Config, plan: ReloadPlan) -> None:
         try:
-            if new.listen != self.config.listen:
-                check_listen_address(new.listen)
-            quota_url_for(new, self.embedded_quota)
-            # Both generations' endpoints keep slots while both run; the old ones are freed afterwards.
-            self.segment.directory.assign(endpoint_ids(self.config, new))
-            self._endpoint_slots_widened = True
-            admin_sock = bind_admin_socket(new.admin.listen) if _admin_moved(new, self.config) else None
+            admin_sock = bind_admin_socket(new.admin.listen) if plan.admin_moved else None
         except StartupError as exc:
-            self._reload_failed([str(exc)])
+            self._refused([str(exc)])
+            return
+        self._move_admin(new, admin_sock)
+        self._workers.resize(plan.workers)
+        self.config = new
+        self._workers.signal_serving(signal.SIGHUP)
+        log.info("reload: configuration unchanged for workers; forwarded SIGHUP to re-read the overlay")
+        self._readiness.reloaded()
+
+    def _start_generation(self, new: Config, plan: ReloadPlan) -> None:
+        try:
+            if plan.listen_moved:
+                check_listen_address(new.listen)
+            quota_url_for(new, self._quota_backend)
+            # Both generations' endpoints keep slots while both run; the old ones are freed afterwards.
+            self._segment.directory.assign(endpoint_ids(self.config, new))
+            self._endpoint_slots_widened = True
+            admin_sock = bind_admin_socket(new.admin.listen) if plan.admin_moved else None
+        except StartupError as exc:
+            self._refused([str(exc)])
             return
         except ValueError as exc:  # shm.segment.ShmCapacityError
-            self._reload_failed([f"clusters: {exc}; restart the service to resize shared memory"])
+            self._refused([f"clusters: {exc}; restart the service to resize shared memory"])
             return
-        # Numbers are never reused: an abandoned generation may still be draining when the next starts.
         self._generations_started += 1
         generation = self._generations_started
-        workers = self._desired_workers(new)
-        self.pending = PendingGeneration(new, generation, time.monotonic() + RELOAD_TIMEOUT, admin_sock, workers)
-        for _ in range(workers):
-            self._spawn_worker(new, self.pending.generation)
-        log.info("reload: starting generation %d with %d workers", self.pending.generation, workers)
+        self.pending = PendingGeneration(new, generation, time.monotonic() + RELOAD_TIMEOUT, admin_sock, plan.workers)
+        for _ in range(plan.workers):
+            self._workers.spawn_worker(new, generation)
+        log.info("reload: starting generation %d with %d workers", generation, plan.workers)
 
-    def _desired_workers(self, new: Config) -> int:
-        """The config's count when its ``workers`` changed; else the current one, SIGTTIN/TTOU included."""
-        return new.worker_count() if new.workers != self.config.workers else self.target
+    # ------------------------------------------------------------------ a generation in progress
 
-    def _advance_reload(self, now: float) -> None:
+    def advance(self, now: float) -> None:
+        """Every tick: promote the pending generation once it is ready, abandon it once it is late."""
         pending = self.pending
         if pending is None:
             return
-        booting = [c for c in self._workers() if c.generation == pending.generation and not c.retiring]
-        if len(booting) == pending.workers and all(c.ready for c in booting):
-            self._promote(pending, booting)
-        elif now >= pending.deadline:
-            self._abandon_generation(f"new workers not ready within {RELOAD_TIMEOUT:.0f}s")
+        step = swap_step(pending, self._workers.booting(pending.generation), now)
+        if step is SwapStep.PROMOTE:
+            self._promote(pending)
+        elif step is SwapStep.ABANDON:
+            self._abandon(f"new workers not ready within {RELOAD_TIMEOUT:.0f}s")
 
-    def _promote(self, pending: PendingGeneration, fresh: list[Child]) -> None:
-        old_config = self.config
-        for child in self._serving():
-            self._retire(child, old_config.timeouts.graceful_shutdown)
-        self.pending = None
-        self.config, self.generation = pending.config, pending.generation
-        self.target = pending.workers
-        self._swap_admin(self.config, pending.admin_sock)
-        # The prober follows the clusters: restart it with the new config.
-        for child in self._health():
-            self._retire(child, old_config.timeouts.graceful_shutdown)
-        self._next_health_spawn = 0.0
-        log.info("reload: generation %d serving (pids %s)", self.generation, ", ".join(str(c.pid) for c in fresh))
-        self.notifier.ready(self._status_text())
-        self._reload_follow_up()
+    def pending_worker_died(self, child: Child, status: int) -> bool:
+        """A child of the pending generation died before it was ready: abandon the reload. False if not one."""
+        pending = self.pending
+        if pending is None or child.generation != pending.generation:
+            return False
+        if exit_code(status) == EXIT_CANNOT_BIND:
+            self._abandon(f"listen: cannot bind {pending.config.listen}: address already in use")
+        else:
+            self._abandon(f"new worker pid {child.pid} {describe_exit(status)} before it was ready")
+        return True
 
-    def _release_old_endpoint_slots(self) -> None:
+    def release_old_endpoint_slots(self) -> None:
         """Once only the current generation runs, endpoints it no longer has give their slots back."""
         if not self._endpoint_slots_widened or self.pending is not None:
             return
-        if all(c.generation == self.generation for c in self.children.values()):
-            self.segment.directory.assign(endpoint_ids(self.config))
+        if self._workers.only_generation(self._workers.generation):
+            self._segment.directory.assign(endpoint_ids(self.config))
             self._endpoint_slots_widened = False
 
-    def _abandon_generation(self, reason: str) -> None:
+    def cancel(self) -> None:
+        """The supervisor stops: forget a reload in progress (its workers are retired with the rest)."""
+        if self.pending is not None and self.pending.admin_sock is not None:
+            self.pending.admin_sock.close()
+        self.pending = None
+
+    def _promote(self, pending: PendingGeneration) -> None:
+        fresh = self._workers.booting(pending.generation)
+        self.pending = None
+        self._workers.promote(pending.generation, pending.workers, self.config.timeouts.graceful_shutdown)
+        self.config = pending.config
+        self._move_admin(self.config, pending.admin_sock)
+        log.info("reload: generation %d serving (pids %s)", pending.generation, ", ".join(str(c.pid) for c in fresh))
+        self._readiness.reloaded()
+        self._follow_up()
+
+    def _abandon(self, reason: str) -> None:
         pending = self.pending
         assert pending is not None
         self.pending = None
-        for child in self._workers():
-            if child.generation == pending.generation:
-                self._retire(child, 0.0)
+        self._workers.abandon(pending.generation)
         if pending.admin_sock is not None:
             pending.admin_sock.close()
-        self._reload_failed([reason])
+        self._refused([reason])
 
-    def _reload_failed(self, problems: list[str]) -> None:
+    def _refused(self, problems: list[str]) -> None:
         self.reload_failures_total += 1
         for problem in problems:
             log.error("reload rejected, keeping the running config: %s", problem)
-        self.notifier.ready(self._status_text())
-        self._reload_follow_up()
+        self._readiness.reloaded()
+        self._follow_up()
 
-    def _reload_follow_up(self) -> None:
-        if self._reload_again and self._events is not None:
+    def _follow_up(self) -> None:
+        if self._reload_again:
             self._reload_again = False
-            self._events.put_nowait("reload")
+            self._request_reload()
 
-    def _swap_admin(self, config: Config, new_sock: socket.socket | None) -> None:
-        if new_sock is None or self.admin is None:
+    def _move_admin(self, config: Config, sock: socket.socket | None) -> None:
+        if sock is None:
             return
-        old = self.admin
-        self.admin = AdminServer(AdminApp(SupervisorAdminSources(self), self.metrics), new_sock)
-        in_background(self.admin.start())
-        in_background(old.close())
+        in_background(self._admin.start(sock))
         log.info("admin listener moved to %s", config.admin.listen)
-
-
-def _same_workers(new: Config, old: Config) -> bool:
-    """True when only supervisor-side settings (worker count, admin listener) differ."""
-    return msgspec.structs.replace(old, workers=new.workers, admin=new.admin) == new
-
-
-def _admin_moved(new: Config, old: Config) -> bool:
-    return new.admin.listen != old.admin.listen

@@ -214,6 +214,7 @@ def test_workers_that_never_start_end_the_supervisor_with_one_line(gateway_facto
     program = (
         "import sys\n"
         "import gateway.supervisor as supervisor\n"
+        "import gateway.supervisor.arbiter as arbiter\n"
         "import gateway.supervisor.lifecycle as lifecycle\n"
         "from gateway.config import load_config\n"
         "lifecycle.RESTART_BACKOFF_BASE = 0.02\n"
@@ -221,7 +222,7 @@ def test_workers_that_never_start_end_the_supervisor_with_one_line(gateway_facto
         "    raise RuntimeError('cannot start')\n"
         f"config = load_config({gateway.config_path!r})\n"
         "try:\n"
-        f"    sys.exit(supervisor.Supervisor({gateway.config_path!r}, config, worker_entry=broken).run())\n"
+        f"    sys.exit(arbiter.Arbiter({gateway.config_path!r}, config, worker_entry=broken).run())\n"
         "except supervisor.StartupError as exc:\n"
         "    print(exc, file=sys.stderr)\n"
         "    sys.exit(1)\n"

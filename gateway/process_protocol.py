@@ -1,0 +1,136 @@
+"""What the supervisor and its children agree on: exit codes, the context a child is forked with, and
+the status messages a worker sends back.
+
+Both sides import this module and nothing else of each other, so the supervisor never loads the data
+plane (uvloop, the proxy, the quota client) and the workers never load the supervisor.
+
+The status channel is one pipe per child, written by the child, read on the supervisor's loop. Each
+message is one JSON line tagged by ``kind`` (msgspec's tagged union). A write is one ``os.write`` of
+at most ``PIPE_BUF`` bytes, so it is atomic; the write end is non-blocking and a full pipe drops the
+message: a stuck supervisor must never stall a worker (heartbeats are resent every second anyway).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+from dataclasses import dataclass
+
+import msgspec
+
+from gateway.config import Config
+from shm.segment import Segment
+
+# ---------------------------------------------------------------------------------------- exit codes
+
+EXIT_OK = 0  # drained and stopped as asked
+EXIT_CRASHED = 1  # an unexpected error
+EXIT_CANNOT_BIND = 3  # the worker's listening socket cannot be bound (the port is taken)
+
+
+# ---------------------------------------------------------------------------------------- fork context
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerContext:
+    """Everything a child process starts from, handed over at fork time (nothing is pickled)."""
+
+    config: Config
+    # Row index in shared memory; unique among the live workers (old and new generations included).
+    # -1 for the health process, which has no worker row.
+    slot: int
+    # Numbers the config generations; lets the supervisor tell old workers from new ones.
+    generation: int
+    # The shared-memory segment created before fork; None for a worker run on its own (profiling).
+    segment: Segment | None
+    # Write end of this child's status pipe (``send_status``).
+    status_fd: int
+    # The quota backend (the embedded Valkey's URL when quota.backend.kind is embedded); None: no quota.
+    quota_url: str | None
+    # Extra regions of the segment and how they were sized: a reload cannot resize shared memory, so
+    # a worker of a newer config must use the sizes the segment was created with, not its config's.
+    affinity_region: str
+    affinity_capacity: int
+    metrics_region: str
+    # The supervisor's cluster registry at fork time: position = the cluster's metrics index. It only
+    # ever grows, so every worker's copy is a prefix of the one the supervisor renders /metrics with.
+    metric_clusters: tuple[str, ...]
+    # The last overlay the workers accepted, for a worker that starts while the file is invalid.
+    overlay_fallback: bytes | None = None
+
+
+# ---------------------------------------------------------------------------------------- status messages
+
+
+class Ready(msgspec.Struct, tag="ready", tag_field="kind", frozen=True, omit_defaults=True):
+    """Serving a snapshot: sent at start and after every overlay change."""
+
+    revision: str
+    mode: str
+    # None when the list did not fit in one atomic write: the supervisor keeps the previous one.
+    capabilities: list[str] | None = None
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", tag_field="kind", frozen=True):
+    """Once a second while the worker's event loop is responsive."""
+
+
+class OverlayRejected(msgspec.Struct, tag="overlay_rejected", tag_field="kind", frozen=True):
+    """An overlay reload was refused; the worker keeps serving ``retained_revision``."""
+
+    reason: str
+    retained_revision: str
+
+
+class Draining(msgspec.Struct, tag="draining", tag_field="kind", frozen=True):
+    """Stopped accepting; finishing the requests in flight."""
+
+
+StatusMessage = Ready | Heartbeat | OverlayRejected | Draining
+
+PIPE_BUF = select.PIPE_BUF
+_REASON_LIMIT = 1024  # an overlay rejection reason is cut to this many characters if it would not fit
+
+_encode = msgspec.json.Encoder().encode
+_decode_line = msgspec.json.Decoder(StatusMessage).decode
+
+
+def encode_status(message: StatusMessage) -> bytes | None:
+    """One JSON line of at most PIPE_BUF bytes, shortening the bulky field if needed; None if it cannot fit."""
+    data = _encode(message) + b"\n"
+    if len(data) <= PIPE_BUF:
+        return data
+    if isinstance(message, Ready):
+        data = _encode(msgspec.structs.replace(message, capabilities=None)) + b"\n"
+    elif isinstance(message, OverlayRejected):
+        data = _encode(msgspec.structs.replace(message, reason=message.reason[:_REASON_LIMIT] + "...")) + b"\n"
+    return data if len(data) <= PIPE_BUF else None
+
+
+def send_status(fd: int, message: StatusMessage) -> None:
+    """Write one message to the status pipe; never blocks, never raises (a full or closed pipe drops it)."""
+    data = encode_status(message)
+    if data is None:
+        return
+    try:
+        os.write(fd, data)
+    except OSError:  # BlockingIOError (full), BrokenPipeError (supervisor gone), EBADF
+        pass
+
+
+class StatusReader:
+    """Splits the bytes read from one status pipe into messages; undecodable lines are skipped."""
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def feed(self, data: bytes) -> list[StatusMessage]:
+        self._pending += data
+        *lines, self._pending = self._pending.split(b"\n")
+        messages: list[StatusMessage] = []
+        for line in lines:
+            try:
+                messages.append(_decode_line(line))
+            except msgspec.DecodeError:  # includes ValidationError: an unknown kind or a wrong field
+                continue
+        return messages
