@@ -58,10 +58,8 @@ _FAILURE_WORD = (0, FAIL_CONNECT, FAIL_RESET, FAIL_TIMEOUT, FAIL_5XX)
 
 
 class WorkerStatus(IntEnum):
-    FREE = 0
-    STARTING = 1
+    FREE = 0  # a zeroed row
     RUNNING = 2
-    DRAINING = 3
 
 
 class WorkerRow:
