@@ -34,9 +34,7 @@ class AdminSources(Protocol):
 
     def overlay_report(self) -> dict[str, Any]: ...
 
-    def endpoints_report(self) -> dict[str, Any]:
-        """Raises ReportUnavailable when the shared-memory view is not there."""
-        ...
+    def endpoints_report(self) -> dict[str, Any]: ...
 
     def quota_enabled(self) -> bool: ...
 
@@ -141,10 +139,7 @@ class AdminApp:
         return json_response(200, self._sources.overlay_report())
 
     async def _endpoints(self, query: dict[str, list[str]]) -> AdminResponse:
-        try:
-            return json_response(200, self._sources.endpoints_report())
-        except ReportUnavailable as exc:
-            return error_response(503, str(exc), "endpoints_unavailable", "server_error")
+        return json_response(200, self._sources.endpoints_report())
 
     async def _quota(self, query: dict[str, list[str]]) -> AdminResponse:
         if not self._sources.quota_enabled():
