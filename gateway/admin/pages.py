@@ -16,6 +16,8 @@ from urllib.parse import parse_qs, urlsplit
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from gateway.http.errors import error_body
+
 log = logging.getLogger("gridgate.admin")
 
 _JSON = "application/json"
@@ -58,9 +60,9 @@ def json_response(status: int, payload: Any) -> AdminResponse:
     return AdminResponse(status, _encoder.encode(payload))
 
 
-def error_response(status: int, message: str, code: str, kind: str = "invalid_request_error") -> AdminResponse:
-    """The OpenAI error shape the data plane uses too, so clients parse one format."""
-    return json_response(status, {"error": {"message": message, "type": kind, "code": code}})
+def error_response(status: int, message: str, code: str, kind: str | None = None) -> AdminResponse:
+    """The OpenAI error shape the data plane uses too (one builder), so clients parse one format."""
+    return AdminResponse(status, error_body(status, code, message, kind))
 
 
 class MetricsExposition:

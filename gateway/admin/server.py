@@ -1,23 +1,27 @@
 """The admin listener: serves an ``AdminApp`` over HTTP/1.1 (keep-alive) on the supervisor's loop.
 
-Not a hot path, so clarity wins over speed. The socket is bound by the caller (the supervisor binds
-before it forks, so a taken port fails at start); ``move_to`` swaps in another one on a reload that
-changes ``admin.listen`` while the connections already open finish on the old one.
+Not a hot path, so clarity wins over speed. It speaks HTTP through the codec seam and applies the
+data plane's strict request checks (gateway/http), never the wire parser itself. The socket is bound
+by the caller (the supervisor binds before it forks, so a taken port fails at start); ``start`` with
+another socket swaps the listener on a reload that changes ``admin.listen``, while connections
+already open finish on the old one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from http import HTTPStatus
 
-import h11
-
-from gateway.admin.pages import AdminApp, AdminResponse, error_response
+from gateway.admin.pages import AdminApp, AdminResponse
+from gateway.http import codec
+from gateway.http.errors import ErrorReply, GatewayError, error_headers
+from gateway.http.framing import check_request_head
 
 _MAX_HEAD_BYTES = 16 * 1024
+_MAX_URL_BYTES = 8 * 1024
 _MAX_BODY_BYTES = 64 * 1024
 _IDLE_TIMEOUT = 30.0
+_NO_STORE = (b"cache-control", b"no-store")
 
 
 class AdminServer:
@@ -55,70 +59,68 @@ class AdminServer:
         self._sock = None
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD_BYTES)
+        parser = codec.ServerCodec(_MAX_HEAD_BYTES)
         self._connections.add(writer)
         try:
             while True:
-                request = await _read_request(conn, reader)
-                if request is None:
+                head = await _read_request(parser, reader)
+                if head is None:
                     break
-                method = request.method.decode("ascii", "replace")
-                response = await self._app.handle(method, request.target.decode("ascii", "replace"))
-                await _send(conn, writer, response, head_only=method == "HEAD")
-                if conn.our_state is h11.MUST_CLOSE or conn.their_state is not h11.DONE:
+                framing = check_request_head(head.method, head.target, head.http_version, head.headers,
+                                             _MAX_URL_BYTES, _MAX_BODY_BYTES)
+                parser.expect_response(head.method, head.http_version == b"1.1", framing.keep_alive)
+                method = head.method.decode("ascii", "replace")
+                response = await self._app.handle(method, framing.target.decode("ascii", "replace"))
+                writer.write(_encode(parser, response, head_only=head.method == b"HEAD"))
+                await writer.drain()
+                if parser.must_close:
                     break
-                conn.start_next_cycle()
-        except h11.RemoteProtocolError as exc:
-            if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-                status = exc.error_status_hint
-                response = error_response(status, f"malformed request: {exc}", "bad_request")
-                await _send(conn, writer, response, head_only=False, close=True)
-        except (ConnectionError, TimeoutError, h11.LocalProtocolError):
+                parser.next_cycle()
+        except codec.ParseError as error:
+            await _refuse(writer, ErrorReply(error.status, "bad_request", f"malformed request: {error}"))
+        except GatewayError as error:  # a strict check failed: framing is in doubt
+            await _refuse(writer, error.reply)
+        except (ConnectionError, TimeoutError):
             pass
         finally:
             self._connections.discard(writer)
             writer.close()
 
 
-async def _read_request(conn: h11.Connection, reader: asyncio.StreamReader) -> h11.Request | None:
+async def _read_request(parser: codec.ServerCodec, reader: asyncio.StreamReader) -> codec.RequestHead | None:
     """The next complete request (its body read and dropped), or None when the peer is done."""
-    request: h11.Request | None = None
+    head: codec.RequestHead | None = None
     body_bytes = 0
     while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            data = await asyncio.wait_for(reader.read(65536), _IDLE_TIMEOUT)
-            conn.receive_data(data)
-        elif isinstance(event, h11.Request):
-            request = event
-        elif isinstance(event, h11.Data):
+        event = parser.next_event()
+        if event is codec.NEED_DATA:
+            parser.feed(await asyncio.wait_for(reader.read(65536), _IDLE_TIMEOUT))
+        elif isinstance(event, codec.RequestHead):
+            head = event
+        elif isinstance(event, codec.Body):
             body_bytes += len(event.data)
             if body_bytes > _MAX_BODY_BYTES:
-                raise h11.RemoteProtocolError("request body too large", error_status_hint=413)
-        elif isinstance(event, h11.EndOfMessage):
-            return request
-        else:  # ConnectionClosed or PAUSED after a protocol switch attempt
+                raise codec.ParseError("request body too large", 413)
+        elif isinstance(event, codec.EndOfMessage):
+            return head
+        else:  # ConnectionClosed, or PAUSED after a protocol switch attempt
             return None
 
 
-async def _send(
-    conn: h11.Connection,
-    writer: asyncio.StreamWriter,
-    response: AdminResponse,
-    head_only: bool,
-    close: bool = False,
-) -> None:
-    headers = [
-        ("content-type", response.content_type),
-        ("content-length", str(len(response.body))),
-        ("cache-control", "no-store"),
-        *response.headers,
-    ]
-    if close:
-        headers.append(("connection", "close"))
-    reason = HTTPStatus(response.status).phrase.encode()
-    writer.write(conn.send(h11.Response(status_code=response.status, headers=headers, reason=reason)))
+def _encode(parser: codec.ServerCodec, response: AdminResponse, head_only: bool) -> bytes:
+    headers = [(b"content-type", response.content_type.encode()), _NO_STORE,
+               *((name.encode(), value.encode()) for name, value in response.headers)]
+    data = parser.response_head(response.status, headers, len(response.body))
     if response.body and not head_only:
-        writer.write(conn.send(h11.Data(data=response.body)))
-    writer.write(conn.send(h11.EndOfMessage()))
-    await writer.drain()
+        data += parser.response_data(response.body)
+    return data + parser.response_end()
+
+
+async def _refuse(writer: asyncio.StreamWriter, reply: ErrorReply) -> None:
+    """Answer a request that cannot be parsed, then close: nothing more is read from this connection."""
+    body = reply.body()
+    writer.write(codec.raw_response(reply.status, [*error_headers(body), _NO_STORE, (b"connection", b"close")], body))
+    try:
+        await writer.drain()
+    except ConnectionError:
+        pass

@@ -185,6 +185,25 @@ def test_admin_pages(start_gateway):
     assert b"gridgate_workers_live 2.0" in body and b"gridgate_worker_restarts_total 0.0" in body
 
 
+def test_admin_listener_keeps_alive_pipelines_and_answers_head(start_gateway):
+    gateway = start_gateway(workers=1)
+    pipelined = raw_exchange(gateway.admin_port, (
+        b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n"
+        b"HEAD /readyz HTTP/1.1\r\nHost: a\r\n\r\n"
+        b"GET /nowhere HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"
+    ))
+    responses = pipelined.split(b"HTTP/1.1 ")[1:]
+    assert [r[:3] for r in responses] == [b"200", b"200", b"404"]
+    assert responses[0].endswith(b'{"status":"ok"}')
+    assert responses[1].endswith(b"content-length: 18\r\n\r\n")  # HEAD: the GET's length, no body
+    assert b"connection: close" in responses[2] and b'"code":"not_found"' in responses[2]
+    http10 = raw_exchange(gateway.admin_port, b"GET /healthz HTTP/1.0\r\n\r\n")
+    assert status_of(http10) == 200 and b"connection: close" in http10
+    too_big = b"POST /healthz HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n" + (
+        b"1000\r\n" + b"a" * 4096 + b"\r\n") * 20 + b"0\r\n\r\n"
+    assert status_of(raw_exchange(gateway.admin_port, too_big)) == 413
+
+
 def test_quota_page_reads_the_embedded_valkey(start_gateway):
     quota = {
         "backend": {"kind": "embedded"},
