@@ -214,8 +214,10 @@ def test_replacement_worker_serves_last_known_good_while_the_file_is_invalid(pro
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        pids = gateway.worker_pids() if admin_get(gateway.admin_port, "/readyz")[0] == 200 else []
-        if pids and pids != [pid]:
+        # Pids first, readiness second: a /readyz 200 read before the supervisor noticed the kill
+        # would otherwise vouch for the dead worker while the pids already show its replacement.
+        pids = gateway.worker_pids()
+        if pids and pids != [pid] and admin_get(gateway.admin_port, "/readyz")[0] == 200:
             break
         time.sleep(0.1)
     else:
