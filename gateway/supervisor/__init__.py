@@ -17,8 +17,8 @@ Shared-memory rows are allocated for two full generations so both fit during the
 
 The supervisor does no request work and never imports the data plane: children are forked into
 entry points that import their code only once they run (children.py). This package itself exports
-only the light pieces (``gridgate check`` uses ``validate_deployment``); ``gridgate run`` imports
-``gateway.supervisor.arbiter``.
+only light pieces; ``gridgate run`` imports ``gateway.supervisor.arbiter``. The config checks made
+before forking and on every reload are ``gateway.check``'s, the ones ``gridgate check`` makes.
 
 Modules, each one concern, imports flowing downward (top to bottom here):
 
@@ -38,12 +38,11 @@ Modules, each one concern, imports flowing downward (top to bottom here):
 """
 
 from gateway.supervisor.lifecycle import CrashBackoff, SlotPool
-from gateway.supervisor.startup import RunOverrides, StartupError, validate_deployment
+from gateway.supervisor.startup import RunOverrides, StartupError
 
 __all__ = [
     "CrashBackoff",
     "RunOverrides",
     "SlotPool",
     "StartupError",
-    "validate_deployment",
 ]

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from gateway.admin.pages import AdminApp, MetricsExposition
 from gateway.admin.quota import QuotaReporter
 from gateway.admin.server import AdminServer
+from gateway.check import validate_deployment
 from gateway.config import Config, ConfigError
 from gateway.host_segment import AFFINITY_REGION, METRICS_REGION, create_segment, endpoint_ids
 from gateway.metrics import ClusterRegistry
@@ -43,7 +44,6 @@ from gateway.supervisor.startup import (
     StartupError,
     bind_admin_socket,
     check_listen_address,
-    validate_deployment,
 )
 from gateway.supervisor.worker_set import WorkerSet
 from shm.segment import Segment

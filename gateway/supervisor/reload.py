@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 
 from gateway.admin.server import AdminServer
+from gateway.check import validate_deployment
 from gateway.config import Config, ConfigError, load_config
 from gateway.host_segment import endpoint_ids
 from gateway.process_protocol import EXIT_CANNOT_BIND
@@ -33,7 +34,6 @@ from gateway.supervisor.startup import (
     StartupError,
     bind_admin_socket,
     check_listen_address,
-    validate_deployment,
 )
 from gateway.supervisor.worker_set import WorkerSet, exit_code
 from shm.segment import Segment

@@ -1,4 +1,4 @@
-"""Checks before anything is forked: the config (gateway.check), the data-plane port, the admin listener.
+"""Checks before anything is forked, beside the config checks (gateway.check): the ports, ``RunOverrides``.
 
 Each failure is a ``StartupError`` whose message is one line naming the cause.
 """
@@ -12,8 +12,6 @@ from typing import Any
 
 import msgspec
 
-# The pre-fork config checks live with `gridgate check`, so both refuse the same configs.
-from gateway.check import validate_deployment as validate_deployment
 from gateway.config import Config, parse_host_port
 
 
