@@ -8,14 +8,17 @@ from __future__ import annotations
 
 from gateway.config import Config
 from gateway.endpoints import all_endpoint_ids, cluster_specs_from_config
-from gateway.metrics import COUNTERS
+from gateway.metrics import COUNTERS, MAX_CLUSTERS
 from shm.affinity import AffinityTable
 from shm.metrics import MetricsTable
+from shm.providers import ProviderCells
 from shm.segment import Segment
 
 # Extra regions of the segment (names travel to workers in the WorkerContext).
 AFFINITY_REGION = "affinity"
 METRICS_REGION = "metrics"  # shm.metrics.MetricsTable: one gateway.metrics counter row per worker slot
+PROVIDERS_REGION = "providers"  # shm.providers.ProviderCells: cooling and latency per provider, per worker
+MAX_PROVIDERS = MAX_CLUSTERS
 
 
 def endpoint_capacity(config: Config) -> int:
@@ -29,6 +32,7 @@ def create_segment(config: Config, worker_rows: int) -> Segment:
     regions = {
         AFFINITY_REGION: AffinityTable.required_bytes(config.routing.session_affinity.capacity),
         METRICS_REGION: MetricsTable.required_bytes(worker_rows, COUNTERS),
+        PROVIDERS_REGION: ProviderCells.required_bytes(worker_rows, MAX_PROVIDERS),
     }
     return Segment.create(worker_rows, endpoint_capacity(config), extra_regions=regions)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import ssl
 
-from gateway.balancing import hash_key
+from gateway.balancing import DOWN, hash_key
 from gateway.config import Cluster, Config, Tls, parse_host_port
 from gateway.endpoints import (
     ClusterSpec,
@@ -63,13 +63,16 @@ class UpstreamEndpoint:
 class UpstreamCluster:
     """One provider cluster in one worker."""
 
-    __slots__ = ("name", "provider_hop", "auth_headers", "balancer", "key_header", "hashing", "by_slot", "_row")
+    __slots__ = ("name", "provider", "provider_hop", "auth_headers", "balancer", "key_header", "hashing", "by_slot",
+                 "_row", "_view")
 
-    def __init__(self, cluster: Cluster, spec: ClusterSpec, provider_hop: bool, slot_map: dict[str, int],
-                 view: SharedEndpointState, row: WorkerRow) -> None:
+    def __init__(self, cluster: Cluster, spec: ClusterSpec, provider: int, provider_hop: bool,
+                 slot_map: dict[str, int], view: SharedEndpointState, row: WorkerRow, head_wait: float) -> None:
         self.name = cluster.name
+        self.provider = provider  # index in the worker's provider table (routing and shared provider state)
         self.provider_hop = provider_hop
         self._row = row
+        self._view = view
         self.auth_headers: list[tuple[bytes, bytes]] = []
         if cluster.upstream_auth is not None:
             secret = os.environ.get(cluster.upstream_auth.value_env, "")
@@ -84,7 +87,7 @@ class UpstreamCluster:
             pool = UpstreamPool(
                 host, port, max_connections=cluster.max_connections,
                 connect_timeout=float(cluster.connect_timeout), read_timeout=float(cluster.read_timeout),
-                ssl_context=ssl_context, server_hostname=sni or host,
+                ssl_context=ssl_context, server_hostname=sni or host, head_wait=head_wait,
             )
             self.by_slot[ref.slot] = UpstreamEndpoint(ref.slot, ref.address, ref.weight, pool)
 
@@ -101,6 +104,11 @@ class UpstreamCluster:
         else:
             ref = self.balancer.pick(key, {endpoint.slot for endpoint in excluded})
         return None if ref is None else self.by_slot[ref.slot]
+
+    def has_routable_endpoint(self) -> bool:
+        """False when every endpoint is unhealthy or ejected (the provider is skipped by selection)."""
+        health = self._view.slot_health
+        return any(health(slot)[0] != DOWN for slot in self.by_slot)
 
     def begin(self, endpoint: UpstreamEndpoint) -> None:
         self._row.inc_inflight(endpoint.slot)
@@ -123,21 +131,30 @@ class UpstreamCluster:
 
 
 class ClusterManager:
-    """Every configured cluster of this worker, by name."""
+    """Every configured cluster of this worker, by name and by provider index."""
 
-    __slots__ = ("_clusters",)
+    __slots__ = ("_clusters", "by_provider", "provider_index")
 
-    def __init__(self, config: Config, segment: Segment, row: WorkerRow) -> None:
+    def __init__(self, config: Config, segment: Segment, row: WorkerRow, provider_index: dict[str, int]) -> None:
         hop = set(config.routing.provider_hop_clusters)
         slot_map = segment.directory.slot_map()
         view = SharedEndpointState(segment, row.index)
+        retry = config.routing.retry
+        head_wait = min(float(retry.deadline), float(retry.first_byte_timeout or retry.deadline))
+        self.provider_index = provider_index
         self._clusters = {
-            cluster.name: UpstreamCluster(cluster, spec, cluster.name in hop, slot_map, view, row)
+            cluster.name: UpstreamCluster(cluster, spec, provider_index[cluster.name], cluster.name in hop, slot_map,
+                                          view, row, head_wait)
             for cluster, spec in zip(config.clusters, cluster_specs_from_config(config), strict=True)
         }
+        self.by_provider: dict[int, UpstreamCluster] = {c.provider: c for c in self._clusters.values()}
 
     def get(self, name: str) -> UpstreamCluster | None:
         return self._clusters.get(name)
+
+    def routable(self, provider: int) -> bool:
+        cluster = self.by_provider.get(provider)
+        return cluster is not None and cluster.has_routable_endpoint()
 
     def __contains__(self, name: str) -> bool:
         return name in self._clusters

@@ -20,7 +20,12 @@ import uvloop
 
 from gateway.auth import Authenticator
 from gateway.config import Config, parse_host_port
-from gateway.host_segment import create_segment, endpoint_ids
+from gateway.host_segment import (
+    MAX_PROVIDERS,
+    PROVIDERS_REGION,
+    create_segment,
+    endpoint_ids,
+)
 from gateway.metrics import COUNTERS, WorkerMetrics
 from gateway.process_protocol import (
     EXIT_CANNOT_BIND,
@@ -40,9 +45,11 @@ from gateway.routing import Router
 from shm.affinity import AffinityTable
 from shm.counters import WorkerRow, WorkerStatus
 from shm.metrics import MetricsTable
+from shm.providers import ProviderCells
 from shm.segment import Segment
 from workers.clusters import ClusterManager
 from workers.overlay_follower import OverlayFollower
+from workers.providers import ProviderStates
 from workers.proxy import Proxy
 from workers.server import ServerConnection, ServerSettings, ServerState
 
@@ -77,6 +84,18 @@ def _private_segment(config: Config) -> Segment:
     return segment
 
 
+def provider_indexes(registry: tuple[str, ...], configured: list[str]) -> dict[str, int]:
+    """Each configured cluster's provider index: its stable registry index (shared-memory cells keep their
+    meaning across reloads), or, past the registry's capacity, a local index beyond the shared cells."""
+    index = {name: position for position, name in enumerate(registry) if name in configured}
+    extra = MAX_PROVIDERS
+    for name in configured:
+        if name not in index:
+            index[name] = extra
+            extra += 1
+    return index
+
+
 class Worker:
     """One worker process: builds the request path from its context, serves, drains."""
 
@@ -89,13 +108,29 @@ class Worker:
         self.row.mark(WorkerStatus.RUNNING, os.getpid(), time.monotonic_ns())
         self.metrics = self._metrics_writer()
         self.overlay = OverlayFollower(self.config, ctx.overlay_fallback)
+        configured = [cluster.name for cluster in self.config.clusters]
+        self.provider_index = provider_indexes(self.ctx.metric_clusters or tuple(configured), configured)
+        self.providers = ProviderStates(
+            ProviderCells(self.segment.region(PROVIDERS_REGION), self.segment.max_workers, MAX_PROVIDERS),
+            self.row.index, self.segment.rows_in_use, max(self.provider_index.values(), default=-1) + 1,
+            self._routable,
+        )
         affinity = self.config.routing.session_affinity
-        self.router = Router(max(ctx.slot, 0), affinity=self._affinity_table(), affinity_ttl_s=float(affinity.ttl))
-        self.router.prepare(self.overlay.snapshot)
+        self.router = Router(max(ctx.slot, 0), affinity=self._affinity_table(), affinity_ttl_s=float(affinity.ttl),
+                             provider_index=self.provider_index, providers=self.providers.view)
+        self._report_unconfigured(self.router.prepare(self.overlay.snapshot))
         auth = self.config.auth
         self.auth = Authenticator([(key.tenant, key.key) for key in auth.keys]) if auth is not None else None
         self.quota: QuotaGate | None = None
         self.clusters: ClusterManager | None = None
+
+    def _routable(self, provider: int) -> bool:
+        return self.clusters is None or self.clusters.routable(provider)
+
+    @staticmethod
+    def _report_unconfigured(clusters: list[str]) -> None:
+        if clusters:
+            log.warning("overlay names clusters this gateway does not have (never selected): %s", ", ".join(clusters))
 
     def _affinity_table(self) -> AffinityTable | None:
         affinity = self.config.routing.session_affinity
@@ -118,7 +153,7 @@ class Worker:
             ledger = QuotaLedger(create_client(self.ctx.quota_url), reservation_timeout_s=float(quota.reservation_timeout))
             self.quota = QuotaGate(ledger, rules_from_config(quota), on_backend_error=quota.on_backend_error)
             await self.quota.start()
-        clusters = self.clusters = ClusterManager(config, self.segment, self.row)
+        clusters = self.clusters = ClusterManager(config, self.segment, self.row, self.provider_index)
         routing = config.routing
         affinity = routing.session_affinity
         header_plan = HeaderPlan(
@@ -128,8 +163,9 @@ class Worker:
         )
         return Proxy(
             header_plan=header_plan, auth=self.auth, overlay=self.overlay, router=self.router, clusters=clusters,
-            quota=self.quota, metrics=self.metrics, route_headers=routing.route_headers,
-            affinity_enabled=affinity.enabled, affinity_cookie=affinity.cookie,
+            providers=self.providers, quota=self.quota, metrics=self.metrics, route_headers=routing.route_headers,
+            affinity_enabled=affinity.enabled, affinity_cookie=affinity.cookie, retry=routing.retry,
+            cooling=routing.cooling,
         )
 
     async def serve(self) -> int:
@@ -198,11 +234,7 @@ class Worker:
                 reason=result.error, retained_revision=self.overlay.snapshot.revision,
             ))
         if result.changed:
-            snapshot = self.overlay.snapshot
-            self.router.prepare(snapshot)
-            unknown = [name for name in snapshot.clusters if self.clusters is not None and name not in self.clusters]
-            if unknown:
-                log.warning("overlay names clusters missing from the config: %s", ", ".join(unknown))
+            self._report_unconfigured(self.router.prepare(self.overlay.snapshot))
             self._send_ready()
 
     async def _background(self) -> None:

@@ -1,27 +1,35 @@
 """The request lifecycle, top to bottom: headers -> authenticate -> capability -> admit (quota) ->
-route -> pick an endpoint -> connection -> relay the response -> settle the reservation.
+route -> [provider: pick an endpoint -> connection -> relay the response] -> settle the reservation.
 
-Each step returns its result or an ``ErrorReply``; the first reply ends the request. ``forward``
-runs the upstream attempts with ``ProviderAttempts`` (sans-IO) deciding what follows a failure, and a
+Each step returns its result or an ``ErrorReply``; the first reply ends the request. ``forward`` tries
+providers in the order the router gives (failover, CONTRACT §11: within the attempt budget and one
+deadline, only before any response byte reached the client); ``_try_provider`` tries the endpoints of
+one provider with ``ProviderAttempts`` (sans-IO) deciding what follows a failure, and a
 ``ResponseRelay`` streams the provider's answer to the client as it arrives.
 """
 
 from __future__ import annotations
 
+import asyncio
+import random
 import time
 
 from gateway.auth import Authenticator
 from gateway.capability import CapabilityRequest, lookup_capability, session_key
+from gateway.config import Cooling, Retry
 from gateway.http.errors import ErrorReply
 from gateway.ids import CounterIds
 from gateway.metrics import WorkerMetrics
 from gateway.quota.gate import Admission, QuotaGate
 from gateway.quota.usage import rewrite_request_for_usage
 from gateway.request.attempts import Next, ProviderAttempts, Settlement, settlement_for
+from gateway.request.failover import COOLING_STATUSES, Failover, cooling_seconds, parse_retry_after
 from gateway.request.headers import HeaderPlan, RequestHeaders
 from gateway.routing import RouteDecision, Router
-from workers.clusters import ClusterManager, UpstreamCluster
+from gateway.routing.decision import header_value
+from workers.clusters import ClusterManager, UpstreamCluster, UpstreamEndpoint
 from workers.overlay_follower import OverlayFollower
+from workers.providers import ProviderStates
 from workers.relay import ResponseRelay
 from workers.server import Exchange
 from workers.upstream import ConnectFailed, PoolExhausted
@@ -38,6 +46,13 @@ _WWW_AUTHENTICATE = [(b"www-authenticate", b'Bearer realm="gridgate"')]
 _MISSING_KEY = ErrorReply(401, "invalid_api_key", "missing API key: send Authorization: Bearer <key> or X-Api-Key",
                           _WWW_AUTHENTICATE)
 _INVALID_KEY = ErrorReply(401, "invalid_api_key", "invalid API key", _WWW_AUTHENTICATE)
+_ATTEMPTS = tuple((b"x-gridgate-attempts", b"%d" % n) for n in range(64))
+_HELD_CODES = {429: "upstream_rate_limited", 502: "upstream_bad_gateway", 503: "upstream_unavailable",
+               504: "upstream_timeout"}
+
+
+def _attempts_header(count: int) -> tuple[bytes, bytes]:
+    return _ATTEMPTS[count] if count < len(_ATTEMPTS) else (b"x-gridgate-attempts", b"%d" % count)
 
 
 class Proxy:
@@ -45,20 +60,24 @@ class Proxy:
 
     def __init__(
         self, *, header_plan: HeaderPlan, auth: Authenticator | None, overlay: OverlayFollower, router: Router,
-        clusters: ClusterManager, quota: QuotaGate | None, metrics: WorkerMetrics, route_headers: bool,
-        affinity_enabled: bool, affinity_cookie: str | None,
+        clusters: ClusterManager, providers: ProviderStates, quota: QuotaGate | None, metrics: WorkerMetrics,
+        route_headers: bool, affinity_enabled: bool, affinity_cookie: str | None, retry: Retry, cooling: Cooling,
     ) -> None:
         self.header_plan = header_plan
         self.auth = auth
         self.overlay = overlay
         self.router = router
         self.clusters = clusters
+        self.providers = providers
         self.quota = quota
         self.metrics = metrics
         self.route_headers = route_headers
         self.affinity_enabled = affinity_enabled
         self.affinity_cookie = affinity_cookie.encode() if affinity_enabled and affinity_cookie else None
+        self.retry = retry
+        self.cooling = cooling
         self.ids = CounterIds(b"-")
+        self.rng = random.Random()
 
     async def handle(self, exchange: Exchange) -> None:
         headers = self.header_plan.scan(exchange.headers)
@@ -78,11 +97,18 @@ class Proxy:
             admission = await self.admit(tenant, capability, len(exchange.body))
             if type(admission) is ErrorReply:
                 return self.refuse(exchange, admission, request_id)
-        route = self.route(capability, headers)
+        session = None
+        if self.affinity_enabled:
+            session = session_key(headers.session, headers.cookie, self.affinity_cookie)
+        route = self.route(capability, session)
         if type(route) is ErrorReply:
             self.settle(admission, Settlement.RELEASE)
             return self.refuse(exchange, route, request_id)
-        await self.forward(exchange, headers, capability, route, admission, request_id)
+        try:
+            await self.forward(exchange, headers, capability, route, admission, request_id, session)
+        except BaseException:
+            self.settle(admission, Settlement.CHARGE_ESTIMATE)  # a provider may have worked on it
+            raise
 
     # -- steps ------------------------------------------------------------------------------------
     def authenticate(self, headers: RequestHeaders) -> str | ErrorReply:
@@ -114,17 +140,12 @@ class Proxy:
         message, error_type, code = admission.error or ("request not admitted", None, "quota_unavailable")
         return ErrorReply(admission.status or 503, code, message, admission.headers, error_type=error_type)
 
-    def route(self, request: CapabilityRequest, headers: RequestHeaders) -> RouteDecision | ErrorReply:
-        key = None
-        if self.affinity_enabled:
-            key = session_key(headers.session, headers.cookie, self.affinity_cookie)
-        decision = self.router.route(self.overlay.snapshot, request.kind, request.name, key, _monotonic())
-        if type(decision) is ErrorReply:
-            return decision
-        if decision.cluster not in self.clusters:
-            return ErrorReply(503, "no_provider_available",
-                              f"provider cluster {decision.cluster!r} is not configured on this gateway")
-        self.metrics.affinity(decision.affinity)
+    def route(self, request: CapabilityRequest, session: bytes | None) -> RouteDecision | ErrorReply:
+        now = _monotonic()
+        self.providers.maybe_refresh(now)
+        decision = self.router.route(self.overlay.snapshot, request.kind, request.name, session, now)
+        if type(decision) is not ErrorReply:
+            self.metrics.affinity(decision.affinity)
         return decision
 
     def settle(self, admission: Admission | None, settlement: Settlement, tokens: int | None = None) -> None:
@@ -139,9 +160,15 @@ class Proxy:
         else:
             gate.charge_estimate(admission)
 
-    def refuse(self, exchange: Exchange, reply: ErrorReply, request_id: bytes) -> None:
-        self.metrics.request(None, reply.status)
-        exchange.send_error(reply, [(b"x-request-id", request_id)])
+    def refuse(self, exchange: Exchange, reply: ErrorReply, request_id: bytes, provider: str | None = None,
+               attempts: int = 0) -> None:
+        """Answer with a gateway-made error; errors about a provider count under its cluster."""
+        self.metrics.request(provider, reply.status)
+        extra = [(b"x-request-id", request_id)]
+        if self.route_headers and provider is not None:
+            extra.append((b"x-gridgate-provider", header_value(provider)))
+            extra.append(_attempts_header(attempts))
+        exchange.send_error(reply, extra)
 
     # -- upstream ---------------------------------------------------------------------------------
     def _upstream_body(self, request: CapabilityRequest, body: bytes, admission: Admission | None,
@@ -160,93 +187,160 @@ class Proxy:
                 return rewritten, True
         return body, False
 
-    def _request_headers(self, exchange: Exchange, headers: RequestHeaders, cluster: UpstreamCluster,
-                         route: RouteDecision, request_id: bytes, body: bytes) -> list[tuple[bytes, bytes]]:
+    @staticmethod
+    def _request_headers(exchange: Exchange, headers: RequestHeaders, request_id: bytes,
+                         body: bytes) -> list[tuple[bytes, bytes]]:
+        """The headers every provider attempt sends (the per-provider ones are added per attempt)."""
         forward = headers.forward
         peer = exchange.peer
         xff = headers.xff
         forward.append((b"x-forwarded-for", xff + b", " + peer if xff else peer))
         forward.append((b"x-request-id", request_id))
-        forward += cluster.auth_headers
-        if cluster.provider_hop:
-            forward.append((b"x-ai-routing-candidate", route.evidence[1][1]))
-            forward.append((b"x-ai-routing-request-id", request_id))
-            if self.overlay.snapshot.is_envelope:
-                forward.append((b"x-ai-routing-revision", route.revision.encode()))
         if body:
             forward.append((b"content-length", b"%d" % len(body)))
         elif exchange.method not in _BODYLESS_METHODS:
             forward.append((b"content-length", b"0"))
         return forward
 
+    def _provider_headers(self, cluster: UpstreamCluster, route: RouteDecision,
+                          request_id: bytes) -> list[tuple[bytes, bytes]]:
+        headers = list(cluster.auth_headers)
+        if cluster.provider_hop:
+            headers.append((b"x-ai-routing-candidate", route.evidence[1][1]))
+            headers.append((b"x-ai-routing-request-id", request_id))
+            if self.overlay.snapshot.is_envelope:
+                headers.append((b"x-ai-routing-revision", route.revision.encode()))
+        return headers
+
     async def forward(
         self, exchange: Exchange, headers: RequestHeaders, request: CapabilityRequest, route: RouteDecision,
-        admission: Admission | None, request_id: bytes,
+        admission: Admission | None, request_id: bytes, session: bytes | None,
     ) -> None:
-        cluster = self.clusters.get(route.cluster)
-        assert cluster is not None  # route() checked it
+        """Try providers until one answers (or the budget is spent); settle the reservation."""
         body, metering = self._upstream_body(request, exchange.body, admission)
-        forward = self._request_headers(exchange, headers, cluster, route, request_id, body)
+        base = self._request_headers(exchange, headers, request_id, body)
+        first = route
+        failover: Failover | None = None
+        reached = False
+        deadline = _monotonic() + float(self.retry.deadline)
+        while True:
+            cluster = self.clusters.by_provider.get(route.provider)
+            assert cluster is not None  # the router only picks configured providers
+            may_retry = self.retry.attempts > (0 if failover is None else failover.attempts) + 1
+            outcome = await self._try_provider(
+                exchange, headers, cluster, route, base, body, metering, admission, request_id, deadline,
+                hold_retryable=may_retry and route.plan.provider_count > 1,
+                attempt=1 if failover is None else failover.attempts + 1,
+            )
+            if outcome is None:  # answered (or the client left): settled
+                if session is not None and route.provider != first.provider:
+                    self.router.rebind(session, route, _monotonic())  # the binding moves to who served
+                return
+            reply, provider_reached = outcome
+            reached = reached or provider_reached
+            if failover is None:
+                failover = Failover(self.retry, deadline, self.rng)
+            failover.failed(route.provider, reply)
+            if not failover.may_try_another(_monotonic()) or exchange.client_gone:
+                break
+            following = self.router.failover(first, failover.tried)
+            if following is None:
+                break
+            self.metrics.retry()
+            await asyncio.sleep(failover.backoff())
+            route = following
+        self.settle(admission, Settlement.CHARGE_ESTIMATE if reached else Settlement.RELEASE)
+        if not exchange.client_gone:
+            self.refuse(exchange, failover.last_reply, request_id, cluster.name, failover.attempts)
+
+    async def _try_provider(
+        self, exchange: Exchange, headers: RequestHeaders, cluster: UpstreamCluster, route: RouteDecision,
+        base: list[tuple[bytes, bytes]], body: bytes, metering: bool | None, admission: Admission | None,
+        request_id: bytes, deadline: float, hold_retryable: bool, attempt: int,
+    ) -> tuple[ErrorReply, bool] | None:
+        """One provider, its endpoints in turn. None: the request is over (answered, or the client left,
+        and settled); else the reply to give if no other provider serves, and whether a request was sent."""
+        upstream_headers = [*base, *self._provider_headers(cluster, route, request_id)]
         response_headers = [(b"x-request-id", request_id)]
         if self.route_headers:
+            response_headers.append(_attempts_header(attempt))
             response_headers += route.evidence
         if admission is not None:
             response_headers += admission.headers
         key = cluster.balance_key(headers.balance_keys, exchange.target)
-        attempts: ProviderAttempts = ProviderAttempts(cluster.name)
+        attempts: ProviderAttempts[UpstreamEndpoint] = ProviderAttempts(cluster.name)
         while (endpoint := cluster.pick(key, attempts.excluded)) is not None:
             pool = endpoint.pool
-            conn = None if attempts.fresh else pool.try_acquire()
-            if conn is None:
-                try:
-                    conn = await pool.acquire(fresh=attempts.fresh)
-                except ConnectFailed as error:
-                    cluster.record_failure(endpoint, error.failure)
-                    if attempts.connect_failed(endpoint, error.failure, str(error)) == Next.STOP:
-                        break
-                    continue
-                except PoolExhausted:
-                    if attempts.pool_busy(endpoint) == Next.STOP:
-                        break
-                    continue
-            if exchange.client_gone:
-                # The client left while we waited for admission or a connection: send nothing.
-                pool.release(conn, reusable=True)
-                self.settle(admission, Settlement.RELEASE)
-                return
-            relay = ResponseRelay(exchange, conn, response_headers, metering)
-            exchange.on_client_lost = relay.client_lost
-            exchange.on_pause_writing = relay.pause_upstream
-            exchange.on_resume_writing = relay.resume_upstream
-            overhead = _perf() - exchange.t_start
-            if self.route_headers:
-                response_headers.append((b"x-gridgate-overhead-ms", b"%.3f" % (overhead * 1000.0)))
-            cluster.begin(endpoint)
-            attempts.sent()
+            cluster.begin(endpoint)  # in flight from the pick: a hanging connect attracts no more picks
             try:
+                conn = None if attempts.fresh else pool.try_acquire()
+                if conn is None:
+                    try:
+                        conn = await pool.acquire(fresh=attempts.fresh, timeout=deadline - _monotonic())
+                    except ConnectFailed as error:
+                        cluster.record_failure(endpoint, error.failure)
+                        if attempts.connect_failed(endpoint, error.failure, str(error)) == Next.STOP:
+                            break
+                        continue
+                    except PoolExhausted:
+                        if attempts.pool_busy(endpoint) == Next.STOP:
+                            break
+                        continue
+                if exchange.client_gone:
+                    # The client left while we waited for admission or a connection: send nothing.
+                    pool.release(conn, reusable=True)
+                    self.settle(admission, Settlement.RELEASE)
+                    return None
+                relay = ResponseRelay(exchange, conn, response_headers, metering, hold_retryable)
+                exchange.on_client_lost = relay.client_lost
+                exchange.on_pause_writing = relay.pause_upstream
+                exchange.on_resume_writing = relay.resume_upstream
+                overhead = _perf() - exchange.t_start
+                if self.route_headers:
+                    response_headers.append((b"x-gridgate-overhead-ms", b"%.3f" % (overhead * 1000.0)))
+                attempts.sent()
                 conn.send_request(relay, exchange.method, exchange.target,
-                                  [(b"host", endpoint.host_header), *forward], body)
+                                  [(b"host", endpoint.host_header), *upstream_headers], body, deadline)
                 if exchange.client_paused:
                     relay.pause_upstream()  # the client is still behind on an earlier response
                 await relay.done
             finally:
                 cluster.end(endpoint)
+            status = relay.status
+            if status in COOLING_STATUSES:
+                self._cool(cluster, relay.retry_after)
             if relay.response_started:
                 self.metrics.overhead(overhead)
-                self.metrics.request(cluster.name, relay.status)
-                cluster.record_success(endpoint, relay.status)
-                client_gone = relay.client_left
-                self.settle(admission, settlement_for(relay.status, relay.total_tokens, client_gone),
-                            relay.total_tokens)
-                return
+                self.metrics.request(cluster.name, status)
+                cluster.record_success(endpoint, status)
+                tokens = relay.total_tokens
+                self.settle(admission, settlement_for(status, tokens, relay.client_left), tokens)
+                return None
+            if relay.held_status:
+                cluster.record_success(endpoint, status)  # it answered: a 429 is a cooling signal, not a failure
+                return self._held_reply(cluster, status, relay.retry_after), True
             if relay.failure is None:  # the client left before the response started
                 self.settle(admission, Settlement.CHARGE_ESTIMATE)
-                return
+                return None
             if self.route_headers:
                 response_headers.pop()  # the overhead header is re-measured on the next attempt
             self.metrics.retry()
             cluster.record_failure(endpoint, relay.failure)
+            if _monotonic() >= deadline:
+                break
             if attempts.failed_before_head(endpoint, relay.failure, relay.detail, conn.reused) == Next.STOP:
                 break
-        self.settle(admission, Settlement.CHARGE_ESTIMATE if attempts.reached else Settlement.RELEASE)
-        self.refuse(exchange, attempts.error_reply(), request_id)
+        return attempts.error_reply(), attempts.reached
+
+    def _cool(self, cluster: UpstreamCluster, retry_after: bytes | None) -> None:
+        """A 429/503 cools its provider in every worker of the host (Retry-After wins, capped)."""
+        seconds = cooling_seconds(parse_retry_after(retry_after, time.time()), self.cooling)
+        self.providers.cool(cluster.provider, seconds, _monotonic())
+
+    @staticmethod
+    def _held_reply(cluster: UpstreamCluster, status: int, retry_after: bytes | None) -> ErrorReply:
+        """The client's answer if the provider's retryable status ends up being the last word."""
+        headers = []
+        if retry_after is not None and status in COOLING_STATUSES:
+            headers.append((b"retry-after", retry_after))
+        return ErrorReply(status, _HELD_CODES[status], f"{cluster.name}: answered {status}", headers)

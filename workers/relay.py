@@ -3,6 +3,10 @@
 The upstream connection calls ``upstream_head``/``_data``/``_flush``/``_end``/``_failed``; the client
 connection calls ``client_lost`` and the flow-control pair. ``done`` resolves once, when the attempt is
 over: failed before the head (the proxy may try again), ended, failed mid-response, or abandoned.
+
+With ``hold_retryable`` set (another provider may still be tried), a 429/502/503/504 head is *held*:
+nothing reaches the client, ``held_status``/``retry_after`` record the answer, ``done`` resolves at
+once, and the rest of that response is read and discarded so the connection can be reused.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import asyncio
 from gateway.http.errors import sse_error_event
 from gateway.http.media import is_event_stream
 from gateway.quota.usage import UsageObserver, usage_observer
+from gateway.request.failover import RETRYABLE_STATUSES
 from gateway.request.failures import Failure
 from gateway.request.headers import connection_tokens
 from workers.server import Exchange
@@ -32,12 +37,13 @@ _QUOTA_HEADERS = frozenset(
 class ResponseRelay:
     __slots__ = (
         "exchange", "conn", "done", "failure", "detail", "client_left", "status", "extra_headers",
-        "response_started", "is_sse", "metering", "usage", "length_framed",
+        "response_started", "is_sse", "metering", "usage", "length_framed", "hold_retryable", "held_status",
+        "retry_after", "first_byte_at",
     )
 
     def __init__(
         self, exchange: Exchange, conn: UpstreamConnection, extra_headers: list[tuple[bytes, bytes]],
-        metering: bool | None,
+        metering: bool | None, hold_retryable: bool = False,
     ) -> None:
         self.exchange = exchange
         self.conn = conn
@@ -53,6 +59,10 @@ class ResponseRelay:
         self.metering = metering
         self.usage: UsageObserver | None = None
         self.length_framed = False  # the client was promised a Content-Length
+        self.hold_retryable = hold_retryable
+        self.held_status = 0  # a retryable status held back from the client (0: none)
+        self.retry_after: bytes | None = None  # the provider's Retry-After, when it sent one
+        self.first_byte_at = 0.0  # monotonic time the response head arrived
 
     @property
     def total_tokens(self) -> int | None:
@@ -65,6 +75,12 @@ class ResponseRelay:
     # -- from the upstream connection -----------------------------------------------------------
     def upstream_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.status = status
+        if status in RETRYABLE_STATUSES:
+            self.retry_after = next((v for n, v in headers if n == b"retry-after"), None)
+            if self.hold_retryable:
+                self.held_status = status
+                self._finish()
+                return
         out = []
         metered = self.metering is not None
         chunked = False
@@ -99,21 +115,28 @@ class ResponseRelay:
         self.exchange.start(status, out, content_length)
 
     def upstream_data(self, data: bytes) -> None:
+        if self.held_status:
+            return  # the body of a held answer is discarded
         usage = self.usage
         if usage is not None:
             data = usage.feed(data)
         self.exchange.write(data)
 
     def upstream_flush(self) -> None:
-        self.exchange.flush()
+        if not self.held_status:
+            self.exchange.flush()
 
     def upstream_end(self) -> None:
+        if self.held_status:
+            return
         if self.usage is not None:
             self.exchange.write(self.usage.flush())
         self.exchange.end()
         self._finish()
 
     def upstream_failed(self, failure: Failure, detail: str) -> None:
+        if self.held_status:
+            return  # the held answer counts; its body was being discarded
         self.failure, self.detail = failure, detail
         if self.response_started:
             # After the first byte the attempt cannot be retried: end it visibly, never silently.
@@ -128,7 +151,7 @@ class ResponseRelay:
     # -- from the client connection -------------------------------------------------------------
     def client_lost(self) -> None:
         conn = self.conn
-        if conn.sink is self:
+        if conn.sink is self and not self.held_status:
             conn.abandon()
         self.client_left = True
         self._finish()

@@ -22,6 +22,7 @@ from gateway.request.failures import Failure
 
 _monotonic = time.monotonic
 _COPY_BODY_BELOW = 65536
+_INF = float("inf")
 
 
 class UpstreamSink(Protocol):
@@ -44,8 +45,8 @@ class ConnectFailed(Exception):
 
 class UpstreamConnection(asyncio.Protocol):
     __slots__ = (
-        "pool", "transport", "codec", "sink", "reused", "closed", "last_activity", "_timer",
-        "_keep", "_paused", "_loop", "slot_returned",
+        "pool", "transport", "codec", "sink", "reused", "closed", "last_activity", "_timer", "_timer_at",
+        "_keep", "_paused", "_loop", "slot_returned", "_head_deadline", "_got_head",
     )
 
     def __init__(self, pool: UpstreamPool) -> None:
@@ -57,6 +58,9 @@ class UpstreamConnection(asyncio.Protocol):
         self.closed = False
         self.last_activity = 0.0
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._head_deadline = _INF  # monotonic time by which the response head must have arrived
+        self._got_head = False
         self._keep = True
         self._paused = False
         self._loop = pool.loop
@@ -64,11 +68,17 @@ class UpstreamConnection(asyncio.Protocol):
 
     # -- used by the request path ------------------------------------------------------------
     def send_request(
-        self, sink: UpstreamSink, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+        self, sink: UpstreamSink, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes,
+        head_deadline: float = _INF,
     ) -> None:
-        """Write the request; ``headers`` carry Host and Content-Length (when there is a body)."""
+        """Write the request; ``headers`` carry Host and Content-Length (when there is a body).
+
+        ``head_deadline`` (monotonic seconds): fail with TIMEOUT if no response head arrived by then.
+        """
         self.sink = sink
         self._keep = True
+        self._got_head = False
+        self._head_deadline = head_deadline
         if self.closed:
             # The provider closed it between acquire and send: a retryable failure before any byte.
             self._fail(Failure.RESET, "connection closed before the request was sent")
@@ -79,8 +89,13 @@ class UpstreamConnection(asyncio.Protocol):
             self.transport.writelines((head, body))  # no copy of a large body
         else:
             self.transport.write(head + body if body else head)  # one write, one TLS record
+        # The timer never sleeps longer than the pool's period, so a deadline at least that far away needs
+        # no re-arm: in steady keep-alive traffic a request costs no timer operation.
+        wake = min(self.last_activity + self.pool.read_timeout, head_deadline)
         if self._timer is None:
-            self._timer = self._loop.call_later(self.pool.read_timeout, self._on_timer)
+            self._arm(min(wake, self.last_activity + self.pool.timer_period))
+        elif self._timer_at > wake:
+            self._arm(wake)
 
     def pause(self) -> None:
         if not self._paused and not self.closed:
@@ -149,6 +164,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     # -- internals -----------------------------------------------------------------------------
     def _on_head(self, sink: UpstreamSink, event: codec.ResponseHead) -> None:
+        self._got_head = True
         has_cl = has_te = False
         for name, _value in event.headers:
             if name == b"content-length":
@@ -194,16 +210,29 @@ class UpstreamConnection(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
 
+    def _arm(self, when: float) -> None:
+        """(Re)arm the one timer of this connection at monotonic time ``when``."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = when
+        self._timer = self._loop.call_later(max(when - _monotonic(), 0.0), self._on_timer)
+
     def _on_timer(self) -> None:
-        """The read deadline: idle connections let the timer lapse (the next request re-arms it)."""
+        """The read and head deadlines: idle connections let the timer lapse (the next request re-arms it)."""
         self._timer = None
         if self.sink is None or self.closed:
             return
-        idle = _monotonic() - self.last_activity
-        limit = self.pool.read_timeout
+        now = _monotonic()
+        if not self._got_head and now >= self._head_deadline:
+            self._fail(Failure.TIMEOUT, "no response before the deadline")
+            return
+        pool = self.pool
+        limit = pool.read_timeout
+        idle = now - self.last_activity
         if self._paused or idle < limit:
             # A paused stream waits on the client, not the provider; re-check later.
-            self._timer = self._loop.call_later(max(limit - idle, 0.05), self._on_timer)
+            wake = min(max(now + limit - idle, now + 0.05), now + pool.timer_period)
+            self._arm(wake if self._got_head else min(wake, self._head_deadline))
             return
         self._fail(Failure.TIMEOUT, f"no response bytes for {limit:g}s")
 
@@ -222,6 +251,7 @@ class UpstreamPool:
         ssl_context: ssl.SSLContext | None = None,
         server_hostname: str | None = None,
         wait_timeout: float | None = None,
+        head_wait: float = _INF,
     ) -> None:
         self.host = host
         self.port = port
@@ -231,6 +261,8 @@ class UpstreamPool:
         self.ssl_context = ssl_context
         self.server_hostname = server_hostname
         self.wait_timeout = connect_timeout if wait_timeout is None else wait_timeout
+        # The longest a connection timer sleeps: the shortest deadline a request usually gets.
+        self.timer_period = min(read_timeout, head_wait)
         self.loop = asyncio.get_running_loop()
         self.idle: list[UpstreamConnection] = []
         self.open_count = 0
@@ -246,9 +278,9 @@ class UpstreamPool:
                 return conn
         return None
 
-    async def acquire(self, fresh: bool = False) -> UpstreamConnection:
+    async def acquire(self, fresh: bool = False, timeout: float = _INF) -> UpstreamConnection:
         """A connection for one exchange: idle (unless ``fresh``), newly opened, or handed over by a
-        finishing exchange. Raises ConnectFailed or PoolExhausted."""
+        finishing exchange, within ``timeout`` seconds at most. Raises ConnectFailed or PoolExhausted."""
         idle = self.idle
         if fresh:
             if self.open_count >= self.max_connections and idle:
@@ -259,11 +291,11 @@ class UpstreamPool:
                 return conn
         if self.open_count < self.max_connections:
             self.open_count += 1  # reserve the slot before the await
-            return await self._connect()
+            return await self._connect(timeout)
         waiter = self.loop.create_future()
         self._waiters.append(waiter)
         try:
-            handed = await asyncio.wait_for(waiter, self.wait_timeout)
+            handed = await asyncio.wait_for(waiter, min(self.wait_timeout, timeout))
         except BaseException as exc:
             if waiter.done() and not waiter.cancelled():
                 # Handed something just as we gave up: pass it on rather than leak it.
@@ -278,23 +310,24 @@ class UpstreamPool:
                 raise PoolExhausted(f"all {self.max_connections} connections busy") from None
             raise
         if handed is None:
-            return await self._connect()  # a freed slot was handed to us, already counted
+            return await self._connect(timeout)  # a freed slot was handed to us, already counted
         handed.reused = True
         return handed
 
-    async def _connect(self) -> UpstreamConnection:
+    async def _connect(self, timeout: float = _INF) -> UpstreamConnection:
         """Open a connection for a slot the caller has already counted in ``open_count``."""
+        limit = min(self.connect_timeout, timeout)
         try:
             _transport, conn = await asyncio.wait_for(
                 self.loop.create_connection(
                     lambda: UpstreamConnection(self), self.host, self.port,
                     ssl=self.ssl_context, server_hostname=self.server_hostname if self.ssl_context else None,
                 ),
-                self.connect_timeout,
+                max(limit, 0.0),
             )
         except TimeoutError:
             self._slot_freed()
-            raise ConnectFailed(Failure.CONNECT_TIMEOUT, f"connect timed out after {self.connect_timeout:g}s") from None
+            raise ConnectFailed(Failure.CONNECT_TIMEOUT, f"connect timed out after {limit:g}s") from None
         except ssl.SSLError as error:
             self._slot_freed()
             raise ConnectFailed(Failure.REFUSED, f"TLS handshake failed: {error.reason or 'error'}") from None

@@ -99,16 +99,14 @@ class ProviderAttempts(Generic[E]):
     def error_reply(self) -> ErrorReply:
         """The client's answer when no attempt produced a response."""
         provider = self.provider
-        headers = [(b"x-gridgate-provider", provider.encode())]
         if not self.reached and self.busy:
-            headers.append((b"retry-after", b"1"))
-            return ErrorReply(503, "upstream_busy", f"{provider}: all connections busy", headers)
+            return ErrorReply(503, "upstream_busy", f"{provider}: all connections busy", [(b"retry-after", b"1")])
         failure = self.failure
         if failure is None:
-            return ErrorReply(502, "upstream_unavailable", f"{provider}: no endpoint available", headers)
+            return ErrorReply(502, "upstream_unavailable", f"{provider}: no endpoint available")
         message = f"{provider}: {self.detail}"
         if failure == Failure.TIMEOUT:
-            return ErrorReply(504, "upstream_timeout", message, headers)
+            return ErrorReply(504, "upstream_timeout", message)
         if failure == Failure.MALFORMED:
-            return ErrorReply(502, "bad_upstream_response", message, headers)
-        return ErrorReply(502, "upstream_unavailable", message, headers)
+            return ErrorReply(502, "bad_upstream_response", message)
+        return ErrorReply(502, "upstream_unavailable", message)

@@ -1,0 +1,72 @@
+"""Sans-IO provider failover for one request (CONTRACT §11): the attempt budget, the one deadline,
+backoff with full jitter, which statuses move a request on, and Retry-After.
+
+The proxy asks ``may_try_another`` after a provider failed before any response byte reached the
+client, sleeps ``backoff()``, and asks the router for the next provider excluding ``tried``.
+"""
+
+from __future__ import annotations
+
+import random
+from email.utils import parsedate_to_datetime
+
+from gateway.config import Cooling, Retry
+from gateway.http.errors import ErrorReply
+
+# Statuses that move a request to the next provider (other 4xx and 500/501 pass through unchanged).
+RETRYABLE_STATUSES = frozenset((429, 502, 503, 504))
+# Statuses that cool the provider that sent them.
+COOLING_STATUSES = frozenset((429, 503))
+_MAX_RETRY_AFTER_DIGITS = 10
+
+
+def parse_retry_after(value: bytes | None, wall_now: float) -> float | None:
+    """Seconds from a Retry-After value: delta-seconds or an HTTP date (RFC 9110 §10.2.3); None if invalid."""
+    if not value:
+        return None
+    text = value.strip()
+    if text.isdigit() and len(text) <= _MAX_RETRY_AFTER_DIGITS:
+        return float(int(text))
+    try:
+        when = parsedate_to_datetime(text.decode("latin-1"))
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when is None or when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - wall_now)
+
+
+def cooling_seconds(retry_after: float | None, cooling: Cooling) -> float:
+    """How long a provider that answered 429/503 is skipped: its Retry-After (capped), else the default."""
+    return min(retry_after if retry_after is not None else float(cooling.default), float(cooling.max))
+
+
+class Failover:
+    """Provider attempts of one request: which providers were tried, what the last one answered."""
+
+    __slots__ = ("_policy", "deadline", "tried", "last_reply", "_rng")
+
+    def __init__(self, policy: Retry, deadline: float, rng: random.Random) -> None:
+        self._policy = policy
+        self.deadline = deadline  # monotonic seconds: until the first response byte, all attempts together
+        self.tried: list[int] = []  # provider indexes, in order
+        self.last_reply: ErrorReply | None = None  # the client's answer if no provider succeeds
+        self._rng = rng
+
+    @property
+    def attempts(self) -> int:
+        return len(self.tried)
+
+    def failed(self, provider: int, reply: ErrorReply) -> None:
+        self.tried.append(provider)
+        self.last_reply = reply
+
+    def may_try_another(self, now: float) -> bool:
+        return len(self.tried) < self._policy.attempts and now < self.deadline
+
+    def backoff(self) -> float:
+        """Exponential backoff with full jitter before the next provider (AWS architecture blog)."""
+        backoff = self._policy.backoff
+        ceiling = min(float(backoff.max), float(backoff.base) * (2 ** (len(self.tried) - 1)))
+        return self._rng.uniform(0.0, ceiling)
+
