@@ -75,6 +75,7 @@ class Proxy:
         self.affinity_enabled = affinity_enabled
         self.affinity_cookie = affinity_cookie.encode() if affinity_enabled and affinity_cookie else None
         self.retry = retry
+        self.first_byte_timeout = None if retry.first_byte_timeout is None else float(retry.first_byte_timeout)
         self.cooling = cooling
         self.ids = CounterIds(b"-")
         self.rng = random.Random()
@@ -268,6 +269,7 @@ class Proxy:
         if admission is not None:
             response_headers += admission.headers
         key = cluster.balance_key(headers.balance_keys, exchange.target)
+        first_byte = self.first_byte_timeout
         attempts: ProviderAttempts[UpstreamEndpoint] = ProviderAttempts(cluster.name)
         while (endpoint := cluster.pick(key, attempts.excluded)) is not None:
             pool = endpoint.pool
@@ -299,8 +301,9 @@ class Proxy:
                 if self.route_headers:
                     response_headers.append((b"x-gridgate-overhead-ms", b"%.3f" % (overhead * 1000.0)))
                 attempts.sent()
+                head_by = deadline if first_byte is None else min(deadline, _monotonic() + first_byte)
                 conn.send_request(relay, exchange.method, exchange.target,
-                                  [(b"host", endpoint.host_header), *upstream_headers], body, deadline)
+                                  [(b"host", endpoint.host_header), *upstream_headers], body, head_by)
                 if exchange.client_paused:
                     relay.pause_upstream()  # the client is still behind on an earlier response
                 await relay.done

@@ -146,7 +146,10 @@ class UpstreamConnection(asyncio.Protocol):
                     self._fail(Failure.RESET, "connection closed before the response completed")
                     return
         except codec.ParseError:
-            self._fail(Failure.MALFORMED, "malformed response")
+            if data:
+                self._fail(Failure.MALFORMED, "malformed response")
+            else:  # the provider closed the connection in the middle of a message
+                self._fail(Failure.RESET, "connection closed before the response completed")
 
     def eof_received(self) -> bool | None:
         if self.sink is not None:
