@@ -30,27 +30,32 @@ The algorithm, per provider, then per capability:
    other observation restarts the count. Admission, score band and freshness all
    move together, so neither admission nor scores flap.
 
-3. **Order** the providers offering each capability ``(kind, model)``:
+3. **Group** the providers offering each capability ``(kind, model)``. Groups split
+   only on what the Grid contract lets them split on: locality tier (under
+   ``geographyFirst`` only), admission (``new_and_existing``, ``existing_only``,
+   ``none``) and freshness (fresh before stale), in that order of precedence
+   (``scoreFirst``: admission, then freshness). A score never splits otherwise
+   equivalent providers: it is no traffic ratio, and a group per score band would
+   send every new session to the one least-loaded provider and move all of it at
+   the next load change (herding). Pressure still acts through admission: a metric
+   above its threshold makes a provider ``existing_only``, which is a group of its own.
 
-   - ``geographyFirst``: providers at ``scope.local_site`` first, then admission
-     (``new_and_existing``, ``existing_only``, ``none``), then score band;
-   - ``scoreFirst``: admission, then score band, local site breaking ties;
-
-   and finally by provider name, so equal inputs always give one order.
-
-4. **Group**: consecutive providers with the same ordering key except the name
-   (locality included only under ``geographyFirst``) form one selection group.
-   Groups are numbered 0, 1, ... in file order, so per capability every candidate
-   is grouped, groups start at 0, are contiguous and non-decreasing, and each has
-   one admission state: exactly the CONTRACT §4.2 rules. The data plane walks the
-   groups and spreads new sessions inside the first ``new_and_existing`` one by
-   ``selectionPolicy.mode``; placing non-admitting groups anywhere never changes
-   that choice.
+4. **Order** inside a group by score band (lower first; unmeasured last), then
+   locality (``scoreFirst``: the local site breaks ties), then provider name, so
+   equal inputs always give one order. Groups are numbered 0, 1, ... in file
+   order, so per capability every candidate is grouped, groups start at 0, are
+   contiguous and non-decreasing, and each has one admission state: exactly the
+   CONTRACT §4.2 rules. The data plane walks the groups and spreads new sessions
+   inside the first ``new_and_existing`` one by ``selectionPolicy.mode``; the
+   score order inside it decides only who is first (``deterministic``) and stays
+   visible in ``rank``, ``score`` and ``score_breakdown``.
 
 Each candidate carries ``rank`` (its index in the capability), ``selection_group``,
 ``selection_tier`` (0 at ``scope.local_site``, 1 elsewhere), the default
 ``stable_id`` ``kind/model/site/cluster``, ``fresh``, ``score`` (lower is better) and
-``score_breakdown``, plus the provider's credential reference when it has one.
+``score_breakdown``, plus the provider's credential reference when it has one. The document
+carries ``selection_policy`` only when the spec has a ``selectionPolicy`` (CONTRACT §8): an
+omitted policy stays omitted, so the semantic revision is the one Grid would compute.
 """
 
 from __future__ import annotations
@@ -108,8 +113,12 @@ class Hold:
 @dataclass(frozen=True)
 class Decision:
     document: dict[str, Any]  # the overlay document, without timestamps
-    published: dict[str, Assessment]  # per provider name
-    holds: dict[str, Hold]  # pass back into the next decide()
+    holds: dict[str, Hold]  # per provider name; pass back into the next decide()
+
+    @property
+    def published(self) -> dict[str, Assessment]:
+        """What is published per provider name."""
+        return {name: hold.published for name, hold in self.holds.items()}
 
 
 # --------------------------------------------------------------------------- 1. assess
@@ -173,7 +182,7 @@ def stabilize(observed: Assessment, hold: Hold | None, required: int) -> Hold:
     return Hold(hold.published, observed, streak)
 
 
-# --------------------------------------------------------------------------- 3-4. order and group
+# --------------------------------------------------------------------------- 3-4. group and order
 
 
 def locality_tier(spec: ControlSpec, provider: Provider) -> int:
@@ -181,15 +190,16 @@ def locality_tier(spec: ControlSpec, provider: Provider) -> int:
 
 
 def group_key(spec: ControlSpec, provider: Provider, assessment: Assessment) -> tuple[int, ...]:
-    """Providers of one capability with equal keys share a selection group."""
+    """Providers of one capability with equal keys share a selection group. No score in here."""
     admission = ADMISSION_ORDER[assessment.admission]
+    stale = 0 if assessment.fresh else 1
     if spec.routing_policy == GEOGRAPHY_FIRST:
-        return (locality_tier(spec, provider), admission, assessment.band)
-    return (admission, assessment.band)
+        return (locality_tier(spec, provider), admission, stale)
+    return (admission, stale)
 
 
 def _order_key(spec: ControlSpec, provider: Provider, assessment: Assessment) -> tuple[Any, ...]:
-    return (*group_key(spec, provider, assessment), locality_tier(spec, provider), provider.name)
+    return (*group_key(spec, provider, assessment), assessment.band, locality_tier(spec, provider), provider.name)
 
 
 def _candidate(spec: ControlSpec, provider: Provider, model: str, assessment: Assessment,
@@ -228,12 +238,11 @@ def render_document(spec: ControlSpec, published: Mapping[str, Assessment]) -> d
             if key != previous:
                 group, previous = group + 1, key
             candidates.append(_candidate(spec, provider, model, published[provider.name], rank, group))
-    return {
-        "network": spec.scope.network,
-        "local_site": spec.scope.local_site,
-        "selection_policy": {"mode": spec.selection_policy.mode},
-        "candidates": candidates,
-    }
+    document: dict[str, Any] = {"network": spec.scope.network, "local_site": spec.scope.local_site}
+    if spec.selection_policy is not None:
+        document["selection_policy"] = {"mode": spec.selection_policy.mode}
+    document["candidates"] = candidates
+    return document
 
 
 # --------------------------------------------------------------------------- entry points
@@ -250,7 +259,7 @@ def decide(spec: ControlSpec, observations: Mapping[str, Observation],
         for p in spec.providers
     }
     published = {name: hold.published for name, hold in new_holds.items()}
-    return Decision(render_document(spec, published), published, new_holds)
+    return Decision(render_document(spec, published), new_holds)
 
 
 def describe_changes(before: Mapping[str, Assessment], after: Mapping[str, Assessment]) -> list[str]:

@@ -156,7 +156,8 @@ class ControlSpec(_Strict):
         name="routingPolicy", default=GEOGRAPHY_FIRST
     )
     scoring_policy: ScoringPolicy = msgspec.field(name="scoringPolicy", default_factory=ScoringPolicy)
-    selection_policy: SelectionPolicy = msgspec.field(name="selectionPolicy", default_factory=SelectionPolicy)
+    # None: the published document has no selection_policy (gateways then select deterministically).
+    selection_policy: SelectionPolicy | None = msgspec.field(name="selectionPolicy", default=None)
     admission: Admission = msgspec.field(default_factory=Admission)
 
     @property

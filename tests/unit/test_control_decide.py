@@ -30,7 +30,7 @@ def provider(name: str, site: str, models: tuple[str, ...] = ("m",), **extra: An
             "metrics_url": f"http://{name}.test/metrics", **extra}
 
 
-def make_spec(*, strategy: str = "queueDepth", routing: str = "geographyFirst", mode: str = "roundRobin",
+def make_spec(*, strategy: str = "queueDepth", routing: str = "geographyFirst", mode: str | None = "roundRobin",
               admission: dict[str, Any] | None = None, providers: list[dict[str, Any]] | None = None,
               **scoring: Any) -> ControlSpec:
     raw = {
@@ -38,10 +38,11 @@ def make_spec(*, strategy: str = "queueDepth", routing: str = "geographyFirst", 
         "scope": SCOPE,
         "routingPolicy": routing,
         "scoringPolicy": {"strategy": strategy, **scoring},
-        "selectionPolicy": {"mode": mode},
         "admission": admission or {"mode": "instantaneous"},
         "providers": providers or [provider("a", "east"), provider("b", "east"), provider("c", "west")],
     }
+    if mode is not None:
+        raw["selectionPolicy"] = {"mode": mode}
     return parse_spec(yaml.safe_dump(raw))
 
 
@@ -121,8 +122,10 @@ def test_missing_gauges_keep_health_admission_but_are_stale_and_ranked_last() ->
     decision = decide(spec, {"a": Observation(True, error="metrics: HTTP 404"), "b": ok(kv=0.5), "c": ok()})
     unmeasured = decision.published["a"]
     assert (unmeasured.admission, unmeasured.fresh, unmeasured.score) == ("new_and_existing", False, None)
-    # geographyFirst: local b (measured) before local a (unmeasured); remote c last.
-    assert [r[0] for r in rows(decision)] == ["b", "a", "c"]
+    # geographyFirst: local fresh b, then local stale a (a group of its own), then remote c.
+    assert rows(decision) == [("b", "new_and_existing", 0), ("a", "new_and_existing", 1),
+                              ("c", "new_and_existing", 2)]
+    assert serving(spec, decision) == ["b"]
 
 
 # --------------------------------------------------------------------------- scores
@@ -203,17 +206,44 @@ def test_stabilize_keeps_published_state_while_pending() -> None:
 def test_geography_first_puts_local_site_first_even_when_remote_scores_better() -> None:
     spec = make_spec(routing="geographyFirst", queueDepthThreshold=8)
     decision = decide(spec, {"a": ok(queue=6), "b": ok(queue=2), "c": ok(queue=0)})
-    assert rows(decision) == [("b", "new_and_existing", 0), ("a", "new_and_existing", 1), ("c", "new_and_existing", 2)]
+    # The local pair is one group ordered by score; the remote provider is the next tier.
+    assert rows(decision) == [("b", "new_and_existing", 0), ("a", "new_and_existing", 0), ("c", "new_and_existing", 1)]
     assert [c["selection_tier"] for c in decision.document["candidates"]] == [0, 0, 1]
-    assert serving(spec, decision) == ["b"]
+    assert serving(spec, decision) == ["b", "a"]
 
 
-def test_score_first_orders_by_score_across_sites() -> None:
+def test_score_first_orders_by_score_across_sites_in_one_group() -> None:
     spec = make_spec(routing="scoreFirst", queueDepthThreshold=8)
     decision = decide(spec, {"a": ok(queue=6), "b": ok(queue=2), "c": ok(queue=0)})
-    assert rows(decision) == [("c", "new_and_existing", 0), ("b", "new_and_existing", 1), ("a", "new_and_existing", 2)]
+    assert rows(decision) == [("c", "new_and_existing", 0), ("b", "new_and_existing", 0), ("a", "new_and_existing", 0)]
     assert [c["rank"] for c in decision.document["candidates"]] == [0, 1, 2]
-    assert serving(spec, decision) == ["c"]
+    assert [c["score"] for c in decision.document["candidates"]] == [0.0, 0.25, 0.75]
+    assert serving(spec, decision) == ["c", "b", "a"]
+
+
+def test_equivalent_providers_with_different_queue_depths_share_one_group_ordered_by_score() -> None:
+    # Issue 11's reproduction: one site, queue depths 1, 9, 20 under threshold 32, scoreFirst, roundRobin.
+    spec = make_spec(routing="scoreFirst", mode="roundRobin", queueDepthThreshold=32,
+                     providers=[provider("a", "east"), provider("b", "east"), provider("c", "east")])
+    decision = decide(spec, {"a": ok(queue=20), "b": ok(queue=1), "c": ok(queue=9)})
+    assert rows(decision) == [("b", "new_and_existing", 0), ("c", "new_and_existing", 0), ("a", "new_and_existing", 0)]
+    assert [c["score_breakdown"] for c in decision.document["candidates"]] == [
+        {"queue_depth_pressure": 0.0}, {"queue_depth_pressure": 0.25}, {"queue_depth_pressure": 0.5}]
+    snapshot = snapshot_of(spec, decision)
+    assert snapshot.mode == "roundRobin"
+    assert serving(spec, decision) == ["b", "c", "a"]  # new sessions rotate over all three
+
+
+def test_admission_changes_still_split_groups_with_hysteresis() -> None:
+    spec = make_spec(routing="scoreFirst", queueDepthThreshold=32, admission={"mode": "stabilized", "observations": 2},
+                     providers=[provider("a", "east"), provider("b", "east"), provider("c", "east")])
+    decision = decide(spec, {"a": ok(queue=20), "b": ok(queue=1), "c": ok(queue=9)})
+    overloaded = {"a": ok(queue=40), "b": ok(queue=1), "c": ok(queue=9)}
+    decision = decide(spec, overloaded, decision.holds)
+    assert {r[2] for r in rows(decision)} == {0}  # one round above the threshold is held down
+    decision = decide(spec, overloaded, decision.holds)
+    assert rows(decision) == [("b", "new_and_existing", 0), ("c", "new_and_existing", 0), ("a", "existing_only", 1)]
+    assert serving(spec, decision) == ["b", "c"]
 
 
 def test_equal_admission_and_band_share_a_group_ordered_by_locality_then_name() -> None:
@@ -269,6 +299,16 @@ def test_selection_policy_is_published() -> None:
         assert snapshot_of(spec, decision).mode == mode
 
 
+def test_omitted_selection_policy_stays_omitted_and_out_of_the_digest() -> None:
+    spec = make_spec(mode=None)
+    decision = decide(spec, {"a": ok(), "b": ok(), "c": ok()})
+    assert "selection_policy" not in decision.document
+    explicit = decide(make_spec(mode="deterministic"), {"a": ok(), "b": ok(), "c": ok()})
+    assert semantic_revision(decision.document) != semantic_revision(explicit.document)
+    snapshot = snapshot_of(spec, decision)
+    assert (snapshot.mode, snapshot.revision) == ("deterministic", semantic_revision(decision.document))
+
+
 def test_same_inputs_give_the_same_document_whatever_the_catalogue_order() -> None:
     providers = [provider(n, site, ("m", "n")) for n, site in (("a", "east"), ("b", "west"), ("c", "east"))]
     observations = {"a": ok(queue=3), "b": DOWN, "c": ok(queue=3)}
@@ -307,6 +347,12 @@ def test_rendered_groups_always_satisfy_the_data_plane_rules() -> None:
                 numbers = [g.number for g in capability.groups]
                 assert numbers == list(range(len(numbers)))
                 assert [c.rank for c in capability.members] == list(range(len(capability.members)))
+            # Groups split on (tier,) admission and freshness only: one group per distinct key, never two.
+            geography = spec.routing_policy == "geographyFirst"
+            for model in ("m1", "m2", "m3"):
+                pairs = {((c["selection_tier"] if geography else 0, c["admission_state"], c["fresh"]),
+                          c["selection_group"]) for c in decision.document["candidates"] if c["name"] == model}
+                assert len(pairs) == len({key for key, _ in pairs}) == len({group for _, group in pairs})
 
 
 def test_describe_changes_names_each_changed_provider() -> None:
@@ -361,8 +407,8 @@ def test_spec_defaults() -> None:
     spec = parse_spec(yaml.safe_dump(BASE), base_dir="/srv")
     assert spec.output == "/srv/overlay.json"
     assert (spec.interval, spec.probe_timeout) == (5.0, 2.0)
-    assert (spec.routing_policy, spec.scoring_policy.strategy, spec.selection_policy.mode, spec.admission.mode) == (
-        "geographyFirst", "noMetrics", "deterministic", "instantaneous")
+    assert (spec.routing_policy, spec.scoring_policy.strategy, spec.selection_policy, spec.admission.mode) == (
+        "geographyFirst", "noMetrics", None, "instantaneous")
     assert spec.providers[0].cluster_name == "a"
 
 
