@@ -60,6 +60,9 @@ NEW_AND_EXISTING = "new_and_existing"
 EXISTING_ONLY = "existing_only"
 ADMISSION_NONE = "none"
 ADMISSIONS = (NEW_AND_EXISTING, EXISTING_ONLY, ADMISSION_NONE)
+# Grid's topology notes call the third admission state "excluded": read as none. The digest is over
+# the document as published, so the word stays whatever the producer wrote.
+ADMISSION_ALIASES = {"excluded": ADMISSION_NONE}
 MODES = ("deterministic", "roundRobin", "random")
 CREDENTIAL_STRATEGIES = ("apikey", "bearer_token")
 
@@ -247,8 +250,11 @@ def _candidate(raw: Any, position: int) -> Candidate:
     admission = raw.get("admission_state")
     if admission is None:
         admission = NEW_AND_EXISTING
+    elif type(admission) is str and admission in ADMISSION_ALIASES:
+        admission = ADMISSION_ALIASES[admission]
     elif admission not in ADMISSIONS:
-        raise field_error(f"{path}.admission_state", f"must be one of {', '.join(ADMISSIONS)}")
+        raise field_error(f"{path}.admission_state",
+                          f"must be one of {', '.join((*ADMISSIONS, *ADMISSION_ALIASES))}")
 
     stable_id = raw.get("stable_id")
     if stable_id is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 from gateway.overlay.contract import OverlayRejected, parse_json, validate_overlay
 from gateway.overlay.digest import semantic_revision
 from gateway.overlay.snapshot import snapshot_from_bytes, snapshot_from_object
+from gateway.overlay.watch import load_overlay_file
 from tests.contract_fixtures import OVERLAY_FIXTURES
 
 FIXTURES = OVERLAY_FIXTURES
@@ -497,3 +499,30 @@ def test_configured_scope_field_that_differs_rejects(field: str) -> None:
 def test_validate_overlay_reports_revision_and_kind() -> None:
     validated = validate_overlay(envelope(legacy()))
     assert validated.is_envelope and validated.revision == semantic_revision(legacy())
+
+
+# Written by hand like the contract fixtures: its digest was computed over the document as published,
+# with the word "excluded" in it (Grid's topology notes), not over a normalised "none".
+EXCLUDED_FIXTURE = Path(__file__).parents[1] / "fixtures" / "overlay-excluded-admission.json"
+EXCLUDED_REVISION = "79d1740022435b5e22404ea19b150dd8cdb19b0f19107fb12e23c381ec45fcca"
+
+
+def test_excluded_admission_fixture_is_accepted_as_none_with_the_published_digest() -> None:
+    snapshot = load_overlay_file(EXCLUDED_FIXTURE, {"network": "test-net", "local_site": "site-a"})
+    assert snapshot.revision == EXCLUDED_REVISION
+    document = json.loads(EXCLUDED_FIXTURE.read_bytes())["overlay"]
+    assert document["candidates"][0]["admission_state"] == "excluded"
+    normalised = copy.deepcopy(document)
+    normalised["candidates"][0]["admission_state"] = "none"
+    assert semantic_revision(normalised) != EXCLUDED_REVISION  # the word is part of the digest
+    assert [c.admission for c in snapshot.candidates] == ["none", "new_and_existing"]
+    capability = snapshot.capability("inference_model", "model-a")
+    assert capability is not None
+    assert [c.cluster for c in capability.serving] == ["cluster-b"]
+    assert sorted(c.cluster for c in capability.reusable.values()) == ["cluster-b"]  # excluded keeps no session
+
+
+def test_unknown_admission_word_is_rejected_listing_excluded() -> None:
+    error = rejection(legacy(candidate(admission_state="drained")))
+    assert "none, excluded" in str(error)
+    assert rejection(legacy(candidate(admission_state=["excluded"]))).reason == "invalid_field"
