@@ -1,20 +1,22 @@
-"""Render the envelope v1 around an overlay document and publish it atomically.
+"""Render the envelope v1 around an overlay document and publish it to a file atomically.
 
-Rules (CONTRACT §4.1, §4.3, §8):
+Rules (CONTRACT §4.1, §4.3, §8), shared with the Valkey publisher (:mod:`gateway.control.valkey_publish`):
 
 - ``revision.value`` = ``content_digest.value`` = the semantic revision of the
   document; ``provenance.source_generation`` counts publishes and survives
-  restarts (it is read back from the file at start); ``rendered_at`` and the
+  restarts (it is read back from the destination at start); ``rendered_at`` and the
   document's ``generated_at`` are the publish time.
 - Publish only when something a gateway acts on changed: the semantic revision, or
   the envelope identity (scope, producer, source) a gateway may check. A new
-  timestamp alone is not a publish, so an idle control plane never touches the file.
+  timestamp alone is not a publish, so an idle control plane never touches the file
+  (unless the spec asks for a ``refresh``: then an unchanged revision is republished
+  once the published one is that old, so gateways can tell the control plane is alive).
 - Every envelope is validated by the data plane's own validator
   (:func:`gateway.overlay.snapshot.snapshot_from_bytes`) before it is written: a
   rendering bug is logged by the caller and the last good file stays in place.
 - Write a temp file in the target's directory, fsync it, rename it over the target,
-  fsync the directory: a reader sees the old file or the new one, never a mix, and
-  a crash cannot leave a renamed but empty file behind.
+  fsync the directory (:func:`gateway.overlay.watch.write_atomically`): a reader sees
+  the old file or the new one, never a mix.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -30,10 +31,11 @@ from typing import Any
 from gateway.control.spec import ControlSpec
 from gateway.overlay.contract import MAX_OVERLAY_BYTES, TOO_LARGE, OverlayRejected, parse_json
 from gateway.overlay.digest import semantic_revision
+from gateway.overlay.freshness import parse_rfc3339
 from gateway.overlay.snapshot import snapshot_from_bytes, snapshot_from_object
+from gateway.overlay.watch import write_atomically
 
 SCHEMA_VERSION = "1.0.0"
-FILE_MODE = 0o644  # the gateway may run as another (dynamic) user: the overlay must be world-readable
 
 log = logging.getLogger("gridgate.control")
 
@@ -82,28 +84,73 @@ def encode_envelope(envelope: dict[str, Any]) -> bytes:
     return json.dumps(envelope, indent=2, ensure_ascii=False, allow_nan=False).encode("utf-8") + b"\n"
 
 
-def write_atomically(path: str, data: bytes, mode: int = FILE_MODE) -> None:
-    """Temp file in the same directory, fsync, rename over ``path``, fsync the directory."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, temp_path = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+@dataclass(frozen=True)
+class Published:
+    """What a destination (file or Valkey key) holds, as far as publishing cares."""
+
+    revision: str | None  # semantic revision of the valid overlay there, else None
+    generation: int  # its provenance.source_generation (0: none), kept even if the rest is invalid
+    identity: dict[str, Any] | None  # None: not one of ours (legacy, invalid, absent)
+    rendered_at: datetime | None = None
+
+
+NOTHING_PUBLISHED = Published(None, 0, None)
+
+
+def judge_published(data: bytes, where: str) -> Published:
+    """What ``data`` found at ``where`` means for the next publish; an invalid overlay is logged."""
     try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fchmod(handle.fileno(), mode)
-            os.fsync(handle.fileno())
-        os.replace(temp_path, path)
-    except BaseException:
-        try:
-            os.unlink(temp_path)
-        except OSError:
-            pass
-        raise
-    dir_fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        root = parse_json(data)
+    except OverlayRejected as exc:
+        log.warning("existing %s is not readable as an overlay, it will be replaced: %s", where, exc)
+        return NOTHING_PUBLISHED
+    provenance = root.get("provenance") if isinstance(root, dict) else None
+    generation = provenance.get("source_generation") if isinstance(provenance, dict) else None
+    generation = generation if type(generation) is int and generation > 0 else 0
     try:
-        os.fsync(dir_fd)  # makes the rename itself durable
-    finally:
-        os.close(dir_fd)
+        # No expected scope here: another scope is a different identity (republished), not an error.
+        snapshot = snapshot_from_object(root)
+    except OverlayRejected as exc:
+        log.warning("existing %s is not a valid overlay, it will be replaced: %s", where, exc)
+        return Published(None, generation, None)
+    if not isinstance(provenance, dict):  # a legacy document: valid, but never ours
+        return Published(snapshot.revision, generation, None)
+    identity = {
+        "scope": snapshot.scope,
+        **{key: provenance.get(key) for key in ("producer", "producer_version", "source_name", "source_uid")},
+    }
+    return Published(snapshot.revision, generation, identity, parse_rfc3339(provenance.get("rendered_at")))
+
+
+def is_current(spec: ControlSpec, held: Published, document: dict[str, Any], now: datetime) -> bool:
+    """True when ``held`` already says what ``document`` would: same revision, our identity, and
+    (with ``refresh``) rendered recently enough."""
+    if semantic_revision(document) != held.revision or held.identity != envelope_identity(spec):
+        return False
+    if spec.refresh is None:
+        return True
+    return held.rendered_at is not None and (now - held.rendered_at).total_seconds() < spec.refresh
+
+
+def render_checked(spec: ControlSpec, document: dict[str, Any], generation: int, now: datetime) -> tuple[bytes, str]:
+    """The envelope's bytes and revision, validated as a gateway would validate them.
+
+    Raises :class:`OverlayRejected` when the render is not acceptable (a bug: nothing is published).
+    """
+    data = encode_envelope(render_envelope(spec, document, generation, now))
+    if len(data) > MAX_OVERLAY_BYTES:
+        raise OverlayRejected(TOO_LARGE, f"rendered overlay is {len(data)} bytes (limit {MAX_OVERLAY_BYTES})")
+    return data, snapshot_from_bytes(data, spec.scope.as_dict()).revision
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    revision: str
+    generation: int
+    previous_revision: str | None
+
+
+# --------------------------------------------------------------------------- the file
 
 
 def _signature(path: str) -> _Signature | None:
@@ -114,60 +161,27 @@ def _signature(path: str) -> _Signature | None:
     return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
 
-@dataclass(frozen=True)
-class OnDisk:
-    """What the output file holds, as far as publishing cares."""
-
-    revision: str | None  # semantic revision of the valid overlay there, else None
-    generation: int  # its provenance.source_generation (0: none), kept even if the rest is invalid
-    identity: dict[str, Any] | None
-    signature: _Signature | None  # stat identity when read, to notice outside edits
-
-
-def read_on_disk(spec: ControlSpec) -> OnDisk:
-    path = spec.output
-    signature = _signature(path)
+def read_on_disk(path: str) -> Published:
     try:
         with open(path, "rb") as handle:
             data = handle.read(MAX_OVERLAY_BYTES + 1)
-        root = parse_json(data)
     except FileNotFoundError:
-        return OnDisk(None, 0, None, None)
-    except (OSError, OverlayRejected) as exc:
-        log.warning("existing %s is not readable as an overlay, it will be replaced: %s", path, exc)
-        return OnDisk(None, 0, None, signature)
-    provenance = root.get("provenance") if isinstance(root, dict) else None
-    generation = provenance.get("source_generation") if isinstance(provenance, dict) else None
-    generation = generation if type(generation) is int and generation > 0 else 0
-    try:
-        # No expected scope here: another scope is a different identity (republished), not an error.
-        snapshot = snapshot_from_object(root)
-    except OverlayRejected as exc:
-        log.warning("existing %s is not a valid overlay, it will be replaced: %s", path, exc)
-        return OnDisk(None, generation, None, signature)
-    if not isinstance(provenance, dict):  # a legacy document: valid, but never ours
-        return OnDisk(snapshot.revision, generation, None, signature)
-    identity = {
-        "scope": snapshot.scope,
-        **{key: provenance.get(key) for key in ("producer", "producer_version", "source_name", "source_uid")},
-    }
-    return OnDisk(snapshot.revision, generation, identity, signature)
-
-
-@dataclass(frozen=True)
-class PublishResult:
-    revision: str
-    generation: int
-    previous_revision: str | None
+        return NOTHING_PUBLISHED
+    except OSError as exc:
+        log.warning("existing %s is not readable, it will be replaced: %s", path, exc)
+        return NOTHING_PUBLISHED
+    return judge_published(data, path)
 
 
 class Publisher:
     """Owns the output file: publishes a document when its revision (or our identity) differs."""
 
     def __init__(self, spec: ControlSpec) -> None:
+        assert spec.output is not None
         self.spec = spec
-        self.identity = envelope_identity(spec)
-        self.on_disk = read_on_disk(spec)
+        self.path = spec.output
+        self.signature = _signature(self.path)  # stat identity when read, to notice outside edits
+        self.on_disk = read_on_disk(self.path)
 
     @property
     def revision(self) -> str | None:
@@ -180,27 +194,24 @@ class Publisher:
     def _notice_outside_edits(self) -> None:
         # Someone replaced or removed the file: judge what is there now, not what we wrote. The
         # generation never goes back, even if the file went away.
-        if _signature(self.spec.output) != self.on_disk.signature:
-            fresh = read_on_disk(self.spec)
+        signature = _signature(self.path)
+        if signature != self.signature:
+            fresh = read_on_disk(self.path)
+            self.signature = signature
             self.on_disk = replace(fresh, generation=max(fresh.generation, self.on_disk.generation))
-
-    def is_current(self, document: dict[str, Any]) -> bool:
-        self._notice_outside_edits()
-        return semantic_revision(document) == self.on_disk.revision and self.on_disk.identity == self.identity
 
     def publish(self, document: dict[str, Any], now: datetime) -> PublishResult | None:
         """Write ``document`` if it is not what the file already holds; None when nothing was written.
 
         Raises :class:`OverlayRejected` (the render does not validate) or :class:`OSError`.
         """
-        if self.is_current(document):
+        self._notice_outside_edits()
+        if is_current(self.spec, self.on_disk, document, now):
             return None
         generation = self.on_disk.generation + 1
-        data = encode_envelope(render_envelope(self.spec, document, generation, now))
-        if len(data) > MAX_OVERLAY_BYTES:
-            raise OverlayRejected(TOO_LARGE, f"rendered overlay is {len(data)} bytes (limit {MAX_OVERLAY_BYTES})")
-        snapshot = snapshot_from_bytes(data, self.spec.scope.as_dict())
-        write_atomically(self.spec.output, data)
+        data, revision = render_checked(self.spec, document, generation, now)
+        write_atomically(self.path, data)
         previous = self.on_disk.revision
-        self.on_disk = OnDisk(snapshot.revision, generation, dict(self.identity), _signature(self.spec.output))
-        return PublishResult(snapshot.revision, generation, previous)
+        self.on_disk = Published(revision, generation, envelope_identity(self.spec), now)
+        self.signature = _signature(self.path)
+        return PublishResult(revision, generation, previous)

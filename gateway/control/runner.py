@@ -4,11 +4,15 @@
 problem at start is exit 1 with one ``field: message`` line per problem on stderr;
 SIGTERM/SIGINT stop the loop and exit 0. Providers that cannot be reached are
 published as ``none``; they never stop the loop. A publish that fails (the disk,
-or a render the validator refuses) is logged and retried next round while the
-last good file stays in place.
+Valkey, or a render the validator refuses) is logged and retried next round while
+the last good overlay stays in place.
+
+Destinations: the ``output`` file and/or ``publish.valkey`` (a key, guarded by a lease so
+that one instance of several publishes; :mod:`gateway.control.valkey_publish`).
 
 Stopping interrupts only the observation phase (awaiting probes); deciding and
-writing are synchronous, so a stop never leaves a round half-published.
+publishing run to the end (Valkey commands are bounded by their timeout), so a stop
+never leaves a round half-published. A clean stop releases the lease.
 """
 
 from __future__ import annotations
@@ -21,18 +25,20 @@ import sys
 import time
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from gateway.config import ConfigError
-from gateway.control.decide import Assessment, Hold, decide, describe_changes
+from gateway.control.decide import Assessment, Hold, Observation, decide, describe_changes
 from gateway.control.observe import observe_all
 from gateway.control.publish import Publisher, PublishResult
 from gateway.control.spec import ControlSpec, check_spec, load_spec
+from gateway.control.valkey_publish import ValkeyPublisher, ValkeyUnavailable
 from gateway.overlay.contract import OverlayRejected
 
 log = logging.getLogger("gridgate.control")
 
 Clock = Callable[[], datetime]
+T = TypeVar("T")
 
 
 def utc_now() -> datetime:
@@ -40,20 +46,28 @@ def utc_now() -> datetime:
 
 
 class ControlLoop:
-    """The state carried between rounds: stabilization holds and the published assessments."""
+    """The state carried between rounds: stabilization holds, the published assessments, the destinations."""
 
     def __init__(self, spec: ControlSpec, clock: Clock = utc_now) -> None:
         self.spec = spec
         self.clock = clock
-        self.publisher = Publisher(spec)
+        self.publisher = Publisher(spec) if spec.output is not None else None
+        target = spec.publish.valkey
+        self.valkey = ValkeyPublisher(spec, target) if target is not None else None
         self.holds: dict[str, Hold] = {}
         self.published: dict[str, Assessment] = {}
-        self.unpublished_changes: list[str] = []  # state changes not yet on disk (a publish failed)
+        # Per destination: state changes not published there yet (a publish failed or was not ours to make).
+        self.unpublished: dict[str, list[str]] = {"file": [], "valkey": []}
+        self._leading = False  # the Valkey lease was held at the last round
 
-    async def round(self) -> PublishResult | None:
-        observations = await observe_all(
-            self.spec.providers, self.spec.probe_timeout, self.spec.scoring_policy.uses_metrics()
-        )
+    async def observe(self) -> dict[str, Observation]:
+        return await observe_all(self.spec.providers, self.spec.probe_timeout, self.spec.scoring_policy.uses_metrics())
+
+    async def round(self) -> None:
+        await self.apply(await self.observe())
+
+    async def apply(self, observations: dict[str, Observation]) -> None:
+        """Decide from one round's observations and publish to every destination."""
         decision = decide(self.spec, observations, self.holds)
         first_round = not self.published
         changes = describe_changes(self.published, decision.published)
@@ -64,32 +78,52 @@ class ControlLoop:
                 log.debug("%s: observed %s (%d/%d), holding %s", name, hold.pending.describe(), hold.streak,
                           self.spec.admission.observations, hold.published.describe())
         self.holds, self.published = decision.holds, decision.published
-        self.unpublished_changes += [line.split(" (", 1)[0] for line in changes]
-        try:
-            result = self.publisher.publish(decision.document, self.clock())
-        except (OverlayRejected, OSError) as exc:
-            log.error("publish to %s failed, keeping the previous file and retrying next round: %s",
-                      self.spec.output, exc)
-            return None
+        summary = [line.split(" (", 1)[0] for line in changes]
+        now = self.clock()
+        if self.publisher is not None:
+            self.unpublished["file"] += summary
+            try:
+                result = self.publisher.publish(decision.document, now)
+            except (OverlayRejected, OSError) as exc:
+                log.error("publish to %s failed, keeping the previous file and retrying next round: %s",
+                          self.spec.output, exc)
+            else:
+                self._report(result, "file", self.spec.output or "", first_round, "file")
+        if self.valkey is not None:
+            self.unpublished["valkey"] += summary
+            took_over = not self._leading
+            try:
+                result = await self.valkey.publish(decision.document, now)
+            except (OverlayRejected, ValkeyUnavailable) as exc:
+                log.error("publish to %s failed, retrying next round: %s", self.valkey.where, exc)
+                return
+            self._leading = self.valkey.lease.held
+            if self._leading:
+                self._report(result, "valkey", self.valkey.where, took_over, "key")
+
+    def _report(self, result: PublishResult | None, destination: str, where: str, first: bool, noun: str) -> None:
         if result is not None:
-            log.info("published revision %s generation %d to %s (%s)", result.revision, result.generation,
-                     self.spec.output, _publish_reason(result, first_round, self.unpublished_changes))
-        self.unpublished_changes = []
-        return result
+            log.info("published revision %s generation %d to %s (%s)", result.revision, result.generation, where,
+                     _publish_reason(result, first, self.unpublished[destination], noun))
+        self.unpublished[destination] = []
+
+    async def close(self) -> None:
+        if self.valkey is not None:
+            await self.valkey.close()
 
 
-def _publish_reason(result: PublishResult, first_round: bool, changes: list[str]) -> str:
+def _publish_reason(result: PublishResult, first: bool, changes: list[str], noun: str) -> str:
     if result.previous_revision is None:
         return "no valid overlay was there"
-    if first_round:
-        return "startup: the file held another revision or envelope"
+    if first:
+        return f"startup: the {noun} held another revision or envelope"
     if changes:
         return "; ".join(changes)
-    return "the file was changed by someone else"
+    return f"the {noun} was changed by someone else, or its refresh was due"
 
 
-async def _unless_stopped(work: Coroutine[Any, Any, Any], stop_event: asyncio.Event) -> bool:
-    """Run ``work`` unless ``stop_event`` fires first (then cancel it); True if it completed."""
+async def _unless_stopped(work: Coroutine[Any, Any, T], stop_event: asyncio.Event) -> T | None:
+    """Run ``work`` unless ``stop_event`` fires first (then cancel it); its result, None if stopped."""
     task = asyncio.ensure_future(work)
     stopper = asyncio.ensure_future(stop_event.wait())
     try:
@@ -97,30 +131,39 @@ async def _unless_stopped(work: Coroutine[Any, Any, Any], stop_event: asyncio.Ev
     finally:
         stopper.cancel()
     if task.done():
-        task.result()  # re-raise a bug rather than loop on it
-        return True
+        return task.result()  # re-raises a bug rather than loop on it
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
-    return False
+    return None
 
 
 async def run_control(spec_path: str, stop_event: asyncio.Event, *, clock: Clock = utc_now) -> None:
     """Run rounds every ``interval`` until ``stop_event`` is set. Raises ConfigError for a bad spec."""
     spec = load_spec(spec_path)
     loop = ControlLoop(spec, clock)
-    log.info("control plane started: %d providers, interval %gs, %s/%s/%s admission, output %s "
-             "(on disk: generation %d, revision %s)", len(spec.providers), spec.interval, spec.routing_policy,
-             spec.scoring_policy.strategy, spec.admission.mode, spec.output, loop.publisher.generation,
-             loop.publisher.revision or "none")
-    while not stop_event.is_set():
-        started = time.monotonic()
-        if not await _unless_stopped(loop.round(), stop_event):
-            break
-        # Fixed rate: the next round starts one interval after this one started.
-        remaining = spec.interval - (time.monotonic() - started)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop_event.wait(), max(0.0, remaining))
+    destinations = []
+    if loop.publisher is not None:
+        destinations.append(f"output {spec.output} (on disk: generation {loop.publisher.generation}, "
+                            f"revision {loop.publisher.revision or 'none'})")
+    if loop.valkey is not None:
+        destinations.append(f"{loop.valkey.where} (lease {loop.valkey.lease.key} as {loop.valkey.lease.owner})")
+    log.info("control plane started: %d providers, interval %gs, %s/%s/%s admission, %s", len(spec.providers),
+             spec.interval, spec.routing_policy, spec.scoring_policy.strategy, spec.admission.mode,
+             "; ".join(destinations))
+    try:
+        while not stop_event.is_set():
+            started = time.monotonic()
+            observed = await _unless_stopped(loop.observe(), stop_event)
+            if observed is None:
+                break
+            await loop.apply(observed)
+            # Fixed rate: the next round starts one interval after this one started.
+            remaining = spec.interval - (time.monotonic() - started)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop_event.wait(), max(0.0, remaining))
+    finally:
+        await loop.close()
     log.info("control plane stopped")
 
 

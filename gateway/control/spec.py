@@ -22,6 +22,7 @@ import msgspec
 # One error builder for every YAML file gridgate reads: the config's.
 from gateway.config import ConfigError, Seconds, convert_yaml, read_text
 from gateway.overlay.contract import MAX_CANDIDATES, MAX_TEXT_BYTES
+from gateway.quota.backend import url_problem
 
 NO_METRICS = "noMetrics"
 QUEUE_DEPTH = "queueDepth"
@@ -145,10 +146,27 @@ class Provider(_Strict):
         return f"{self.kind}/{model}/{self.site}/{self.cluster_name}"
 
 
+class ValkeyTarget(_Strict):
+    """Publish to one Valkey key (CONTRACT §13); gateways follow it with ``routing.overlay_source``."""
+
+    url: str  # as quota.backend.url: valkey://, valkeys:// (TLS), redis://, rediss://, unix://, user:password@
+    key: str
+    # The lease that lets one control-plane instance of several publish; default 3 x interval.
+    lease_ttl: Seconds | None = None
+
+
+class Publish(_Strict):
+    valkey: ValkeyTarget | None = None
+
+
 class ControlSpec(_Strict):
-    output: str
     scope: Scope
     providers: list[Provider]
+    output: str | None = None  # the overlay file; optional when publish.valkey is given
+    publish: Publish = msgspec.field(default_factory=Publish)
+    # Republish an unchanged revision (new rendered_at) once the published one is this old, so gateways
+    # can tell a live control plane from a dead one (routing.overlay_max_age). None: only on change.
+    refresh: Seconds | None = None
     producer: Producer = msgspec.field(default_factory=Producer)
     interval: Seconds = Seconds(5)
     probe_timeout: Seconds = Seconds(2)
@@ -163,6 +181,11 @@ class ControlSpec(_Strict):
     @property
     def source_uid(self) -> str:
         return self.producer.source_uid or f"gridgate-control/{self.scope.network}"
+
+    @property
+    def lease_ttl(self) -> float:
+        target = self.publish.valkey
+        return float(target.lease_ttl) if target is not None and target.lease_ttl is not None else 3 * self.interval
 
 
 # --------------------------------------------------------------------------- cross-checks
@@ -260,11 +283,31 @@ def _cross_checks(spec: ControlSpec) -> list[str]:
         problems.append("scoringPolicy.scoreBands: must be 1..100")
     if spec.admission.observations < 1:
         problems.append("admission.observations: must be >= 1")
-    if not os.path.basename(spec.output).strip():
+    if spec.output is None and spec.publish.valkey is None:
+        problems.append("output: required key is missing (or give publish.valkey)")
+    elif spec.output is None:
+        pass
+    elif not os.path.basename(spec.output).strip():
         problems.append("output: must name a file")
     elif not os.path.isdir(os.path.dirname(spec.output) or "."):
         problems.append(f"output: directory {os.path.dirname(spec.output)} does not exist")
-    return problems + _provider_problems(spec)
+    if spec.refresh is not None and spec.refresh < spec.interval:
+        problems.append("refresh: must be at least interval")
+    return problems + _publish_problems(spec) + _provider_problems(spec)
+
+
+def _publish_problems(spec: ControlSpec) -> list[str]:
+    target = spec.publish.valkey
+    if target is None:
+        return []
+    problems = []
+    if (problem := url_problem(target.url)) is not None:
+        problems.append(f"publish.valkey.url: {problem}")
+    if not target.key.strip() or any(c.isspace() for c in target.key):
+        problems.append("publish.valkey.key: must be a key name without spaces")
+    if spec.lease_ttl <= spec.interval:
+        problems.append("publish.valkey.lease_ttl: must exceed interval (the lease is renewed once per round)")
+    return problems
 
 
 # --------------------------------------------------------------------------- loading
@@ -276,7 +319,8 @@ def parse_spec(text: str, base_dir: str = ".") -> ControlSpec:
     Raises :class:`ConfigError` with one ``field: message`` line per problem.
     """
     spec = convert_yaml(text, ControlSpec)
-    spec = msgspec.structs.replace(spec, output=os.path.join(base_dir, spec.output))
+    if spec.output is not None:
+        spec = msgspec.structs.replace(spec, output=os.path.join(base_dir, spec.output))
     problems = _cross_checks(spec)
     if problems:
         raise ConfigError(problems)

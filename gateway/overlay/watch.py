@@ -1,5 +1,8 @@
-"""Overlay reload at the edge: read the file, watch it, keep the last-known-good (CONTRACT §4.5).
+"""Overlay files at the edge: read, write atomically, watch, keep the last-known-good (CONTRACT §4.5).
 
+- :func:`write_atomically` is how every overlay file is written (the control plane's
+  output, the supervisor's cache of a Valkey-sourced overlay): readers see the old
+  file or the new one, never a mix, and a crash leaves no renamed but empty file.
 - :func:`load_overlay_file` reads with the 2 MiB bound and turns every failure (I/O,
   empty file, bad JSON, contract violations) into one :class:`OverlayRejected`.
 - :class:`OverlayWatcher` is a cheap stat poller: it reports a change once the file's
@@ -14,12 +17,23 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Any
 
 from gateway.overlay.contract import EMPTY, MAX_OVERLAY_BYTES, TOO_LARGE, UNREADABLE, OverlayRejected
 from gateway.overlay.snapshot import Snapshot, snapshot_from_bytes, snapshot_from_object
 
 _Signature = tuple[Any, ...]
+FILE_MODE = 0o644  # the gateway may run as another (dynamic) user: an overlay must be world-readable
+
+
+def check_overlay_bytes(data: bytes, where: str, max_bytes: int = MAX_OVERLAY_BYTES) -> bytes:
+    """``data`` if it is within the size bound and not blank; raises :class:`OverlayRejected`."""
+    if len(data) > max_bytes:
+        raise OverlayRejected(TOO_LARGE, f"{where}: larger than {max_bytes} bytes")
+    if not data.strip():
+        raise OverlayRejected(EMPTY, f"{where}: empty")
+    return data
 
 
 def read_overlay_bytes(path: str | os.PathLike[str], max_bytes: int = MAX_OVERLAY_BYTES) -> bytes:
@@ -29,11 +43,32 @@ def read_overlay_bytes(path: str | os.PathLike[str], max_bytes: int = MAX_OVERLA
             data = handle.read(max_bytes + 1)  # one byte more tells "too large" without reading it all
     except OSError as exc:
         raise OverlayRejected(UNREADABLE, f"{os.fspath(path)}: {exc.strerror or exc}") from None
-    if len(data) > max_bytes:
-        raise OverlayRejected(TOO_LARGE, f"{os.fspath(path)}: larger than {max_bytes} bytes")
-    if not data.strip():
-        raise OverlayRejected(EMPTY, f"{os.fspath(path)}: empty file")
-    return data
+    return check_overlay_bytes(data, os.fspath(path), max_bytes)
+
+
+def write_atomically(path: str, data: bytes, mode: int = FILE_MODE) -> None:
+    """Temp file in the same directory, fsync, rename over ``path``, fsync the directory."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, temp_path = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fchmod(handle.fileno(), mode)
+            os.fsync(handle.fileno())
+        os.replace(temp_path, path)
+    except BaseException:
+        try:
+            os.unlink(temp_path)
+        except OSError:
+            pass
+        raise
+    dir_fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(dir_fd)  # makes the rename itself durable
+    finally:
+        os.close(dir_fd)
+
 
 
 def load_overlay_file(path: str | os.PathLike[str], expected_scope: Any = None) -> Snapshot:

@@ -24,13 +24,15 @@ import pytest
 import yaml
 
 from gateway.control.observe import observe_provider
-from gateway.control.publish import Publisher, write_atomically
+from gateway.control.publish import Publisher
 from gateway.control.runner import control_main, run_control
 from gateway.control.spec import load_spec
 from gateway.overlay.contract import OverlayRejected
+from gateway.overlay.digest import semantic_revision
 from gateway.overlay.snapshot import Snapshot, snapshot_from_bytes
+from gateway.overlay.watch import write_atomically
 from loadtest.mock_provider import MockProviderHandle
-from tests.harness import free_port
+from tests.harness import Client, Gateway, candidate, envelope, free_port, mock_served
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCOPE = {"network": "net", "gateway": "gw", "namespace": "ns", "local_site": "east"}
@@ -407,3 +409,55 @@ def test_failed_publish_is_retried_and_never_stops_the_loop(
     wait_for(lambda: os.path.exists(output) and admissions(output)["provider-c"] == "none", what="the retry")
     assert generation(output) == 2
     control.stop()
+
+
+# --------------------------------------------------------------------------- grouping, end to end
+
+
+def test_equivalent_providers_with_different_queue_depths_share_one_group_and_a_gateway_rotates_over_all(
+    tmp_path: Path, mock_provider: Callable[..., MockProviderHandle],
+    gateway_factory: Callable[..., Gateway], control_threads: Callable[[str], ControlThread],
+) -> None:
+    # Issue 11's reproduction: one site, queue depths 1, 9 and 20, threshold 32, scoreFirst, roundRobin.
+    handles = [mock_provider(name) for name in ("provider-a", "provider-b", "provider-c")]
+    for handle, depth in zip(handles, (20, 1, 9), strict=True):
+        admin(handle, "/admin/config", {"queue_depth": depth})
+    gateway = gateway_factory({h.name: [h.address] for h in handles},
+                              envelope([candidate("m1", "provider-a")], local_site="east"), start=False)
+    spec_path = write_spec(tmp_path, [provider_entry(h, "east") for h in handles], output=gateway.overlay_path,
+                           routingPolicy="scoreFirst", scoringPolicy={"strategy": "queueDepth", "queueDepthThreshold": 32})
+    control_threads(spec_path)
+    wait_for(lambda: load(gateway.overlay_path)[0]["provenance"]["producer"] == "gridgate-control",
+             what="the control plane's first publish")
+    document, snapshot = load(gateway.overlay_path)
+    m1 = [c for c in document["overlay"]["candidates"] if c["name"] == "m1"]
+    assert [(c["cluster"], c["selection_group"], c["score"]) for c in m1] == [
+        ("provider-b", 0, 0.0), ("provider-c", 0, 0.25), ("provider-a", 0, 0.5)]
+    assert document["overlay"]["selection_policy"] == {"mode": "roundRobin"}
+
+    gateway.start()
+    client = Client(gateway.port)
+    try:
+        before = [mock_served(h) for h in handles]
+        for _ in range(6):
+            response = client.request("POST", "/v1/chat/completions", {"model": "m1", "messages": []})
+            assert response.status == 200
+            assert response.headers["x-gridgate-selection-group"] == "0"
+    finally:
+        client.close()
+    assert [mock_served(h) - b for h, b in zip(handles, before, strict=True)] == [2, 2, 2]
+
+
+def test_spec_without_selection_policy_publishes_none(tmp_path: Path, trio: dict[str, MockProviderHandle],
+                                                      control_threads: Callable[[str], ControlThread]) -> None:
+    raw = yaml.safe_load(Path(trio_spec(tmp_path, trio)).read_text())
+    del raw["selectionPolicy"]
+    (tmp_path / "control.yaml").write_text(yaml.safe_dump(raw))
+    control_threads(str(tmp_path / "control.yaml"))
+    output = str(tmp_path / "overlay.json")
+    wait_for(lambda: os.path.exists(output), what="the first publish")
+    document, snapshot = load(output)
+    assert "selection_policy" not in document["overlay"]
+    assert snapshot.mode == "deterministic"
+    assert document["revision"]["value"] == semantic_revision(
+        {k: v for k, v in document["overlay"].items() if k != "generated_at"})
