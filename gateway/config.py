@@ -255,8 +255,30 @@ class ModelFacts(_Strict):
             raise ValueError("traffic_weight: must be 1..1000")
 
 
+class OverlaySource(_Strict):
+    """``routing.overlay_source``: follow an overlay published in Valkey (CONTRACT §13, docs/fleet.md)."""
+
+    kind: Literal["valkey"]
+    url: str  # as quota.backend.url: valkey://, valkeys:// (TLS), redis://, rediss://, unix://, user:password@
+    key: str
+    poll_interval: Seconds = Seconds(5)  # re-read the key this often even without a publish notification
+    # The last accepted document, which the workers follow and a restart serves while Valkey is down.
+    # Default: $STATE_DIRECTORY/overlay-cache.json under systemd, else a private temporary directory.
+    cache_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.key.strip() or any(ch.isspace() for ch in self.key):
+            raise ValueError("key: must be a key name without spaces")
+        if self.poll_interval <= 0:
+            raise ValueError("poll_interval: must be > 0")
+
+
 class Routing(_Strict):
     overlay_file: str | None = None
+    # Instead of (or, as the fallback at a start without Valkey, beside) the file: a Valkey key.
+    overlay_source: OverlaySource | None = None
+    # Warn when the serving overlay was rendered longer ago than this (a dead control plane); None: never.
+    overlay_max_age: Seconds | None = None
     # Instead of a file: the overlay's candidate objects inline (a legacy overlay, local_site "inline",
     # deterministic selection); changed by a config reload.
     candidates: list[dict[str, Any]] | None = None
@@ -432,10 +454,14 @@ def _cross_checks(config: Config) -> list[str]:
 
 def _routing_checks(config: Config, cluster_names: set[str]) -> list[str]:
     routing, problems = config.routing, []
-    if routing.overlay_file is None and routing.candidates is None:
-        problems.append("routing.overlay_file: required key is missing (or give routing.candidates inline)")
-    elif routing.overlay_file is not None and routing.candidates is not None:
-        problems.append("routing.candidates: give either routing.overlay_file or inline candidates, not both")
+    if routing.overlay_file is None and routing.candidates is None and routing.overlay_source is None:
+        problems.append("routing.overlay_file: required key is missing (or give routing.overlay_source, "
+                        "or routing.candidates inline)")
+    elif routing.candidates is not None and (routing.overlay_file is not None or routing.overlay_source is not None):
+        problems.append("routing.candidates: give either inline candidates or routing.overlay_file/overlay_source, "
+                        "not both")
+    if routing.overlay_max_age is not None and routing.overlay_max_age <= 0:
+        problems.append("routing.overlay_max_age: must be > 0")
     for index, name in enumerate(routing.provider_hop_clusters):
         if name not in cluster_names:
             problems.append(f"routing.provider_hop_clusters[{index}]: unknown cluster {name!r}")

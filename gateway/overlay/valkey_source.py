@@ -118,15 +118,13 @@ class ValkeyOverlaySource:
 
     def __init__(self, url: str, key: str, cache: OverlayCache, *, poll_interval: float = POLL_INTERVAL_S,
                  timeout: float = COMMAND_TIMEOUT_S) -> None:
-        from gateway.quota.backend import create_client  # valkey-py loads only where a source is used
-
         self.url = url
         self.key = key
         self.cache = cache
         self.poll_interval = poll_interval
         self.timeout = min(timeout, poll_interval)
         self.where = f"{redact_url(url)} key {key}"
-        self.client = create_client(url, timeout_s=self.timeout)  # raises ValueError for a bad URL
+        self._client: Any = None  # made on the loop that uses it (open() and run() may run on two loops)
         self.up = False
         self.outages = 0
         self.outcomes: Counter[str] = Counter()
@@ -178,6 +176,9 @@ class ValkeyOverlaySource:
                 await self._follow()
             except SourceUnavailable as exc:
                 self._went_down(exc)
+            except Exception as exc:  # a bug must not end the follower: keep serving, log it, try again
+                log.exception("overlay source %s failed", self.where)
+                self._went_down(exc)
             await asyncio.sleep(self._reconnect_delay)
             self._reconnect_delay = min(self._reconnect_delay * 2, self.poll_interval)
 
@@ -185,12 +186,12 @@ class ValkeyOverlaySource:
         import valkey.asyncio
         from valkey.exceptions import ValkeyError
 
-        subscriber = valkey.asyncio.Valkey.from_url(_node_url(self.url), socket_connect_timeout=self.timeout,
-                                                    socket_keepalive=True)
+        subscriber = valkey.asyncio.Valkey.from_url(_node_url(self.url), socket_connect_timeout=self.timeout)
         pubsub = subscriber.pubsub(ignore_subscribe_messages=True)
         try:
             try:
-                await asyncio.wait_for(pubsub.subscribe(events_channel(self.key)), self.timeout)
+                async with asyncio.timeout(self.timeout):  # not wait_for: on 3.11 it can swallow a cancel
+                    await pubsub.subscribe(events_channel(self.key))
             except (ValkeyError, OSError) as exc:
                 raise SourceUnavailable(_describe(exc)) from None
             # Subscribed first, read second: nothing published in between goes unseen.
@@ -208,12 +209,21 @@ class ValkeyOverlaySource:
             await pubsub.aclose()
             await subscriber.aclose()
 
+    def _commands(self) -> Any:
+        """The command client; raises ValueError for a URL the quota backend would refuse too."""
+        if self._client is None:
+            from gateway.quota.backend import create_client  # valkey-py loads only where a source is used
+
+            self._client = create_client(self.url, timeout_s=self.timeout)
+        return self._client
+
     async def _read_key(self) -> bytes | None:
         from valkey.exceptions import ValkeyError
 
+        client = self._commands()
         try:
-            return await asyncio.wait_for(self.client.execute_command("GET", self.key), self.timeout)
-        except (ValkeyError, OSError) as exc:  # asyncio's TimeoutError is an OSError
+            return await client.execute_command("GET", self.key)  # the client's own timeout bounds it
+        except (ValkeyError, OSError) as exc:
             raise SourceUnavailable(_describe(exc)) from None
 
     def _take(self, data: bytes | None) -> str | None:
@@ -237,7 +247,7 @@ class ValkeyOverlaySource:
             assert self.cache.snapshot is not None
             log.info("overlay source %s: %s revision %s", self.where,
                      "new" if outcome == APPLIED else "refreshed", self.cache.snapshot.revision)
-        return True
+        return None
 
     # ------------------------------------------------------------------ outages
 
@@ -261,7 +271,10 @@ class ValkeyOverlaySource:
         return self.cache.snapshot.revision if self.cache.snapshot is not None else "none yet"
 
     async def close(self) -> None:
-        await self.client.aclose()
+        """Close the connection; the source may be used again (on another loop, too)."""
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
 
 
 def _describe(error: BaseException) -> str:
