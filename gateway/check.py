@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from gateway.config import Config, ConfigError, ServerTls
 from gateway.overlay.contract import OverlayRejected
 from gateway.overlay.snapshot import Snapshot
+from gateway.overlay.valkey_source import source_problems
 from gateway.overlay.watch import load_inline_overlay, load_overlay_file
 from gateway.quota.rules import rules_from_config, validate_rules
 
@@ -49,6 +50,10 @@ def _problems_and_overlay(config: Config, environ: Mapping[str, str] | None) -> 
     if config.server_tls is not None:
         problems += server_tls_problems(config, config.server_tls)
     problems += upstream_ca_problems(config)
+    source = config.routing.overlay_source
+    if source is not None:
+        cache_file = None if source.cache_file is None else config.file_path(source.cache_file)
+        problems += source_problems(source.url, cache_file)
     snapshot = None
     path = config.overlay_path()
     try:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import Counter
 from typing import Any
@@ -62,6 +63,19 @@ def redact_url(url: str) -> str:
     parts = urlsplit(url)
     host = parts.netloc.rpartition("@")[2]
     return f"{parts.scheme}://{'***@' if '@' in parts.netloc else ''}{host}{parts.path}"
+
+
+def source_problems(url: str, cache_file: str | None, field: str = "routing.overlay_source") -> list[str]:
+    """What ``gridgate check`` and start-up refuse in a source: a URL the quota backend would refuse
+    too, a cache file whose directory does not exist."""
+    from gateway.quota.backend import url_problem
+
+    problems = []
+    if (problem := url_problem(url)) is not None:
+        problems.append(f"{field}.url: {problem}")
+    if cache_file is not None and not os.path.isdir(os.path.dirname(os.path.abspath(cache_file))):
+        problems.append(f"{field}.cache_file: directory {os.path.dirname(os.path.abspath(cache_file))} does not exist")
+    return problems
 
 
 class OverlaySourceError(Exception):

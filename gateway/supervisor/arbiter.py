@@ -34,6 +34,7 @@ from gateway.supervisor.children import (
 )
 from gateway.supervisor.lifecycle import Child, max_workers_for
 from gateway.supervisor.observability import SupervisorAdminSources, SupervisorCollector, WorkerCounters
+from gateway.supervisor.overlay_feed import OverlayFeed
 from gateway.supervisor.overlay_keeper import LastGoodOverlay
 from gateway.supervisor.policy import SIGNAL_ACTIONS, TICK, WAKE
 from gateway.supervisor.quota_backend import EmbeddedQuotaBackend, quota_url_for
@@ -64,6 +65,9 @@ class Arbiter:
         health_entry: Callable[[WorkerContext], object] = _default_health_entry,
     ) -> None:
         self._config_path = config_path
+        # routing.overlay_source: one subscriber for the host; the workers follow the file it writes.
+        self._overlay_feed = OverlayFeed(config)
+        config = self._overlay_feed.for_workers(config)
         self._start_config = config  # from the first tick on, the generation swap owns the running config
         self._overrides = overrides or RunOverrides()
         self._worker_entry = worker_entry
@@ -95,6 +99,7 @@ class Arbiter:
         config = self._start_config
         admin_sock: socket.socket | None = None
         try:
+            self._overlay_feed.open()  # with a source: the overlay to start with, before anything checks it
             try:
                 validate_deployment(config)  # an invalid overlay at startup is a startup error
             except ConfigError as exc:
@@ -112,6 +117,7 @@ class Arbiter:
             raise
         finally:
             self._quota_backend.stop()  # after the workers drained: their last settlements landed
+            self._overlay_feed.cleanup()
             self._notifier.close()
 
     def _create_segment(self, config: Config) -> Segment:
@@ -143,8 +149,10 @@ class Arbiter:
             self._config_path, self._overrides, self._start_config,
             workers=self._workers, readiness=self._readiness, admin=self._admin, segment=self._segment,
             quota_backend=self._quota_backend, request_reload=lambda: self._events.put_nowait("reload"),
+            for_workers=self._overlay_feed.for_workers,
         )
         metrics.register(SupervisorCollector(self._workers, self._swap))
+        metrics.register(self._overlay_feed)
         metrics.register_text(lambda: counters.render(self._workers.worker_slots(), self._clusters.names))
 
     async def _serve(self, admin_sock: socket.socket) -> int:
@@ -163,6 +171,7 @@ class Arbiter:
             "decrement": self._decrement,
         }
         await self._admin.start(admin_sock)
+        self._overlay_feed.start()
         config = self._start_config
         log.info(
             "supervisor pid %d: listen %s, admin %s, %d workers",
@@ -181,6 +190,7 @@ class Arbiter:
                     actions[action]()
                 self._tick()
         finally:
+            await self._overlay_feed.stop()
             await self._admin.close()
             await self._quota_reporter.close()
         if self._fatal:
@@ -198,6 +208,7 @@ class Arbiter:
             self._swap.advance(now)
             self._workers.maintain(self._swap.config, now)
             self._quota_backend.watch(now)
+            self._overlay_feed.tick(self._swap.config)
             self._swap.release_old_endpoint_slots()
         self._readiness.notify(now)
 

@@ -56,6 +56,7 @@ class GenerationSwap:
         segment: Segment,
         quota_backend: EmbeddedQuotaBackend,
         request_reload: Callable[[], None],
+        for_workers: Callable[[Config], Config] = lambda config: config,
     ) -> None:
         self._config_path = config_path
         self._overrides = overrides
@@ -69,6 +70,7 @@ class GenerationSwap:
         self._segment = segment
         self._quota_backend = quota_backend
         self._request_reload = request_reload
+        self._for_workers = for_workers  # the overlay feed's view of a config (overlay_feed.py)
         self._reload_again = False
         self._endpoint_slots_widened = False  # the directory holds two generations' endpoints
         # Numbers are never reused: an abandoned generation may still be draining when the next starts.
@@ -89,7 +91,7 @@ class GenerationSwap:
         self._readiness.reloading()
         workers = self._workers
         try:
-            new = self._overrides.apply(load_config(self._config_path))
+            new = self._for_workers(self._overrides.apply(load_config(self._config_path)))
             plan = plan_reload(new, self.config, target=workers.target, max_workers=workers.max_workers,
                                free_rows=workers.free_rows)
             validate_deployment(new)

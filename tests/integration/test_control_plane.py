@@ -461,3 +461,19 @@ def test_spec_without_selection_policy_publishes_none(tmp_path: Path, trio: dict
     assert snapshot.mode == "deterministic"
     assert document["revision"]["value"] == semantic_revision(
         {k: v for k, v in document["overlay"].items() if k != "generated_at"})
+
+
+def test_refresh_republishes_an_unchanged_revision_once_it_is_that_old(tmp_path: Path) -> None:
+    spec = load_spec(write_spec(tmp_path, [{"name": "p", "site": "east", "models": ["m"],
+                                            "health_url": "http://127.0.0.1:1/health", "metrics_url": "http://x/m"}],
+                                refresh="1m"))
+    document = {"network": "net", "local_site": "east", "candidates": [
+        {"kind": "inference_model", "name": "m", "site": "east", "cluster": "p", "selection_group": 0}]}
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    first = Publisher(spec).publish(document, now)
+    assert first is not None and first.generation == 1
+    assert Publisher(spec).publish(document, now + timedelta(seconds=59)) is None
+    again = Publisher(spec).publish(document, now + timedelta(seconds=61))
+    assert again is not None and (again.generation, again.revision, again.previous_revision) == (
+        2, first.revision, first.revision)
+    assert load(spec.output)[0]["provenance"]["rendered_at"] == "2026-01-01T00:01:01.000Z"

@@ -21,8 +21,9 @@ import valkey
 import yaml
 
 from gateway.overlay.snapshot import snapshot_from_bytes
+from gateway.quota.embedded import EmbeddedValkey
 from loadtest.mock_provider import MockProviderHandle
-from tests.harness import ROOT
+from tests.harness import ROOT, Gateway, admin_get, candidate, chat, envelope, free_port
 
 SCOPE = {"network": "net", "gateway": "gw", "namespace": "ns", "local_site": "east"}
 INTERVAL_MS = 200
@@ -175,3 +176,203 @@ def test_two_control_planes_on_one_key_one_holds_the_lease_the_other_takes_over(
     assert store.get(f"{key}:lease") is None
     assert "control plane stopped" in standby.log()
     events.close()
+
+
+# --------------------------------------------------------------------------- gateways following a key
+
+
+def fleet_overlay(cluster: str, generation: int = 1, **options: Any) -> dict[str, Any]:
+    return envelope([candidate("m", cluster)], generation=generation, **options)
+
+
+def put(store: valkey.Valkey, key: str, document: dict[str, Any] | bytes) -> float:
+    """SET then PUBLISH as the control plane does; returns the monotonic time of the PUBLISH."""
+    store.set(key, document if isinstance(document, bytes) else json.dumps(document))
+    published_at = time.monotonic()
+    store.publish(f"{key}:events", "new")
+    return published_at
+
+
+def source_gateway(factory: Callable[..., Gateway], providers: dict[str, MockProviderHandle], url: str, key: str,
+                   *, workers: int = 1, fallback: dict[str, Any] | None = None, start: bool = True,
+                   **source: Any) -> Gateway:
+    gateway = factory({name: [h.address] for name, h in providers.items()}, fallback or fleet_overlay("provider-c"),
+                      start=False, workers=workers)
+    gateway.config["routing"]["overlay_source"] = {"kind": "valkey", "url": url, "key": key, **source}
+    if fallback is None:
+        del gateway.config["routing"]["overlay_file"]
+    gateway.write_config()
+    return gateway.start() if start else gateway
+
+
+def serving(gateway: Gateway) -> set[str | None]:
+    """The revisions the gateway's workers serve (one element once they agree)."""
+    _, _, body = admin_get(gateway.admin_port, "/admin/overlay")
+    return {w["serving_revision"] for w in json.loads(body)["workers"]} if body else {None}
+
+
+def providers_of(gateway: Gateway, count: int = 6) -> set[str]:
+    """Which providers serve ``count`` requests, each on a new connection (so any worker may take it)."""
+    found = set()
+    for _ in range(count):
+        response = chat(gateway.port, model="m")
+        assert response.status == 200, response.body
+        found.add(response.headers["x-gridgate-provider"])
+    return found
+
+
+def metric(gateway: Gateway, name: str) -> float | None:
+    _, _, body = admin_get(gateway.admin_port, "/metrics")
+    for line in body.decode().splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_two_gateways_converge_on_a_publish_within_3s_and_keep_last_known_good_on_a_bad_one(
+    valkey_url: str, store: valkey.Valkey, key: str, providers: dict[str, MockProviderHandle],
+    gateway_factory: Callable[..., Gateway],
+) -> None:
+    first = fleet_overlay("provider-a")
+    put(store, key, first)
+    one = source_gateway(gateway_factory, providers, valkey_url, key)
+    two = source_gateway(gateway_factory, providers, valkey_url, key, workers=2)
+    for gateway in (one, two):
+        assert serving(gateway) == {first["revision"]["value"]}
+        assert providers_of(gateway) == {"provider-a"}
+        assert metric(gateway, "gridgate_overlay_source_up") == 1.0
+
+    second = fleet_overlay("provider-b", generation=2)
+    published_at = put(store, key, second)
+    for gateway in (one, two):
+        wait_for(lambda gateway=gateway: serving(gateway) == {second["revision"]["value"]}, timeout=3.0,
+                 what="convergence on the published revision")
+    assert time.monotonic() - published_at < 3.0
+    for gateway in (one, two):
+        assert providers_of(gateway) == {"provider-b"}
+
+    # Invalid documents: a digest that does not match, then one that is not JSON. Both gateways keep serving.
+    tampered = fleet_overlay("provider-c", generation=3)
+    tampered["content_digest"]["value"] = tampered["revision"]["value"] = "0" * 64
+    for count, bad in enumerate((json.dumps(tampered).encode(), b"{half a docum"), start=1):
+        put(store, key, bad)
+        for gateway in (one, two):
+            wait_for(lambda gateway=gateway, count=count: metric(
+                gateway, 'gridgate_overlay_source_updates_total{outcome="rejected"}') == count, what="the rejection")
+    time.sleep(1.0)  # long enough for a worker to have followed a cache file that changed
+    for gateway in (one, two):
+        assert serving(gateway) == {second["revision"]["value"]}
+        assert providers_of(gateway) == {"provider-b"}
+        assert "overlay source rejected the document (digest_mismatch" in gateway.log()
+        assert "overlay source rejected the document (malformed_structure" in gateway.log()
+    # One subscriber per host (the supervisor's), not one per worker: two hosts, three workers, two.
+    assert store.pubsub_numsub(f"{key}:events") == [(f"{key}:events".encode(), 2)]
+
+
+def test_valkey_outage_keeps_traffic_and_readiness_and_a_publish_after_recovery_is_picked_up(
+    tmp_path: Path, key: str, providers: dict[str, MockProviderHandle], gateway_factory: Callable[..., Gateway],
+) -> None:
+    server = EmbeddedValkey(tmp_path / "valkey", unix_socket=False)
+    url = server.start()
+    store = valkey.Valkey.from_url(url)
+    try:
+        put(store, key, fleet_overlay("provider-a"))
+        gateway = source_gateway(gateway_factory, providers, url, key, workers=2, poll_interval="1s")
+        assert providers_of(gateway) == {"provider-a"}
+
+        server.stop()
+        wait_for(lambda: metric(gateway, "gridgate_overlay_source_up") == 0.0, what="the outage to be noticed")
+        assert admin_get(gateway.admin_port, "/readyz")[0] == 200
+        assert providers_of(gateway) == {"provider-a"}
+        time.sleep(1.5)  # reconnect attempts fail: still one outage, still ready
+        assert metric(gateway, "gridgate_overlay_source_outages_total") == 1.0
+        assert admin_get(gateway.admin_port, "/readyz")[0] == 200
+        assert gateway.log().count("unreachable (") == 1
+
+        assert server.start() == url
+        second = fleet_overlay("provider-b", generation=2)
+        put(store, key, second)
+        wait_for(lambda: serving(gateway) == {second["revision"]["value"]}, timeout=5.0,
+                 what="the publish made after Valkey came back")
+        assert providers_of(gateway) == {"provider-b"}
+        assert metric(gateway, "gridgate_overlay_source_up") == 1.0
+        assert "reachable again after" in gateway.log()
+    finally:
+        store.close()
+        server.stop()
+
+
+def test_start_without_valkey_fails_in_one_line_or_serves_the_cache_or_the_fallback_file(
+    tmp_path: Path, key: str, providers: dict[str, MockProviderHandle], gateway_factory: Callable[..., Gateway],
+    valkey_url: str, store: valkey.Valkey,
+) -> None:
+    dead = f"valkey://127.0.0.1:{free_port()}/0"
+    cache = str(tmp_path / "cache.json")
+    gateway = source_gateway(gateway_factory, providers, dead, key, start=False, cache_file=cache)
+    with pytest.raises(RuntimeError) as info:
+        gateway.start(timeout=10)
+    assert gateway.process.wait(5) == 1
+    lines = [line for line in gateway.log().splitlines() if "routing.overlay_source" in line]
+    assert len(lines) == 1 and "no overlay to serve" in lines[0] and "Valkey unreachable" in lines[0], info.value
+
+    # A run with Valkey leaves its document in the cache; the next start without Valkey serves it.
+    first = fleet_overlay("provider-b")
+    put(store, key, first)
+    with_valkey = source_gateway(gateway_factory, providers, valkey_url, key, cache_file=cache)
+    assert providers_of(with_valkey) == {"provider-b"}
+    with_valkey.stop()
+    restarted = source_gateway(gateway_factory, providers, dead, key, cache_file=cache)
+    assert serving(restarted) == {first["revision"]["value"]}
+    assert "serving the cached revision" in restarted.log()
+    restarted.stop()
+
+    # No cache, but a local overlay_file beside the source: that file is served.
+    fallback = fleet_overlay("provider-c")
+    served = source_gateway(gateway_factory, providers, dead, key, fallback=fallback)
+    assert providers_of(served) == {"provider-c"}
+    assert "serving routing.overlay_file" in served.log()
+
+
+def test_overlay_age_is_measured_and_a_stale_overlay_warned_about_once(
+    providers: dict[str, MockProviderHandle], gateway_factory: Callable[..., Gateway],
+) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    def rendered(ago: timedelta, generation: int) -> dict[str, Any]:
+        document = fleet_overlay("provider-a", generation=generation)
+        stamp = (datetime.now(UTC) - ago).isoformat(timespec="seconds").replace("+00:00", "Z")
+        document["provenance"]["rendered_at"] = document["overlay"]["generated_at"] = stamp
+        return document
+
+    gateway = gateway_factory({name: [h.address] for name, h in providers.items()}, rendered(timedelta(hours=2), 1),
+                              extra={"routing": {"overlay_max_age": "1h"}})
+    age = wait_for(lambda: metric(gateway, "gridgate_overlay_age_seconds"), what="the age metric")
+    assert 7190 < age < 7300
+    wait_for(lambda: "more than routing.overlay_max_age" in gateway.log(), what="the staleness warning")
+    from tests.harness import write_json_atomic
+    write_json_atomic(gateway.overlay_path, rendered(timedelta(0), 2))  # the control plane is back
+    wait_for(lambda: (metric(gateway, "gridgate_overlay_age_seconds") or 1e9) < 60, what="a fresh age")
+    wait_for(lambda: "is fresh again" in gateway.log(), what="the recovery line")
+    assert gateway.log().count("more than routing.overlay_max_age") == 1
+
+
+def test_reload_keeps_following_the_source_and_refuses_to_change_it(
+    valkey_url: str, store: valkey.Valkey, key: str, providers: dict[str, MockProviderHandle],
+    gateway_factory: Callable[..., Gateway],
+) -> None:
+    put(store, key, fleet_overlay("provider-a"))
+    gateway = source_gateway(gateway_factory, providers, valkey_url, key)
+    pids = gateway.worker_pids()
+    gateway.signal(signal.SIGHUP)  # nothing changed: the same workers keep serving (no generation swap)
+    wait_for(lambda: "forwarded SIGHUP" in gateway.log(), what="the in-place reload")
+    assert gateway.worker_pids() == pids
+
+    gateway.config["routing"]["overlay_source"]["key"] = key + ":other"
+    gateway.write_config()
+    gateway.signal(signal.SIGHUP)
+    wait_for(lambda: "routing.overlay_source: changed; restart the service to apply it" in gateway.log(),
+             what="the refused reload")
+    second = fleet_overlay("provider-b", generation=2)
+    put(store, key, second)  # still following the key it started with
+    wait_for(lambda: serving(gateway) == {second["revision"]["value"]}, timeout=3.0, what="the publish")
+    assert providers_of(gateway) == {"provider-b"}
