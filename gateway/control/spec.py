@@ -1,4 +1,4 @@
-"""The control-plane spec file (YAML), documented in ``deploy/control/README.md``.
+"""The control-plane spec file (YAML), documented in ``docs/control-plane.md``.
 
 Same rules as the gateway config (CONTRACT §2): msgspec Structs reject unknown keys,
 durations are ``500ms``/``5s``/``2m``, and every problem is one ``field.path: message``

@@ -47,3 +47,17 @@ def test_overlay_source_beside_an_overlay_file_and_a_max_age() -> None:
 ])
 def test_overlay_source_errors_name_the_field(routing: str, expected: str) -> None:
     assert problems(routing)[0].startswith(expected)
+
+
+def test_gridgate_check_refuses_a_source_url_the_quota_backend_would_refuse_and_a_missing_cache_dir(tmp_path) -> None:
+    from gateway.check import check_problems
+
+    config = parse_config(CLUSTERS + "routing: {overlay_source: {kind: valkey, url: 'http://h:1', key: k, "
+                                     "cache_file: missing/cache.json}}\n", base_dir=str(tmp_path))
+    assert check_problems(config, environ=None) == [
+        "routing.overlay_source.url: unsupported scheme http:// (use one of valkey://, valkeys://, redis://, "
+        "rediss://, unix://, valkey+cluster://, valkeys+cluster://)",
+        f"routing.overlay_source.cache_file: directory {tmp_path}/missing does not exist",
+    ]
+    good = parse_config(CLUSTERS + f"routing: {{overlay_source: {SOURCE}}}\n", base_dir=str(tmp_path))
+    assert check_problems(good, environ=None) == []
