@@ -56,15 +56,12 @@ class ControlLoop:
         self.valkey = ValkeyPublisher(spec, target) if target is not None else None
         self.holds: dict[str, Hold] = {}
         self.published: dict[str, Assessment] = {}
-        # Per destination: state changes not published there yet (a publish failed or was not ours to make).
+        # Per destination: state changes not published there yet (a publish failed), for the next publish's log.
         self.unpublished: dict[str, list[str]] = {"file": [], "valkey": []}
         self._leading = False  # the Valkey lease was held at the last round
 
     async def observe(self) -> dict[str, Observation]:
         return await observe_all(self.spec.providers, self.spec.probe_timeout, self.spec.scoring_policy.uses_metrics())
-
-    async def round(self) -> None:
-        await self.apply(await self.observe())
 
     async def apply(self, observations: dict[str, Observation]) -> None:
         """Decide from one round's observations and publish to every destination."""
@@ -100,6 +97,8 @@ class ControlLoop:
             self._leading = self.valkey.lease.held
             if self._leading:
                 self._report(result, "valkey", self.valkey.where, took_over, "key")
+            else:
+                self.unpublished["valkey"] = []  # the lease holder publishes, and reports, its own
 
     def _report(self, result: PublishResult | None, destination: str, where: str, first: bool, noun: str) -> None:
         if result is not None:

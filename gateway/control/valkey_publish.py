@@ -147,10 +147,4 @@ class ValkeyPublisher:
         except (ValkeyError, OSError) as exc:
             log.warning("could not release the lease %s (it expires by itself): %s", self.lease.key, exc)
         finally:
-            await _close(self.client)
-
-
-async def _close(client: Any) -> None:
-    close = getattr(client, "aclose", None)
-    if close is not None:
-        await close()
+            await self.client.aclose()
