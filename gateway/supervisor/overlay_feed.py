@@ -12,8 +12,9 @@ Freshness, for every kind of overlay: the age of the overlay at the path the wor
 ``rendered_at``, else ``generated_at``) as ``gridgate_overlay_age_seconds``, and a warning when it
 passes ``routing.overlay_max_age``, so a control plane that stopped publishing is noticed.
 
-The arbiter calls: ``for_workers`` (start and every reload), ``open`` (before forking), ``start`` /
-``stop`` (on its loop), ``tick`` and ``cleanup``; the feed is also a metrics collector.
+The arbiter calls ``for_workers`` at start and hands it to the ``GenerationSwap`` for every reload,
+``open`` before forking, ``start`` / ``stop`` on its loop, ``tick`` and ``cleanup``; the feed is also
+a metrics collector on ``/metrics``.
 """
 
 from __future__ import annotations
