@@ -34,6 +34,7 @@ import msgspec
 
 from gateway.http.errors import ErrorReply
 from gateway.http.media import is_json_content_type
+from gateway.routing.eligibility import AUDIO, EMBEDDINGS, JSON_SCHEMA, TOOLS, VISION
 
 MAX_NAME_BYTES = 256
 MCP_SESSION_NAME = ""  # see gateway.overlay.snapshot.MCP_SESSION_CAPABILITY
@@ -66,6 +67,64 @@ class BodyFields(msgspec.Struct):
         return bool(options is not None and options.include_usage)
 
 
+_ABSENT = msgspec.Raw()  # raw fields default to empty bytes: absent
+
+
+class MessageContent(msgspec.Struct):
+    content: msgspec.Raw = _ABSENT  # kept raw: only a list of parts is looked into
+
+
+class ResponseFormat(msgspec.Struct):
+    type: str | None = None
+
+
+class FactFields(BodyFields):
+    """``BodyFields`` plus what request-aware eligibility needs (decoded only when it is configured)."""
+
+    tools: msgspec.Raw = _ABSENT
+    tool_choice: msgspec.Raw = _ABSENT
+    functions: msgspec.Raw = _ABSENT
+    response_format: ResponseFormat | None = None
+    messages: list[MessageContent] | None = None
+    input: msgspec.Raw = _ABSENT  # the Responses API's input (a string or a list of items)
+    modalities: list[str] | None = None
+
+
+# Content-part types in a JSON body. A raw `"` cannot occur inside a JSON string (it is escaped), so
+# finding the quoted type name finds a real part type, never user text.
+_IMAGE_PARTS = (b'"image_url"', b'"input_image"')
+_AUDIO_PARTS = (b'"input_audio"',)
+_EMPTY = (b"", b"[]", b"null", b'"none"')
+
+
+def _has_part(raw: bytes, kinds: tuple[bytes, ...]) -> bool:
+    return raw[:1] == b"[" and any(kind in raw for kind in kinds)
+
+
+def request_features(fields: BodyFields | None, target: bytes) -> int:
+    """The features a request uses (``gateway.routing.eligibility`` bits): tools, image parts, JSON
+    schema output, audio, embeddings."""
+    features = EMBEDDINGS if target.startswith(b"/v1/embeddings") else 0
+    if type(fields) is not FactFields:
+        return features
+    for raw in (fields.tools, fields.tool_choice, fields.functions):
+        if bytes(raw).strip() not in _EMPTY:
+            features |= TOOLS
+            break
+    if fields.response_format is not None and fields.response_format.type == "json_schema":
+        features |= JSON_SCHEMA
+    if fields.modalities and "audio" in fields.modalities:
+        features |= AUDIO
+    contents = [bytes(m.content) for m in fields.messages or ()]
+    contents.append(bytes(fields.input))
+    for raw in contents:
+        if _has_part(raw, _IMAGE_PARTS):
+            features |= VISION
+        if _has_part(raw, _AUDIO_PARTS):
+            features |= AUDIO
+    return features
+
+
 class CapabilityRequest(msgspec.Struct, frozen=True):
     """The capability to route and the decoded body fields (None when no JSON body was read)."""
 
@@ -75,6 +134,7 @@ class CapabilityRequest(msgspec.Struct, frozen=True):
 
 
 _DECODER = msgspec.json.Decoder(BodyFields)
+_FACTS_DECODER = msgspec.json.Decoder(FactFields)
 
 
 _VISIBLE_ASCII = bytes(range(33, 127))
@@ -100,9 +160,9 @@ def header_token(raw: bytes | str | None, max_bytes: int = MAX_NAME_BYTES) -> by
     return value
 
 
-def decode_body(body: bytes | bytearray | memoryview) -> BodyFields | ErrorReply:
+def decode_body(body: bytes | bytearray | memoryview, facts: bool = False) -> BodyFields | ErrorReply:
     try:
-        return _DECODER.decode(body)
+        return (_FACTS_DECODER if facts else _DECODER).decode(body)
     except msgspec.ValidationError as exc:
         return ErrorReply(400, "invalid_request", f"Invalid request body: {exc}")
     except msgspec.DecodeError as exc:
@@ -117,11 +177,12 @@ def lookup_capability(
     header_value: bytes | str | None,
     body: bytes | bytearray | memoryview,
     content_type: bytes | str | None,
+    facts: bool = False,
 ) -> CapabilityRequest | ErrorReply:
-    """Which capability a request asks for, plus its body fields. See the module docstring."""
+    """Which capability a request asks for, plus its body fields (``FactFields`` when ``facts``)."""
     fields: BodyFields | None = None
     if body and is_json_content_type(content_type):
-        decoded = decode_body(body)
+        decoded = decode_body(body, facts)
         if type(decoded) is ErrorReply:
             return decoded
         fields = decoded

@@ -42,6 +42,8 @@ from gateway.quota.ledger import QuotaLedger
 from gateway.quota.rules import rules_from_config
 from gateway.request.headers import HeaderPlan
 from gateway.routing import Router
+from gateway.routing.eligibility import FactsTable
+from gateway.routing.tenants import TenantPolicies
 from shm.affinity import AffinityTable
 from shm.counters import WorkerRow, WorkerStatus
 from shm.metrics import MetricsTable
@@ -51,6 +53,7 @@ from workers.clusters import ClusterManager
 from workers.overlay_follower import OverlayFollower
 from workers.providers import ProviderStates
 from workers.proxy import Proxy
+from workers.proxy_settings import ProxySettings
 from workers.server import ServerConnection, ServerSettings, ServerState
 
 log = logging.getLogger("gridgate.worker")
@@ -115,9 +118,12 @@ class Worker:
             self.row.index, self.segment.rows_in_use, max(self.provider_index.values(), default=-1) + 1,
             self._routable,
         )
-        affinity = self.config.routing.session_affinity
-        self.router = Router(max(ctx.slot, 0), affinity=self._affinity_table(), affinity_ttl_s=float(affinity.ttl),
-                             provider_index=self.provider_index, providers=self.providers.view)
+        routing = self.config.routing
+        self.router = Router(
+            max(ctx.slot, 0), affinity=self._affinity_table(), affinity_ttl_s=float(routing.session_affinity.ttl),
+            provider_index=self.provider_index, providers=self.providers.view, picker=routing.picker,
+            facts=FactsTable(routing.models),
+        )
         self._report_unconfigured(self.router.prepare(self.overlay.snapshot))
         auth = self.config.auth
         self.auth = Authenticator([(key.tenant, key.key) for key in auth.keys]) if auth is not None else None
@@ -156,16 +162,17 @@ class Worker:
         clusters = self.clusters = ClusterManager(config, self.segment, self.row, self.provider_index)
         routing = config.routing
         affinity = routing.session_affinity
+        settings = ProxySettings.from_config(config)
         header_plan = HeaderPlan(
             routing.model_header,
             session_header=affinity.header if affinity.enabled else None,
-            balance_key_headers=clusters.balance_key_headers(),
+            pin_header=routing.pin_header,
+            balance_key_headers=[*clusters.balance_key_headers(), *settings.stable_hash_headers()],
         )
         return Proxy(
-            header_plan=header_plan, auth=self.auth, overlay=self.overlay, router=self.router, clusters=clusters,
-            providers=self.providers, quota=self.quota, metrics=self.metrics, route_headers=routing.route_headers,
-            affinity_enabled=affinity.enabled, affinity_cookie=affinity.cookie, retry=routing.retry,
-            cooling=routing.cooling,
+            settings=settings, header_plan=header_plan, auth=self.auth, tenants=TenantPolicies(config.tenants),
+            overlay=self.overlay, router=self.router, clusters=clusters, providers=self.providers,
+            quota=self.quota, metrics=self.metrics,
         )
 
     async def serve(self) -> int:

@@ -16,6 +16,7 @@ from gateway.config import Config
 from gateway.overlay.contract import OverlayRejected
 from gateway.overlay.snapshot import Snapshot, snapshot_from_bytes
 from gateway.overlay.watch import OverlayWatcher, SnapshotHolder, load_inline_overlay
+from gateway.routing.tenants import Policy
 
 log = logging.getLogger("gridgate.overlay")
 
@@ -44,7 +45,7 @@ class OverlayFollower:
         else:
             self.watcher = OverlayWatcher(path, float(routing.reload_debounce))
             self._holder = self._open(path, scope, fallback)
-        self.models_body = self._render_models()
+        self._models: dict[str, bytes] = {}  # list bodies per tenant policy (allowed capabilities)
 
     @staticmethod
     def _open(path: str, scope: object, fallback: bytes | None) -> SnapshotHolder:
@@ -85,11 +86,24 @@ class OverlayFollower:
             return _NOTHING
         if on_result is not None:
             on_result("applied")
-        self.models_body = self._render_models()
+        self._models: dict[str, bytes] = {}  # list bodies per tenant policy (allowed capabilities)
         log.info("serving overlay revision %s", self.snapshot.revision)
         return ReloadResult(changed=True)
 
-    def _render_models(self) -> bytes:
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "gridgate"}
-                for name in self.snapshot.model_names]
-        return msgspec.json.encode({"object": "list", "data": data})
+    def models_body(self, policy: Policy) -> bytes:
+        """``GET /v1/models``: the serving overlay's models this tenant may use (OpenAI list shape)."""
+        body = self._models.get(policy.tenant)
+        if body is None:
+            data = [_model_object(name) for name in self.snapshot.model_names if policy.allows(name)]
+            body = self._models[policy.tenant] = msgspec.json.encode({"object": "list", "data": data})
+        return body
+
+    def model_body(self, model: str, policy: Policy) -> bytes | None:
+        """``GET /v1/models/{id}``: one model object, or None when it is not served (or not allowed)."""
+        if model not in self.snapshot.model_names or not policy.allows(model):
+            return None
+        return msgspec.json.encode(_model_object(model))
+
+
+def _model_object(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "gridgate"}

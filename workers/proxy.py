@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from urllib.parse import unquote_to_bytes
 
 from gateway.auth import Authenticator
-from gateway.capability import CapabilityRequest, lookup_capability, session_key
-from gateway.config import Cooling, Retry
+from gateway.capability import CapabilityRequest, lookup_capability, request_features, session_key
 from gateway.http.errors import ErrorReply
 from gateway.ids import CounterIds
 from gateway.metrics import WorkerMetrics
+from gateway.quota.estimate import estimate_prompt_tokens
 from gateway.quota.gate import Admission, QuotaGate
 from gateway.quota.usage import rewrite_request_for_usage
 from gateway.request.attempts import Next, ProviderAttempts, Settlement, settlement_for
@@ -27,9 +28,13 @@ from gateway.request.failover import COOLING_STATUSES, Failover, cooling_seconds
 from gateway.request.headers import HeaderPlan, RequestHeaders
 from gateway.routing import RouteDecision, Router
 from gateway.routing.decision import header_value
+from gateway.routing.eligibility import Needs
+from gateway.routing.plan import model_not_found
+from gateway.routing.tenants import Policy, TenantPolicies, model_not_allowed
 from workers.clusters import ClusterManager, UpstreamCluster, UpstreamEndpoint
 from workers.overlay_follower import OverlayFollower
 from workers.providers import ProviderStates
+from workers.proxy_settings import ProxySettings
 from workers.relay import ResponseRelay
 from workers.server import Exchange
 from workers.upstream import ConnectFailed, PoolExhausted
@@ -59,24 +64,22 @@ class Proxy:
     """Per-worker request handler; ``handle`` runs once per request."""
 
     def __init__(
-        self, *, header_plan: HeaderPlan, auth: Authenticator | None, overlay: OverlayFollower, router: Router,
-        clusters: ClusterManager, providers: ProviderStates, quota: QuotaGate | None, metrics: WorkerMetrics,
-        route_headers: bool, affinity_enabled: bool, affinity_cookie: str | None, retry: Retry, cooling: Cooling,
+        self, *, settings: ProxySettings, header_plan: HeaderPlan, auth: Authenticator | None,
+        tenants: TenantPolicies, overlay: OverlayFollower, router: Router, clusters: ClusterManager,
+        providers: ProviderStates, quota: QuotaGate | None, metrics: WorkerMetrics,
     ) -> None:
+        self.settings = settings
         self.header_plan = header_plan
         self.auth = auth
+        self.tenants = tenants
         self.overlay = overlay
         self.router = router
         self.clusters = clusters
         self.providers = providers
         self.quota = quota
         self.metrics = metrics
-        self.route_headers = route_headers
-        self.affinity_enabled = affinity_enabled
-        self.affinity_cookie = affinity_cookie.encode() if affinity_enabled and affinity_cookie else None
-        self.retry = retry
-        self.first_byte_timeout = None if retry.first_byte_timeout is None else float(retry.first_byte_timeout)
-        self.cooling = cooling
+        self.route_headers = settings.route_headers
+        self.retry = settings.retry
         self.ids = CounterIds(b"-")
         self.rng = random.Random()
 
@@ -86,27 +89,36 @@ class Proxy:
         tenant = self.authenticate(headers)
         if type(tenant) is ErrorReply:
             return self.refuse(exchange, tenant, request_id)
-        if exchange.method == b"GET" and exchange.target == b"/v1/models":
-            exchange.respond(200, [_JSON_HEADER, (b"x-request-id", request_id)], self.overlay.models_body)
-            self.metrics.request(None, 200)
-            return
+        policy = self.tenants.get(tenant)
+        if exchange.method == b"GET" and exchange.target.startswith(b"/v1/models"):
+            return self.models(exchange, policy, request_id)
         capability = self.capability(exchange, headers)
         if type(capability) is ErrorReply:
             return self.refuse(exchange, capability, request_id)
+        if not policy.allows(capability.name):
+            return self.refuse(exchange, model_not_allowed(tenant, capability.name), request_id)
+        pinned = None
+        if headers.pin is not None:
+            pinned = self.pin(capability, headers.pin, policy)
+            if type(pinned) is ErrorReply:
+                return self.refuse(exchange, pinned, request_id)
         admission = None
         if self.quota is not None:
             admission = await self.admit(tenant, capability, len(exchange.body))
             if type(admission) is ErrorReply:
                 return self.refuse(exchange, admission, request_id)
         session = None
-        if self.affinity_enabled:
-            session = session_key(headers.session, headers.cookie, self.affinity_cookie)
-        route = self.route(capability, session)
+        if self.settings.affinity_enabled:
+            session = session_key(headers.session, headers.cookie, self.settings.affinity_cookie)
+        needs = self.needs(exchange, capability, policy) if self.settings.filters else None
+        key = self.hash_key(tenant, session, request_id, headers) if self.settings.stable_hash_key else b""
+        route = pinned or self.route(capability, session, needs, key)
         if type(route) is ErrorReply:
             self.settle(admission, Settlement.RELEASE)
             return self.refuse(exchange, route, request_id)
         try:
-            await self.forward(exchange, headers, capability, route, admission, request_id, session)
+            await self.forward(exchange, headers, capability, route, admission, request_id, session, needs, key,
+                               self.router.filtered if pinned is None else 0)
         except BaseException:
             self.settle(admission, Settlement.CHARGE_ESTIMATE)  # a provider may have worked on it
             raise
@@ -121,11 +133,58 @@ class Proxy:
             return tenant
         return _MISSING_KEY if headers.authorization is None and headers.api_key is None else _INVALID_KEY
 
+    def models(self, exchange: Exchange, policy: Policy, request_id: bytes) -> None:
+        """``GET /v1/models`` (the list the tenant may use) and ``GET /v1/models/{id}``, from the overlay."""
+        target = exchange.target.split(b"?", 1)[0]
+        if target == b"/v1/models":
+            body = self.overlay.models_body(policy)
+        else:
+            model = unquote_to_bytes(target[len(b"/v1/models/"):]).decode("utf-8", "replace")
+            body = self.overlay.model_body(model, policy) if target.startswith(b"/v1/models/") else None
+            if body is None:
+                return self.refuse(exchange, model_not_found("inference_model", model), request_id)
+        exchange.respond(200, [_JSON_HEADER, (b"x-request-id", request_id)], body)
+        self.metrics.request(None, 200)
+
     def capability(self, exchange: Exchange, headers: RequestHeaders) -> CapabilityRequest | ErrorReply:
         content_type = headers.content_type
         if content_type is not None and content_type.startswith(_FORM_URLENCODED) and exchange.body[:1] == b"{":
             content_type = None  # `curl -d '{...}'` sends JSON under the form type; read it as JSON
-        return lookup_capability(headers.model, exchange.body, content_type)
+        if not exchange.body and headers.model is None and exchange.method in _BODYLESS_METHODS:
+            # A bodyless request naming no model is for the gateway itself, and nothing here serves it.
+            return ErrorReply(404, "not_found", f"{exchange.method.decode()} {exchange.target.decode('latin-1')} "
+                              "is not served by the gateway; proxied requests name a model (body or model header)")
+        return lookup_capability(headers.model, exchange.body, content_type, self.settings.filters)
+
+    def pin(self, request: CapabilityRequest, pin: bytes, policy: Policy) -> RouteDecision | ErrorReply:
+        """A pinned route (CONTRACT §12): only for tenants with ``may_pin``; no failover."""
+        if not policy.may_pin:
+            return ErrorReply(403, "pin_not_allowed", "This API key may not pin a route.")
+        return self.router.pinned(self.overlay.snapshot, request.kind, request.name,
+                                  pin.strip().decode("latin-1"))
+
+    def needs(self, exchange: Exchange, request: CapabilityRequest, policy: Policy) -> Needs:
+        """What the request needs from a provider: context, features, the tenant's regions."""
+        fields = request.body
+        completion = 0
+        if fields is not None:
+            completion = fields.max_tokens or fields.max_completion_tokens or 0
+        return Needs(estimate_prompt_tokens(len(exchange.body)) + completion,
+                     request_features(fields, exchange.target), policy.regions)
+
+    def hash_key(self, tenant: str, session: bytes | None, request_id: bytes, headers: RequestHeaders) -> bytes:
+        """The stable_hash picker's key, from the configured request facts."""
+        parts = []
+        for fact in self.settings.stable_hash_key:
+            if fact == "tenant":
+                parts.append(tenant.encode())
+            elif fact == "session":
+                parts.append(session or b"")
+            elif fact == "request_id":
+                parts.append(request_id)
+            else:  # ("header", lowercase name)
+                parts.append((headers.balance_keys or {}).get(fact[1], b""))
+        return b"\x00".join(parts)
 
     async def admit(self, tenant: str, request: CapabilityRequest, body_len: int) -> Admission | ErrorReply:
         """Reserve tokens before routing; a denial never reaches a provider (429/503 with headers)."""
@@ -141,10 +200,11 @@ class Proxy:
         message, error_type, code = admission.error or ("request not admitted", None, "quota_unavailable")
         return ErrorReply(admission.status or 503, code, message, admission.headers, error_type=error_type)
 
-    def route(self, request: CapabilityRequest, session: bytes | None) -> RouteDecision | ErrorReply:
+    def route(self, request: CapabilityRequest, session: bytes | None, needs: Needs | None,
+              key: bytes) -> RouteDecision | ErrorReply:
         now = _monotonic()
         self.providers.maybe_refresh(now)
-        decision = self.router.route(self.overlay.snapshot, request.kind, request.name, session, now)
+        decision = self.router.route(self.overlay.snapshot, request.kind, request.name, session, now, needs, key)
         if type(decision) is not ErrorReply:
             self.metrics.affinity(decision.affinity)
         return decision
@@ -215,10 +275,12 @@ class Proxy:
 
     async def forward(
         self, exchange: Exchange, headers: RequestHeaders, request: CapabilityRequest, route: RouteDecision,
-        admission: Admission | None, request_id: bytes, session: bytes | None,
+        admission: Admission | None, request_id: bytes, session: bytes | None, needs: Needs | None, key: bytes,
+        filtered: int,
     ) -> None:
         """Try providers until one answers (or the budget is spent); settle the reservation."""
         body, metering = self._upstream_body(request, exchange.body, admission)
+        evidence = [(b"x-gridgate-filtered", b"%d" % filtered)] if filtered and self.route_headers else []
         base = self._request_headers(exchange, headers, request_id, body)
         first = route
         failover: Failover | None = None
@@ -230,8 +292,8 @@ class Proxy:
             may_retry = self.retry.attempts > (0 if failover is None else failover.attempts) + 1
             outcome = await self._try_provider(
                 exchange, headers, cluster, route, base, body, metering, admission, request_id, deadline,
-                hold_retryable=may_retry and route.plan.provider_count > 1,
-                attempt=1 if failover is None else failover.attempts + 1,
+                hold_retryable=may_retry and route.plan.provider_count > 1 and route.mode != "pinned",
+                attempt=1 if failover is None else failover.attempts + 1, evidence=evidence,
             )
             if outcome is None:  # answered (or the client left): settled
                 if session is not None and route.provider != first.provider:
@@ -242,9 +304,9 @@ class Proxy:
             if failover is None:
                 failover = Failover(self.retry, deadline, self.rng)
             failover.failed(route.provider, reply)
-            if not failover.may_try_another(_monotonic()) or exchange.client_gone:
+            if not failover.may_try_another(_monotonic()) or exchange.client_gone or route.mode == "pinned":
                 break
-            following = self.router.failover(first, failover.tried)
+            following = self.router.failover(first, failover.tried, needs, key)
             if following is None:
                 break
             self.metrics.retry()
@@ -258,6 +320,7 @@ class Proxy:
         self, exchange: Exchange, headers: RequestHeaders, cluster: UpstreamCluster, route: RouteDecision,
         base: list[tuple[bytes, bytes]], body: bytes, metering: bool | None, admission: Admission | None,
         request_id: bytes, deadline: float, hold_retryable: bool, attempt: int,
+        evidence: list[tuple[bytes, bytes]],
     ) -> tuple[ErrorReply, bool] | None:
         """One provider, its endpoints in turn. None: the request is over (answered, or the client left,
         and settled); else the reply to give if no other provider serves, and whether a request was sent."""
@@ -266,10 +329,11 @@ class Proxy:
         if self.route_headers:
             response_headers.append(_attempts_header(attempt))
             response_headers += route.evidence
+            response_headers += evidence
         if admission is not None:
             response_headers += admission.headers
         key = cluster.balance_key(headers.balance_keys, exchange.target)
-        first_byte = self.first_byte_timeout
+        first_byte = self.settings.first_byte_timeout
         attempts: ProviderAttempts[UpstreamEndpoint] = ProviderAttempts(cluster.name)
         while (endpoint := cluster.pick(key, attempts.excluded)) is not None:
             pool = endpoint.pool
@@ -337,7 +401,7 @@ class Proxy:
 
     def _cool(self, cluster: UpstreamCluster, retry_after: bytes | None) -> None:
         """A 429/503 cools its provider in every worker of the host (Retry-After wins, capped)."""
-        seconds = cooling_seconds(parse_retry_after(retry_after, time.time()), self.cooling)
+        seconds = cooling_seconds(parse_retry_after(retry_after, time.time()), self.settings.cooling)
         self.providers.cool(cluster.provider, seconds, _monotonic())
 
     @staticmethod

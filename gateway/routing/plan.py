@@ -5,9 +5,12 @@ Built on the capability's first request after a revision change (or in ``Router.
 adopting a snapshot costs nothing up front and a capability costs O(its members) once.
 
 A group picks among the options a caller deems usable (``usable(option) -> bool``: configured,
-not cooled, has a routable endpoint, not tried yet, eligible for the request). Pickers:
+not cooled, has a routable endpoint, not tried yet, eligible for the request). The overlay's modes:
 ``deterministic`` (first usable in file order), ``roundRobin`` (rotation, skipping the unusable),
-``random`` (uniform over the usable).
+``random`` (uniform over the usable). ``routing.picker`` may choose instead (CONTRACT §12):
+``weighted`` (smooth weighted round robin by ``traffic_weight``, exact over a cycle), ``stable_hash``
+(rendezvous hashing of the request's key: a key keeps its provider while the group is unchanged, and
+retries keep their exclusions), ``least_loaded`` (power of two choices on load x first-byte latency).
 """
 
 from __future__ import annotations
@@ -15,48 +18,65 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Mapping
 
+import xxhash
+
 from gateway.http.errors import ErrorReply
 from gateway.overlay.contract import NEW_AND_EXISTING, Candidate
 from gateway.overlay.snapshot import Capability, Snapshot
 from gateway.routing.decision import AFFINITY_OUTCOMES, RouteDecision, route_decision
+from gateway.routing.eligibility import UNRESTRICTED, Facts, FactsTable
 
-DETERMINISTIC, ROUND_ROBIN, RANDOM = range(3)
-_MODES = {"deterministic": DETERMINISTIC, "roundRobin": ROUND_ROBIN, "random": RANDOM}
+DETERMINISTIC, ROUND_ROBIN, RANDOM, WEIGHTED, STABLE_HASH, LEAST_LOADED = range(6)
+MODES = {"deterministic": DETERMINISTIC, "roundRobin": ROUND_ROBIN, "random": RANDOM, "weighted": WEIGHTED,
+         "stable_hash": STABLE_HASH, "least_loaded": LEAST_LOADED}
+_xxh3 = xxhash.xxh3_64_intdigest
 
 
 class Option:
-    """One candidate slot of a group: its provider index and a prebuilt decision per affinity outcome."""
+    """One candidate slot of a group: its provider index, facts and a prebuilt decision per affinity outcome."""
 
-    __slots__ = ("candidate", "provider", "decisions")
+    __slots__ = ("candidate", "provider", "decisions", "facts", "seed")
 
-    def __init__(self, candidate: Candidate, provider: int, decisions: tuple[RouteDecision, ...]) -> None:
+    def __init__(self, candidate: Candidate, provider: int, decisions: tuple[RouteDecision, ...],
+                 facts: Facts) -> None:
         self.candidate = candidate
         self.provider = provider  # -1: the cluster is not configured on this gateway (never selected)
         self.decisions = decisions
+        self.facts = facts
+        self.seed = candidate.stable_id_hash  # rendezvous hashing: the option's half of the score
 
     def __repr__(self) -> str:
         return f"Option({self.candidate.cluster}, provider={self.provider})"
 
 
 Usable = Callable[[Option], bool]
+Cost = Callable[[int], float]  # provider -> load x latency (least_loaded)
 
 
 class GroupPlan:
-    """The options of one admitting selection group (or one ungrouped candidate) and its picker turn."""
+    """The options of one admitting selection group (or one ungrouped candidate) and its picker state."""
 
-    __slots__ = ("number", "options", "mode", "turn", "_rng")
+    __slots__ = ("number", "options", "mode", "turn", "_rng", "_current", "_cost")
 
     def __init__(self, number: int | None, options: tuple[Option, ...], mode: int, turn: int,
-                 rng: random.Random) -> None:
+                 rng: random.Random, cost: Cost | None = None) -> None:
         self.number = number
         self.options = options
         self.mode = mode if len(options) > 1 else DETERMINISTIC
         self.turn = turn % len(options) if options else 0
         self._rng = rng
+        self._current = [0] * len(options)  # smooth weighted round robin
+        self._cost = cost
 
-    def pick(self, usable: Usable) -> Option | None:
+    def pick(self, usable: Usable, key: bytes = b"") -> Option | None:
         options = self.options
         mode = self.mode
+        if mode > RANDOM:
+            if mode == WEIGHTED:
+                return self._weighted(usable)
+            if mode == STABLE_HASH:
+                return self._rendezvous(usable, key)
+            return self._two_choices(usable)
         if mode == ROUND_ROBIN:
             count = len(options)
             turn = self.turn
@@ -80,17 +100,58 @@ class GroupPlan:
                 return option
         return None
 
+    def _weighted(self, usable: Usable) -> Option | None:
+        """Smooth weighted round robin (nginx): exact shares over every cycle of the usable options."""
+        current = self._current
+        best = -1
+        total = 0
+        for index, option in enumerate(self.options):
+            if usable(option):
+                weight = option.facts.weight
+                current[index] += weight
+                total += weight
+                if best < 0 or current[index] > current[best]:
+                    best = index
+        if best < 0:
+            return None
+        current[best] -= total
+        return self.options[best]
+
+    def _rendezvous(self, usable: Usable, key: bytes) -> Option | None:
+        """Highest random weight: the key's winner only changes when that option leaves."""
+        best: Option | None = None
+        top = -1
+        for option in self.options:
+            if usable(option):
+                score = _xxh3(key, option.seed)
+                if score > top:
+                    best, top = option, score
+        return best
+
+    def _two_choices(self, usable: Usable) -> Option | None:
+        """Power of two choices on cost; an unmeasured provider costs 0, so it gets tried."""
+        candidates = [option for option in self.options if usable(option)]
+        if len(candidates) <= 1:
+            return candidates[0] if candidates else None
+        first, second = self._rng.sample(candidates, 2)
+        cost = self._cost
+        if cost is None:
+            return first
+        return first if cost(first.provider) <= cost(second.provider) else second
+
 
 class CapabilityPlan:
     """Everything selection needs for one capability in one revision."""
 
     __slots__ = ("groups", "reusable", "capability_hash", "accepts_any_binding", "unavailable", "unconfigured",
-                 "provider_count")
+                 "provider_count", "label", "restricts", "options", "pinnable")
 
     def __init__(self, cap: Capability, snapshot: Snapshot, worker_index: int, rng: random.Random,
-                 provider_index: Mapping[str, int] | None) -> None:
-        mode, revision = snapshot.mode, snapshot.revision
-        picker = _MODES[mode]
+                 provider_index: Mapping[str, int] | None, picker: str = "overlay",
+                 facts: FactsTable | None = None, cost: Cost | None = None) -> None:
+        revision = snapshot.revision
+        mode = snapshot.mode if picker == "overlay" else picker
+        picker_mode = MODES[mode]
 
         def option(candidate: Candidate, group: int | None) -> Option:
             provider = provider_index.get(candidate.cluster, -1) if provider_index is not None else 0
@@ -98,7 +159,8 @@ class CapabilityPlan:
                 route_decision(candidate, provider, self, group, mode, revision, outcome)
                 for outcome in range(len(AFFINITY_OUTCOMES))
             )
-            return Option(candidate, provider, decisions)
+            option_facts = facts.facts(candidate.name, candidate.cluster) if facts else UNRESTRICTED
+            return Option(candidate, provider, decisions, option_facts)
 
         groups: list[GroupPlan] = []
         if cap.grouped:
@@ -106,15 +168,24 @@ class CapabilityPlan:
                 if group.admission == NEW_AND_EXISTING:
                     options = tuple(option(c, group.number) for c in group.members)
                     # Each worker starts its rotation at its own offset so N workers spread evenly.
-                    groups.append(GroupPlan(group.number, options, picker, worker_index, rng))
+                    groups.append(GroupPlan(group.number, options, picker_mode, worker_index, rng, cost))
         else:
             # Ungrouped: the first new_and_existing candidate in file order, then the next ones (failover).
             for candidate in cap.members:
                 if candidate.admission == NEW_AND_EXISTING:
                     groups.append(GroupPlan(None, (option(candidate, None),), DETERMINISTIC, 0, rng))
         self.groups = tuple(groups)
+        self.options = tuple(o for g in groups for o in g.options)  # every option new requests may get
         # Distinct configured providers new requests can reach: failover needs at least two.
-        self.provider_count = len({o.provider for g in groups for o in g.options if o.provider >= 0})
+        self.provider_count = len({o.provider for o in self.options if o.provider >= 0})
+        self.restricts = any(o.facts.restricts for o in self.options)  # request facts must be checked
+        # A pinned route may name any candidate with an admission other than none, by cluster or stable id.
+        self.pinnable: dict[str, Candidate] = {}
+        for candidate in cap.members:
+            if candidate.admission != "none":
+                self.pinnable.setdefault(candidate.stable_id, candidate)
+                self.pinnable.setdefault(candidate.cluster, candidate)
+        self.label = label(cap.kind, cap.name)
         # Options a bound session may keep (admission other than none), by stable-id hash.
         self.reusable: dict[int, Option] = {}
         for candidate in cap.members:
@@ -123,7 +194,7 @@ class CapabilityPlan:
         self.capability_hash = cap.hash
         self.accepts_any_binding = cap.accepts_any_binding
         self.unavailable = ErrorReply(
-            503, "no_admissible", f"No provider currently admits new requests for the {label(cap.kind, cap.name)}."
+            503, "no_admissible", f"No provider currently admits new requests for the {self.label}."
         )
         # Candidates naming a cluster this gateway does not have (never selected; reported once).
         self.unconfigured = sorted({c.cluster for c in cap.members if provider_index is not None

@@ -10,15 +10,27 @@ has at least one routable endpoint (CONTRACT §11).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+
+def _no_load(provider: int) -> int:
+    return 0
+
 
 class ProviderView:
-    __slots__ = ("usable", "cooled_until", "cooled_at", "down")
+    __slots__ = ("usable", "cooled_until", "cooled_at", "down", "latency", "inflight")
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, inflight: Callable[[int], int] = _no_load) -> None:
         self.usable = [True] * count  # read per selection
         self.cooled_until = [0.0] * count  # monotonic seconds
         self.cooled_at = [0.0] * count  # when the latest cooling began (orders the all-cooled fallback)
         self.down = [False] * count  # no routable endpoint
+        self.latency = [0.0] * count  # recent first-byte latency in seconds (0: not measured yet)
+        self.inflight = inflight  # provider -> requests in flight on all workers of the host (live)
+
+    def cost(self, provider: int) -> float:
+        """least_loaded: (in flight + 1) x first-byte latency; an unmeasured provider costs 0 (tried)."""
+        return (self.inflight(provider) + 1) * self.latency[provider]
 
     def __len__(self) -> int:
         return len(self.usable)

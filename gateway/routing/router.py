@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 from gateway.http.errors import ErrorReply
 from gateway.overlay.snapshot import Capability, Snapshot
-from gateway.routing.decision import FAILOVER, NEW, NONE, REUSED, RouteDecision
+from gateway.routing.decision import FAILOVER, NEW, NONE, REUSED, RouteDecision, route_decision
+from gateway.routing.eligibility import Facts, FactsTable, Needs, no_eligible_provider
 from gateway.routing.plan import CapabilityPlan, Option, model_not_found
 from gateway.routing.providers import ProviderView
 
@@ -35,7 +36,7 @@ class Router:
     """
 
     __slots__ = ("_worker_index", "_rng", "_affinity", "_ttl", "_revision", "_plans", "_provider_index",
-                 "providers", "_usable_any")
+                 "providers", "_usable_any", "_picker", "_facts", "filtered")
 
     def __init__(
         self,
@@ -45,6 +46,8 @@ class Router:
         affinity_ttl_s: float = 3600.0,
         provider_index: Mapping[str, int] | None = None,
         providers: ProviderView | None = None,
+        picker: str = "overlay",
+        facts: FactsTable | None = None,
     ) -> None:
         self._worker_index = worker_index
         self._rng = rng if rng is not None else random.Random()
@@ -56,6 +59,9 @@ class Router:
         self.providers = providers if providers is not None else ProviderView(max(1, len(provider_index or ())))
         usable = self.providers.usable  # updated in place, so this closure stays current
         self._usable_any = lambda option: option.provider >= 0 and usable[option.provider]
+        self._picker = picker
+        self._facts = facts
+        self.filtered = 0  # candidates the last route() filtered out for the request (evidence)
 
     @property
     def revision(self) -> str | None:
@@ -71,8 +77,10 @@ class Router:
     def _plan(self, snapshot: Snapshot, cap: Capability) -> CapabilityPlan:
         plan = self._plans[cap.index]
         if plan is None:
-            plan = self._plans[cap.index] = CapabilityPlan(cap, snapshot, self._worker_index, self._rng,
-                                                           self._provider_index)
+            plan = self._plans[cap.index] = CapabilityPlan(
+                cap, snapshot, self._worker_index, self._rng, self._provider_index, self._picker, self._facts,
+                self.providers.cost,
+            )
         return plan
 
     def prepare(self, snapshot: Snapshot) -> list[str]:
@@ -87,32 +95,52 @@ class Router:
         return sorted(unconfigured)
 
     # -- selection --------------------------------------------------------------------------------
-    def _select(self, plan: CapabilityPlan, outcome: int, excluded: Collection[int] | None) -> RouteDecision | None:
-        if excluded:
+    def _select(self, plan: CapabilityPlan, outcome: int, excluded: Collection[int] | None,
+                blocked: set[Option] | None = None, key: bytes = b"") -> RouteDecision | None:
+        if excluded or blocked:
             usable = self.providers.usable
+            skip = excluded or ()
+            barred = blocked or ()
 
             def eligible(option: Option) -> bool:
-                return option.provider >= 0 and usable[option.provider] and option.provider not in excluded
+                return (option.provider >= 0 and usable[option.provider] and option.provider not in skip
+                        and option not in barred)
         else:
             eligible = self._usable_any
         for group in plan.groups:
-            option = group.pick(eligible)
+            option = group.pick(eligible, key)
             if option is not None:
                 return option.decisions[outcome]
-        return self._fallback(plan, outcome, excluded)
+        return self._fallback(plan, outcome, excluded, blocked)
 
-    def _fallback(self, plan: CapabilityPlan, outcome: int, excluded: Collection[int] | None) -> RouteDecision | None:
+    def _fallback(self, plan: CapabilityPlan, outcome: int, excluded: Collection[int] | None,
+                  blocked: set[Option] | None) -> RouteDecision | None:
         """Nothing usable: the least recently cooled provider (endpoint panic mode if all are down)."""
         best: Option | None = None
         rank = self.providers.fallback_rank
-        for group in plan.groups:
-            for option in group.options:
-                provider = option.provider
-                if provider < 0 or (excluded and provider in excluded):
-                    continue
-                if best is None or rank(provider) < rank(best.provider):
-                    best = option
+        for option in plan.options:
+            provider = option.provider
+            if provider < 0 or (excluded and provider in excluded) or (blocked and option in blocked):
+                continue
+            if best is None or rank(provider) < rank(best.provider):
+                best = option
         return None if best is None else best.decisions[outcome]
+
+    def _blocked(self, plan: CapabilityPlan, needs: Needs | None) -> set[Option] | ErrorReply | None:
+        """The options the request's needs rule out (None: none); an ErrorReply when none is left."""
+        if needs is None or not (plan.restricts or needs.regions is not None) or not plan.options:
+            return None
+        blocked: set[Option] = set()
+        filtered: list[tuple[int, Facts]] = []
+        for option in plan.options:
+            reasons = needs.reasons(option.facts)
+            if reasons:
+                blocked.add(option)
+                filtered.append((reasons, option.facts))
+        self.filtered = len(filtered)
+        if len(blocked) == len(plan.options):
+            return no_eligible_provider(plan.label, needs, filtered)
+        return blocked or None
 
     def route(
         self,
@@ -121,21 +149,29 @@ class Router:
         name: str,
         session_key: bytes | None = None,
         now: float = 0.0,
+        needs: Needs | None = None,
+        key: bytes = b"",
     ) -> RouteDecision | ErrorReply:
         """Route one request for capability ``(kind, name)``.
 
         ``session_key`` is the affinity key (see ``gateway.capability.session_key``) and ``now`` the
         shared clock (``time.monotonic()`` is system-wide on Linux, so every worker agrees on expiries).
+        ``needs`` (request facts and tenant regions) filters candidates; ``key`` feeds the stable_hash
+        picker. ``filtered`` tells how many candidates the filters removed.
         """
+        self.filtered = 0
         cap = snapshot.capabilities.get((kind, name))
         if cap is None:
             return model_not_found(kind, name)
         if snapshot.revision != self._revision:
             self._adopt(snapshot)
         plan = self._plans[cap.index] or self._plan(snapshot, cap)
+        blocked = self._blocked(plan, needs)
+        if type(blocked) is ErrorReply:
+            return blocked
         table = self._affinity
         if session_key is None or table is None:
-            return self._select(plan, NONE, None) or plan.unavailable
+            return self._select(plan, NONE, None, blocked, key) or plan.unavailable  # type: ignore[arg-type]
 
         bound = table.lookup(session_key, now)
         outcome = NEW
@@ -143,20 +179,44 @@ class Router:
             if bound.capability_hash == plan.capability_hash or plan.accepts_any_binding:
                 option = plan.reusable.get(bound.stable_id_hash)
                 # Reuse keeps the original expiry: it is absolute from binding time.
-                if option is not None and option.provider >= 0 and self.providers.usable[option.provider]:
+                if (option is not None and option.provider >= 0 and self.providers.usable[option.provider]
+                        and (needs is None or not needs.reasons(option.facts))):
                     return option.decisions[REUSED]
             outcome = FAILOVER
-        decision = self._select(plan, outcome, None)
+        decision = self._select(plan, outcome, None, blocked, key)  # type: ignore[arg-type]
         if decision is None:
             return plan.unavailable
         table.bind(session_key, decision.candidate.stable_id_hash, plan.capability_hash, now + self._ttl)
         return decision
 
-    def failover(self, first: RouteDecision, tried: Collection[int]) -> RouteDecision | None:
+    def failover(self, first: RouteDecision, tried: Collection[int], needs: Needs | None = None,
+                 key: bytes = b"") -> RouteDecision | None:
         """The next provider after ``tried`` failed: the same group first (by its picker), then the next
-        groups in order. None when no other provider is left."""
+        groups in order, with the same filters. None when no other provider is left."""
         outcome = NONE if first.outcome == NONE else FAILOVER
-        return self._select(first.plan, outcome, tried)
+        blocked = self._blocked(first.plan, needs)
+        if type(blocked) is ErrorReply:
+            return None
+        return self._select(first.plan, outcome, tried, blocked, key)  # type: ignore[arg-type]
+
+    def pinned(self, snapshot: Snapshot, kind: str, name: str, pin: str) -> RouteDecision | ErrorReply:
+        """A pinned route (diagnosis, rollback): the candidate named by cluster or stable id, whatever its
+        group, with any admission but none, no failover (CONTRACT §12)."""
+        cap = snapshot.capabilities.get((kind, name))
+        if cap is None:
+            return model_not_found(kind, name)
+        if snapshot.revision != self._revision:
+            self._adopt(snapshot)
+        plan = self._plans[cap.index] or self._plan(snapshot, cap)
+        candidate = plan.pinnable.get(pin)
+        if candidate is None:
+            return ErrorReply(404, "pinned_candidate_not_found",
+                              f"The pin {pin!r} names no admissible candidate of the {plan.label}.")
+        provider = self._provider_index.get(candidate.cluster, -1) if self._provider_index is not None else 0
+        if provider < 0:
+            return ErrorReply(503, "no_provider_available",
+                              f"The pinned provider {candidate.cluster!r} is not configured on this gateway.")
+        return route_decision(candidate, provider, plan, candidate.selection_group, "pinned", snapshot.revision, NONE)
 
     def rebind(self, session_key: bytes, served: RouteDecision, now: float) -> None:
         """The session's request was served by another provider than it was bound to: move the binding."""

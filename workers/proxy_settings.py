@@ -1,0 +1,46 @@
+"""The proxy's settings, resolved once per worker from the config (typed, no lookups per request)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.config import Config, Cooling, Retry
+
+
+@dataclass(frozen=True, slots=True)
+class ProxySettings:
+    route_headers: bool
+    affinity_enabled: bool
+    affinity_cookie: bytes | None
+    retry: Retry
+    cooling: Cooling
+    first_byte_timeout: float | None
+    # Request facts are decoded and candidates filtered only when something can restrict them.
+    filters: bool
+    # stable_hash picker: the request facts of its key ("tenant", "session", "request_id", or
+    # ("header", lowercase name)); empty for other pickers.
+    stable_hash_key: tuple[str | tuple[str, bytes], ...]
+
+    @classmethod
+    def from_config(cls, config: Config) -> ProxySettings:
+        routing = config.routing
+        affinity = routing.session_affinity
+        retry = routing.retry
+        key: tuple[str | tuple[str, bytes], ...] = ()
+        if routing.picker == "stable_hash":
+            key = tuple(("header", part[len("header:"):].lower().encode()) if part.startswith("header:") else part
+                        for part in routing.stable_hash_key)
+        return cls(
+            route_headers=routing.route_headers,
+            affinity_enabled=affinity.enabled,
+            affinity_cookie=affinity.cookie.encode() if affinity.enabled and affinity.cookie else None,
+            retry=retry,
+            cooling=routing.cooling,
+            first_byte_timeout=None if retry.first_byte_timeout is None else float(retry.first_byte_timeout),
+            filters=bool(routing.models) or any(t.allowed_regions is not None for t in config.tenants),
+            stable_hash_key=key,
+        )
+
+    def stable_hash_headers(self) -> list[str]:
+        """Header names the stable_hash key reads (the header scan must capture them)."""
+        return [part[1].decode() for part in self.stable_hash_key if isinstance(part, tuple)]
