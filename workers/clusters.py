@@ -47,6 +47,10 @@ def client_tls_context(tls: bool | Tls) -> tuple[ssl.SSLContext | None, str | No
     return context, options.sni
 
 
+def _no_counts() -> list[int]:
+    return []
+
+
 class UpstreamEndpoint:
     """One endpoint of a cluster in this worker."""
 
@@ -64,7 +68,7 @@ class UpstreamCluster:
     """One provider cluster in one worker."""
 
     __slots__ = ("name", "provider", "provider_hop", "auth_headers", "balancer", "key_header", "hashing", "by_slot",
-                 "_row", "_view")
+                 "_row", "_view", "_reader", "_reader_generation")
 
     def __init__(self, cluster: Cluster, spec: ClusterSpec, provider: int, provider_hop: bool,
                  slot_map: dict[str, int], view: SharedEndpointState, row: WorkerRow, head_wait: float) -> None:
@@ -73,6 +77,8 @@ class UpstreamCluster:
         self.provider_hop = provider_hop
         self._row = row
         self._view = view
+        self._reader_generation = -1
+        self._reader = _no_counts
         self.auth_headers: list[tuple[bytes, bytes]] = []
         if cluster.upstream_auth is not None:
             secret = os.environ.get(cluster.upstream_auth.value_env, "")
@@ -109,6 +115,14 @@ class UpstreamCluster:
         """False when every endpoint is unhealthy or ejected (the provider is skipped by selection)."""
         health = self._view.slot_health
         return any(health(slot)[0] != DOWN for slot in self.by_slot)
+
+    def inflight(self) -> int:
+        """Requests in flight to this provider on every worker of the host (least_loaded)."""
+        generation = self._view.generation()
+        if generation != self._reader_generation:  # rows or health changed: rebuild the cheap reader
+            self._reader = self._view.inflight_reader(list(self.by_slot))
+            self._reader_generation = generation
+        return sum(self._reader())
 
     def begin(self, endpoint: UpstreamEndpoint) -> None:
         self._row.inc_inflight(endpoint.slot)
@@ -155,6 +169,10 @@ class ClusterManager:
     def routable(self, provider: int) -> bool:
         cluster = self.by_provider.get(provider)
         return cluster is not None and cluster.has_routable_endpoint()
+
+    def inflight(self, provider: int) -> int:
+        cluster = self.by_provider.get(provider)
+        return 0 if cluster is None else cluster.inflight()
 
     def __contains__(self, name: str) -> bool:
         return name in self._clusters

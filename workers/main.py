@@ -116,7 +116,7 @@ class Worker:
         self.providers = ProviderStates(
             ProviderCells(self.segment.region(PROVIDERS_REGION), self.segment.max_workers, MAX_PROVIDERS),
             self.row.index, self.segment.rows_in_use, max(self.provider_index.values(), default=-1) + 1,
-            self._routable,
+            self._routable, self._inflight,
         )
         routing = self.config.routing
         self.router = Router(
@@ -132,6 +132,9 @@ class Worker:
 
     def _routable(self, provider: int) -> bool:
         return self.clusters is None or self.clusters.routable(provider)
+
+    def _inflight(self, provider: int) -> int:
+        return 0 if self.clusters is None else self.clusters.inflight(provider)
 
     @staticmethod
     def _report_unconfigured(clusters: list[str]) -> None:

@@ -365,7 +365,8 @@ class Proxy:
                 if self.route_headers:
                     response_headers.append((b"x-gridgate-overhead-ms", b"%.3f" % (overhead * 1000.0)))
                 attempts.sent()
-                head_by = deadline if first_byte is None else min(deadline, _monotonic() + first_byte)
+                sent_at = _monotonic()
+                head_by = deadline if first_byte is None else min(deadline, sent_at + first_byte)
                 conn.send_request(relay, exchange.method, exchange.target,
                                   [(b"host", endpoint.host_header), *upstream_headers], body, head_by)
                 if exchange.client_paused:
@@ -374,6 +375,8 @@ class Proxy:
             finally:
                 cluster.end(endpoint)
             status = relay.status
+            if status:
+                self.providers.observe_first_byte(cluster.provider, relay.first_byte_at - sent_at)
             if status in COOLING_STATUSES:
                 self._cool(cluster, relay.retry_after)
             if relay.response_started:

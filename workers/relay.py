@@ -12,6 +12,7 @@ once, and the rest of that response is read and discarded so the connection can 
 from __future__ import annotations
 
 import asyncio
+import time
 
 from gateway.http.errors import sse_error_event
 from gateway.http.media import is_event_stream
@@ -21,6 +22,8 @@ from gateway.request.failures import Failure
 from gateway.request.headers import connection_tokens
 from workers.server import Exchange
 from workers.upstream import UpstreamConnection
+
+_monotonic = time.monotonic
 
 # Response headers never relayed: hop-by-hop ones, framing (re-done by the codec), and the provider's
 # request id (the gateway's own is sent).
@@ -75,6 +78,7 @@ class ResponseRelay:
     # -- from the upstream connection -----------------------------------------------------------
     def upstream_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.status = status
+        self.first_byte_at = _monotonic()
         if status in RETRYABLE_STATUSES:
             self.retry_after = next((v for n, v in headers if n == b"retry-after"), None)
             if self.hold_retryable:
