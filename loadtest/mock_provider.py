@@ -11,17 +11,25 @@ tasks, one per connection at a time, which keeps pipelined responses in request 
 
 Failure injection, per request (headers win over flags):
   X-Mock-Status: 503            answer with that status and an OpenAI-style error body
-  X-Mock-Reset: before|mid      abort the connection before any byte / halfway through the body
-  X-Mock-Stall-Ms: 5000         wait before the response headers
+  X-Mock-Retry-After: 2         the error's Retry-After: delta seconds or an HTTP date as given,
+                                `date+N` (an HTTP date N s from now) or `none` (no header);
+                                without it 429 and 503 carry `Retry-After: 1`
+  X-Mock-Reset: before|mid      abort the connection (RST) before any byte / halfway through the body
+                                (an SSE stream is cut after half of its token events);
+                                `mid-close` cuts there with a FIN instead, as a provider that died
+  X-Mock-Stall-Ms: 5000         wait before the response headers (a first-byte stall)
   X-Mock-Stall-Mid-Ms: 5000     wait halfway through the body (after the headers)
+  X-Mock-Fault-For: a,b         apply the five headers above only on the mocks named a or b, so one
+                                request sent through a gateway fails on one provider, not on the next
   X-Mock-Tokens: 20             number of output tokens (still capped by max_tokens)
   X-Mock-Latency-Ms / X-Mock-TTFT-Ms / X-Mock-Tokens-Per-S: per-request timing overrides
   X-Mock-Echo: 1                add the received method/path/headers to a JSON completion body
 
 Admin: `POST /admin/health {"status": 503}` switches /health (shared by all --processes);
-`POST /admin/config {...}` changes timing, failure rates and the metric overrides
-(`kv_cache_utilization`, `queue_depth`; null clears) of the process that receives it, as do the
-counters on /metrics: with --processes N, each process keeps its own.
+`POST /admin/config {...}` changes timing, failure rates, `retry_after` (same forms as the header;
+null = the default), `fail_next` (the next N inference requests answer `fail_status`) and the metric
+overrides (`kv_cache_utilization`, `queue_depth`; null clears) of the process that receives it, as do
+the counters on /metrics: with --processes N, each process keeps its own.
 
 Run `python -m loadtest.mock_provider -h` for the flags.
 """
@@ -31,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import email.utils
 import mmap
 import os
 import random
@@ -87,6 +96,8 @@ class MockSettings:
     embedding_dim: int = 8
     fail_rate: float = 0.0
     fail_status: int = 503
+    fail_next: int = 0  # the next N inference requests fail (counts down), whatever fail_rate says
+    retry_after: str | None = None  # Retry-After of injected errors (None: "1" on 429/503)
     reset_rate: float = 0.0
     mid_reset_rate: float = 0.0
     stall_rate: float = 0.0
@@ -121,7 +132,8 @@ class MockState:
         self.in_flight = 0
         self.held_tokens = 0  # prompt + output tokens of in-flight requests: the simulated KV cache
         self.served: dict[str, int] = {}
-        self.faults: dict[str, int] = {"status": 0, "reset_before": 0, "reset_mid": 0, "stall": 0}
+        self.faults: dict[str, int] = {"status": 0, "reset_before": 0, "reset_mid": 0, "reset_mid_close": 0,
+                                       "stall": 0}
         self.counter = 0
         self.provider_header = b""
         self.rng = random.Random()
@@ -285,6 +297,8 @@ def token_pieces(state: MockState, count: int) -> list[str]:
 
 # A response is a sequence of steps: wait `delay` seconds, then write bytes or do an action.
 ABORT = "abort"  # drop the connection without a proper end (a reset)
+CLOSE = "close"  # end the connection with a FIN where the body is not finished (a provider that died)
+CUTS = (ABORT, CLOSE)
 Step = tuple[float, bytes | str]
 
 
@@ -297,8 +311,8 @@ class Timing:
     stall_mid: float
 
 
-def header_float(req: Request, name: str, default: float) -> float:
-    raw = req.fields.get(name)
+def header_float(fields: dict[str, str], name: str, default: float) -> float:
+    raw = fields.get(name)
     if raw is None:
         return default
     try:
@@ -327,21 +341,27 @@ class Completion:
         self.include_usage = isinstance(options, dict) and options.get("include_usage") is True
         self.tokens, self.truncated = self._output_tokens()
         self.prompt_tokens = self._prompt_tokens()
-        stall = header_float(req, "x-mock-stall-ms", -1.0)
+        # The failure-injection headers, or none when X-Mock-Fault-For names other mocks.
+        self.fault_fields = req.fields if self._fault_headers_apply() else {}
+        stall = header_float(self.fault_fields, "x-mock-stall-ms", -1.0)
         if stall < 0:
             stall = settings.stall_ms if self._roll(settings.stall_rate) else 0.0
-        tps = header_float(req, "x-mock-tokens-per-s", settings.tokens_per_s)
+        tps = header_float(req.fields, "x-mock-tokens-per-s", settings.tokens_per_s)
         self.timing = Timing(
-            latency=header_float(req, "x-mock-latency-ms", settings.latency_ms) / 1000.0,
-            ttft=header_float(req, "x-mock-ttft-ms", settings.ttft_ms) / 1000.0,
+            latency=header_float(req.fields, "x-mock-latency-ms", settings.latency_ms) / 1000.0,
+            ttft=header_float(req.fields, "x-mock-ttft-ms", settings.ttft_ms) / 1000.0,
             per_token=1.0 / tps if tps > 0 else 0.0,
             stall=stall / 1000.0,
-            stall_mid=header_float(req, "x-mock-stall-mid-ms", 0.0) / 1000.0,
+            stall_mid=header_float(self.fault_fields, "x-mock-stall-mid-ms", 0.0) / 1000.0,
         )
         if self.timing.stall > 0:
             state.faults["stall"] += 1
         self.status = self._injected_status()
         self.reset = self._injected_reset()
+        self.cut_mid = self.reset in ("mid", "mid-close")
+        self.cut = CLOSE if self.reset == "mid-close" else ABORT  # how a mid-body cut ends the connection
+        self.retry_after = None if self.status == 200 else retry_after_value(
+            self.fault_fields.get("x-mock-retry-after", settings.retry_after), self.status)
 
     # -- decisions --------------------------------------------------------------------------------
 
@@ -367,8 +387,13 @@ class Completion:
             return max(1, estimate_tokens(self.body.get("input", "")))
         return max(1, estimate_tokens(self.body.get("prompt", "")))
 
+    def _fault_headers_apply(self) -> bool:
+        targets = self.req.fields.get("x-mock-fault-for")
+        return targets is None or self.state.settings.name in (t.strip() for t in targets.split(","))
+
     def _injected_status(self) -> int:
-        raw = self.req.fields.get("x-mock-status")
+        settings = self.state.settings
+        raw = self.fault_fields.get("x-mock-status")
         if raw is not None:
             try:
                 status = int(raw)
@@ -376,8 +401,11 @@ class Completion:
                 raise BadRequest(400, "x-mock-status must be an integer") from None
             if not 100 <= status <= 599:
                 raise BadRequest(400, "x-mock-status out of range")
-        elif self._roll(self.state.settings.fail_rate):
-            status = self.state.settings.fail_status
+        elif settings.fail_next > 0:
+            settings.fail_next -= 1
+            status = settings.fail_status
+        elif self._roll(settings.fail_rate):
+            status = settings.fail_status
         else:
             return 200
         if status != 200:
@@ -385,16 +413,16 @@ class Completion:
         return status
 
     def _injected_reset(self) -> str | None:
-        raw = self.req.fields.get("x-mock-reset", "").lower()
-        if raw not in ("", "before", "mid"):
-            raise BadRequest(400, "x-mock-reset must be before or mid")
+        raw = self.fault_fields.get("x-mock-reset", "").lower()
+        if raw not in ("", "before", "mid", "mid-close"):
+            raise BadRequest(400, "x-mock-reset must be before, mid or mid-close")
         settings = self.state.settings
         if not raw and self._roll(settings.reset_rate):
             raw = "before"
         elif not raw and self._roll(settings.mid_reset_rate):
             raw = "mid"
         if raw:
-            self.state.faults["reset_" + raw] += 1
+            self.state.faults["reset_" + raw.replace("-", "_")] += 1
         return raw or None
 
     # -- steps ------------------------------------------------------------------------------------
@@ -416,7 +444,7 @@ class Completion:
     def _error_bytes(self) -> bytes:
         payload = error_payload(f"injected failure by {self.state.settings.name}", "mock_injected_error",
                                 f"injected_{self.status}")
-        extra = [("retry-after", "1")] if self.status in (429, 503) else None
+        extra = [("retry-after", self.retry_after)] if self.retry_after else None
         return json_response(self.state, self.status, payload, self.req.keep_alive, extra)
 
     def _usage(self) -> dict[str, int]:
@@ -461,13 +489,13 @@ class Completion:
         timing = self.timing
         generation = 0.0 if self.endpoint == "embeddings" else timing.ttft + self.tokens * timing.per_token
         response = json_response(self.state, 200, self._json_payload(), self.req.keep_alive)
-        if self.reset == "mid" or timing.stall_mid > 0:
+        if self.cut_mid or timing.stall_mid > 0:
             # Headers first, then half of the body after the mid stall; a mid reset ends there.
             split = response.index(b"\r\n\r\n") + 4
             split += (len(response) - split) // 2
             yield first_delay + generation, response[:split]
-            if self.reset == "mid":
-                yield timing.stall_mid, ABORT
+            if self.cut_mid:
+                yield timing.stall_mid, self.cut
                 return
             yield timing.stall_mid, response[split:]
         else:
@@ -498,16 +526,16 @@ class Completion:
         yield first_delay, head + opening
         middle = self.tokens // 2
         for index, piece in enumerate(token_pieces(state, self.tokens)):
-            if index == middle and (self.reset == "mid" or timing.stall_mid > 0):
-                if self.reset == "mid":
-                    yield timing.stall_mid, ABORT
+            if index == middle and (self.cut_mid or timing.stall_mid > 0):
+                if self.cut_mid:
+                    yield timing.stall_mid, self.cut
                     return
                 yield timing.stall_mid, b""
             delay = timing.ttft if index == 0 else timing.per_token
             content = {"content": piece} if chat else piece
             yield delay, sse_chunk(self._chunk_payload(content, None, response_id, created))
-        if self.reset == "mid" and self.tokens == 0:
-            yield timing.stall_mid, ABORT
+        if self.cut_mid and self.tokens == 0:
+            yield timing.stall_mid, self.cut
             return
         finish = "length" if self.truncated else "stop"
         tail = [sse_chunk(self._chunk_payload({} if chat else "", finish, response_id, created))]
@@ -518,6 +546,26 @@ class Completion:
             tail.append(sse_chunk(usage_chunk))
         tail += [SSE_DONE, CHUNKED_END]
         yield (timing.ttft if self.tokens == 0 else 0.0), b"".join(tail)
+
+
+def retry_after_value(spec: str | None, status: int) -> str | None:
+    """The Retry-After header value for an injected error, or None for no header.
+
+    `spec` is None (the default: 1 second on 429 and 503), `none`, delta seconds or an HTTP date sent
+    as given, or `date+N`: an HTTP date N seconds from now (a fixed date would go stale in a test).
+    """
+    if spec is None:
+        return "1" if status in (429, 503) else None
+    spec = spec.strip()
+    if spec.lower() == "none" or not spec:
+        return None
+    if spec.lower().startswith("date+"):
+        try:
+            offset = float(spec[5:])
+        except ValueError:
+            raise BadRequest(400, "retry-after date+N needs a number of seconds") from None
+        return email.utils.formatdate(time.time() + offset, usegmt=True)
+    return spec
 
 
 def echo_payload(req: Request, include_body: bool = True) -> dict[str, Any]:
@@ -564,10 +612,11 @@ def metrics_text(state: MockState) -> bytes:
 
 
 ADMIN_FIELDS = {"latency_ms": float, "ttft_ms": float, "tokens_per_s": float, "tokens": int,
-                "fail_rate": float, "fail_status": int, "reset_rate": float, "mid_reset_rate": float,
+                "fail_rate": float, "fail_status": int, "fail_next": int, "retry_after": str,
+                "reset_rate": float, "mid_reset_rate": float,
                 "stall_rate": float, "stall_ms": float, "kv_capacity_tokens": int,
                 "kv_cache_utilization": float, "queue_depth": int, "name": str}
-NULLABLE_FIELDS = {"kv_cache_utilization", "queue_depth"}
+NULLABLE_FIELDS = {"kv_cache_utilization", "queue_depth", "retry_after"}
 
 
 def apply_admin_config(state: MockState, body: bytes) -> dict[str, Any]:
@@ -771,7 +820,7 @@ class MockHTTPProtocol(asyncio.Protocol):
                 self.write(b"".join(pending))
                 self.pending_step = (delay, action)
                 return False
-            if action == ABORT:
+            if action in CUTS:
                 self.write(b"".join(pending))
                 self.do_step(action, keep_alive)
                 return True
@@ -804,11 +853,11 @@ class MockHTTPProtocol(asyncio.Protocol):
 
     def do_step(self, action: bytes | str, keep_alive: bool) -> bool:
         """Perform one step; False when the connection is gone afterwards."""
-        if action == ABORT:
+        if action in CUTS:
             self.closing = True
             if self.transport is not None:
                 # abort() sends RST but drops unsent bytes; a mid-body reset must deliver the first half.
-                if self.transport.get_write_buffer_size():
+                if action == CLOSE or self.transport.get_write_buffer_size():
                     self.transport.close()
                 else:
                     self.transport.abort()
@@ -933,6 +982,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--embedding-dim", type=int, default=8)
     p.add_argument("--fail-rate", type=float, default=0.0, help="share of inference requests answered --fail-status")
     p.add_argument("--fail-status", type=int, default=503)
+    p.add_argument("--retry-after", default=None,
+                   help="Retry-After of injected errors: seconds, an HTTP date, date+N or none (default: 1 on 429/503)")
     p.add_argument("--reset-rate", type=float, default=0.0, help="share reset before any response byte")
     p.add_argument("--mid-reset-rate", type=float, default=0.0, help="share reset halfway through the body")
     p.add_argument("--stall-rate", type=float, default=0.0, help="share stalled --stall-ms before the headers")
@@ -951,6 +1002,7 @@ def settings_from_args(args: argparse.Namespace) -> MockSettings:
         name=args.name, latency_ms=args.latency_ms, ttft_ms=args.ttft_ms, tokens_per_s=args.tokens_per_s,
         tokens=args.tokens, models=[m for m in args.models.split(",") if m] or ["mock-model"],
         embedding_dim=args.embedding_dim, fail_rate=args.fail_rate, fail_status=args.fail_status,
+        retry_after=args.retry_after,
         reset_rate=args.reset_rate, mid_reset_rate=args.mid_reset_rate, stall_rate=args.stall_rate,
         stall_ms=args.stall_ms, kv_capacity_tokens=args.kv_capacity_tokens,
         kv_cache_utilization=args.kv_cache_utilization,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import email.utils
 import json
 import socket
 import time
@@ -247,6 +248,73 @@ def test_stall_delays_the_response(mock: MockProviderHandle) -> None:
     started = time.monotonic()
     assert request(mock, "POST", CHAT, chat_body(), {"X-Mock-Stall-Ms": "300"}).status == 200
     assert time.monotonic() - started >= 0.3
+
+
+@pytest.mark.parametrize("status", [429, 502, 503, 504])
+def test_retry_after_header_sets_delta_seconds_on_any_error(mock: MockProviderHandle, status: int) -> None:
+    response = request(mock, "POST", CHAT, chat_body(), {"X-Mock-Status": str(status), "X-Mock-Retry-After": "7"})
+    assert response.status == status
+    assert response.headers["retry-after"] == "7"
+    assert response.json()["error"]["code"] == f"injected_{status}"
+
+
+def test_retry_after_as_an_http_date(mock: MockProviderHandle) -> None:
+    fixed = "Wed, 21 Oct 2015 07:28:00 GMT"
+    response = request(mock, "POST", CHAT, chat_body(), {"X-Mock-Status": "429", "X-Mock-Retry-After": fixed})
+    assert response.headers["retry-after"] == fixed
+    response = request(mock, "POST", CHAT, chat_body(), {"X-Mock-Status": "503", "X-Mock-Retry-After": "date+30"})
+    when = email.utils.parsedate_to_datetime(response.headers["retry-after"]).timestamp()
+    assert 25 <= when - time.time() <= 31
+    assert request(mock, "POST", CHAT, chat_body(), {"X-Mock-Status": "429", "X-Mock-Retry-After": "date+x"}).status == 400
+
+
+def test_retry_after_none_and_defaults(mock: MockProviderHandle) -> None:
+    assert "retry-after" not in request(mock, "POST", CHAT, chat_body(),
+                                        {"X-Mock-Status": "429", "X-Mock-Retry-After": "none"}).headers
+    assert "retry-after" not in request(mock, "POST", CHAT, chat_body(), {"X-Mock-Status": "502"}).headers
+    assert request(mock, "POST", CHAT, chat_body(), {"X-Mock-Status": "429"}).headers["retry-after"] == "1"
+
+
+def test_admin_config_answers_the_next_requests_429_with_retry_after(mock: MockProviderHandle) -> None:
+    try:
+        request(mock, "POST", "/admin/config", {"fail_next": 2, "fail_status": 429, "retry_after": "2"})
+        answers = [request(mock, "POST", CHAT, chat_body()) for _ in range(3)]
+        assert [r.status for r in answers] == [429, 429, 200]
+        assert [r.headers.get("retry-after") for r in answers] == ["2", "2", None]
+        assert request(mock, "GET", "/admin/config").json()["fail_next"] == 0
+        assert request(mock, "POST", "/admin/config", {"retry_after": 2}).status == 400  # a string
+    finally:
+        request(mock, "POST", "/admin/config", {"fail_next": 0, "fail_status": 503, "retry_after": None})
+
+
+def test_fault_headers_apply_only_to_the_named_mocks(mock: MockProviderHandle) -> None:
+    faults = {"X-Mock-Status": "503", "X-Mock-Reset": "before", "X-Mock-Stall-Ms": "2000"}
+    started = time.monotonic()
+    elsewhere = request(mock, "POST", CHAT, chat_body(), {**faults, "X-Mock-Fault-For": "provider-x, provider-y"})
+    assert elsewhere.status == 200 and time.monotonic() - started < 1.5
+    here = request(mock, "POST", CHAT, chat_body(), {"X-Mock-Status": "503", "X-Mock-Fault-For": "provider-x,provider-t"})
+    assert here.status == 503
+
+
+def test_reset_mid_close_cuts_a_stream_with_a_fin(mock: MockProviderHandle) -> None:
+    with socket.create_connection((mock.host, mock.port), timeout=5) as sock:
+        sock.sendall(build_request("POST", CHAT, chat_body(stream=True), {"X-Mock-Reset": "mid-close",
+                                                                          "X-Mock-Tokens": "10"}))
+        received = b""
+        while chunk := sock.recv(65536):  # a clean EOF: no ConnectionResetError
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 200")
+    assert received.count(b'"content":"') in (5, 6)  # the opening event and half of the ten tokens
+    assert b"[DONE]" not in received and not received.endswith(b"0\r\n\r\n")
+
+
+def test_first_byte_stall_on_a_stream_holds_the_head(mock: MockProviderHandle) -> None:
+    with socket.create_connection((mock.host, mock.port), timeout=0.4) as sock:
+        sock.sendall(build_request("POST", CHAT, chat_body(stream=True), {"X-Mock-Stall-Ms": "800"}))
+        with pytest.raises(TimeoutError):
+            sock.recv(1)
+        sock.settimeout(5)
+        assert read_response(sock.makefile("rb")).sse_events()[-1] == "[DONE]"
 
 
 # --------------------------------------------------------------------------------------------------
