@@ -23,23 +23,18 @@ from typing import Any
 import yaml
 
 from gateway.auth import hash_api_key
-from loadtest.bench_core import (
+from loadtest.bench_core import run_wrk
+from loadtest.report import REPORTS_DIR, child_pids, markdown_table, timestamp, write_json, write_text
+from loadtest.topology import (
     BENCH_CONFIG,
     CHAT_PATH,
-    REPORTS_DIR,
     GatewayProcess,
     Topology,
-    markdown_table,
     pin_self,
     raise_fd_limit,
-    run_wrk,
     start_mocks,
     stop_all,
-    timestamp,
-    write_json,
-    write_text,
 )
-from loadtest.report import child_pids
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WRK_FEATURES = os.path.join(HERE, "configs", "wrk_features.lua")

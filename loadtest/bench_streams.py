@@ -1,0 +1,413 @@
+"""Many concurrent slow SSE streams through one gateway worker, and the first-token overhead under them.
+
+    .venv/bin/python -m loadtest.bench_streams [--streams 10000] [--probe-at 1000] [--probes 400]
+        [--tokens-per-s 0.2] [--stream-s 90] [--ramp-per-s 500] [--gateway-core 0 --load-core 1]
+
+Also run by `loadtest.bench_core` as its scenario (e). One gateway worker pinned to the gateway core;
+the mock providers, a helper process that holds the streams open, and the probing client on the
+load core. Two phases:
+
+1. `--probe-at` streams held open (each a chat completion paced at `--tokens-per-s`), then
+   first-token probes, alternately through the gateway and straight to a mock (the mock holds its
+   share of the streams either way). A probe opens a connection, sends a streamed completion, and
+   stops the clock at the first content token. **Gateway first-token overhead** = the gateway's
+   percentile minus the direct percentile (p50 - p50, p99 - p99): what the gateway adds to the time
+   to first token, with the client, loopback and mock costs on both sides of the subtraction. The
+   `x-gridgate-overhead-ms` header of the gateway probes (request in -> upstream request written)
+   is reported beside it: the rest of the difference is the relay of the first chunk and the accept.
+2. `--streams` streams held open at once: errors by kind, worker RSS when all are open (and its
+   peak, sampled every second), upstream requests in flight then, and the worker's CPU time.
+
+"Slow" is 0.2 tokens/s per stream by default: 10,000 streams are then 2,000 relayed events a second,
+which one worker relays with room to spare, so the scenario measures holding connections (memory,
+descriptors, timers, accepting at 500 new streams a second), not relay throughput (that is (a) of
+bench_core). The host's load average is recorded beside the figures: on a shared machine the
+first-token percentiles move with it.
+
+The file-descriptor limit is raised inside this process only (children inherit it): the worker
+needs two sockets per stream. The product's defaults are not touched; loadtest/README.md lists the
+sysctls that matter for this many connections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import re
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import uvloop
+
+from loadtest.mock_provider import MockProviderHandle
+from loadtest.report import (
+    REPORTS_DIR,
+    markdown_table,
+    process_cpu_s,
+    summarize,
+    timestamp,
+    write_json,
+    write_text,
+)
+from loadtest.topology import (
+    BENCH_CONFIG,
+    CHAT_PATH,
+    GatewayProcess,
+    Topology,
+    move_to_free_ports,
+    pin_self,
+    raise_fd_limit,
+    start_mocks,
+    stop_all,
+    upstream_in_flight,
+    write_derived_config,
+)
+
+FIRST_CONTENT = re.compile(rb'"content":"[^"]')  # a non-empty content delta: the first token
+OVERHEAD_HEADER = re.compile(rb"\r\nx-gridgate-overhead-ms: ([\d.]+)", re.I)
+RAMP_BATCH = 20  # connects per tick: bursts well under a 100-connection listen backlog
+
+
+def wanted_fd_limit(streams: int) -> int:
+    """The worker holds a client and an upstream socket per stream, plus its own files."""
+    return 2 * streams + 4096
+
+
+def stream_request(host: str, tokens: int, tokens_per_s: float, close: bool = True) -> bytes:
+    body = json.dumps({"model": "demo-model", "stream": True, "max_tokens": tokens,
+                       "messages": [{"role": "user", "content": "Tell me a slow story."}]}).encode()
+    head = (f"POST {CHAT_PATH} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nX-Mock-Tokens: {tokens}\r\nX-Mock-Tokens-Per-S: {tokens_per_s}\r\n"
+            + ("Connection: close\r\n" if close else "") + "\r\n")
+    return head.encode() + body
+
+
+# --------------------------------------------------------------------------------------------------
+# The stream holder (a helper process, so holding streams does not delay the probes' client)
+
+
+@dataclass
+class StreamOutcome:
+    ok: int = 0
+    started: int = 0  # streams whose response head arrived
+    errors: Counter[str] = field(default_factory=Counter)
+    durations_s: list[float] = field(default_factory=list)
+
+
+async def one_stream(address: tuple[str, int], request: bytes, tokens: int, timeout: float,
+                     outcome: StreamOutcome) -> None:
+    began = time.monotonic()
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(*address), timeout)
+    except (TimeoutError, OSError) as exc:
+        outcome.errors["connect: " + type(exc).__name__] += 1
+        return
+    chunks: list[bytes] = []
+    try:
+        writer.write(request)
+        first = await asyncio.wait_for(reader.read(65536), timeout)
+        if first:
+            outcome.started += 1
+            chunks.append(first)
+            while chunk := await asyncio.wait_for(reader.read(65536), timeout):
+                chunks.append(chunk)
+    except (TimeoutError, OSError) as exc:
+        outcome.errors["read: " + type(exc).__name__] += 1
+        return
+    finally:
+        writer.close()
+    data = b"".join(chunks)
+    if not data.startswith(b"HTTP/1.1 200"):
+        outcome.errors["status " + data[9:12].decode(errors="replace")] += 1
+    elif b"data: [DONE]" not in data or data.count(b'"content":"') < tokens:
+        outcome.errors["incomplete stream"] += 1
+    else:
+        outcome.ok += 1
+        outcome.durations_s.append(time.monotonic() - began)
+
+
+async def hold_streams(address: tuple[str, int], count: int, tokens: int, tokens_per_s: float, ramp_per_s: float,
+                       report: Connection) -> None:
+    """Open `count` streams (ramped), say 'open' once every one has its head, then 'done' with the outcome."""
+    request = stream_request(address[0], tokens, tokens_per_s)
+    outcome = StreamOutcome()
+    timeout = tokens / tokens_per_s + 60
+    began = time.monotonic()
+    tasks = []
+    for index in range(count):
+        tasks.append(asyncio.ensure_future(one_stream(address, request, tokens, timeout, outcome)))
+        if index % RAMP_BATCH == RAMP_BATCH - 1:
+            await asyncio.sleep(RAMP_BATCH / ramp_per_s)
+    while outcome.started + sum(outcome.errors.values()) < count and not all(t.done() for t in tasks):
+        await asyncio.sleep(0.05)
+    report.send({"event": "open", "after_s": round(time.monotonic() - began, 2), "started": outcome.started})
+    await asyncio.gather(*tasks)
+    report.send({"event": "done", "streams": count, "ok": outcome.ok, "errors": dict(outcome.errors),
+                 "wall_s": round(time.monotonic() - began, 2), "duration_s": summarize(outcome.durations_s)})
+
+
+def holder_main(address: tuple[str, int], count: int, tokens: int, tokens_per_s: float, ramp_per_s: float,
+                report: Connection) -> None:
+    uvloop.run(hold_streams(address, count, tokens, tokens_per_s, ramp_per_s, report))
+
+
+class StreamHolder:
+    """`count` slow streams held open by a forked helper process."""
+
+    def __init__(self, address: tuple[str, int], count: int, tokens: int, tokens_per_s: float,
+                 ramp_per_s: float) -> None:
+        context = multiprocessing.get_context("fork")
+        self.receiver, sender = context.Pipe(duplex=False)
+        self.process = context.Process(target=holder_main, daemon=True,
+                                       args=(address, count, tokens, tokens_per_s, ramp_per_s, sender))
+        self.process.start()
+        sender.close()
+
+    def wait(self, event: str, timeout: float) -> dict[str, Any] | None:
+        """The holder's message `event` (earlier ones, late, are skipped); None if it did not come in time."""
+        deadline = time.monotonic() + timeout
+        while self.receiver.poll(max(0.0, deadline - time.monotonic())):
+            message = self.receiver.recv()
+            if message["event"] == event:
+                return message
+        return None
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.process.terminate()
+        self.process.join(5)
+
+
+# --------------------------------------------------------------------------------------------------
+# First-token probes
+
+
+async def first_token_ms(address: tuple[str, int], request: bytes) -> tuple[float, float | None]:
+    """Connect, send, time until the first content token; (ms, x-gridgate-overhead-ms or None)."""
+    began = time.perf_counter()
+    reader, writer = await asyncio.open_connection(*address)
+    try:
+        writer.write(request)
+        received = b""
+        while not FIRST_CONTENT.search(received):
+            chunk = await reader.read(65536)
+            if not chunk:
+                raise ConnectionError("closed before the first token")
+            received += chunk
+        elapsed_ms = (time.perf_counter() - began) * 1000.0
+        while await reader.read(65536):  # the rest of the (short) stream
+            pass
+    finally:
+        writer.close()
+    match = OVERHEAD_HEADER.search(received)
+    return elapsed_ms, float(match.group(1)) if match else None
+
+
+async def probe(gateway: tuple[str, int], direct: tuple[str, int], count: int, gap_s: float) -> dict[str, Any]:
+    """Alternate gateway and direct probes; percentiles of each and of the header."""
+    times: dict[str, list[float]] = {"gateway": [], "direct": []}
+    header: list[float] = []
+    errors: Counter[str] = Counter()
+    request = stream_request(gateway[0], 1, 0)
+    for _ in range(count):
+        for path, address in (("gateway", gateway), ("direct", direct)):
+            try:
+                elapsed, overhead = await first_token_ms(address, request)
+            except OSError as exc:
+                errors[f"{path}: {type(exc).__name__}"] += 1
+                continue
+            times[path].append(elapsed)
+            if overhead is not None and path == "gateway":
+                header.append(overhead)
+            await asyncio.sleep(gap_s)
+    gw, di = summarize(times["gateway"]), summarize(times["direct"])
+    return {"gateway_ms": gw, "direct_ms": di, "overhead_header_ms": summarize(header), "errors": dict(errors),
+            "first_token_overhead_ms": {"p50": round(gw["p50"] - di["p50"], 3), "p99": round(gw["p99"] - di["p99"], 3)}}
+
+
+# --------------------------------------------------------------------------------------------------
+# The run
+
+
+class RssSampler(threading.Thread):
+    """The worker's RSS once a second; its peak."""
+
+    def __init__(self, gateway: GatewayProcess) -> None:
+        super().__init__(daemon=True)
+        self.gateway = gateway
+        self.peak_kib = 0
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.wait(1.0):
+            for kib in self.gateway.rss()["workers_kib"].values():
+                self.peak_kib = max(self.peak_kib, kib)
+
+    def stop(self) -> int:
+        self.halt.set()
+        self.join()
+        return self.peak_kib
+
+
+def stream_config(streams: int, work_dir: str) -> str:
+    """bench.yaml with room for `streams` connections on one worker, split over the providers."""
+
+    def widen(config: dict[str, Any]) -> None:
+        move_to_free_ports(config)
+        config["limits"] = {**config.get("limits", {}), "max_connections_per_worker": streams + 2000}
+        for cluster in config["clusters"]:
+            cluster["max_connections"] = streams  # per endpoint per worker: never the limit here
+
+    return write_derived_config(BENCH_CONFIG, work_dir, "streams", widen)
+
+
+def hold_phase(gateway: GatewayProcess, mocks: list[MockProviderHandle], count: int, args: argparse.Namespace,
+               seconds: float, during: Any) -> dict[str, Any]:
+    """Hold `count` streams of about `seconds`; call `during()` once all are open; the outcome."""
+    tokens = max(2, round(seconds * args.tokens_per_s))
+    holder = StreamHolder(gateway.topology.listen, count, tokens, args.tokens_per_s, args.ramp_per_s)
+    try:
+        open_timeout = count / args.ramp_per_s + 60
+        # Not all open in time is a finding, not a reason to stop: measure what is open.
+        opened = holder.wait("open", open_timeout) or {"after_s": f"not all within {open_timeout:.0f}",
+                                                       "started": None}
+        at_open = {"after_s": opened["after_s"], "started": opened["started"], "load_average": os.getloadavg(),
+                   "upstream_in_flight": upstream_in_flight(mocks),
+                   "worker_rss_mib": [round(kib / 1024, 1) for kib in gateway.rss()["workers_kib"].values()]}
+        extra = during()
+        done = holder.wait("done", tokens / args.tokens_per_s + 120)
+        if done is None:
+            raise RuntimeError("the stream holder did not finish in time")
+    finally:
+        holder.stop()
+    done.pop("event")
+    return {**done, "tokens_per_stream": tokens, "tokens_per_s": args.tokens_per_s, "at_open": at_open, **extra}
+
+
+def open_fds(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0
+
+
+def streams_that_fit(wanted: int, fd_limit: int, worker_fds: int) -> int:
+    """Streams one worker can hold: two sockets each, beside the files it holds already (and a margin)."""
+    return min(wanted, (fd_limit - worker_fds - 64) // 2)
+
+
+def run_streams(args: argparse.Namespace, gateway_cpus: set[int] | None, load_cpus: set[int] | None) -> dict[str, Any]:
+    limits = raise_fd_limit(wanted_fd_limit(args.streams))
+    pin_self(load_cpus)
+    work_dir = tempfile.mkdtemp(prefix="gridgate-streams-")
+    topology = Topology.from_config(stream_config(args.streams, work_dir))
+    mocks = start_mocks(topology, load_cpus, tokens=16, models="demo-model", backlog=4096)
+    results: dict[str, Any] = {"fd_limit": list(limits), "streams": args.streams, "probe_at": args.probe_at}
+    gateway = GatewayProcess(topology, 1, gateway_cpus)
+    try:
+        gateway.wait_ready()
+        time.sleep(1.0)
+        results["worker_rss_idle_mib"] = [round(kib / 1024, 1) for kib in gateway.rss()["workers_kib"].values()]
+        worker = gateway.worker_pids()[0]
+        fit = streams_that_fit(args.streams, limits[0], open_fds(worker))
+        if fit < args.streams:
+            # An unprivileged process cannot raise its hard limit (CAP_SYS_RESOURCE): say so, measure what fits.
+            print(f"bench_streams: RLIMIT_NOFILE hard limit {limits[1]} leaves room for {fit} streams in one "
+                  f"worker (two sockets each), not {args.streams}; measuring {fit}", file=sys.stderr)
+            results["streams_capped_by_fd_limit"] = {"wanted": args.streams, "measured": fit}
+            results["streams"] = fit
+        direct = (mocks[0].host, mocks[0].port)
+        uvloop.run(probe(topology.listen, direct, 20, 0.0))  # warm-up: upstream pool, caches
+        print(f"bench_streams: {args.probe_at} streams held, {args.probes} first-token probes per path",
+              file=sys.stderr)
+        probe_s = args.probes * 2 * (args.probe_gap_ms / 1000 + 0.003) + 10
+        results["at_probe_load"] = hold_phase(
+            gateway, mocks, args.probe_at, args, args.probe_at / args.ramp_per_s + probe_s,
+            lambda: {"probes": uvloop.run(probe(topology.listen, direct, args.probes, args.probe_gap_ms / 1000))})
+        print(f"bench_streams: {results['streams']} streams held at once", file=sys.stderr)
+        cpu_before = process_cpu_s(worker)
+        sampler = RssSampler(gateway)
+        sampler.start()
+        try:
+            results["at_full_load"] = hold_phase(gateway, mocks, results["streams"], args, args.stream_s, dict)
+        finally:
+            results["at_full_load_peak_rss_mib"] = round(sampler.stop() / 1024, 1)
+        results["at_full_load"]["worker_cpu_s"] = round(process_cpu_s(worker) - cpu_before, 1)
+    finally:
+        results["gateway_exit_code"] = gateway.stop()
+        stop_all(mocks)
+    return results
+
+
+def render_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
+    probe_phase, full = results["at_probe_load"], results["at_full_load"]
+    probes = probe_phase["probes"]
+    gw, di, head, over = probes["gateway_ms"], probes["direct_ms"], probes["overhead_header_ms"], \
+        probes["first_token_overhead_ms"]
+    rows = [
+        (f"first-token overhead at {results['probe_at']:,} streams (p50 / p99)",
+         f"{over['p50']:.3f} / {over['p99']:.3f} ms",
+         f"gateway {gw['p50']:.3f} / {gw['p99']:.3f} ms minus direct {di['p50']:.3f} / {di['p99']:.3f} ms "
+         f"(n={gw['n']}/{di['n']}); x-gridgate-overhead-ms {head['p50']:.3f} / {head['p99']:.3f} ms; "
+         f"upstream in flight {probe_phase['at_open']['upstream_in_flight']}, load average "
+         f"{probe_phase['at_open']['load_average'][0]:.1f}, probe errors "
+         f"{sum(probes['errors'].values())}, stream errors {sum(probe_phase['errors'].values())}"),
+        (f"{results['streams']:,} concurrent slow streams, 1 worker", f"{sum(full['errors'].values())} errors",
+         f"ok {full['ok']:,}; {full['tokens_per_stream']} tokens at {full['tokens_per_s']} tok/s; all open after "
+         f"{full['at_open']['after_s']} s; upstream in flight then {full['at_open']['upstream_in_flight']:,}; "
+         f"errors {full['errors'] or 'none'}"),
+        ("worker RSS idle / all streams open / peak",
+         f"{', '.join(map(str, results['worker_rss_idle_mib']))} / "
+         f"{', '.join(map(str, full['at_open']['worker_rss_mib']))} / {results['at_full_load_peak_rss_mib']} MiB",
+         f"worker CPU {full['worker_cpu_s']} s over {full['wall_s']} s; RLIMIT_NOFILE {results['fd_limit'][0]}"),
+    ]
+    if capped := results.get("streams_capped_by_fd_limit"):
+        rows.append(("streams capped by RLIMIT_NOFILE", f"{capped['measured']:,} of {capped['wanted']:,}",
+                     f"hard limit {results['fd_limit'][1]}: one worker needs two sockets per stream"))
+    return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--streams", type=int, default=10000, help="streams held at once in phase 2")
+    parser.add_argument("--probe-at", type=int, default=1000, help="streams held while probing first tokens")
+    parser.add_argument("--probes", type=int, default=400, help="first-token probes per path")
+    parser.add_argument("--probe-gap-ms", type=float, default=5.0)
+    parser.add_argument("--tokens-per-s", type=float, default=0.2, help="token pace of each held stream")
+    parser.add_argument("--stream-s", type=float, default=90.0, help="length of each phase-2 stream")
+    parser.add_argument("--ramp-per-s", type=float, default=500.0, help="new streams per second")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench_streams", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    parser.add_argument("--gateway-core", type=int, default=0)
+    parser.add_argument("--load-core", type=int, default=1)
+    args = parser.parse_args(argv)
+    multi_core = len(os.sched_getaffinity(0)) > 1
+    try:
+        results = run_streams(args, {args.gateway_core} if multi_core else None,
+                              {args.load_core} if multi_core else None)
+    except RuntimeError as exc:
+        print(f"bench_streams: {exc}", file=sys.stderr)
+        return 1
+    table = markdown_table(("measure", "result", "detail"), render_rows(results))
+    stamp = timestamp()
+    json_path = write_json(os.path.join(REPORTS_DIR, f"bench-streams-{stamp}.json"), results)
+    md_path = write_text(os.path.join(REPORTS_DIR, f"bench-streams-{stamp}.md"),
+                         f"# gridgate streams benchmark\n\n{table}\n")
+    print(table)
+    print(f"\nbench_streams: wrote {json_path} and {md_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
