@@ -41,6 +41,7 @@ from gateway.auth import hash_api_key
 from loadtest.mock_provider import MockProviderHandle, start_mock_provider_process
 from loadtest.report import (
     REPORTS_DIR,
+    Bin,
     markdown_table,
     summarize,
     time_bins,
@@ -107,7 +108,7 @@ SCENARIOS = {s.name: s for s in (
     Scenario("long-streams",
              "10 interactive users all along; in the middle third 100 users open long streams "
              "(200 tokens at 20 tokens/s, about 10 s each) through the same worker.",
-             {"InteractiveUser": 10, "LongStreamUser": 100}, _tenants,
+             {"InteractiveUser": 10, "LongStreamUser": 100},
              window_labels=("long streams start", "no new streams")),
     Scenario("provider-failure",
              f"30 uniform users (a quarter streaming, 50 ms think time) over three providers; `{FAILING_CLUSTER}`'s "
@@ -158,6 +159,8 @@ class ProviderKiller(threading.Thread):
         if self.halt.wait(max(0.0, self.started_at + self.at_s[1] - time.time())):
             return
         self.mocks[index] = start_mock_provider_process(victim.port, victim.name, host=victim.host, **self.options)
+        # The mock gets SIGTERM when the thread that started it ends (PR_SET_PDEATHSIG is per thread).
+        self.halt.wait()
 
 
 def mock_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -168,7 +171,7 @@ def mock_options(args: argparse.Namespace) -> dict[str, Any]:
 def run_locust(args: argparse.Namespace, scenario: Scenario, host: str, out_dir: str, started: float) -> int:
     users = sum(scenario.users.values())
     third = args.duration / 3
-    cmd = [sys.executable, "-m", "locust", "-f", LOCUSTFILE, "--headless", "-u", str(users), "-r", str(users),
+    cmd = [sys.executable, "-m", "locust", "-f", LOCUSTFILE, "--headless", "-u", str(users), "-r", str(min(users, 100)),
            "-t", f"{args.duration}s", "--host", host, "--only-summary", "--loglevel", "WARNING",
            *scenario.users]
     if args.locust_processes > 1:
@@ -268,10 +271,12 @@ def phase_table(result: dict[str, Any], scenario: Scenario) -> str:
         for label, begin, end in phases(result["duration_s"], scenario):
             mine = [row for row in result["samples"]
                     if row[1] == kind and begin <= row[0] - result["started"] < end]
+            if not mine:
+                continue
             ok = summarize([row[2] for row in mine if row[3]])
             first_token = summarize([row[4] for row in mine if row[3] and row[4] >= 0])
             rows.append((kind, label, len(mine), sum(1 for row in mine if not row[3]),
-                         f"{ok['p50']:.0f} / {ok['p95']:.0f} / {ok['p99']:.0f}",
+                         f"{ok['p50']:.0f} / {ok['p95']:.0f} / {ok['p99']:.0f}" if ok["n"] else "-",
                          f"{first_token['p50']:.0f} / {first_token['p99']:.0f}" if first_token["n"] else "-"))
     return markdown_table(("request", "phase", "requests", "failures", "latency p50 / p95 / p99 ms",
                            "first token p50 / p99 ms"), rows)
@@ -291,13 +296,24 @@ def rss_line(result: dict[str, Any]) -> str:
     return "Worker RSS idle → peak: " + (", ".join(parts) or "?") + "."
 
 
-def plot(result: dict[str, Any], scenario: Scenario, out_dir: str) -> str:
-    from loadtest.plots import timeline_svg  # matplotlib only when drawing
-
+def timeline(result: dict[str, Any]) -> dict[str, list[Bin]]:
+    """Per request kind, the requests binned by the second they completed in."""
     started, duration = result["started"], result["duration_s"]
     kinds = sorted({row[1] for row in result["samples"]})
-    bins = {kind: time_bins([(row[0], row[2], row[3]) for row in result["samples"] if row[1] == kind],
+    return {kind: time_bins([(row[0], row[2], row[3]) for row in result["samples"] if row[1] == kind],
                             started, started + duration) for kind in kinds}
+
+
+def timeline_json(bins: dict[str, list[Bin]]) -> dict[str, list[list[Any]]]:
+    """[second, requests, failures, p50 ms, p99 ms] rows per kind, for report.json."""
+    return {kind: [[cell.start_s, cell.count, cell.failures, cell.percentile(50), cell.percentile(99)]
+                   for cell in cells] for kind, cells in bins.items()}
+
+
+def plot(result: dict[str, Any], scenario: Scenario, bins: dict[str, list[Bin]], out_dir: str) -> str:
+    from loadtest.plots import timeline_svg  # matplotlib only when drawing
+
+    duration = result["duration_s"]
     events = []
     if scenario.window_labels:
         events = [(duration / 3, scenario.window_labels[0]), (2 * duration / 3, scenario.window_labels[1])]
@@ -316,9 +332,10 @@ def render(results: list[dict[str, Any]], parameters: dict[str, Any]) -> str:
         "",
         f"Parameters: {params}.",
         "",
-        "Each figure bins the requests by the second they completed: requests per second per kind, "
-        "latency of the successful ones (p50 line, shaded to p90 and p99, log scale) and failures per "
-        "second. Dashed lines mark the scenario's events.",
+        "Each figure bins the requests by the second they completed: completed requests per second per "
+        "kind, latency of the successful ones (p50 line, shaded to p90 and p99; log scale when they span "
+        "more than a decade) and failures per second. Dashed lines mark the scenario's events. A table "
+        "row covers the requests that completed in that phase.",
     ]
     for result in results:
         scenario = SCENARIOS[result["name"]]
@@ -359,7 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in names:
             result = run_scenario(args, SCENARIOS[name], out_dir)
-            result["plot"] = plot(result, SCENARIOS[name], out_dir)
+            bins = timeline(result)
+            result["timeline"] = timeline_json(bins)
+            result["plot"] = plot(result, SCENARIOS[name], bins, out_dir)
             results.append(result)
     except RuntimeError as exc:
         print(f"bench: {exc}", file=sys.stderr)
