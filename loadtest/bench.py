@@ -238,6 +238,7 @@ def run_scenario(args: argparse.Namespace, scenario: Scenario, out_dir: str) -> 
             killer.start()
         host = f"http://{topology.listen[0]}:{topology.listen[1]}"
         result["locust_exit_code"] = run_locust(args, scenario, host, sample_dir, started)
+        result["load_average"] = os.getloadavg()  # other work on the host shows in the percentiles
         sampler.halt.set()
         result["rss_peak_kib"] = sampler.peak_kib
     finally:
@@ -293,7 +294,10 @@ def overhead_line(result: dict[str, Any]) -> str:
 def rss_line(result: dict[str, Any]) -> str:
     parts = [f"{int(pid)}: {kib / 1024:.1f} → {result.get('rss_peak_kib', {}).get(pid, 0) / 1024:.1f} MiB"
              for pid, kib in result.get("rss_idle_kib", {}).items()]
-    return "Worker RSS idle → peak: " + (", ".join(parts) or "?") + "."
+    load = result.get("load_average")
+    host = f" Host load average (1 / 5 min) at the end: {load[0]:.1f} / {load[1]:.1f} on {os.cpu_count()} cores." \
+        if load else ""
+    return "Worker RSS idle → peak: " + (", ".join(parts) or "?") + "." + host
 
 
 def timeline(result: dict[str, Any]) -> dict[str, list[Bin]]:

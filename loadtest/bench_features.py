@@ -12,15 +12,13 @@ affinity, auth + token quota (embedded Valkey), and everything together. For eac
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
-
-import yaml
 
 from gateway.auth import hash_api_key
 from loadtest.bench_core import run_wrk
@@ -34,6 +32,7 @@ from loadtest.topology import (
     raise_fd_limit,
     start_mocks,
     stop_all,
+    write_derived_config,
 )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -62,12 +61,18 @@ def _quota(config: dict[str, Any], data_dir: str) -> None:
     }
 
 
-def variants(base: dict[str, Any], work_dir: str) -> list[tuple[str, dict[str, Any]]]:
-    def derive(*features) -> dict[str, Any]:
-        config = copy.deepcopy(base)
-        for feature in features:
-            feature(config)
-        return config
+Feature = Callable[[dict[str, Any]], None]
+
+
+def variants(work_dir: str) -> list[tuple[str, Feature]]:
+    """(name, config change) per variant of loadtest/configs/bench.yaml."""
+
+    def derive(*features: Feature) -> Feature:
+        def change(config: dict[str, Any]) -> None:
+            for feature in features:
+                feature(config)
+
+        return change
 
     quota = lambda c: _quota(c, os.path.join(work_dir, "valkey"))  # noqa: E731
     return [
@@ -92,13 +97,6 @@ def pin_valkey(supervisor_pid: int, cpus: set[int] | None) -> None:
             continue
 
 
-def write_variant(config: dict[str, Any], work_dir: str, index: int) -> str:
-    path = os.path.join(work_dir, f"variant-{index}.yaml")
-    with open(path, "w") as out:
-        yaml.safe_dump(config, out)
-    return path
-
-
 def run(args: argparse.Namespace) -> int:
     if shutil.which("wrk") is None:
         print("bench_features: wrk not found on PATH; skipping (apt-get install -y wrk)")
@@ -108,17 +106,15 @@ def run(args: argparse.Namespace) -> int:
     load_cpus = {1} if multi_core else None
     raise_fd_limit()
     pin_self(load_cpus)
-    with open(BENCH_CONFIG) as src:
-        base = yaml.safe_load(src)
     work_dir = tempfile.mkdtemp(prefix="gridgate-bench-")
-    shutil.copy(os.path.join(os.path.dirname(BENCH_CONFIG), base["routing"]["overlay_file"]), work_dir)
     topology = Topology.from_config(BENCH_CONFIG)
     url = f"http://{topology.listen[0]}:{topology.listen[1]}{CHAT_PATH}"
     mocks = start_mocks(topology, load_cpus, tokens=16, models="demo-model")
     rows: list[dict[str, Any]] = []
     try:
-        for index, (name, config) in enumerate(variants(base, work_dir)):
-            variant_topology = Topology.from_config(write_variant(config, work_dir, index))
+        for index, (name, change) in enumerate(variants(work_dir)):
+            variant_topology = Topology.from_config(write_derived_config(BENCH_CONFIG, work_dir, f"variant-{index}",
+                                                                         change))
             gateway = GatewayProcess(variant_topology, 1, gateway_cpus)
             try:
                 gateway.wait_ready()
