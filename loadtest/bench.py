@@ -75,6 +75,7 @@ def _tenants(config: dict[str, Any]) -> None:
 def _scarce_upstream(config: dict[str, Any]) -> None:
     """Providers that admit 16 connections each per worker: a burst has to queue for them."""
     _tenants(config)
+    config["tenants"] = [{"tenant": "steady", "priority": "interactive"}, {"tenant": "noisy", "priority": "batch"}]
     for cluster in config["clusters"]:
         cluster["max_connections"] = 16
 
@@ -103,7 +104,8 @@ SCENARIOS = {s.name: s for s in (
     Scenario("noisy-neighbour",
              "Tenant `steady`: 10 interactive users (0.5 s think time) all along. Tenant `noisy`: 100 users "
              "sending back to back, only in the middle third. The providers admit 16 connections each "
-             "(`max_connections: 16`), so the burst queues for upstream slots.",
+             "(`max_connections: 16`), so the burst queues for upstream slots; `steady` has `priority: interactive`, "
+             "`noisy` `priority: batch`.",
              {"InteractiveUser": 10, "BurstUser": 100}, _scarce_upstream, window_labels=("burst", "burst ends")),
     Scenario("long-streams",
              "10 interactive users all along; in the middle third 100 users open long streams "
