@@ -5,7 +5,8 @@
 Cases: capability lookup of a typical chat body; route without affinity (round robin
 inside a 3-member group); route with affinity where the session is already bound
 (reused); route with affinity for a never-seen session (lookup miss + bind). The table
-lives in an anonymous shared mapping, as the supervisor allocates it.
+lives in an anonymous shared mapping, as the supervisor allocates it. Then, at 16 candidates in one
+group: each picker, and the eligibility filters (context window, tools, region) with request facts.
 """
 
 from __future__ import annotations
@@ -16,14 +17,17 @@ import mmap
 import time
 from collections.abc import Callable
 
-from gateway.capability import lookup_capability, session_key
+from gateway.capability import lookup_capability, request_features, session_key
+from gateway.config import ModelFacts, ModelMatch
 from gateway.overlay.snapshot import Snapshot, snapshot_from_bytes
-from gateway.routing import Router
+from gateway.routing import ProviderView, Router
+from gateway.routing.eligibility import TOOLS, FactsTable, Needs
 from shm.affinity import AffinityTable
 
 CAPABILITIES = 50
 MEMBERS = 3
 SESSIONS = 4096
+WIDE = 16  # candidates in the one group of the picker cases
 
 
 def build_snapshot() -> Snapshot:
@@ -44,6 +48,20 @@ def build_snapshot() -> Snapshot:
                 )
     overlay = {"local_site": "bench", "selection_policy": {"mode": "roundRobin"}, "candidates": candidates}
     return snapshot_from_bytes(json.dumps(overlay).encode())
+
+
+def wide_snapshot() -> Snapshot:
+    candidates = [{"kind": "inference_model", "name": "wide", "site": f"s{k}", "cluster": f"p{k}",
+                   "selection_group": 0} for k in range(WIDE)]
+    overlay = {"local_site": "bench", "selection_policy": {"mode": "roundRobin"}, "candidates": candidates}
+    return snapshot_from_bytes(json.dumps(overlay).encode())
+
+
+def wide_router(picker: str, facts: FactsTable | None = None) -> Router:
+    view = ProviderView(WIDE, inflight=lambda provider: provider % 3)  # as if read from shared memory
+    for provider in range(WIDE):
+        view.latency[provider] = 0.05 + provider / 1000
+    return Router(provider_index={f"p{k}": k for k in range(WIDE)}, providers=view, picker=picker, facts=facts)
 
 
 WARMUP = 10_000
@@ -105,6 +123,30 @@ def main() -> None:
         n,
         lambda i: sticky.route(snapshot, "inference_model", names[i & 1023], fresh[i], now),
     )
+
+    wide = wide_snapshot()
+    facts = FactsTable([
+        ModelFacts(match=ModelMatch(capability="wide", cluster=f"p{k}"), context_window=8192 if k % 4 else 2048,
+                   features=["tools"] if k % 2 else [], region="eu" if k % 3 else "us", traffic_weight=1 + k % 3)
+        for k in range(WIDE)
+    ])
+    keys = [b"tenant-%d\x00session-%d" % (i % 64, i) for i in range(1024)]
+    for picker in ("overlay", "weighted", "stable_hash", "least_loaded"):
+        router = wide_router(picker)
+        measure(f"route, {WIDE} candidates, {picker}", n,
+                lambda i, r=router: r.route(wide, "inference_model", "wide", key=keys[i & 1023]))
+    filtered = wide_router("overlay", facts)
+    needs = Needs(tokens=4000, features=TOOLS, regions=frozenset({"eu"}))
+    measure(f"route, {WIDE} candidates, filters", n,
+            lambda i: filtered.route(wide, "inference_model", "wide", needs=needs))
+    tool_body = json.dumps({"model": "wide", "max_tokens": 256, "tools": [{"type": "function"}],
+                            "messages": [{"role": "user", "content": "hi " * 200}]}).encode()
+
+    def facts_lookup(_: int) -> object:
+        request = lookup_capability(None, tool_body, b"application/json", True)
+        return request_features(request.body, b"/v1/chat/completions")  # type: ignore[union-attr]
+
+    measure("capability lookup + request facts", n, facts_lookup)
 
 
 if __name__ == "__main__":
