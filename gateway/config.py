@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from gateway.auth import is_key_digest
 from gateway.yaml_config import ConfigError, Seconds, convert_yaml, read_text
 
 
@@ -341,7 +342,7 @@ class ApiKey(_Strict):
     key: str
 
     def __post_init__(self) -> None:
-        if not re.fullmatch(r"sha256:[0-9a-f]{64}", self.key):
+        if not is_key_digest(self.key):
             raise ValueError("key: must be 'sha256:<64 lowercase hex>' (see `gridgate keys hash`)")
 
 

@@ -37,7 +37,7 @@ _NOTHING = ReloadResult()
 class OverlayFollower:
     def __init__(self, config: Config, fallback: bytes | None = None) -> None:
         routing = config.routing
-        scope = routing.expected_overlay_scope if routing.expected_overlay_scope.is_configured() else None
+        scope = routing.expected_overlay_scope
         path = config.overlay_path()
         self.watcher: OverlayWatcher | None = None
         if path is None:  # inline candidates: they change with the config, not a file

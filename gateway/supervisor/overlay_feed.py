@@ -38,7 +38,6 @@ from gateway.overlay.contract import OverlayRejected
 from gateway.overlay.freshness import rendered_at
 from gateway.overlay.valkey_source import OverlayCache, OverlaySourceError, ValkeyOverlaySource
 from gateway.overlay.watch import OverlayWatcher, load_overlay_file
-from gateway.supervisor.overlay_keeper import expected_scope
 from gateway.supervisor.startup import StartupError
 
 log = logging.getLogger("gridgate.supervisor")
@@ -70,7 +69,7 @@ class OverlayFreshness:
         if self._path is None:
             return
         try:
-            snapshot = load_overlay_file(self._path, expected_scope(config))
+            snapshot = load_overlay_file(self._path, config.routing.expected_overlay_scope)
         except OverlayRejected:
             return  # the workers keep their last-known-good, so its age is the one that counts
         self.revision, self.rendered_at = snapshot.revision, rendered_at(snapshot.provenance, snapshot.generated_at)
@@ -101,7 +100,7 @@ class OverlayFeed:
         self._private_dir: str | None = None
         self._task: asyncio.Task[None] | None = None
         if self.settings is not None:
-            cache = OverlayCache(self._cache_path(config, self.settings), expected_scope(config))
+            cache = OverlayCache(self._cache_path(config, self.settings), config.routing.expected_overlay_scope)
             self.source = ValkeyOverlaySource(self.settings.url, self.settings.key, cache,
                                               poll_interval=float(self.settings.poll_interval))
 
@@ -173,7 +172,7 @@ class OverlayFeed:
 
     def tick(self, config: Config) -> None:
         if self.source is not None:  # a reload may have changed the expected scope
-            self.source.cache.expected_scope = expected_scope(config)
+            self.source.cache.expected_scope = config.routing.expected_overlay_scope
         self.freshness.check(config, datetime.now(UTC))
 
     def cleanup(self) -> None:

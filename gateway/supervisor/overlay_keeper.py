@@ -17,11 +17,6 @@ from gateway.overlay.watch import read_overlay_bytes
 log = logging.getLogger("gridgate.supervisor")
 
 
-def expected_scope(config: Config):
-    scope = config.routing.expected_overlay_scope
-    return scope if scope.is_configured() else None
-
-
 class LastGoodOverlay:
     def __init__(self) -> None:
         self.revision: str | None = None
@@ -34,7 +29,7 @@ class LastGoodOverlay:
             return
         try:
             data = read_overlay_bytes(path)
-            snapshot = snapshot_from_bytes(data, expected_scope(config))
+            snapshot = snapshot_from_bytes(data, config.routing.expected_overlay_scope)
         except OverlayRejected:
             return
         if revision is None or snapshot.revision == revision:
