@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from loadtest.fault_proxy import FaultProxyThread
 from tests.harness import Client, admin_get, candidate, chat, envelope, free_port, mock_served, request
 
 FAST_RETRY = {"routing": {"retry": {"attempts": 3, "deadline": "10s", "backoff": {"base": "1ms", "max": "5ms"}}}}
@@ -55,6 +56,44 @@ def test_each_failure_kind_fails_over_inside_one_request(kind, mock_provider, ga
     assert b'"choices"' in response.body
     assert mock_served(good) == 1
     assert time.monotonic() - started < 3  # the stall was cut by first_byte_timeout, not read_timeout
+
+
+def test_connect_timeout_fails_over_inside_one_request(mock_provider, gateway_factory):
+    good = mock_provider("good")
+    hole = FaultProxyThread(good.address).start()  # a black hole in front of a real provider
+    try:
+        hole.set_fault(on_connect="blackhole")
+        gateway = gateway_factory({"bad": [hole.address], "good": [good.address]}, deterministic("bad", "good"),
+                                  extra=FAST_RETRY, cluster_options={"connect_timeout": "300ms"})
+        started = time.monotonic()
+        response = chat(gateway.port, "m")
+        assert response.status == 200 and response.headers["x-gridgate-provider"] == "good"
+        assert response.headers["x-gridgate-attempts"] == "2"
+        assert 0.25 < time.monotonic() - started < 3
+    finally:
+        hole.stop()
+
+
+def test_a_black_holed_endpoint_attracts_only_a_handful_of_concurrent_requests(mock_provider, gateway_factory):
+    healthy = [mock_provider(f"healthy-{n}", latency_ms=20) for n in range(4)]
+    hole = FaultProxyThread(healthy[0].address).start()
+    try:
+        hole.set_fault(on_connect="blackhole")
+        gateway = gateway_factory(
+            {"p": [hole.address, *(h.address for h in healthy)]}, deterministic("p"), extra=FAST_RETRY,
+            cluster_options={"connect_timeout": "2s", "load_balancer_strategy": "least_connections"},
+        )
+        with ThreadPoolExecutor(50) as pool:
+            statuses = list(pool.map(lambda _: chat(gateway.port, "m").status, range(50)))
+        assert statuses.count(200) == 50
+        endpoints = json.loads(admin_get(gateway.admin_port, "/admin/endpoints")[2])["clusters"][0]["endpoints"]
+        black_holed = next(e for e in endpoints if e["address"] == hole.address)
+        picks = sum(black_holed["failures"].values())
+        # Its hanging connects count as in flight, so it gets no more than its share of the 50 (10), not
+        # every pick (its in-flight count would otherwise stay 0 while the connects hang).
+        assert 1 <= picks <= 12, black_holed
+    finally:
+        hole.stop()
 
 
 def test_every_provider_failing_gives_one_clear_error_with_the_last_retry_after(mock_provider, gateway_factory):
