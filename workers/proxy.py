@@ -118,7 +118,7 @@ class Proxy:
             return self.refuse(exchange, route, request_id)
         try:
             await self.forward(exchange, headers, capability, route, admission, request_id, session, needs, key,
-                               self.router.filtered if pinned is None else 0)
+                               self.router.filtered if pinned is None else 0, tenant, policy.batch)
         except BaseException:
             self.settle(admission, Settlement.CHARGE_ESTIMATE)  # a provider may have worked on it
             raise
@@ -276,7 +276,7 @@ class Proxy:
     async def forward(
         self, exchange: Exchange, headers: RequestHeaders, request: CapabilityRequest, route: RouteDecision,
         admission: Admission | None, request_id: bytes, session: bytes | None, needs: Needs | None, key: bytes,
-        filtered: int,
+        filtered: int, tenant: str, batch: bool,
     ) -> None:
         """Try providers until one answers (or the budget is spent); settle the reservation."""
         body, metering = self._upstream_body(request, exchange.body, admission)
@@ -294,6 +294,7 @@ class Proxy:
                 exchange, headers, cluster, route, base, body, metering, admission, request_id, deadline,
                 hold_retryable=may_retry and route.plan.provider_count > 1 and route.mode != "pinned",
                 attempt=1 if failover is None else failover.attempts + 1, evidence=evidence,
+                tenant=tenant, batch=batch,
             )
             if outcome is None:  # answered (or the client left): settled
                 if session is not None and route.provider != first.provider:
@@ -320,7 +321,7 @@ class Proxy:
         self, exchange: Exchange, headers: RequestHeaders, cluster: UpstreamCluster, route: RouteDecision,
         base: list[tuple[bytes, bytes]], body: bytes, metering: bool | None, admission: Admission | None,
         request_id: bytes, deadline: float, hold_retryable: bool, attempt: int,
-        evidence: list[tuple[bytes, bytes]],
+        evidence: list[tuple[bytes, bytes]], tenant: str, batch: bool,
     ) -> tuple[ErrorReply, bool] | None:
         """One provider, its endpoints in turn. None: the request is over (answered, or the client left,
         and settled); else the reply to give if no other provider serves, and whether a request was sent."""
@@ -342,7 +343,8 @@ class Proxy:
                 conn = None if attempts.fresh else pool.try_acquire()
                 if conn is None:
                     try:
-                        conn = await pool.acquire(fresh=attempts.fresh, timeout=deadline - _monotonic())
+                        conn = await pool.acquire(fresh=attempts.fresh, timeout=deadline - _monotonic(),
+                                                  tenant=tenant, batch=batch)  # fair order among waiters
                     except ConnectFailed as error:
                         cluster.record_failure(endpoint, error.failure)
                         if attempts.connect_failed(endpoint, error.failure, str(error)) == Next.STOP:

@@ -12,17 +12,20 @@ Read timeouts use a deadline field and one timer per connection that is re-armed
 from __future__ import annotations
 
 import asyncio
-import collections
 import ssl
 import time
 from typing import Protocol
 
 from gateway.http import codec
 from gateway.request.failures import Failure
+from gateway.request.fair_queue import FairQueue
 
 _monotonic = time.monotonic
 _COPY_BODY_BELOW = 65536
 _INF = float("inf")
+# Requests that may wait for one endpoint's connections in one worker; past it they are turned away at
+# once (503), so a flood cannot grow the queue, or the time its last waiter would wait, without bound.
+MAX_WAITERS = 4096
 
 
 class UpstreamSink(Protocol):
@@ -34,7 +37,7 @@ class UpstreamSink(Protocol):
 
 
 class PoolExhausted(Exception):
-    """Every connection of the endpoint is busy and none freed up in time."""
+    """Every connection of the endpoint is busy and none freed up in time (or too many already wait)."""
 
 
 class ConnectFailed(Exception):
@@ -241,7 +244,11 @@ class UpstreamConnection(asyncio.Protocol):
 
 
 class UpstreamPool:
-    """LIFO keep-alive pool for one endpoint in one worker, bounded by ``max_connections``."""
+    """LIFO keep-alive pool for one endpoint in one worker, bounded by ``max_connections``.
+
+    When every connection is busy, requests wait in a ``FairQueue``: a connection or a slot that frees
+    up goes to interactive waiters before batch ones, and to the tenants of a class in turn.
+    """
 
     def __init__(
         self,
@@ -255,6 +262,7 @@ class UpstreamPool:
         server_hostname: str | None = None,
         wait_timeout: float | None = None,
         head_wait: float = _INF,
+        max_waiters: int = MAX_WAITERS,
     ) -> None:
         self.host = host
         self.port = port
@@ -269,7 +277,7 @@ class UpstreamPool:
         self.loop = asyncio.get_running_loop()
         self.idle: list[UpstreamConnection] = []
         self.open_count = 0
-        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._waiters: FairQueue[asyncio.Future[UpstreamConnection | None]] = FairQueue(max_waiters)
 
     def try_acquire(self) -> UpstreamConnection | None:
         """An idle keep-alive connection, without awaiting; None when a connect or a wait is needed."""
@@ -281,9 +289,14 @@ class UpstreamPool:
                 return conn
         return None
 
-    async def acquire(self, fresh: bool = False, timeout: float = _INF) -> UpstreamConnection:
+    async def acquire(
+        self, fresh: bool = False, timeout: float = _INF, tenant: str = "", batch: bool = False,
+    ) -> UpstreamConnection:
         """A connection for one exchange: idle (unless ``fresh``), newly opened, or handed over by a
-        finishing exchange, within ``timeout`` seconds at most. Raises ConnectFailed or PoolExhausted."""
+        finishing exchange, within ``timeout`` seconds at most. Raises ConnectFailed or PoolExhausted.
+
+        ``tenant`` and ``batch`` place the request among the waiters when every connection is busy.
+        """
         idle = self.idle
         if fresh:
             if self.open_count >= self.max_connections and idle:
@@ -295,8 +308,9 @@ class UpstreamPool:
         if self.open_count < self.max_connections:
             self.open_count += 1  # reserve the slot before the await
             return await self._connect(timeout)
-        waiter = self.loop.create_future()
-        self._waiters.append(waiter)
+        waiter: asyncio.Future[UpstreamConnection | None] = self.loop.create_future()
+        if not self._waiters.push(waiter, tenant, batch):
+            raise PoolExhausted(f"all {self.max_connections} connections busy, {len(self._waiters)} waiting")
         try:
             handed = await asyncio.wait_for(waiter, min(self.wait_timeout, timeout))
         except BaseException as exc:
@@ -309,6 +323,7 @@ class UpstreamPool:
                     self.release(got, reusable=True)
             else:
                 waiter.cancel()
+                self._waiters.remove(waiter, tenant, batch)
             if isinstance(exc, TimeoutError):
                 raise PoolExhausted(f"all {self.max_connections} connections busy") from None
             raise
@@ -344,9 +359,9 @@ class UpstreamPool:
 
     def release(self, conn: UpstreamConnection, reusable: bool) -> None:
         if reusable and not conn.closed:
-            while self._waiters:
-                waiter = self._waiters.popleft()
-                if not waiter.done():
+            if self._waiters.size:
+                waiter = self._next_waiter()
+                if waiter is not None:
                     waiter.set_result(conn)
                     return
             self.idle.append(conn)
@@ -367,13 +382,21 @@ class UpstreamPool:
             self._slot_freed()
 
     def _slot_freed(self) -> None:
-        """Hand the slot to the first live waiter (it stays counted), else give it back."""
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
+        """Hand the slot to the next waiter (it stays counted), else give it back."""
+        waiter = self._next_waiter()
+        if waiter is not None:
+            waiter.set_result(None)
+            return
         self.open_count -= 1
+
+    def _next_waiter(self) -> asyncio.Future[UpstreamConnection | None] | None:
+        """The next waiter in fair order that still waits. A waiter whose wait just ended (timed out or
+        cancelled, its task not yet resumed to take itself out of the queue) is skipped."""
+        waiters = self._waiters
+        while (waiter := waiters.pop()) is not None:
+            if not waiter.done():
+                return waiter
+        return None
 
     def close(self) -> None:
         for conn in self.idle:

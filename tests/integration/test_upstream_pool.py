@@ -140,3 +140,117 @@ def test_try_acquire_only_returns_live_idle_connections():
         assert pool.try_acquire() is conn and conn.reused
 
     run(scenario)
+
+
+# -- fair slots (CONTRACT §12): interactive before batch, tenants in turn, bounded ---------------------
+
+
+async def _queue(pool: UpstreamPool, waiters: list[tuple[str, str, bool]]) -> dict[str, asyncio.Task]:
+    """Start one waiter per (name, tenant, batch), in that order, each queued before the next starts."""
+    tasks = {}
+    for name, tenant, batch in waiters:
+        tasks[name] = asyncio.ensure_future(pool.acquire(tenant=tenant, batch=batch))
+        await asyncio.sleep(0)  # let it reach the queue
+    await asyncio.sleep(0.01)
+    assert not any(task.done() for task in tasks.values())
+    return tasks
+
+
+async def _serve_in_turn(pool: UpstreamPool, first, tasks: dict[str, asyncio.Task], reusable: bool) -> list[str]:
+    """Free the held connection (or its slot) again and again; the order in which the waiters got it."""
+    order: list[str] = []
+    held = first
+    while len(order) < len(tasks):
+        pool.release(held, reusable=reusable)
+        done, _ = await asyncio.wait([t for t in tasks.values() if not t.done()], return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == 1
+        (task,) = done
+        order.append(next(name for name, candidate in tasks.items() if candidate is task))
+        held = task.result()
+    pool.release(held, reusable=True)
+    return order
+
+
+def test_a_released_connection_goes_to_interactive_waiters_before_earlier_batch_ones():
+    async def scenario(server, port):
+        pool = pool_for(port)
+        first = await pool.acquire()
+        tasks = await _queue(pool, [("bulk-1", "bulk", True), ("bulk-2", "bulk", True), ("app-1", "app", False),
+                                    ("other-1", "other", True), ("app-2", "app", False)])
+        order = await _serve_in_turn(pool, first, tasks, reusable=True)
+        assert order == ["app-1", "app-2", "bulk-1", "other-1", "bulk-2"]
+        assert server.accepted == 1 and pool.open_count == 1 and pool.idle == [first]
+
+    run(scenario)
+
+
+def test_freed_slots_go_to_the_tenants_of_a_class_in_turn():
+    async def scenario(server, port):
+        pool = pool_for(port)
+        first = await pool.acquire()
+        burst = [(f"a-{index}", "a", True) for index in range(4)]
+        tasks = await _queue(pool, [*burst, ("b-0", "b", True), ("c-0", "c", True)])
+        order = await _serve_in_turn(pool, first, tasks, reusable=False)  # each waiter opens its own connection
+        assert order == ["a-0", "b-0", "c-0", "a-1", "a-2", "a-3"]
+        assert server.accepted == 7 and pool.open_count == 1
+
+    run(scenario)
+
+
+def test_waiters_past_the_cap_are_turned_away_at_once_and_a_waiter_that_gives_up_frees_its_place():
+    async def scenario(server, port):
+        pool = pool_for(port, wait_timeout=5.0, max_waiters=2)
+        first = await pool.acquire()
+        tasks = await _queue(pool, [("a", "t", False), ("b", "t", True)])
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(PoolExhausted):
+            await pool.acquire(tenant="u")
+        assert loop.time() - started < 1.0  # not after wait_timeout
+        tasks["a"].cancel()  # a client leaves: its place is free again
+        await asyncio.sleep(0.01)
+        third = asyncio.ensure_future(pool.acquire(tenant="u"))
+        await asyncio.sleep(0.01)
+        assert not third.done()
+        pool.release(first, reusable=True)
+        assert await third is first  # interactive "u" before batch "b"
+        pool.release(first, reusable=True)
+        assert await tasks["b"] is first
+        pool.release(first, reusable=True)
+        assert pool.idle == [first] and pool.open_count == 1
+
+    run(scenario)
+
+
+def test_timed_out_waiters_leave_the_queue():
+    async def scenario(server, port):
+        pool = pool_for(port, wait_timeout=0.02, max_waiters=1)
+        first = await pool.acquire()
+        for _ in range(3):  # each one would be turned away at once if an earlier one still held the place
+            with pytest.raises(PoolExhausted) as refused:
+                await pool.acquire(tenant="t")
+            assert str(refused.value) == "all 1 connections busy"  # waited, then gave up
+        pool.release(first, reusable=True)
+        assert pool.idle == [first] and pool.open_count == 1
+
+    run(scenario)
+
+
+def test_a_connection_handed_to_an_interactive_waiter_that_leaves_goes_to_the_next_waiter():
+    async def scenario(server, port):
+        pool = pool_for(port, wait_timeout=5.0)
+        first = await pool.acquire()
+        tasks = await _queue(pool, [("bulk", "bulk", True), ("app", "app", False)])
+        pool.release(first, reusable=True)  # resolves the interactive waiter's future ...
+        tasks["app"].cancel()  # ... which leaves before it could run
+        try:
+            owner = await tasks["app"]  # Python 3.11's wait_for hands it over despite the cancel
+        except asyncio.CancelledError:
+            owner = None
+        if owner is not None:
+            pool.release(owner, reusable=True)
+        assert await tasks["bulk"] is first and pool.idle == [] and pool.open_count == 1
+        pool.release(first, reusable=True)
+        assert pool.idle == [first]
+
+    run(scenario)
