@@ -12,6 +12,8 @@ window)`` with ``now`` from Valkey ``TIME`` inside the script, so every gateway 
 window boundaries. A reservation member is ``<id>|<estimate>|<win_s>:<idx>,...``: it records exactly
 which windows it was admitted into, so settling (or expiring) it adjusts those windows even after a
 config change, and removing the member is the idempotency check (settling twice charges once).
+An ``<id>`` starts with its worker's owner tag (``gateway.quota.owner``), so the reservations of a
+worker that died can be found and settled (``sweep``) without waiting for their deadline.
 
 Tokens are attributed to the windows the request was admitted in (refunds and overage included).
 A denied request changes nothing (all budgets or none). Every key carries a TTL: a window lives
@@ -27,21 +29,20 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from valkey.exceptions import NoScriptError
 
-from gateway.ids import CounterIds
 from gateway.quota.rules import QuotaRule
 
 SCRIPT_NAME = "gridgate-quota-ledger"
-SCRIPT_VERSION = 2
+SCRIPT_VERSION = 3
 KEY_PREFIX = "gg:q:v1"
 
 LEDGER_SCRIPT = (
-    f"""-- {SCRIPT_NAME} v{SCRIPT_VERSION} (keys {KEY_PREFIX}); modes: admit | settle | cancel | report
+    f"""-- {SCRIPT_NAME} v{SCRIPT_VERSION} (keys {KEY_PREFIX}); modes: admit | settle | cancel | sweep | report
 """
     + r"""
 local mode = ARGV[1]
@@ -95,9 +96,10 @@ if mode == 'admit' then
   local timeout_ms = tonumber(ARGV[5])
   local max_in_flight = tonumber(ARGV[6])
   local keys, resets, parts = {}, {}, {}
-  -- Headers: the tightest budget when admitted; the longest-blocking failing budget when denied.
+  -- Headers: the tightest budget when admitted; when denied, a budget the estimate can never fit
+  -- (its whole window is smaller), else the longest-blocking failing budget.
   local lim, rem, reset = 0, nil, 0
-  local deny_lim, deny_rem, deny_reset = 0, 0, -1
+  local deny_lim, deny_rem, deny_reset, deny_never = 0, 0, -1, false
   local n = (#ARGV - 6) / 2
   for i = 1, n do
     local win_s = ARGV[5 + 2 * i]
@@ -109,7 +111,10 @@ if mode == 'admit' then
     local room = limit - (tonumber(v[1]) or 0) - (tonumber(v[2]) or 0)
     local r = (idx + 1) * wms - now
     if est > room then
-      if r > deny_reset then deny_lim, deny_rem, deny_reset = limit, math.max(room, 0), r end
+      local never = est > limit
+      if (never and not deny_never) or (never == deny_never and r > deny_reset) then
+        deny_lim, deny_rem, deny_reset, deny_never = limit, math.max(room, 0), r, never
+      end
     elseif rem == nil or room - est < rem then
       lim, rem, reset = limit, room - est, r
     end
@@ -154,6 +159,27 @@ elseif mode == 'cancel' then
     end
   until cursor == '0'
   return 0
+
+elseif mode == 'sweep' then
+  -- ARGV: mode, prefix, owner tag...: the reservations of workers that died (their ids start with
+  -- the owner tag). Each frees its concurrency slot and is charged at its estimate (it may have
+  -- reached a provider). Removing the member is what makes a late settle of it a no-op.
+  local released, charged = 0, 0
+  for i = 3, #ARGV do
+    local cursor = '0'
+    repeat
+      local page = redis.call('ZSCAN', zkey, cursor, 'MATCH', ARGV[i] .. '*', 'COUNT', 1000)
+      cursor = page[1]
+      local found = page[2]  -- member, score, member, score ...
+      for j = 1, #found, 2 do
+        if redis.call('ZREM', zkey, found[j]) == 1 then
+          charged = charged + release(found[j], nil)
+          released = released + 1
+        end
+      end
+    until cursor == '0'
+  end
+  return {released, charged}
 
 elseif mode == 'report' then
   -- ARGV: mode, prefix, window_s... -> now, in_flight, {used, reserved, reset_ms}...
@@ -240,24 +266,36 @@ def key_prefix(rule_name: str, tenant: str) -> str:
     return f"{KEY_PREFIX}:{{{escape_key_part(rule_name)}:{escape_key_part(tenant)}}}"
 
 
+# Every (rule, tenant) reservation set: ``:r`` right after the hash tag (window keys go on after it).
+RESERVATION_SETS = KEY_PREFIX + ":{*}:r"
+
+# An admit command: ("EVALSHA", sha, 1, zkey, "admit", prefix, id, estimate, timeout_ms, tail...).
+AdmitCommand = tuple[Any, ...]
+_ZKEY, _PREFIX, _ID = 3, 5, 6
+
+
 class QuotaLedger:
-    """Valkey-backed token ledger. Each method is exactly one script call (plus a reload on NOSCRIPT).
+    """Valkey-backed token ledger. Each decision is exactly one script call (plus a reload on NOSCRIPT).
 
     ``client`` is what ``backend.create_client`` returns: the pipelined ``RespClient`` (one node) or
     a valkey-py ``ValkeyCluster``, both with bytes replies and valkey-py's exceptions. Timeouts and
     failure policy belong to the caller (``QuotaGate``); errors propagate.
 
-    ``max_concurrent_calls`` bounds the calls in flight, and with them the connections a pooled
-    client opens (each call holds one connection for its round trip): a burst of requests waits for
-    a slot (inside the caller's timeout) instead of opening thousands of sockets and exhausting the
-    server's ``maxclients``. (``RespClient`` pipelines everything on one connection.)
+    Admissions are built here (``admit_command``), sent in batches (``send_admits``: one pipelined
+    round trip for every admit of a loop tick) and read back (``decision``); the gate does the
+    batching. ``max_concurrent_calls`` bounds the calls in flight of a cluster client, and with them
+    the connections its pools open (each call holds one connection per node for its round trip): a
+    burst waits for a slot instead of exhausting the servers' ``maxclients``. (``RespClient``
+    pipelines everything on one connection.)
     """
 
     def __init__(self, client: Any, *, reservation_timeout_s: float, max_concurrent_calls: int = 64) -> None:
         self._client = client
+        self._pipelines_natively = callable(getattr(client, "send_pipeline", None))  # RespClient
+        # Pre-encoded for RespClient; valkey-py's cluster routing recognises EVALSHA by its str name.
+        self._evalsha = (b"EVALSHA", LEDGER_SHA.encode()) if self._pipelines_natively else ("EVALSHA", LEDGER_SHA)
         self._slots = asyncio.Semaphore(max_concurrent_calls)
         self._timeout_ms = max(1, int(reservation_timeout_s * 1000))
-        self._ids = CounterIds()  # made per worker, after the fork
         # (rule name, tenant) -> (zkey, prefix), pre-encoded; bounded: tenants come from configured keys.
         self._keys: dict[tuple[str, str], tuple[bytes, bytes]] = {}
         # Per rule, the static tail of the admit ARGV (pre-encoded): max_in_flight, window/limit pairs.
@@ -268,38 +306,48 @@ class QuotaLedger:
         return self._client
 
     async def load_script(self) -> None:
-        """SCRIPT LOAD once at start (on every primary in cluster mode), off the request path."""
+        """SCRIPT LOAD (on every primary in cluster mode), off the request path: at start and after
+        the backend recovered (a restarted server has an empty script cache)."""
         sha = await self._client.script_load(LEDGER_SCRIPT)
         if isinstance(sha, bytes):
             sha = sha.decode()
         if sha != LEDGER_SHA:  # would mean the server hashes differently: refuse to guess
             raise RuntimeError(f"unexpected script sha {sha} (expected {LEDGER_SHA})")
 
-    def new_id(self) -> bytes:
-        return self._ids.next()
+    async def ping(self) -> None:
+        """One cheap command: raises unless the backend serves commands (a loading server does not)."""
+        await self._client.ping()
 
-    async def reserve(self, rule: QuotaRule, tenant: str, estimate: int, reservation_id: bytes | None = None
-                      ) -> Decision:
+    # -- admissions (request path)
+
+    def admit_command(self, rule: QuotaRule, tenant: str, estimate: int, reservation_id: bytes) -> AdmitCommand:
         zkey, prefix = self._keys_for(rule.name, tenant)
-        args = self._rule_args.get(rule.name)
-        if args is None:
-            args = self._rule_args[rule.name] = _admit_tail(rule)
-        rid = reservation_id if reservation_id is not None else self._ids.next()
-        reply = await self._eval(zkey, b"admit", prefix, rid, estimate, self._timeout_ms, *args)
+        tail = self._rule_args.get(rule.name)
+        if tail is None:
+            tail = self._rule_args[rule.name] = _admit_tail(rule)
+        name, sha = self._evalsha
+        return (name, sha, 1, zkey, b"admit", prefix, reservation_id, estimate, self._timeout_ms, *tail)
+
+    def send_admits(self, commands: Sequence[AdmitCommand]) -> Awaitable[list[Any]]:
+        """Send admit commands in one pipelined round trip (per node in cluster mode); their replies
+        in order, error replies (e.g. ``NoScriptError``) in place. ``RespClient``: a plain future."""
+        if self._pipelines_natively:
+            return self._client.send_pipeline(commands)
+        return self._pipelined(commands)
+
+    @staticmethod
+    def decision(command: AdmitCommand, reply: bytes) -> Decision:
+        """The verdict in an admit reply (``command`` is the one that produced it)."""
         fields = reply.split(b" ", 6)
         verdict = int(fields[0])
         reservation = None
         if verdict == ADMITTED:
-            reservation = Reservation(zkey, prefix, fields[6], estimate)
+            reservation = Reservation(command[_ZKEY], command[_PREFIX], fields[6], command[7])
         return Decision(
-            verdict,
-            int(fields[1]),
-            int(fields[2]),
-            int(fields[3]),
-            int(fields[4]),
-            int(fields[5]),
-            reservation,
+            verdict, int(fields[1]), int(fields[2]), int(fields[3]), int(fields[4]), int(fields[5]), reservation
         )
+
+    # -- settling (off the request path)
 
     async def settle(self, reservation: Reservation, actual_tokens: int) -> tuple[int, int]:
         """Charge ``actual_tokens`` for a reservation; returns (outcome, estimate). Idempotent."""
@@ -308,38 +356,52 @@ class QuotaLedger:
         )
         return reply[0], reply[1]
 
-    async def cancel(self, rule_name: str, tenant: str, reservation_id: bytes) -> bool:
-        """Release, unused, a reservation whose admit reply was lost; False if there is none (yet)."""
-        zkey, prefix = self._keys_for(rule_name, tenant)
-        return bool(await self._eval(zkey, "cancel", prefix, reservation_id))
-
     async def settle_many(
         self, items: Sequence[tuple[Reservation, int]]
     ) -> list[tuple[int, int] | Exception]:
-        """Settle a batch in one pipelined round trip (per node in cluster mode); per-item results.
-
-        Off the request path only. A NOSCRIPT (server restarted) reloads the script and redoes the
-        batch: settling is idempotent, so items that already went through are no-ops the second time.
-        """
-        for attempt in (1, 2):
-            async with self._slots:
-                replies = await self._pipelined_settle(items)
-            if attempt == 1 and any(isinstance(r, NoScriptError) for r in replies):
-                await self.load_script()
-                continue
-            break
+        """Settle a batch in one pipelined round trip; per-item (outcome, estimate) or exception."""
+        replies = await self._pipeline_reloading([
+            ("EVALSHA", LEDGER_SHA, 1, r.zkey, "settle", r.prefix, r.member, max(0, actual)) for r, actual in items
+        ])
         return [r if isinstance(r, Exception) else (r[0], r[1]) for r in replies]
 
-    async def _pipelined_settle(self, items: Sequence[tuple[Reservation, int]]) -> list[Any]:
-        pipe = self._client.pipeline(transaction=False)
-        for reservation, actual in items:
-            # execute_command, not pipe.evalsha(): ClusterPipeline blocks the helper by name but
-            # routes EVALSHA by its key like any other keyed command.
-            pipe.execute_command(
-                "EVALSHA", LEDGER_SHA, 1, reservation.zkey, "settle", reservation.prefix,
-                reservation.member, max(0, actual),
-            )  # fmt: skip
-        return await pipe.execute(raise_on_error=False)
+    async def cancel_many(self, commands: Sequence[AdmitCommand]) -> list[bool | Exception]:
+        """Release, unused, the reservations of admits whose replies were lost; per admit: released
+        (True), none there (yet), or the exception."""
+        replies = await self._pipeline_reloading([
+            ("EVALSHA", LEDGER_SHA, 1, c[_ZKEY], "cancel", c[_PREFIX], c[_ID]) for c in commands
+        ])
+        return [r if isinstance(r, Exception) else bool(r) for r in replies]
+
+    async def sweep(self, owner_tags: Sequence[bytes], batch: int = 128) -> tuple[int, int]:
+        """Settle every open reservation whose id starts with one of ``owner_tags`` (workers that
+        died): free its concurrency slot, charge its estimate. Returns (reservations, tokens).
+
+        Scans the keyspace for reservation sets (every node in cluster mode), then one script call
+        per set, pipelined ``batch`` at a time. Idempotent, and safe against a racing settle: the
+        script removes each member once, whoever comes first."""
+        released = charged = 0
+
+        async def run(keys: list[bytes]) -> None:
+            nonlocal released, charged
+            replies = await self._pipeline_reloading([
+                ("EVALSHA", LEDGER_SHA, 1, key, "sweep", key[:-2], *owner_tags) for key in keys
+            ])
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+                released += reply[0]
+                charged += reply[1]
+
+        keys: list[bytes] = []
+        async for key in self._client.scan_iter(match=RESERVATION_SETS, count=1000, _type="zset"):
+            keys.append(key)
+            if len(keys) >= batch:
+                await run(keys)
+                keys = []
+        if keys:
+            await run(keys)
+        return released, charged
 
     async def report(self, rule: QuotaRule, tenant: str) -> RuleReport:
         zkey, prefix = self._keys_for(rule.name, tenant)
@@ -377,6 +439,26 @@ class QuotaLedger:
                 # The server lost its script cache (restart, failover, SCRIPT FLUSH): reload, retry once.
                 await self._client.script_load(LEDGER_SCRIPT)
                 return await self._client.evalsha(LEDGER_SHA, 1, zkey, *args)
+
+    async def _pipelined(self, commands: Iterable[Sequence[Any]]) -> list[Any]:
+        async with self._slots:
+            pipe = self._client.pipeline(transaction=False)
+            for command in commands:
+                # execute_command, not pipe.evalsha(): ClusterPipeline blocks the helper by name but
+                # routes EVALSHA by its key like any other keyed command.
+                pipe.execute_command(*command)
+            return await pipe.execute(raise_on_error=False)
+
+    async def _pipeline_reloading(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+        """Pipelined; commands answered NOSCRIPT (server restarted) are redone once after a reload.
+        Every script mode is safe to redo: a NOSCRIPT reply means the script did not run."""
+        replies = await self._pipelined(commands)
+        lost = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if lost:
+            await self.load_script()
+            for i, reply in zip(lost, await self._pipelined([commands[i] for i in lost]), strict=True):
+                replies[i] = reply
+        return replies
 
 
 def _admit_tail(rule: QuotaRule) -> tuple[bytes, ...]:
