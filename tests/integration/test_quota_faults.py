@@ -27,10 +27,11 @@ def test_one_tick_of_64_admits_stays_exact_even_when_the_script_cache_was_lost(v
             report = await gate.quota_report(tenant)
             assert (window(report)["reserved"], window(report, 0, 1)["reserved"]) == (4000, 4000)
             for admission in results:
-                gate.settle(admission, 200, 10)
+                gate.charge(admission, 10, prompt_tokens=6)  # denied ones hold nothing: no-ops
             await gate.drain()
             report = await gate.quota_report(tenant)
             assert (window(report)["used"], window(report)["reserved"]) == (400, 0)
+            assert gate.tenant_tokens.snapshot() == {tenant: (240, 160), "other": (0, 0)}
             assert gate.counters.backend_errors == 0 and not gate.breaker.is_open
 
     asyncio.run(scenario())

@@ -4,6 +4,7 @@ import pytest
 
 from gateway.quota.admission import duration_text, never_fits_message, window_text
 from gateway.quota.breaker import Breaker
+from gateway.quota.counters import TenantTokens
 from gateway.quota.estimate import estimate_prompt_tokens, estimate_tokens
 from gateway.quota.rules import Budget, QuotaRule, RuleSet, validate_rules
 
@@ -117,3 +118,13 @@ def test_never_fits_message_names_the_limit_and_the_request() -> None:
 )
 def test_reset_header_uses_openai_duration_form(ms: int, text: bytes) -> None:
     assert duration_text(ms) == text
+
+
+def test_tenant_tokens_are_bounded_to_the_configured_tenants() -> None:
+    tokens = TenantTokens(["team-a", "team-b", "team-a", "other"])
+    assert tokens.names == ("team-a", "team-b", "other")
+    tokens.add(tokens.slot("team-a"), 10, 5, 15)
+    tokens.add(tokens.slot("team-a"), None, 7, 10)  # prompt derived from the total
+    tokens.add(tokens.slot("stranger"), 3, None, 4)  # completion derived; an unknown tenant is "other"
+    tokens.add(tokens.slot("team-b"), None, None, 99)  # a total alone cannot be split: not counted
+    assert tokens.snapshot() == {"team-a": (13, 12), "team-b": (0, 0), "other": (3, 1)}
