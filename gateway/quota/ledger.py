@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from valkey.exceptions import NoScriptError
 
+from gateway.quota.resp import RespClient, encode_command
 from gateway.quota.rules import QuotaRule
 
 SCRIPT_NAME = "gridgate-quota-ledger"
@@ -138,11 +139,16 @@ if mode == 'admit' then
 
 elseif mode == 'settle' then
   -- ARGV: mode, prefix, member, actual_tokens
+  -- -> the outcome: 0 no-op, 1 charged as asked, 2 expired (charged at the estimate)
   local deadline = redis.call('ZSCORE', zkey, ARGV[3])
-  if not deadline then return {0, 0} end  -- settled before, or expired and charged: a no-op
+  if not deadline then return 0 end  -- settled before, or expired and charged: a no-op
   redis.call('ZREM', zkey, ARGV[3])
-  if tonumber(deadline) <= now then return {2, release(ARGV[3], nil)} end
-  return {1, release(ARGV[3], tonumber(ARGV[4]))}
+  if tonumber(deadline) <= now then
+    release(ARGV[3], nil)
+    return 2
+  end
+  release(ARGV[3], tonumber(ARGV[4]))
+  return 1
 
 elseif mode == 'cancel' then
   -- ARGV: mode, prefix, id. The admit's reply never reached the gateway (it timed out), so the
@@ -211,8 +217,7 @@ DENIED_BUDGET = 0
 DENIED_CONCURRENCY = -1
 
 
-@dataclass(frozen=True, slots=True)
-class Reservation:
+class Reservation(NamedTuple):
     """What settling needs: the (rule, tenant) keys and the member the script returned."""
 
     zkey: bytes
@@ -221,21 +226,29 @@ class Reservation:
     estimate: int
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class AdmitCommand(NamedTuple):
+    """One admit: what goes on the wire (RESP bytes for ``RespClient``, the argument tuple for a
+    cluster client) and what its reply needs to become a ``Decision`` (or to be cancelled)."""
+
+    wire: Any
+    zkey: bytes
+    prefix: bytes
+    reservation_id: bytes
+    estimate: int
+
+
+class Decision(NamedTuple):
     """One admission verdict with what the rate-limit headers need.
 
     ``verdict``: ADMITTED, DENIED_BUDGET or DENIED_CONCURRENCY. ``limit``/``remaining``/``reset_ms``
-    describe the tightest budget (admitted, remaining after this reservation) or the budget that
-    blocks longest (denied). ``reset_ms`` is the time to that window's end.
+    describe the tightest budget (admitted, remaining after this reservation) or, denied, the budget
+    the estimate can never fit, else the one that blocks longest. ``reset_ms``: to that window's end.
     """
 
     verdict: int
     limit: int
     remaining: int
     reset_ms: int
-    server_now_ms: int
-    expired_reservations: int
     reservation: Reservation | None
 
 
@@ -269,9 +282,14 @@ def key_prefix(rule_name: str, tenant: str) -> str:
 # Every (rule, tenant) reservation set: ``:r`` right after the hash tag (window keys go on after it).
 RESERVATION_SETS = KEY_PREFIX + ":{*}:r"
 
-# An admit command: ("EVALSHA", sha, 1, zkey, "admit", prefix, id, estimate, timeout_ms, tail...).
-AdmitCommand = tuple[Any, ...]
-_ZKEY, _PREFIX, _ID = 3, 5, 6
+# A settle on the wire: zkey, prefix, member, tokens.
+_SETTLE_WIRE = (
+    b"*8\r\n$7\r\nEVALSHA\r\n$40\r\n" + LEDGER_SHA.encode()
+    + b"\r\n$1\r\n1\r\n$%d\r\n%b\r\n$6\r\nsettle\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n"
+)
+# An admit on the wire: a cached head (EVALSHA sha 1 zkey admit prefix), the id, the estimate, and
+# the cached tail (timeout, the rule's max_in_flight and budgets); one %-format per request.
+_ADMIT_WIRE = b"%b$%d\r\n%b\r\n$%d\r\n%b\r\n%b"
 
 
 class QuotaLedger:
@@ -291,15 +309,13 @@ class QuotaLedger:
 
     def __init__(self, client: Any, *, reservation_timeout_s: float, max_concurrent_calls: int = 64) -> None:
         self._client = client
-        self._pipelines_natively = callable(getattr(client, "send_pipeline", None))  # RespClient
-        # Pre-encoded for RespClient; valkey-py's cluster routing recognises EVALSHA by its str name.
-        self._evalsha = (b"EVALSHA", LEDGER_SHA.encode()) if self._pipelines_natively else ("EVALSHA", LEDGER_SHA)
+        self._encodes = isinstance(client, RespClient)  # else valkey-py's cluster client: argument tuples
         self._slots = asyncio.Semaphore(max_concurrent_calls)
         self._timeout_ms = max(1, int(reservation_timeout_s * 1000))
         # (rule name, tenant) -> (zkey, prefix), pre-encoded; bounded: tenants come from configured keys.
         self._keys: dict[tuple[str, str], tuple[bytes, bytes]] = {}
-        # Per rule, the static tail of the admit ARGV (pre-encoded): max_in_flight, window/limit pairs.
-        self._rule_args: dict[str, tuple[bytes, ...]] = {}
+        # (rule name, tenant) -> what every admit of that pair sends around its id and estimate.
+        self._admit_parts: dict[tuple[str, str], tuple[bytes, bytes, Any, Any]] = {}
 
     @property
     def client(self) -> Any:
@@ -321,19 +337,24 @@ class QuotaLedger:
     # -- admissions (request path)
 
     def admit_command(self, rule: QuotaRule, tenant: str, estimate: int, reservation_id: bytes) -> AdmitCommand:
-        zkey, prefix = self._keys_for(rule.name, tenant)
-        tail = self._rule_args.get(rule.name)
-        if tail is None:
-            tail = self._rule_args[rule.name] = _admit_tail(rule)
-        name, sha = self._evalsha
-        return (name, sha, 1, zkey, b"admit", prefix, reservation_id, estimate, self._timeout_ms, *tail)
+        parts = self._admit_parts.get((rule.name, tenant))
+        if parts is None:
+            parts = self._prepare_admits(rule, tenant)
+        zkey, prefix, head, tail = parts
+        if self._encodes:
+            count = b"%d" % estimate
+            wire = _ADMIT_WIRE % (head, len(reservation_id), reservation_id, len(count), count, tail)
+        else:
+            wire = (*head, reservation_id, estimate, *tail)
+        return AdmitCommand(wire, zkey, prefix, reservation_id, estimate)
 
     def send_admits(self, commands: Sequence[AdmitCommand]) -> Awaitable[list[Any]]:
         """Send admit commands in one pipelined round trip (per node in cluster mode); their replies
         in order, error replies (e.g. ``NoScriptError``) in place. ``RespClient``: a plain future."""
-        if self._pipelines_natively:
-            return self._client.send_pipeline(commands)
-        return self._pipelined(commands)
+        wires = [command.wire for command in commands]
+        if self._encodes:
+            return self._client.send_encoded(b"".join(wires), len(wires))
+        return self._pipelined(wires)
 
     @staticmethod
     def decision(command: AdmitCommand, reply: bytes) -> Decision:
@@ -342,34 +363,50 @@ class QuotaLedger:
         verdict = int(fields[0])
         reservation = None
         if verdict == ADMITTED:
-            reservation = Reservation(command[_ZKEY], command[_PREFIX], fields[6], command[7])
-        return Decision(
-            verdict, int(fields[1]), int(fields[2]), int(fields[3]), int(fields[4]), int(fields[5]), reservation
-        )
+            reservation = Reservation(command.zkey, command.prefix, fields[6], command.estimate)
+        return Decision(verdict, int(fields[1]), int(fields[2]), int(fields[3]), reservation)
+
+    def _prepare_admits(self, rule: QuotaRule, tenant: str) -> tuple[bytes, bytes, Any, Any]:
+        zkey, prefix = self._keys_for(rule.name, tenant)
+        tail: tuple[int, ...] = (self._timeout_ms, rule.max_in_flight)
+        for budget in rule.budgets:
+            tail += (budget.window_s, budget.tokens)
+        # valkey-py's cluster routing recognises EVALSHA by its str name.
+        head = ("EVALSHA", LEDGER_SHA, 1, zkey, b"admit", prefix)
+        parts: tuple[bytes, bytes, Any, Any] = (zkey, prefix, head, tail)
+        if self._encodes:  # the array header counts the id and estimate that go in between
+            array = b"*%d\r\n" % (len(head) + 2 + len(tail))
+            parts = (zkey, prefix, array + _bulk_strings(head), _bulk_strings(tail))
+        if len(self._admit_parts) >= 65536:  # defensive cap, as for the keys
+            self._admit_parts.clear()
+        self._admit_parts[(rule.name, tenant)] = parts
+        return parts
 
     # -- settling (off the request path)
 
-    async def settle(self, reservation: Reservation, actual_tokens: int) -> tuple[int, int]:
-        """Charge ``actual_tokens`` for a reservation; returns (outcome, estimate). Idempotent."""
-        reply = await self._eval(
+    async def settle(self, reservation: Reservation, actual_tokens: int) -> int:
+        """Charge ``actual_tokens`` for a reservation; returns the outcome (SETTLE_*). Idempotent."""
+        return await self._eval(
             reservation.zkey, "settle", reservation.prefix, reservation.member, max(0, actual_tokens)
         )
-        return reply[0], reply[1]
 
-    async def settle_many(
-        self, items: Sequence[tuple[Reservation, int]]
-    ) -> list[tuple[int, int] | Exception]:
-        """Settle a batch in one pipelined round trip; per-item (outcome, estimate) or exception."""
-        replies = await self._pipeline_reloading([
-            ("EVALSHA", LEDGER_SHA, 1, r.zkey, "settle", r.prefix, r.member, max(0, actual)) for r, actual in items
-        ])
-        return [r if isinstance(r, Exception) else (r[0], r[1]) for r in replies]
+    async def settle_many(self, items: Sequence[tuple[Reservation, int]]) -> list[int | Exception]:
+        """Settle a batch in one pipelined round trip; per item its outcome (SETTLE_*) or exception."""
+        if self._encodes:
+            wires: list[Any] = []
+            for r, actual in items:
+                tokens = b"%d" % max(0, actual)
+                wires.append(_SETTLE_WIRE % (len(r.zkey), r.zkey, len(r.prefix), r.prefix, len(r.member), r.member,
+                                             len(tokens), tokens))
+        else:
+            wires = [("EVALSHA", LEDGER_SHA, 1, r.zkey, "settle", r.prefix, r.member, max(0, a)) for r, a in items]
+        return await self._pipeline_reloading(wires)
 
     async def cancel_many(self, commands: Sequence[AdmitCommand]) -> list[bool | Exception]:
         """Release, unused, the reservations of admits whose replies were lost; per admit: released
         (True), none there (yet), or the exception."""
         replies = await self._pipeline_reloading([
-            ("EVALSHA", LEDGER_SHA, 1, c[_ZKEY], "cancel", c[_PREFIX], c[_ID]) for c in commands
+            self._wire(("EVALSHA", LEDGER_SHA, 1, c.zkey, "cancel", c.prefix, c.reservation_id)) for c in commands
         ])
         return [r if isinstance(r, Exception) else bool(r) for r in replies]
 
@@ -385,7 +422,7 @@ class QuotaLedger:
         async def run(keys: list[bytes]) -> None:
             nonlocal released, charged
             replies = await self._pipeline_reloading([
-                ("EVALSHA", LEDGER_SHA, 1, key, "sweep", key[:-2], *owner_tags) for key in keys
+                self._wire(("EVALSHA", LEDGER_SHA, 1, key, "sweep", key[:-2], *owner_tags)) for key in keys
             ])
             for reply in replies:
                 if isinstance(reply, Exception):
@@ -440,29 +477,35 @@ class QuotaLedger:
                 await self._client.script_load(LEDGER_SCRIPT)
                 return await self._client.evalsha(LEDGER_SHA, 1, zkey, *args)
 
-    async def _pipelined(self, commands: Iterable[Sequence[Any]]) -> list[Any]:
+    def _wire(self, args: Sequence[Any]) -> Any:
+        return encode_command(args) if self._encodes else args
+
+    async def _pipelined(self, wires: Sequence[Any]) -> list[Any]:
+        """One round trip (per node in cluster mode) for commands in their wire form (``_wire``)."""
+        if not wires:
+            return []
         async with self._slots:
+            if self._encodes:
+                return await self._client.send_encoded(b"".join(wires), len(wires))
             pipe = self._client.pipeline(transaction=False)
-            for command in commands:
+            for args in wires:
                 # execute_command, not pipe.evalsha(): ClusterPipeline blocks the helper by name but
                 # routes EVALSHA by its key like any other keyed command.
-                pipe.execute_command(*command)
+                pipe.execute_command(*args)
             return await pipe.execute(raise_on_error=False)
 
-    async def _pipeline_reloading(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+    async def _pipeline_reloading(self, wires: Sequence[Any]) -> list[Any]:
         """Pipelined; commands answered NOSCRIPT (server restarted) are redone once after a reload.
         Every script mode is safe to redo: a NOSCRIPT reply means the script did not run."""
-        replies = await self._pipelined(commands)
+        replies = await self._pipelined(wires)
         lost = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if lost:
             await self.load_script()
-            for i, reply in zip(lost, await self._pipelined([commands[i] for i in lost]), strict=True):
+            for i, reply in zip(lost, await self._pipelined([wires[i] for i in lost]), strict=True):
                 replies[i] = reply
         return replies
 
 
-def _admit_tail(rule: QuotaRule) -> tuple[bytes, ...]:
-    tail = [rule.max_in_flight]
-    for budget in rule.budgets:
-        tail += (budget.window_s, budget.tokens)
-    return tuple(b"%d" % value for value in tail)
+def _bulk_strings(args: Sequence[Any]) -> bytes:
+    """``args`` as RESP bulk strings without the array header (a part of a longer command)."""
+    return encode_command(args).split(b"\r\n", 1)[1]

@@ -341,10 +341,11 @@ class RespClient:
     def evalsha(self, sha: str | bytes, numkeys: int, *keys_and_args: CommandArg) -> Awaitable[Any]:
         return self._send(encode_command(("EVALSHA", sha, numkeys, *keys_and_args)), 0)
 
-    def send_pipeline(self, commands: Sequence[Sequence[CommandArg]]) -> Awaitable[list[Any]]:
-        """Send ``commands`` in one write; await their replies as one list (error replies in place).
-        Not a coroutine: when connected this is a plain future, so a caller may batch without a task."""
-        return self._send(b"".join(map(encode_command, commands)), len(commands))
+    def send_encoded(self, payload: bytes, count: int) -> Awaitable[list[Any]]:
+        """Send ``count`` commands, already RESP-encoded (``encode_command``), in one write; await
+        their replies as one list (error replies in place). Not a coroutine: when connected this is a
+        plain future, so a caller may batch without a task."""
+        return self._send(payload, count)
 
     def ping(self) -> Awaitable[Any]:
         return self._send(b"*1\r\n$4\r\nPING\r\n", 0)

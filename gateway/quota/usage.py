@@ -97,7 +97,7 @@ def usage_observer(is_event_stream: bool, usage_rewritten: bool) -> UsageObserve
 # The usage members recorded: `"<name>_tokens": N`. One search for their common tail per chunk.
 _KEY_TAIL = b'_tokens"'
 _LONGEST_KEY = len(b'"completion_tokens"')
-_USAGE_VALUE = re.compile(rb'"(prompt|completion|total)_tokens"\s*:\s*(\d+)')
+_USAGE_VALUE = re.compile(rb'"(?:prompt|completion|total)_tokens"\s*:\s*(\d+)')
 _USAGE_INCOMPLETE = re.compile(rb'"(?:prompt|completion|total)_tokens"\s*(?::\s*\d*)?')
 _MAX_HELD = 256  # bytes of a split `"total_tokens": N` kept across chunks
 
@@ -135,7 +135,14 @@ class UsageScanner:
                     return chunk
                 pos = i + 1
                 continue
-            self._record(match.group(1), int(match.group(2)))
+            value = int(match.group(1))
+            kind = data[start + 1]  # the key's first letter
+            if kind == 116:  # t
+                self.total_tokens = value
+            elif kind == 112:  # p
+                self.prompt_tokens = value
+            else:
+                self.completion_tokens = value
             pos = match.end()
         # Keep what could be the start of a key split by the chunk boundary.
         self._held = data[-(_LONGEST_KEY - 1) :]
@@ -144,19 +151,10 @@ class UsageScanner:
     def flush(self) -> bytes:
         if self._held:
             # A number that ended exactly at the end of the stream.
-            match = _USAGE_VALUE.match(self._held)
-            if match is not None:
-                self._record(match.group(1), int(match.group(2)))
-            self._held = b""
+            held, self._held = self._held, b""
+            if _USAGE_VALUE.match(held) is not None:
+                self.feed(held + b" ")  # the number ends here: any byte after it completes the match
         return b""
-
-    def _record(self, name: bytes, value: int) -> None:
-        if name == b"total":
-            self.total_tokens = value
-        elif name == b"prompt":
-            self.prompt_tokens = value
-        else:
-            self.completion_tokens = value
 
 
 _EVENT = re.compile(rb".*?(?:\r\n\r\n|\n\n)", re.S)

@@ -8,8 +8,10 @@ import time
 
 from gateway.quota.backend import create_client
 from gateway.quota.gate import QuotaGate
-from gateway.quota.ledger import SETTLE_NOOP, QuotaLedger
+from gateway.quota.ledger import _SETTLE_WIRE, LEDGER_SHA, SETTLE_NOOP, QuotaLedger, Reservation
 from gateway.quota.owner import owner_tag
+from gateway.quota.resp import RespClient, encode_command
+from gateway.quota.rules import Budget, QuotaRule
 from tests.integration.test_quota_ledger import LONG, admit, new_tenant, open_gate, rule_for, window
 
 
@@ -88,7 +90,7 @@ def test_sweep_settles_a_dead_workers_reservations_once_and_leaves_the_others(va
             assert (report["windows"][0]["used"], report["windows"][0]["reserved"]) == (200, 300)
             assert (await admit(replacement, tenant, 1)).allowed  # the slots are free again
             # A late settle by the worker (it was not dead after all) charges nothing more.
-            assert (await dying._ledger.settle(gone[0].reservation, 5))[0] == SETTLE_NOOP  # type: ignore[arg-type]
+            assert await dying._ledger.settle(gone[0].reservation, 5) == SETTLE_NOOP  # type: ignore[arg-type]
             other = (await replacement.quota_report(other_tenant))["rules"][0]["windows"][0]
             assert (other["used"], other["reserved"]) == (50, 0)
 
@@ -132,3 +134,15 @@ def test_an_admit_whose_request_gave_up_is_released_when_its_reply_arrives(valke
             await gate.close()
 
     asyncio.run(scenario())
+
+
+def test_the_pre_encoded_admit_and_settle_are_exactly_the_commands() -> None:
+    ledger = QuotaLedger(RespClient(), reservation_timeout_s=120)
+    rule = QuotaRule("r:1", (Budget(60, 1000), Budget(86400, 5000)), 10, max_in_flight=3)
+    command = ledger.admit_command(rule, "t{x}", 123, b"ab.1.0.7.f")
+    assert command.wire == encode_command(("EVALSHA", LEDGER_SHA, 1, command.zkey, "admit", command.prefix,
+                                           b"ab.1.0.7.f", 123, 120_000, 3, 60, 1000, 86400, 5000))
+    reservation = Reservation(command.zkey, command.prefix, b"ab.1.0.7.f|123|60:1,86400:2", 123)
+    assert _SETTLE_WIRE % (len(reservation.zkey), reservation.zkey, len(reservation.prefix), reservation.prefix,
+                           len(reservation.member), reservation.member, 2, b"42") == encode_command(
+        ("EVALSHA", LEDGER_SHA, 1, reservation.zkey, "settle", reservation.prefix, reservation.member, 42))

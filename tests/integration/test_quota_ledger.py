@@ -199,9 +199,9 @@ def test_reconciling_twice_charges_once(valkey_url: str) -> None:
             assert reservation is not None
             ledger = QuotaLedger(create_client(valkey_url), reservation_timeout_s=120)
             try:
-                assert (await ledger.settle(reservation, 50))[0] == SETTLE_APPLIED
-                assert (await ledger.settle(reservation, 50))[0] == SETTLE_NOOP
-                assert (await ledger.settle(reservation, 400))[0] == SETTLE_NOOP
+                assert await ledger.settle(reservation, 50) == SETTLE_APPLIED
+                assert await ledger.settle(reservation, 50) == SETTLE_NOOP
+                assert await ledger.settle(reservation, 400) == SETTLE_NOOP
             finally:
                 await ledger.client.aclose()
             gate.charge(admission, 70)  # the gate's own settle is now a duplicate too
