@@ -358,12 +358,23 @@ def quota_url_problem(url: str) -> str | None:
     """None if ``url`` is a backend URL the quota ledger can use, else why not."""
     scheme, sep, rest = url.partition("://")
     scheme = scheme.lower()
-    if not sep or scheme not in QUOTA_NODE_SCHEMES + QUOTA_CLUSTER_SCHEMES:
+    if not sep:
+        return "expected a URL such as valkey://host:6379/0"
+    if scheme not in QUOTA_NODE_SCHEMES + QUOTA_CLUSTER_SCHEMES:
         allowed = ", ".join(f"{s}://" for s in QUOTA_NODE_SCHEMES + QUOTA_CLUSTER_SCHEMES)
-        return f"must be a URL with one of the schemes {allowed}"
+        return f"unsupported scheme {scheme}:// (use one of {allowed})"
     if scheme in QUOTA_CLUSTER_SCHEMES and ":" not in rest.rsplit("@", 1)[-1].split("/", 1)[0]:
         return f"{scheme}:// needs host:port of one cluster node"
     return None
+
+
+def single_node_url(url: str) -> str:
+    """``url`` for its node alone: a ``valkey+cluster://`` / ``valkeys+cluster://`` seed becomes
+    ``valkey://`` / ``valkeys://``; other URLs stay as they are."""
+    scheme, sep, rest = url.partition("://")
+    if scheme.lower() in QUOTA_CLUSTER_SCHEMES:
+        return f"{scheme.lower().removesuffix('+cluster')}{sep}{rest}"
+    return url
 
 
 class QuotaBackend(_Strict):
@@ -375,7 +386,9 @@ class QuotaBackend(_Strict):
 
     def __post_init__(self) -> None:
         if self.kind == "valkey":
-            problem = quota_url_problem(self.url or "")
+            if not self.url:
+                raise ValueError("url: must be set with kind valkey (e.g. valkey://host:6379/0)")
+            problem = quota_url_problem(self.url)
             if problem:
                 raise ValueError(f"url: {problem}")
 

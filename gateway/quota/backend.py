@@ -17,7 +17,7 @@ from typing import Any
 from valkey.asyncio.cluster import ValkeyCluster
 from valkey.exceptions import ValkeyError
 
-from gateway.config import QUOTA_CLUSTER_SCHEMES
+from gateway.config import QUOTA_CLUSTER_SCHEMES, single_node_url
 from gateway.quota.resp import RespClient
 
 DEFAULT_TIMEOUT_S = 0.25
@@ -40,14 +40,12 @@ def create_client(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
     CPU per admit and per settle of valkey-py's pooled client, whose per-command machinery dominated
     the quota's cost per request). Cluster: valkey-py, which knows slots, redirections and topology;
     it initialises lazily on first use."""
-    scheme, _, rest = url.partition("://")
-    if scheme.lower() not in QUOTA_CLUSTER_SCHEMES:
+    if url.partition("://")[0].lower() not in QUOTA_CLUSTER_SCHEMES:
         return RespClient.from_url(url, timeout_s=timeout_s)
-    node_scheme = scheme.lower().removesuffix("+cluster")
     # The pool is not capped: QuotaLedger bounds concurrent calls (cheaper than valkey-py's blocking
     # pool, which takes a lock per command), and that bounds the connections.
     return ValkeyCluster.from_url(
-        f"{node_scheme}://{rest}",
+        single_node_url(url),
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         decode_responses=False,

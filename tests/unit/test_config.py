@@ -201,7 +201,7 @@ def test_quota_backend_urls_the_ledger_speaks_are_accepted(url):
 
 @pytest.mark.parametrize(
     ("url", "expected"),
-    [("http://h:1", "quota.backend.url: must be a URL with one of the schemes"),
+    [("http://h:1", "quota.backend.url: unsupported scheme http:// (use one of valkey://"),
      ("valkeys+cluster://node.example", "quota.backend.url: valkeys+cluster:// needs host:port")],
 )
 def test_quota_backend_url_problems_are_named(url, expected):
