@@ -350,6 +350,34 @@ class Auth(_Strict):
     keys: list[ApiKey] = []
 
 
+# Quota backend URL schemes: one node, or a seed node of a Valkey Cluster (the topology is discovered).
+QUOTA_NODE_SCHEMES = ("valkey", "valkeys", "redis", "rediss", "unix")
+QUOTA_CLUSTER_SCHEMES = ("valkey+cluster", "valkeys+cluster")
+
+
+def quota_url_problem(url: str) -> str | None:
+    """None if ``url`` is a backend URL the quota ledger can use, else why not."""
+    scheme, sep, rest = url.partition("://")
+    scheme = scheme.lower()
+    if not sep:
+        return "expected a URL such as valkey://host:6379/0"
+    if scheme not in QUOTA_NODE_SCHEMES + QUOTA_CLUSTER_SCHEMES:
+        allowed = ", ".join(f"{s}://" for s in QUOTA_NODE_SCHEMES + QUOTA_CLUSTER_SCHEMES)
+        return f"unsupported scheme {scheme}:// (use one of {allowed})"
+    if scheme in QUOTA_CLUSTER_SCHEMES and ":" not in rest.rsplit("@", 1)[-1].split("/", 1)[0]:
+        return f"{scheme}:// needs host:port of one cluster node"
+    return None
+
+
+def single_node_url(url: str) -> str:
+    """``url`` for its node alone: a ``valkey+cluster://`` / ``valkeys+cluster://`` seed becomes
+    ``valkey://`` / ``valkeys://``; other URLs stay as they are."""
+    scheme, sep, rest = url.partition("://")
+    if scheme.lower() in QUOTA_CLUSTER_SCHEMES:
+        return f"{scheme.lower().removesuffix('+cluster')}{sep}{rest}"
+    return url
+
+
 class QuotaBackend(_Strict):
     kind: Literal["embedded", "valkey"] = "embedded"
     url: str | None = None
@@ -359,9 +387,27 @@ class QuotaBackend(_Strict):
 
     def __post_init__(self) -> None:
         if self.kind == "valkey":
-            schemes = ("valkey://", "redis://", "rediss://", "valkeys://", "valkey+cluster://", "unix://")
-            if not self.url or not self.url.startswith(schemes):
-                raise ValueError("url: must be a valkey://, redis://, rediss:// or valkey+cluster:// URL")
+            if not self.url:
+                raise ValueError("url: must be set with kind valkey (e.g. valkey://host:6379/0)")
+            problem = quota_url_problem(self.url)
+            if problem:
+                raise ValueError(f"url: {problem}")
+
+
+class QuotaBreaker(_Strict):
+    """How the quota backend's circuit breaker reacts to a failing Valkey (gateway/quota/gate.py)."""
+
+    # Consecutive failed backend round trips that open the breaker: from then on admissions get the
+    # on_backend_error answer at once, without touching the backend.
+    failures: int = 3
+    # While open, each worker probes the backend this often (one PING); the first answer closes it.
+    probe_interval: Seconds = Seconds(0.1)
+
+    def __post_init__(self) -> None:
+        if self.failures < 1:
+            raise ValueError("failures: must be >= 1")
+        if not 0.01 <= self.probe_interval <= 10:
+            raise ValueError("probe_interval: must be between 10ms and 10s")
 
 
 class Budget(_Strict):
@@ -396,7 +442,7 @@ class Quota(_Strict):
     backend: QuotaBackend = QuotaBackend()
     on_backend_error: Literal["reject", "allow"] = "reject"
     reservation_timeout: Seconds = Seconds(120)
-
+    breaker: QuotaBreaker = QuotaBreaker()
 
 
 class Config(_Strict):

@@ -12,8 +12,9 @@ import os
 class CounterIds:
     __slots__ = ("_prefix", "_counter")
 
-    def __init__(self, separator: bytes = b"") -> None:
-        self._prefix = os.urandom(6).hex().encode() + separator
+    def __init__(self, separator: bytes = b"", prefix: bytes | None = None) -> None:
+        """``prefix`` replaces the random one when the caller has a unique name of its own."""
+        self._prefix = (os.urandom(6).hex().encode() if prefix is None else prefix) + separator
         self._counter = itertools.count(1)
 
     def next(self) -> bytes:

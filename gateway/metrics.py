@@ -39,7 +39,8 @@ QUOTA_DECISION = RETRIES + 1
 QUOTA_TOKENS = QUOTA_DECISION + len(QUOTA_DECISIONS)
 QUOTA_BACKEND_ERRORS = QUOTA_TOKENS + len(QUOTA_TOKEN_KINDS)
 QUOTA_RECONCILE_DROPS = QUOTA_BACKEND_ERRORS + 1
-OVERLAY_RELOADS = QUOTA_RECONCILE_DROPS + 1
+QUOTA_BREAKER = QUOTA_RECONCILE_DROPS + 1  # opened, closed
+OVERLAY_RELOADS = QUOTA_BREAKER + 2
 PANIC_ENTRIES = OVERLAY_RELOADS + len(OVERLAY_RESULTS)  # per cluster index
 COUNTERS = PANIC_ENTRIES + MAX_CLUSTERS
 
@@ -141,6 +142,8 @@ class WorkerMetrics:
         row[QUOTA_TOKENS + 3] = counters.tokens_overage
         row[QUOTA_BACKEND_ERRORS] = counters.backend_errors
         row[QUOTA_RECONCILE_DROPS] = counters.reconcile_drops + counters.reconcile_failures
+        row[QUOTA_BREAKER] = counters.breaker_opened
+        row[QUOTA_BREAKER + 1] = counters.breaker_closed
 
     def publish_panic(self, entries_by_cluster: dict[str, int]) -> None:
         """Copy each cluster balancer's panic-mode entry count (per process, monotonic)."""
@@ -210,6 +213,12 @@ def render_prometheus(totals: list[int], cluster_names: Sequence[str]) -> bytes:
         "gridgate_quota_reconcile_dropped", "Reconciliations dropped (queue full or retries exhausted).",
         value=totals[QUOTA_RECONCILE_DROPS],
     ))
+    breaker = CounterMetricFamily("gridgate_quota_breaker_transitions",
+                                  "Quota backend breaker transitions (open: policy applied without Valkey).",
+                                  labels=["to"])
+    breaker.add_metric(["open"], totals[QUOTA_BREAKER])
+    breaker.add_metric(["closed"], totals[QUOTA_BREAKER + 1])
+    families.append(breaker)
     reloads = CounterMetricFamily("gridgate_overlay_reloads", "Overlay reloads by result, summed over workers.",
                                   labels=["result"])
     for index, result in enumerate(OVERLAY_RESULTS):

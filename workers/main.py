@@ -39,7 +39,6 @@ from gateway.process_protocol import (
 from gateway.quota.backend import create_client
 from gateway.quota.gate import QuotaGate
 from gateway.quota.ledger import QuotaLedger
-from gateway.quota.rules import rules_from_config
 from gateway.request.headers import HeaderPlan
 from gateway.routing import Router
 from gateway.routing.eligibility import FactsTable
@@ -160,7 +159,7 @@ class Worker:
         quota = config.quota
         if quota is not None and self.ctx.quota_url:
             ledger = QuotaLedger(create_client(self.ctx.quota_url), reservation_timeout_s=float(quota.reservation_timeout))
-            self.quota = QuotaGate(ledger, rules_from_config(quota), on_backend_error=quota.on_backend_error)
+            self.quota = QuotaGate.from_config(ledger, config, generation=self.ctx.generation, slot=self.ctx.slot)
             await self.quota.start()
         clusters = self.clusters = ClusterManager(config, self.segment, self.row, self.provider_index)
         routing = config.routing

@@ -20,9 +20,8 @@ from urllib.parse import urlsplit
 import msgspec
 
 # One error builder for every YAML file gridgate reads: the config's.
-from gateway.config import ConfigError, Seconds, convert_yaml, read_text
+from gateway.config import ConfigError, Seconds, convert_yaml, quota_url_problem, read_text
 from gateway.overlay.contract import MAX_CANDIDATES, MAX_TEXT_BYTES
-from gateway.quota.backend import url_problem
 
 NO_METRICS = "noMetrics"
 QUEUE_DEPTH = "queueDepth"
@@ -301,7 +300,7 @@ def _publish_problems(spec: ControlSpec) -> list[str]:
     if target is None:
         return []
     problems = []
-    if (problem := url_problem(target.url)) is not None:
+    if (problem := quota_url_problem(target.url)) is not None:
         problems.append(f"publish.valkey.url: {problem}")
     if not target.key.strip() or any(c.isspace() for c in target.key):
         problems.append("publish.valkey.key: must be a key name without spaces")

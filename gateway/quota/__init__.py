@@ -2,12 +2,17 @@
 
 Import the submodules directly; this package imports nothing so the pure rooms stay I/O-free.
 
-    rules     QuotaRule, Budget, RuleSet             which budgets apply (first match wins)
-    estimate  estimate_tokens                        the reservation size
-    usage     rewrite_request_for_usage, usage_observer   actual usage from responses
-    ledger    QuotaLedger                            the Lua script and key layout in Valkey
-    gate      QuotaGate, Admission                   what a worker calls per request
-    resp      RespClient                             lean pipelined client for one Valkey node
-    backend   create_client, backend_url             the client for a backend URL (RespClient or ValkeyCluster)
-    embedded  EmbeddedValkey                         the bundled server the supervisor runs
+    rules      QuotaRule, Budget, RuleSet             which budgets apply (first match wins)
+    estimate   estimate_tokens                        the reservation size
+    usage      rewrite_request_for_usage, usage_observer   actual usage from responses
+    owner      owner_tag                              the worker identity in every reservation id
+    ledger     QuotaLedger                            the Lua script and key layout in Valkey
+    admission  Admission                              a verdict with its headers and error text
+    breaker    Breaker                                when admissions stop touching a failing backend
+    counters   QuotaCounters, TenantTokens            per-worker counters for the metrics
+    reconcile  Reconciler                             settling off the request path, in batches
+    gate       QuotaGate                              what a worker calls per request
+    resp       RespClient                             lean pipelined client for one Valkey node
+    backend    create_client                          the client for a backend URL (RespClient or ValkeyCluster)
+    embedded   EmbeddedValkey                         the bundled server the supervisor runs
 """

@@ -1,9 +1,9 @@
 """Building the quota ledger's Valkey client from the configured backend.
 
-Accepted URLs: ``valkey://``, ``valkeys://``, ``redis://``, ``rediss://``, ``unix://`` (a single node)
-and ``valkey+cluster://host:port`` / ``valkeys+cluster://host:port`` (Valkey Cluster; the node is a
-seed, the topology is discovered). ``{kind: embedded}`` resolves to the URL the supervisor's
-``EmbeddedValkey.start()`` returned.
+Accepted URLs (the config validates them: ``gateway.config.quota_url_problem``): ``valkey://``,
+``valkeys://``, ``redis://``, ``rediss://``, ``unix://`` (a single node) and ``valkey+cluster://host:port``
+/ ``valkeys+cluster://host:port`` (Valkey Cluster; the node is a seed, the topology is discovered).
+``{kind: embedded}`` resolves to the URL the supervisor's ``EmbeddedValkey.start()`` returned.
 
 Clients are created inside each worker (after fork, on the worker's event loop), never shared
 across processes. Timeouts are short on purpose: a slow quota backend must turn into the configured
@@ -12,59 +12,23 @@ across processes. Timeouts are short on purpose: a slow quota backend must turn 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from valkey.asyncio.cluster import ValkeyCluster
+from valkey.exceptions import ValkeyError
 
+from gateway.config import QUOTA_CLUSTER_SCHEMES, single_node_url
 from gateway.quota.resp import RespClient
-
-SINGLE_NODE_SCHEMES = ("valkey", "valkeys", "redis", "rediss", "unix")
-CLUSTER_SCHEMES = {"valkey+cluster": "valkey", "valkeys+cluster": "valkeys"}
 
 DEFAULT_TIMEOUT_S = 0.25
 
-
-@dataclass(frozen=True, slots=True)
-class BackendSpec:
-    """``quota.backend`` as plain values: kind ``embedded`` (url None) or ``valkey`` (url required)."""
-
-    kind: Literal["embedded", "valkey"]
-    url: str | None = None
+# What a failing backend raises (both clients use valkey-py's exception classes).
+BACKEND_ERRORS = (ValkeyError, OSError, TimeoutError)
 
 
-def url_problem(url: str) -> str | None:
-    """None if ``url`` is an acceptable backend URL, else why not (for ``gridgate check``)."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return "expected a URL such as valkey://host:6379/0"
-    scheme = scheme.lower()
-    if scheme in CLUSTER_SCHEMES:
-        host_port = rest.rsplit("@", 1)[-1].split("/", 1)[0]
-        if ":" not in host_port:
-            return f"{scheme}:// needs host:port of one cluster node"
-        return None
-    if scheme not in SINGLE_NODE_SCHEMES:
-        allowed = ", ".join(f"{s}://" for s in (*SINGLE_NODE_SCHEMES, *CLUSTER_SCHEMES))
-        return f"unsupported scheme {scheme}:// (use one of {allowed})"
-    return None
-
-
-def backend_url(spec: BackendSpec, embedded_url: str | None) -> str:
-    if spec.kind == "embedded":
-        if not embedded_url:
-            raise ValueError("quota.backend: kind embedded but the embedded server is not running")
-        return embedded_url
-    if not spec.url:
-        raise ValueError("quota.backend.url: required for kind valkey")
-    problem = url_problem(spec.url)
-    if problem:
-        raise ValueError(f"quota.backend.url: {problem}")
-    return spec.url
-
-
-def is_cluster_url(url: str) -> bool:
-    return url.partition("://")[0].lower() in CLUSTER_SCHEMES
+def describe_error(exc: BaseException) -> str:
+    # Exception text from valkey-py never includes the password; keep it to the class + message.
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def create_client(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
@@ -76,14 +40,12 @@ def create_client(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
     CPU per admit and per settle of valkey-py's pooled client, whose per-command machinery dominated
     the quota's cost per request). Cluster: valkey-py, which knows slots, redirections and topology;
     it initialises lazily on first use."""
-    scheme, _, rest = url.partition("://")
-    cluster_scheme = CLUSTER_SCHEMES.get(scheme.lower())
-    if cluster_scheme is None:
+    if url.partition("://")[0].lower() not in QUOTA_CLUSTER_SCHEMES:
         return RespClient.from_url(url, timeout_s=timeout_s)
     # The pool is not capped: QuotaLedger bounds concurrent calls (cheaper than valkey-py's blocking
     # pool, which takes a lock per command), and that bounds the connections.
     return ValkeyCluster.from_url(
-        f"{cluster_scheme}://{rest}",
+        single_node_url(url),
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         decode_responses=False,

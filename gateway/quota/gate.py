@@ -1,186 +1,76 @@
-"""The quota façade a worker calls: ``admit`` before routing, ``settle`` when the response ends.
+"""The quota façade a worker calls: ``admit`` before routing, one settle operation when the response ends.
 
-Request path: rule lookup (memoised) -> estimate -> breaker check -> at most one Valkey round trip
-(the ledger script) under a short deadline. Settling never waits: it enqueues into a bounded queue
-that a background task drains in pipelined batches with retries. A dropped or failed settlement is
-counted and costs the tenant at most its estimate (the reservation times out and is charged).
+Request path: rule lookup (memoised) -> estimate -> breaker check -> the admit joins this loop tick's
+batch. Every admit of one event-loop tick goes to Valkey in one pipelined write (the ledger script
+once per request, one round trip for all), scheduled with ``call_soon`` and resolved request by
+request from its own reply; the client's progress watchdog bounds the wait (no timer per request).
+``needs_admission`` tells, without a coroutine, whether a request needs ``admit`` at all.
+
+Settling never waits: ``release`` (nothing reached a provider), ``charge_estimate`` (it may have,
+the outcome is unknown or failed) and ``charge`` (the usage the provider reported) enqueue into a
+bounded queue that a background task drains in pipelined batches with retries. A dropped or failed
+settlement is counted and costs the tenant at most its estimate (the reservation times out).
 
 Backend failures follow ``on_backend_error``: ``reject`` (the worker answers 503) or ``allow``
-(admitted unmetered, counted). After ``breaker_failures`` consecutive failures the breaker opens and
-the policy applies immediately for ``breaker_cooldown_s``; then one request probes the backend and a
-success closes the breaker again.
+(admitted unmetered, counted). ``breaker_failures`` consecutive failed round trips open the breaker
+(``breaker.py``): the policy then applies without a round trip, and one task per worker probes the
+backend every ``probe_interval_s``; the first answer closes the breaker, so admissions succeed again
+within about one probe interval of the backend answering.
 
 Concurrency cap: ``QuotaRule.max_in_flight`` is enforced by the same script call, counting the live
 reservations of the (rule, tenant) in its reservation set, so it holds across every worker and every
-gateway sharing the Valkey, and costs no extra round trip. An abandoned request stops counting when
-its reservation times out.
+gateway sharing the Valkey, and costs no extra round trip. The reservations of a worker that dies
+are settled by the supervisor's sweep (``owner.py``), the others when their timeout passes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
+import os
+from collections.abc import Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any, Literal
 
-from valkey.exceptions import ValkeyError
+from valkey.exceptions import NoScriptError
 
-from gateway.quota.estimate import estimate_tokens
-from gateway.quota.ledger import (
-    ADMITTED,
-    DENIED_BUDGET,
-    SETTLE_APPLIED,
-    SETTLE_EXPIRED,
-    SETTLE_NOOP,
-    QuotaLedger,
-    Reservation,
+from gateway.ids import CounterIds
+from gateway.quota.admission import (
+    ALLOWED_UNMETERED,
+    H_LIMIT,
+    H_REMAINING,
+    H_RESET,
+    H_RETRY_AFTER,
+    REJECTED,
+    UNMETERED,
+    Admission,
+    duration_text,
+    never_fits_message,
 )
-from gateway.quota.rules import QuotaRule, RuleSet
+from gateway.quota.backend import BACKEND_ERRORS, describe_error
+from gateway.quota.breaker import Breaker
+from gateway.quota.counters import QuotaCounters, TenantTokens
+from gateway.quota.estimate import estimate_tokens
+from gateway.quota.ledger import ADMITTED, DENIED_BUDGET, AdmitCommand, QuotaLedger
+from gateway.quota.owner import owner_tag
+from gateway.quota.reconcile import Reconciler
+from gateway.quota.rules import QuotaRule, RuleSet, rules_from_config
+
+if TYPE_CHECKING:
+    from gateway.config import Config
 
 log = logging.getLogger("gridgate.quota")
 
 BackendPolicy = Literal["reject", "allow"]
-BACKEND_ERRORS = (ValkeyError, OSError, TimeoutError)
 
 # An admit whose reply was lost is cancelled after these pauses (the backend was slow or down);
-# a bound on such pending cancels keeps a dead backend from piling up tasks.
+# a bound on such pending cancels (one per failed batch) keeps a dead backend from piling up tasks.
 _CANCEL_DELAYS_S = (0.5, 2.0, 5.0, 15.0)
 _MAX_PENDING_CANCELS = 1024
-
-_H_RETRY_AFTER = b"retry-after"
-_H_LIMIT = b"x-ratelimit-limit-tokens"
-_H_REMAINING = b"x-ratelimit-remaining-tokens"
-_H_RESET = b"x-ratelimit-reset-tokens"
 
 
 class QuotaBackendUnavailable(Exception):
     """Raised by ``quota_report`` when Valkey cannot be reached (the admin page answers 503)."""
-
-
-@dataclass(slots=True)
-class QuotaCounters:
-    """Per-worker monotonic counters (the metrics module sums them over workers)."""
-
-    admitted: int = 0
-    denied: int = 0
-    denied_concurrency: int = 0
-    backend_error_rejected: int = 0
-    backend_error_allowed: int = 0
-    unmetered: int = 0  # no rule matched (no default rule)
-    tokens_estimated: int = 0
-    tokens_actual: int = 0
-    tokens_refunded: int = 0
-    tokens_overage: int = 0
-    reservations_expired: int = 0  # charged at the estimate because they outlived the timeout
-    backend_errors: int = 0
-    reconcile_drops: int = 0  # queue full
-    reconcile_failures: int = 0  # retries exhausted
-    reconcile_duplicates: int = 0
-
-    def snapshot(self) -> dict[str, int]:
-        return asdict(self)
-
-
-class Admission:
-    """The verdict the worker acts on.
-
-    ``allowed`` False -> answer ``status`` (429 or 503) with ``headers``, send nothing upstream.
-    ``allowed`` True -> forward; add ``headers`` to the response; when the request ends call one of
-    ``QuotaGate.release`` / ``charge_estimate`` / ``charge`` (settling an unmetered admission is a no-op).
-    """
-
-    __slots__ = ("allowed", "reason", "status", "headers", "reservation", "estimate")
-
-    def __init__(
-        self,
-        allowed: bool,
-        reason: str,
-        status: int | None,
-        headers: tuple[tuple[bytes, bytes], ...],
-        reservation: Reservation | None = None,
-        estimate: int = 0,
-    ) -> None:
-        self.allowed = allowed
-        self.reason = reason  # admitted|unmetered|denied|denied_concurrency|backend_error_*
-        self.status = status
-        self.headers = headers
-        self.reservation = reservation
-        self.estimate = estimate
-
-    @property
-    def error(self) -> tuple[str, str, str] | None:
-        """(message, type, code) for the worker's OpenAI-style error body when not allowed."""
-        return _ERRORS.get(self.reason)
-
-    def __repr__(self) -> str:
-        return f"Admission({self.reason}, status={self.status}, estimate={self.estimate})"
-
-
-_ERRORS = {
-    "denied": (
-        "Token quota exceeded for this API key; retry after the Retry-After delay.",
-        "tokens",
-        "rate_limit_exceeded",
-    ),
-    "denied_concurrency": (
-        "Too many concurrent requests for this API key.",
-        "requests",
-        "rate_limit_exceeded",
-    ),
-    "backend_error_rejected": (
-        "The token quota service is unavailable; retry shortly.",
-        "server_error",
-        "quota_unavailable",
-    ),
-}
-
-
-_UNMETERED = Admission(True, "unmetered", None, ())
-
-
-class Breaker:
-    """Consecutive-failure circuit breaker. Pure: the caller passes the monotonic time."""
-
-    __slots__ = ("failures_to_open", "cooldown_s", "_failures", "_open_until", "_probing")
-
-    def __init__(self, failures_to_open: int = 3, cooldown_s: float = 2.0) -> None:
-        self.failures_to_open = failures_to_open
-        self.cooldown_s = cooldown_s
-        self._failures = 0
-        self._open_until = 0.0
-        self._probing = False
-
-    @property
-    def is_open(self) -> bool:
-        return self._failures >= self.failures_to_open
-
-    def retry_after_s(self, now: float) -> int:
-        return max(1, int(self._open_until - now + 0.999))
-
-    def allow(self, now: float) -> bool:
-        """May this request try the backend? While open: no, except one probe after the cool-down."""
-        if self._failures < self.failures_to_open:
-            return True
-        if self._probing or now < self._open_until:
-            return False
-        self._probing = True
-        return True
-
-    def success(self) -> None:
-        self._failures = 0
-        self._probing = False
-
-    def abandoned(self) -> None:
-        """The attempt was cancelled (client went away): no verdict, but free the probe slot."""
-        self._probing = False
-
-    def failure(self, now: float) -> None:
-        self._failures += 1
-        self._probing = False
-        if self._failures >= self.failures_to_open:
-            self._open_until = now + self.cooldown_s
 
 
 class QuotaGate:
@@ -192,26 +82,53 @@ class QuotaGate:
         on_backend_error: BackendPolicy = "reject",
         request_timeout_s: float = 0.25,
         breaker_failures: int = 3,
-        breaker_cooldown_s: float = 2.0,
+        probe_interval_s: float = 0.1,
+        owner: bytes | None = None,
+        tenants: Sequence[str] = (),
         reconcile_queue_size: int = 10000,
         reconcile_batch: int = 128,
         reconcile_retry_delays_s: Sequence[float] = (0.05, 0.25, 1.0),
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``owner``: the worker's ``owner_tag`` (every reservation id starts with it, so the supervisor
+        can sweep a dead worker's reservations); None for a gate outside a supervised worker.
+        ``tenants``: the configured tenant names, the label set of ``tenant_tokens``."""
         if on_backend_error not in ("reject", "allow"):
             raise ValueError("quota.on_backend_error: must be reject or allow")
         self._ledger = ledger
         self._rules = RuleSet(rules)
         self._policy = on_backend_error
         self._timeout_s = request_timeout_s
-        self._breaker = Breaker(breaker_failures, breaker_cooldown_s)
-        self._clock = clock
-        self._queue: asyncio.Queue[tuple[Reservation, int]] = asyncio.Queue(reconcile_queue_size)
-        self._cancels: set[asyncio.Task] = set()
-        self._batch = reconcile_batch
-        self._retry_delays = tuple(reconcile_retry_delays_s)
-        self._drainer: asyncio.Task[None] | None = None
+        self._breaker = Breaker(breaker_failures)
+        self._probe_interval_s = probe_interval_s
+        self._ids = CounterIds(prefix=owner)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # This tick's admits, sent by one _flush: their commands and the futures their requests await.
+        self._commands: list[AdmitCommand] = []
+        self._futures: list[asyncio.Future[Any]] = []
+        self._tasks: set[asyncio.Task] = set()  # probe, script reloads, cancels of lost admits
+        self._cancels = 0
+        self._probe: asyncio.Task[None] | None = None
         self.counters = QuotaCounters()
+        self._reconciler = Reconciler(
+            ledger, self.counters, timeout_s=request_timeout_s,
+            queue_size=reconcile_queue_size, batch=reconcile_batch, retry_delays_s=reconcile_retry_delays_s,
+        )
+        self.tenant_tokens = TenantTokens([*tenants, *(r.match_tenant for r in rules if r.match_tenant)])
+
+    @classmethod
+    def from_config(cls, ledger: QuotaLedger, config: Config, *, generation: int, slot: int) -> QuotaGate:
+        """The gate of the worker (``generation``, ``slot``) of this process, as ``config.quota`` says."""
+        quota = config.quota
+        assert quota is not None
+        return cls(
+            ledger,
+            rules_from_config(quota),
+            on_backend_error=quota.on_backend_error,
+            breaker_failures=quota.breaker.failures,
+            probe_interval_s=float(quota.breaker.probe_interval),
+            owner=owner_tag(generation, slot, os.getpid()),
+            tenants=[key.tenant for key in config.auth.keys] if config.auth is not None else (),
+        )
 
     @property
     def breaker(self) -> Breaker:
@@ -219,42 +136,41 @@ class QuotaGate:
 
     @property
     def reconcile_backlog(self) -> int:
-        return self._queue.qsize()
+        return self._reconciler.backlog
 
     async def start(self) -> None:
-        """Load the script (best effort: a backend that is down now is handled per request) and start
-        the reconciler. Call once in the worker, on its event loop."""
+        """Load the script and start the reconciler. Call once in the worker, on its event loop. A
+        backend that is down now opens the breaker: the probe closes it once the backend answers."""
+        self._loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(max(self._timeout_s, 1.0)):
                 await self._ledger.load_script()
         except BACKEND_ERRORS as exc:
+            log.warning("quota backend unavailable at start (%s); policy %s applies",
+                        describe_error(exc), self._policy)
             self.counters.backend_errors += 1
-            log.warning(
-                "quota backend unavailable at start (%s); policy %s applies", _describe(exc), self._policy
-            )
-        self._drainer = asyncio.get_running_loop().create_task(self._reconcile_forever())
+            if self._breaker.trip():
+                self._opened()
+        self._reconciler.start()
 
     async def drain(self) -> None:
         """Wait until every settlement queued so far has been reconciled (or given up on)."""
-        await self._queue.join()
+        await self._reconciler.drain()
 
     async def close(self, drain_timeout_s: float = 5.0) -> None:
-        """Settle what is queued (bounded by ``drain_timeout_s``), stop the reconciler, close the client."""
-        if self._drainer is not None:
-            try:
-                async with asyncio.timeout(drain_timeout_s):
-                    await self._queue.join()
-            except TimeoutError:
-                log.warning("quota: %d settlements not reconciled at shutdown", self._queue.qsize())
-            self._drainer.cancel()
-            try:
-                await self._drainer
-            except asyncio.CancelledError:
-                pass
-            self._drainer = None
-        for task in list(self._cancels):
-            task.cancel()  # unfinished: those reservations are charged at their estimate on expiry
+        """Settle what is queued (bounded by ``drain_timeout_s``), stop the background tasks, close
+        the client. Unsettled reservations are charged at their estimate by the supervisor's sweep or
+        on expiry."""
+        await self._reconciler.stop(drain_timeout_s)
+        for task in list(self._tasks):
+            task.cancel()
         await self._ledger.client.aclose()
+
+    # -- admission (request path)
+
+    def needs_admission(self, tenant: str, model: str | None) -> bool:
+        """False when no rule applies: the caller may skip ``admit`` (and its await) altogether."""
+        return self._rules.match(tenant, model) is not None
 
     async def admit(
         self,
@@ -267,48 +183,159 @@ class QuotaGate:
         rule = self._rules.match(tenant, model)
         if rule is None:
             self.counters.unmetered += 1
-            return _UNMETERED
+            return UNMETERED
         estimate = estimate_tokens(body_len, max_tokens, max_completion_tokens, rule.default_max_tokens)
-        now = self._clock()
-        if not self._breaker.allow(now):
-            return self._backend_unavailable(now, estimate)
-        reservation_id = self._ledger.new_id()
-        try:
-            # No asyncio.timeout here (it costs a timer per request): the client enforces
-            # ``timeout_s`` itself (RespClient's watchdog, ValkeyCluster's socket timeout).
-            decision = await self._ledger.reserve(rule, tenant, estimate, reservation_id)
-        except BACKEND_ERRORS as exc:
-            self._breaker.failure(now)
-            self.counters.backend_errors += 1
-            # The admit may still run once the backend catches up: undo it then (off the request path).
-            self._cancel_later(rule.name, tenant, reservation_id)
-            if self._breaker.is_open:
-                log.warning("quota backend failing (%s); breaker open", _describe(exc))
-            return self._backend_unavailable(now, estimate)
-        except BaseException:  # cancelled: a stuck probe flag would keep the breaker open forever
-            self._breaker.abandoned()
-            raise
-        self._breaker.success()
+        if self._breaker.is_open:
+            return self._backend_unavailable()
+        command = self._ledger.admit_command(rule, tenant, estimate, self._ids.next())
+        loop = self._loop or asyncio.get_running_loop()
+        future = loop.create_future()
+        if not self._futures:
+            loop.call_soon(self._flush)
+        self._commands.append(command)
+        self._futures.append(future)
+        reply = await future
+        if reply.__class__ is not bytes:  # the batch failed, or this command did (counted per batch)
+            return self._backend_unavailable()
+        decision = QuotaLedger.decision(command, reply)
         counters = self.counters
-        limit = (_H_LIMIT, b"%d" % decision.limit)
-        remaining = (_H_REMAINING, b"%d" % max(0, decision.remaining))
-        reset = (_H_RESET, duration_text(decision.reset_ms))
+        limit = (H_LIMIT, b"%d" % decision.limit)
+        remaining = (H_REMAINING, b"%d" % max(0, decision.remaining))
+        reset = (H_RESET, duration_text(decision.reset_ms))
         if decision.verdict == ADMITTED:
             counters.admitted += 1
             counters.tokens_estimated += estimate
             return Admission(
-                True, "admitted", None, (limit, remaining, reset), decision.reservation, estimate
+                True, "admitted", None, (limit, remaining, reset), decision.reservation, estimate,
+                self.tenant_tokens.slot(tenant),
             )
-        # Denied. For a budget the retry is the end of the blocking window; for the concurrency cap it
-        # is a guess (one second), since we cannot know when a request in flight will finish.
         if decision.verdict == DENIED_BUDGET:
             counters.denied += 1
+            if estimate > decision.limit:  # the ledger reports a budget smaller than the estimate
+                counters.denied_never_fits += 1
+                message = never_fits_message(rule, estimate, decision.limit)
+                return Admission(False, "denied_never_fits", 429, (limit, remaining, reset), None, estimate,
+                                 message=message)
+            # The retry is the end of the blocking window.
             reason, retry_after = "denied", max(1, -(-decision.reset_ms // 1000))
         else:
+            # The concurrency cap: a guess (one second), since we cannot know when a request in
+            # flight will finish.
             counters.denied_concurrency += 1
             reason, retry_after = "denied_concurrency", 1
-        headers = ((_H_RETRY_AFTER, b"%d" % retry_after), limit, remaining, reset)
+        headers = ((H_RETRY_AFTER, b"%d" % retry_after), limit, remaining, reset)
         return Admission(False, reason, 429, headers, None, estimate)
+
+    def _backend_unavailable(self) -> Admission:
+        if self._policy == "allow":
+            self.counters.backend_error_allowed += 1
+            return ALLOWED_UNMETERED
+        self.counters.backend_error_rejected += 1
+        return REJECTED
+
+    def _flush(self) -> None:
+        """Send this tick's admits in one round trip."""
+        commands, futures = self._commands, self._futures
+        self._commands, self._futures = [], []
+        try:
+            sent = asyncio.ensure_future(self._ledger.send_admits(commands))
+        except BACKEND_ERRORS as exc:  # e.g. too many commands pending on a stuck connection
+            self._batch_failed(commands, futures, exc)
+            return
+        sent.add_done_callback(partial(self._batch_sent, commands, futures))
+
+    def _batch_sent(self, commands: list[AdmitCommand], futures: list[asyncio.Future[Any]],
+                    sent: asyncio.Future[list[Any]]) -> None:
+        if sent.cancelled():  # the gate is closing
+            self._batch_failed(commands, futures, ConnectionError("quota gate closed"))
+            return
+        error = sent.exception()
+        if error is not None:
+            self._batch_failed(commands, futures, error)
+            return
+        replies = sent.result()
+        lost = [i for i, reply in enumerate(replies) if reply.__class__ is NoScriptError]
+        if lost:  # the server restarted with an empty script cache: those admits did not run
+            self._spawn(self._readmit(commands, futures, replies, lost))
+            return
+        self._resolve(commands, futures, replies)
+
+    async def _readmit(self, commands: list[AdmitCommand], futures: list[asyncio.Future[Any]],
+                       replies: list[Any], lost: list[int]) -> None:
+        try:
+            await self._ledger.load_script()
+            again = await self._ledger.send_admits([commands[i] for i in lost])
+        except BACKEND_ERRORS as exc:
+            again = [exc] * len(lost)
+        for i, reply in zip(lost, again, strict=True):
+            replies[i] = reply
+        self._resolve(commands, futures, replies)
+
+    def _resolve(
+        self, commands: list[AdmitCommand], futures: list[asyncio.Future[Any]], replies: list[Any]
+    ) -> None:
+        failed = False
+        for command, future, reply in zip(commands, futures, replies, strict=True):
+            if reply.__class__ is not bytes:
+                failed = True
+            if future.cancelled():  # the request gave up waiting: free what the admit reserved
+                if reply.__class__ is bytes and reply.startswith(b"1 "):
+                    reservation = QuotaLedger.decision(command, reply).reservation
+                    self._reconciler.enqueue(reservation, 0)  # type: ignore[arg-type]
+            else:
+                future.set_result(reply)
+        if failed:
+            errors = sum(reply.__class__ is not bytes for reply in replies)
+            self._backend_failed(f"{errors} admit(s) answered with errors")
+        elif self._breaker.success():
+            self._closed()
+
+    def _batch_failed(self, commands: list[AdmitCommand], futures: list[asyncio.Future[Any]],
+                      error: BaseException) -> None:
+        for future in futures:
+            if not future.done():
+                future.set_result(error)  # a result, not an exception: one object, many requests
+        self._backend_failed(describe_error(error))
+        # The admits may still run once the backend catches up: undo them then (off the request path).
+        if self._cancels >= _MAX_PENDING_CANCELS:
+            self.counters.reconcile_drops += len(commands)  # charged at their estimate on expiry
+            return
+        self._cancels += 1
+        self._spawn(self._cancel_lost(commands))
+
+    # -- the breaker and its probe
+
+    def _backend_failed(self, why: str) -> None:
+        self.counters.backend_errors += 1
+        if self._breaker.failure():
+            log.warning("quota backend failing (%s); breaker open, policy %s applies", why, self._policy)
+            self._opened()
+
+    def _opened(self) -> None:
+        self.counters.breaker_opened += 1
+        if self._probe is None or self._probe.done():
+            self._probe = self._spawn(self._probe_until_closed())
+
+    def _closed(self) -> None:
+        self.counters.breaker_closed += 1
+        log.warning("quota backend answers again; breaker closed")
+
+    async def _probe_until_closed(self) -> None:
+        """One cheap command every probe interval while the breaker is open; the first answer closes
+        it (after reloading the script: a restarted server has lost it)."""
+        while self._breaker.is_open:
+            await asyncio.sleep(self._probe_interval_s)
+            try:
+                async with asyncio.timeout(max(self._timeout_s * 4, 1.0)):
+                    await self._ledger.ping()
+                    await self._ledger.load_script()
+            except BACKEND_ERRORS:
+                self.counters.backend_errors += 1
+                continue
+            if self._breaker.success():
+                self._closed()
+
+    # -- settling (off the request path)
 
     def release(self, admission: Admission) -> None:
         """Nothing reached a provider: give the whole reservation back. Never blocks."""
@@ -318,20 +345,25 @@ class QuotaGate:
         """A provider may have worked but reported no usage (non-2xx, cut, disconnect): charge the estimate."""
         self._settle(admission, None)
 
-    def charge(self, admission: Admission, tokens: int) -> None:
-        """A complete response reported its usage: charge exactly that (refunding or adding the difference)."""
-        self._settle(admission, tokens)
+    def charge(
+        self,
+        admission: Admission,
+        total_tokens: int,
+        prompt_tokens: int | None = None,
+        completion_tokens: int | None = None,
+    ) -> None:
+        """A completed response with the usage the provider reported: charge ``total_tokens`` (the
+        difference to the estimate is refunded or charged) and count the tenant's tokens in/out."""
+        if admission.reservation is not None:
+            self.tenant_tokens.add(admission.tenant_slot, prompt_tokens, completion_tokens, total_tokens)
+        self._settle(admission, total_tokens)
 
-    def _settle(self, admission: Admission, tokens: int | None) -> None:
-        """Queue the reconciliation (settled once, however often it is called)."""
+    def _settle(self, admission: Admission, actual: int | None) -> None:
         reservation = admission.reservation
         if reservation is None:
             return
-        admission.reservation = None
-        try:
-            self._queue.put_nowait((reservation, reservation.estimate if tokens is None else tokens))
-        except asyncio.QueueFull:
-            self.counters.reconcile_drops += 1
+        admission.reservation = None  # settled once, however often it is called
+        self._reconciler.enqueue(reservation, reservation.estimate if actual is None else actual)
 
     async def quota_report(self, tenant: str) -> dict[str, Any]:
         """``/admin/quota?tenant=T``: per rule that can apply to T, per window: used, reserved,
@@ -360,111 +392,29 @@ class QuotaGate:
                         }
                     )
         except BACKEND_ERRORS as exc:
-            raise QuotaBackendUnavailable(_describe(exc)) from None
+            raise QuotaBackendUnavailable(describe_error(exc)) from None
         return {"tenant": tenant, "rules": rules}
 
-    def _backend_unavailable(self, now: float, estimate: int) -> Admission:
-        if self._policy == "allow":
-            self.counters.backend_error_allowed += 1
-            return Admission(True, "backend_error_allowed", None, (), None, estimate)
-        self.counters.backend_error_rejected += 1
-        retry_after = self._breaker.retry_after_s(now) if self._breaker.is_open else 1
-        return Admission(
-            False, "backend_error_rejected", 503, ((_H_RETRY_AFTER, b"%d" % retry_after),), None, estimate
-        )
+    def _spawn(self, coroutine: Any) -> asyncio.Task[Any]:
+        task = (self._loop or asyncio.get_running_loop()).create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
-    def _cancel_later(self, rule_name: str, tenant: str, reservation_id: bytes) -> None:
-        if len(self._cancels) >= _MAX_PENDING_CANCELS:
-            self.counters.reconcile_drops += 1  # charged at the estimate when it expires
-            return
-        task = asyncio.get_running_loop().create_task(self._cancel(rule_name, tenant, reservation_id))
-        self._cancels.add(task)
-        task.add_done_callback(self._cancels.discard)
-
-    async def _cancel(self, rule_name: str, tenant: str, reservation_id: bytes) -> None:
-        """Retry until the lost admit is found and released, or long enough that it never ran."""
-        for delay in _CANCEL_DELAYS_S:
-            await asyncio.sleep(delay)
-            try:
-                if await self._ledger.cancel(rule_name, tenant, reservation_id):
-                    return
-            except BACKEND_ERRORS:
-                continue
-
-    async def _reconcile_forever(self) -> None:
-        queue = self._queue
-        while True:
-            batch = [await queue.get()]
-            while len(batch) < self._batch and not queue.empty():
-                batch.append(queue.get_nowait())
-            try:
-                await self._reconcile(batch)
-            except Exception:  # never let one bad batch kill the reconciler
-                log.exception("quota: reconciliation batch failed")
-                self.counters.reconcile_failures += len(batch)
-            finally:
-                for _ in batch:
-                    queue.task_done()
-
-    async def _reconcile(self, batch: list[tuple[Reservation, int]]) -> None:
-        pending = batch
-        for delay in (0.0, *self._retry_delays):
-            if delay:
+    async def _cancel_lost(self, commands: list[AdmitCommand]) -> None:
+        """Retry until each lost admit is found and released, or long enough that it never ran."""
+        try:
+            pending = commands
+            for delay in _CANCEL_DELAYS_S:
                 await asyncio.sleep(delay)
-            try:
-                async with asyncio.timeout(max(self._timeout_s * 4, 1.0)):
-                    results = await self._ledger.settle_many(pending)
-            except BACKEND_ERRORS as exc:
-                self.counters.backend_errors += 1
-                log.debug("quota: settle batch failed: %s", _describe(exc))
-                continue
-            retry = []
-            for item, result in zip(pending, results, strict=True):
-                if isinstance(result, Exception):
-                    retry.append(item)
-                else:
-                    self._count_settled(item, result)
-            if not retry:
-                return
-            self.counters.backend_errors += 1
-            pending = retry
-        self.counters.reconcile_failures += len(pending)
-        log.warning(
-            "quota: %d settlements failed after retries (charged at estimate on expiry)", len(pending)
-        )
-
-    def _count_settled(self, item: tuple[Reservation, int], result: tuple[int, int]) -> None:
-        outcome, _ = result
-        reservation, actual = item
-        counters = self.counters
-        if outcome == SETTLE_APPLIED:
-            counters.tokens_actual += actual
-            if actual < reservation.estimate:
-                counters.tokens_refunded += reservation.estimate - actual
-            else:
-                counters.tokens_overage += actual - reservation.estimate
-        elif outcome == SETTLE_EXPIRED:
-            counters.reservations_expired += 1
-        elif outcome == SETTLE_NOOP:
-            counters.reconcile_duplicates += 1
-
-
-def duration_text(ms: int) -> bytes:
-    """``x-ratelimit-reset-tokens`` in the duration form OpenAI uses (``250ms``, ``17.5s``, ``6m0s``,
-    ``1h2m3s``), so clients that already parse OpenAI's headers parse ours."""
-    ms = max(0, ms)
-    if ms < 1000:
-        return b"%dms" % ms
-    minutes, ms = divmod(ms, 60000)
-    hours, minutes = divmod(minutes, 60)
-    seconds = (b"%d.%03d" % divmod(ms, 1000)).rstrip(b"0").rstrip(b".") + b"s"
-    if hours:
-        return b"%dh%dm" % (hours, minutes) + seconds
-    if minutes:
-        return b"%dm" % minutes + seconds
-    return seconds
-
-
-def _describe(exc: BaseException) -> str:
-    # Exception text from valkey-py never includes the password; keep it to the class + message.
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                if self._breaker.is_open:
+                    continue  # no round trips against a backend known to be down
+                try:
+                    results = await self._ledger.cancel_many(pending)
+                except BACKEND_ERRORS:
+                    continue
+                pending = [c for c, found in zip(pending, results, strict=True) if found is not True]
+                if not pending:
+                    return
+        finally:
+            self._cancels -= 1

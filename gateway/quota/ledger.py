@@ -12,6 +12,8 @@ window)`` with ``now`` from Valkey ``TIME`` inside the script, so every gateway 
 window boundaries. A reservation member is ``<id>|<estimate>|<win_s>:<idx>,...``: it records exactly
 which windows it was admitted into, so settling (or expiring) it adjusts those windows even after a
 config change, and removing the member is the idempotency check (settling twice charges once).
+An ``<id>`` starts with its worker's owner tag (``gateway.quota.owner``), so the reservations of a
+worker that died can be found and settled (``sweep``) without waiting for their deadline.
 
 Tokens are attributed to the windows the request was admitted in (refunds and overage included).
 A denied request changes nothing (all budgets or none). Every key carries a TTL: a window lives
@@ -27,21 +29,21 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from valkey.exceptions import NoScriptError
 
-from gateway.ids import CounterIds
+from gateway.quota.resp import RespClient, encode_command
 from gateway.quota.rules import QuotaRule
 
 SCRIPT_NAME = "gridgate-quota-ledger"
-SCRIPT_VERSION = 2
+SCRIPT_VERSION = 3
 KEY_PREFIX = "gg:q:v1"
 
 LEDGER_SCRIPT = (
-    f"""-- {SCRIPT_NAME} v{SCRIPT_VERSION} (keys {KEY_PREFIX}); modes: admit | settle | cancel | report
+    f"""-- {SCRIPT_NAME} v{SCRIPT_VERSION} (keys {KEY_PREFIX}); modes: admit | settle | cancel | sweep | report
 """
     + r"""
 local mode = ARGV[1]
@@ -95,9 +97,10 @@ if mode == 'admit' then
   local timeout_ms = tonumber(ARGV[5])
   local max_in_flight = tonumber(ARGV[6])
   local keys, resets, parts = {}, {}, {}
-  -- Headers: the tightest budget when admitted; the longest-blocking failing budget when denied.
+  -- Headers: the tightest budget when admitted; when denied, a budget the estimate can never fit
+  -- (its whole window is smaller), else the longest-blocking failing budget.
   local lim, rem, reset = 0, nil, 0
-  local deny_lim, deny_rem, deny_reset = 0, 0, -1
+  local deny_lim, deny_rem, deny_reset, deny_never = 0, 0, -1, false
   local n = (#ARGV - 6) / 2
   for i = 1, n do
     local win_s = ARGV[5 + 2 * i]
@@ -109,7 +112,10 @@ if mode == 'admit' then
     local room = limit - (tonumber(v[1]) or 0) - (tonumber(v[2]) or 0)
     local r = (idx + 1) * wms - now
     if est > room then
-      if r > deny_reset then deny_lim, deny_rem, deny_reset = limit, math.max(room, 0), r end
+      local never = est > limit
+      if (never and not deny_never) or (never == deny_never and r > deny_reset) then
+        deny_lim, deny_rem, deny_reset, deny_never = limit, math.max(room, 0), r, never
+      end
     elseif rem == nil or room - est < rem then
       lim, rem, reset = limit, room - est, r
     end
@@ -133,11 +139,16 @@ if mode == 'admit' then
 
 elseif mode == 'settle' then
   -- ARGV: mode, prefix, member, actual_tokens
+  -- -> the outcome: 0 no-op, 1 charged as asked, 2 expired (charged at the estimate)
   local deadline = redis.call('ZSCORE', zkey, ARGV[3])
-  if not deadline then return {0, 0} end  -- settled before, or expired and charged: a no-op
+  if not deadline then return 0 end  -- settled before, or expired and charged: a no-op
   redis.call('ZREM', zkey, ARGV[3])
-  if tonumber(deadline) <= now then return {2, release(ARGV[3], nil)} end
-  return {1, release(ARGV[3], tonumber(ARGV[4]))}
+  if tonumber(deadline) <= now then
+    release(ARGV[3], nil)
+    return 2
+  end
+  release(ARGV[3], tonumber(ARGV[4]))
+  return 1
 
 elseif mode == 'cancel' then
   -- ARGV: mode, prefix, id. The admit's reply never reached the gateway (it timed out), so the
@@ -154,6 +165,27 @@ elseif mode == 'cancel' then
     end
   until cursor == '0'
   return 0
+
+elseif mode == 'sweep' then
+  -- ARGV: mode, prefix, owner tag...: the reservations of workers that died (their ids start with
+  -- the owner tag). Each frees its concurrency slot and is charged at its estimate (it may have
+  -- reached a provider). Removing the member is what makes a late settle of it a no-op.
+  local released, charged = 0, 0
+  for i = 3, #ARGV do
+    local cursor = '0'
+    repeat
+      local page = redis.call('ZSCAN', zkey, cursor, 'MATCH', ARGV[i] .. '*', 'COUNT', 1000)
+      cursor = page[1]
+      local found = page[2]  -- member, score, member, score ...
+      for j = 1, #found, 2 do
+        if redis.call('ZREM', zkey, found[j]) == 1 then
+          charged = charged + release(found[j], nil)
+          released = released + 1
+        end
+      end
+    until cursor == '0'
+  end
+  return {released, charged}
 
 elseif mode == 'report' then
   -- ARGV: mode, prefix, window_s... -> now, in_flight, {used, reserved, reset_ms}...
@@ -185,8 +217,7 @@ DENIED_BUDGET = 0
 DENIED_CONCURRENCY = -1
 
 
-@dataclass(frozen=True, slots=True)
-class Reservation:
+class Reservation(NamedTuple):
     """What settling needs: the (rule, tenant) keys and the member the script returned."""
 
     zkey: bytes
@@ -195,21 +226,29 @@ class Reservation:
     estimate: int
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class AdmitCommand(NamedTuple):
+    """One admit: what goes on the wire (RESP bytes for ``RespClient``, the argument tuple for a
+    cluster client) and what its reply needs to become a ``Decision`` (or to be cancelled)."""
+
+    wire: Any
+    zkey: bytes
+    prefix: bytes
+    reservation_id: bytes
+    estimate: int
+
+
+class Decision(NamedTuple):
     """One admission verdict with what the rate-limit headers need.
 
     ``verdict``: ADMITTED, DENIED_BUDGET or DENIED_CONCURRENCY. ``limit``/``remaining``/``reset_ms``
-    describe the tightest budget (admitted, remaining after this reservation) or the budget that
-    blocks longest (denied). ``reset_ms`` is the time to that window's end.
+    describe the tightest budget (admitted, remaining after this reservation) or, denied, the budget
+    the estimate can never fit, else the one that blocks longest. ``reset_ms``: to that window's end.
     """
 
     verdict: int
     limit: int
     remaining: int
     reset_ms: int
-    server_now_ms: int
-    expired_reservations: int
     reservation: Reservation | None
 
 
@@ -240,106 +279,166 @@ def key_prefix(rule_name: str, tenant: str) -> str:
     return f"{KEY_PREFIX}:{{{escape_key_part(rule_name)}:{escape_key_part(tenant)}}}"
 
 
+# Every (rule, tenant) reservation set: ``:r`` right after the hash tag (window keys go on after it).
+RESERVATION_SETS = KEY_PREFIX + ":{*}:r"
+
+# A settle on the wire: zkey, prefix, member, tokens.
+_SETTLE_WIRE = (
+    b"*8\r\n$7\r\nEVALSHA\r\n$40\r\n" + LEDGER_SHA.encode()
+    + b"\r\n$1\r\n1\r\n$%d\r\n%b\r\n$6\r\nsettle\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n"
+)
+# An admit on the wire: a cached head (EVALSHA sha 1 zkey admit prefix), the id, the estimate, and
+# the cached tail (timeout, the rule's max_in_flight and budgets); one %-format per request.
+_ADMIT_WIRE = b"%b$%d\r\n%b\r\n$%d\r\n%b\r\n%b"
+
+
 class QuotaLedger:
-    """Valkey-backed token ledger. Each method is exactly one script call (plus a reload on NOSCRIPT).
+    """Valkey-backed token ledger. Each decision is exactly one script call (plus a reload on NOSCRIPT).
 
     ``client`` is what ``backend.create_client`` returns: the pipelined ``RespClient`` (one node) or
     a valkey-py ``ValkeyCluster``, both with bytes replies and valkey-py's exceptions. Timeouts and
     failure policy belong to the caller (``QuotaGate``); errors propagate.
 
-    ``max_concurrent_calls`` bounds the calls in flight, and with them the connections a pooled
-    client opens (each call holds one connection for its round trip): a burst of requests waits for
-    a slot (inside the caller's timeout) instead of opening thousands of sockets and exhausting the
-    server's ``maxclients``. (``RespClient`` pipelines everything on one connection.)
+    Admissions are built here (``admit_command``), sent in batches (``send_admits``: one pipelined
+    round trip for every admit of a loop tick) and read back (``decision``); the gate does the
+    batching. ``max_concurrent_calls`` bounds the calls in flight of a cluster client, and with them
+    the connections its pools open (each call holds one connection per node for its round trip): a
+    burst waits for a slot instead of exhausting the servers' ``maxclients``. (``RespClient``
+    pipelines everything on one connection.)
     """
 
     def __init__(self, client: Any, *, reservation_timeout_s: float, max_concurrent_calls: int = 64) -> None:
         self._client = client
+        self._encodes = isinstance(client, RespClient)  # else valkey-py's cluster client: argument tuples
         self._slots = asyncio.Semaphore(max_concurrent_calls)
         self._timeout_ms = max(1, int(reservation_timeout_s * 1000))
-        self._ids = CounterIds()  # made per worker, after the fork
         # (rule name, tenant) -> (zkey, prefix), pre-encoded; bounded: tenants come from configured keys.
         self._keys: dict[tuple[str, str], tuple[bytes, bytes]] = {}
-        # Per rule, the static tail of the admit ARGV (pre-encoded): max_in_flight, window/limit pairs.
-        self._rule_args: dict[str, tuple[bytes, ...]] = {}
+        # (rule name, tenant) -> what every admit of that pair sends around its id and estimate.
+        self._admit_parts: dict[tuple[str, str], tuple[bytes, bytes, Any, Any]] = {}
 
     @property
     def client(self) -> Any:
         return self._client
 
     async def load_script(self) -> None:
-        """SCRIPT LOAD once at start (on every primary in cluster mode), off the request path."""
+        """SCRIPT LOAD (on every primary in cluster mode), off the request path: at start and after
+        the backend recovered (a restarted server has an empty script cache)."""
         sha = await self._client.script_load(LEDGER_SCRIPT)
         if isinstance(sha, bytes):
             sha = sha.decode()
         if sha != LEDGER_SHA:  # would mean the server hashes differently: refuse to guess
             raise RuntimeError(f"unexpected script sha {sha} (expected {LEDGER_SHA})")
 
-    def new_id(self) -> bytes:
-        return self._ids.next()
+    async def ping(self) -> None:
+        """One cheap command: raises unless the backend serves commands (a loading server does not)."""
+        await self._client.ping()
 
-    async def reserve(self, rule: QuotaRule, tenant: str, estimate: int, reservation_id: bytes | None = None
-                      ) -> Decision:
-        zkey, prefix = self._keys_for(rule.name, tenant)
-        args = self._rule_args.get(rule.name)
-        if args is None:
-            args = self._rule_args[rule.name] = _admit_tail(rule)
-        rid = reservation_id if reservation_id is not None else self._ids.next()
-        reply = await self._eval(zkey, b"admit", prefix, rid, estimate, self._timeout_ms, *args)
+    # -- admissions (request path)
+
+    def admit_command(self, rule: QuotaRule, tenant: str, estimate: int, reservation_id: bytes) -> AdmitCommand:
+        parts = self._admit_parts.get((rule.name, tenant))
+        if parts is None:
+            parts = self._prepare_admits(rule, tenant)
+        zkey, prefix, head, tail = parts
+        if self._encodes:
+            count = b"%d" % estimate
+            wire = _ADMIT_WIRE % (head, len(reservation_id), reservation_id, len(count), count, tail)
+        else:
+            wire = (*head, reservation_id, estimate, *tail)
+        return AdmitCommand(wire, zkey, prefix, reservation_id, estimate)
+
+    def send_admits(self, commands: Sequence[AdmitCommand]) -> Awaitable[list[Any]]:
+        """Send admit commands in one pipelined round trip (per node in cluster mode); their replies
+        in order, error replies (e.g. ``NoScriptError``) in place. ``RespClient``: a plain future."""
+        wires = [command.wire for command in commands]
+        if self._encodes:
+            return self._client.send_encoded(b"".join(wires), len(wires))
+        return self._pipelined(wires)
+
+    @staticmethod
+    def decision(command: AdmitCommand, reply: bytes) -> Decision:
+        """The verdict in an admit reply (``command`` is the one that produced it)."""
         fields = reply.split(b" ", 6)
         verdict = int(fields[0])
         reservation = None
         if verdict == ADMITTED:
-            reservation = Reservation(zkey, prefix, fields[6], estimate)
-        return Decision(
-            verdict,
-            int(fields[1]),
-            int(fields[2]),
-            int(fields[3]),
-            int(fields[4]),
-            int(fields[5]),
-            reservation,
-        )
+            reservation = Reservation(command.zkey, command.prefix, fields[6], command.estimate)
+        return Decision(verdict, int(fields[1]), int(fields[2]), int(fields[3]), reservation)
 
-    async def settle(self, reservation: Reservation, actual_tokens: int) -> tuple[int, int]:
-        """Charge ``actual_tokens`` for a reservation; returns (outcome, estimate). Idempotent."""
-        reply = await self._eval(
+    def _prepare_admits(self, rule: QuotaRule, tenant: str) -> tuple[bytes, bytes, Any, Any]:
+        zkey, prefix = self._keys_for(rule.name, tenant)
+        tail: tuple[int, ...] = (self._timeout_ms, rule.max_in_flight)
+        for budget in rule.budgets:
+            tail += (budget.window_s, budget.tokens)
+        # valkey-py's cluster routing recognises EVALSHA by its str name.
+        head = ("EVALSHA", LEDGER_SHA, 1, zkey, b"admit", prefix)
+        parts: tuple[bytes, bytes, Any, Any] = (zkey, prefix, head, tail)
+        if self._encodes:  # the array header counts the id and estimate that go in between
+            array = b"*%d\r\n" % (len(head) + 2 + len(tail))
+            parts = (zkey, prefix, array + _bulk_strings(head), _bulk_strings(tail))
+        if len(self._admit_parts) >= 65536:  # defensive cap, as for the keys
+            self._admit_parts.clear()
+        self._admit_parts[(rule.name, tenant)] = parts
+        return parts
+
+    # -- settling (off the request path)
+
+    async def settle(self, reservation: Reservation, actual_tokens: int) -> int:
+        """Charge ``actual_tokens`` for a reservation; returns the outcome (SETTLE_*). Idempotent."""
+        return await self._eval(
             reservation.zkey, "settle", reservation.prefix, reservation.member, max(0, actual_tokens)
         )
-        return reply[0], reply[1]
 
-    async def cancel(self, rule_name: str, tenant: str, reservation_id: bytes) -> bool:
-        """Release, unused, a reservation whose admit reply was lost; False if there is none (yet)."""
-        zkey, prefix = self._keys_for(rule_name, tenant)
-        return bool(await self._eval(zkey, "cancel", prefix, reservation_id))
+    async def settle_many(self, items: Sequence[tuple[Reservation, int]]) -> list[int | Exception]:
+        """Settle a batch in one pipelined round trip; per item its outcome (SETTLE_*) or exception."""
+        if self._encodes:
+            wires: list[Any] = []
+            for r, actual in items:
+                tokens = b"%d" % max(0, actual)
+                wires.append(_SETTLE_WIRE % (len(r.zkey), r.zkey, len(r.prefix), r.prefix, len(r.member), r.member,
+                                             len(tokens), tokens))
+        else:
+            wires = [("EVALSHA", LEDGER_SHA, 1, r.zkey, "settle", r.prefix, r.member, max(0, a)) for r, a in items]
+        return await self._pipeline_reloading(wires)
 
-    async def settle_many(
-        self, items: Sequence[tuple[Reservation, int]]
-    ) -> list[tuple[int, int] | Exception]:
-        """Settle a batch in one pipelined round trip (per node in cluster mode); per-item results.
+    async def cancel_many(self, commands: Sequence[AdmitCommand]) -> list[bool | Exception]:
+        """Release, unused, the reservations of admits whose replies were lost; per admit: released
+        (True), none there (yet), or the exception."""
+        replies = await self._pipeline_reloading([
+            self._wire(("EVALSHA", LEDGER_SHA, 1, c.zkey, "cancel", c.prefix, c.reservation_id)) for c in commands
+        ])
+        return [r if isinstance(r, Exception) else bool(r) for r in replies]
 
-        Off the request path only. A NOSCRIPT (server restarted) reloads the script and redoes the
-        batch: settling is idempotent, so items that already went through are no-ops the second time.
-        """
-        for attempt in (1, 2):
-            async with self._slots:
-                replies = await self._pipelined_settle(items)
-            if attempt == 1 and any(isinstance(r, NoScriptError) for r in replies):
-                await self.load_script()
-                continue
-            break
-        return [r if isinstance(r, Exception) else (r[0], r[1]) for r in replies]
+    async def sweep(self, owner_tags: Sequence[bytes], batch: int = 128) -> tuple[int, int]:
+        """Settle every open reservation whose id starts with one of ``owner_tags`` (workers that
+        died): free its concurrency slot, charge its estimate. Returns (reservations, tokens).
 
-    async def _pipelined_settle(self, items: Sequence[tuple[Reservation, int]]) -> list[Any]:
-        pipe = self._client.pipeline(transaction=False)
-        for reservation, actual in items:
-            # execute_command, not pipe.evalsha(): ClusterPipeline blocks the helper by name but
-            # routes EVALSHA by its key like any other keyed command.
-            pipe.execute_command(
-                "EVALSHA", LEDGER_SHA, 1, reservation.zkey, "settle", reservation.prefix,
-                reservation.member, max(0, actual),
-            )  # fmt: skip
-        return await pipe.execute(raise_on_error=False)
+        Scans the keyspace for reservation sets (every node in cluster mode), then one script call
+        per set, pipelined ``batch`` at a time. Idempotent, and safe against a racing settle: the
+        script removes each member once, whoever comes first."""
+        released = charged = 0
+
+        async def run(keys: list[bytes]) -> None:
+            nonlocal released, charged
+            replies = await self._pipeline_reloading([
+                self._wire(("EVALSHA", LEDGER_SHA, 1, key, "sweep", key[:-2], *owner_tags)) for key in keys
+            ])
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+                released += reply[0]
+                charged += reply[1]
+
+        keys: list[bytes] = []
+        async for key in self._client.scan_iter(match=RESERVATION_SETS, count=1000, _type="zset"):
+            keys.append(key)
+            if len(keys) >= batch:
+                await run(keys)
+                keys = []
+        if keys:
+            await run(keys)
+        return released, charged
 
     async def report(self, rule: QuotaRule, tenant: str) -> RuleReport:
         zkey, prefix = self._keys_for(rule.name, tenant)
@@ -378,9 +477,35 @@ class QuotaLedger:
                 await self._client.script_load(LEDGER_SCRIPT)
                 return await self._client.evalsha(LEDGER_SHA, 1, zkey, *args)
 
+    def _wire(self, args: Sequence[Any]) -> Any:
+        return encode_command(args) if self._encodes else args
 
-def _admit_tail(rule: QuotaRule) -> tuple[bytes, ...]:
-    tail = [rule.max_in_flight]
-    for budget in rule.budgets:
-        tail += (budget.window_s, budget.tokens)
-    return tuple(b"%d" % value for value in tail)
+    async def _pipelined(self, wires: Sequence[Any]) -> list[Any]:
+        """One round trip (per node in cluster mode) for commands in their wire form (``_wire``)."""
+        if not wires:
+            return []
+        async with self._slots:
+            if self._encodes:
+                return await self._client.send_encoded(b"".join(wires), len(wires))
+            pipe = self._client.pipeline(transaction=False)
+            for args in wires:
+                # execute_command, not pipe.evalsha(): ClusterPipeline blocks the helper by name but
+                # routes EVALSHA by its key like any other keyed command.
+                pipe.execute_command(*args)
+            return await pipe.execute(raise_on_error=False)
+
+    async def _pipeline_reloading(self, wires: Sequence[Any]) -> list[Any]:
+        """Pipelined; commands answered NOSCRIPT (server restarted) are redone once after a reload.
+        Every script mode is safe to redo: a NOSCRIPT reply means the script did not run."""
+        replies = await self._pipelined(wires)
+        lost = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if lost:
+            await self.load_script()
+            for i, reply in zip(lost, await self._pipelined([wires[i] for i in lost]), strict=True):
+                replies[i] = reply
+        return replies
+
+
+def _bulk_strings(args: Sequence[Any]) -> bytes:
+    """``args`` as RESP bulk strings without the array header (a part of a longer command)."""
+    return encode_command(args).split(b"\r\n", 1)[1]

@@ -341,6 +341,15 @@ class RespClient:
     def evalsha(self, sha: str | bytes, numkeys: int, *keys_and_args: CommandArg) -> Awaitable[Any]:
         return self._send(encode_command(("EVALSHA", sha, numkeys, *keys_and_args)), 0)
 
+    def send_encoded(self, payload: bytes, count: int) -> Awaitable[list[Any]]:
+        """Send ``count`` commands, already RESP-encoded (``encode_command``), in one write; await
+        their replies as one list (error replies in place). Not a coroutine: when connected this is a
+        plain future, so a caller may batch without a task."""
+        return self._send(payload, count)
+
+    def ping(self) -> Awaitable[Any]:
+        return self._send(b"*1\r\n$4\r\nPING\r\n", 0)
+
     async def script_load(self, script: str | bytes) -> str:
         return (await self._send(encode_command(("SCRIPT", "LOAD", script)), 0)).decode()
 
@@ -351,13 +360,15 @@ class RespClient:
         return await self._send(encode_command(("PTTL", key)), 0)
 
     async def scan_iter(
-        self, match: bytes | str | None = None, count: int | None = None
+        self, match: bytes | str | None = None, count: int | None = None, _type: str | None = None
     ) -> AsyncIterator[bytes]:
         args: list[CommandArg] = []
         if match is not None:
             args += ("MATCH", match)
         if count is not None:
             args += ("COUNT", count)
+        if _type is not None:
+            args += ("TYPE", _type)
         cursor: CommandArg = b"0"
         while True:
             cursor, keys = await self._send(encode_command(("SCAN", cursor, *args)), 0)

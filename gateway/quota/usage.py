@@ -8,8 +8,9 @@ client's bytes are those it would have received without the rewrite.
 
 Response side: ``usage_observer`` picks the observer for one response. Each ``feed(chunk)`` returns the
 bytes to send to the client (the same object when nothing changes); ``flush()`` at the end returns
-what is held back; ``total_tokens`` is the last ``usage.total_tokens`` seen (None if none). Chunk
-boundaries may fall anywhere, including inside ``"total_tokens"`` or its number.
+what is held back; ``total_tokens`` is the last ``usage.total_tokens`` seen (None if none), and
+``prompt_tokens``/``completion_tokens`` the last counts of each side. Chunk boundaries may fall
+anywhere, including inside ``"total_tokens"`` or its number.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def _skip_ws(data: bytes, pos: int) -> int:
 
 class UsageObserver(Protocol):
     total_tokens: int | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
 
     def feed(self, chunk: bytes) -> bytes: ...
 
@@ -91,53 +94,66 @@ def usage_observer(is_event_stream: bool, usage_rewritten: bool) -> UsageObserve
     return UsageScanner()
 
 
-_TOTAL_KEY = b'"total_tokens"'
-_TOTAL_VALUE = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
-_TOTAL_INCOMPLETE = re.compile(rb'"total_tokens"\s*(?::\s*\d*)?')
-_MAX_HELD = 256  # bytes of a split "total_tokens": N kept across chunks
+# The usage members recorded: `"<name>_tokens": N`. One search for their common tail per chunk.
+_KEY_TAIL = b'_tokens"'
+_LONGEST_KEY = len(b'"completion_tokens"')
+_USAGE_VALUE = re.compile(rb'"(?:prompt|completion|total)_tokens"\s*:\s*(\d+)')
+_USAGE_INCOMPLETE = re.compile(rb'"(?:prompt|completion|total)_tokens"\s*(?::\s*\d*)?')
+_MAX_HELD = 256  # bytes of a split `"total_tokens": N` kept across chunks
 
 
 class UsageScanner:
-    """Finds ``"total_tokens": N`` in a byte stream (JSON or SSE) without parsing or buffering it.
+    """Finds ``"total_tokens": N`` (and the prompt/completion counts beside it) in a byte stream (JSON
+    or SSE) without parsing or buffering it.
 
     Why a byte scan is exact enough: in JSON a raw ``"`` cannot occur inside a string (it is escaped
     as ``\\"``), so ``"total_tokens"`` followed by ``:`` is always a key; only ``usage`` objects carry
     it. The last value wins (the final usage of a stream).
     """
 
-    __slots__ = ("total_tokens", "_held")
+    __slots__ = ("total_tokens", "prompt_tokens", "completion_tokens", "_held")
 
     def __init__(self) -> None:
         self.total_tokens: int | None = None
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
         self._held = b""
 
     def feed(self, chunk: bytes) -> bytes:
         data = self._held + chunk if self._held else chunk
         self._held = b""
         pos = 0
-        while (i := data.find(_TOTAL_KEY, pos)) >= 0:
-            match = _TOTAL_VALUE.match(data, i)
+        while (i := data.find(_KEY_TAIL, pos)) >= 0:
+            start = data.rfind(b'"', max(0, i - _LONGEST_KEY), i)
+            match = _USAGE_VALUE.match(data, start) if start >= 0 else None
             if match is None or match.end() == len(data):
-                # Cut mid-value (the digits may go on in the next chunk) or not a number at all.
-                if _TOTAL_INCOMPLETE.match(data, i).end() == len(data):  # type: ignore[union-attr]
-                    if len(data) - i <= _MAX_HELD:
-                        self._held = data[i:]
+                # Cut mid-value (the digits may go on in the next chunk), another key, or not a number.
+                incomplete = _USAGE_INCOMPLETE.match(data, start) if start >= 0 else None
+                if incomplete is not None and incomplete.end() == len(data):
+                    if len(data) - start <= _MAX_HELD:
+                        self._held = data[start:]
                     return chunk
                 pos = i + 1
                 continue
-            self.total_tokens = int(match.group(1))
+            value = int(match.group(1))
+            kind = data[start + 1]  # the key's first letter
+            if kind == 116:  # t
+                self.total_tokens = value
+            elif kind == 112:  # p
+                self.prompt_tokens = value
+            else:
+                self.completion_tokens = value
             pos = match.end()
         # Keep what could be the start of a key split by the chunk boundary.
-        self._held = data[-(len(_TOTAL_KEY) - 1) :]
+        self._held = data[-(_LONGEST_KEY - 1) :]
         return chunk
 
     def flush(self) -> bytes:
         if self._held:
             # A number that ended exactly at the end of the stream.
-            match = _TOTAL_VALUE.match(self._held)
-            if match is not None:
-                self.total_tokens = int(match.group(1))
-            self._held = b""
+            held, self._held = self._held, b""
+            if _USAGE_VALUE.match(held) is not None:
+                self.feed(held + b" ")  # the number ends here: any byte after it completes the match
         return b""
 
 
@@ -170,17 +186,19 @@ class SseUsageFilter:
     puts it last; if it does not, the last such member in the event is removed).
     """
 
-    __slots__ = ("total_tokens", "_pending", "_scanner")
+    __slots__ = ("total_tokens", "prompt_tokens", "completion_tokens", "_pending", "_scanner")
 
     def __init__(self) -> None:
         self.total_tokens: int | None = None
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
         self._pending = b""
         self._scanner: UsageScanner | None = None  # set when the stream turned out not to be SSE
 
     def feed(self, chunk: bytes) -> bytes:
         if self._scanner is not None:
             self._scanner.feed(chunk)
-            self.total_tokens = self._scanner.total_tokens
+            self._copy_from(self._scanner)
             return chunk
         data = self._pending + chunk if self._pending else chunk
         lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
@@ -212,8 +230,13 @@ class SseUsageFilter:
         self._pending = b""
         self._scanner = UsageScanner()
         self._scanner.feed(data)
-        self.total_tokens = self._scanner.total_tokens
+        self._copy_from(self._scanner)
         return data
+
+    def _copy_from(self, scanner: UsageScanner) -> None:
+        self.total_tokens = scanner.total_tokens
+        self.prompt_tokens = scanner.prompt_tokens
+        self.completion_tokens = scanner.completion_tokens
 
     def _filter_event(self, event: bytes) -> bytes:
         if b'"usage"' not in event:
@@ -227,9 +250,14 @@ class SseUsageFilter:
         if shape is None:
             return event
         if isinstance(shape.usage, dict):
-            total = shape.usage.get("total_tokens")
+            usage = shape.usage
+            total, prompt, completion = (usage.get(k) for k in ("total_tokens", "prompt_tokens", "completion_tokens"))
             if type(total) is int:
                 self.total_tokens = total
+            if type(prompt) is int:
+                self.prompt_tokens = prompt
+            if type(completion) is int:
+                self.completion_tokens = completion
             if shape.choices == []:
                 return b""  # the usage-only chunk the client did not ask for
             return event

@@ -37,7 +37,7 @@ from gateway.supervisor.observability import SupervisorAdminSources, SupervisorC
 from gateway.supervisor.overlay_feed import OverlayFeed
 from gateway.supervisor.overlay_keeper import LastGoodOverlay
 from gateway.supervisor.policy import SIGNAL_ACTIONS, TICK, WAKE
-from gateway.supervisor.quota_backend import EmbeddedQuotaBackend, quota_url_for
+from gateway.supervisor.quota_backend import EmbeddedQuotaBackend, ReservationSweeper, quota_url_for
 from gateway.supervisor.readiness import Readiness
 from gateway.supervisor.reload import GenerationSwap
 from gateway.supervisor.startup import (
@@ -78,6 +78,7 @@ class Arbiter:
         self._affinity_capacity = config.routing.session_affinity.capacity
         self._notifier = Notifier()
         self._quota_backend = EmbeddedQuotaBackend()
+        self._reservation_sweeper = ReservationSweeper(self._quota_backend)
         self._last_good_overlay = LastGoodOverlay()
         self._clusters = ClusterRegistry()
         self._stopping = False
@@ -192,6 +193,7 @@ class Arbiter:
         finally:
             await self._overlay_feed.stop()
             await self._admin.close()
+            await self._reservation_sweeper.close()
             await self._quota_reporter.close()
         if self._fatal:
             raise StartupError(self._fatal)
@@ -215,6 +217,8 @@ class Arbiter:
     # ------------------------------------------------------------------ routing between the parts
 
     def _child_exited(self, child: Child, status: int, now: float) -> None:
+        if child.role == "worker":  # its open reservations: slots freed now, tokens at the estimate
+            self._reservation_sweeper.worker_exited(self._swap.config, child.generation, child.slot, child.pid)
         if child.retiring:
             log.info("%s pid %d exited (%s) after retiring", child.role, child.pid, describe_exit(status))
             return

@@ -1,14 +1,21 @@
-"""The quota backend as the supervisor sees it: the bundled Valkey it runs, or the URL the config names."""
+"""The quota backend as the supervisor sees it: the bundled Valkey it runs, or the URL the config names,
+and the sweep that settles the reservations of workers that died."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
 import tempfile
+import time
 from typing import Any
 
 from gateway.config import Config
+
+# Imported before any fork on purpose: the workers inherit its GATEWAY_INSTANCE, so the owner tags
+# computed here match the ones in their reservation ids.
+from gateway.quota.owner import owner_tag
 from gateway.supervisor.startup import StartupError
 
 log = logging.getLogger("gridgate.supervisor")
@@ -82,3 +89,92 @@ def quota_url_for(config: Config, embedded: EmbeddedQuotaBackend) -> str | None:
         data_dir = None if backend.data_dir is None else os.path.join(config.base_dir, backend.data_dir)
         return embedded.ensure_started(data_dir)
     return config.quota.backend.url
+
+
+class ReservationSweeper:
+    """Settles a dead worker's open reservations (CONTRACT §7) from the supervisor's loop: frees their
+    concurrency slots now and charges their estimates (they may have reached a provider), through the
+    ledger script, so a worker's late settle of the same reservation is a no-op.
+
+    Call ``worker_exited`` when a worker is reaped (every exit: one that drained has nothing left, and
+    the sweep finds nothing). Exits that arrive while a sweep runs are coalesced into the next one (a
+    reload retires every worker at once). A backend that is down is retried with backoff for up to
+    the reservation timeout, after which the ledger has expired those reservations by itself.
+    """
+
+    _CLIENT_TIMEOUT_S = 2.0  # a sweep scans the keyspace: more than an admit's 250 ms per reply
+
+    def __init__(self, embedded: EmbeddedQuotaBackend) -> None:
+        self._embedded = embedded
+        self._pending: dict[str, set[bytes]] = {}  # backend URL -> owner tags to sweep
+        self._give_up_after_s: dict[str, float] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._ledgers: dict[str, Any] = {}  # backend URL -> QuotaLedger with its own client
+        self.reservations_swept = 0
+        self.tokens_charged = 0
+
+    def worker_exited(self, config: Config, generation: int, slot: int, pid: int) -> None:
+        """Schedule the sweep of the worker (``generation``, ``slot``, ``pid``); never blocks."""
+        if config.quota is None or slot < 0:
+            return
+        try:
+            url = quota_url_for(config, self._embedded)
+        except StartupError:
+            return  # no backend to sweep (the embedded one cannot start): nothing was reserved there
+        if url is None:
+            return
+        self._pending.setdefault(url, set()).add(owner_tag(generation, slot, pid))
+        self._give_up_after_s[url] = float(config.quota.reservation_timeout)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self, timeout_s: float = 3.0) -> None:
+        """Let a running sweep finish (workers killed at shutdown leave reservations), then stop."""
+        if self._task is not None:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self._task
+            except TimeoutError:
+                log.warning("quota: reservation sweep unfinished at shutdown; those expire by themselves")
+            self._task = None
+        for ledger in self._ledgers.values():
+            await ledger.client.aclose()
+        self._ledgers.clear()
+
+    async def _run(self) -> None:
+        while self._pending:
+            url, tags = self._pending.popitem()
+            await self._sweep(url, sorted(tags), time.monotonic() + self._give_up_after_s.get(url, 120.0))
+
+    async def _sweep(self, url: str, tags: list[bytes], give_up_at: float) -> None:
+        from gateway.quota.backend import BACKEND_ERRORS, describe_error
+
+        delay = 0.1
+        while True:
+            try:
+                async with asyncio.timeout(60):
+                    released, charged = await self._ledger(url).sweep(tags)
+            except BACKEND_ERRORS as exc:
+                if time.monotonic() + delay > give_up_at:
+                    log.warning("quota: cannot sweep the reservations of %d dead worker(s) (%s); they expire "
+                                "by themselves", len(tags), describe_error(exc))
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            self.reservations_swept += released
+            self.tokens_charged += charged
+            if released:
+                log.info("quota: settled %d reservation(s) of %d exited worker(s) at their estimate (%d tokens)",
+                         released, len(tags), charged)
+            return
+
+    def _ledger(self, url: str) -> Any:
+        ledger = self._ledgers.get(url)
+        if ledger is None:
+            from gateway.quota.backend import create_client
+            from gateway.quota.ledger import QuotaLedger
+
+            client = create_client(url, timeout_s=self._CLIENT_TIMEOUT_S)
+            ledger = self._ledgers[url] = QuotaLedger(client, reservation_timeout_s=1)
+        return ledger

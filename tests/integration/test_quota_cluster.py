@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import valkey
 
-from gateway.quota.backend import create_client, is_cluster_url
+from gateway.quota.backend import create_client
 from gateway.quota.embedded import bundled_server_binary
 from gateway.quota.gate import QuotaGate
 from gateway.quota.ledger import QuotaLedger, key_prefix
+from gateway.quota.owner import owner_tag
 from gateway.quota.rules import Budget, QuotaRule
 
 LONG = 10_000_000
@@ -135,7 +136,6 @@ async def _gate(url: str, rules: list[QuotaRule]) -> QuotaGate:
 
 
 def test_cluster_url_builds_a_cluster_client(cluster_url: str) -> None:
-    assert is_cluster_url(cluster_url)
     client = create_client(cluster_url)
     assert type(client).__name__ == "ValkeyCluster"
     asyncio.run(client.aclose())
@@ -186,6 +186,30 @@ def test_cluster_reloads_a_lost_script(cluster_url: str) -> None:
             window = (await gate.quota_report(tenant))["rules"][0]["windows"][0]
             assert window["used"] == 100
         finally:
+            await gate.close()
+
+    asyncio.run(scenario())
+
+
+def test_sweep_finds_a_dead_workers_reservations_on_every_node(cluster_url: str) -> None:
+    tenants = [f"t-{uuid.uuid4().hex[:8]}" for _ in range(9)]
+    rules = [_rule(t, 1000) for t in tenants]
+    dead = owner_tag(3, 0, 999_999)
+
+    async def scenario() -> None:
+        gate = QuotaGate(QuotaLedger(create_client(cluster_url), reservation_timeout_s=120), rules,
+                         request_timeout_s=2, owner=dead)
+        await gate.start()
+        sweeper = QuotaLedger(create_client(cluster_url, timeout_s=2), reservation_timeout_s=1)
+        try:
+            assert all(a.allowed for a in await asyncio.gather(*(gate.admit(t, "m", 0, 70, None) for t in tenants)))
+            assert await sweeper.sweep([dead]) == (9, 9 * 70)
+            for tenant in tenants:
+                report = (await gate.quota_report(tenant))["rules"][0]
+                assert report["in_flight"] == 0
+                assert (report["windows"][0]["used"], report["windows"][0]["reserved"]) == (70, 0)
+        finally:
+            await sweeper.client.aclose()
             await gate.close()
 
     asyncio.run(scenario())

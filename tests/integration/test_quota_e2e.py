@@ -61,16 +61,25 @@ def test_admits_within_budget_and_denies_over_it(valkey_url, mock_provider, gate
     # Each request reserves ceil(body/4) + max_tokens; the mock reports usage, which is reconciled.
     gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
                               extra={"auth": _auth({"t-budget": "sk-b"}), "quota": _quota(valkey_url, 300)})
-    first = chat(gateway.port, "m", headers=_bearer("sk-b"), max_tokens=200)
+    first = chat(gateway.port, "m", headers=_bearer("sk-b"), max_tokens=10)
     assert first.status == 200
     assert int(first.headers["x-ratelimit-remaining-tokens"]) < 300
+    # A provider error is charged at the estimate (~220): what is left is at most 80 from now on.
+    assert chat(gateway.port, "m", headers=[*_bearer("sk-b"), ("X-Mock-Status", "500")], max_tokens=200).status == 500
     served = mock_served(handle)
-    denied = chat(gateway.port, "m", headers=_bearer("sk-b"), max_tokens=290)
+    denied = chat(gateway.port, "m", headers=_bearer("sk-b"), max_tokens=200)  # fits 300, not what is left
     assert denied.status == 429
     assert denied.json()["error"]["code"] == "rate_limit_exceeded"
     assert int(denied.headers["retry-after"]) >= 1
     assert denied.headers["x-ratelimit-limit-tokens"] == "300"
     assert "x-ratelimit-remaining-tokens" in denied.headers and "x-ratelimit-reset-tokens" in denied.headers
+    # Larger than the whole window: never admitted, so not retryable, and the answer says why.
+    never = chat(gateway.port, "m", headers=_bearer("sk-b"), max_tokens=5000)
+    assert never.status == 429 and "retry-after" not in never.headers
+    error = never.json()["error"]
+    assert (error["type"], error["code"]) == ("tokens", "rate_limit_exceeded")
+    assert "the budget is 300 tokens per 1h" in error["message"] and "never be admitted" in error["message"]
+    assert never.headers["x-ratelimit-limit-tokens"] == "300"
     assert mock_served(handle) == served  # a denied request never reaches a provider
 
 

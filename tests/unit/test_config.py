@@ -185,3 +185,36 @@ def test_inline_candidates_replace_the_overlay_file():
     assert problems(both)[0].startswith("routing.candidates: give either")
     neither = 'clusters: [{name: a, endpoints: ["h:1"]}]\nrouting: {}\n'
     assert problems(neither)[0].startswith("routing.overlay_file: required")
+
+
+QUOTA_RULES = "rules: [{name: r, budgets: [{window: 1m, tokens: 5}]}]"
+
+
+@pytest.mark.parametrize(
+    "url", ["valkey+cluster://10.0.0.1:6379", "valkeys+cluster://:pw@node.example:6380", "rediss://h:1/0",
+            "unix:///run/valkey.sock"],
+)
+def test_quota_backend_urls_the_ledger_speaks_are_accepted(url):
+    config = parse_config(BASE + f"quota: {{backend: {{kind: valkey, url: '{url}'}}, {QUOTA_RULES}}}\n")
+    assert config.quota is not None and config.quota.backend.url == url
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [("http://h:1", "quota.backend.url: unsupported scheme http:// (use one of valkey://"),
+     ("valkeys+cluster://node.example", "quota.backend.url: valkeys+cluster:// needs host:port")],
+)
+def test_quota_backend_url_problems_are_named(url, expected):
+    found = problems(BASE + f"quota: {{backend: {{kind: valkey, url: '{url}'}}, {QUOTA_RULES}}}\n")
+    assert any(line.startswith(expected) for line in found), found
+
+
+def test_quota_breaker_timings_have_defaults_and_are_checked():
+    quota = parse_config(BASE + f"quota: {{{QUOTA_RULES}}}\n").quota
+    assert quota is not None and (quota.breaker.failures, quota.breaker.probe_interval) == (3, 0.1)
+    tuned = parse_config(BASE + f"quota: {{breaker: {{failures: 1, probe_interval: 50ms}}, {QUOTA_RULES}}}\n")
+    assert tuned.quota is not None and (tuned.quota.breaker.failures, tuned.quota.breaker.probe_interval) == (1, 0.05)
+    assert problems(BASE + f"quota: {{breaker: {{failures: 0}}, {QUOTA_RULES}}}\n") == [
+        "quota.breaker.failures: must be >= 1"]
+    assert problems(BASE + f"quota: {{breaker: {{probe_interval: 1ms}}, {QUOTA_RULES}}}\n") == [
+        "quota.breaker.probe_interval: must be between 10ms and 10s"]

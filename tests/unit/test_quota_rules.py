@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.quota.admission import duration_text, never_fits_message, window_text
+from gateway.quota.breaker import Breaker
+from gateway.quota.counters import TenantTokens
 from gateway.quota.estimate import estimate_prompt_tokens, estimate_tokens
-from gateway.quota.gate import Breaker, duration_text
 from gateway.quota.rules import Budget, QuotaRule, RuleSet, validate_rules
 
 MINUTE = (Budget(60, 1000),)
@@ -85,33 +87,29 @@ def test_estimate_ignores_allowances_that_are_not_counts(bad: object) -> None:
     assert estimate_tokens(0, bad, None, 7) == 7  # type: ignore[arg-type]
 
 
-def test_breaker_opens_after_consecutive_failures_and_probes_after_cooldown() -> None:
-    breaker = Breaker(failures_to_open=3, cooldown_s=2.0)
-    for now in (0.0, 0.1):
-        assert breaker.allow(now)
-        breaker.failure(now)
-    assert breaker.allow(0.2)
-    breaker.success()  # a success in between resets the count
-    for now in (1.0, 1.1, 1.2):
-        breaker.failure(now)
+def test_breaker_opens_after_consecutive_failures_and_closes_on_the_first_answer() -> None:
+    breaker = Breaker(failures_to_open=3)
+    assert not breaker.failure() and not breaker.failure()
+    assert not breaker.success()  # a success in between resets the count (and closed nothing)
+    assert [breaker.failure() for _ in range(4)] == [False, False, True, False]  # opens once
     assert breaker.is_open
-    assert not breaker.allow(1.3)
-    assert breaker.retry_after_s(1.3) == 2
-    assert breaker.allow(3.3)  # the probe
-    assert not breaker.allow(3.3)  # only one probe at a time
-    breaker.failure(3.4)  # probe failed: another cool-down
-    assert not breaker.allow(5.0)
-    assert breaker.allow(5.5)
-    breaker.success()
-    assert not breaker.is_open and breaker.allow(5.6) and breaker.allow(5.6)
+    assert breaker.success() and not breaker.is_open  # the first answer closes it: no cool-down
+    assert not breaker.success()
 
 
-def test_a_cancelled_probe_frees_the_probe_slot() -> None:
-    breaker = Breaker(failures_to_open=1, cooldown_s=1.0)
-    breaker.failure(0.0)
-    assert breaker.allow(1.5)
-    breaker.abandoned()  # the probing request was cancelled before the backend answered
-    assert breaker.allow(1.6) and breaker.is_open
+def test_breaker_trips_at_once_and_needs_a_full_count_again_after_closing() -> None:
+    breaker = Breaker(failures_to_open=2)
+    assert breaker.trip() and breaker.is_open and not breaker.trip()
+    assert breaker.success()
+    assert not breaker.failure() and breaker.failure()
+
+
+def test_never_fits_message_names_the_limit_and_the_request() -> None:
+    rule = QuotaRule("team-a", (Budget(60, 1000), Budget(86400, 50_000)), 10)
+    message = never_fits_message(rule, 5000, 1000)
+    assert "'team-a'" in message and "5000 tokens" in message and "1000 tokens per 1m" in message
+    assert "never be admitted" in message
+    assert [window_text(s) for s in (1, 90, 60, 7200, 86400)] == ["1s", "90s", "1m", "2h", "1d"]
 
 
 @pytest.mark.parametrize(
@@ -120,3 +118,13 @@ def test_a_cancelled_probe_frees_the_probe_slot() -> None:
 )
 def test_reset_header_uses_openai_duration_form(ms: int, text: bytes) -> None:
     assert duration_text(ms) == text
+
+
+def test_tenant_tokens_are_bounded_to_the_configured_tenants() -> None:
+    tokens = TenantTokens(["team-a", "team-b", "team-a", "other"])
+    assert tokens.names == ("team-a", "team-b", "other")
+    tokens.add(tokens.slot("team-a"), 10, 5, 15)
+    tokens.add(tokens.slot("team-a"), None, 7, 10)  # prompt derived from the total
+    tokens.add(tokens.slot("stranger"), 3, None, 4)  # completion derived; an unknown tenant is "other"
+    tokens.add(tokens.slot("team-b"), None, None, 99)  # a total alone cannot be split: not counted
+    assert tokens.snapshot() == {"team-a": (13, 12), "team-b": (0, 0), "other": (3, 1)}

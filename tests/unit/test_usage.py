@@ -73,14 +73,20 @@ def random_cuts(data: bytes, rng: random.Random) -> list[int]:
 # --- extraction -----------------------------------------------------------------------------------
 
 
-def test_scanner_finds_total_tokens_in_plain_json_at_every_split() -> None:
+def counts(observer: UsageScanner | SseUsageFilter) -> tuple[int | None, int | None, int | None]:
+    return observer.prompt_tokens, observer.completion_tokens, observer.total_tokens
+
+
+def test_scanner_finds_the_usage_counts_in_plain_json_at_every_split() -> None:
+    usage = {**USAGE, "prompt_tokens_details": {"cached_tokens": 2}, "completion_tokens_details": {
+        "reasoning_tokens": 1}}
     body = json.dumps(
-        {"id": "x", "choices": [{"message": {"content": "hi"}}], "usage": USAGE}, indent=1
+        {"id": "x", "choices": [{"message": {"content": "hi"}}], "usage": usage}, indent=1
     ).encode()
     for cut in range(len(body) + 1):
         scanner = UsageScanner()
         assert run(scanner, body, [cut]) == body
-        assert scanner.total_tokens == 9, cut
+        assert counts(scanner) == (5, 4, 9), cut
 
 
 def test_scanner_finds_usage_in_an_sse_stream_across_random_splits() -> None:
@@ -89,7 +95,7 @@ def test_scanner_finds_usage_in_an_sse_stream_across_random_splits() -> None:
     for _ in range(300):
         scanner = UsageScanner()
         assert run(scanner, stream, random_cuts(stream, rng)) == stream
-        assert scanner.total_tokens == 9
+        assert counts(scanner) == (5, 4, 9)
 
 
 def test_scanner_handles_one_byte_chunks_and_numbers_ending_the_stream() -> None:
@@ -137,14 +143,14 @@ def test_filter_makes_the_usage_stream_byte_identical_to_the_plain_one(variant: 
     for cuts in splits:
         sse = SseUsageFilter()
         assert run(sse, with_usage, cuts) == plain
-        assert sse.total_tokens == 9
+        assert counts(sse) == (5, 4, 9)
 
 
 def test_filter_one_byte_at_a_time() -> None:
     with_usage = sse_stream(include_usage=True)
     sse = SseUsageFilter()
     assert run(sse, with_usage, list(range(1, len(with_usage)))) == sse_stream(include_usage=False)
-    assert sse.total_tokens == 9
+    assert counts(sse) == (5, 4, 9)
 
 
 def test_filter_forwards_whole_events_immediately() -> None:

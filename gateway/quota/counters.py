@@ -1,0 +1,69 @@
+"""The quota gate's per-worker counters (pure data; the metrics side reads and sums them)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+OTHER_TENANT = "other"
+
+
+@dataclass(slots=True)
+class QuotaCounters:
+    """Per-worker monotonic counters (the metrics module sums them over workers)."""
+
+    admitted: int = 0
+    denied: int = 0  # over budget, never-fits included
+    denied_never_fits: int = 0  # the estimate exceeds a whole window: not retryable
+    denied_concurrency: int = 0
+    backend_error_rejected: int = 0
+    backend_error_allowed: int = 0
+    unmetered: int = 0  # no rule matched (no default rule)
+    tokens_estimated: int = 0
+    tokens_actual: int = 0
+    tokens_refunded: int = 0
+    tokens_overage: int = 0
+    reservations_expired: int = 0  # charged at the estimate because they outlived the timeout
+    backend_errors: int = 0  # failed backend round trips (an admit batch, a settle batch, a probe)
+    breaker_opened: int = 0  # the breaker opened: the on_backend_error policy applies without a round trip
+    breaker_closed: int = 0  # the backend answered again
+    reconcile_drops: int = 0  # queue full
+    reconcile_failures: int = 0  # retries exhausted
+    reconcile_duplicates: int = 0
+
+    def snapshot(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class TenantTokens:
+    """Tokens in (prompt) and out (completion) per tenant, counted by one worker from the usage the
+    provider reported. Label set bounded by construction: the configured tenants (auth keys, quota
+    rules), everything else under ``other`` (the last name)."""
+
+    __slots__ = ("names", "index", "tokens_in", "tokens_out")
+
+    def __init__(self, tenants: Iterable[str]) -> None:
+        names = [name for name in dict.fromkeys(tenants) if name != OTHER_TENANT]
+        self.names: tuple[str, ...] = (*names, OTHER_TENANT)
+        self.index = {name: i for i, name in enumerate(self.names)}
+        self.tokens_in = [0] * len(self.names)
+        self.tokens_out = [0] * len(self.names)
+
+    def slot(self, tenant: str) -> int:
+        return self.index.get(tenant, len(self.names) - 1)
+
+    def add(self, slot: int, prompt_tokens: int | None, completion_tokens: int | None, total_tokens: int) -> None:
+        """One response's usage. A missing side is derived from the total when the other is known;
+        a usage without either side (total only) cannot be split and is not counted here."""
+        if prompt_tokens is None and completion_tokens is None:
+            return
+        if prompt_tokens is None:
+            prompt_tokens = max(0, total_tokens - completion_tokens)  # type: ignore[operator]
+        elif completion_tokens is None:
+            completion_tokens = max(0, total_tokens - prompt_tokens)
+        self.tokens_in[slot] += prompt_tokens
+        self.tokens_out[slot] += completion_tokens
+
+    def snapshot(self) -> dict[str, tuple[int, int]]:
+        """tenant -> (tokens in, tokens out)."""
+        return {name: (self.tokens_in[i], self.tokens_out[i]) for i, name in enumerate(self.names)}

@@ -1,0 +1,150 @@
+"""Settling reservations off the request path: a bounded buffer drained in pipelined batches.
+
+The gate appends (reservation, tokens to charge) and never waits; one task per worker sends what has
+accumulated as one pipelined batch, retries what failed, and counts the outcomes. A plain list and
+one wake-up future, not an ``asyncio.Queue``: its per-item bookkeeping (put, get, task_done) cost
+more than the rest of a settlement. A settlement dropped (buffer full) or given up on costs the
+tenant at most its estimate: the reservation expires and is charged at its estimate, or the
+supervisor's sweep settles it when the worker dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from gateway.quota.backend import BACKEND_ERRORS, describe_error
+from gateway.quota.counters import QuotaCounters
+from gateway.quota.ledger import SETTLE_APPLIED, SETTLE_EXPIRED, SETTLE_NOOP, QuotaLedger, Reservation
+
+log = logging.getLogger("gridgate.quota")
+
+Settlement = tuple[Reservation, int]
+
+
+class Reconciler:
+    def __init__(
+        self,
+        ledger: QuotaLedger,
+        counters: QuotaCounters,
+        *,
+        timeout_s: float,
+        queue_size: int = 10000,
+        batch: int = 128,
+        retry_delays_s: Sequence[float] = (0.05, 0.25, 1.0),
+    ) -> None:
+        self._ledger = ledger
+        self._counters = counters
+        self._timeout_s = max(timeout_s * 4, 1.0)
+        self._pending: list[Settlement] = []
+        self._capacity = queue_size
+        self._batch = batch
+        self._retry_delays = tuple(retry_delays_s)
+        self._drainer: asyncio.Task[None] | None = None
+        self._wakeup: asyncio.Future[None] | None = None  # the drainer waits on it when idle
+        self._busy = 0  # settlements taken from the buffer and not finished yet
+        self._idle_waiters: list[asyncio.Future[None]] = []
+
+    @property
+    def backlog(self) -> int:
+        return len(self._pending) + self._busy
+
+    def start(self) -> None:
+        self._drainer = asyncio.get_running_loop().create_task(self._reconcile_forever())
+
+    def enqueue(self, reservation: Reservation, actual: int) -> None:
+        """Charge ``actual`` tokens for ``reservation`` (0: release it unused). Never blocks."""
+        if len(self._pending) >= self._capacity:
+            self._counters.reconcile_drops += 1
+            return
+        self._pending.append((reservation, actual))
+        wakeup = self._wakeup
+        if wakeup is not None:
+            self._wakeup = None
+            wakeup.set_result(None)
+
+    async def drain(self) -> None:
+        """Wait until every settlement queued so far has been reconciled (or given up on)."""
+        if self.backlog:
+            waiter = asyncio.get_running_loop().create_future()
+            self._idle_waiters.append(waiter)
+            await waiter
+
+    async def stop(self, drain_timeout_s: float) -> None:
+        """Settle what is queued (bounded by ``drain_timeout_s``), then stop."""
+        if self._drainer is None:
+            return
+        try:
+            async with asyncio.timeout(drain_timeout_s):
+                await self.drain()
+        except TimeoutError:
+            log.warning("quota: %d settlements not reconciled at shutdown", self.backlog)
+        self._drainer.cancel()
+        try:
+            await self._drainer
+        except asyncio.CancelledError:
+            pass
+        self._drainer = None
+
+    async def _reconcile_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._pending:
+                for waiter in self._idle_waiters:
+                    if not waiter.done():
+                        waiter.set_result(None)
+                self._idle_waiters.clear()
+                self._wakeup = loop.create_future()
+                await self._wakeup
+            batch = self._pending[: self._batch]
+            del self._pending[: self._batch]
+            self._busy = len(batch)
+            try:
+                await self._reconcile(batch)
+            except Exception:  # never let one bad batch kill the reconciler
+                log.exception("quota: reconciliation batch failed")
+                self._counters.reconcile_failures += len(batch)
+            finally:
+                self._busy = 0
+
+    async def _reconcile(self, batch: list[Settlement]) -> None:
+        pending = batch
+        for delay in (0.0, *self._retry_delays):
+            if delay:
+                await asyncio.sleep(delay)
+            try:
+                async with asyncio.timeout(self._timeout_s):
+                    outcomes = await self._ledger.settle_many(pending)
+            except BACKEND_ERRORS as exc:
+                self._counters.backend_errors += 1
+                log.debug("quota: settle batch failed: %s", describe_error(exc))
+                continue
+            retry = []
+            for item, outcome in zip(pending, outcomes, strict=True):
+                if outcome.__class__ is int:
+                    self._count_settled(item, outcome)
+                else:
+                    retry.append(item)
+            if not retry:
+                return
+            self._counters.backend_errors += 1
+            pending = retry
+        self._counters.reconcile_failures += len(pending)
+        log.warning(
+            "quota: %d settlements failed after retries (charged at estimate on expiry)", len(pending)
+        )
+
+    def _count_settled(self, item: Settlement, outcome: int) -> None:
+        counters = self._counters
+        if outcome == SETTLE_APPLIED:
+            reservation, actual = item
+            counters.tokens_actual += actual
+            if actual < reservation.estimate:
+                counters.tokens_refunded += reservation.estimate - actual
+            else:
+                counters.tokens_overage += actual - reservation.estimate
+        elif outcome == SETTLE_EXPIRED:
+            counters.reservations_expired += 1
+        elif outcome == SETTLE_NOOP:
+            counters.reconcile_duplicates += 1
