@@ -10,7 +10,7 @@ import time
 from datetime import datetime
 from typing import Any
 
-from tests.harness import Client, candidate, chat, envelope, raw_exchange, request, status_of
+from tests.harness import Client, candidate, chat, envelope, free_port, raw_exchange, request, status_of
 
 FIELDS = (
     "ts", "request_id", "tenant", "method", "path", "status", "capability", "provider", "stable_id",
@@ -148,3 +148,30 @@ def test_standard_output_by_default(gateway_factory, providers):
     lines = wait_lines(gateway.log_path, 1)  # the harness captures stdout (and stderr) in gateway.log
     assert [(line["request_id"], line["path"], line["tenant"]) for line in lines] == [
         (headers["x-request-id"], "/v1/models", "anonymous")]
+
+
+def test_failover_and_cut_streams_are_logged_with_attempts_and_errors(mock_provider, gateway_factory):
+    bad = mock_provider("bad", fail_rate=1.0, fail_status=502)
+    good = mock_provider("good")
+    cut = mock_provider("cut", mid_reset_rate=1.0, tokens=40)
+    overlay = envelope([candidate("m", "bad"), candidate("m", "good"), candidate("s", "cut"), candidate("x", "dead"),
+                        candidate("x", "bad")], "deterministic")
+    clusters = {"bad": [bad.address], "good": [good.address], "cut": [cut.address], "dead": [f"127.0.0.1:{free_port()}"]}
+    gateway = gateway_factory(clusters, overlay, extra={
+        "routing": {"retry": {"attempts": 3, "deadline": "10s", "backoff": {"base": "1ms", "max": "5ms"}}},
+        "access_log": {"path": "access.log"},
+    })
+    path = os.path.join(gateway.directory, "access.log")
+    moved = chat(gateway.port, "m", headers=[("X-Request-Id", "moved")])
+    streamed = chat(gateway.port, "s", headers=[("X-Request-Id", "cut")], stream=True)
+    failed = chat(gateway.port, "x", headers=[("X-Request-Id", "failed")])
+    assert (moved.status, moved.headers["x-gridgate-attempts"], streamed.status, failed.status) == (200, "2", 200, 502)
+
+    by_id = {line["request_id"]: line for line in wait_lines(path, 3)}
+    assert {key: by_id["moved"][key] for key in ("status", "provider", "attempts", "endpoint", "error")} == {
+        "status": 200, "provider": "good", "attempts": 2, "endpoint": good.address, "error": None}
+    assert {key: by_id["cut"][key] for key in ("status", "provider", "attempts", "error")} == {
+        "status": 200, "provider": "cut", "attempts": 1, "error": "upstream_reset"}
+    assert by_id["cut"]["bytes_out"] == len(streamed.body)
+    assert {key: by_id["failed"][key] for key in ("status", "provider", "attempts", "error")} == {
+        "status": 502, "provider": "bad", "attempts": 2, "error": failed.json()["error"]["code"]}  # all failed
