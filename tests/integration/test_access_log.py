@@ -177,3 +177,17 @@ def test_failover_and_cut_streams_are_logged_with_attempts_and_errors(mock_provi
     assert by_id["cut"]["bytes_out"] == len(streamed.body)
     assert {key: by_id["failed"][key] for key in ("status", "provider", "attempts", "error")} == {
         "status": 502, "provider": "bad", "attempts": 2, "error": failed.json()["error"]["code"]}  # all failed
+
+
+def test_candidates_removed_by_the_eligibility_filters_are_counted(providers, gateway_factory):
+    models = [{"match": {"capability": "m", "cluster": "provider-a"}, "context_window": 2000}]
+    overlay = envelope([candidate("m", "provider-a"), candidate("m", "provider-b")], "roundRobin")
+    clusters = {name: [providers[name].address] for name in ("provider-a", "provider-b")}
+    gateway = gateway_factory(clusters, overlay, extra={"routing": {"models": models},
+                                                        "access_log": {"path": "access.log"}})
+    big = chat(gateway.port, "m", headers=[("X-Request-Id", "big")], max_tokens=50_000)
+    small = chat(gateway.port, "m", headers=[("X-Request-Id", "small")], max_tokens=10)
+    assert (big.status, big.headers["x-gridgate-filtered"], small.status) == (200, "1", 200)
+    by_id = {line["request_id"]: line for line in wait_lines(os.path.join(gateway.directory, "access.log"), 2)}
+    assert (by_id["big"]["provider"], by_id["big"]["filtered"]) == ("provider-b", 1)
+    assert "filtered" not in by_id["small"]  # present only when a filter removed a candidate
