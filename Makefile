@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test bench bench-core lint clean
+.PHONY: install run test bench bench-core bench-tls lint clean
 
 install: $(STAMP)
 
@@ -26,6 +26,11 @@ bench: install
 bench-core: install
 	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
 	$(BIN)/python -m loadtest.bench_core
+
+# What HTTPS on the listener and the access log cost a worker core (req/s per core, handshakes/s).
+bench-tls: install
+	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
+	$(BIN)/python -m loadtest.bench_tls
 
 lint: install
 	$(BIN)/ruff check .

@@ -1,4 +1,4 @@
-"""A loaded config checked against what it names: the overlay, quota rules, secrets, TLS files.
+"""A loaded config checked against what it names: the overlay, quota rules, secrets, TLS and log files.
 
 The schema (gateway.config) judges the file alone; these checks read other files and the
 environment. Two callers, one set of rules:
@@ -19,6 +19,7 @@ import ssl
 from collections.abc import Mapping
 
 from gateway.config import Config, ConfigError, ServerTls
+from gateway.http.tls import load_problem, server_tls_context
 from gateway.overlay.contract import OverlayRejected
 from gateway.overlay.snapshot import Snapshot
 from gateway.overlay.valkey_source import source_problems
@@ -50,6 +51,7 @@ def _problems_and_overlay(config: Config, environ: Mapping[str, str] | None) -> 
     if config.server_tls is not None:
         problems += server_tls_problems(config, config.server_tls)
     problems += upstream_ca_problems(config)
+    problems += access_log_problems(config)
     source = config.routing.overlay_source
     if source is not None:
         cache_file = None if source.cache_file is None else config.file_path(source.cache_file)
@@ -99,11 +101,27 @@ def server_tls_problems(config: Config, tls: ServerTls) -> list[str]:
     if problems:
         return problems
     try:
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        # A passphrase would be asked on the terminal; the gateway has none to give.
-        context.load_cert_chain(cert, key, password=lambda: b"")
-    except ssl.SSLError as exc:
-        return [f"server_tls: {cert} and {key} do not load as a certificate and its key: {exc.reason or exc}"]
+        server_tls_context(cert, key)  # exactly as the listener loads them
+    except OSError as exc:
+        return [f"server_tls: {cert} and {key} do not load as a certificate and its key: {load_problem(exc)}"]
+    return []
+
+
+def access_log_problems(config: Config) -> list[str]:
+    """An access-log file must be writable (or creatable) by the gateway's user."""
+    settings = config.access_log
+    if not settings.enabled or settings.path == "-":
+        return []
+    path = config.file_path(settings.path)
+    directory = os.path.dirname(path) or "."
+    if os.path.isdir(path):
+        return [f"access_log.path: {path} is a directory"]
+    if os.path.exists(path):
+        return [] if os.access(path, os.W_OK) else [f"access_log.path: {path} is not writable"]
+    if not os.path.isdir(directory):
+        return [f"access_log.path: directory {directory} does not exist"]
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return [f"access_log.path: cannot create {path}: directory {directory} is not writable"]
     return []
 
 

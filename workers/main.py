@@ -26,6 +26,8 @@ from gateway.host_segment import (
     create_segment,
     endpoint_ids,
 )
+from gateway.http.errors import ErrorReply
+from gateway.http.tls import ReloadableServerTls
 from gateway.metrics import COUNTERS, WorkerMetrics
 from gateway.process_protocol import (
     EXIT_CANNOT_BIND,
@@ -48,6 +50,7 @@ from shm.counters import WorkerRow, WorkerStatus
 from shm.metrics import MetricsTable
 from shm.providers import ProviderCells
 from shm.segment import Segment
+from workers.access_log import AccessLog
 from workers.clusters import ClusterManager
 from workers.overlay_follower import OverlayFollower
 from workers.providers import ProviderStates
@@ -128,6 +131,10 @@ class Worker:
         self.auth = Authenticator([(key.tenant, key.key) for key in auth.keys]) if auth is not None else None
         self.quota: QuotaGate | None = None
         self.clusters: ClusterManager | None = None
+        self.access_log: AccessLog | None = None
+        tls = self.config.server_tls
+        self.tls = None if tls is None else ReloadableServerTls(
+            self.config.file_path(tls.cert_file), self.config.file_path(tls.key_file))
 
     def _routable(self, provider: int) -> bool:
         return self.clusters is None or self.clusters.routable(provider)
@@ -162,6 +169,7 @@ class Worker:
             self.quota = QuotaGate.from_config(ledger, config, generation=self.ctx.generation, slot=self.ctx.slot)
             await self.quota.start()
         clusters = self.clusters = ClusterManager(config, self.segment, self.row, self.provider_index)
+        self.access_log = AccessLog.from_config(config)
         routing = config.routing
         affinity = routing.session_affinity
         settings = ProxySettings.from_config(config)
@@ -174,7 +182,7 @@ class Worker:
         return Proxy(
             settings=settings, header_plan=header_plan, auth=self.auth, tenants=TenantPolicies(config.tenants),
             overlay=self.overlay, router=self.router, clusters=clusters, providers=self.providers,
-            quota=self.quota, metrics=self.metrics,
+            quota=self.quota, metrics=self.metrics, access_log=self.access_log,
         )
 
     async def serve(self) -> int:
@@ -182,16 +190,20 @@ class Worker:
         stopping = asyncio.Event()
         proxy = await self._build_proxy()
         state = ServerState(ServerSettings(self.config), proxy.handle)
-        state.on_reject = lambda status: self.metrics.request(None, status)
+        state.on_reject = self._rejected
         try:
             sock = bind_listener(self.config.listen)
         except OSError as error:
             log.error("cannot listen on %s: %s", self.config.listen, error.strerror)
             return EXIT_CANNOT_BIND
-        server = await loop.create_server(lambda: ServerConnection(state), sock=sock)
+        server = await loop.create_server(
+            lambda: ServerConnection(state), sock=sock, ssl=None if self.tls is None else self.tls.context,
+            ssl_handshake_timeout=float(self.config.timeouts.header_read) if self.tls is not None else None,
+        )
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stopping.set)
         loop.add_signal_handler(signal.SIGHUP, self._request_reload)
+        loop.add_signal_handler(signal.SIGUSR1, proxy.access_log.reopen)  # logrotate
         self._send_ready()
         background = loop.create_task(self._background())
         await stopping.wait()
@@ -215,9 +227,21 @@ class Worker:
             self.clusters.close()
         if self.quota is not None:
             await self.quota.close()
+        if self.access_log is not None:
+            await self.access_log.close()
+
+    def _rejected(self, reply: ErrorReply) -> None:
+        self.metrics.request(None, reply.status)
+        if self.access_log is not None:
+            self.access_log.rejected(reply.status, reply.code)
 
     def _request_reload(self) -> None:
         self.reload_requested = True
+        if self.tls is not None:  # new handshakes get the re-read certificate; open connections keep theirs
+            problem = self.tls.reload()
+            if problem is not None:
+                log.error("server_tls: cannot reload %s / %s: %s; serving the previous certificate",
+                          self.tls.cert_file, self.tls.key_file, problem)
 
     def _send_ready(self) -> None:
         snapshot = self.overlay.snapshot

@@ -31,6 +31,7 @@ from gateway.routing.decision import header_value
 from gateway.routing.eligibility import Needs
 from gateway.routing.plan import model_not_found
 from gateway.routing.tenants import Policy, TenantPolicies, model_not_allowed
+from workers.access_log import AccessLog
 from workers.clusters import ClusterManager, UpstreamCluster, UpstreamEndpoint
 from workers.overlay_follower import OverlayFollower
 from workers.providers import ProviderStates
@@ -66,7 +67,7 @@ class Proxy:
     def __init__(
         self, *, settings: ProxySettings, header_plan: HeaderPlan, auth: Authenticator | None,
         tenants: TenantPolicies, overlay: OverlayFollower, router: Router, clusters: ClusterManager,
-        providers: ProviderStates, quota: QuotaGate | None, metrics: WorkerMetrics,
+        providers: ProviderStates, quota: QuotaGate | None, metrics: WorkerMetrics, access_log: AccessLog,
     ) -> None:
         self.settings = settings
         self.header_plan = header_plan
@@ -82,6 +83,7 @@ class Proxy:
         self.retry = settings.retry
         self.ids = CounterIds(b"-")
         self.rng = random.Random()
+        self.access_log = access_log
 
     async def handle(self, exchange: Exchange) -> None:
         headers = self.header_plan.scan(exchange.headers)
@@ -91,22 +93,23 @@ class Proxy:
             return self.refuse(exchange, tenant, request_id)
         policy = self.tenants.get(tenant)
         if exchange.method == b"GET" and exchange.target.startswith(b"/v1/models"):
-            return self.models(exchange, policy, request_id)
+            return self.models(exchange, policy, request_id, tenant)
         capability = self.capability(exchange, headers)
         if type(capability) is ErrorReply:
-            return self.refuse(exchange, capability, request_id)
-        if not policy.allows(capability.name):
-            return self.refuse(exchange, model_not_allowed(tenant, capability.name), request_id)
+            return self.refuse(exchange, capability, request_id, tenant=tenant)
+        name = capability.name
+        if not policy.allows(name):
+            return self.refuse(exchange, model_not_allowed(tenant, name), request_id, tenant=tenant, capability=name)
         pinned = None
         if headers.pin is not None:
             pinned = self.pin(capability, headers.pin, policy)
             if type(pinned) is ErrorReply:
-                return self.refuse(exchange, pinned, request_id)
+                return self.refuse(exchange, pinned, request_id, tenant=tenant, capability=name)
         admission = None
         if self.quota is not None:
             admission = await self.admit(tenant, capability, len(exchange.body))
             if type(admission) is ErrorReply:
-                return self.refuse(exchange, admission, request_id)
+                return self.refuse(exchange, admission, request_id, tenant=tenant, capability=name)
         session = None
         if self.settings.affinity_enabled:
             session = session_key(headers.session, headers.cookie, self.settings.affinity_cookie)
@@ -115,7 +118,7 @@ class Proxy:
         route = pinned or self.route(capability, session, needs, key)
         if type(route) is ErrorReply:
             self.settle(admission, Settlement.RELEASE)
-            return self.refuse(exchange, route, request_id)
+            return self.refuse(exchange, route, request_id, tenant=tenant, capability=name)
         try:
             await self.forward(exchange, headers, capability, route, admission, request_id, session, needs, key,
                                self.router.filtered if pinned is None else 0, tenant, policy.batch)
@@ -133,7 +136,7 @@ class Proxy:
             return tenant
         return _MISSING_KEY if headers.authorization is None and headers.api_key is None else _INVALID_KEY
 
-    def models(self, exchange: Exchange, policy: Policy, request_id: bytes) -> None:
+    def models(self, exchange: Exchange, policy: Policy, request_id: bytes, tenant: str) -> None:
         """``GET /v1/models`` (the list the tenant may use) and ``GET /v1/models/{id}``, from the overlay."""
         target = exchange.target.split(b"?", 1)[0]
         if target == b"/v1/models":
@@ -142,9 +145,10 @@ class Proxy:
             model = unquote_to_bytes(target[len(b"/v1/models/"):]).decode("utf-8", "replace")
             body = self.overlay.model_body(model, policy) if target.startswith(b"/v1/models/") else None
             if body is None:
-                return self.refuse(exchange, model_not_found("inference_model", model), request_id)
+                return self.refuse(exchange, model_not_found("inference_model", model), request_id, tenant=tenant)
         exchange.respond(200, [_JSON_HEADER, (b"x-request-id", request_id)], body)
         self.metrics.request(None, 200)
+        self.access_log.record(exchange, request_id, 200, tenant=tenant)
 
     def capability(self, exchange: Exchange, headers: RequestHeaders) -> CapabilityRequest | ErrorReply:
         content_type = headers.content_type
@@ -222,7 +226,8 @@ class Proxy:
             gate.charge_estimate(admission)
 
     def refuse(self, exchange: Exchange, reply: ErrorReply, request_id: bytes, provider: str | None = None,
-               attempts: int = 0) -> None:
+               attempts: int = 0, *, tenant: str | None = None, capability: str | None = None,
+               route: RouteDecision | None = None, filtered: int = 0) -> None:
         """Answer with a gateway-made error; errors about a provider count under its cluster."""
         self.metrics.request(provider, reply.status)
         extra = [(b"x-request-id", request_id)]
@@ -230,6 +235,8 @@ class Proxy:
             extra.append((b"x-gridgate-provider", header_value(provider)))
             extra.append(_attempts_header(attempts))
         exchange.send_error(reply, extra)
+        self.access_log.record(exchange, request_id, reply.status, tenant=tenant, capability=capability, route=route,
+                               attempts=attempts, error=reply.code, filtered=filtered)
 
     # -- upstream ---------------------------------------------------------------------------------
     def _upstream_body(self, request: CapabilityRequest, body: bytes, admission: Admission | None,
@@ -294,7 +301,7 @@ class Proxy:
                 exchange, headers, cluster, route, base, body, metering, admission, request_id, deadline,
                 hold_retryable=may_retry and route.plan.provider_count > 1 and route.mode != "pinned",
                 attempt=1 if failover is None else failover.attempts + 1, evidence=evidence,
-                tenant=tenant, batch=batch,
+                tenant=tenant, batch=batch, capability=request.name, filtered=filtered,
             )
             if outcome is None:  # answered (or the client left): settled
                 if session is not None and route.provider != first.provider:
@@ -315,13 +322,17 @@ class Proxy:
             route = following
         self.settle(admission, Settlement.CHARGE_ESTIMATE if reached else Settlement.RELEASE)
         if not exchange.client_gone:
-            self.refuse(exchange, failover.last_reply, request_id, cluster.name, failover.attempts)
+            self.refuse(exchange, failover.last_reply, request_id, cluster.name, failover.attempts, tenant=tenant,
+                        capability=request.name, route=route, filtered=filtered)
+        else:
+            self.access_log.record(exchange, request_id, 499, tenant=tenant, capability=request.name, route=route,
+                                   attempts=failover.attempts, error="client_closed", filtered=filtered)
 
     async def _try_provider(
         self, exchange: Exchange, headers: RequestHeaders, cluster: UpstreamCluster, route: RouteDecision,
         base: list[tuple[bytes, bytes]], body: bytes, metering: bool | None, admission: Admission | None,
         request_id: bytes, deadline: float, hold_retryable: bool, attempt: int,
-        evidence: list[tuple[bytes, bytes]], tenant: str, batch: bool,
+        evidence: list[tuple[bytes, bytes]], tenant: str, batch: bool, capability: str, filtered: int,
     ) -> tuple[ErrorReply, bool] | None:
         """One provider, its endpoints in turn. None: the request is over (answered, or the client left,
         and settled); else the reply to give if no other provider serves, and whether a request was sent."""
@@ -358,6 +369,8 @@ class Proxy:
                     # The client left while we waited for admission or a connection: send nothing.
                     pool.release(conn, reusable=True)
                     self.settle(admission, Settlement.RELEASE)
+                    self.access_log.record(exchange, request_id, 499, tenant=tenant, capability=capability,
+                                           route=route, attempts=attempt, error="client_closed", filtered=filtered)
                     return None
                 relay = ResponseRelay(exchange, conn, response_headers, metering, hold_retryable)
                 exchange.on_client_lost = relay.client_lost
@@ -387,12 +400,21 @@ class Proxy:
                 cluster.record_success(endpoint, status)
                 tokens = relay.total_tokens
                 self.settle(admission, settlement_for(status, tokens, relay.client_left), tokens)
+                failure = relay.failure
+                self.access_log.record(
+                    exchange, request_id, status, tenant=tenant, capability=capability, route=route, attempts=attempt,
+                    endpoint=endpoint.address, overhead_s=overhead, filtered=filtered,
+                    error=f"upstream_{failure.name.lower()}" if failure else "client_closed" if relay.client_left else None,
+                )
                 return None
             if relay.held_status:
                 cluster.record_success(endpoint, status)  # it answered: a 429 is a cooling signal, not a failure
                 return self._held_reply(cluster, status, relay.retry_after), True
             if relay.failure is None:  # the client left before the response started
                 self.settle(admission, Settlement.CHARGE_ESTIMATE)
+                self.access_log.record(exchange, request_id, 499, tenant=tenant, capability=capability, route=route,
+                                       attempts=attempt, endpoint=endpoint.address, error="client_closed",
+                                       filtered=filtered)
                 return None
             if self.route_headers:
                 response_headers.pop()  # the overhead header is re-measured on the next attempt

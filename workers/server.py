@@ -66,8 +66,8 @@ class ServerState:
         self.connections: set[ServerConnection] = set()
         self.draining = False
         self.in_flight = 0
-        # Called with the status of every request rejected before it reached the handler (metrics).
-        self.on_reject: Callable[[int], None] | None = None
+        # Called with the answer to every request rejected before it reached the handler (metrics, access log).
+        self.on_reject: Callable[[ErrorReply], None] | None = None
 
     def close_idle(self, now: float) -> None:
         """Draining: close keep-alive connections between requests.
@@ -93,7 +93,8 @@ class Exchange:
 
     __slots__ = (
         "conn", "method", "target", "version", "headers", "body", "t_start", "started", "finished",
-        "close_after", "on_client_lost", "on_pause_writing", "on_resume_writing", "peer",
+        "close_after", "on_client_lost", "on_pause_writing", "on_resume_writing", "peer", "t_first_byte",
+        "bytes_out",
     )
 
     def __init__(
@@ -114,6 +115,8 @@ class Exchange:
         self.on_pause_writing: Callable[[], None] | None = None
         self.on_resume_writing: Callable[[], None] | None = None
         self.peer = conn.peer
+        self.t_first_byte = 0.0  # when the response head was queued (the access log's first_byte_ms)
+        self.bytes_out = 0  # response body bytes written
 
     @property
     def client_gone(self) -> bool:
@@ -130,12 +133,14 @@ class Exchange:
         ``headers`` hold no framing headers: ``content_length`` None means chunked (or until close).
         """
         self.started = True
+        self.t_first_byte = _perf()
         conn = self.conn
         close = conn.server.draining or self.close_after
         conn.pending.append(conn.codec.response_head(status, headers, content_length, close))
 
     def write(self, data: bytes) -> None:
         if data and not self.finished:
+            self.bytes_out += len(data)
             conn = self.conn
             try:
                 conn.pending.append(conn.codec.response_data(data))
@@ -434,7 +439,7 @@ class ServerConnection(asyncio.Protocol):
         if self.state == _CLOSED:
             return
         if self.server.on_reject is not None:
-            self.server.on_reject(reply.status)
+            self.server.on_reject(reply)
         body = reply.body()
         headers = [*error_headers(body), *reply.headers, (b"connection", b"close")]
         self.write(codec.raw_response(reply.status, headers, body))

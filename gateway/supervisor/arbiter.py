@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import socket
 import time
 from collections.abc import Callable
@@ -170,6 +171,8 @@ class Arbiter:
             "interrupt": self._interrupt,
             "increment": self._increment,
             "decrement": self._decrement,
+            # logrotate: every worker, retiring ones too, reopens its access-log file
+            "reopen_logs": lambda: self._workers.signal_workers(signal.SIGUSR1),
         }
         await self._admin.start(admin_sock)
         self._overlay_feed.start()

@@ -54,6 +54,7 @@ def become_child(close_fds: list[int], supervisor_pid: int) -> None:
     # A reload forwarded while the worker is still booting must not kill it (the default action):
     # the worker installs its own SIGHUP handler once it serves, and reads the overlay at start anyway.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # likewise a log reopen (the worker opens its log at start)
     # Forget the parent's running loop so the child can start its own (uvloop in workers).
     asyncio._set_running_loop(None)
     asyncio.set_event_loop_policy(None)

@@ -32,5 +32,6 @@ SIGNAL_ACTIONS: dict[signal.Signals, str] = {
     signal.SIGTTIN: "increment",
     signal.SIGTTOU: "decrement",
     signal.SIGCHLD: "reap",
+    signal.SIGUSR1: "reopen_logs",
 }
 WAKE = "wake"  # not a signal: a status message arrived, re-evaluate readiness now

@@ -285,6 +285,11 @@ class WorkerSet:
         for child in self._children.values():
             _signal(child, signal.SIGKILL)
 
+    def signal_workers(self, sig: signal.Signals) -> None:
+        """Forward a signal to every worker, retiring ones included."""
+        for child in self.workers():
+            _signal(child, sig)
+
     def signal_serving(self, sig: signal.Signals) -> None:
         """Forward a signal to the serving workers and the prober (SIGHUP: re-read the overlay)."""
         for child in self.serving() + self.health():

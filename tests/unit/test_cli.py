@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -265,3 +266,28 @@ def test_the_cli_and_check_load_no_data_plane_module():
              "print(sorted(m for m in sys.modules if m.startswith(('workers', 'uvloop', 'h11'))))")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert result.stdout == "[]\n"
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("-", None),
+        ("access.log", None),
+        ("logs", "access_log.path: {dir}/logs is a directory"),
+        ("missing/access.log", "access_log.path: directory {dir}/missing does not exist"),
+        ("locked/access.log", "access_log.path: cannot create {dir}/locked/access.log: directory {dir}/locked "
+                              "is not writable"),
+    ],
+)
+def test_check_reports_an_access_log_it_cannot_write(config_dir, path, expected, capsys):
+    (config_dir / "logs").mkdir()
+    (config_dir / "locked").mkdir(mode=0o500)
+    if expected is not None and "locked" in path and os.access(config_dir / "locked", os.W_OK):
+        pytest.skip("running as root: every directory is writable")
+    (config_dir / "gateway.yaml").write_text(CONFIG + f"access_log: {{path: {path}}}\n")
+    code, out, err = run(capsys, "check", "-c", str(config_dir / "gateway.yaml"))
+    if expected is None:
+        assert (code, out, err) == (0, "ok\n", "")
+        assert not (config_dir / "access.log").exists()  # checking creates nothing
+    else:
+        assert (code, err) == (1, expected.format(dir=config_dir) + "\n")

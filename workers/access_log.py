@@ -1,0 +1,163 @@
+"""The access log (CONTRACT §14): one JSON object per request, written off the request path.
+
+``AccessLog.record`` runs once when a request ends. It builds the line from what the request path
+already holds (the exchange, the route decision, the outcome), encodes it with msgspec straight into
+the ``LineWriter``'s bounded buffer and returns; the event loop writes the buffer out in batches.
+Never keys, prompts or bodies: the record has no field that could hold them, and ``path`` stops
+before the query string (some APIs take keys there).
+
+Successful requests are sampled (``access_log.sample``); errors (status >= 400, or an ``error`` code
+such as a stream that failed after its head) are always logged.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import msgspec
+
+from gateway.config import AccessLog as AccessLogConfig
+from gateway.config import Config
+from gateway.routing import RouteDecision
+from workers.line_writer import LineWriter
+from workers.server import Exchange
+
+_perf = time.perf_counter
+_time = time.time
+_random = random.random
+
+
+class AccessLine(msgspec.Struct, omit_defaults=True, gc=False):
+    """One line, in the documented key order; ``filtered`` (candidates the eligibility filters removed)
+    only when there were any."""
+
+    ts: str
+    request_id: str | None
+    tenant: str | None
+    method: str | None
+    path: str | None
+    status: int
+    capability: str | None
+    provider: str | None
+    stable_id: str | None
+    selection_group: int | None
+    selection_mode: str | None
+    affinity: str | None
+    attempts: int
+    endpoint: str | None
+    overlay_revision: str | None
+    bytes_in: int
+    bytes_out: int
+    tokens_prompt: int | None
+    tokens_completion: int | None
+    overhead_ms: float | None
+    first_byte_ms: float | None
+    duration_ms: float | None
+    error: str | None
+    filtered: int = 0
+
+
+_NO_ROUTE = (None, None, None, None, None, None)
+
+
+class AccessLog:
+    """Per-worker access log. ``record`` never blocks and never raises for a full output."""
+
+    def __init__(self, writer: LineWriter | None, sample: float = 1.0) -> None:
+        self.writer = writer  # None: the access log is off
+        self.sample = sample
+        self._encode_into = msgspec.json.Encoder().encode_into
+        self._second = -1
+        self._second_text = ""
+        self._millis = -1
+        self._ts = ""
+
+    @classmethod
+    def from_config(cls, config: Config) -> AccessLog:
+        """Opens the output (raises OSError when it cannot); call with the event loop running."""
+        settings: AccessLogConfig = config.access_log
+        if not settings.enabled:
+            return cls(None)
+        path = settings.path if settings.path == "-" else config.file_path(settings.path)
+        return cls(LineWriter(path), settings.sample)
+
+    @property
+    def dropped(self) -> int:
+        """Lines lost since start (buffer full or output failing), for the metrics."""
+        return 0 if self.writer is None else self.writer.dropped
+
+    def _timestamp(self) -> str:
+        """RFC 3339 UTC with milliseconds, formatted at most once per millisecond (the date part once
+        per second): many lines share one under load."""
+        millis = int(_time() * 1000)
+        if millis != self._millis:
+            self._millis = millis
+            second, fraction = divmod(millis, 1000)
+            if second != self._second:
+                self._second = second
+                self._second_text = time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(second))
+            self._ts = f"{self._second_text}{fraction:03d}Z"
+        return self._ts
+
+    def record(
+        self, exchange: Exchange, request_id: bytes | None, status: int, *, tenant: str | None = None,
+        capability: str | None = None, route: RouteDecision | None = None, attempts: int = 0,
+        endpoint: str | None = None, overhead_s: float | None = None, tokens_prompt: int | None = None,
+        tokens_completion: int | None = None, error: str | None = None, filtered: int = 0,
+    ) -> None:
+        """One request ended: ``status`` as answered (499 when the client left before any answer)."""
+        writer = self.writer
+        if writer is None:
+            return
+        if status < 400 and error is None:
+            sample = self.sample
+            if sample < 1.0 and (sample <= 0.0 or _random() >= sample):
+                return
+        if not writer.has_room():
+            return
+        t_start = exchange.t_start
+        t_first = exchange.t_first_byte
+        target = exchange.target
+        query = target.find(b"?")
+        if query >= 0:
+            target = target[:query]
+        if route is None:
+            provider, stable_id, group, mode, affinity, revision = _NO_ROUTE
+        else:
+            provider, stable_id, group = route.cluster, route.stable_id, route.selection_group
+            mode, affinity, revision = route.mode, route.affinity, route.revision
+        line = AccessLine(
+            self._timestamp(), None if request_id is None else request_id.decode("latin-1"), tenant,
+            exchange.method.decode("latin-1"), target.decode("latin-1"), status, capability, provider, stable_id,
+            group, mode, affinity, attempts, endpoint, revision, len(exchange.body), exchange.bytes_out,
+            tokens_prompt, tokens_completion, None if overhead_s is None else round(overhead_s * 1000.0, 3),
+            round((t_first - t_start) * 1000.0, 3) if t_first else None, round((_perf() - t_start) * 1000.0, 3),
+            error, filtered,
+        )
+        buffer = writer.buffer
+        self._encode_into(line, buffer, -1)
+        buffer.append(10)  # "\n"
+        writer.wrote()
+
+    def rejected(self, status: int, error: str) -> None:
+        """A request refused before it reached the handler (malformed HTTP, limits, timeouts)."""
+        writer = self.writer
+        if writer is None or not writer.has_room():
+            return
+        line = AccessLine(
+            self._timestamp(), None, None, None, None, status, None, None, None, None, None, None, 0, None, None,
+            0, 0, None, None, None, None, None, error,
+        )
+        buffer = writer.buffer
+        self._encode_into(line, buffer, -1)
+        buffer.append(10)
+        writer.wrote()
+
+    def reopen(self) -> None:
+        if self.writer is not None:
+            self.writer.reopen()
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            await self.writer.close()
