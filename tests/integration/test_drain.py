@@ -12,17 +12,22 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import h11
 
 from tests.harness import (
+    ROOT,
     Client,
     alive,
     candidate,
     envelope,
+    free_port,
     ready_with,
+    request,
     wait_until,
 )
 
@@ -262,3 +267,41 @@ def test_connections_queued_for_a_killed_worker_are_served_by_its_replacement(mo
         assert client.receive().status == 200  # accepted by the replacement, not reset with the old socket
         client.close()
     assert other in wait_until(lambda: ready_with(gateway, 2), "the replacement worker")
+
+
+def test_a_worker_run_without_a_supervisor_binds_its_own_socket(tmp_path):
+    port = free_port()
+    (tmp_path / "overlay.json").write_text(json.dumps(envelope([candidate("m", "cluster-a")])))
+    (tmp_path / "gw.yaml").write_text(
+        f"listen: '127.0.0.1:{port}'\nclusters: [{{name: cluster-a, endpoints: ['127.0.0.1:9']}}]\n"
+        "routing: {overlay_file: overlay.json}\n"
+    )
+    program = (
+        "import os\n"
+        "from gateway.config import load_config\n"
+        "from gateway.host_segment import AFFINITY_REGION, METRICS_REGION\n"
+        "from gateway.process_protocol import WorkerContext\n"
+        "from workers.main import worker_main\n"
+        f"config = load_config({str(tmp_path / 'gw.yaml')!r})\n"
+        "worker_main(WorkerContext(\n"
+        "    config=config, slot=0, generation=1, segment=None, status_fd=os.open(os.devnull, os.O_WRONLY),\n"
+        "    listen_fd=None, quota_url=None, affinity_region=AFFINITY_REGION,\n"
+        "    affinity_capacity=config.routing.session_affinity.capacity, metrics_region=METRICS_REGION,\n"
+        "    metric_clusters=(),\n"
+        "))\n"
+    )
+    worker = subprocess.Popen([sys.executable, "-c", program], cwd=ROOT, stderr=subprocess.PIPE)
+    try:
+        def models() -> int:
+            try:
+                return request("127.0.0.1", port, "GET", "/v1/models", timeout=2)[0]
+            except OSError:
+                return 0
+
+        assert wait_until(models, "the worker to serve", timeout=15) == 200
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(10) == 0
+    finally:
+        worker.kill()
+        stderr = worker.communicate()[1]
+    assert b"Traceback" not in stderr
