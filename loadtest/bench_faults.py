@@ -163,7 +163,7 @@ def run_once(tree: str, scenario: str, mocks: list[MockProviderHandle], args: ar
         gateway.wait_ready()
         time.sleep(0.5)
         url = f"http://127.0.0.1:{gateway.port}{CHAT_PATH}"
-        command = ["wrk", "-t1", f"-c{args.connections}", f"-d{args.duration}s", "-s", WRK_CHAT, url]
+        command = ["wrk", "-t1", f"-c{args.connections}", f"-d{args.duration}s", "--latency", "-s", WRK_CHAT, url]
         wrk = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         time.sleep(FAULT_AT_S)
         fault = inject(scenario, gateway)
@@ -195,12 +195,13 @@ def render(runs: list[dict[str, Any]], trees: list[tuple[str, str]]) -> str:
             detail += f", non-2xx {sum(r['non_2xx'] for r in mine)}"
             share = "-"
             if scenario == "kill":
-                share = f"{statistics.mean(r['replacement_share'] for r in mine):.0%} " + "(" + ", ".join(
-                    f"{r['replacement_cpu_s']}/{r['survivor_cpu_s']}" for r in mine) + " CPU-s)"
+                share = f"{statistics.mean(r['replacement_share'] for r in mine):.0%} (" + ", ".join(
+                    f"{r['replacement_cpu_s']}/{r['survivor_cpu_s']}" for r in mine) + ")"
             rows.append((scenario, label, f"{statistics.mean(failed):.1f}", " ".join(map(str, failed)),
-                         f"{statistics.mean(r.get('requests_per_s', 0) for r in mine):,.0f}", share, detail))
-    return markdown_table(("fault", "tree", "failed / fault (mean)", "per run", "req/s",
-                           "replacement share (repl/survivor)", "error kinds (all runs)"), rows)
+                         f"{statistics.mean(r.get('requests_per_s', 0) for r in mine):,.0f}",
+                         f"{max(r.get('latency_p99_ms', 0) for r in mine):.1f}", share, detail))
+    return markdown_table(("fault", "tree", "failed / fault (mean)", "per run", "req/s", "p99 ms (worst run)",
+                           "replacement share (repl/survivor CPU-s)", "error kinds (all runs)"), rows)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -87,7 +87,6 @@ class ServerState:
         self.handler = handler
         self.connections: set[ServerConnection] = set()
         self.draining = False
-        self.in_flight = 0
         # Called with the status of every request rejected before it reached the handler (metrics).
         self.on_reject: Callable[[int], None] | None = None
 
@@ -428,7 +427,6 @@ class ServerConnection(asyncio.Protocol):
         self.state = _HANDLING
         self._deadline = _INF
         self.exchange = exchange
-        self.server.in_flight += 1
         self._loop.create_task(self._run(exchange))
 
     async def _run(self, exchange: Exchange) -> None:
@@ -463,7 +461,6 @@ class ServerConnection(asyncio.Protocol):
         return now - self._deadline + (settings.keepalive_idle_s if self.served else settings.header_read_s)
 
     def finish_exchange(self, exchange: Exchange, aborted: bool = False) -> None:
-        self.server.in_flight -= 1
         self.served += 1
         self.exchange = None
         if self.state == _CLOSED:
