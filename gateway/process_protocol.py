@@ -25,7 +25,7 @@ from shm.segment import Segment
 
 EXIT_OK = 0  # drained and stopped as asked
 EXIT_CRASHED = 1  # an unexpected error
-EXIT_CANNOT_BIND = 3  # the worker's listening socket cannot be bound (the port is taken)
+EXIT_CANNOT_BIND = 3  # a worker run on its own cannot bind its listening socket (the port is taken)
 
 
 # ---------------------------------------------------------------------------------------- fork context
@@ -45,6 +45,10 @@ class WorkerContext:
     segment: Segment | None
     # Write end of this child's status pipe (``send_status``).
     status_fd: int
+    # The data-plane listening socket the supervisor bound for this worker's position; the previous
+    # generation's worker at that position serves on the same socket until it drains, so a reload
+    # closes no listener. None: bind your own (a worker run on its own; the health process has none).
+    listen_fd: int | None
     # The quota backend (the embedded Valkey's URL when quota.backend.kind is embedded); None: no quota.
     quota_url: str | None
     # Extra regions of the segment and how they were sized: a reload cannot resize shared memory, so

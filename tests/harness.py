@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import h11
@@ -153,6 +153,33 @@ class Gateway:
 
     def url(self, path: str = "/") -> str:
         return f"http://127.0.0.1:{self.port}{path}"
+
+
+def wait_until(predicate: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
+    """Poll ``predicate`` until it returns something true, and return that."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def ready_with(gateway: Gateway, count: int) -> list[int] | None:
+    """The worker pids once exactly ``count`` serving workers exist and /readyz says 200."""
+    if admin_get(gateway.admin_port, "/readyz")[0] != 200:
+        return None
+    pids = gateway.worker_pids()
+    return pids if len(pids) == count else None
 
 
 def admin_get(port: int, path: str, timeout: float = 2.0) -> tuple[int, dict[str, str], bytes]:

@@ -2,9 +2,10 @@
 
 ``worker_main`` runs in the forked child and never returns (it ends in ``os._exit``). ``Worker``
 builds everything the request path uses from the ``WorkerContext`` (shared-memory row and views,
-overlay follower, router, clusters, auth, quota gate, metrics), binds its own ``SO_REUSEPORT``
-listener, serves until SIGTERM/SIGINT, then drains. Periodic work (heartbeats, overlay reloads) runs
-in one background task, off the request path.
+overlay follower, router, clusters, auth, quota gate, metrics), serves on the ``SO_REUSEPORT`` socket
+the supervisor bound for its position (or binds its own when run alone) until SIGTERM/SIGINT, then
+drains (CONTRACT §10). Periodic work (heartbeats, overlay reloads) runs in one background task, off the
+request path.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 import uvloop
 
 from gateway.auth import Authenticator
-from gateway.config import Config, parse_host_port
+from gateway.config import Config
 from gateway.host_segment import (
     MAX_PROVIDERS,
     PROVIDERS_REGION,
@@ -28,6 +29,7 @@ from gateway.host_segment import (
 )
 from gateway.http.errors import ErrorReply
 from gateway.http.tls import ReloadableServerTls
+from gateway.listener import BACKLOG, bind_listener
 from gateway.metrics import COUNTERS, WorkerMetrics
 from gateway.process_protocol import (
     EXIT_CANNOT_BIND,
@@ -62,23 +64,7 @@ log = logging.getLogger("gridgate.worker")
 
 _HEARTBEAT_S = 1.0
 _OVERLAY_POLL_S = 0.25
-
-
-def bind_listener(address: str, backlog: int = 2048) -> socket.socket:
-    """Our own listening socket; SO_REUSEPORT lets every worker bind the same address."""
-    host, port = parse_host_port(address)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-        sock.listen(backlog)
-        sock.setblocking(False)
-    except OSError:
-        sock.close()
-        raise
-    return sock
+_DRAIN_POLL_S = 0.05
 
 
 def _private_segment(config: Config) -> Segment:
@@ -192,12 +178,14 @@ class Worker:
         state = ServerState(ServerSettings(self.config), proxy.handle)
         state.on_reject = self._rejected
         try:
-            sock = bind_listener(self.config.listen)
+            sock = self._listener()
         except OSError as error:
             log.error("cannot listen on %s: %s", self.config.listen, error.strerror)
             return EXIT_CANNOT_BIND
+        # create_server listens again on the socket: give it the same backlog (its default is 100).
         server = await loop.create_server(
-            lambda: ServerConnection(state), sock=sock, ssl=None if self.tls is None else self.tls.context,
+            lambda: ServerConnection(state), sock=sock, backlog=BACKLOG,
+            ssl=None if self.tls is None else self.tls.context,
             ssl_handshake_timeout=float(self.config.timeouts.header_read) if self.tls is not None else None,
         )
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -210,17 +198,28 @@ class Worker:
 
         send_status(self.ctx.status_fd, Draining())
         state.draining = True
+        # Stop accepting. Under a supervisor this closes only our copy of the socket: the next
+        # generation's worker at our position holds it too, and accepts what waits in its queue.
         server.close()
-        state.close_idle(loop.time())
-        deadline = loop.time() + float(self.config.timeouts.graceful_shutdown)
-        while (state.in_flight > 0 or state.has_fresh_connections(loop.time())) and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-            state.close_idle(loop.time())
+        await self._drain(state)
         background.cancel()
-        for conn in list(state.connections):
-            conn.close(abort=True)
         await self._stop()
         return 0
+
+    def _listener(self) -> socket.socket:
+        """The socket the supervisor bound for this worker's position, or our own when run alone."""
+        if self.ctx.listen_fd is not None:
+            return socket.socket(fileno=self.ctx.listen_fd)
+        return bind_listener(self.config.listen)
+
+    async def _drain(self, state: ServerState) -> None:
+        """Until every connection ended (after a `Connection: close` answer, or idle) or the deadline."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + float(self.config.timeouts.graceful_shutdown)
+        while state.connections and loop.time() < deadline:
+            state.close_idle(loop.time())
+            await asyncio.sleep(_DRAIN_POLL_S)
+        await state.cut_remaining()
 
     async def _stop(self) -> None:
         if self.clusters is not None:

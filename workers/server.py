@@ -6,6 +6,12 @@ keep-alive, pipelining (answered in order) and HTTP/1.0 close semantics live in 
 framing of a request is in doubt the answer is written raw and the connection is closed: nothing
 else is read from it.
 
+Keep-alive ends on purpose in two cases (CONTRACT §10): the response that reaches
+``limits.max_requests_per_connection`` says ``Connection: close`` (so clients reconnect and spread onto
+replaced or added workers), and so does every response of a draining worker. A drain closes a
+connection only after such a response or once it sat idle for ``_DRAIN_IDLE_S``: a client that is
+sending a request is never cut. Streams still open at the graceful deadline end with an SSE error event.
+
 Deadlines: one timer per connection, re-armed only when it fires. A connection keeps a deadline
 (header block, body idle, keep-alive idle) in a field; the timer never sleeps longer than the shortest
 timeout, so moving the deadline later or earlier by at least that much never needs a re-arm, and a
@@ -21,8 +27,16 @@ from collections.abc import Awaitable, Callable
 
 from gateway.config import Config
 from gateway.http import codec
-from gateway.http.errors import JSON_CONTENT_TYPE, ErrorReply, GatewayError, error_headers
+from gateway.http.errors import (
+    JSON_CONTENT_TYPE,
+    ErrorReply,
+    GatewayError,
+    error_headers,
+    error_type_for,
+    sse_error_event,
+)
 from gateway.http.framing import ChunkedDecoder, RequestFraming, check_request_head
+from gateway.http.media import is_event_stream
 
 log = logging.getLogger("gridgate.server")
 
@@ -32,7 +46,14 @@ _INF = float("inf")
 _PIPELINE_BUFFER_LIMIT = 65536
 _HEAD, _BODY, _HANDLING, _CLOSED = range(4)
 _LINGER_S = 2.0
-_FRESH_GRACE_S = 1.0
+# Draining: a connection idle this long between requests (or since it opened) is closed. A client
+# that just sent a request is answered (with `Connection: close`) instead.
+_DRAIN_IDLE_S = 1.0
+# After the graceful deadline: how long the last bytes of ended streams get to leave before exit.
+_FLUSH_S = 1.0
+_SHUTDOWN_EVENT = sse_error_event(
+    "gateway_shutdown", "the gateway shut down before this stream ended", error_type_for(503),
+)
 # What a deadline means when it passes.
 _ON_IDLE, _ON_HEADER, _ON_BODY = range(3)
 
@@ -41,7 +62,7 @@ class ServerSettings:
     """What every connection of a worker needs, resolved once from the config."""
 
     __slots__ = (
-        "max_header_bytes", "max_body_bytes", "max_url_bytes", "max_connections",
+        "max_header_bytes", "max_body_bytes", "max_url_bytes", "max_connections", "max_requests",
         "header_read_s", "keepalive_idle_s", "timer_period_s",
     )
 
@@ -51,6 +72,7 @@ class ServerSettings:
         self.max_body_bytes = limits.max_body_bytes
         self.max_url_bytes = limits.max_url_bytes
         self.max_connections = limits.max_connections_per_worker
+        self.max_requests = limits.max_requests_per_connection
         self.header_read_s = float(timeouts.header_read)
         self.keepalive_idle_s = float(timeouts.keepalive_idle)
         # The connection timer never sleeps longer than the shortest deadline (see the module doc).
@@ -65,23 +87,35 @@ class ServerState:
         self.handler = handler
         self.connections: set[ServerConnection] = set()
         self.draining = False
-        self.in_flight = 0
         # Called with the answer to every request rejected before it reached the handler (metrics, access log).
         self.on_reject: Callable[[ErrorReply], None] | None = None
 
     def close_idle(self, now: float) -> None:
-        """Draining: close keep-alive connections between requests.
+        """Draining: close the connections that sat idle between requests for ``_DRAIN_IDLE_S``.
 
-        A connection accepted moments ago has not had the chance to send its first request: it keeps
-        ``_FRESH_GRACE_S`` to do so (and is then answered with ``Connection: close``).
+        The others are answered with ``Connection: close`` and closed after that response. Closing a
+        connection the client has just sent a request on would reset that request, so an idle one
+        gets a moment first (a connection accepted moments ago has not sent its first request yet).
         """
         for conn in list(self.connections):
-            if conn.exchange is None and conn.state == _HEAD and not conn.head_started:
-                if conn.served or now - conn.opened_at > _FRESH_GRACE_S:
-                    conn.close()
+            if conn.idle_for(now) >= _DRAIN_IDLE_S:
+                conn.close()
 
-    def has_fresh_connections(self, now: float) -> bool:
-        return any(not conn.served and now - conn.opened_at <= _FRESH_GRACE_S for conn in self.connections)
+    async def cut_remaining(self) -> None:
+        """The graceful deadline passed: event streams end with an error event, everything else is cut."""
+        ending = []
+        for conn in list(self.connections):
+            exchange = conn.exchange
+            if exchange is not None and exchange.end_stream_for_shutdown():
+                ending.append(conn)
+            else:
+                conn.close(abort=True)
+        # The process exits next: give the ended streams' last bytes a moment to leave (kernel buffers
+        # are sent after exit; only what is still queued in the event loop would be lost).
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _FLUSH_S
+        while any(conn.transport.get_write_buffer_size() for conn in ending) and loop.time() < deadline:
+            await asyncio.sleep(0.02)
 
 
 class Exchange:
@@ -94,7 +128,7 @@ class Exchange:
     __slots__ = (
         "conn", "method", "target", "version", "headers", "body", "t_start", "started", "finished",
         "close_after", "on_client_lost", "on_pause_writing", "on_resume_writing", "peer", "t_first_byte",
-        "bytes_out",
+        "bytes_out", "response_headers",
     )
 
     def __init__(
@@ -135,8 +169,10 @@ class Exchange:
         self.started = True
         self.t_first_byte = _perf()
         conn = self.conn
-        close = conn.server.draining or self.close_after
+        # The last response of a connection: asked for, draining, or the per-connection request cap.
+        close = self.close_after or conn.server.draining or conn.served + 1 >= conn.settings.max_requests
         conn.pending.append(conn.codec.response_head(status, headers, content_length, close))
+        self.response_headers = headers  # as sent, framing included (read only at shutdown)
 
     def write(self, data: bytes) -> None:
         if data and not self.finished:
@@ -183,6 +219,24 @@ class Exchange:
             self.close_after = True
         self.respond(reply.status, headers, reply.body())
 
+    def end_stream_for_shutdown(self) -> bool:
+        """End an unfinished event stream with the ``gateway_shutdown`` error event and a proper last
+        chunk; False (nothing done) for anything else, which can only be cut."""
+        if self.finished or not self.started:
+            return False
+        content_type = None
+        for name, value in self.response_headers:
+            if name == b"content-length":
+                return False  # a length-framed body cannot take an extra event
+            if name == b"content-type":
+                content_type = value
+        if not is_event_stream(content_type):
+            return False
+        self.close_after = True  # the connection closes after this last chunk
+        self.write(_SHUTDOWN_EVENT)
+        self.end()
+        return True
+
     def abort(self) -> None:
         """Drop the connection mid-response: the client sees truncated framing, never a false end."""
         if not self.finished:
@@ -195,7 +249,7 @@ class ServerConnection(asyncio.Protocol):
     __slots__ = (
         "server", "settings", "transport", "codec", "state", "exchange", "peer", "_timer", "_deadline",
         "_on_deadline", "_head_bytes", "_t_head", "_body", "_body_len", "_decoder", "_framing", "_request",
-        "_reading_paused", "writing_paused", "_loop", "pending", "served", "opened_at", "_eof",
+        "_reading_paused", "writing_paused", "_loop", "pending", "served", "_eof",
     )
 
     def __init__(self, server: ServerState) -> None:
@@ -221,7 +275,6 @@ class ServerConnection(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
         self.pending: list[bytes] = []
         self.served = 0
-        self.opened_at = self._loop.time()
         self._eof = False
 
     # -- transport callbacks -------------------------------------------------------------
@@ -379,7 +432,6 @@ class ServerConnection(asyncio.Protocol):
         self.state = _HANDLING
         self._deadline = _INF
         self.exchange = exchange
-        self.server.in_flight += 1
         self._loop.create_task(self._run(exchange))
 
     async def _run(self, exchange: Exchange) -> None:
@@ -404,18 +456,22 @@ class ServerConnection(asyncio.Protocol):
                 self.transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
             pending.clear()
 
-    @property
-    def head_started(self) -> bool:
-        return self._head_bytes > 0
+    def idle_for(self, now: float) -> float:
+        """Seconds this connection has waited for a request without receiving a byte of one; -1 when busy."""
+        if self.state != _HEAD or self._head_bytes or self._on_deadline != _ON_IDLE:
+            return -1.0
+        # The idle deadline was set when the wait began (at open, or after the last response), so that
+        # moment is the deadline minus its timeout: no per-request bookkeeping for a drain-only question.
+        settings = self.settings
+        return now - self._deadline + (settings.keepalive_idle_s if self.served else settings.header_read_s)
 
     def finish_exchange(self, exchange: Exchange, aborted: bool = False) -> None:
-        self.server.in_flight -= 1
         self.served += 1
         self.exchange = None
         if self.state == _CLOSED:
             return
         parser = self.codec
-        if aborted or exchange.close_after or parser.must_close or self.server.draining:
+        if aborted or exchange.close_after or parser.must_close:
             self.close(abort=aborted)
             return
         parser.next_cycle()

@@ -10,10 +10,12 @@ Then one asyncio loop does all the work:
   ``loop.add_reader``; that is how readiness, serving revisions and heartbeats are known;
 - the admin HTTP listener (gateway/admin/) runs on the same loop.
 
-Generations: every config reload that needs new workers forks a new generation next to the old one
-(``SO_REUSEPORT`` sockets overlap, so no connection is refused), waits until all of it reports
-``ready``, then retires the old one with SIGTERM (drain) and SIGKILL after ``graceful_shutdown``.
-Shared-memory rows are allocated for two full generations so both fit during the swap.
+Generations: every config reload that needs new workers forks a new generation next to the old one,
+waits until all of it reports ``ready``, then retires the old one with SIGTERM (drain) and SIGKILL
+after ``graceful_shutdown``. Shared-memory rows are allocated for two full generations so both fit
+during the swap. The supervisor binds the data-plane ``SO_REUSEPORT`` sockets, one per worker
+position, and each generation's worker at a position inherits the same one, so neither a reload nor a
+crashed worker's replacement closes a listener (closing one resets its accept queue).
 
 The supervisor does no request work and never imports the data plane: children are forked into
 entry points that import their code only once they run (children.py). This package itself exports
@@ -27,6 +29,7 @@ Modules, each one concern, imports flowing downward (top to bottom here):
     reload          ``GenerationSwap``: the running config, SIGHUP by generation swap
     readiness       ``Readiness``: what workers reported, /readyz, sd_notify and the watchdog
     worker_set      ``WorkerSet``: forking, status pipes, reaping, backoff, retiring, the prober
+    listeners       the listening sockets by (listen address, worker position)
     observability   worker counters, admin sources, the supervisor's metric families
     children        the child side of fork and the default entry points
     quota_backend   the embedded Valkey and the quota URL

@@ -45,6 +45,7 @@ from gateway.supervisor.startup import (
     RunOverrides,
     StartupError,
     bind_admin_socket,
+    bind_error,
     check_listen_address,
 )
 from gateway.supervisor.worker_set import WorkerSet
@@ -163,6 +164,11 @@ class Arbiter:
         for sig, action in SIGNAL_ACTIONS.items():
             self._loop.add_signal_handler(sig, self._events.put_nowait, action)
         self._compose()
+        config = self._start_config
+        try:
+            self._workers.prepare_listeners(config.listen, self._workers.target)
+        except OSError as exc:
+            raise bind_error("listen", config.listen, exc) from None
         actions: dict[str, Callable[[], None]] = {
             "reap": _nothing,  # _tick reaps after every action
             "wake": _nothing,  # _tick runs after every action
@@ -176,7 +182,6 @@ class Arbiter:
         }
         await self._admin.start(admin_sock)
         self._overlay_feed.start()
-        config = self._start_config
         log.info(
             "supervisor pid %d: listen %s, admin %s, %d workers",
             os.getpid(), config.listen, config.admin.listen, self._workers.target,
@@ -227,9 +232,7 @@ class Arbiter:
             return
         if self._swap.pending_worker_died(child, status):
             return
-        fatal = self._workers.replace_later(
-            child, status, now, ever_ready=self._readiness.ever_ready, listen=self._swap.config.listen,
-        )
+        fatal = self._workers.replace_later(child, status, now, ever_ready=self._readiness.ever_ready)
         if fatal is not None:
             self._fail(fatal)
 
@@ -245,7 +248,9 @@ class Arbiter:
             case Draining():  # the worker may decide to drain on its own
                 self._workers.draining(child, now, self._swap.config.timeouts.graceful_shutdown)
 
-    def _context_for(self, config: Config, slot: int, generation: int, status_fd: int) -> WorkerContext:
+    def _context_for(
+        self, config: Config, slot: int, generation: int, status_fd: int, listen_fd: int | None,
+    ) -> WorkerContext:
         """The context a child of ``config`` is forked with."""
         unlabelled = self._clusters.register(cluster.name for cluster in config.clusters)
         if unlabelled:
@@ -253,6 +258,7 @@ class Arbiter:
                         "most %d cluster names until it restarts", ", ".join(unlabelled), len(self._clusters.names))
         return WorkerContext(
             config=config, slot=slot, generation=generation, segment=self._segment, status_fd=status_fd,
+            listen_fd=listen_fd,
             quota_url=quota_url_for(config, self._quota_backend),
             affinity_region=AFFINITY_REGION, affinity_capacity=self._affinity_capacity,
             metrics_region=METRICS_REGION, metric_clusters=self._clusters.names,

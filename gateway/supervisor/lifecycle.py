@@ -98,6 +98,8 @@ class Child:
     last_heartbeat: float | None = None
     retiring: bool = False
     kill_at: float | None = None
+    # A worker's listening socket: (listen address, position in its generation); None for the prober.
+    listener: tuple[str, int] | None = None
 
     def heartbeat_age(self, now: float) -> float:
         return now - (self.last_heartbeat if self.last_heartbeat is not None else self.started_at)

@@ -1,8 +1,9 @@
 """Reload (SIGHUP) by generation swap.
 
-Every config reload that needs new workers forks a new generation next to the old one
-(``SO_REUSEPORT`` sockets overlap, so no connection is refused), waits until all of it reports
-``ready``, then retires the old one with SIGTERM (drain) and SIGKILL after ``graceful_shutdown``. A
+Every config reload that needs new workers forks a new generation next to the old one, waits until
+all of it reports ``ready``, then retires the old one with SIGTERM (drain) and SIGKILL after
+``graceful_shutdown``. The new worker at each position inherits the old one's listening socket
+(listeners.py), so no listener closes and no connection waiting to be accepted is refused or reset. A
 reload that changes nothing a worker cares about only forwards SIGHUP so the workers re-read the
 overlay. An invalid config, a taken port or too little shared memory keeps the running config.
 
@@ -22,7 +23,6 @@ from gateway.admin.server import AdminServer
 from gateway.check import validate_deployment
 from gateway.config import Config, ConfigError, load_config
 from gateway.host_segment import endpoint_ids
-from gateway.process_protocol import EXIT_CANNOT_BIND
 from gateway.supervisor.children import describe_exit
 from gateway.supervisor.generations import ReloadPlan, SwapStep, plan_reload, swap_step
 from gateway.supervisor.lifecycle import Child, PendingGeneration, in_background
@@ -33,9 +33,10 @@ from gateway.supervisor.startup import (
     RunOverrides,
     StartupError,
     bind_admin_socket,
+    bind_error,
     check_listen_address,
 )
-from gateway.supervisor.worker_set import WorkerSet, exit_code
+from gateway.supervisor.worker_set import WorkerSet
 from shm.segment import Segment
 
 log = logging.getLogger("gridgate.supervisor")
@@ -120,6 +121,10 @@ class GenerationSwap:
         try:
             if plan.listen_moved:
                 check_listen_address(new.listen)
+            try:
+                self._workers.prepare_listeners(new.listen, plan.workers)
+            except OSError as exc:
+                raise bind_error("listen", new.listen, exc) from None
             quota_url_for(new, self._quota_backend)
             # Both generations' endpoints keep slots while both run; the old ones are freed afterwards.
             self._segment.directory.assign(endpoint_ids(self.config, new))
@@ -156,10 +161,7 @@ class GenerationSwap:
         pending = self.pending
         if pending is None or child.generation != pending.generation:
             return False
-        if exit_code(status) == EXIT_CANNOT_BIND:
-            self._abandon(f"listen: cannot bind {pending.config.listen}: address already in use")
-        else:
-            self._abandon(f"new worker pid {child.pid} {describe_exit(status)} before it was ready")
+        self._abandon(f"new worker pid {child.pid} {describe_exit(status)} before it was ready")
         return True
 
     def release_old_endpoint_slots(self) -> None:

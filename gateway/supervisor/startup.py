@@ -41,7 +41,7 @@ def _resolve(address: str) -> tuple[int, tuple[Any, ...]]:
     return family, sockaddr
 
 
-def _bind_error(field_name: str, address: str, exc: OSError) -> StartupError:
+def bind_error(field_name: str, address: str, exc: OSError) -> StartupError:
     reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
     return StartupError(f"{field_name}: cannot bind {address}: {reason}")
 
@@ -58,7 +58,7 @@ def check_listen_address(address: str) -> None:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind(sockaddr)
     except OSError as exc:
-        raise _bind_error("listen", address, exc) from None
+        raise bind_error("listen", address, exc) from None
 
 
 def bind_admin_socket(address: str) -> socket.socket:
@@ -66,7 +66,7 @@ def bind_admin_socket(address: str) -> socket.socket:
         family, sockaddr = _resolve(address)
         sock = socket.socket(family, socket.SOCK_STREAM)
     except OSError as exc:
-        raise _bind_error("admin.listen", address, exc) from None
+        raise bind_error("admin.listen", address, exc) from None
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(sockaddr)
@@ -74,6 +74,6 @@ def bind_admin_socket(address: str) -> socket.socket:
         sock.setblocking(False)
     except OSError as exc:
         sock.close()
-        raise _bind_error("admin.listen", address, exc) from None
+        raise bind_error("admin.listen", address, exc) from None
     return sock
 

@@ -1,7 +1,8 @@
 """The supervisor's children: forking, status pipes, reaping, replacing with backoff, retiring.
 
-``WorkerSet`` owns the child records (pid -> ``Child``), the shared-memory row pool, the crash
-backoffs, the worker count (SIGTTIN/SIGTTOU) and the number of the generation that serves. It does
+``WorkerSet`` owns the child records (pid -> ``Child``), the shared-memory row pool, the listening
+sockets (listeners.py), the crash backoffs, the worker count (SIGTTIN/SIGTTOU) and the number of the
+generation that serves. It does
 not decide what a status message means or what a reload is: messages go to the ``on_status``
 callback, and a child of a pending generation that dies is reported back by ``reap``.
 """
@@ -16,9 +17,10 @@ import time
 from collections.abc import Callable
 
 from gateway.config import Config
-from gateway.process_protocol import EXIT_CANNOT_BIND, StatusMessage, WorkerContext
+from gateway.process_protocol import StatusMessage, WorkerContext
 from gateway.supervisor.children import describe_exit, fork_child, needs_health_process
 from gateway.supervisor.lifecycle import Child, CrashBackoff, SlotPool, StartupGuard
+from gateway.supervisor.listeners import ListenerKey, ListenerSockets, lowest_free_position
 from gateway.supervisor.observability import WorkerCounters
 from gateway.supervisor.policy import BOOT_TIMEOUT, HUNG_AFTER, KILL_GRACE
 from shm.segment import Segment
@@ -26,8 +28,8 @@ from shm.segment import Segment
 log = logging.getLogger("gridgate.supervisor")
 
 Entry = Callable[[WorkerContext], object]
-# (config, slot, generation, status_fd) -> the context a child is forked with.
-ContextFactory = Callable[[Config, int, int, int], WorkerContext]
+# (config, slot, generation, status_fd, listen_fd) -> the context a child is forked with.
+ContextFactory = Callable[[Config, int, int, int, int | None], WorkerContext]
 
 
 class WorkerSet:
@@ -58,6 +60,7 @@ class WorkerSet:
         self._inherited_fds = inherited_fds
         self._children: dict[int, Child] = {}
         self._slots = SlotPool(rows)
+        self._listeners = ListenerSockets()
         self.target = target
         self.max_workers = max_workers
         self.generation = 1  # the generation that serves
@@ -128,25 +131,42 @@ class WorkerSet:
 
     # ------------------------------------------------------------------ forking
 
-    def spawn_worker(self, config: Config, generation: int) -> None:
+    def prepare_listeners(self, address: str, workers: int) -> None:
+        """Bind the sockets a generation of ``workers`` on ``address`` serves on; OSError if one cannot be."""
+        for position in range(workers):
+            self._listeners.acquire((address, position))
+
+    def spawn_worker(self, config: Config, generation: int) -> bool:
+        """Fork a worker of ``generation`` at its lowest free position; False when it has to wait."""
         if not self._slots.free:
             # Every row is held by a worker still draining: the maintenance tick retries once one exits.
             log.warning("no free shared-memory worker row (workers still draining); worker start postponed")
-            return
-        self._spawn("worker", self._worker_entry, config, generation)
+            return False
+        taken = (c.listener[1] for c in self.booting(generation) if c.listener is not None)
+        listener = (config.listen, lowest_free_position(taken))
+        try:
+            sock = self._listeners.acquire(listener)
+        except OSError as exc:
+            log.error("listen: cannot bind %s: %s; worker start postponed", config.listen, exc.strerror or exc)
+            return False
+        self._spawn("worker", self._worker_entry, config, generation, listener, sock.fileno())
+        return True
 
-    def _spawn(self, role: str, entry: Entry, config: Config, generation: int) -> None:
+    def _spawn(self, role: str, entry: Entry, config: Config, generation: int,
+               listener: ListenerKey | None = None, listen_fd: int | None = None) -> None:
         slot = self._slots.acquire() if role == "worker" else -1  # the health process has no worker row
         read_fd, write_fd = os.pipe()
         os.set_blocking(read_fd, False)
         os.set_blocking(write_fd, False)  # a stuck supervisor must never block a worker: it drops instead
-        ctx = self._make_context(config, slot, generation, write_fd)
+        ctx = self._make_context(config, slot, generation, write_fd, listen_fd)
         if slot >= 0:
             self._segment.reset_worker_row(slot)
             self._segment.claim_worker_row(slot)  # readers sum rows up to the highest claimed one
-        pid = fork_child(entry, ctx, close_in_child=[read_fd, *self._inherited_fds()])
+        # A child keeps only its own listening socket: a retired one must close when its worker exits.
+        close_in_child = [read_fd, *self._inherited_fds(), *self._listeners.fds(but=listener)]
+        pid = fork_child(entry, ctx, close_in_child=close_in_child)
         os.close(write_fd)
-        child = Child(role, pid, slot, generation, read_fd, time.monotonic())
+        child = Child(role, pid, slot, generation, read_fd, time.monotonic(), listener=listener)
         self._children[pid] = child
         self._loop.add_reader(read_fd, self._read_status, child)
         log.info("%s pid %d started (slot %d, generation %d)", role, pid, slot, generation)
@@ -195,7 +215,7 @@ class WorkerSet:
             self._counters.retire(child.slot)
             self._slots.release(child.slot)
 
-    def replace_later(self, child: Child, status: int, now: float, *, ever_ready: bool, listen: str) -> str | None:
+    def replace_later(self, child: Child, status: int, now: float, *, ever_ready: bool) -> str | None:
         """Schedule the replacement of a child that died unasked; returns why to give up, if so."""
         lifetime = now - child.started_at
         how = describe_exit(status)
@@ -205,8 +225,6 @@ class WorkerSet:
             log.warning("health pid %d %s; restarting in %.1fs", child.pid, how, delay)
             return None
         self.restarts_total += 1
-        if exit_code(status) == EXIT_CANNOT_BIND and not ever_ready:
-            return f"listen: cannot bind {listen}: address already in use"
         if not ever_ready and not child.ready and self._startup.boot_failed():
             return f"workers fail to start ({how}, {self._startup.failures} times); see the log above"
         delay = self._worker_backoff.next_delay(lifetime)
@@ -220,7 +238,8 @@ class WorkerSet:
         missing = self.target - len(serving)
         if missing > 0 and now >= self._next_worker_spawn:
             for _ in range(missing):
-                self.spawn_worker(config, self.generation)
+                if not self.spawn_worker(config, self.generation):
+                    break
         elif missing < 0:
             # Retire the youngest: the older ones have warm pools and caches.
             for child in sorted(serving, key=lambda c: c.started_at)[missing:]:
@@ -238,6 +257,8 @@ class WorkerSet:
         prober_alive = any(c.role == "health" for c in self._children.values())
         if needs_health_process(config) and not prober_alive and now >= self._next_health_spawn:
             self._spawn("health", self._health_entry, config, self.generation)
+        # A crashed worker's socket waits for its replacement only when that starts at once.
+        self._release_listeners()
 
     # ------------------------------------------------------------------ generations
 
@@ -262,11 +283,18 @@ class WorkerSet:
         child.kill_at = deadline if child.kill_at is None else min(child.kill_at, deadline)
         if not child.retiring:
             child.retiring = True
+            # Before the signal: when no serving worker takes over its socket, the worker's own close
+            # (as it starts draining) must be the last one, before its clients reconnect elsewhere.
+            self._release_listeners()
             _signal(child, signal.SIGTERM)
 
     def retire_all(self, grace: float) -> None:
         for child in self.all():
             self.retire(child, grace)
+
+    def _release_listeners(self) -> None:
+        """Close the sockets no serving or booting worker holds (a draining worker closes its own copy)."""
+        self._listeners.keep_only(c.listener for c in self.workers() if not c.retiring and c.listener is not None)
 
     def draining(self, child: Child, now: float, grace: float) -> None:
         """A worker said it drains (it may decide so on its own): it is no longer serving."""
@@ -294,10 +322,6 @@ class WorkerSet:
         """Forward a signal to the serving workers and the prober (SIGHUP: re-read the overlay)."""
         for child in self.serving() + self.health():
             _signal(child, sig)
-
-
-def exit_code(status: int) -> int | None:
-    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
 
 
 def _signal(child: Child, sig: signal.Signals) -> None:

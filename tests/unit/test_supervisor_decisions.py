@@ -9,9 +9,11 @@ from gateway.config import ConfigError, parse_config
 from gateway.metrics import COUNTERS, ClusterRegistry, WorkerMetrics, render_prometheus
 from gateway.supervisor.generations import SwapStep, plan_reload, swap_step
 from gateway.supervisor.lifecycle import Child, PendingGeneration, SlotPool, StartupGuard, max_workers_for
+from gateway.supervisor.listeners import ListenerSockets, lowest_free_position
 from gateway.supervisor.policy import HEARTBEAT_STALE_AFTER
 from gateway.supervisor.readiness import readiness_of, serving_revision
 from shm.segment import MAX_WORKERS_LIMIT
+from tests.harness import free_port
 
 BASE = 'clusters: [{name: a, endpoints: ["127.0.0.1:9001"]}]\nrouting: {overlay_file: o.json}\nworkers: 2\n'
 
@@ -39,6 +41,25 @@ def test_slot_pool_reuses_released_rows_lowest_first_and_ignores_foreign_ones():
     pool.release(99)
     assert pool.free == 2
     assert [pool.acquire(), pool.acquire()] == [0, 2]
+
+
+def test_a_worker_takes_the_lowest_free_position_of_its_generation():
+    assert lowest_free_position([]) == 0
+    assert lowest_free_position([0, 1]) == 2
+    assert lowest_free_position([2, 0]) == 1  # a crashed worker's replacement takes its position back
+
+
+def test_listener_sockets_are_bound_once_per_key_and_closed_when_no_longer_held():
+    address = f"127.0.0.1:{free_port()}"
+    sockets = ListenerSockets()
+    first = sockets.acquire((address, 0))
+    assert sockets.acquire((address, 0)) is first
+    second = sockets.acquire((address, 1))  # SO_REUSEPORT: one address, a socket per position
+    assert sockets.fds(but=(address, 0)) == [second.fileno()]
+    sockets.keep_only([(address, 0)])
+    assert sockets.keys() == [(address, 0)] and second.fileno() == -1 and first.fileno() >= 0
+    sockets.keep_only([])
+    assert first.fileno() == -1
 
 
 def test_shared_memory_is_sized_for_sigttin_headroom_within_the_segment_limit():
