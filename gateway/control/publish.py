@@ -155,9 +155,12 @@ class PublishResult:
 
 def _signature(path: str) -> _Signature | None:
     try:
-        st = os.stat(path)
+        return _signature_of(os.stat(path))
     except OSError:
         return None
+
+
+def _signature_of(st: os.stat_result) -> _Signature:
     return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
 
@@ -210,8 +213,9 @@ class Publisher:
             return None
         generation = self.on_disk.generation + 1
         data, revision = render_checked(self.spec, document, generation, now)
-        write_atomically(self.path, data)
+        written = write_atomically(self.path, data)
         previous = self.on_disk.revision
         self.on_disk = Published(revision, generation, envelope_identity(self.spec), now)
-        self.signature = _signature(self.path)
+        # The file we wrote, even if someone removed or replaced it right after the rename.
+        self.signature = _signature_of(written)
         return PublishResult(revision, generation, previous)

@@ -46,8 +46,9 @@ def read_overlay_bytes(path: str | os.PathLike[str], max_bytes: int = MAX_OVERLA
     return check_overlay_bytes(data, os.fspath(path), max_bytes)
 
 
-def write_atomically(path: str, data: bytes, mode: int = FILE_MODE) -> None:
-    """Temp file in the same directory, fsync, rename over ``path``, fsync the directory."""
+def write_atomically(path: str, data: bytes, mode: int = FILE_MODE) -> os.stat_result:
+    """Temp file in the same directory, fsync, rename over ``path``, fsync the directory. Returns the
+    written file's stat (taken before the rename, so it is ours even if the file is replaced at once)."""
     directory = os.path.dirname(os.path.abspath(path))
     fd, temp_path = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
     try:
@@ -56,6 +57,7 @@ def write_atomically(path: str, data: bytes, mode: int = FILE_MODE) -> None:
             handle.flush()
             os.fchmod(handle.fileno(), mode)
             os.fsync(handle.fileno())
+            written = os.fstat(handle.fileno())
         os.replace(temp_path, path)
     except BaseException:
         try:
@@ -68,6 +70,7 @@ def write_atomically(path: str, data: bytes, mode: int = FILE_MODE) -> None:
         os.fsync(dir_fd)  # makes the rename itself durable
     finally:
         os.close(dir_fd)
+    return written
 
 
 
