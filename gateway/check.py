@@ -20,6 +20,7 @@ from collections.abc import Mapping
 
 from gateway.config import Config, ConfigError, ServerTls
 from gateway.http.tls import load_problem, server_tls_context
+from gateway.net import client_tls_context
 from gateway.overlay.contract import OverlayRejected
 from gateway.overlay.snapshot import Snapshot
 from gateway.overlay.valkey_source import source_problems
@@ -132,7 +133,7 @@ def upstream_ca_problems(config: Config) -> list[str]:
         if isinstance(cluster.tls, bool) or cluster.tls.ca_file is None:
             continue
         try:
-            ssl.create_default_context(cafile=cluster.tls.ca_file)
+            client_tls_context(ca_file=cluster.tls.ca_file)
         except (OSError, ssl.SSLError) as exc:
             reason = getattr(exc, "reason", None) or exc.strerror or exc
             problems.append(f"clusters[{index}].tls.ca_file: cannot load {cluster.tls.ca_file}: {reason}")

@@ -14,7 +14,8 @@ import sys
 from collections.abc import Sequence
 from importlib import metadata
 
-from gateway.config import Config, ConfigError, load_config, parse_host_port
+from gateway.config import Config, ConfigError, load_config
+from gateway.net import parse_host_port
 
 EXIT_OK = 0
 EXIT_INVALID = 1

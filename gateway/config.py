@@ -15,16 +15,8 @@ from typing import Any, Literal
 import msgspec
 
 from gateway.auth import is_key_digest
+from gateway.net import parse_host_port
 from gateway.yaml_config import ConfigError, Seconds, convert_yaml, read_text
-
-
-def parse_host_port(text: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port`` -> (host, port); ValueError when malformed."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"invalid address {text!r}, expected host:port")
-    return host.strip("[]"), int(port)
-
 
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 

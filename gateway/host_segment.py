@@ -6,8 +6,8 @@ profiling). Capacities are fixed for the segment's life, so they leave room for 
 
 from __future__ import annotations
 
+from gateway.cluster.spec import all_endpoint_ids, cluster_specs_from_config
 from gateway.config import Config
-from gateway.endpoints import all_endpoint_ids, cluster_specs_from_config
 from gateway.metrics import COUNTERS, MAX_CLUSTERS
 from shm.affinity import AffinityTable
 from shm.metrics import MetricsTable

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import socket
 
-from gateway.config import parse_host_port
+from gateway.net import parse_host_port
 
 BACKLOG = 2048
 

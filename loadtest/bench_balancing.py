@@ -11,25 +11,28 @@ from __future__ import annotations
 import argparse
 import time
 
-from gateway.balancing import EndpointRef, build_balancer
-from gateway.endpoints import SharedEndpointState
-from shm.counters import Outcome, WorkerRow
+from gateway.cluster.balancers import build_balancer
+from gateway.cluster.outcome import Outcome
+from gateway.cluster.shared_view import SharedEndpointState
+from shm.counters import WorkerRow
 from shm.segment import Segment
 
-STRATEGIES: list[tuple[str, object]] = [
-    ("round_robin", "round_robin"),
-    ("least_connections", "least_connections"),
-    ("p2c", "p2c"),
-    ("random", "random"),
-    ("consistent_hash", {"consistent_hash": {"header": "X-User-Id"}}),
-    ("maglev", {"maglev": {"header": "X-User-Id"}}),
-]
+STRATEGIES = ["round_robin", "least_connections", "p2c", "random", "consistent_hash", "maglev"]
 
 
-def _segment(endpoints: int) -> tuple[Segment, list[EndpointRef], WorkerRow]:
+class BenchEndpoint:
+    """Shaped like the worker's endpoint objects (slotted, identity hash): what balancers hand back."""
+
+    __slots__ = ("slot", "address", "weight")
+
+    def __init__(self, slot: int, address: str, weight: int) -> None:
+        self.slot, self.address, self.weight = slot, address, weight
+
+
+def _segment(endpoints: int) -> tuple[Segment, list[BenchEndpoint], WorkerRow]:
     segment = Segment.create(max_workers=4, max_endpoints=max(64, endpoints))
     slots = segment.directory.assign(f"bench/10.0.{i // 250}.{i % 250}:8000" for i in range(endpoints))
-    refs = [EndpointRef(slot, eid.split("/", 1)[1], 1 + slot % 3) for eid, slot in slots.items()]
+    refs = [BenchEndpoint(slot, eid.split("/", 1)[1], 1 + slot % 3) for eid, slot in slots.items()]
     rows = [WorkerRow(segment, w) for w in range(2)]
     for w, row in enumerate(rows):
         segment.claim_worker_row(w)
@@ -39,10 +42,10 @@ def _segment(endpoints: int) -> tuple[Segment, list[EndpointRef], WorkerRow]:
     return segment, refs, rows[0]
 
 
-def bench_pick(spec: object, endpoints: int, picks: int, repeats: int = 3) -> float:
+def bench_pick(strategy: str, endpoints: int, picks: int, repeats: int = 3) -> float:
     """Best of ``repeats`` runs: the figure least disturbed by other load on the machine."""
     segment, refs, _ = _segment(endpoints)
-    balancer = build_balancer(spec, refs, SharedEndpointState(segment, 0))  # type: ignore[arg-type]
+    balancer = build_balancer(strategy, refs, SharedEndpointState(segment, 0), hash_header="X-User-Id")
     keys = [b"user-%d" % i for i in range(1024)]
     pick = balancer.pick
     for key in keys:  # warm up (first pick builds the cached candidates)
@@ -78,8 +81,8 @@ def main() -> None:
     args = parser.parse_args()
     sizes = (4, 16, 64)
     print(f"{'strategy':<20}" + "".join(f"{n:>10} ep" for n in sizes) + "   (us/pick, 2 worker rows)")
-    for name, spec in STRATEGIES:
-        figures = [bench_pick(spec, n, args.picks) for n in sizes]
+    for name in STRATEGIES:
+        figures = [bench_pick(name, n, args.picks) for n in sizes]
         print(f"{name:<20}" + "".join(f"{f:>13.2f}" for f in figures))
     for label, value in bench_hot_path(args.picks).items():
         print(f"{label:<30}{value:>8.0f}")

@@ -36,27 +36,6 @@ HEARTBEAT, STATUS, PID = 0, 1, 2
 HEALTH_GENERATION, WRITER_PID, WRITER_HEARTBEAT = 0, 1, 2
 
 
-class Outcome(IntEnum):
-    """How one upstream attempt ended, as the outlier detector counts it."""
-
-    OK = 0
-    CONNECT = 1
-    RESET = 2
-    TIMEOUT = 3
-    HTTP_5XX = 4
-
-    @classmethod
-    def from_reason(cls, reason: str | None) -> Outcome:
-        """Map the upstream pool's failure reasons (``None`` = success) onto outcomes."""
-        return _REASONS.get(reason, cls.RESET)
-
-
-# A malformed upstream response ("protocol") breaks the exchange like a reset does.
-_REASONS = {None: Outcome.OK, "connect": Outcome.CONNECT, "reset": Outcome.RESET, "protocol": Outcome.RESET,
-            "timeout": Outcome.TIMEOUT, "5xx": Outcome.HTTP_5XX}
-_FAILURE_WORD = (0, FAIL_CONNECT, FAIL_RESET, FAIL_TIMEOUT, FAIL_5XX)
-
-
 class WorkerStatus(IntEnum):
     FREE = 0  # a zeroed row
     RUNNING = 2
@@ -84,26 +63,14 @@ class WorkerRow:
     def dec_inflight(self, slot: int) -> None:
         self._q[slot << 3] -= 1
 
-    def try_acquire(self, slot: int, limit: int) -> bool:
-        """Count one more in-flight request unless this worker already has ``limit`` on the slot."""
-        q = self._q
-        i = slot << 3
-        if q[i] >= limit:
-            return False
-        q[i] += 1
-        return True
-
-    def inflight(self, slot: int) -> int:
-        """This worker's own in-flight count on ``slot``."""
-        return self._q[slot << 3]
-
     # -- outcomes (passive health) -------------------------------------------------------------
-    def record(self, slot: int, outcome: int) -> None:
+    def record(self, slot: int, failure_word: int) -> None:
+        """Count one finished attempt: ``failure_word`` is 0 for a success, else the FAIL_* word to increment."""
         q = self._q
         base = slot << 3
         q[base + REQUESTS] += 1
-        if outcome:
-            q[base + _FAILURE_WORD[outcome]] += 1
+        if failure_word:
+            q[base + failure_word] += 1
             q[base + CONSECUTIVE] += 1
         else:
             q[base + CONSECUTIVE] = 0
@@ -151,10 +118,6 @@ class RowsReader:
         first = self._layout.slot_line_word(worker, 0)
         return self._words[first : first + self._layout.max_endpoints * SLOT_LINE_WORDS].tolist()
 
-    def inflight_total(self, slot: int) -> int:
-        w = self._words
-        return sum(w[self._layout.slot_line_word(r, slot) + INFLIGHT] for r in range(self.rows_in_use()))
-
     def totals(self, slot: int) -> list[int]:
         """The slot line summed over every row in use (consecutive is summed too)."""
         acc = [0] * SLOT_LINE_WORDS
@@ -165,19 +128,13 @@ class RowsReader:
         return acc
 
 
-class OutlierState(IntEnum):
-    CLOSED = 0
-    EJECTED = 1
-    HALF_OPEN = 2
-
-
 @dataclass(frozen=True, slots=True)
 class HealthRecord:
     """One endpoint slot's published verdict (field order = record words 1..11)."""
 
     slot_generation: int = 0
     active_down: int = 0
-    outlier_state: int = OutlierState.CLOSED
+    outlier_state: int = 0  # gateway.cluster.outlier.OutlierState; 0 = closed
     ejected_until_ns: int = 0
     ejections: int = 0
     ramp_permille: int = 0  # 0 = full weight; 1..999 = slow-start share of the configured weight
@@ -186,10 +143,6 @@ class HealthRecord:
     consecutive_failures: int = 0
     total_ejections: int = 0
     changed_at_ns: int = 0
-
-    @property
-    def routable(self) -> bool:
-        return not self.active_down and self.outlier_state == OutlierState.CLOSED
 
 
 _RECORD_FIELDS = len(HealthRecord.__dataclass_fields__)

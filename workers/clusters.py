@@ -8,19 +8,17 @@ Built once per worker from the config; the request path asks ``ClusterManager.ge
 from __future__ import annotations
 
 import os
-import ssl
 
-from gateway.balancing import DOWN, hash_key
-from gateway.config import Cluster, Config, Tls, parse_host_port
-from gateway.endpoints import (
-    ClusterSpec,
-    SharedEndpointState,
-    build_cluster_balancer,
-    cluster_refs,
-    cluster_specs_from_config,
-)
+from gateway.cluster.balancers import build_balancer
+from gateway.cluster.balancers.base import DOWN
+from gateway.cluster.balancers.hashing import hash_key
+from gateway.cluster.outcome import Outcome
+from gateway.cluster.shared_view import SharedEndpointState
+from gateway.cluster.spec import ClusterSpec, cluster_specs_from_config
+from gateway.config import Cluster, Config
+from gateway.net import client_tls_context, parse_host_port
 from gateway.request.failures import Failure
-from shm.counters import Outcome, WorkerRow
+from shm.counters import WorkerRow
 from shm.segment import Segment
 from workers.upstream import UpstreamPool
 
@@ -33,18 +31,6 @@ _OUTCOME_OF = {
     Failure.MALFORMED: Outcome.RESET,
     Failure.TIMEOUT: Outcome.TIMEOUT,
 }
-
-
-def client_tls_context(tls: bool | Tls) -> tuple[ssl.SSLContext | None, str | None]:
-    """The upstream TLS context of a cluster: system CAs by default, or the configured CA file."""
-    if tls is False:
-        return None, None
-    options = tls if isinstance(tls, Tls) else Tls()
-    context = ssl.create_default_context(cafile=options.ca_file)
-    if not options.verify:
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-    return context, options.sni
 
 
 def _no_counts() -> list[int]:
@@ -67,8 +53,8 @@ class UpstreamEndpoint:
 class UpstreamCluster:
     """One provider cluster in one worker."""
 
-    __slots__ = ("name", "provider", "provider_hop", "auth_headers", "balancer", "key_header", "hashing", "by_slot",
-                 "_row", "_view", "_reader", "_reader_generation")
+    __slots__ = ("name", "provider", "provider_hop", "auth_headers", "endpoints", "balancer", "pick", "key_header",
+                 "hashing", "_row", "_view", "_reader", "_reader_generation")
 
     def __init__(self, cluster: Cluster, spec: ClusterSpec, provider: int, provider_hop: bool,
                  slot_map: dict[str, int], view: SharedEndpointState, row: WorkerRow, head_wait: float) -> None:
@@ -83,19 +69,25 @@ class UpstreamCluster:
         if cluster.upstream_auth is not None:
             secret = os.environ.get(cluster.upstream_auth.value_env, "")
             self.auth_headers.append((cluster.upstream_auth.header.lower().encode(), b"Bearer " + secret.encode()))
-        self.balancer = build_cluster_balancer(spec, slot_map, view)
-        self.key_header = self.balancer.key_header
-        self.hashing = self.balancer.strategy in ("consistent_hash", "maglev")
-        ssl_context, sni = client_tls_context(cluster.tls)
-        self.by_slot: dict[int, UpstreamEndpoint] = {}
-        for ref in cluster_refs(spec, slot_map):
-            host, port = parse_host_port(ref.address)
+        tls = spec.tls
+        ssl_context = None if tls is None else client_tls_context(ca_file=tls.ca_file, verify=tls.verify)
+        sni = None if tls is None else tls.sni
+        self.endpoints: list[UpstreamEndpoint] = []
+        for endpoint, slot in zip(spec.endpoints, spec.slots(slot_map), strict=True):
+            host, port = parse_host_port(endpoint.address)
             pool = UpstreamPool(
                 host, port, max_connections=cluster.max_connections,
                 connect_timeout=float(cluster.connect_timeout), read_timeout=float(cluster.read_timeout),
                 ssl_context=ssl_context, server_hostname=sni or host, head_wait=head_wait,
             )
-            self.by_slot[ref.slot] = UpstreamEndpoint(ref.slot, ref.address, ref.weight, pool)
+            self.endpoints.append(UpstreamEndpoint(slot, endpoint.address, endpoint.weight, pool))
+        self.balancer = build_balancer(spec.strategy, self.endpoints, view, hash_header=spec.hash_header,
+                                       cluster=spec.name)
+        # ``pick(key, excluded)``: the balancer hands back one of these endpoint objects (or None);
+        # ``excluded`` is None or the endpoints already tried. Bound once: no wrapper call per request.
+        self.pick = self.balancer.pick
+        self.key_header = self.balancer.key_header
+        self.hashing = self.balancer.strategy in ("consistent_hash", "maglev")
 
     def balance_key(self, keys: dict[bytes, bytes] | None, target: bytes) -> bytes | None:
         """The hashing key of a request (hashing strategies only)."""
@@ -104,23 +96,16 @@ class UpstreamCluster:
         header = self.key_header
         return hash_key(keys.get(header) if keys and header else None, target)
 
-    def pick(self, key: bytes | None, excluded: list[UpstreamEndpoint] | None) -> UpstreamEndpoint | None:
-        if excluded is None:
-            ref = self.balancer.pick(key)
-        else:
-            ref = self.balancer.pick(key, {endpoint.slot for endpoint in excluded})
-        return None if ref is None else self.by_slot[ref.slot]
-
     def has_routable_endpoint(self) -> bool:
         """False when every endpoint is unhealthy or ejected (the provider is skipped by selection)."""
         health = self._view.slot_health
-        return any(health(slot)[0] != DOWN for slot in self.by_slot)
+        return any(health(endpoint.slot)[0] != DOWN for endpoint in self.endpoints)
 
     def inflight(self) -> int:
         """Requests in flight to this provider on every worker of the host (least_loaded)."""
         generation = self._view.generation()
         if generation != self._reader_generation:  # rows or health changed: rebuild the cheap reader
-            self._reader = self._view.inflight_reader(list(self.by_slot))
+            self._reader = self._view.inflight_reader([endpoint.slot for endpoint in self.endpoints])
             self._reader_generation = generation
         return sum(self._reader())
 
@@ -140,7 +125,7 @@ class UpstreamCluster:
             self._row.record(endpoint.slot, outcome)
 
     def close(self) -> None:
-        for endpoint in self.by_slot.values():
+        for endpoint in self.endpoints:
             endpoint.pool.close()
 
 

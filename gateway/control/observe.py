@@ -5,8 +5,8 @@ This is the control plane's only network I/O. It returns plain data (one
 :mod:`gateway.control.decide`, and never raises for a provider that misbehaves: an
 unreachable, slow or garbled provider is ``healthy=False`` with an ``error`` saying why.
 
-The HTTP client is deliberately tiny: one ``GET`` per connection with
-``Connection: close``, read to EOF (bounded), ``Content-Length`` or chunked bodies.
+HTTP goes through the one small probe client (gateway.health.probe), shared with
+the gateway's endpoint health checks.
 The metrics parser reads only the gauges it needs, accepting the mock provider's
 names and vLLM's:
 
@@ -19,115 +19,17 @@ names and vLLM's:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
-import ssl
 from collections.abc import Iterable, Sequence
-from urllib.parse import urlsplit
 
 from gateway.control.decide import Observation  # the pure side owns the type it consumes
 from gateway.control.spec import Provider
-
-MAX_RESPONSE_BYTES = 4 * 1024 * 1024  # a metrics page is kilobytes; anything bigger is not one
+from gateway.health.probe import ProbeError, http_get
 
 MOCK_QUEUE_DEPTH = "mock_queue_depth"
 VLLM_QUEUE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 KV_CACHE_GAUGES = ("mock_kv_cache_utilization", "vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc")
 _WANTED = frozenset((MOCK_QUEUE_DEPTH, *VLLM_QUEUE_GAUGES, *KV_CACHE_GAUGES))
-
-
-class ProbeError(Exception):
-    """A failed HTTP exchange; the message is short and goes into logs and observations."""
-
-
-# --------------------------------------------------------------------------- HTTP
-
-
-def _request_bytes(url: str) -> tuple[str, int, ssl.SSLContext | None, bytes]:
-    parts = urlsplit(url)
-    https = parts.scheme == "https"
-    host = parts.hostname or ""
-    port = parts.port or (443 if https else 80)
-    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    authority = f"[{host}]" if ":" in host else host
-    if parts.port is not None:
-        authority += f":{port}"
-    request = (f"GET {target} HTTP/1.1\r\nHost: {authority}\r\nUser-Agent: gridgate-control\r\n"
-               "Accept: */*\r\nConnection: close\r\n\r\n").encode("ascii")
-    return host, port, ssl.create_default_context() if https else None, request
-
-
-def _dechunk(body: bytes) -> bytes:
-    pieces: list[bytes] = []
-    pos = 0
-    while True:
-        line_end = body.find(b"\r\n", pos)
-        if line_end < 0:
-            raise ProbeError("truncated chunked body")
-        try:
-            size = int(body[pos:line_end].split(b";", 1)[0].strip(), 16)
-        except ValueError:
-            raise ProbeError("bad chunk size") from None
-        if size == 0:
-            return b"".join(pieces)
-        start = line_end + 2
-        if len(body) < start + size:
-            raise ProbeError("truncated chunked body")
-        pieces.append(body[start : start + size])
-        pos = start + size + 2
-
-
-def parse_response(data: bytes) -> tuple[int, bytes]:
-    """(status, body) of a complete HTTP/1.1 response read to EOF."""
-    head, sep, body = data.partition(b"\r\n\r\n")
-    if not sep:
-        raise ProbeError("incomplete response head" if data else "empty response")
-    lines = head.split(b"\r\n")
-    status_line = lines[0].split(None, 2)
-    if len(status_line) < 2 or not status_line[0].startswith(b"HTTP/1.") or not status_line[1].isdigit():
-        raise ProbeError("malformed status line")
-    headers: dict[bytes, bytes] = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(b":")
-        headers[name.strip().lower()] = value.strip()
-    if b"chunked" in headers.get(b"transfer-encoding", b"").lower():
-        body = _dechunk(body)
-    elif (length := headers.get(b"content-length")) is not None:
-        if not length.isdigit() or len(body) < int(length):
-            raise ProbeError("truncated body")
-        body = body[: int(length)]
-    return int(status_line[1]), body
-
-
-async def http_get(url: str, timeout_s: float) -> tuple[int, bytes]:
-    """``GET url`` within ``timeout_s`` (connect to EOF); raises :class:`ProbeError`."""
-    host, port, ssl_context, request = _request_bytes(url)
-    try:
-        async with asyncio.timeout(timeout_s):
-            reader, writer = await asyncio.open_connection(
-                host, port, ssl=ssl_context, server_hostname=host if ssl_context else None
-            )
-            try:
-                writer.write(request)
-                await writer.drain()
-                data = bytearray()
-                while chunk := await reader.read(65536):
-                    data += chunk
-                    if len(data) > MAX_RESPONSE_BYTES:
-                        raise ProbeError(f"response larger than {MAX_RESPONSE_BYTES} bytes")
-            finally:
-                writer.close()
-                with contextlib.suppress(OSError, ssl.SSLError):
-                    await writer.wait_closed()
-    except TimeoutError:
-        raise ProbeError(f"timed out after {timeout_s:g}s") from None
-    except ConnectionRefusedError:
-        raise ProbeError("connection refused") from None
-    except ssl.SSLError as exc:
-        raise ProbeError(f"TLS: {exc.reason or exc}") from None
-    except OSError as exc:
-        raise ProbeError(exc.strerror or type(exc).__name__) from None
-    return parse_response(bytes(data))
 
 
 # --------------------------------------------------------------------------- Prometheus text

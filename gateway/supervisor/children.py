@@ -11,8 +11,8 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+from gateway.cluster.spec import cluster_specs_from_config
 from gateway.config import Config
-from gateway.endpoints import cluster_specs_from_config
 from gateway.process_protocol import EXIT_CRASHED, EXIT_OK, WorkerContext
 from gateway.supervisor.policy import SIGNAL_ACTIONS
 
@@ -120,7 +120,7 @@ def needs_health_process(config: Config) -> bool:
 
 
 def _default_health_entry(ctx: WorkerContext) -> None:
-    from gateway.health import health_process_main
+    from gateway.health.writer import health_process_main
 
     health_process_main(cluster_specs_from_config(ctx.config), ctx.segment)
 

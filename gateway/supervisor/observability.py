@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from gateway.admin.quota import QuotaReporter
+from gateway.cluster.report import endpoints_report
+from gateway.cluster.spec import cluster_specs_from_config
 from gateway.config import Config
-from gateway.endpoints import cluster_specs_from_config, endpoints_report
 from gateway.host_segment import METRICS_REGION
 from gateway.metrics import COUNTERS, render_prometheus
 from gateway.supervisor.quota_backend import EmbeddedQuotaBackend, quota_url_for

@@ -12,7 +12,8 @@ from typing import Any
 
 import msgspec
 
-from gateway.config import Config, parse_host_port
+from gateway.config import Config
+from gateway.net import parse_host_port
 
 
 class StartupError(Exception):

@@ -7,20 +7,17 @@ import os
 import signal
 import socket
 import time
+import traceback
 from collections.abc import Callable
 
-from gateway.balancing import EndpointRef, build_balancer
-from gateway.endpoints import (
-    ClusterSpec,
-    EndpointSpec,
-    HealthCheckSpec,
-    OutlierSpec,
-    SharedEndpointState,
-    all_endpoint_ids,
-    endpoints_report,
-)
-from gateway.health import run_health_checks, spawn_health_process
-from shm.counters import HealthTable, Outcome, OutlierState, WorkerRow, WorkerStatus
+from gateway.cluster.balancers import build_balancer
+from gateway.cluster.outcome import Outcome
+from gateway.cluster.outlier import OutlierState
+from gateway.cluster.report import endpoints_report
+from gateway.cluster.shared_view import SharedEndpointState
+from gateway.cluster.spec import ClusterSpec, EndpointSpec, HealthCheckSpec, OutlierSpec, all_endpoint_ids
+from gateway.health.writer import health_process_main, run_health_checks
+from shm.counters import HealthTable, WorkerRow, WorkerStatus
 from shm.segment import Segment
 
 
@@ -62,6 +59,28 @@ async def _until(condition: Callable[[], bool], timeout_s: float = 3.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.005)
+
+
+def _fork_health_process(clusters: list[ClusterSpec], segment: Segment, **options: float) -> int:
+    """The health process as the supervisor runs it: forked, sharing the segment, until SIGTERM."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            health_process_main(clusters, segment, **options)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    return pid
+
+
+class Endpoint:
+    """A worker's endpoint object as far as a balancer cares."""
+
+    def __init__(self, slot: int, address: str) -> None:
+        self.slot, self.address, self.weight = slot, address, 1
 
 
 def _segment_for(*clusters: ClusterSpec) -> tuple[Segment, dict[str, int]]:
@@ -149,7 +168,7 @@ def test_one_health_process_probes_each_endpoint_once_per_interval_however_many_
     for worker in range(2):  # two workers are up; they never probe
         segment.claim_worker_row(worker)
         WorkerRow(segment, worker).mark(WorkerStatus.RUNNING, 1000 + worker, time.monotonic_ns())
-    pid = spawn_health_process([cluster], segment)
+    pid = _fork_health_process([cluster], segment)
     try:
         async def count() -> list[tuple[int, float]]:
             server = ProbeServer(listener)
@@ -177,7 +196,7 @@ def test_passive_failures_eject_then_one_probe_restores_with_slow_start() -> Non
     row = WorkerRow(segment, 0)
     row.mark(WorkerStatus.RUNNING, os.getpid(), time.monotonic_ns())
     bad, good = slots["o/127.0.0.1:1"], slots["o/127.0.0.1:2"]
-    refs = [EndpointRef(bad, "127.0.0.1:1"), EndpointRef(good, "127.0.0.1:2")]
+    refs = [Endpoint(bad, "127.0.0.1:1"), Endpoint(good, "127.0.0.1:2")]
     balancer = build_balancer("round_robin", refs, SharedEndpointState(segment, 0), cluster="o")
     table = HealthTable(segment)
 
@@ -188,7 +207,7 @@ def test_passive_failures_eject_then_one_probe_restores_with_slow_start() -> Non
             row.heartbeat(time.monotonic_ns())
             time.sleep(0.01)
 
-    pid = spawn_health_process([cluster], segment, poll_interval_s=0.02)
+    pid = _fork_health_process([cluster], segment, poll_interval_s=0.02)
     try:
         deadline = time.monotonic() + 3.0
         while table.writer()[0] != pid:  # the health process has taken its first sample

@@ -2,9 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.endpoints import OutlierSpec
-from gateway.outlier import ClusterBreakers, WorkerSample, slow_start_permille
-from shm.counters import OutlierState
+from gateway.cluster.outlier import ClusterBreakers, OutlierState, WorkerSample, slow_start_permille
+from gateway.cluster.spec import OutlierSpec
 
 SPEC = OutlierSpec(consecutive_failures=5, base_ejection_s=10.0, max_ejection_s=25.0, max_ejection_percent=50,
                    probe_reassign_s=2.0)

@@ -4,13 +4,16 @@ import os
 
 import pytest
 
-from gateway.balancing import DOWN, PROBE, ROUTABLE
-from gateway.endpoints import SharedEndpointState
 from shm.counters import (
+    CONSECUTIVE,
+    FAIL_5XX,
+    FAIL_CONNECT,
+    FAIL_RESET,
+    FAIL_TIMEOUT,
+    INFLIGHT,
+    REQUESTS,
     HealthRecord,
     HealthTable,
-    Outcome,
-    OutlierState,
     RowsReader,
     WorkerRow,
 )
@@ -73,12 +76,12 @@ def test_a_reload_that_keeps_an_endpoint_keeps_its_slot_and_its_counters() -> No
     segment = _segment()
     first = segment.directory.assign(["a/h:1", "a/h:2", "b/h:3"])
     row = WorkerRow(segment, 0)
-    row.record(first["a/h:2"], Outcome.HTTP_5XX)
+    row.record(first["a/h:2"], FAIL_5XX)
     second = segment.directory.assign(["b/h:3", "a/h:2", "c/h:4"])  # a/h:1 removed, c/h:4 added
     assert second["a/h:2"] == first["a/h:2"]
     assert second["b/h:3"] == first["b/h:3"]
     assert second["c/h:4"] not in first.values()  # never-used slots are taken before freed ones
-    assert row.counters(second["a/h:2"])[1:3] == [1, 0]
+    assert row.counters(second["a/h:2"])[REQUESTS] == 1 and row.counters(second["a/h:2"])[FAIL_5XX] == 1
     assert segment.directory.slot_map() == second
 
 
@@ -102,33 +105,20 @@ def test_worker_row_reset_zeroes_in_flight_and_leaves_other_rows_alone() -> None
         dead.inc_inflight(slot)
     alive.inc_inflight(slot)
     reader = RowsReader(segment)
-    assert reader.inflight_total(slot) == 4
+    assert reader.totals(slot)[INFLIGHT] == 4
     segment.reset_worker_row(1)
-    assert reader.inflight_total(slot) == 1
+    assert reader.totals(slot)[INFLIGHT] == 1
     assert dead.counters(slot) == [0] * 8
-    assert alive.inflight(slot) == 1
+    assert alive.counters(slot)[INFLIGHT] == 1
 
 
-def test_in_flight_helpers_respect_the_per_worker_limit() -> None:
-    segment = _segment()
-    row = WorkerRow(segment, 0)
-    assert row.try_acquire(2, limit=2) and row.try_acquire(2, limit=2)
-    assert not row.try_acquire(2, limit=2)
-    row.dec_inflight(2)
-    assert row.try_acquire(2, limit=2)
-    assert row.inflight(2) == 2
-
-
-def test_outcomes_count_by_kind_and_a_success_resets_the_streak() -> None:
+def test_failures_count_by_their_word_and_a_success_resets_the_streak() -> None:
     row = WorkerRow(_segment(), 0)
-    for outcome in (Outcome.CONNECT, Outcome.RESET, Outcome.TIMEOUT, Outcome.HTTP_5XX):
-        row.record(5, outcome)
-    assert row.counters(5)[1:7] == [4, 1, 1, 1, 1, 4]
-    row.record(5, Outcome.OK)
-    assert row.counters(5)[1] == 5 and row.counters(5)[6] == 0
-    assert Outcome.from_reason(None) is Outcome.OK
-    assert Outcome.from_reason("timeout") is Outcome.TIMEOUT
-    assert Outcome.from_reason("protocol") is Outcome.RESET
+    for word in (FAIL_CONNECT, FAIL_RESET, FAIL_TIMEOUT, FAIL_5XX):
+        row.record(5, word)
+    assert row.counters(5)[REQUESTS : CONSECUTIVE + 1] == [4, 1, 1, 1, 1, 4]
+    row.record(5, 0)
+    assert row.counters(5)[REQUESTS] == 5 and row.counters(5)[CONSECUTIVE] == 0
 
 
 def test_counters_are_shared_with_forked_processes() -> None:
@@ -146,42 +136,16 @@ def test_counters_are_shared_with_forked_processes() -> None:
             os._exit(0)
     os.waitpid(pid, 0)
     WorkerRow(segment, 0).inc_inflight(slot)
-    assert RowsReader(segment).inflight_total(slot) == 3
-    assert SharedEndpointState(segment, 0).inflight_getter(slot)() == 3
-    assert list(SharedEndpointState(segment, 0).inflight_reader([idle, slot])()) == [0, 3]
+    assert RowsReader(segment).totals(slot)[INFLIGHT] == 3
+    assert RowsReader(segment).totals(idle)[INFLIGHT] == 0
 
 
 def test_fresh_health_records_read_as_healthy_and_round_trip() -> None:
     segment = _segment()
     table = HealthTable(segment)
     fresh = table.read(3)
-    assert fresh.routable and fresh.probe_worker == -1 and fresh.ramp_permille == 0
-    record = HealthRecord(slot_generation=2, outlier_state=OutlierState.HALF_OPEN, probe_worker=0, probe_epoch=4,
+    assert fresh == HealthRecord() and fresh.probe_worker == -1 and fresh.ramp_permille == 0
+    record = HealthRecord(slot_generation=2, outlier_state=2, probe_worker=0, probe_epoch=4,
                           ejected_until_ns=123, consecutive_failures=5)
     table.publish(3, record)
     assert table.read(3) == record
-
-
-def test_state_view_generation_follows_health_bumps_and_rows_in_use() -> None:
-    segment = _segment()
-    view = SharedEndpointState(segment, 0)
-    g0 = view.generation()
-    HealthTable(segment).bump_generation()
-    g1 = view.generation()
-    segment.claim_worker_row(2)
-    g2 = view.generation()
-    assert len({g0, g1, g2}) == 3
-
-
-def test_state_view_offers_the_half_open_probe_only_to_the_named_worker_and_once() -> None:
-    segment = _segment()
-    HealthTable(segment).publish(1, HealthRecord(outlier_state=OutlierState.HALF_OPEN, probe_worker=1, probe_epoch=1))
-    holder, other = SharedEndpointState(segment, 1), SharedEndpointState(segment, 0)
-    assert other.slot_health(1)[0] == DOWN
-    assert holder.slot_health(1)[0] == PROBE
-    holder.mark_probe_sent(1)
-    assert holder.slot_health(1)[0] == DOWN
-    HealthTable(segment).publish(1, HealthRecord(outlier_state=OutlierState.HALF_OPEN, probe_worker=1, probe_epoch=2))
-    assert holder.slot_health(1)[0] == PROBE  # a new epoch is a new probe
-    HealthTable(segment).publish(1, HealthRecord(ramp_permille=300))
-    assert holder.slot_health(1) == (ROUTABLE, 300)

@@ -18,9 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import IntEnum
 
-from gateway.endpoints import OutlierSpec
-from shm.counters import OutlierState
+from gateway.cluster.spec import OutlierSpec
+
+
+class OutlierState(IntEnum):
+    """A breaker's state, published in each endpoint's health record (0, the fresh value, is closed)."""
+
+    CLOSED = 0
+    EJECTED = 1
+    HALF_OPEN = 2
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,31 +1,68 @@
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import pytest
 
-from gateway.balancing import (
-    DOWN,
-    MAGLEV_TABLE_SIZE,
-    PROBE,
-    EndpointRef,
-    LocalState,
-    build_balancer,
-    hash_key,
-    maglev_table,
-    smooth_weighted_cycle,
-)
-from gateway.endpoints import SharedEndpointState
+from gateway.cluster.balancers import build_balancer
+from gateway.cluster.balancers.base import DOWN, FULL_PERMILLE, PROBE, ROUTABLE
+from gateway.cluster.balancers.hashing import MAGLEV_TABLE_SIZE, hash_key, maglev_table
+from gateway.cluster.balancers.weighted import smooth_weighted_cycle
+from gateway.cluster.shared_view import SharedEndpointState
 from shm.counters import WorkerRow
 from shm.segment import Segment
 
-ALL_STRATEGIES = ["round_robin", "least_connections", "p2c", "random",
-                  {"consistent_hash": {"header": "X-User-Id"}}, {"maglev": {"header": "X-User-Id"}}]
+ALL_STRATEGIES = ["round_robin", "least_connections", "p2c", "random", "consistent_hash", "maglev"]
 
 
-def _refs(*weights: int) -> list[EndpointRef]:
-    return [EndpointRef(slot, f"10.0.0.{slot}:8000", w) for slot, w in enumerate(weights)]
+@dataclass(eq=False, slots=True)
+class Endpoint:
+    """Any object with slot, weight and address will do; the balancer hands back the very object."""
+
+    slot: int
+    address: str
+    weight: int = 1
+
+
+class LocalState:
+    """An in-process StateView: health set by the test, in-flight counts in a dict."""
+
+    def __init__(self) -> None:
+        self._generation = 0
+        self._health: dict[int, tuple[int, int]] = {}
+        self.inflight: defaultdict[int, int] = defaultdict(int)
+
+    def set_health(self, slot: int, status: int, permille: int = FULL_PERMILLE) -> None:
+        self._health[slot] = (status, permille)
+        self._generation += 1
+
+    def generation(self) -> int:
+        return self._generation
+
+    def slot_health(self, slot: int) -> tuple[int, int]:
+        return self._health.get(slot, (ROUTABLE, FULL_PERMILLE))
+
+    def mark_probe_sent(self, slot: int) -> None:
+        self._health[slot] = (DOWN, FULL_PERMILLE)
+
+    def inflight_reader(self, slots: Sequence[int]) -> Callable[[], Sequence[int]]:
+        counts, order = self.inflight, tuple(slots)
+        return lambda: [counts[s] for s in order]
+
+    def inflight_getter(self, slot: int) -> Callable[[], int]:
+        counts = self.inflight
+        return lambda: counts[slot]
+
+
+def _refs(*weights: int) -> list[Endpoint]:
+    return [Endpoint(slot, f"10.0.0.{slot}:8000", w) for slot, w in enumerate(weights)]
+
+
+def _build(strategy: str, endpoints: list[Endpoint], state, **options):
+    return build_balancer(strategy, endpoints, state, hash_header="X-User-Id", **options)
 
 
 def _picks(balancer, n: int, keys: bool = True) -> Counter[str]:
@@ -36,7 +73,7 @@ def _picks(balancer, n: int, keys: bool = True) -> Counter[str]:
 
 def test_round_robin_1_to_3_is_exact_over_every_cycle_and_interleaved() -> None:
     a, b = _refs(1, 3)
-    balancer = build_balancer("round_robin", [a, b], LocalState())
+    balancer = _build("round_robin", [a, b], LocalState())
     sequence = [balancer.pick().slot for _ in range(40)]
     for start in range(0, 40, 4):
         assert sorted(sequence[start:start + 4]) == [0, 1, 1, 1]
@@ -51,9 +88,9 @@ def test_smooth_cycle_spreads_heavy_weights() -> None:
 
 def test_round_robin_skips_excluded_endpoints_and_returns_none_when_all_are() -> None:
     refs = _refs(1, 1, 1)
-    balancer = build_balancer("round_robin", refs, LocalState())
-    assert {balancer.pick(exclude={1}).slot for _ in range(9)} == {0, 2}
-    assert balancer.pick(exclude={0, 1, 2}) is None
+    balancer = _build("round_robin", refs, LocalState())
+    assert {balancer.pick(excluded={refs[1]}).slot for _ in range(9)} == {0, 2}
+    assert balancer.pick(excluded=refs) is None
 
 
 # -- least connections and p2c ----------------------------------------------------------------
@@ -61,12 +98,12 @@ def test_round_robin_skips_excluded_endpoints_and_returns_none_when_all_are() ->
 def test_least_connections_picks_the_fewest_in_flight() -> None:
     state = LocalState()
     state.inflight.update({0: 5, 1: 2, 2: 7})
-    balancer = build_balancer("least_connections", _refs(1, 1, 1), state)
+    balancer = _build("least_connections", _refs(1, 1, 1), state)
     assert {balancer.pick().slot for _ in range(50)} == {1}
 
 
 def test_least_connections_ties_are_not_always_the_first() -> None:
-    balancer = build_balancer("least_connections", _refs(1, 1, 1, 1), LocalState())
+    balancer = _build("least_connections", _refs(1, 1, 1, 1), LocalState())
     counts = _picks(balancer, 400)
     assert len(counts) == 4
     assert max(counts.values()) < 160  # idle cluster: ties spread at random
@@ -75,31 +112,31 @@ def test_least_connections_ties_are_not_always_the_first() -> None:
 def test_least_connections_breaks_ties_by_weight_first() -> None:
     state = LocalState()
     state.inflight.update({0: 0, 1: 1})  # scores (0+1)/1 == (1+1)/2
-    balancer = build_balancer("least_connections", _refs(1, 2), state)
+    balancer = _build("least_connections", _refs(1, 2), state)
     assert {balancer.pick().slot for _ in range(50)} == {1}
 
 
 def test_least_connections_sums_in_flight_over_every_worker_row() -> None:
     segment = Segment.create(max_workers=2, max_endpoints=4)
     slots = segment.directory.assign(["c/a:1", "c/b:1"])
-    refs = [EndpointRef(slots["c/a:1"], "a:1"), EndpointRef(slots["c/b:1"], "b:1")]
+    refs = [Endpoint(slots["c/a:1"], "a:1"), Endpoint(slots["c/b:1"], "b:1")]
     mine, other = WorkerRow(segment, 0), WorkerRow(segment, 1)
     segment.claim_worker_row(0)
     segment.claim_worker_row(1)
     other.inc_inflight(refs[0].slot)
     other.inc_inflight(refs[0].slot)
     mine.inc_inflight(refs[1].slot)
-    balancer = build_balancer("least_connections", refs, SharedEndpointState(segment, 0))
-    assert balancer.pick() == refs[1]  # 1 (mine) < 2 (the other worker's)
+    balancer = _build("least_connections", refs, SharedEndpointState(segment, 0))
+    assert balancer.pick() is refs[1]  # 1 (mine) < 2 (the other worker's)
     mine.inc_inflight(refs[1].slot)
     mine.inc_inflight(refs[1].slot)
-    assert balancer.pick() == refs[0]
+    assert balancer.pick() is refs[0]
 
 
 def test_p2c_prefers_the_less_loaded_endpoint() -> None:
     state = LocalState()
     state.inflight.update({0: 9, 1: 0, 2: 4, 3: 4})
-    balancer = build_balancer("p2c", _refs(1, 1, 1, 1), state)
+    balancer = _build("p2c", _refs(1, 1, 1, 1), state)
     counts = Counter(balancer.pick().slot for _ in range(4000))
     assert counts[0] == 0  # the most loaded loses every duel it is drawn into
     assert counts[1] > 1700  # drawn in half of the duels, wins all of them
@@ -108,14 +145,14 @@ def test_p2c_prefers_the_less_loaded_endpoint() -> None:
 def test_p2c_draws_two_distinct_endpoints() -> None:
     state = LocalState()
     state.inflight.update({0: 3, 1: 0})
-    balancer = build_balancer("p2c", _refs(1, 1), state)
+    balancer = _build("p2c", _refs(1, 1), state)
     assert {balancer.pick().slot for _ in range(200)} == {1}
 
 
 # -- random -----------------------------------------------------------------------------------
 
 def test_weighted_random_follows_weights() -> None:
-    counts = _picks(build_balancer("random", _refs(1, 3), LocalState()), 20000)
+    counts = _picks(_build("random", _refs(1, 3), LocalState()), 20000)
     assert counts["10.0.0.1:8000"] / 20000 == pytest.approx(0.75, abs=0.02)
 
 
@@ -123,7 +160,7 @@ def test_weighted_random_follows_weights() -> None:
 
 @pytest.mark.parametrize("name", ["consistent_hash", "maglev"])
 def test_hashing_maps_a_key_to_one_endpoint_and_follows_weights(name: str) -> None:
-    balancer = build_balancer({name: {"header": "X-User-Id"}}, _refs(3, 1), LocalState())
+    balancer = _build(name, _refs(3, 1), LocalState())
     assert balancer.key_header == b"x-user-id"
     assert len({balancer.pick(b"user-42").slot for _ in range(20)}) == 1
     heavy = sum(balancer.pick(b"user-%d" % i).slot == 0 for i in range(300))
@@ -133,7 +170,7 @@ def test_hashing_maps_a_key_to_one_endpoint_and_follows_weights(name: str) -> No
 @pytest.mark.parametrize("name", ["consistent_hash", "maglev"])
 def test_hashing_moves_only_the_keys_of_an_unhealthy_endpoint(name: str) -> None:
     state = LocalState()
-    balancer = build_balancer({name: {}}, _refs(1, 1, 1, 1), state)
+    balancer = build_balancer(name, _refs(1, 1, 1, 1), state)
     keys = [b"k%d" % i for i in range(2000)]
     before = {k: balancer.pick(k).slot for k in keys}
     state.set_health(2, DOWN)
@@ -175,7 +212,7 @@ def test_maglev_table_shares_follow_weights() -> None:
 @pytest.mark.parametrize("spec", ALL_STRATEGIES, ids=str)
 def test_every_strategy_skips_unhealthy_endpoints(spec) -> None:
     state = LocalState()
-    balancer = build_balancer(spec, _refs(1, 1, 1), state)
+    balancer = _build(spec, _refs(1, 1, 1), state)
     state.set_health(1, DOWN)
     assert "10.0.0.1:8000" not in _picks(balancer, 300)
     assert not balancer.panic
@@ -184,7 +221,7 @@ def test_every_strategy_skips_unhealthy_endpoints(spec) -> None:
 @pytest.mark.parametrize("spec", ALL_STRATEGIES, ids=str)
 def test_panic_mode_routes_across_all_when_none_is_healthy(spec, caplog: pytest.LogCaptureFixture) -> None:
     state = LocalState()
-    balancer = build_balancer(spec, _refs(1, 1, 1), state, cluster="provider-a")
+    balancer = _build(spec, _refs(1, 1, 1), state, cluster="provider-a")
     for slot in range(3):
         state.set_health(slot, DOWN)
     with caplog.at_level(logging.WARNING, logger="gridgate.balancing"):
@@ -201,7 +238,7 @@ def test_panic_mode_routes_across_all_when_none_is_healthy(spec, caplog: pytest.
 
 def test_slow_start_share_reduces_an_endpoint_weight() -> None:
     state = LocalState()
-    balancer = build_balancer("round_robin", _refs(1, 1), state)
+    balancer = _build("round_robin", _refs(1, 1), state)
     state.set_health(1, 0, 100)  # 10% of its weight while ramping
     counts = Counter(balancer.pick().slot for _ in range(110))
     assert counts == {0: 100, 1: 10}
@@ -209,7 +246,7 @@ def test_slow_start_share_reduces_an_endpoint_weight() -> None:
 
 def test_hash_slow_start_admits_a_growing_share_of_keys() -> None:
     state = LocalState()
-    balancer = build_balancer({"maglev": {}}, _refs(1, 1), state)
+    balancer = build_balancer("maglev", _refs(1, 1), state)
     keys = [b"k%d" % i for i in range(4000)]
     owned = [k for k in keys if balancer.pick(k).slot == 1]
     state.set_health(1, 0, 300)
@@ -221,20 +258,55 @@ def test_hash_slow_start_admits_a_growing_share_of_keys() -> None:
 
 def test_half_open_probe_is_handed_out_once_ahead_of_the_strategy() -> None:
     state = LocalState()
-    balancer = build_balancer("round_robin", _refs(1, 1, 1), state)
+    balancer = _build("round_robin", _refs(1, 1, 1), state)
     state.set_health(2, PROBE)
     assert balancer.pick().slot == 2
     assert 2 not in {balancer.pick().slot for _ in range(30)}
     assert state.slot_health(2)[0] == DOWN
 
 
-def test_build_balancer_rejects_unknown_strategies_and_accepts_header_objects() -> None:
-    with pytest.raises(ValueError):
-        build_balancer("fastest", _refs(1), LocalState())
-    with pytest.raises(ValueError):
-        build_balancer({"rendezvous": {}}, _refs(1), LocalState())
+def test_build_balancer_rejects_unknown_strategies_and_bad_endpoints() -> None:
+    for strategy in ("fastest", "rendezvous"):
+        with pytest.raises(ValueError, match="unknown load balancer strategy"):
+            build_balancer(strategy, _refs(1), LocalState())
+    with pytest.raises(ValueError, match="at least one endpoint"):
+        build_balancer("round_robin", [], LocalState())
+    with pytest.raises(ValueError, match="distinct"):
+        build_balancer("round_robin", [Endpoint(1, "a:1"), Endpoint(1, "b:1")], LocalState())
+    with pytest.raises(ValueError, match="weights"):
+        build_balancer("random", [Endpoint(1, "a:1", 0)], LocalState())
+    assert build_balancer("maglev", _refs(1), LocalState(), hash_header="X-Session").key_header == b"x-session"
+    assert build_balancer("maglev", _refs(1), LocalState()).key_header is None
 
-    class HashStrategy:
-        header = "X-Session"
 
-    assert build_balancer({"maglev": HashStrategy()}, _refs(1), LocalState()).key_header == b"x-session"
+# -- the endpoint objects themselves --------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", ALL_STRATEGIES, ids=str)
+def test_every_strategy_hands_back_the_objects_it_was_given(spec) -> None:
+    refs = _refs(1, 2, 3)
+    balancer = _build(spec, refs, LocalState())
+    picked = [balancer.pick(b"key-%d" % i) for i in range(200)]
+    assert all(any(p is r for r in refs) for p in picked)
+
+
+@pytest.mark.parametrize("spec", ALL_STRATEGIES, ids=str)
+def test_every_strategy_never_picks_an_excluded_endpoint(spec) -> None:
+    refs = _refs(1, 2, 3, 1)
+    state = LocalState()
+    state.inflight.update({0: 0, 1: 4, 2: 1, 3: 2})
+    balancer = _build(spec, refs, state)
+    for tried in ([refs[0]], (refs[0], refs[2]), {refs[1], refs[2], refs[3]}):
+        allowed = {r.slot for r in refs} - {r.slot for r in tried}
+        picks = {balancer.pick(b"key-%d" % i, tried).slot for i in range(300)}
+        assert picks and picks <= allowed
+    assert {balancer.pick(b"key-%d" % i, refs[1:]).slot for i in range(50)} == {0}
+    assert balancer.pick(b"key", refs) is None
+
+
+def test_an_excluded_half_open_probe_stays_offered_for_a_later_pick() -> None:
+    refs = _refs(1, 1, 1)
+    state = LocalState()
+    balancer = build_balancer("round_robin", refs, state)
+    state.set_health(2, PROBE)
+    assert balancer.pick(None, [refs[2]]).slot != 2
+    assert balancer.pick().slot == 2
