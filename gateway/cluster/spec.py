@@ -12,7 +12,6 @@ from typing import Literal
 from gateway.config import Cluster, Config
 
 Strategy = Literal["round_robin", "least_connections", "p2c", "random", "consistent_hash", "maglev"]
-HASHING_STRATEGIES: frozenset[str] = frozenset({"consistent_hash", "maglev"})
 
 
 @dataclass(frozen=True, slots=True)
