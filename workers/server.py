@@ -248,7 +248,7 @@ class Exchange:
 class ServerConnection(asyncio.Protocol):
     __slots__ = (
         "server", "settings", "transport", "codec", "state", "exchange", "peer", "_timer", "_deadline",
-        "_on_deadline", "_head_bytes", "_t_head", "_body", "_body_len", "_decoder", "_framing", "_request",
+        "_on_deadline", "_head_bytes", "_t_head", "_body", "_body_len", "_decoder", "_framing", "_request", "_headers",
         "_reading_paused", "writing_paused", "_loop", "pending", "served", "_eof",
     )
 
@@ -270,6 +270,7 @@ class ServerConnection(asyncio.Protocol):
         self._decoder: ChunkedDecoder | None = None  # a chunked body is decoded here, not by the codec
         self._framing: RequestFraming | None = None
         self._request: codec.RequestHead | None = None
+        self._headers: list[tuple[bytes, bytes]] = []
         self._reading_paused = False
         self.writing_paused = False
         self._loop = asyncio.get_running_loop()
@@ -388,9 +389,9 @@ class ServerConnection(asyncio.Protocol):
         settings = self.settings
         if head_size > settings.max_header_bytes:
             raise GatewayError(ErrorReply(431, "headers_too_large", "request header block too large", close=True))
+        headers = self._headers = codec.header_pairs(event.headers)
         framing = self._framing = check_request_head(
-            event.method, event.target, event.http_version, event.headers,
-            settings.max_url_bytes, settings.max_body_bytes,
+            event.method, event.target, event.http_version, headers, settings.max_url_bytes, settings.max_body_bytes,
         )
         self._request = event
         self.state = _BODY
@@ -421,7 +422,7 @@ class ServerConnection(asyncio.Protocol):
         assert event is not None and framing is not None
         body = self._body
         exchange = Exchange(
-            self, event.method, framing.target, event.http_version, event.headers,
+            self, event.method, framing.target, event.http_version, self._headers,
             bytes(body[0]) if len(body) == 1 else b"".join(body), self._t_head,
         )
         self.codec.expect_response(event.method, event.http_version == b"1.1", framing.keep_alive)

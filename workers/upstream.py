@@ -171,8 +171,9 @@ class UpstreamConnection(asyncio.Protocol):
     # -- internals -----------------------------------------------------------------------------
     def _on_head(self, sink: UpstreamSink, event: codec.ResponseHead) -> None:
         self._got_head = True
+        headers = codec.header_pairs(event.headers)
         has_cl = has_te = False
-        for name, _value in event.headers:
+        for name, _value in headers:
             if name == b"content-length":
                 has_cl = True
             elif name == b"transfer-encoding":
@@ -180,7 +181,7 @@ class UpstreamConnection(asyncio.Protocol):
         if has_cl and has_te:
             # RFC 9112 §6.3: forward as chunked, but never reuse this connection.
             self._keep = False
-        sink.upstream_head(event.status_code, event.headers)
+        sink.upstream_head(event.status_code, headers)
 
     def _on_end(self, sink: UpstreamSink) -> None:
         self.sink = None

@@ -24,6 +24,7 @@ attributes documented here, so swapping the parser is a change to this module al
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from http import HTTPStatus
 
 import h11
@@ -71,6 +72,17 @@ def _head_bytes(start_line: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
 def raw_response(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
     """A complete response built without any framing state: for answers sent when framing is in doubt."""
     return _head_bytes(b"HTTP/1.1 %d %s" % (status, REASONS.get(status, b"Error")), headers) + body
+
+
+def header_pairs(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """A parsed head's headers as a plain list of (lowercase name, value): h11 keeps them in a
+    ``Sequence`` whose iteration costs a Python call per item, and the gateway reads them several
+    times per request. Reads h11's item list directly (this module is where h11 knowledge lives),
+    with the public iteration as the fallback for another h11 layout."""
+    items = getattr(headers, "_full_items", None)
+    if items is None:
+        return list(headers)
+    return [(name, value) for _raw, name, value in items]
 
 
 class ServerCodec:
@@ -217,12 +229,14 @@ class ServerCodec:
         return b""
 
 
-# One canned request event per method: sending it tells h11's client side which method the response
-# answers. Its bytes are discarded; the real request is serialised by ``encode_request``.
+# Parsing a response needs no request event, except to learn that the request was a HEAD (its answer
+# has no body) or when a 1xx head arrives (h11 accepts those only after a request): then a canned
+# request of the right method is passed through h11 first; its bytes are discarded.
 _CANNED_HOST = [(b"host", b"upstream")]
 _canned_requests: dict[bytes, h11.Request] = {}
 _CANNED_LIMIT = 64
 _END = h11.EndOfMessage()
+_INFORMATIONAL_PREFIX = len(b"HTTP/1.1 ")  # the status code's first digit follows
 
 
 def _canned_request(method: bytes) -> h11.Request:
@@ -235,22 +249,46 @@ def _canned_request(method: bytes) -> h11.Request:
 
 
 class ClientCodec:
-    """One upstream connection: serialises requests, parses the responses."""
+    """One upstream connection: serialises requests, parses the responses (a fresh parser per response)."""
 
-    __slots__ = ("_parser",)
+    __slots__ = ("_parser", "_max_head", "_method", "_primed", "_head_start")
 
     def __init__(self, max_header_bytes: int = 65536) -> None:
+        self._max_head = max_header_bytes
         self._parser = h11.Connection(h11.CLIENT, max_incomplete_event_size=max_header_bytes)
+        self._method = b"GET"
+        self._primed = False  # a canned request went through the parser for this response
+        self._head_start = b""  # the first bytes of a response, until its status class is known
 
     def encode_request(self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
         """The request head bytes. ``headers`` carry Host and the body framing (Content-Length);
         the body follows as raw bytes."""
-        parser = self._parser
-        parser.send(_canned_request(method))
-        parser.send(_END)
+        self._method = method
+        if method == b"HEAD":
+            self._prime()
         return _head_bytes(method + b" " + target + b" HTTP/1.1", headers)
 
+    def _prime(self) -> None:
+        if not self._primed:
+            self._primed = True
+            parser = self._parser
+            parser.send(_canned_request(self._method))
+            parser.send(_END)
+
     def feed(self, data: bytes) -> None:
+        if not data and self._head_start:  # the provider closed in the middle of a status line
+            self._parser.receive_data(self._head_start)
+            self._head_start = b""
+        elif not self._primed and self._parser.their_state is h11.IDLE and data:
+            # Before the status line is parsed: a 1xx head needs the request passed through h11 first.
+            head = self._head_start + data
+            if len(head) <= _INFORMATIONAL_PREFIX:
+                self._head_start = head
+                return
+            self._head_start = b""
+            if head[_INFORMATIONAL_PREFIX:_INFORMATIONAL_PREFIX + 1] == b"1":
+                self._prime()
+            data = head
         self._parser.receive_data(data)
 
     def next_event(self):  # -> ResponseHead | Informational | Body | EndOfMessage | ConnectionClosed | ...
@@ -261,12 +299,11 @@ class ClientCodec:
 
     @property
     def reusable(self) -> bool:
-        """The exchange ended cleanly on both sides, with nothing unexpected after the response."""
+        """The response ended cleanly, kept the connection alive, and nothing unexpected followed it."""
         parser = self._parser
-        return parser.our_state is h11.DONE and parser.their_state is h11.DONE and not parser.trailing_data[0]
+        return parser.their_state is h11.DONE and not parser.trailing_data[0] and not self._head_start
 
     def next_cycle(self) -> None:
-        try:
-            self._parser.start_next_cycle()
-        except h11.LocalProtocolError as error:
-            raise FramingError(str(error)) from None
+        """A fresh parser for the next response on this connection (called only when ``reusable``)."""
+        self._parser = h11.Connection(h11.CLIENT, max_incomplete_event_size=self._max_head)
+        self._primed = False

@@ -146,3 +146,27 @@ def test_client_codec_bad_response_is_a_parse_error():
 def test_raw_response_is_complete():
     data = codec.raw_response(400, [(b"content-length", b"2")], b"no")
     assert data == b"HTTP/1.1 400 Bad Request\r\ncontent-length: 2\r\n\r\nno"
+
+
+@pytest.mark.parametrize("step", [None, 1, 4])
+def test_client_codec_parses_informational_heads_and_split_status_lines(step):
+    client = codec.ClientCodec()
+    client.encode_request(b"POST", b"/", [(b"host", b"up"), (b"content-length", b"0")])
+    wire = b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    for start in range(0, len(wire), step or len(wire)):
+        client.feed(wire[start:start + (step or len(wire))])
+    events = []
+    while (event := client.next_event()) is not codec.NEED_DATA:
+        events.append(event)
+    assert type(events[0]) is codec.Informational and events[0].status_code == 103
+    heads = [e for e in events if type(e) is codec.ResponseHead]
+    assert [h.status_code for h in heads] == [200]
+    assert b"".join(bytes(e.data) for e in events if type(e) is codec.Body) == b"ok"
+    assert type(events[-1]) is codec.EndOfMessage and client.reusable
+
+
+def test_header_pairs_are_a_plain_lowercase_list():
+    server = codec.ServerCodec(65536)
+    server.feed(b"GET / HTTP/1.1\r\nHost: x\r\nX-Mixed-Case: V\r\n\r\n")
+    head = server.next_event()
+    assert codec.header_pairs(head.headers) == [(b"host", b"x"), (b"x-mixed-case", b"V")]
