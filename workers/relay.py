@@ -1,7 +1,7 @@
 """The sink of one upstream attempt: relays the provider's response to the client as it arrives.
 
 The upstream connection calls ``upstream_head``/``_data``/``_flush``/``_end``/``_failed``; the client
-connection calls ``client_lost`` and the flow-control pair. ``done`` resolves once, when the attempt is
+connection calls ``client_lost`` and the flow-control pair (it is the exchange's listener). ``done`` resolves once, when the attempt is
 over: failed before the head (the proxy may try again), ended, failed mid-response, or abandoned.
 
 With ``hold_retryable`` set (another provider may still be tried), a 429/502/503/504 head is *held*:
@@ -162,12 +162,12 @@ class ResponseRelay:
 
     # Flow control: only while the connection still serves this call (after its end it may already
     # be back in the pool, serving someone else).
-    def pause_upstream(self) -> None:
+    def pause_writing(self) -> None:
         conn = self.conn
         if conn.sink is self:
             conn.pause()
 
-    def resume_upstream(self) -> None:
+    def resume_writing(self) -> None:
         conn = self.conn
         if conn.sink is self:
             conn.resume()

@@ -24,6 +24,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from gateway.config import Config
 from gateway.http import codec
@@ -118,16 +119,24 @@ class ServerState:
             await asyncio.sleep(0.02)
 
 
+class ExchangeListener(Protocol):
+    """What the party answering an exchange learns from the client connection."""
+
+    def client_lost(self) -> None: ...
+    def pause_writing(self) -> None: ...  # the client reads slower than we write: stop feeding it
+    def resume_writing(self) -> None: ...
+
+
 class Exchange:
     """One request and the means to answer it. The handler owns it until ``end``/``abort``.
 
-    Handlers may set ``on_client_lost`` (the client went away mid-exchange) and
-    ``on_pause_writing``/``on_resume_writing`` (the client reads slower than we write).
+    A handler may set ``listener`` (an ``ExchangeListener``) to learn that the client went away
+    mid-exchange, or reads slower than we write.
     """
 
     __slots__ = (
         "conn", "method", "target", "version", "headers", "body", "t_start", "started", "finished",
-        "close_after", "on_client_lost", "on_pause_writing", "on_resume_writing", "peer", "t_first_byte",
+        "close_after", "listener", "peer", "t_first_byte",
         "bytes_out", "response_headers",
     )
 
@@ -145,9 +154,7 @@ class Exchange:
         self.started = False
         self.finished = False
         self.close_after = False
-        self.on_client_lost: Callable[[], None] | None = None
-        self.on_pause_writing: Callable[[], None] | None = None
-        self.on_resume_writing: Callable[[], None] | None = None
+        self.listener: ExchangeListener | None = None
         self.peer = conn.peer
         self.t_first_byte = 0.0  # when the response head was queued (the access log's first_byte_ms)
         self.bytes_out = 0  # response body bytes written
@@ -299,8 +306,8 @@ class ServerConnection(asyncio.Protocol):
         self._cancel_timer()
         self.server.connections.discard(self)
         exchange = self.exchange
-        if exchange is not None and not exchange.finished and exchange.on_client_lost is not None:
-            exchange.on_client_lost()
+        if exchange is not None and not exchange.finished and exchange.listener is not None:
+            exchange.listener.client_lost()
 
     def eof_received(self) -> bool | None:
         """The client half-closed: answer what it already sent, then close."""
@@ -313,14 +320,14 @@ class ServerConnection(asyncio.Protocol):
     def pause_writing(self) -> None:
         self.writing_paused = True
         exchange = self.exchange
-        if exchange is not None and exchange.on_pause_writing is not None:
-            exchange.on_pause_writing()
+        if exchange is not None and exchange.listener is not None:
+            exchange.listener.pause_writing()
 
     def resume_writing(self) -> None:
         self.writing_paused = False
         exchange = self.exchange
-        if exchange is not None and exchange.on_resume_writing is not None:
-            exchange.on_resume_writing()
+        if exchange is not None and exchange.listener is not None:
+            exchange.listener.resume_writing()
 
     def data_received(self, data: bytes) -> None:
         state = self.state

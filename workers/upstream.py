@@ -71,10 +71,10 @@ class UpstreamConnection(asyncio.Protocol):
 
     # -- used by the request path ------------------------------------------------------------
     def send_request(
-        self, sink: UpstreamSink, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes,
-        head_deadline: float = _INF,
+        self, sink: UpstreamSink, method: bytes, target: bytes, host: bytes, headers: list[tuple[bytes, bytes]],
+        body: bytes, head_deadline: float = _INF,
     ) -> None:
-        """Write the request; ``headers`` carry Host and Content-Length (when there is a body).
+        """Write the request; ``headers`` carry Content-Length (when there is a body), not Host.
 
         ``head_deadline`` (monotonic seconds): fail with TIMEOUT if no response head arrived by then.
         """
@@ -86,7 +86,7 @@ class UpstreamConnection(asyncio.Protocol):
             # The provider closed it between acquire and send: a retryable failure before any byte.
             self._fail(Failure.RESET, "connection closed before the request was sent")
             return
-        head = self.codec.encode_request(method, target, headers)
+        head = self.codec.encode_request(method, target, host, headers)
         self.last_activity = _monotonic()
         if len(body) > _COPY_BODY_BELOW:
             self.transport.writelines((head, body))  # no copy of a large body

@@ -61,12 +61,7 @@ class FramingError(Exception):
 
 
 def _head_bytes(start_line: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
-    parts = [start_line]
-    append = parts.append
-    for name, value in headers:
-        append(name + b": " + value)
-    append(b"\r\n")
-    return b"\r\n".join(parts)
+    return b"\r\n".join([start_line, *[name + b": " + value for name, value in headers], b"", b""])
 
 
 def raw_response(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
@@ -260,13 +255,13 @@ class ClientCodec:
         self._primed = False  # a canned request went through the parser for this response
         self._head_start = b""  # the first bytes of a response, until its status class is known
 
-    def encode_request(self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
-        """The request head bytes. ``headers`` carry Host and the body framing (Content-Length);
+    def encode_request(self, method: bytes, target: bytes, host: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
+        """The request head bytes: Host first, then ``headers`` (with the body framing, Content-Length);
         the body follows as raw bytes."""
         self._method = method
         if method == b"HEAD":
             self._prime()
-        return _head_bytes(method + b" " + target + b" HTTP/1.1", headers)
+        return _head_bytes(method + b" " + target + b" HTTP/1.1\r\nhost: " + host, headers)
 
     def _prime(self) -> None:
         if not self._primed:

@@ -1,0 +1,258 @@
+"""The upstream half of a request: providers in the router's order (failover, CONTRACT §11), and
+inside one provider its endpoints in turn, until one answers.
+
+``Forwarder.forward`` walks providers within the attempt budget and one deadline, only before any
+response byte reached the client; ``_try_provider`` tries the endpoints of one provider, with
+``ProviderAttempts`` (sans-IO) deciding what follows a failure, and a ``ResponseRelay`` streams the
+answer to the client as it arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+from gateway.http.errors import ErrorReply
+from gateway.quota.gate import Admission
+from gateway.request.attempts import Next, ProviderAttempts, Settlement, settlement_for
+from gateway.request.failover import COOLING_STATUSES, Failover, cooling_seconds, parse_retry_after
+from gateway.routing import RouteDecision, Router
+from gateway.routing.eligibility import Needs
+from workers.clusters import ClusterManager, UpstreamCluster, UpstreamEndpoint
+from workers.outcomes import Outcomes, attempts_header
+from workers.overlay_follower import OverlayFollower
+from workers.providers import ProviderStates
+from workers.proxy_settings import ProxySettings
+from workers.relay import ResponseRelay
+from workers.server import Exchange
+from workers.upstream import ConnectFailed, PoolExhausted
+
+_perf = time.perf_counter
+_monotonic = time.monotonic
+_HELD_CODES = {429: "upstream_rate_limited", 502: "upstream_bad_gateway", 503: "upstream_unavailable",
+               504: "upstream_timeout"}
+
+
+class ProxyRequest:
+    """One request on its way upstream: what every attempt needs, decided once before the first."""
+
+    __slots__ = (
+        "exchange", "request_id", "tenant", "batch", "capability", "admission", "session", "needs", "key",
+        "filtered", "balance_keys", "body", "metering", "forward", "evidence",
+    )
+
+    def __init__(
+        self, exchange: Exchange, request_id: bytes, tenant: str, batch: bool, capability: str,
+        admission: Admission | None, session: bytes | None, needs: Needs | None, key: bytes, filtered: int,
+        balance_keys: dict[bytes, bytes] | None, body: bytes, metering: bool | None,
+        forward: list[tuple[bytes, bytes]], evidence: list[tuple[bytes, bytes]],
+    ) -> None:
+        self.exchange = exchange
+        self.request_id = request_id
+        self.tenant = tenant
+        self.batch = batch  # the tenant waits behind interactive ones for upstream connections
+        self.capability = capability
+        self.admission = admission
+        self.session = session  # the session-affinity key
+        self.needs = needs  # eligibility filters (None: none apply)
+        self.key = key  # the stable_hash picker's key
+        self.filtered = filtered  # candidates the filters removed (evidence)
+        self.balance_keys = balance_keys  # consistent-hash header values of the endpoint balancers
+        self.body = body  # as sent upstream (rewritten to ask for usage when metered)
+        self.metering = metering  # None: not metered; True: the body was rewritten to ask for usage
+        self.forward = forward  # the headers every attempt sends
+        self.evidence = evidence  # extra evidence headers (x-gridgate-filtered)
+
+
+class Forwarder:
+    def __init__(self, *, settings: ProxySettings, overlay: OverlayFollower, router: Router,
+                 clusters: ClusterManager, providers: ProviderStates, outcomes: Outcomes) -> None:
+        self.settings = settings
+        self.retry = settings.retry
+        self.route_headers = settings.route_headers
+        self.overlay = overlay
+        self.router = router
+        self.clusters = clusters
+        self.providers = providers
+        self.outcomes = outcomes
+        self.rng = random.Random()
+
+    async def forward(self, req: ProxyRequest, route: RouteDecision) -> None:
+        """Try providers until one answers (or the budget is spent); settle the reservation."""
+        exchange = req.exchange
+        first = route
+        failover: Failover | None = None
+        reached = False
+        deadline = _monotonic() + float(self.retry.deadline)
+        while True:
+            cluster = self.clusters.by_provider.get(route.provider)
+            assert cluster is not None  # the router only picks configured providers
+            attempt = 1 if failover is None else failover.attempts + 1
+            hold = (self.retry.attempts > attempt and route.plan.provider_count > 1 and route.mode != "pinned")
+            outcome = await self._try_provider(req, cluster, route, deadline, hold, attempt)
+            if outcome is None:  # answered (or the client left): settled
+                if req.session is not None and route.provider != first.provider:
+                    self.router.rebind(req.session, route, _monotonic())  # the binding moves to who served
+                return
+            reply, provider_reached = outcome
+            reached = reached or provider_reached
+            if failover is None:
+                failover = Failover(self.retry, deadline, self.rng)
+            failover.failed(route.provider, reply)
+            if not failover.may_try_another(_monotonic()) or exchange.client_gone or route.mode == "pinned":
+                break
+            following = self.router.failover(first, failover.tried, req.needs, req.key)
+            if following is None:
+                break
+            self.outcomes.metrics.retry()
+            await asyncio.sleep(failover.backoff())
+            route = following
+        outcomes = self.outcomes
+        outcomes.settle(req.admission, Settlement.CHARGE_ESTIMATE if reached else Settlement.RELEASE)
+        if exchange.client_gone:
+            outcomes.access_log.record(exchange, req.request_id, 499, tenant=req.tenant, capability=req.capability,
+                                       route=route, attempts=failover.attempts, error="client_closed",
+                                       filtered=req.filtered)
+        else:
+            outcomes.refuse(exchange, failover.last_reply, req.request_id, cluster.name, failover.attempts,
+                            tenant=req.tenant, capability=req.capability, route=route, filtered=req.filtered)
+
+    def _upstream_headers(self, req: ProxyRequest, cluster: UpstreamCluster,
+                          route: RouteDecision) -> list[tuple[bytes, bytes]]:
+        """The request's headers plus this provider's own (its credentials, the provider-hop headers)."""
+        if not cluster.auth_headers and not cluster.provider_hop:
+            return req.forward
+        headers = [*req.forward, *cluster.auth_headers]
+        if cluster.provider_hop:
+            headers.append((b"x-ai-routing-candidate", route.evidence[1][1]))
+            headers.append((b"x-ai-routing-request-id", req.request_id))
+            if self.overlay.snapshot.is_envelope:
+                headers.append((b"x-ai-routing-revision", route.revision.encode()))
+        return headers
+
+    def _response_headers(self, req: ProxyRequest, route: RouteDecision, attempt: int) -> list[tuple[bytes, bytes]]:
+        headers = [(b"x-request-id", req.request_id)]
+        if self.route_headers:
+            headers.append(attempts_header(attempt))
+            headers += route.evidence
+            headers += req.evidence
+        if req.admission is not None:
+            headers += req.admission.headers
+        return headers
+
+    async def _try_provider(
+        self, req: ProxyRequest, cluster: UpstreamCluster, route: RouteDecision, deadline: float,
+        hold_retryable: bool, attempt: int,
+    ) -> tuple[ErrorReply, bool] | None:
+        """One provider, its endpoints in turn. None: the request is over (answered, or the client left,
+        and settled); else the reply to give if no other provider serves, and whether a request was sent."""
+        exchange = req.exchange
+        outcomes = self.outcomes
+        upstream_headers = self._upstream_headers(req, cluster, route)
+        response_headers = self._response_headers(req, route, attempt)
+        key = cluster.balance_key(req.balance_keys, exchange.target)
+        first_byte = self.settings.first_byte_timeout
+        attempts: ProviderAttempts[UpstreamEndpoint] = ProviderAttempts(cluster.name)
+        while (endpoint := cluster.pick(key, attempts.excluded)) is not None:
+            pool = endpoint.pool
+            cluster.begin(endpoint)  # in flight from the pick: a hanging connect attracts no more picks
+            try:
+                conn = None if attempts.fresh else pool.try_acquire()
+                if conn is None:
+                    try:
+                        conn = await pool.acquire(fresh=attempts.fresh, timeout=deadline - _monotonic(),
+                                                  tenant=req.tenant, batch=req.batch)  # fair order among waiters
+                    except ConnectFailed as error:
+                        cluster.record_failure(endpoint, error.failure)
+                        if attempts.connect_failed(endpoint, error.failure, str(error)) == Next.STOP:
+                            break
+                        continue
+                    except PoolExhausted:
+                        if attempts.pool_busy(endpoint) == Next.STOP:
+                            break
+                        continue
+                if exchange.client_gone:
+                    # The client left while we waited for admission or a connection: send nothing.
+                    pool.release(conn, reusable=True)
+                    outcomes.settle(req.admission, Settlement.RELEASE)
+                    outcomes.access_log.record(exchange, req.request_id, 499, tenant=req.tenant,
+                                               capability=req.capability, route=route, attempts=attempt,
+                                               error="client_closed", filtered=req.filtered)
+                    return None
+                relay = ResponseRelay(exchange, conn, response_headers, req.metering, hold_retryable)
+                exchange.listener = relay
+                overhead = _perf() - exchange.t_start
+                if self.route_headers:
+                    response_headers.append((b"x-gridgate-overhead-ms", b"%.3f" % (overhead * 1000.0)))
+                attempts.sent()
+                sent_at = _monotonic()
+                head_by = deadline if first_byte is None else min(deadline, sent_at + first_byte)
+                conn.send_request(relay, exchange.method, exchange.target, endpoint.host_header, upstream_headers,
+                                  req.body, head_by)
+                if exchange.client_paused:
+                    relay.pause_writing()  # the client is still behind on an earlier response
+                await relay.done
+            finally:
+                cluster.end(endpoint)
+            status = relay.status
+            if status:
+                self.providers.observe_first_byte(cluster.provider, relay.first_byte_at - sent_at)
+                if status in COOLING_STATUSES:
+                    self._cool(cluster, relay.retry_after)
+            if relay.response_started:
+                self._served(req, cluster, endpoint, route, relay, overhead, attempt)
+                return None
+            if relay.held_status:
+                cluster.record_success(endpoint, status)  # it answered: a 429 is a cooling signal, not a failure
+                return self._held_reply(cluster, status, relay.retry_after), True
+            if relay.failure is None:  # the client left before the response started
+                outcomes.settle(req.admission, Settlement.CHARGE_ESTIMATE)
+                outcomes.access_log.record(exchange, req.request_id, 499, tenant=req.tenant, capability=req.capability,
+                                           route=route, attempts=attempt, endpoint=endpoint.address,
+                                           error="client_closed", filtered=req.filtered)
+                return None
+            if self.route_headers:
+                response_headers.pop()  # the overhead header is re-measured on the next attempt
+            outcomes.metrics.retry()
+            cluster.record_failure(endpoint, relay.failure)
+            if _monotonic() >= deadline:
+                break
+            if attempts.failed_before_head(endpoint, relay.failure, relay.detail, conn.reused) == Next.STOP:
+                break
+        return attempts.error_reply(), attempts.reached
+
+    def _served(self, req: ProxyRequest, cluster: UpstreamCluster, endpoint: UpstreamEndpoint,
+                route: RouteDecision, relay: ResponseRelay, overhead: float, attempt: int) -> None:
+        """A response was relayed (completely, or cut after it started): count it and settle."""
+        outcomes = self.outcomes
+        status = relay.status
+        metrics = outcomes.metrics
+        metrics.overhead(overhead)
+        metrics.request(cluster.name, status)
+        cluster.record_success(endpoint, status)
+        usage = relay.usage
+        tokens = prompt = completion = None
+        if usage is not None:
+            tokens, prompt, completion = usage.total_tokens, usage.prompt_tokens, usage.completion_tokens
+        outcomes.settle(req.admission, settlement_for(status, tokens, relay.client_left), tokens, prompt, completion)
+        failure = relay.failure
+        outcomes.access_log.record(
+            req.exchange, req.request_id, status, tenant=req.tenant, capability=req.capability, route=route,
+            attempts=attempt, endpoint=endpoint.address, overhead_s=overhead, tokens_prompt=prompt,
+            tokens_completion=completion, filtered=req.filtered,
+            error=f"upstream_{failure.name.lower()}" if failure else "client_closed" if relay.client_left else None,
+        )
+
+    def _cool(self, cluster: UpstreamCluster, retry_after: bytes | None) -> None:
+        """A 429/503 cools its provider in every worker of the host (Retry-After wins, capped)."""
+        seconds = cooling_seconds(parse_retry_after(retry_after, time.time()), self.settings.cooling)
+        self.providers.cool(cluster.provider, seconds, _monotonic())
+
+    @staticmethod
+    def _held_reply(cluster: UpstreamCluster, status: int, retry_after: bytes | None) -> ErrorReply:
+        """The client's answer if the provider's retryable status ends up being the last word."""
+        headers = []
+        if retry_after is not None and status in COOLING_STATUSES:
+            headers.append((b"retry-after", retry_after))
+        return ErrorReply(status, _HELD_CODES[status], f"{cluster.name}: answered {status}", headers)
