@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from gateway.cluster.spec import all_endpoint_ids, cluster_specs_from_config
 from gateway.config import Config
-from gateway.metrics import COUNTERS, MAX_CLUSTERS
+from gateway.metrics.catalogue import COUNTERS, MAX_CLUSTERS
 from shm.affinity import AffinityTable
 from shm.metrics import MetricsTable
 from shm.providers import ProviderCells

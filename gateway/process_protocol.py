@@ -61,6 +61,9 @@ class WorkerContext:
     metric_clusters: tuple[str, ...]
     # The last overlay the workers accepted, for a worker that starts while the file is invalid.
     overlay_fallback: bytes | None = None
+    # The supervisor's tenant registry at fork time (the same rules as ``metric_clusters``): position =
+    # the tenant's slot in the per-tenant token counters. Empty: a worker run alone uses its config's.
+    metric_tenants: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------------------------------- status messages

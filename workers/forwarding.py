@@ -105,7 +105,7 @@ class Forwarder:
             following = self.router.failover(first, failover.tried, req.needs, req.key)
             if following is None:
                 break
-            self.outcomes.metrics.retry()
+            self.outcomes.metrics.failover(cluster.name)
             await asyncio.sleep(failover.backoff())
             route = following
         outcomes = self.outcomes
@@ -155,6 +155,8 @@ class Forwarder:
         first_byte = self.settings.first_byte_timeout
         attempts: ProviderAttempts[UpstreamEndpoint] = ProviderAttempts(cluster.name)
         while (endpoint := cluster.pick(key, attempts.excluded)) is not None:
+            if attempts.failure is not None:
+                outcomes.metrics.retry()  # an endpoint of this provider failed: this is a retry inside it
             pool = endpoint.pool
             cluster.begin(endpoint)  # in flight from the pick: a hanging connect attracts no more picks
             try:
@@ -201,7 +203,7 @@ class Forwarder:
                 if status in COOLING_STATUSES:
                     self._cool(cluster, relay.retry_after)
             if relay.response_started:
-                self._served(req, cluster, endpoint, route, relay, overhead, attempt)
+                self._served(req, cluster, endpoint, route, relay, overhead, attempt, sent_at)
                 return None
             if relay.held_status:
                 cluster.record_success(endpoint, status)  # it answered: a 429 is a cooling signal, not a failure
@@ -214,7 +216,6 @@ class Forwarder:
                 return None
             if self.route_headers:
                 response_headers.pop()  # the overhead header is re-measured on the next attempt
-            outcomes.metrics.retry()
             cluster.record_failure(endpoint, relay.failure)
             if _monotonic() >= deadline:
                 break
@@ -223,13 +224,14 @@ class Forwarder:
         return attempts.error_reply(), attempts.reached
 
     def _served(self, req: ProxyRequest, cluster: UpstreamCluster, endpoint: UpstreamEndpoint,
-                route: RouteDecision, relay: ResponseRelay, overhead: float, attempt: int) -> None:
+                route: RouteDecision, relay: ResponseRelay, overhead: float, attempt: int, sent_at: float) -> None:
         """A response was relayed (completely, or cut after it started): count it and settle."""
         outcomes = self.outcomes
         status = relay.status
         metrics = outcomes.metrics
         metrics.overhead(overhead)
         metrics.request(cluster.name, status)
+        metrics.upstream_latency(cluster.name, relay.first_byte_at - sent_at, relay.ended_at - sent_at)
         cluster.record_success(endpoint, status)
         usage = relay.usage
         tokens = prompt = completion = None
@@ -248,6 +250,7 @@ class Forwarder:
         """A 429/503 cools its provider in every worker of the host (Retry-After wins, capped)."""
         seconds = cooling_seconds(parse_retry_after(retry_after, time.time()), self.settings.cooling)
         self.providers.cool(cluster.provider, seconds, _monotonic())
+        self.outcomes.metrics.cooled(cluster.name)
 
     @staticmethod
     def _held_reply(cluster: UpstreamCluster, status: int, retry_after: bytes | None) -> ErrorReply:

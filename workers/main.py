@@ -30,7 +30,8 @@ from gateway.host_segment import (
 from gateway.http.errors import ErrorReply
 from gateway.http.tls import ReloadableServerTls
 from gateway.listener import BACKLOG, bind_listener
-from gateway.metrics import COUNTERS, WorkerMetrics
+from gateway.metrics.catalogue import COUNTERS
+from gateway.metrics.writer import WorkerMetrics
 from gateway.process_protocol import (
     EXIT_CANNOT_BIND,
     Draining,
@@ -41,6 +42,7 @@ from gateway.process_protocol import (
     send_status,
 )
 from gateway.quota.backend import create_client
+from gateway.quota.counters import configured_tenants
 from gateway.quota.gate import QuotaGate
 from gateway.quota.ledger import QuotaLedger
 from gateway.request.headers import HeaderPlan
@@ -141,10 +143,11 @@ class Worker:
         return AffinityTable(region, self.ctx.affinity_capacity)
 
     def _metrics_writer(self) -> WorkerMetrics:
-        names = self.ctx.metric_clusters or [cluster.name for cluster in self.config.clusters]
+        clusters = self.ctx.metric_clusters or [cluster.name for cluster in self.config.clusters]
+        tenants = self.ctx.metric_tenants or configured_tenants(self.config)
         table = MetricsTable(self.segment.region(self.ctx.metrics_region),
                              self.segment.max_workers, COUNTERS)
-        return WorkerMetrics(table.row(self.row.index), names)
+        return WorkerMetrics(table.row(self.row.index), clusters, tenants)
 
     async def _build_proxy(self) -> Proxy:
         """The parts that need the running loop (pools, the quota client), then the request handler."""
@@ -228,6 +231,7 @@ class Worker:
             await self.quota.close()
         if self.access_log is not None:
             await self.access_log.close()
+        self._publish_counters()  # the last settlements and log lines, before the row is retired
 
     def _rejected(self, reply: ErrorReply) -> None:
         self.metrics.request(None, reply.status)
@@ -253,10 +257,17 @@ class Worker:
         """Liveness for the health process, and per-process counters into shared metrics."""
         send_status(self.ctx.status_fd, Heartbeat())
         self.row.heartbeat(time.monotonic_ns())
+        self._publish_counters()
+
+    def _publish_counters(self) -> None:
+        """Copy the per-process counters (quota, tenant tokens, panic, access-log drops) into the row."""
         if self.quota is not None:
             self.metrics.publish_quota(self.quota.counters)
+            self.metrics.publish_tenant_tokens(self.quota.tenant_tokens)
         if self.clusters is not None:
             self.metrics.publish_panic(self.clusters.panic_entries())
+        if self.access_log is not None:
+            self.metrics.publish_access_log(self.access_log.dropped)
 
     def _poll_overlay(self, now: float) -> None:
         forced, self.reload_requested = self.reload_requested, False

@@ -4,7 +4,7 @@ and the access-log line."""
 from __future__ import annotations
 
 from gateway.http.errors import ErrorReply
-from gateway.metrics import WorkerMetrics
+from gateway.metrics.writer import WorkerMetrics
 from gateway.quota.gate import Admission, QuotaGate
 from gateway.request.attempts import Settlement
 from gateway.routing import RouteDecision

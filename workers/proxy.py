@@ -14,7 +14,7 @@ from gateway.auth import Authenticator
 from gateway.capability import CapabilityRequest, lookup_capability, request_features, session_key
 from gateway.http.errors import ErrorReply
 from gateway.ids import CounterIds
-from gateway.metrics import WorkerMetrics
+from gateway.metrics.writer import WorkerMetrics
 from gateway.quota.estimate import estimate_prompt_tokens
 from gateway.quota.gate import Admission, QuotaGate
 from gateway.quota.usage import rewrite_request_for_usage
@@ -208,7 +208,10 @@ class Proxy:
               key: bytes) -> RouteDecision | ErrorReply:
         now = _monotonic()
         self.providers.maybe_refresh(now)
-        decision = self.router.route(self.overlay.snapshot, request.kind, request.name, session, now, needs, key)
+        router = self.router
+        decision = router.route(self.overlay.snapshot, request.kind, request.name, session, now, needs, key)
+        if router.filtered:
+            self.metrics.route_filtered(router.filtered_reasons)
         if type(decision) is not ErrorReply:
             self.metrics.affinity(decision.affinity)
         return decision

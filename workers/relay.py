@@ -41,7 +41,7 @@ class ResponseRelay:
     __slots__ = (
         "exchange", "conn", "done", "failure", "detail", "client_left", "status", "extra_headers",
         "response_started", "is_sse", "metering", "usage", "length_framed", "hold_retryable", "held_status",
-        "retry_after", "first_byte_at",
+        "retry_after", "first_byte_at", "ended_at",
     )
 
     def __init__(
@@ -66,6 +66,7 @@ class ResponseRelay:
         self.held_status = 0  # a retryable status held back from the client (0: none)
         self.retry_after: bytes | None = None  # the provider's Retry-After, when it sent one
         self.first_byte_at = 0.0  # monotonic time the response head arrived
+        self.ended_at = 0.0  # monotonic time the attempt was over (``done`` resolved)
 
     @property
     def total_tokens(self) -> int | None:
@@ -73,6 +74,7 @@ class ResponseRelay:
 
     def _finish(self) -> None:
         if not self.done.done():
+            self.ended_at = _monotonic()
             self.done.set_result(None)
 
     # -- from the upstream connection -----------------------------------------------------------

@@ -9,7 +9,7 @@ Import the submodules directly; this package imports nothing so the pure rooms s
     ledger     QuotaLedger                            the Lua script and key layout in Valkey
     admission  Admission                              a verdict with its headers and error text
     breaker    Breaker                                when admissions stop touching a failing backend
-    counters   QuotaCounters, TenantTokens            per-worker counters for the metrics
+    counters   QuotaCounters, TenantTokens, configured_tenants   per-worker counters for the metrics
     reconcile  Reconciler                             settling off the request path, in batches
     gate       QuotaGate                              what a worker calls per request
     resp       RespClient                             lean pipelined client for one Valkey node

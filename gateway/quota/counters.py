@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gateway.config import Config
 
 OTHER_TENANT = "other"
 
@@ -33,6 +37,15 @@ class QuotaCounters:
 
     def snapshot(self) -> dict[str, int]:
         return asdict(self)
+
+
+def configured_tenants(config: Config) -> list[str]:
+    """The tenants a config names (its API keys', then its quota rules'), once each, in config order:
+    the label set of the per-tenant token counters (``other`` is never one of them)."""
+    names = [key.tenant for key in config.auth.keys] if config.auth is not None else []
+    if config.quota is not None:
+        names += [rule.match.tenant for rule in config.quota.rules if rule.match and rule.match.tenant]
+    return [name for name in dict.fromkeys(names) if name != OTHER_TENANT]
 
 
 class TenantTokens:

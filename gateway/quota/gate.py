@@ -49,7 +49,7 @@ from gateway.quota.admission import (
 )
 from gateway.quota.backend import BACKEND_ERRORS, describe_error
 from gateway.quota.breaker import Breaker
-from gateway.quota.counters import QuotaCounters, TenantTokens
+from gateway.quota.counters import QuotaCounters, TenantTokens, configured_tenants
 from gateway.quota.estimate import estimate_tokens
 from gateway.quota.ledger import ADMITTED, DENIED_BUDGET, AdmitCommand, QuotaLedger
 from gateway.quota.owner import owner_tag
@@ -127,7 +127,7 @@ class QuotaGate:
             breaker_failures=quota.breaker.failures,
             probe_interval_s=float(quota.breaker.probe_interval),
             owner=owner_tag(generation, slot, os.getpid()),
-            tenants=[key.tenant for key in config.auth.keys] if config.auth is not None else (),
+            tenants=configured_tenants(config),
         )
 
     @property

@@ -36,7 +36,7 @@ class Router:
     """
 
     __slots__ = ("_worker_index", "_rng", "_affinity", "_ttl", "_revision", "_plans", "_provider_index",
-                 "providers", "_usable_any", "_picker", "_facts", "filtered")
+                 "providers", "_usable_any", "_picker", "_facts", "filtered", "filtered_reasons")
 
     def __init__(
         self,
@@ -62,6 +62,7 @@ class Router:
         self._picker = picker
         self._facts = facts
         self.filtered = 0  # candidates the last route() filtered out for the request (evidence)
+        self.filtered_reasons = 0  # why (eligibility reason bits, or-ed); meaningful while filtered > 0
 
     @property
     def revision(self) -> str | None:
@@ -132,12 +133,15 @@ class Router:
             return None
         blocked: set[Option] = set()
         filtered: list[tuple[int, Facts]] = []
+        why = 0
         for option in plan.options:
             reasons = needs.reasons(option.facts)
             if reasons:
                 blocked.add(option)
                 filtered.append((reasons, option.facts))
+                why |= reasons
         self.filtered = len(filtered)
+        self.filtered_reasons = why
         if len(blocked) == len(plan.options):
             return no_eligible_provider(plan.label, needs, filtered)
         return blocked or None

@@ -24,9 +24,11 @@ from gateway.admin.server import AdminServer
 from gateway.check import validate_deployment
 from gateway.config import Config, ConfigError
 from gateway.host_segment import AFFINITY_REGION, METRICS_REGION, create_segment, endpoint_ids
-from gateway.metrics import ClusterRegistry
+from gateway.metrics.catalogue import MAX_CLUSTERS, MAX_TENANTS
+from gateway.metrics.labels import LabelRegistry
 from gateway.notify import Notifier
 from gateway.process_protocol import Draining, Heartbeat, OverlayRejected, Ready, StatusMessage, WorkerContext
+from gateway.quota.counters import configured_tenants
 from gateway.supervisor.children import (
     _default_health_entry,
     _default_worker_entry,
@@ -82,7 +84,9 @@ class Arbiter:
         self._quota_backend = EmbeddedQuotaBackend()
         self._reservation_sweeper = ReservationSweeper(self._quota_backend)
         self._last_good_overlay = LastGoodOverlay()
-        self._clusters = ClusterRegistry()
+        # Stable metrics label indexes (shared-memory cells), for the life of the supervisor.
+        self._clusters = LabelRegistry(MAX_CLUSTERS)
+        self._tenants = LabelRegistry(MAX_TENANTS)
         self._stopping = False
         self._fatal: str | None = None
         # Composed in _serve, once the segment and the loop exist.
@@ -156,7 +160,8 @@ class Arbiter:
         )
         metrics.register(SupervisorCollector(self._workers, self._swap))
         metrics.register(self._overlay_feed)
-        metrics.register_text(lambda: counters.render(self._workers.worker_slots(), self._clusters.names))
+        metrics.register_text(lambda: counters.render(self._workers.worker_slots(), self._clusters.names,
+                                                      self._tenants.names))
 
     async def _serve(self, admin_sock: socket.socket) -> int:
         self._loop = asyncio.get_running_loop()
@@ -252,16 +257,14 @@ class Arbiter:
         self, config: Config, slot: int, generation: int, status_fd: int, listen_fd: int | None,
     ) -> WorkerContext:
         """The context a child of ``config`` is forked with."""
-        unlabelled = self._clusters.register(cluster.name for cluster in config.clusters)
-        if unlabelled:
-            log.warning("metrics: clusters %s are counted under cluster=\"other\": the supervisor labels at "
-                        "most %d cluster names until it restarts", ", ".join(unlabelled), len(self._clusters.names))
+        _register_labels(self._clusters, "cluster", [cluster.name for cluster in config.clusters])
+        _register_labels(self._tenants, "tenant", configured_tenants(config))
         return WorkerContext(
             config=config, slot=slot, generation=generation, segment=self._segment, status_fd=status_fd,
             listen_fd=listen_fd,
             quota_url=quota_url_for(config, self._quota_backend),
             affinity_region=AFFINITY_REGION, affinity_capacity=self._affinity_capacity,
-            metrics_region=METRICS_REGION, metric_clusters=self._clusters.names,
+            metrics_region=METRICS_REGION, metric_clusters=self._clusters.names, metric_tenants=self._tenants.names,
             overlay_fallback=self._last_good_overlay.data,
         )
 
@@ -314,3 +317,12 @@ class Arbiter:
 
 def _nothing() -> None:
     pass
+
+
+def _register_labels(registry: LabelRegistry, kind: str, names: list[str]) -> None:
+    """Give a config's new names their metrics index before its workers fork; warn about the ones past
+    the registry's capacity (once each): they are counted under ``other``."""
+    unlabelled = registry.register(names)
+    if unlabelled:
+        log.warning("metrics: %ss %s are counted under %s=\"other\": the supervisor labels at most %d %s names "
+                    "until it restarts", kind, ", ".join(unlabelled), kind, len(registry.names), kind)

@@ -13,7 +13,8 @@ from gateway.cluster.report import endpoints_report
 from gateway.cluster.spec import cluster_specs_from_config
 from gateway.config import Config
 from gateway.host_segment import METRICS_REGION
-from gateway.metrics import COUNTERS, render_prometheus
+from gateway.metrics.catalogue import COUNTERS
+from gateway.metrics.render import render_prometheus
 from gateway.supervisor.quota_backend import EmbeddedQuotaBackend, quota_url_for
 from shm.metrics import MetricsTable
 from shm.segment import Segment
@@ -34,10 +35,11 @@ class WorkerCounters:
     def retire(self, slot: int) -> None:
         self.table.retire(slot, self.retired)
 
-    def render(self, slots: list[int], cluster_names: Sequence[str]) -> bytes:
-        """``cluster_names``: the supervisor's cluster registry, the one the workers index by."""
+    def render(self, slots: list[int], cluster_names: Sequence[str], tenant_names: Sequence[str]) -> bytes:
+        """``cluster_names``/``tenant_names``: the supervisor's registries, the ones the workers index by."""
         live = self.table.sum_rows(slots)
-        return render_prometheus([a + b for a, b in zip(live, self.retired, strict=True)], cluster_names)
+        return render_prometheus([a + b for a, b in zip(live, self.retired, strict=True)], cluster_names,
+                                 tenant_names)
 
 
 class SupervisorAdminSources:

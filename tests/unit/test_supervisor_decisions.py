@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 
 from gateway.config import ConfigError, parse_config
-from gateway.metrics import COUNTERS, ClusterRegistry, WorkerMetrics, render_prometheus
+from gateway.metrics.catalogue import COUNTERS, MAX_CLUSTERS
+from gateway.metrics.labels import LabelRegistry
+from gateway.metrics.render import render_prometheus
+from gateway.metrics.writer import WorkerMetrics
 from gateway.supervisor.generations import SwapStep, plan_reload, swap_step
 from gateway.supervisor.lifecycle import Child, PendingGeneration, SlotPool, StartupGuard, max_workers_for
 from gateway.supervisor.listeners import ListenerSockets, lowest_free_position
@@ -156,14 +159,14 @@ def test_the_serving_revision_is_the_one_most_ready_workers_report():
 
 
 def test_registry_indexes_never_change_meaning_when_clusters_are_reordered_or_removed():
-    registry = ClusterRegistry()
+    registry = LabelRegistry(MAX_CLUSTERS)
     assert registry.register(["provider-a", "provider-b"]) == []
     assert registry.register(["provider-c", "provider-b"]) == []  # reordered, a removed, c added
     assert registry.names == ("provider-a", "provider-b", "provider-c")
 
 
 def test_counts_written_before_and_after_a_reorder_render_under_their_own_cluster():
-    registry = ClusterRegistry()
+    registry = LabelRegistry(MAX_CLUSTERS)
     registry.register(["provider-a", "provider-b"])
     row = [0] * COUNTERS
     old_worker = WorkerMetrics(row, registry.names)
@@ -179,7 +182,7 @@ def test_counts_written_before_and_after_a_reorder_render_under_their_own_cluste
 
 
 def test_clusters_beyond_the_registry_capacity_count_as_other_not_as_the_gateway():
-    registry = ClusterRegistry(capacity=1)
+    registry = LabelRegistry(capacity=1)
     assert registry.register(["a", "b", "c"]) == ["b", "c"]
     assert registry.register(["c", "d"]) == ["d"]  # each overflow is reported once
     row = [0] * COUNTERS

@@ -1,0 +1,91 @@
+"""The metric catalogue: where each family lives in a worker's row of int64 cells.
+
+Every process computes the same offsets from these constants, so a worker of any generation and the
+supervisor that renders agree on what a cell means. Label sets are bounded: clusters by the
+supervisor's cluster registry (``MAX_CLUSTERS`` names, the rest under ``other``), tenants by its
+tenant registry (``MAX_TENANTS``), status codes by class, gateway errors and outcomes by fixed lists.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+
+MAX_CLUSTERS = 64
+MAX_TENANTS = 128
+STATUS_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
+GATEWAY_STATUSES = (400, 401, 404, 405, 408, 413, 414, 429, 431, 500, 501, 502, 503, 504, 505)
+OVERHEAD_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
+# Upstream latency of relayed responses, at LLM scale: a first token may take a minute, a stream ten.
+FIRST_BYTE_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+DURATION_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+AFFINITY_OUTCOMES = ("none", "new", "reused", "failover")
+QUOTA_DECISIONS = ("admitted", "denied", "backend_error_rejected", "backend_error_allowed")
+QUOTA_TOKEN_KINDS = ("estimated", "actual", "refunded", "overage")
+OVERLAY_RESULTS = ("applied", "unchanged", "rejected")
+# Why the eligibility filters removed candidates (the writer maps the router's reason bits to these).
+FILTER_REASONS = ("context_window", "feature", "region")
+TOKEN_DIRECTIONS = ("in", "out")
+
+# Cluster indexes: the registry's positions, then MAX_CLUSTERS for "answered by the gateway itself"
+# and MAX_CLUSTERS + 1 for a cluster the registry had no room left for. Per-cluster families have a
+# cell for each (the gateway's stays unused where it cannot apply).
+GATEWAY_CLUSTER = MAX_CLUSTERS
+OTHER_CLUSTER = MAX_CLUSTERS + 1
+CLUSTER_SLOTS = MAX_CLUSTERS + 2
+OTHER_TENANT = MAX_TENANTS  # tenant slot of every name past the registry (and of "other" itself)
+TENANT_SLOTS = MAX_TENANTS + 1
+
+# Inside one cluster's latency block: first-byte buckets (the last is +Inf) and their sum in
+# microseconds, then the duration buckets and sum. The count is the +Inf bucket's cumulative value.
+FIRST_BYTE_SUM_US = len(FIRST_BYTE_BUCKETS_S) + 1
+DURATION = FIRST_BYTE_SUM_US + 1
+DURATION_SUM_US = DURATION + len(DURATION_BUCKETS_S) + 1
+LATENCY_STRIDE = DURATION_SUM_US + 1
+
+# Offsets of each family inside a worker's row. Requests of cluster c, class k: REQUESTS + c*5 + k.
+REQUESTS = 0
+GATEWAY_ERRORS = REQUESTS + CLUSTER_SLOTS * len(STATUS_CLASSES)
+OVERHEAD_BUCKETS = GATEWAY_ERRORS + len(GATEWAY_STATUSES)
+OVERHEAD_SUM_US = OVERHEAD_BUCKETS + len(OVERHEAD_BUCKETS_S) + 1  # last bucket is +Inf
+OVERHEAD_COUNT = OVERHEAD_SUM_US + 1
+AFFINITY = OVERHEAD_COUNT + 1
+RETRIES = AFFINITY + len(AFFINITY_OUTCOMES)
+QUOTA_DECISION = RETRIES + 1
+QUOTA_TOKENS = QUOTA_DECISION + len(QUOTA_DECISIONS)
+QUOTA_BACKEND_ERRORS = QUOTA_TOKENS + len(QUOTA_TOKEN_KINDS)
+QUOTA_RECONCILE_DROPS = QUOTA_BACKEND_ERRORS + 1
+QUOTA_BREAKER = QUOTA_RECONCILE_DROPS + 1  # opened, closed
+OVERLAY_RELOADS = QUOTA_BREAKER + 2
+PANIC_ENTRIES = OVERLAY_RELOADS + len(OVERLAY_RESULTS)  # per registry cluster
+PROVIDER_FAILOVERS = PANIC_ENTRIES + MAX_CLUSTERS  # per cluster index
+PROVIDER_COOLED = PROVIDER_FAILOVERS + CLUSTER_SLOTS  # per cluster index
+ROUTE_FILTERED = PROVIDER_COOLED + CLUSTER_SLOTS  # per FILTER_REASONS entry
+ACCESS_LOG_DROPPED = ROUTE_FILTERED + len(FILTER_REASONS)
+TENANT_TOKENS = ACCESS_LOG_DROPPED + 1  # tenant slot t, direction d: TENANT_TOKENS + 2*t + d
+UPSTREAM_LATENCY = TENANT_TOKENS + TENANT_SLOTS * len(TOKEN_DIRECTIONS)  # cluster c: + c*LATENCY_STRIDE
+COUNTERS = UPSTREAM_LATENCY + CLUSTER_SLOTS * LATENCY_STRIDE
+
+_GATEWAY_STATUS_INDEX = {status: i for i, status in enumerate(GATEWAY_STATUSES)}
+
+
+def request_cell(cluster_index: int, status: int) -> int:
+    klass = min(max(status // 100, 1), 5) - 1
+    return REQUESTS + cluster_index * len(STATUS_CLASSES) + klass
+
+
+def gateway_error_cell(status: int) -> int | None:
+    index = _GATEWAY_STATUS_INDEX.get(status)
+    return None if index is None else GATEWAY_ERRORS + index
+
+
+def overhead_cell(seconds: float) -> int:
+    """The bucket of ``seconds``: the first bound it does not exceed (Prometheus ``le``), else +Inf."""
+    return OVERHEAD_BUCKETS + bisect_left(OVERHEAD_BUCKETS_S, seconds)
+
+
+def latency_block(cluster_index: int) -> int:
+    return UPSTREAM_LATENCY + cluster_index * LATENCY_STRIDE
+
+
+def tenant_tokens_cell(tenant_slot: int, direction: int) -> int:
+    return TENANT_TOKENS + tenant_slot * len(TOKEN_DIRECTIONS) + direction

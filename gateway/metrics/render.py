@@ -1,0 +1,212 @@
+"""Summed worker rows -> Prometheus text, with ``prometheus_client``'s exposition code (supervisor side)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import CollectorRegistry
+
+from gateway.metrics.catalogue import (
+    ACCESS_LOG_DROPPED,
+    AFFINITY,
+    AFFINITY_OUTCOMES,
+    DURATION,
+    DURATION_BUCKETS_S,
+    DURATION_SUM_US,
+    FILTER_REASONS,
+    FIRST_BYTE_BUCKETS_S,
+    FIRST_BYTE_SUM_US,
+    GATEWAY_CLUSTER,
+    GATEWAY_ERRORS,
+    GATEWAY_STATUSES,
+    MAX_CLUSTERS,
+    MAX_TENANTS,
+    OTHER_CLUSTER,
+    OTHER_TENANT,
+    OVERHEAD_BUCKETS,
+    OVERHEAD_BUCKETS_S,
+    OVERHEAD_SUM_US,
+    OVERLAY_RELOADS,
+    OVERLAY_RESULTS,
+    PANIC_ENTRIES,
+    PROVIDER_COOLED,
+    PROVIDER_FAILOVERS,
+    QUOTA_BACKEND_ERRORS,
+    QUOTA_BREAKER,
+    QUOTA_DECISION,
+    QUOTA_DECISIONS,
+    QUOTA_RECONCILE_DROPS,
+    QUOTA_TOKEN_KINDS,
+    QUOTA_TOKENS,
+    REQUESTS,
+    RETRIES,
+    ROUTE_FILTERED,
+    STATUS_CLASSES,
+    TOKEN_DIRECTIONS,
+    latency_block,
+    tenant_tokens_cell,
+)
+
+OTHER = "other"
+
+
+class _StaticCollector:
+    def __init__(self, families: list) -> None:
+        self._families = families
+
+    def collect(self) -> Iterable:
+        return iter(self._families)
+
+
+def _buckets(counts: Sequence[int], bounds: Sequence[float]) -> list[tuple[str, int]]:
+    """Per-bucket counts (the last one +Inf) -> Prometheus' cumulative ``le`` buckets."""
+    cumulative, buckets = 0, []
+    for count, bound in zip(counts, (*bounds, float("inf")), strict=True):
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+    return buckets
+
+
+def _clusters(cluster_names: Sequence[str]) -> list[tuple[int, str]]:
+    """(index, label) of every per-cluster cell that can hold provider counts."""
+    return [*enumerate(cluster_names[:MAX_CLUSTERS]), (OTHER_CLUSTER, OTHER)]
+
+
+def _request_families(totals: list[int], cluster_names: Sequence[str]) -> Iterator:
+    requests = CounterMetricFamily(
+        "gridgate_requests", "Requests answered, by provider cluster (or 'gateway') and status class.",
+        labels=["cluster", "code"],
+    )
+    for c_index, name in [*_clusters(cluster_names), (GATEWAY_CLUSTER, "gateway")]:
+        for k_index, klass in enumerate(STATUS_CLASSES):
+            value = totals[REQUESTS + c_index * len(STATUS_CLASSES) + k_index]
+            if value:
+                requests.add_metric([name, klass], value)
+    yield requests
+    errors = CounterMetricFamily("gridgate_gateway_errors", "Errors the gateway answered itself.", labels=["status"])
+    for index, status in enumerate(GATEWAY_STATUSES):
+        errors.add_metric([str(status)], totals[GATEWAY_ERRORS + index])
+    yield errors
+    overhead_counts = totals[OVERHEAD_BUCKETS:OVERHEAD_BUCKETS + len(OVERHEAD_BUCKETS_S) + 1]
+    yield HistogramMetricFamily(
+        "gridgate_overhead_seconds", "Gateway time from request bytes in to the upstream request written.",
+        buckets=_buckets(overhead_counts, OVERHEAD_BUCKETS_S), sum_value=totals[OVERHEAD_SUM_US] / 1e6,
+    )
+    affinity = CounterMetricFamily("gridgate_affinity", "Session-affinity outcomes.", labels=["outcome"])
+    for index, outcome in enumerate(AFFINITY_OUTCOMES):
+        affinity.add_metric([outcome], totals[AFFINITY + index])
+    yield affinity
+
+
+def _upstream_families(totals: list[int], cluster_names: Sequence[str]) -> Iterator:
+    first_byte = HistogramMetricFamily(
+        "gridgate_upstream_first_byte_seconds",
+        "Relayed responses: time from the request written upstream to the response head.", labels=["cluster"],
+    )
+    duration = HistogramMetricFamily(
+        "gridgate_upstream_duration_seconds",
+        "Relayed responses: time from the request written upstream to the response end.", labels=["cluster"],
+    )
+    for c_index, name in _clusters(cluster_names):
+        block = latency_block(c_index)
+        first_counts = totals[block:block + FIRST_BYTE_SUM_US]
+        if not any(first_counts):
+            continue  # no response relayed for this cluster yet
+        first_byte.add_metric([name], _buckets(first_counts, FIRST_BYTE_BUCKETS_S),
+                              totals[block + FIRST_BYTE_SUM_US] / 1e6)
+        duration.add_metric([name], _buckets(totals[block + DURATION:block + DURATION_SUM_US], DURATION_BUCKETS_S),
+                            totals[block + DURATION_SUM_US] / 1e6)
+    yield first_byte
+    yield duration
+    yield CounterMetricFamily(
+        "gridgate_upstream_retries",
+        "Endpoint-level retries: another endpoint (or a fresh connection) of the same provider tried after a "
+        "connect failure or a failure before the response head.",
+        value=totals[RETRIES],
+    )
+    for name, cell, documentation in (
+        ("gridgate_provider_failovers", PROVIDER_FAILOVERS,
+         "Requests moved away from this provider to another one before any response byte reached the client."),
+        ("gridgate_provider_cooled", PROVIDER_COOLED, "Times this provider answered 429/503 and was cooled."),
+    ):
+        family = CounterMetricFamily(name, documentation, labels=["cluster"])
+        for c_index, label in _clusters(cluster_names):
+            value = totals[cell + c_index]
+            if value or c_index != OTHER_CLUSTER:
+                family.add_metric([label], value)
+        yield family
+    filtered = CounterMetricFamily(
+        "gridgate_route_filtered",
+        "Requests whose eligibility filters removed candidates, by reason (one request may count under several).",
+        labels=["reason"],
+    )
+    for index, reason in enumerate(FILTER_REASONS):
+        filtered.add_metric([reason], totals[ROUTE_FILTERED + index])
+    yield filtered
+    panic = CounterMetricFamily("gridgate_panic_mode_entries",
+                                "Times a cluster had no healthy endpoint and routed across all of them.",
+                                labels=["cluster"])
+    for c_index, name in enumerate(cluster_names[:MAX_CLUSTERS]):
+        panic.add_metric([name], totals[PANIC_ENTRIES + c_index])
+    yield panic
+
+
+def _quota_families(totals: list[int], tenant_names: Sequence[str]) -> Iterator:
+    decisions = CounterMetricFamily("gridgate_quota_decisions", "Token-quota admission decisions.", labels=["reason"])
+    for index, reason in enumerate(QUOTA_DECISIONS):
+        decisions.add_metric([reason], totals[QUOTA_DECISION + index])
+    yield decisions
+    tokens = CounterMetricFamily("gridgate_quota_tokens", "Tokens by accounting kind.", labels=["kind"])
+    for index, kind in enumerate(QUOTA_TOKEN_KINDS):
+        tokens.add_metric([kind], totals[QUOTA_TOKENS + index])
+    yield tokens
+    tenant_tokens = CounterMetricFamily(
+        "gridgate_tenant_tokens",
+        "Tokens the providers reported for quota-metered responses, per tenant: in (prompt) and out (completion).",
+        labels=["tenant", "direction"],
+    )
+    for slot, tenant in [*enumerate(tenant_names[:MAX_TENANTS]), (OTHER_TENANT, OTHER)]:
+        for direction, label in enumerate(TOKEN_DIRECTIONS):
+            tenant_tokens.add_metric([tenant, label], totals[tenant_tokens_cell(slot, direction)])
+    yield tenant_tokens
+    yield CounterMetricFamily(
+        "gridgate_quota_backend_errors", "Quota backend (Valkey) errors.", value=totals[QUOTA_BACKEND_ERRORS],
+    )
+    yield CounterMetricFamily(
+        "gridgate_quota_reconcile_dropped", "Reconciliations dropped (queue full or retries exhausted).",
+        value=totals[QUOTA_RECONCILE_DROPS],
+    )
+    breaker = CounterMetricFamily("gridgate_quota_breaker_transitions",
+                                  "Quota backend breaker transitions (open: policy applied without Valkey).",
+                                  labels=["to"])
+    breaker.add_metric(["open"], totals[QUOTA_BREAKER])
+    breaker.add_metric(["closed"], totals[QUOTA_BREAKER + 1])
+    yield breaker
+
+
+def _process_families(totals: list[int]) -> Iterator:
+    reloads = CounterMetricFamily("gridgate_overlay_reloads", "Overlay reloads by result, summed over workers.",
+                                  labels=["result"])
+    for index, result in enumerate(OVERLAY_RESULTS):
+        reloads.add_metric([result], totals[OVERLAY_RELOADS + index])
+    yield reloads
+    yield CounterMetricFamily(
+        "gridgate_access_log_dropped", "Access-log lines dropped (buffer full or output failing), never blocking.",
+        value=totals[ACCESS_LOG_DROPPED],
+    )
+
+
+def render_prometheus(totals: list[int], cluster_names: Sequence[str], tenant_names: Sequence[str] = ()) -> bytes:
+    """Prometheus text for the summed counters; ``cluster_names``/``tenant_names`` are the supervisor's
+    registries (position = index), the ones the workers index by."""
+    families = [
+        *_request_families(totals, cluster_names),
+        *_upstream_families(totals, cluster_names),
+        *_quota_families(totals, tenant_names),
+        *_process_families(totals),
+    ]
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_StaticCollector(families))
+    return generate_latest(registry)

@@ -1,0 +1,161 @@
+"""A worker's writer over its own metrics row: every per-request method is a few integer additions
+at precomputed offsets (``catalogue``), with no allocation."""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Sequence
+from typing import Any
+
+from gateway.metrics.catalogue import (
+    ACCESS_LOG_DROPPED,
+    AFFINITY,
+    AFFINITY_OUTCOMES,
+    DURATION,
+    DURATION_BUCKETS_S,
+    DURATION_SUM_US,
+    FILTER_REASONS,
+    FIRST_BYTE_BUCKETS_S,
+    FIRST_BYTE_SUM_US,
+    GATEWAY_CLUSTER,
+    MAX_CLUSTERS,
+    MAX_TENANTS,
+    OTHER_CLUSTER,
+    OTHER_TENANT,
+    OVERHEAD_COUNT,
+    OVERHEAD_SUM_US,
+    OVERLAY_RELOADS,
+    OVERLAY_RESULTS,
+    PANIC_ENTRIES,
+    PROVIDER_COOLED,
+    PROVIDER_FAILOVERS,
+    QUOTA_BACKEND_ERRORS,
+    QUOTA_BREAKER,
+    QUOTA_DECISION,
+    QUOTA_RECONCILE_DROPS,
+    QUOTA_TOKENS,
+    RETRIES,
+    ROUTE_FILTERED,
+    TENANT_SLOTS,
+    TENANT_TOKENS,
+    TOKEN_DIRECTIONS,
+    gateway_error_cell,
+    latency_block,
+    overhead_cell,
+    request_cell,
+)
+from gateway.routing.eligibility import MISSING_FEATURE, OUTSIDE_REGION, TOO_SMALL
+
+# The router's reason bits (gateway.routing.eligibility) and the cell of each one's label.
+_FILTER_CELLS = (
+    (TOO_SMALL, ROUTE_FILTERED + FILTER_REASONS.index("context_window")),
+    (MISSING_FEATURE, ROUTE_FILTERED + FILTER_REASONS.index("feature")),
+    (OUTSIDE_REGION, ROUTE_FILTERED + FILTER_REASONS.index("region")),
+)
+
+
+class WorkerMetrics:
+    """A worker's writer over its own row."""
+
+    __slots__ = ("row", "cluster_index", "tenant_index")
+
+    def __init__(self, row: memoryview | list[int], cluster_names: Sequence[str],
+                 tenant_names: Sequence[str] = ()) -> None:
+        """``cluster_names``/``tenant_names``: the supervisor's registries (position = index), e.g.
+        ``WorkerContext.metric_clusters`` and ``metric_tenants``."""
+        self.row = row
+        self.cluster_index = {name: i for i, name in enumerate(cluster_names[:MAX_CLUSTERS])}
+        self.tenant_index = {name: i for i, name in enumerate(tenant_names[:MAX_TENANTS])}
+
+    # -- per request ----------------------------------------------------------------------------
+    def request(self, cluster: str | None, status: int) -> None:
+        index = GATEWAY_CLUSTER if cluster is None else self.cluster_index.get(cluster, OTHER_CLUSTER)
+        self.row[request_cell(index, status)] += 1
+        if cluster is None:
+            cell = gateway_error_cell(status)
+            if cell is not None:
+                self.row[cell] += 1
+
+    def overhead(self, seconds: float) -> None:
+        row = self.row
+        row[overhead_cell(seconds)] += 1
+        row[OVERHEAD_SUM_US] += int(seconds * 1e6)
+        row[OVERHEAD_COUNT] += 1
+
+    def upstream_latency(self, cluster: str, first_byte_s: float, duration_s: float) -> None:
+        """One relayed response: request written -> response head, and -> response end."""
+        row = self.row
+        block = latency_block(self.cluster_index.get(cluster, OTHER_CLUSTER))
+        row[block + bisect_left(FIRST_BYTE_BUCKETS_S, first_byte_s)] += 1
+        row[block + FIRST_BYTE_SUM_US] += int(first_byte_s * 1e6)
+        row[block + DURATION + bisect_left(DURATION_BUCKETS_S, duration_s)] += 1
+        row[block + DURATION_SUM_US] += int(duration_s * 1e6)
+
+    def affinity(self, outcome: str) -> None:
+        self.row[AFFINITY + AFFINITY_OUTCOMES.index(outcome)] += 1
+
+    def retry(self) -> None:
+        """Another endpoint (or a fresh connection) of the same provider tried after a failure."""
+        self.row[RETRIES] += 1
+
+    def failover(self, cluster: str) -> None:
+        """A request moved away from this cluster's provider to another one."""
+        self.row[PROVIDER_FAILOVERS + self.cluster_index.get(cluster, OTHER_CLUSTER)] += 1
+
+    def cooled(self, cluster: str) -> None:
+        """This cluster's provider answered 429/503 and is skipped for a while."""
+        self.row[PROVIDER_COOLED + self.cluster_index.get(cluster, OTHER_CLUSTER)] += 1
+
+    def route_filtered(self, reasons: int) -> None:
+        """The eligibility filters removed candidates of one request; ``reasons``: the router's bits."""
+        row = self.row
+        for bit, cell in _FILTER_CELLS:
+            if reasons & bit:
+                row[cell] += 1
+
+    def overlay_reload(self, result: str) -> None:
+        self.row[OVERLAY_RELOADS + OVERLAY_RESULTS.index(result)] += 1
+
+    # -- published from the heartbeat (per-process monotonic counters, copied) --------------------
+    def publish_quota(self, counters: Any) -> None:
+        """Copy the quota gate's monotonic per-worker counters (gateway.quota.gate.QuotaCounters)."""
+        row = self.row
+        row[QUOTA_DECISION] = counters.admitted
+        row[QUOTA_DECISION + 1] = counters.denied + counters.denied_concurrency
+        row[QUOTA_DECISION + 2] = counters.backend_error_rejected
+        row[QUOTA_DECISION + 3] = counters.backend_error_allowed
+        row[QUOTA_TOKENS] = counters.tokens_estimated
+        row[QUOTA_TOKENS + 1] = counters.tokens_actual
+        row[QUOTA_TOKENS + 2] = counters.tokens_refunded
+        row[QUOTA_TOKENS + 3] = counters.tokens_overage
+        row[QUOTA_BACKEND_ERRORS] = counters.backend_errors
+        row[QUOTA_RECONCILE_DROPS] = counters.reconcile_drops + counters.reconcile_failures
+        row[QUOTA_BREAKER] = counters.breaker_opened
+        row[QUOTA_BREAKER + 1] = counters.breaker_closed
+
+    def publish_tenant_tokens(self, tokens: Any) -> None:
+        """Copy the quota gate's per-tenant tokens (gateway.quota.counters.TenantTokens) into the
+        registry's tenant slots. The gate's names are its own config's; a name the registry has no
+        slot for (and ``other`` itself) adds up under ``other``."""
+        directions = len(TOKEN_DIRECTIONS)
+        per_slot = [0] * (TENANT_SLOTS * directions)  # in the row's order: slot t, direction d at t*2 + d
+        index = self.tenant_index
+        for position, name in enumerate(tokens.names):
+            at = index.get(name, OTHER_TENANT) * directions
+            per_slot[at] += tokens.tokens_in[position]
+            per_slot[at + 1] += tokens.tokens_out[position]
+        row = self.row
+        for offset, value in enumerate(per_slot):
+            if value:  # every cell only grows: a zero has nothing to overwrite
+                row[TENANT_TOKENS + offset] = value
+
+    def publish_panic(self, entries_by_cluster: dict[str, int]) -> None:
+        """Copy each cluster balancer's panic-mode entry count (per process, monotonic)."""
+        for name, entries in entries_by_cluster.items():
+            index = self.cluster_index.get(name)
+            if index is not None:
+                self.row[PANIC_ENTRIES + index] = entries
+
+    def publish_access_log(self, dropped: int) -> None:
+        """Access-log lines lost so far (buffer full or output failing)."""
+        self.row[ACCESS_LOG_DROPPED] = dropped
