@@ -255,7 +255,7 @@ class Exchange:
 class ServerConnection(asyncio.Protocol):
     __slots__ = (
         "server", "settings", "transport", "codec", "state", "exchange", "peer", "_timer", "_deadline",
-        "_on_deadline", "_head_bytes", "_t_head", "_body", "_body_len", "_decoder", "_framing", "_request", "_headers",
+        "_on_deadline", "_head_bytes", "_t_head", "_body", "_body_len", "_framing", "_request", "_headers",
         "_reading_paused", "writing_paused", "_loop", "pending", "served", "_eof",
     )
 
@@ -274,7 +274,6 @@ class ServerConnection(asyncio.Protocol):
         self._t_head = 0.0
         self._body: list[bytes] = []
         self._body_len = 0
-        self._decoder: ChunkedDecoder | None = None  # a chunked body is decoded here, not by the codec
         self._framing: RequestFraming | None = None
         self._request: codec.RequestHead | None = None
         self._headers: list[tuple[bytes, bytes]] = []
@@ -346,9 +345,6 @@ class ServerConnection(asyncio.Protocol):
         elif state == _BODY:
             # An idle deadline, not a total one: a steady upload of a large body keeps going.
             self._set_deadline(self.settings.keepalive_idle_s, _ON_BODY)
-            if self._decoder is not None:
-                self._decode(data)
-                return
         elif state == _CLOSED:
             return
         self.codec.feed(data)
@@ -371,9 +367,6 @@ class ServerConnection(asyncio.Protocol):
                     self._body.append(event.data)
                 elif kind is codec.RequestHead:
                     self._on_request_head(event)
-                    if self._decoder is not None:
-                        self._decode(parser.detach())
-                        return
                 elif kind is codec.EndOfMessage:
                     self._dispatch()
                     return
@@ -403,25 +396,13 @@ class ServerConnection(asyncio.Protocol):
         self._request = event
         self.state = _BODY
         self._set_deadline(settings.keepalive_idle_s, _ON_BODY)
-        if self.codec.expects_continue:
+        parser = self.codec
+        if parser.expects_continue:
             self.write(codec.CONTINUE_RESPONSE)
-        if framing.chunked:
-            self._decoder = ChunkedDecoder(settings.max_body_bytes, settings.max_header_bytes)
-
-    def _decode(self, data: bytes) -> None:
-        """Feed wire bytes of a chunked body to its decoder; dispatch once the body is complete."""
-        decoder = self._decoder
-        assert decoder is not None
-        try:
-            pieces = decoder.feed(data)
-        except GatewayError as error:
-            self._reject(error.reply)
-            return
-        self._body += pieces
-        if decoder.done:
-            if decoder.leftover:
-                self.codec.feed(decoder.leftover)  # the next pipelined request
-            self._dispatch()
+        # The body is framed by the codec's own reader (h11 parses heads only): chunked bodies go through
+        # the strict decoder, which accepts zero-padded sizes and limits the value.
+        chunked = ChunkedDecoder(settings.max_body_bytes, settings.max_header_bytes) if framing.chunked else None
+        parser.read_body(framing.content_length, chunked)
 
     def _dispatch(self) -> None:
         event = self._request
@@ -435,7 +416,6 @@ class ServerConnection(asyncio.Protocol):
         self.codec.expect_response(event.method, event.http_version == b"1.1", framing.keep_alive)
         self._body = []
         self._body_len = 0
-        self._decoder = None
         self._request = None
         self.state = _HANDLING
         self._deadline = _INF

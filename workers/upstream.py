@@ -49,7 +49,7 @@ class ConnectFailed(Exception):
 class UpstreamConnection(asyncio.Protocol):
     __slots__ = (
         "pool", "transport", "codec", "sink", "reused", "closed", "last_activity", "_timer", "_timer_at",
-        "_keep", "_paused", "_loop", "slot_returned", "_head_deadline", "_got_head",
+        "_paused", "_loop", "slot_returned", "_head_deadline", "_got_head",
     )
 
     def __init__(self, pool: UpstreamPool) -> None:
@@ -64,7 +64,6 @@ class UpstreamConnection(asyncio.Protocol):
         self._timer_at = 0.0
         self._head_deadline = _INF  # monotonic time by which the response head must have arrived
         self._got_head = False
-        self._keep = True
         self._paused = False
         self._loop = pool.loop
         self.slot_returned = False
@@ -79,7 +78,6 @@ class UpstreamConnection(asyncio.Protocol):
         ``head_deadline`` (monotonic seconds): fail with TIMEOUT if no response head arrived by then.
         """
         self.sink = sink
-        self._keep = True
         self._got_head = False
         self._head_deadline = head_deadline
         if self.closed:
@@ -171,21 +169,13 @@ class UpstreamConnection(asyncio.Protocol):
     # -- internals -----------------------------------------------------------------------------
     def _on_head(self, sink: UpstreamSink, event: codec.ResponseHead) -> None:
         self._got_head = True
-        headers = codec.header_pairs(event.headers)
-        has_cl = has_te = False
-        for name, _value in headers:
-            if name == b"content-length":
-                has_cl = True
-            elif name == b"transfer-encoding":
-                has_te = True
-        if has_cl and has_te:
-            # RFC 9112 §6.3: forward as chunked, but never reuse this connection.
-            self._keep = False
-        sink.upstream_head(event.status_code, headers)
+        sink.upstream_head(event.status_code, self.codec.head_headers)
 
     def _on_end(self, sink: UpstreamSink) -> None:
         self.sink = None
-        self._finish(self._keep and self.codec.reusable)
+        parser = self.codec
+        # Both Content-Length and Transfer-Encoding (RFC 9112 §6.3): relayed as chunked, never reused.
+        self._finish(parser.reusable and not parser.framing_doubt)
         sink.upstream_end()
 
     def _fail(self, failure: Failure, detail: str) -> None:

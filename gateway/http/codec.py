@@ -8,14 +8,19 @@ next message:
 
 - server side (``ServerCodec``): a fresh parser per request cycle, seeded with the bytes already
   received (pipelining), so responses never pass through it;
-- client side (``ClientCodec``): one canned request event per method tells the response parser the
-  request's method (a HEAD response has no body).
+- client side (``ClientCodec``): a fresh parser per response; only a HEAD request (its answer has no
+  body) or a 1xx head needs a canned request event passed through h11 first.
 
-Events are the parser's objects under the names below; the rest of the gateway reads only the
-attributes documented here, so swapping the parser is a change to this module alone:
+Bodies framed by a Content-Length are counted off by ``BodyReader`` instead of h11 (the server asks
+for it with ``read_body``; the client does it for every length-framed response): h11 then parses heads
+only, and its per-event state machine is skipped for the bodies. Chunked request bodies go through the
+strict decoder of gateway/http/framing.py the same way; chunked responses stay with h11.
 
-- ``RequestHead``: ``method``, ``target``, ``headers`` (list of (lowercase name, value) bytes pairs),
-  ``http_version`` (b"1.0" / b"1.1");
+Events: the gateway reads only the attributes documented here, so swapping the parser is a change
+to this module alone:
+
+- ``RequestHead``: ``method``, ``target``, ``headers`` (see ``header_pairs``), ``http_version``
+  (b"1.0" / b"1.1");
 - ``ResponseHead``: ``status_code``, ``headers``; ``Informational``: a 1xx head;
 - ``Body``: ``data``; ``EndOfMessage``; ``ConnectionClosed``;
 - the sentinels ``NEED_DATA`` (feed more bytes) and ``PAUSED`` (a complete message is waiting for
@@ -29,14 +34,32 @@ from http import HTTPStatus
 
 import h11
 
+from gateway.http.framing import ChunkedDecoder
+
 RequestHead = h11.Request
 ResponseHead = h11.Response
 Informational = h11.InformationalResponse
-Body = h11.Data
-EndOfMessage = h11.EndOfMessage
 ConnectionClosed = h11.ConnectionClosed
 NEED_DATA = h11.NEED_DATA
 PAUSED = h11.PAUSED
+
+
+class Body:
+    """A piece of a message body."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes | bytearray) -> None:
+        self.data = data
+
+
+class EndOfMessage:
+    """The message ended (one shared instance, ``END``)."""
+
+    __slots__ = ()
+
+
+END = EndOfMessage()
 
 REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
 CONTINUE_RESPONSE = b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -80,20 +103,70 @@ def header_pairs(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, by
     return [(name, value) for _raw, name, value in items]
 
 
+class BodyReader:
+    """Frames one message body after h11 parsed its head: ``length`` bytes, or a chunked body through
+    ``chunked`` (gateway/http/framing.py ChunkedDecoder). Bytes after the body stay in ``stash``:
+    they belong to the next message."""
+
+    __slots__ = ("stash", "left", "chunked", "closed", "ended")
+
+    def __init__(self, initial: bytes | bytearray, length: int, chunked: ChunkedDecoder | None) -> None:
+        self.stash = bytearray(initial)
+        self.left = length
+        self.chunked = chunked
+        self.closed = False
+        self.ended = False
+
+    def feed(self, data: bytes) -> None:
+        if data:
+            self.stash += data
+        else:
+            self.closed = True
+
+    def next_event(self):  # -> Body | EndOfMessage | NEED_DATA | PAUSED
+        if self.ended:
+            return PAUSED
+        chunked = self.chunked
+        if chunked is not None:
+            if self.stash:
+                pieces = chunked.feed(bytes(self.stash))  # raises GatewayError on a framing violation
+                self.stash = bytearray(chunked.leftover)
+                if pieces:
+                    return Body(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+            if chunked.done:
+                self.ended = True
+                return END
+        elif self.left == 0:
+            self.ended = True
+            return END
+        elif self.stash:
+            stash = self.stash
+            if len(stash) <= self.left:
+                self.left -= len(stash)
+                self.stash = bytearray()
+                return Body(stash)
+            data = stash[:self.left]
+            del stash[:self.left]
+            self.left = 0
+            return Body(data)
+        if self.closed:
+            raise ParseError("the connection closed in the middle of the body")
+        return NEED_DATA
+
+
 class ServerCodec:
     """One client connection: parses requests, frames the responses to them (one at a time, in order)."""
 
     __slots__ = (
-        "_parser", "_max_head", "_stash", "_stash_closed", "_at_start", "_held_cr", "_mode", "_remaining", "must_close", "_method",
+        "_parser", "_max_head", "_body", "_at_start", "_held_cr", "_mode", "_remaining", "must_close", "_method",
         "_http11", "_keep_alive",
     )
 
     def __init__(self, max_header_bytes: int) -> None:
         self._max_head = max_header_bytes
         self._parser = h11.Connection(h11.SERVER, max_incomplete_event_size=max_header_bytes)
-        # Detached (a chunked body is decoded by the caller): received bytes wait here for the next cycle.
-        self._stash: bytearray | None = None
-        self._stash_closed = False
+        # Set by ``read_body``: the body is framed here, not by h11; later bytes wait for the next cycle.
+        self._body: BodyReader | None = None
         self._at_start = True  # no byte of the current request reached the parser yet
         self._held_cr = False
         self._mode = _NO_BODY
@@ -106,11 +179,8 @@ class ServerCodec:
     # -- parsing ------------------------------------------------------------------------------
     def feed(self, data: bytes) -> None:
         """Bytes received from the client (b"" means the client half-closed)."""
-        if self._stash is not None:
-            if data:
-                self._stash += data
-            else:
-                self._stash_closed = True
+        if self._body is not None:
+            self._body.feed(data)
             return
         if self._at_start and data:
             data = self._skip_empty_line(data)
@@ -130,22 +200,24 @@ class ServerCodec:
         return data[2:] if data[:2] == b"\r\n" else data
 
     def next_event(self):  # -> RequestHead | Body | EndOfMessage | ConnectionClosed | NEED_DATA | PAUSED
+        if self._body is not None:
+            return self._body.next_event()
         try:
-            return self._parser.next_event()
+            event = self._parser.next_event()
         except h11.RemoteProtocolError as error:
             raise ParseError(str(error), error.error_status_hint) from None
+        return _own_event(event)
+
+    def read_body(self, content_length: int, chunked: ChunkedDecoder | None = None) -> None:
+        """After a request head: frame its body here (``content_length`` bytes, -1 for none, or chunked)
+        instead of in h11. Without this call, h11 frames the body."""
+        self._body = BodyReader(self._parser.trailing_data[0], max(content_length, 0), chunked)
 
     @property
     def buffered(self) -> int:
         """Bytes received but not parsed yet (the rest of a pipelined stream)."""
-        stash = self._stash
-        return len(self._parser.trailing_data[0]) if stash is None else len(stash)
-
-    def detach(self) -> bytes:
-        """Stop parsing this request here and return the bytes after its head: the caller decodes the
-        body itself (chunked); later bytes are kept for the next cycle."""
-        self._stash = bytearray()
-        return bytes(self._parser.trailing_data[0])
+        body = self._body
+        return len(self._parser.trailing_data[0]) if body is None else len(body.stash)
 
     @property
     def expects_continue(self) -> bool:
@@ -154,9 +226,10 @@ class ServerCodec:
 
     def next_cycle(self) -> None:
         """Start parsing the next request on this connection (after its response ended)."""
-        if self._stash is not None:
-            data, closed = bytes(self._stash), self._stash_closed
-            self._stash, self._stash_closed = None, False
+        body = self._body
+        if body is not None:
+            data, closed = bytes(body.stash), body.closed
+            self._body = None
         else:
             pending, closed = self._parser.trailing_data
             data = bytes(pending)
@@ -224,6 +297,15 @@ class ServerCodec:
         return b""
 
 
+def _own_event(event):  # h11's body events become the codec's own; heads pass as they are
+    kind = type(event)
+    if kind is h11.Data:
+        return Body(event.data)
+    if kind is h11.EndOfMessage:
+        return END
+    return event
+
+
 # Parsing a response needs no request event, except to learn that the request was a HEAD (its answer
 # has no body) or when a 1xx head arrives (h11 accepts those only after a request): then a canned
 # request of the right method is passed through h11 first; its bytes are discarded.
@@ -246,7 +328,8 @@ def _canned_request(method: bytes) -> h11.Request:
 class ClientCodec:
     """One upstream connection: serialises requests, parses the responses (a fresh parser per response)."""
 
-    __slots__ = ("_parser", "_max_head", "_method", "_primed", "_head_start")
+    __slots__ = ("_parser", "_max_head", "_method", "_primed", "_head_start", "_body", "keep_alive",
+                 "head_headers", "framing_doubt")
 
     def __init__(self, max_header_bytes: int = 65536) -> None:
         self._max_head = max_header_bytes
@@ -254,6 +337,10 @@ class ClientCodec:
         self._method = b"GET"
         self._primed = False  # a canned request went through the parser for this response
         self._head_start = b""  # the first bytes of a response, until its status class is known
+        self._body: BodyReader | None = None  # a length-framed body counted off here
+        self.keep_alive = True  # the response lets the connection be reused
+        self.head_headers: list[tuple[bytes, bytes]] = []  # the last response head's headers, as a plain list
+        self.framing_doubt = False  # the last head had both Content-Length and Transfer-Encoding
 
     def encode_request(self, method: bytes, target: bytes, host: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
         """The request head bytes: Host first, then ``headers`` (with the body framing, Content-Length);
@@ -271,6 +358,9 @@ class ClientCodec:
             parser.send(_END)
 
     def feed(self, data: bytes) -> None:
+        if self._body is not None:
+            self._body.feed(data)
+            return
         if not data and self._head_start:  # the provider closed in the middle of a status line
             self._parser.receive_data(self._head_start)
             self._head_start = b""
@@ -287,14 +377,42 @@ class ClientCodec:
         self._parser.receive_data(data)
 
     def next_event(self):  # -> ResponseHead | Informational | Body | EndOfMessage | ConnectionClosed | ...
+        if self._body is not None:
+            try:
+                return self._body.next_event()
+            except ParseError as error:
+                raise ParseError(str(error), 502) from None
         try:
-            return self._parser.next_event()
+            event = self._parser.next_event()
         except h11.RemoteProtocolError as error:
             raise ParseError(str(error), 502) from None
+        if type(event) is h11.Response:
+            self._on_head(event)
+            return event
+        return _own_event(event)
+
+    def _on_head(self, event: h11.Response) -> None:
+        headers = self.head_headers = header_pairs(event.headers)
+        length = -1
+        chunked = close = False
+        for name, value in headers:
+            if name == b"content-length":
+                length = int(value)  # h11 accepted it: digits
+            elif name == b"transfer-encoding":
+                chunked = True
+            elif name == b"connection" and b"close" in value.lower():
+                close = True
+        self.framing_doubt = chunked and length >= 0
+        self.keep_alive = event.http_version == b"1.1" and not close
+        if length >= 0 and not chunked and self._method != b"HEAD" and event.status_code not in (204, 304):
+            self._body = BodyReader(self._parser.trailing_data[0], length, None)
 
     @property
     def reusable(self) -> bool:
         """The response ended cleanly, kept the connection alive, and nothing unexpected followed it."""
+        body = self._body
+        if body is not None:
+            return body.ended and not body.stash and self.keep_alive
         parser = self._parser
         return parser.their_state is h11.DONE and not parser.trailing_data[0] and not self._head_start
 
@@ -302,3 +420,4 @@ class ClientCodec:
         """A fresh parser for the next response on this connection (called only when ``reusable``)."""
         self._parser = h11.Connection(h11.CLIENT, max_incomplete_event_size=self._max_head)
         self._primed = False
+        self._body = None

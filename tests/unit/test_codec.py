@@ -156,7 +156,7 @@ def test_client_codec_parses_informational_heads_and_split_status_lines(step):
     for start in range(0, len(wire), step or len(wire)):
         client.feed(wire[start:start + (step or len(wire))])
     events = []
-    while (event := client.next_event()) is not codec.NEED_DATA:
+    while (event := client.next_event()) is not codec.NEED_DATA and event is not codec.PAUSED:
         events.append(event)
     assert type(events[0]) is codec.Informational and events[0].status_code == 103
     heads = [e for e in events if type(e) is codec.ResponseHead]
@@ -170,3 +170,60 @@ def test_header_pairs_are_a_plain_lowercase_list():
     server.feed(b"GET / HTTP/1.1\r\nHost: x\r\nX-Mixed-Case: V\r\n\r\n")
     head = server.next_event()
     assert codec.header_pairs(head.headers) == [(b"host", b"x"), (b"x-mixed-case", b"V")]
+
+
+@pytest.mark.parametrize("step", [None, 1, 5])
+def test_server_frames_length_bodies_itself_and_keeps_the_next_request(step):
+    server = codec.ServerCodec(65536)
+    wire = b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 11\r\n\r\nhello world" + b"GET /b HTTP/1.1\r\nHost: x\r\n\r\n"
+    chunks = [wire[i:i + (step or len(wire))] for i in range(0, len(wire), step or len(wire))]
+    server.feed(chunks.pop(0))
+    while (head := server.next_event()) is codec.NEED_DATA:
+        server.feed(chunks.pop(0))
+    server.read_body(11)
+    body = b""
+    while True:
+        event = server.next_event()
+        if event is codec.NEED_DATA:
+            server.feed(chunks.pop(0))
+        elif type(event) is codec.Body:
+            body += event.data
+        else:
+            assert event is codec.END
+            break
+    assert (head.target, body) == (b"/a", b"hello world")
+    for chunk in chunks:
+        server.feed(chunk)
+    server.next_cycle()
+    assert server.next_event().target == b"/b"
+
+
+def test_body_reader_reports_a_connection_closed_mid_body():
+    reader = codec.BodyReader(b"abc", 10, None)
+    assert bytes(reader.next_event().data) == b"abc"
+    assert reader.next_event() is codec.NEED_DATA
+    reader.feed(b"")
+    with pytest.raises(codec.ParseError):
+        reader.next_event()
+
+
+def test_client_counts_off_length_bodies_and_refuses_reuse_after_extra_bytes():
+    client = codec.ClientCodec()
+    client.encode_request(b"POST", b"/", b"up", [])
+    client.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokEXTRA")
+    assert client.next_event().status_code == 200
+    assert bytes(client.next_event().data) == b"ok" and client.next_event() is codec.END
+    assert not client.reusable  # bytes after the end: the provider is not speaking HTTP as we understand it
+
+
+def test_client_sees_connection_close_and_both_framings():
+    client = codec.ClientCodec()
+    client.encode_request(b"GET", b"/", b"up", [])
+    client.feed(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+    assert client.next_event().status_code == 200 and client.next_event() is codec.END
+    assert not client.reusable
+    doubtful = codec.ClientCodec()
+    doubtful.encode_request(b"GET", b"/", b"up", [])
+    doubtful.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n")
+    assert doubtful.next_event().status_code == 200 and doubtful.framing_doubt
+    assert bytes(doubtful.next_event().data) == b"ok"  # Transfer-Encoding wins (RFC 9112 §6.3)
