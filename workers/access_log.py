@@ -20,8 +20,8 @@ import msgspec
 from gateway.config import AccessLog as AccessLogConfig
 from gateway.config import Config
 from gateway.routing import RouteDecision
+from workers.exchange import Exchange
 from workers.line_writer import LineWriter
-from workers.server import Exchange
 
 _perf = time.perf_counter
 _time = time.time

@@ -20,12 +20,12 @@ from gateway.request.failover import COOLING_STATUSES, Failover, cooling_seconds
 from gateway.routing import RouteDecision, Router
 from gateway.routing.eligibility import Needs
 from workers.clusters import ClusterManager, UpstreamCluster, UpstreamEndpoint
+from workers.exchange import Exchange
 from workers.outcomes import Outcomes, attempts_header
 from workers.overlay_follower import OverlayFollower
 from workers.providers import ProviderStates
 from workers.proxy_settings import ProxySettings
 from workers.relay import ResponseRelay
-from workers.server import Exchange
 from workers.upstream import ConnectFailed, PoolExhausted
 
 _perf = time.perf_counter

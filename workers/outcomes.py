@@ -10,7 +10,7 @@ from gateway.request.attempts import Settlement
 from gateway.routing import RouteDecision
 from gateway.routing.decision import header_value
 from workers.access_log import AccessLog
-from workers.server import Exchange
+from workers.exchange import Exchange
 
 _ATTEMPTS = tuple((b"x-gridgate-attempts", b"%d" % n) for n in range(64))
 

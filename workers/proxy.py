@@ -26,12 +26,12 @@ from gateway.routing.plan import model_not_found
 from gateway.routing.tenants import Policy, TenantPolicies, model_not_allowed
 from workers.access_log import AccessLog
 from workers.clusters import ClusterManager
+from workers.exchange import Exchange
 from workers.forwarding import Forwarder, ProxyRequest
 from workers.outcomes import Outcomes
 from workers.overlay_follower import OverlayFollower
 from workers.providers import ProviderStates
 from workers.proxy_settings import ProxySettings
-from workers.server import Exchange
 
 _perf = time.perf_counter
 _monotonic = time.monotonic

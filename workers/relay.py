@@ -20,7 +20,7 @@ from gateway.quota.usage import UsageObserver, usage_observer
 from gateway.request.failover import RETRYABLE_STATUSES
 from gateway.request.failures import Failure
 from gateway.request.headers import connection_tokens
-from workers.server import Exchange
+from workers.exchange import Exchange
 from workers.upstream import UpstreamConnection
 
 _monotonic = time.monotonic
