@@ -84,6 +84,15 @@ class Router:
             )
         return plan
 
+    def _plan_for(self, snapshot: Snapshot, kind: str, name: str) -> CapabilityPlan | ErrorReply:
+        """The capability's plan in ``snapshot`` (adopting a new revision first), or 404 when unknown."""
+        cap = snapshot.capabilities.get((kind, name))
+        if cap is None:
+            return model_not_found(kind, name)
+        if snapshot.revision != self._revision:
+            self._adopt(snapshot)
+        return self._plans[cap.index] or self._plan(snapshot, cap)
+
     def prepare(self, snapshot: Snapshot) -> list[str]:
         """Build every capability's plan now (after a reload) instead of lazily on each capability's
         first request; keeps the state of an unchanged revision. Returns the clusters the overlay
@@ -164,12 +173,9 @@ class Router:
         picker. ``filtered`` tells how many candidates the filters removed.
         """
         self.filtered = 0
-        cap = snapshot.capabilities.get((kind, name))
-        if cap is None:
-            return model_not_found(kind, name)
-        if snapshot.revision != self._revision:
-            self._adopt(snapshot)
-        plan = self._plans[cap.index] or self._plan(snapshot, cap)
+        plan = self._plan_for(snapshot, kind, name)
+        if type(plan) is ErrorReply:
+            return plan
         blocked = self._blocked(plan, needs)
         if type(blocked) is ErrorReply:
             return blocked
@@ -206,12 +212,9 @@ class Router:
     def pinned(self, snapshot: Snapshot, kind: str, name: str, pin: str) -> RouteDecision | ErrorReply:
         """A pinned route (diagnosis, rollback): the candidate named by cluster or stable id, whatever its
         group, with any admission but none, no failover (CONTRACT §12)."""
-        cap = snapshot.capabilities.get((kind, name))
-        if cap is None:
-            return model_not_found(kind, name)
-        if snapshot.revision != self._revision:
-            self._adopt(snapshot)
-        plan = self._plans[cap.index] or self._plan(snapshot, cap)
+        plan = self._plan_for(snapshot, kind, name)
+        if type(plan) is ErrorReply:
+            return plan
         candidate = plan.pinnable.get(pin)
         if candidate is None:
             return ErrorReply(404, "pinned_candidate_not_found",
