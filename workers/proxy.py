@@ -99,10 +99,15 @@ class Proxy:
             if type(pinned) is ErrorReply:
                 return refuse(exchange, pinned, request_id, tenant=tenant, capability=name)
         admission = None
-        if self.quota is not None and self.quota.needs_admission(tenant, name):
-            admission = await self.admit(tenant, capability, len(exchange.body))
-            if type(admission) is ErrorReply:
-                return refuse(exchange, admission, request_id, tenant=tenant, capability=name)
+        quota = self.quota
+        if quota is not None and quota.needs_admission(tenant, name):
+            # Reserve tokens before routing: a denial never reaches a provider (429/503 with headers).
+            fields = capability.body
+            admission = await quota.admit(tenant, name, len(exchange.body),
+                                          fields.max_tokens if fields is not None else None,
+                                          fields.max_completion_tokens if fields is not None else None)
+            if not admission.allowed:
+                return refuse(exchange, refusal(admission), request_id, tenant=tenant, capability=name)
         session = None
         if self.settings.affinity_enabled:
             session = session_key(headers.session, headers.cookie, self.settings.affinity_cookie)
@@ -190,20 +195,6 @@ class Proxy:
                 parts.append((headers.balance_keys or {}).get(fact[1], b""))
         return b"\x00".join(parts)
 
-    async def admit(self, tenant: str, request: CapabilityRequest, body_len: int) -> Admission | ErrorReply:
-        """Reserve tokens before routing; a denial never reaches a provider (429/503 with headers)."""
-        assert self.quota is not None
-        fields = request.body
-        admission = await self.quota.admit(
-            tenant, request.name, body_len,
-            fields.max_tokens if fields is not None else None,
-            fields.max_completion_tokens if fields is not None else None,
-        )
-        if admission.allowed:
-            return admission
-        message, error_type, code = admission.error or ("request not admitted", None, "quota_unavailable")
-        return ErrorReply(admission.status or 503, code, message, admission.headers, error_type=error_type)
-
     def route(self, request: CapabilityRequest, session: bytes | None, needs: Needs | None,
               key: bytes) -> RouteDecision | ErrorReply:
         now = _monotonic()
@@ -247,3 +238,9 @@ def forwarded_headers(exchange: Exchange, headers: RequestHeaders, request_id: b
     elif exchange.method not in _BODYLESS_METHODS:
         forward.append((b"content-length", b"0"))
     return forward
+
+
+def refusal(admission: Admission) -> ErrorReply:
+    """The answer to a request the quota did not admit (429 with the budget headers, or 503)."""
+    message, error_type, code = admission.error or ("request not admitted", None, "quota_unavailable")
+    return ErrorReply(admission.status or 503, code, message, admission.headers, error_type=error_type)

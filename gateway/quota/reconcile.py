@@ -21,6 +21,9 @@ from gateway.quota.ledger import SETTLE_APPLIED, SETTLE_EXPIRED, SETTLE_NOOP, Qu
 log = logging.getLogger("gridgate.quota")
 
 Settlement = tuple[Reservation, int]
+# A settlement waits this long for others to share its round trip (the batch is sent at once when full):
+# under load one write and one reply then settle dozens; the ledger just sees them a few ms later.
+LINGER_S = 0.005
 
 
 class Reconciler:
@@ -97,6 +100,8 @@ class Reconciler:
                 self._idle_waiters.clear()
                 self._wakeup = loop.create_future()
                 await self._wakeup
+            if len(self._pending) < self._batch:
+                await asyncio.sleep(LINGER_S)
             batch = self._pending[: self._batch]
             del self._pending[: self._batch]
             self._busy = len(batch)

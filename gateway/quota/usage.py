@@ -121,31 +121,31 @@ class UsageScanner:
 
     def feed(self, chunk: bytes) -> bytes:
         data = self._held + chunk if self._held else chunk
-        self._held = b""
-        pos = 0
-        while (i := data.find(_KEY_TAIL, pos)) >= 0:
-            start = data.rfind(b'"', max(0, i - _LONGEST_KEY), i)
-            match = _USAGE_VALUE.match(data, start) if start >= 0 else None
-            if match is None or match.end() == len(data):
-                # Cut mid-value (the digits may go on in the next chunk), another key, or not a number.
-                incomplete = _USAGE_INCOMPLETE.match(data, start) if start >= 0 else None
-                if incomplete is not None and incomplete.end() == len(data):
-                    if len(data) - start <= _MAX_HELD:
-                        self._held = data[start:]
+        end = len(data)
+        if _KEY_TAIL in data:
+            for match in _USAGE_VALUE.finditer(data):
+                if match.end() == end:
+                    # The digits may go on in the next chunk: keep the member, judge it then.
+                    self._held = data[match.start():]
                     return chunk
-                pos = i + 1
-                continue
-            value = int(match.group(1))
-            kind = data[start + 1]  # the key's first letter
-            if kind == 116:  # t
-                self.total_tokens = value
-            elif kind == 112:  # p
-                self.prompt_tokens = value
-            else:
-                self.completion_tokens = value
-            pos = match.end()
+                value = int(match.group(1))
+                kind = data[match.start() + 1]  # the key's first letter
+                if kind == 116:  # t
+                    self.total_tokens = value
+                elif kind == 112:  # p
+                    self.prompt_tokens = value
+                else:
+                    self.completion_tokens = value
+            # The last key may be cut before its number: keep it whole for the next chunk.
+            last = data.rfind(_KEY_TAIL)
+            start = data.rfind(b'"', max(0, last - _LONGEST_KEY), last) if last >= 0 else -1
+            if start >= 0 and end - start <= _MAX_HELD:
+                incomplete = _USAGE_INCOMPLETE.match(data, start)
+                if incomplete is not None and incomplete.end() == end:
+                    self._held = data[start:]
+                    return chunk
         # Keep what could be the start of a key split by the chunk boundary.
-        self._held = data[-(_LONGEST_KEY - 1) :]
+        self._held = data[-(_LONGEST_KEY - 1):]
         return chunk
 
     def flush(self) -> bytes:
