@@ -20,6 +20,7 @@ import msgspec
 from gateway.config import AccessLog as AccessLogConfig
 from gateway.config import Config
 from gateway.routing import RouteDecision
+from gateway.routing.eligibility import reason_names
 from workers.exchange import Exchange
 from workers.line_writer import LineWriter
 
@@ -30,7 +31,7 @@ _random = random.random
 
 class AccessLine(msgspec.Struct, omit_defaults=True, gc=False):
     """One line, in the documented key order; ``filtered`` (candidates the eligibility filters removed)
-    only when there were any."""
+    and ``filtered_reasons`` (why: context_window, feature, region) only when there were any."""
 
     ts: str
     request_id: str | None
@@ -56,6 +57,7 @@ class AccessLine(msgspec.Struct, omit_defaults=True, gc=False):
     duration_ms: float | None
     error: str | None
     filtered: int = 0
+    filtered_reasons: list[str] | None = None
 
 
 _NO_ROUTE = (None, None, None, None, None, None)
@@ -105,6 +107,7 @@ class AccessLog:
         capability: str | None = None, route: RouteDecision | None = None, attempts: int = 0,
         endpoint: str | None = None, overhead_s: float | None = None, tokens_prompt: int | None = None,
         tokens_completion: int | None = None, error: str | None = None, filtered: int = 0,
+        reasons: int = 0,
     ) -> None:
         """One request ended: ``status`` as answered (499 when the client left before any answer)."""
         writer = self.writer
@@ -133,7 +136,7 @@ class AccessLog:
             group, mode, affinity, attempts, endpoint, revision, len(exchange.body), exchange.bytes_out,
             tokens_prompt, tokens_completion, None if overhead_s is None else round(overhead_s * 1000.0, 3),
             round((t_first - t_start) * 1000.0, 3) if t_first else None, round((_perf() - t_start) * 1000.0, 3),
-            error, filtered,
+            error, filtered, reason_names(reasons) if filtered else None,
         )
         buffer = writer.buffer
         self._encode_into(line, buffer, -1)

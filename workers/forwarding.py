@@ -39,13 +39,13 @@ class ProxyRequest:
 
     __slots__ = (
         "exchange", "request_id", "tenant", "batch", "capability", "admission", "session", "needs", "key",
-        "filtered", "balance_keys", "body", "metering", "forward", "evidence",
+        "filtered", "filtered_reasons", "balance_keys", "body", "metering", "forward", "evidence",
     )
 
     def __init__(
         self, exchange: Exchange, request_id: bytes, tenant: str, batch: bool, capability: str,
         admission: Admission | None, session: bytes | None, needs: Needs | None, key: bytes, filtered: int,
-        balance_keys: dict[bytes, bytes] | None, body: bytes, metering: bool | None,
+        filtered_reasons: int, balance_keys: dict[bytes, bytes] | None, body: bytes, metering: bool | None,
         forward: list[tuple[bytes, bytes]], evidence: list[tuple[bytes, bytes]],
     ) -> None:
         self.exchange = exchange
@@ -58,6 +58,7 @@ class ProxyRequest:
         self.needs = needs  # eligibility filters (None: none apply)
         self.key = key  # the stable_hash picker's key
         self.filtered = filtered  # candidates the filters removed (evidence)
+        self.filtered_reasons = filtered_reasons  # why (gateway.routing.eligibility reason bits)
         self.balance_keys = balance_keys  # consistent-hash header values of the endpoint balancers
         self.body = body  # as sent upstream (rewritten to ask for usage when metered)
         self.metering = metering  # None: not metered; True: the body was rewritten to ask for usage
@@ -113,10 +114,11 @@ class Forwarder:
         if exchange.client_gone:
             outcomes.access_log.record(exchange, req.request_id, 499, tenant=req.tenant, capability=req.capability,
                                        route=route, attempts=failover.attempts, error="client_closed",
-                                       filtered=req.filtered)
+                                       filtered=req.filtered, reasons=req.filtered_reasons)
         else:
             outcomes.refuse(exchange, failover.last_reply, req.request_id, cluster.name, failover.attempts,
-                            tenant=req.tenant, capability=req.capability, route=route, filtered=req.filtered)
+                            tenant=req.tenant, capability=req.capability, route=route, filtered=req.filtered,
+                            reasons=req.filtered_reasons)
 
     def _upstream_headers(self, req: ProxyRequest, cluster: UpstreamCluster,
                           route: RouteDecision) -> list[tuple[bytes, bytes]]:
@@ -180,7 +182,8 @@ class Forwarder:
                     outcomes.settle(req.admission, Settlement.RELEASE)
                     outcomes.access_log.record(exchange, req.request_id, 499, tenant=req.tenant,
                                                capability=req.capability, route=route, attempts=attempt,
-                                               error="client_closed", filtered=req.filtered)
+                                               error="client_closed", filtered=req.filtered,
+                                               reasons=req.filtered_reasons)
                     return None
                 relay = ResponseRelay(exchange, conn, response_headers, req.metering, hold_retryable)
                 exchange.listener = relay
@@ -212,7 +215,8 @@ class Forwarder:
                 outcomes.settle(req.admission, Settlement.CHARGE_ESTIMATE)
                 outcomes.access_log.record(exchange, req.request_id, 499, tenant=req.tenant, capability=req.capability,
                                            route=route, attempts=attempt, endpoint=endpoint.address,
-                                           error="client_closed", filtered=req.filtered)
+                                           error="client_closed", filtered=req.filtered,
+                                           reasons=req.filtered_reasons)
                 return None
             if self.route_headers:
                 response_headers.pop()  # the overhead header is re-measured on the next attempt
@@ -242,7 +246,7 @@ class Forwarder:
         outcomes.access_log.record(
             req.exchange, req.request_id, status, tenant=req.tenant, capability=req.capability, route=route,
             attempts=attempt, endpoint=endpoint.address, overhead_s=overhead, tokens_prompt=prompt,
-            tokens_completion=completion, filtered=req.filtered,
+            tokens_completion=completion, filtered=req.filtered, reasons=req.filtered_reasons,
             error=f"upstream_{failure.name.lower()}" if failure else "client_closed" if relay.client_left else None,
         )
 

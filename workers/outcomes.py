@@ -44,7 +44,7 @@ class Outcomes:
 
     def refuse(self, exchange: Exchange, reply: ErrorReply, request_id: bytes, provider: str | None = None,
                attempts: int = 0, *, tenant: str | None = None, capability: str | None = None,
-               route: RouteDecision | None = None, filtered: int = 0) -> None:
+               route: RouteDecision | None = None, filtered: int = 0, reasons: int = 0) -> None:
         """Answer with a gateway-made error; errors about a provider name it and count under its cluster."""
         self.metrics.request(provider, reply.status)
         extra = [(b"x-request-id", request_id)]
@@ -53,4 +53,4 @@ class Outcomes:
             extra.append(attempts_header(attempts))
         exchange.send_error(reply, extra)
         self.access_log.record(exchange, request_id, reply.status, tenant=tenant, capability=capability, route=route,
-                               attempts=attempts, error=reply.code, filtered=filtered)
+                               attempts=attempts, error=reply.code, filtered=filtered, reasons=reasons)

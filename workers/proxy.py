@@ -116,11 +116,14 @@ class Proxy:
         route = pinned or self.route(capability, session, needs, key)
         if type(route) is ErrorReply:
             self.outcomes.settle(admission, Settlement.RELEASE)
-            return refuse(exchange, route, request_id, tenant=tenant, capability=name)
+            router = self.router  # a 400/422 from the filters: the access line says what they removed
+            return refuse(exchange, route, request_id, tenant=tenant, capability=name, filtered=router.filtered,
+                          reasons=router.filtered_reasons)
         filtered = self.router.filtered if pinned is None else 0
         body, metering = upstream_body(capability, exchange.body, admission)
         request = ProxyRequest(
             exchange, request_id, tenant, policy.batch, name, admission, session, needs, key, filtered,
+            self.router.filtered_reasons if filtered else 0,
             headers.balance_keys, body, metering, forwarded_headers(exchange, headers, request_id, body),
             [(b"x-gridgate-filtered", b"%d" % filtered)] if filtered and self.settings.route_headers else [],
         )

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
+from gateway.routing.eligibility import REASONS
+
 MAX_CLUSTERS = 64
 MAX_TENANTS = 128
 STATUS_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
@@ -23,7 +25,7 @@ QUOTA_DECISIONS = ("admitted", "denied", "backend_error_rejected", "backend_erro
 QUOTA_TOKEN_KINDS = ("estimated", "actual", "refunded", "overage")
 OVERLAY_RESULTS = ("applied", "unchanged", "rejected")
 # Why the eligibility filters removed candidates (the writer maps the router's reason bits to these).
-FILTER_REASONS = ("context_window", "feature", "region")
+FILTER_REASONS = tuple(name for _bit, name in REASONS)  # gateway.routing.eligibility
 TOKEN_DIRECTIONS = ("in", "out")
 
 # Cluster indexes: the registry's positions, then MAX_CLUSTERS for "answered by the gateway itself"

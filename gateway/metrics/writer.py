@@ -44,14 +44,10 @@ from gateway.metrics.catalogue import (
     overhead_cell,
     request_cell,
 )
-from gateway.routing.eligibility import MISSING_FEATURE, OUTSIDE_REGION, TOO_SMALL
+from gateway.routing.eligibility import REASONS
 
 # The router's reason bits (gateway.routing.eligibility) and the cell of each one's label.
-_FILTER_CELLS = (
-    (TOO_SMALL, ROUTE_FILTERED + FILTER_REASONS.index("context_window")),
-    (MISSING_FEATURE, ROUTE_FILTERED + FILTER_REASONS.index("feature")),
-    (OUTSIDE_REGION, ROUTE_FILTERED + FILTER_REASONS.index("region")),
-)
+_FILTER_CELLS = tuple((bit, ROUTE_FILTERED + FILTER_REASONS.index(name)) for bit, name in REASONS)
 
 
 class WorkerMetrics:

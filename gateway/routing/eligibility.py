@@ -20,8 +20,14 @@ FEATURE_BIT = {name: 1 << index for index, name in enumerate(FEATURES)}
 ALL_FEATURES = (1 << len(FEATURES)) - 1
 TOOLS, VISION, JSON_SCHEMA, AUDIO, EMBEDDINGS = (FEATURE_BIT[name] for name in FEATURES)
 
-# Why a candidate was filtered (bits, so one candidate can fail several ways).
+# Why a candidate was filtered (bits, so one candidate can fail several ways), and their names in the
+# access log and the metrics.
 TOO_SMALL, MISSING_FEATURE, OUTSIDE_REGION = 1, 2, 4
+REASONS = ((TOO_SMALL, "context_window"), (MISSING_FEATURE, "feature"), (OUTSIDE_REGION, "region"))
+
+
+def reason_names(bits: int) -> list[str]:
+    return [name for bit, name in REASONS if bits & bit]
 
 
 class Facts:

@@ -190,4 +190,5 @@ def test_candidates_removed_by_the_eligibility_filters_are_counted(providers, ga
     assert (big.status, big.headers["x-gridgate-filtered"], small.status) == (200, "1", 200)
     by_id = {line["request_id"]: line for line in wait_lines(os.path.join(gateway.directory, "access.log"), 2)}
     assert (by_id["big"]["provider"], by_id["big"]["filtered"]) == ("provider-b", 1)
-    assert "filtered" not in by_id["small"]  # present only when a filter removed a candidate
+    assert by_id["big"]["filtered_reasons"] == ["context_window"]
+    assert "filtered" not in by_id["small"] and "filtered_reasons" not in by_id["small"]  # present only when a filter removed a candidate
