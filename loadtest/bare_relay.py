@@ -16,12 +16,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import select
+import subprocess
+import sys
 from http import HTTPStatus
 
 import h11
 import uvloop
 
-from loadtest.mock_provider import error_payload
+from loadtest.mock_provider import child_setup, error_payload, terminate
 
 REQUEST_DROPPED = frozenset((b"connection", b"host"))
 RESPONSE_DROPPED = frozenset((b"connection", b"transfer-encoding"))
@@ -197,6 +201,20 @@ async def serve(host: str, port: int, upstream: tuple[str, int]) -> None:
     server = await loop.create_server(lambda: ClientConnection(upstream), host, port, backlog=4096)
     print(f"bare_relay listening on {host}:{port} -> {upstream[0]}:{upstream[1]}", flush=True)
     await server.serve_forever()
+
+
+def start_bare_relay_process(listen_port: int, upstream_port: int, cpus: set[int] | None = None,
+                             timeout: float = 10.0) -> subprocess.Popen[bytes]:
+    """`python -m loadtest.bare_relay` as a child process pinned to `cpus`, returned once it listens."""
+    cmd = [sys.executable, "-m", "loadtest.bare_relay", str(listen_port), str(upstream_port)]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    process = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, preexec_fn=child_setup(cpus))
+    assert process.stdout is not None
+    # The first line says it listens; nothing within the timeout, or EOF, means it failed to start.
+    if not select.select([process.stdout], [], [], timeout)[0] or not process.stdout.readline():
+        terminate(process, 5.0)
+        raise RuntimeError(f"bare_relay did not start listening on port {listen_port}")
+    return process
 
 
 def main(argv: list[str] | None = None) -> int:
