@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test bench bench-core bench-tls lint clean
+.PHONY: install run test bench bench-core bench-tls bench-relay lint clean
 
 install: $(STAMP)
 
@@ -31,6 +31,12 @@ bench-core: install
 bench-tls: install
 	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
 	$(BIN)/python -m loadtest.bench_tls
+
+# gridgate (1 worker, routing on) against a bare uvloop + h11 relay, one core each: worker CPU per request
+# and the ratio (issue 13, target 1: >= 1.0x). The upstream is nginx if installed, else the mock provider.
+bench-relay: install
+	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
+	$(BIN)/python -m loadtest.bench_relay
 
 lint: install
 	$(BIN)/ruff check .
