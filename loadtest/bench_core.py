@@ -46,6 +46,7 @@ from loadtest.topology import (
     Topology,
     pin_self,
     raise_fd_limit,
+    split_cores,
     start_mocks,
     stop_all,
 )
@@ -158,9 +159,7 @@ def run_wrk_part(args: argparse.Namespace, results: dict[str, Any], gateway_cpus
 
 
 def run(args: argparse.Namespace) -> int:
-    multi_core = len(os.sched_getaffinity(0)) > 1
-    gateway_cpus = {args.gateway_core} if multi_core else None
-    load_cpus = {args.load_core} if multi_core else None
+    gateway_cpus, load_cpus = split_cores(args.gateway_core, args.load_core)
     raise_fd_limit(bench_streams.wanted_fd_limit(args.streams))
     pin_self(load_cpus)
     results: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": args.config,

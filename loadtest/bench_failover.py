@@ -26,7 +26,7 @@ import yaml
 from loadtest.bench_core import run_wrk
 from loadtest.mock_provider import start_mock_provider_process
 from loadtest.report import markdown_table
-from loadtest.topology import CHAT_PATH, GatewayProcess, Topology, free_port, pin_self
+from loadtest.topology import CHAT_PATH, GatewayProcess, Topology, free_port, pin_self, split_cores
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WRK_CHAT = os.path.join(HERE, "configs", "wrk_chat.lua")
@@ -57,8 +57,7 @@ def run(args: argparse.Namespace) -> int:
     if shutil.which("wrk") is None:
         print("bench_failover: wrk not found on PATH; skipping (apt-get install -y wrk)")
         return 0
-    multi_core = len(os.sched_getaffinity(0)) > 1
-    gateway_cpus, load_cpus = ({0}, {1}) if multi_core else (None, None)
+    gateway_cpus, load_cpus = split_cores()
     pin_self(load_cpus)
     work_dir = tempfile.mkdtemp(prefix="gridgate-failover-")
     mock = start_mock_provider_process(0, "good", cpus=load_cpus)

@@ -34,6 +34,7 @@ from loadtest.topology import (
     Topology,
     pin_self,
     raise_fd_limit,
+    split_cores,
     start_mocks,
     stop_all,
     write_derived_config,
@@ -115,9 +116,7 @@ def run(args: argparse.Namespace) -> int:
     if shutil.which("wrk") is None:
         print("bench_features: wrk not found on PATH; skipping (apt-get install -y wrk)")
         return 0
-    multi_core = len(os.sched_getaffinity(0)) > 1
-    gateway_cpus = {0} if multi_core else None
-    load_cpus = {1} if multi_core else None
+    gateway_cpus, load_cpus = split_cores()
     raise_fd_limit()
     pin_self(load_cpus)
     work_dir = tempfile.mkdtemp(prefix="gridgate-bench-")

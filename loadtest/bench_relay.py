@@ -51,7 +51,16 @@ from loadtest.bare_relay import start_bare_relay_process
 from loadtest.bench_core import run_wrk
 from loadtest.mock_provider import child_setup, start_mock_provider_process, terminate
 from loadtest.report import REPORTS_DIR, markdown_table, process_cpu_s, timestamp, write_json, write_text
-from loadtest.topology import CHAT_PATH, ROOT, GatewayProcess, Topology, free_port, pin_self, raise_fd_limit
+from loadtest.topology import (
+    CHAT_PATH,
+    ROOT,
+    GatewayProcess,
+    Topology,
+    free_port,
+    pin_self,
+    raise_fd_limit,
+    split_cores,
+)
 
 WRK_RELAY = os.path.join(ROOT, "loadtest", "configs", "wrk_relay.lua")
 WARM_UP_S = 2
@@ -240,9 +249,7 @@ def run(args: argparse.Namespace) -> int:
     if shutil.which("wrk") is None:
         print("bench_relay: wrk not found on PATH; skipping (`make bench-relay` installs it with apt-get)")
         return 0
-    multi_core = len(os.sched_getaffinity(0)) > 1
-    proxy_cpus = {0} if multi_core else None
-    load_cpus = {1} if multi_core else None
+    proxy_cpus, load_cpus = split_cores()
     raise_fd_limit()
     pin_self(load_cpus)
     results: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rounds": args.rounds,

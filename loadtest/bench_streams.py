@@ -66,6 +66,7 @@ from loadtest.topology import (
     move_to_free_ports,
     pin_self,
     raise_fd_limit,
+    split_cores,
     start_mocks,
     stop_all,
     upstream_in_flight,
@@ -392,10 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gateway-core", type=int, default=0)
     parser.add_argument("--load-core", type=int, default=1)
     args = parser.parse_args(argv)
-    multi_core = len(os.sched_getaffinity(0)) > 1
     try:
-        results = run_streams(args, {args.gateway_core} if multi_core else None,
-                              {args.load_core} if multi_core else None)
+        results = run_streams(args, *split_cores(args.gateway_core, args.load_core))
     except RuntimeError as exc:
         print(f"bench_streams: {exc}", file=sys.stderr)
         return 1

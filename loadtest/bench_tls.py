@@ -52,6 +52,7 @@ from loadtest.report import (
     write_json,
     write_text,
 )
+from loadtest.topology import split_cores
 
 KEY_TYPES = {
     "ecdsa-p256": ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256"],
@@ -139,9 +140,7 @@ def run(args: argparse.Namespace) -> int:
         if shutil.which(tool) is None:
             print(f"bench_tls: {tool} not found on PATH; skipping")
             return 0
-    multi_core = len(os.sched_getaffinity(0)) > 1
-    gateway_cpus = {args.gateway_core} if multi_core else None
-    load_cpus = {args.load_core} if multi_core else None
+    gateway_cpus, load_cpus = split_cores(args.gateway_core, args.load_core)
     raise_fd_limit()
     pin_self(load_cpus)
     results: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "duration_s": args.duration,

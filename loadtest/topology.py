@@ -159,6 +159,14 @@ def pin_self(cpus: set[int] | None) -> None:
         os.sched_setaffinity(0, cpus)
 
 
+def split_cores(proxy_core: int = 0, load_core: int = 1) -> tuple[set[int] | None, set[int] | None]:
+    """(proxy cores, load cores): one core for the proxy under test and one for the load, mocks and
+    Valkey, when this process may use more than one; (None, None) (no pinning) on a single core."""
+    if len(os.sched_getaffinity(0)) > 1:
+        return {proxy_core}, {load_core}
+    return None, None
+
+
 def upstream_in_flight(mocks: list[MockProviderHandle]) -> int:
     """Requests the mocks are serving right now (from their /metrics)."""
     total = 0
