@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import valkey
 
 from gateway.quota.embedded import EmbeddedValkey
 
@@ -18,3 +19,11 @@ def valkey_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
     finally:
         server.stop()
+
+
+@pytest.fixture
+def store(valkey_url: str) -> Iterator[valkey.Valkey]:
+    """A plain client of the session's Valkey, for tests that read or publish keys directly."""
+    client = valkey.Valkey.from_url(valkey_url)
+    yield client
+    client.close()

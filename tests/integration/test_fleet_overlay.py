@@ -23,32 +23,15 @@ import yaml
 from gateway.overlay.snapshot import snapshot_from_bytes
 from gateway.quota.embedded import EmbeddedValkey
 from loadtest.mock_provider import MockProviderHandle
-from tests.harness import ROOT, Gateway, admin_get, candidate, chat, envelope, free_port
+from tests.harness import ROOT, Gateway, admin_get, candidate, chat, envelope, free_port, wait_until
 
 SCOPE = {"network": "net", "gateway": "gw", "namespace": "ns", "local_site": "east"}
 INTERVAL_MS = 200
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 8.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.fixture
 def key() -> str:
     return f"gridgate:overlay:test-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
-def store(valkey_url: str) -> Iterator[valkey.Valkey]:
-    client = valkey.Valkey.from_url(valkey_url)
-    yield client
-    client.close()
 
 
 # --------------------------------------------------------------------------- the control plane
@@ -144,8 +127,8 @@ def test_two_control_planes_on_one_key_one_holds_the_lease_the_other_takes_over(
     events.subscribe(f"{key}:events")
     first, second = control_processes(spec, "first"), control_processes(spec, "second")
 
-    wait_for(lambda: published(store, key), what="the first publish")
-    leader_pid = wait_for(lambda: lease_holder_pid(store, key), what="a lease holder")
+    wait_until(lambda: published(store, key), what="the first publish")
+    leader_pid = wait_until(lambda: lease_holder_pid(store, key), what="a lease holder")
     leader, standby = (first, second) if leader_pid == first.pid else (second, first)
     assert leader_pid == leader.pid
     time.sleep(5 * INTERVAL_MS / 1000)  # rounds go by: nothing changes, nothing is republished
@@ -158,14 +141,14 @@ def test_two_control_planes_on_one_key_one_holds_the_lease_the_other_takes_over(
 
     leader.stop(signal.SIGKILL)  # no clean exit: the standby must wait out the lease (3 intervals)
     killed = time.monotonic()
-    wait_for(lambda: lease_holder_pid(store, key) == standby.pid, timeout=5, what="the standby taking over")
+    wait_until(lambda: lease_holder_pid(store, key) == standby.pid, timeout=5, what="the standby taking over")
     assert time.monotonic() - killed < 3 * INTERVAL_MS / 1000 + 2 * INTERVAL_MS / 1000 + 1.0
     assert "acquired" in standby.log()
 
     # The new holder publishes what changes, continuing the generation from the key.
     from tests.integration.test_control_plane import admin
     admin(handle, "/admin/health", {"status": 503})
-    wait_for(lambda: (published(store, key) or {}).get("provenance", {}).get("source_generation") == 2,
+    wait_until(lambda: (published(store, key) or {}).get("provenance", {}).get("source_generation") == 2,
              what="the new holder's publish")
     document = published(store, key)
     assert document is not None
@@ -245,7 +228,7 @@ def test_two_gateways_converge_on_a_publish_within_3s_and_keep_last_known_good_o
     second = fleet_overlay("provider-b", generation=2)
     published_at = put(store, key, second)
     for gateway in (one, two):
-        wait_for(lambda gateway=gateway: serving(gateway) == {second["revision"]["value"]}, timeout=3.0,
+        wait_until(lambda gateway=gateway: serving(gateway) == {second["revision"]["value"]}, timeout=3.0,
                  what="convergence on the published revision")
     assert time.monotonic() - published_at < 3.0
     for gateway in (one, two):
@@ -257,7 +240,7 @@ def test_two_gateways_converge_on_a_publish_within_3s_and_keep_last_known_good_o
     for count, bad in enumerate((json.dumps(tampered).encode(), b"{half a docum"), start=1):
         put(store, key, bad)
         for gateway in (one, two):
-            wait_for(lambda gateway=gateway, count=count: metric(
+            wait_until(lambda gateway=gateway, count=count: metric(
                 gateway, 'gridgate_overlay_source_updates_total{outcome="rejected"}') == count, what="the rejection")
     time.sleep(1.0)  # long enough for a worker to have followed a cache file that changed
     for gateway in (one, two):
@@ -281,7 +264,7 @@ def test_valkey_outage_keeps_traffic_and_readiness_and_a_publish_after_recovery_
         assert providers_of(gateway) == {"provider-a"}
 
         server.stop()
-        wait_for(lambda: metric(gateway, "gridgate_overlay_source_up") == 0.0, what="the outage to be noticed")
+        wait_until(lambda: metric(gateway, "gridgate_overlay_source_up") == 0.0, what="the outage to be noticed")
         assert admin_get(gateway.admin_port, "/readyz")[0] == 200
         assert providers_of(gateway) == {"provider-a"}
         time.sleep(1.5)  # reconnect attempts fail: still one outage, still ready
@@ -292,7 +275,7 @@ def test_valkey_outage_keeps_traffic_and_readiness_and_a_publish_after_recovery_
         assert server.start() == url
         second = fleet_overlay("provider-b", generation=2)
         put(store, key, second)
-        wait_for(lambda: serving(gateway) == {second["revision"]["value"]}, timeout=5.0,
+        wait_until(lambda: serving(gateway) == {second["revision"]["value"]}, timeout=5.0,
                  what="the publish made after Valkey came back")
         assert providers_of(gateway) == {"provider-b"}
         assert metric(gateway, "gridgate_overlay_source_up") == 1.0
@@ -346,13 +329,13 @@ def test_overlay_age_is_measured_and_a_stale_overlay_warned_about_once(
 
     gateway = gateway_factory({name: [h.address] for name, h in providers.items()}, rendered(timedelta(hours=2), 1),
                               extra={"routing": {"overlay_max_age": "1h"}})
-    age = wait_for(lambda: metric(gateway, "gridgate_overlay_age_seconds"), what="the age metric")
+    age = wait_until(lambda: metric(gateway, "gridgate_overlay_age_seconds"), what="the age metric")
     assert 7190 < age < 7300
-    wait_for(lambda: "more than routing.overlay_max_age" in gateway.log(), what="the staleness warning")
+    wait_until(lambda: "more than routing.overlay_max_age" in gateway.log(), what="the staleness warning")
     from tests.harness import write_json_atomic
     write_json_atomic(gateway.overlay_path, rendered(timedelta(0), 2))  # the control plane is back
-    wait_for(lambda: (metric(gateway, "gridgate_overlay_age_seconds") or 1e9) < 60, what="a fresh age")
-    wait_for(lambda: "is fresh again" in gateway.log(), what="the recovery line")
+    wait_until(lambda: (metric(gateway, "gridgate_overlay_age_seconds") or 1e9) < 60, what="a fresh age")
+    wait_until(lambda: "is fresh again" in gateway.log(), what="the recovery line")
     assert gateway.log().count("more than routing.overlay_max_age") == 1
 
 
@@ -364,15 +347,15 @@ def test_reload_keeps_following_the_source_and_refuses_to_change_it(
     gateway = source_gateway(gateway_factory, providers, valkey_url, key)
     pids = gateway.worker_pids()
     gateway.signal(signal.SIGHUP)  # nothing changed: the same workers keep serving (no generation swap)
-    wait_for(lambda: "forwarded SIGHUP" in gateway.log(), what="the in-place reload")
+    wait_until(lambda: "forwarded SIGHUP" in gateway.log(), what="the in-place reload")
     assert gateway.worker_pids() == pids
 
     gateway.config["routing"]["overlay_source"]["key"] = key + ":other"
     gateway.write_config()
     gateway.signal(signal.SIGHUP)
-    wait_for(lambda: "routing.overlay_source: changed; restart the service to apply it" in gateway.log(),
+    wait_until(lambda: "routing.overlay_source: changed; restart the service to apply it" in gateway.log(),
              what="the refused reload")
     second = fleet_overlay("provider-b", generation=2)
     put(store, key, second)  # still following the key it started with
-    wait_for(lambda: serving(gateway) == {second["revision"]["value"]}, timeout=3.0, what="the publish")
+    wait_until(lambda: serving(gateway) == {second["revision"]["value"]}, timeout=3.0, what="the publish")
     assert providers_of(gateway) == {"provider-b"}

@@ -7,7 +7,6 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +37,6 @@ def revision_of(data: bytes) -> str:
 @pytest.fixture
 def key() -> str:
     return f"gridgate:overlay:source-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
-def store(valkey_url: str) -> Iterator[valkey.Valkey]:
-    client = valkey.Valkey.from_url(valkey_url)
-    yield client
-    client.close()
 
 
 def publish(store: valkey.Valkey, key: str, data: bytes, notify: bool = True) -> None:
