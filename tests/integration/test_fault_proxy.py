@@ -60,8 +60,15 @@ def read_until_close(sock: socket.socket) -> tuple[bytes, str]:
 
 
 def exchange(port: int, payload: bytes, timeout: float = 5.0) -> tuple[bytes, str]:
-    with connect(port, timeout) as sock:
-        sock.sendall(payload)
+    try:
+        sock = connect(port, timeout)
+    except ConnectionResetError:  # the proxy reset the connection before connect() reported it open
+        return b"", "reset"
+    with sock:
+        try:
+            sock.sendall(payload)
+        except (ConnectionResetError, BrokenPipeError):
+            return b"", "reset"
         return read_until_close(sock)
 
 
