@@ -16,7 +16,7 @@ anywhere, including inside ``"total_tokens"`` or its number.
 from __future__ import annotations
 
 import re
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
 import msgspec
 
@@ -101,6 +101,21 @@ _USAGE_VALUE = re.compile(rb'"(?:prompt|completion|total)_tokens"\s*:\s*(\d+)')
 _USAGE_INCOMPLETE = re.compile(rb'"(?:prompt|completion|total)_tokens"\s*(?::\s*\d*)?')
 _MAX_HELD = 256  # bytes of a split `"total_tokens": N` kept across chunks
 
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _UsageCounts(msgspec.Struct):
+    total_tokens: _Count | None = None
+    prompt_tokens: _Count | None = None
+    completion_tokens: _Count | None = None
+
+
+class _UsageDocument(msgspec.Struct):
+    usage: _UsageCounts | None = None
+
+
+_usage_document = msgspec.json.Decoder(_UsageDocument)
+
 
 class UsageScanner:
     """Finds ``"total_tokens": N`` (and the prompt/completion counts beside it) in a byte stream (JSON
@@ -120,6 +135,8 @@ class UsageScanner:
         self._held = b""
 
     def feed(self, chunk: bytes) -> bytes:
+        if not self._held and chunk[:1] == b"{" and chunk[-1:] == b"}" and self._read_document(chunk):
+            return chunk
         data = self._held + chunk if self._held else chunk
         end = len(data)
         if _KEY_TAIL in data:
@@ -147,6 +164,22 @@ class UsageScanner:
         # Keep what could be the start of a key split by the chunk boundary.
         self._held = data[-(_LONGEST_KEY - 1):]
         return chunk
+
+    def _read_document(self, chunk: bytes) -> bool:
+        """A whole JSON response in one chunk (the usual non-streamed answer): its top-level ``usage``
+        decoded in C, ten times cheaper than the scan. False (scan it) for anything else."""
+        try:
+            usage = _usage_document.decode(chunk).usage
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return False
+        if usage is None or usage.total_tokens is None:
+            return False
+        self.total_tokens = usage.total_tokens
+        if usage.prompt_tokens is not None:
+            self.prompt_tokens = usage.prompt_tokens
+        if usage.completion_tokens is not None:
+            self.completion_tokens = usage.completion_tokens
+        return True
 
     def flush(self) -> bytes:
         if self._held:

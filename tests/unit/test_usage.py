@@ -89,6 +89,31 @@ def test_scanner_finds_the_usage_counts_in_plain_json_at_every_split() -> None:
         assert counts(scanner) == (5, 4, 9), cut
 
 
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        # The whole answer in one chunk: its top-level usage, read by the JSON decoder.
+        (b'{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":4,"total_tokens":9}}', (5, 4, 9)),
+        (b'{"usage":{"total_tokens":9}}', (None, None, 9)),
+        # Shapes the decoder refuses or that carry no top-level total: the byte scan decides, as for a
+        # body in pieces (a float is read up to its point, a negative count is no count).
+        (b'{"usage":{"prompt_tokens":5,"completion_tokens":4,"total_tokens":9.0}}', (5, 4, 9)),
+        (b'{"usage":{"total_tokens":-3}}', (None, None, None)),
+        (b'{"usage":null,"data":[{"usage":{"total_tokens":7}}]}', (None, None, 7)),
+        (b'{"usage":{"total_tokens":9}', (None, None, 9)),  # truncated: not one whole document
+        (b'{"a":1} {"usage":{"total_tokens":9}}', (None, None, 9)),  # two documents: scanned
+    ],
+)
+def test_scanner_reads_a_whole_json_answer_like_the_scan_does(body: bytes, expected: tuple) -> None:
+    whole = UsageScanner()
+    assert run(whole, body, []) == body
+    assert counts(whole) == expected
+    for cut in range(1, len(body)):  # in pieces the scan alone reads it: the same counts
+        pieces = UsageScanner()
+        run(pieces, body, [cut])
+        assert counts(pieces) == expected, cut
+
+
 def test_scanner_finds_usage_in_an_sse_stream_across_random_splits() -> None:
     stream = sse_stream(include_usage=True)
     rng = random.Random(7)
