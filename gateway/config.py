@@ -429,12 +429,33 @@ class QuotaRule(_Strict):
 
 
 
+class QuotaLease(_Strict):
+    """Worker-held token blocks (gateway/quota/lease.py): admit without a Valkey round trip per request."""
+
+    # One block: what a worker reserves at once for one (rule, tenant) and then admits against locally.
+    tokens: int
+    # A block stops admitting after this long (and at the end of a window); its unused tokens go back.
+    ttl: Seconds = Seconds(1)
+    # Blocks only while the tightest budget still has room for this many blocks: near the limit every
+    # request reserves in Valkey, exactly as without leases.
+    headroom: int = 10
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1:
+            raise ValueError("tokens: must be >= 1")
+        if not 0.01 <= self.ttl <= 60:
+            raise ValueError("ttl: must be between 10ms and 60s")
+        if self.headroom < 1:
+            raise ValueError("headroom: must be >= 1")
+
+
 class Quota(_Strict):
     rules: list[QuotaRule]
     backend: QuotaBackend = QuotaBackend()
     on_backend_error: Literal["reject", "allow"] = "reject"
     reservation_timeout: Seconds = Seconds(120)
     breaker: QuotaBreaker = QuotaBreaker()
+    lease: QuotaLease | None = None
 
 
 class Config(_Strict):

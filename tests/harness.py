@@ -189,6 +189,14 @@ def admin_get(port: int, path: str, timeout: float = 2.0) -> tuple[int, dict[str
         return 0, {}, b""
 
 
+def metric_value(admin_port: int, sample: str) -> float:
+    """One sample of the admin listener's /metrics, named with its labels as exposed
+    (``gridgate_quota_leases_total{event="granted"}``); 0 when absent."""
+    _, _, body = admin_get(admin_port, "/metrics")
+    match = re.search(rb"^" + re.escape(sample.encode()) + rb" (\S+)$", body, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
 class Response:
     def __init__(self, status: int, headers: dict[str, str], body: bytes, chunks: list[bytes]) -> None:
         self.status = status

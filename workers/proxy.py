@@ -100,14 +100,17 @@ class Proxy:
                 return refuse(exchange, pinned, request_id, tenant=tenant, capability=name)
         admission = None
         quota = self.quota
-        if quota is not None and quota.needs_admission(tenant, name):
+        if quota is not None:
             # Reserve tokens before routing: a denial never reaches a provider (429/503 with headers).
             fields = capability.body
-            admission = await quota.admit(tenant, name, len(exchange.body),
-                                          fields.max_tokens if fields is not None else None,
-                                          fields.max_completion_tokens if fields is not None else None)
-            if not admission.allowed:
-                return refuse(exchange, refusal(admission), request_id, tenant=tenant, capability=name)
+            admission = quota.admission(tenant, name, len(exchange.body),
+                                        fields.max_tokens if fields is not None else None,
+                                        fields.max_completion_tokens if fields is not None else None)
+            if admission is not None:
+                if admission.__class__ is not Admission:  # the ledger decides: await this tick's batch
+                    admission = await admission
+                if not admission.allowed:
+                    return refuse(exchange, refusal(admission), request_id, tenant=tenant, capability=name)
         session = None
         if self.settings.affinity_enabled:
             session = session_key(headers.session, headers.cookie, self.settings.affinity_cookie)
@@ -218,7 +221,7 @@ def upstream_body(request: CapabilityRequest, body: bytes, admission: Admission 
     A metered stream whose client did not ask for a usage chunk is rewritten to ask for one; the relay's
     usage filter then removes that chunk so the client sees exactly what it asked for.
     """
-    if admission is None or admission.reservation is None:
+    if admission is None or not admission.metered:
         return body, None
     fields = request.body
     if fields is not None and fields.stream and not fields.include_usage:

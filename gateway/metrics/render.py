@@ -37,6 +37,7 @@ from gateway.metrics.catalogue import (
     QUOTA_BREAKER,
     QUOTA_DECISION,
     QUOTA_DECISIONS,
+    QUOTA_LEASES,
     QUOTA_RECONCILE_DROPS,
     QUOTA_TOKEN_KINDS,
     QUOTA_TOKENS,
@@ -184,6 +185,12 @@ def _quota_families(totals: list[int], tenant_names: Sequence[str]) -> Iterator:
     breaker.add_metric(["open"], totals[QUOTA_BREAKER])
     breaker.add_metric(["closed"], totals[QUOTA_BREAKER + 1])
     yield breaker
+    leases = CounterMetricFamily("gridgate_quota_leases",
+                                 "Worker-held token blocks (quota.lease): granted, and requests admitted from them.",
+                                 labels=["event"])
+    leases.add_metric(["granted"], totals[QUOTA_LEASES])
+    leases.add_metric(["admitted"], totals[QUOTA_LEASES + 1])
+    yield leases
 
 
 def _process_families(totals: list[int]) -> Iterator:

@@ -32,6 +32,7 @@ from gateway.metrics.catalogue import (
     QUOTA_BACKEND_ERRORS,
     QUOTA_BREAKER,
     QUOTA_DECISION,
+    QUOTA_LEASES,
     QUOTA_RECONCILE_DROPS,
     QUOTA_TOKENS,
     RETRIES,
@@ -128,6 +129,8 @@ class WorkerMetrics:
         row[QUOTA_RECONCILE_DROPS] = counters.reconcile_drops + counters.reconcile_failures
         row[QUOTA_BREAKER] = counters.breaker_opened
         row[QUOTA_BREAKER + 1] = counters.breaker_closed
+        row[QUOTA_LEASES] = counters.leases_granted
+        row[QUOTA_LEASES + 1] = counters.leased
 
     def publish_tenant_tokens(self, tokens: Any) -> None:
         """Copy the quota gate's per-tenant tokens (gateway.quota.counters.TenantTokens) into the

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from gateway.quota.ledger import Reservation
 from gateway.quota.rules import QuotaRule
+
+if TYPE_CHECKING:
+    from gateway.quota.lease import Lease
 
 H_RETRY_AFTER = b"retry-after"
 H_LIMIT = b"x-ratelimit-limit-tokens"
@@ -19,7 +24,8 @@ class Admission:
     ``QuotaGate.release`` / ``charge_estimate`` / ``charge`` (settling an unmetered admission is a no-op).
     """
 
-    __slots__ = ("allowed", "reason", "status", "headers", "reservation", "estimate", "tenant_slot", "message")
+    __slots__ = ("allowed", "reason", "status", "headers", "reservation", "estimate", "tenant_slot", "message",
+                 "lease")
 
     def __init__(
         self,
@@ -31,6 +37,7 @@ class Admission:
         estimate: int = 0,
         tenant_slot: int = -1,
         message: str | None = None,
+        lease: Lease | None = None,
     ) -> None:
         self.allowed = allowed
         self.reason = reason  # admitted|unmetered|denied|denied_never_fits|denied_concurrency|backend_error_*
@@ -40,6 +47,12 @@ class Admission:
         self.estimate = estimate
         self.tenant_slot = tenant_slot  # TenantTokens slot (admitted only)
         self.message = message  # the never-fits explanation
+        self.lease = lease  # the worker-held block it was admitted from (then ``reservation`` is None)
+
+    @property
+    def metered(self) -> bool:
+        """Whether the response's usage settles something (a reservation or a block's share)."""
+        return self.reservation is not None or self.lease is not None
 
     @property
     def error(self) -> tuple[str, str, str] | None:

@@ -17,6 +17,8 @@ class QuotaCounters:
     """Per-worker monotonic counters (the metrics module sums them over workers)."""
 
     admitted: int = 0
+    leased: int = 0  # admitted from a worker-held block (quota.lease), included in admitted
+    leases_granted: int = 0  # blocks the ledger granted this worker
     denied: int = 0  # over budget, never-fits included
     denied_never_fits: int = 0  # the estimate exceeds a whole window: not retryable
     denied_concurrency: int = 0
@@ -34,6 +36,14 @@ class QuotaCounters:
     reconcile_drops: int = 0  # queue full
     reconcile_failures: int = 0  # retries exhausted
     reconcile_duplicates: int = 0
+
+    def count_settled(self, estimate: int, charged: int) -> None:
+        """A request's reservation was settled: ``charged`` tokens against its ``estimate``."""
+        self.tokens_actual += charged
+        if charged < estimate:
+            self.tokens_refunded += estimate - charged
+        else:
+            self.tokens_overage += charged - estimate
 
     def snapshot(self) -> dict[str, int]:
         return asdict(self)

@@ -1,10 +1,11 @@
-"""The quota façade a worker calls: ``admit`` before routing, one settle operation when the response ends.
+"""The quota façade a worker calls: ``admission`` before routing, one settle operation when the response ends.
 
-Request path: rule lookup (memoised) -> estimate -> breaker check -> the admit joins this loop tick's
-batch. Every admit of one event-loop tick goes to Valkey in one pipelined write (the ledger script
+Request path: rule lookup (memoised) -> estimate -> an open worker-held block of the (rule, tenant)
+admits at once, with no await (``quota.lease``, opt-in: ``lease.py``) -> else breaker check -> the
+admit joins this loop tick's batch. Every admit of one event-loop tick goes to Valkey in one pipelined write (the ledger script
 once per request, one round trip for all), scheduled with ``call_soon`` and resolved request by
 request from its own reply; the client's progress watchdog bounds the wait (no timer per request).
-``needs_admission`` tells, without a coroutine, whether a request needs ``admit`` at all.
+``admission`` returns None when no rule applies, so unmetered requests pay no coroutine either.
 
 Settling never waits: ``release`` (nothing reached a provider), ``charge_estimate`` (it may have,
 the outcome is unknown or failed) and ``charge`` (the usage the provider reported) enqueue into a
@@ -28,7 +29,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -51,6 +53,7 @@ from gateway.quota.backend import BACKEND_ERRORS, describe_error
 from gateway.quota.breaker import Breaker
 from gateway.quota.counters import QuotaCounters, TenantTokens, configured_tenants
 from gateway.quota.estimate import estimate_tokens
+from gateway.quota.lease import Lease, LeaseReservation, LeaseSpec, leasable, ms_to_window_end
 from gateway.quota.ledger import ADMITTED, DENIED_BUDGET, AdmitCommand, QuotaLedger
 from gateway.quota.owner import owner_tag
 from gateway.quota.reconcile import Reconciler
@@ -60,6 +63,7 @@ if TYPE_CHECKING:
     from gateway.config import Config
 
 log = logging.getLogger("gridgate.quota")
+_monotonic = time.monotonic
 
 BackendPolicy = Literal["reject", "allow"]
 
@@ -88,6 +92,7 @@ class QuotaGate:
         reconcile_queue_size: int = 10000,
         reconcile_batch: int = 128,
         reconcile_retry_delays_s: Sequence[float] = (0.05, 0.25, 1.0),
+        lease: LeaseSpec | None = None,
     ) -> None:
         """``owner``: the worker's ``owner_tag`` (every reservation id starts with it, so the supervisor
         can sweep a dead worker's reservations); None for a gate outside a supervised worker.
@@ -113,6 +118,11 @@ class QuotaGate:
             ledger, self.counters, timeout_s=request_timeout_s,
             queue_size=reconcile_queue_size, batch=reconcile_batch, retry_delays_s=reconcile_retry_delays_s,
         )
+        self._lease_spec = lease
+        self._leases: dict[tuple[str, str], Lease] = {}  # the open block of each (rule name, tenant)
+        self._lease_asked: set[tuple[str, str]] = set()  # blocks asked for, not granted yet
+        self._held: set[Lease] = set()  # every block not settled yet (open, or closed with requests)
+        self._closing = False
         self.tenant_tokens = TenantTokens([*tenants, *(r.match_tenant for r in rules if r.match_tenant)])
 
     @classmethod
@@ -128,6 +138,8 @@ class QuotaGate:
             probe_interval_s=float(quota.breaker.probe_interval),
             owner=owner_tag(generation, slot, os.getpid()),
             tenants=configured_tenants(config),
+            lease=None if quota.lease is None else LeaseSpec(quota.lease.tokens, float(quota.lease.ttl),
+                                                             quota.lease.headroom),
         )
 
     @property
@@ -160,7 +172,12 @@ class QuotaGate:
     async def close(self, drain_timeout_s: float = 5.0) -> None:
         """Settle what is queued (bounded by ``drain_timeout_s``), stop the background tasks, close
         the client. Unsettled reservations are charged at their estimate by the supervisor's sweep or
-        on expiry."""
+        on expiry. Blocks still held are settled now, their requests in flight charged at their estimate."""
+        self._closing = True
+        self._leases.clear()
+        for lease in list(self._held):
+            lease.close()
+            self._return_lease(lease)
         await self._reconciler.stop(drain_timeout_s)
         for task in list(self._tasks):
             task.cancel()
@@ -168,9 +185,34 @@ class QuotaGate:
 
     # -- admission (request path)
 
-    def needs_admission(self, tenant: str, model: str | None) -> bool:
-        """False when no rule applies: the caller may skip ``admit`` (and its await) altogether."""
-        return self._rules.match(tenant, model) is not None
+    def admission(
+        self,
+        tenant: str,
+        model: str | None,
+        body_len: int,
+        max_tokens: int | None,
+        max_completion_tokens: int | None,
+    ) -> Admission | Awaitable[Admission] | None:
+        """None when no rule applies (unmetered: nothing to settle); an ``Admission`` decided here,
+        from a worker-held block (``quota.lease``), with no await; else the awaitable of the ledger's
+        decision (this loop tick's batch)."""
+        rule = self._rules.match(tenant, model)
+        if rule is None:
+            self.counters.unmetered += 1
+            return None
+        estimate = estimate_tokens(body_len, max_tokens, max_completion_tokens, rule.default_max_tokens)
+        if self._leases:
+            key = (rule.name, tenant)
+            lease = self._leases.get(key)
+            if lease is not None:
+                now = _monotonic()
+                if lease.take(estimate, now):
+                    return self._leased(lease, tenant, estimate, now)
+                del self._leases[key]  # closed: its requests still end and settle into it
+                if lease.in_flight == 0:
+                    self._return_lease(lease)
+                self._lease(rule, tenant, lease.remaining)
+        return self._admit(rule, tenant, estimate)
 
     async def admit(
         self,
@@ -180,21 +222,19 @@ class QuotaGate:
         max_tokens: int | None,
         max_completion_tokens: int | None,
     ) -> Admission:
-        rule = self._rules.match(tenant, model)
-        if rule is None:
-            self.counters.unmetered += 1
+        """``admission`` awaited: always an ``Admission`` (``UNMETERED`` when no rule applies)."""
+        admission = self.admission(tenant, model, body_len, max_tokens, max_completion_tokens)
+        if admission is None:
             return UNMETERED
-        estimate = estimate_tokens(body_len, max_tokens, max_completion_tokens, rule.default_max_tokens)
+        if admission.__class__ is not Admission:
+            admission = await admission  # type: ignore[misc]
+        return admission  # type: ignore[return-value]
+
+    async def _admit(self, rule: QuotaRule, tenant: str, estimate: int) -> Admission:
         if self._breaker.is_open:
             return self._backend_unavailable()
         command = self._ledger.admit_command(rule, tenant, estimate, self._ids.next())
-        loop = self._loop or asyncio.get_running_loop()
-        future = loop.create_future()
-        if not self._futures:
-            loop.call_soon(self._flush)
-        self._commands.append(command)
-        self._futures.append(future)
-        reply = await future
+        reply = await self._enqueue(command)
         if reply.__class__ is not bytes:  # the batch failed, or this command did (counted per batch)
             return self._backend_unavailable()
         decision = QuotaLedger.decision(command, reply)
@@ -205,6 +245,8 @@ class QuotaGate:
         if decision.verdict == ADMITTED:
             counters.admitted += 1
             counters.tokens_estimated += estimate
+            if self._lease_spec is not None:
+                self._lease(rule, tenant, decision.remaining)
             return Admission(
                 True, "admitted", None, (limit, remaining, reset), decision.reservation, estimate,
                 self.tenant_tokens.slot(tenant),
@@ -225,6 +267,76 @@ class QuotaGate:
             reason, retry_after = "denied_concurrency", 1
         headers = ((H_RETRY_AFTER, b"%d" % retry_after), limit, remaining, reset)
         return Admission(False, reason, 429, headers, None, estimate)
+
+    def _enqueue(self, command: AdmitCommand) -> asyncio.Future[Any]:
+        """Add an admit to this loop tick's batch; the future gets its reply (or the batch's error)."""
+        loop = self._loop or asyncio.get_running_loop()
+        future = loop.create_future()
+        if not self._futures:
+            loop.call_soon(self._flush)
+        self._commands.append(command)
+        self._futures.append(future)
+        return future
+
+    # -- worker-held blocks (quota.lease)
+
+    def _leased(self, lease: Lease, tenant: str, estimate: int, now: float) -> Admission:
+        counters = self.counters
+        counters.admitted += 1
+        counters.leased += 1
+        counters.tokens_estimated += estimate
+        headers = (lease.limit_header, (H_REMAINING, b"%d" % lease.remaining),
+                   (H_RESET, duration_text(int((lease.resets_at - now) * 1000))))
+        return Admission(True, "admitted", None, headers, None, estimate, self.tenant_tokens.slot(tenant),
+                         lease=lease)
+
+    def _lease(self, rule: QuotaRule, tenant: str, room: int) -> None:
+        """Ask for a block of (rule, tenant) in this tick's batch, if leases are on, the rule may
+        lease, the budget has the headroom, and no block of the pair is open or asked for."""
+        spec = self._lease_spec
+        if spec is None or not spec.wanted(room) or not leasable(rule) or self._breaker.is_open:
+            return
+        key = (rule.name, tenant)
+        if key in self._leases or key in self._lease_asked:
+            return
+        self._lease_asked.add(key)
+        command = self._ledger.admit_command(rule, tenant, spec.tokens, self._ids.next())
+        self._enqueue(command).add_done_callback(partial(self._lease_granted, rule, key, command))
+
+    def _lease_granted(self, rule: QuotaRule, key: tuple[str, str], command: AdmitCommand,
+                       future: asyncio.Future[Any]) -> None:
+        self._lease_asked.discard(key)
+        reply = None if future.cancelled() else future.result()
+        if reply.__class__ is not bytes:
+            return  # the batch failed: counted there; requests go to the ledger one by one
+        decision = QuotaLedger.decision(command, reply)
+        if decision.verdict != ADMITTED or decision.reservation is None:
+            return  # no room for a block: requests go to the ledger one by one
+        spec = self._lease_spec
+        assert spec is not None
+        if self._closing:  # granted while the gate shuts down: give it straight back
+            self._reconciler.enqueue(LeaseReservation(*decision.reservation), 0)
+            return
+        now = _monotonic()
+        life_s = min(spec.ttl_s, ms_to_window_end(rule, decision.now_ms) / 1000)
+        lease = Lease(LeaseReservation(*decision.reservation), spec.tokens, now + life_s, decision.limit,
+                      decision.remaining, now + decision.reset_ms / 1000, (H_LIMIT, b"%d" % decision.limit))
+        self._leases[key] = lease
+        self._held.add(lease)
+        self.counters.leases_granted += 1
+        (self._loop or asyncio.get_running_loop()).call_later(life_s, self._lease_expired, key, lease)
+
+    def _lease_expired(self, key: tuple[str, str], lease: Lease) -> None:
+        if self._leases.get(key) is lease:
+            del self._leases[key]
+            if lease.close():
+                self._return_lease(lease)
+
+    def _return_lease(self, lease: Lease) -> None:
+        """Settle a block with what its requests were charged (once: the block leaves ``_held``)."""
+        if lease in self._held:
+            self._held.discard(lease)
+            self._reconciler.enqueue(lease.reservation, lease.committed)
 
     def _backend_unavailable(self) -> Admission:
         if self._policy == "allow":
@@ -354,11 +466,20 @@ class QuotaGate:
     ) -> None:
         """A completed response with the usage the provider reported: charge ``total_tokens`` (the
         difference to the estimate is refunded or charged) and count the tenant's tokens in/out."""
-        if admission.reservation is not None:
+        if admission.metered:
             self.tenant_tokens.add(admission.tenant_slot, prompt_tokens, completion_tokens, total_tokens)
         self._settle(admission, total_tokens)
 
     def _settle(self, admission: Admission, actual: int | None) -> None:
+        lease = admission.lease
+        if lease is not None:  # a block's share: counted here, settled with the block
+            admission.lease = None  # settled once, however often it is called
+            estimate = admission.estimate
+            charged = estimate if actual is None else max(0, actual)
+            self.counters.count_settled(estimate, charged)
+            if lease.end(estimate, charged):
+                self._return_lease(lease)
+            return
         reservation = admission.reservation
         if reservation is None:
             return

@@ -250,6 +250,7 @@ class Decision(NamedTuple):
     remaining: int
     reset_ms: int
     reservation: Reservation | None
+    now_ms: int = 0  # the ledger's clock when it decided
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,7 +365,7 @@ class QuotaLedger:
         reservation = None
         if verdict == ADMITTED:
             reservation = Reservation(command.zkey, command.prefix, fields[6], command.estimate)
-        return Decision(verdict, int(fields[1]), int(fields[2]), int(fields[3]), reservation)
+        return Decision(verdict, int(fields[1]), int(fields[2]), int(fields[3]), reservation, int(fields[4]))
 
     def _prepare_admits(self, rule: QuotaRule, tenant: str) -> tuple[bytes, bytes, Any, Any]:
         zkey, prefix = self._keys_for(rule.name, tenant)

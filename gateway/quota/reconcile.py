@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from gateway.quota.backend import BACKEND_ERRORS, describe_error
 from gateway.quota.counters import QuotaCounters
+from gateway.quota.lease import LeaseReservation
 from gateway.quota.ledger import SETTLE_APPLIED, SETTLE_EXPIRED, SETTLE_NOOP, QuotaLedger, Reservation
 
 log = logging.getLogger("gridgate.quota")
@@ -144,11 +145,8 @@ class Reconciler:
         counters = self._counters
         if outcome == SETTLE_APPLIED:
             reservation, actual = item
-            counters.tokens_actual += actual
-            if actual < reservation.estimate:
-                counters.tokens_refunded += reservation.estimate - actual
-            else:
-                counters.tokens_overage += actual - reservation.estimate
+            if reservation.__class__ is not LeaseReservation:  # a block's requests counted as they ended
+                counters.count_settled(reservation.estimate, actual)
         elif outcome == SETTLE_EXPIRED:
             counters.reservations_expired += 1
         elif outcome == SETTLE_NOOP:

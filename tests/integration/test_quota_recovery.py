@@ -18,7 +18,7 @@ import h11
 import pytest
 
 from gateway.quota.embedded import _answers_ping
-from tests.harness import Client, admin_get, candidate, chat, envelope
+from tests.harness import Client, admin_get, candidate, chat, envelope, metric_value
 from tests.integration.test_quota_e2e import _auth, _bearer, _children
 
 
@@ -43,12 +43,6 @@ def _quota_page(admin_port: int, tenant: str) -> tuple[int, int, int]:
         return -1, -1, -1
     rule = json.loads(body)["rules"][0]
     return rule["in_flight"], rule["windows"][0]["reserved"], rule["windows"][0]["used"]
-
-
-def _metric(admin_port: int, line: str) -> float:
-    _, _, body = admin_get(admin_port, "/metrics")
-    match = re.search(rb"^" + re.escape(line.encode()) + rb" (\S+)$", body, re.M)
-    return float(match.group(1)) if match else 0.0
 
 
 def test_a_valkey_crash_under_load_costs_no_more_than_it_lasts(short_dir, mock_provider, gateway_factory):
@@ -101,10 +95,10 @@ def test_a_valkey_crash_under_load_costs_no_more_than_it_lasts(short_dir, mock_p
     assert during <= {200, 503}, during  # refused with 503 (reject policy) while down, nothing else
     assert 503 in {status for _, status in results}
     deadline = time.monotonic() + 5  # workers publish their counters once a second
-    while _metric(gateway.admin_port, 'gridgate_quota_breaker_transitions_total{to="closed"}') < 1:
+    while metric_value(gateway.admin_port, 'gridgate_quota_breaker_transitions_total{to="closed"}') < 1:
         assert time.monotonic() < deadline, "breaker transitions not in /metrics"
         time.sleep(0.2)
-    assert _metric(gateway.admin_port, 'gridgate_quota_breaker_transitions_total{to="open"}') >= 1
+    assert metric_value(gateway.admin_port, 'gridgate_quota_breaker_transitions_total{to="open"}') >= 1
 
 
 def test_killed_workers_leave_no_reservation_behind(short_dir, mock_provider, gateway_factory):

@@ -1,0 +1,110 @@
+"""Worker-held token leases (``quota.lease``, opt-in): one block of a budget, admitted against locally. Pure.
+
+Without leases every metered request reserves its estimate in Valkey: exact, and one round trip plus
+a suspended coroutine per request. With leases a worker reserves a block of ``tokens`` for one
+(rule, tenant) with the same ledger call a request uses (to Valkey the block is one reservation), then
+admits requests of that pair against the block in memory, with no await. When the block is closed
+(its ``ttl`` passed, the next request does not fit, or a window of the rule ends) and its last request
+has ended, the worker settles the block's reservation with the tokens its requests were charged: the
+unused part goes back to the budget. The same design as Envoy's rate-limit quota service: the data
+plane spends an assignment locally and reports what it used.
+
+What that trades: tokens another worker holds in an open block are reserved in Valkey, so a budget
+near its limit could refuse a request while a block somewhere still has room. Blocks are therefore
+taken only while the budget's room is at least ``headroom`` blocks, and closed after ``ttl``: near the
+limit every request reserves in Valkey again, exactly as without leases. Rules with ``max_in_flight``
+never lease (a concurrency cap must count every request in Valkey).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.quota.ledger import Reservation
+from gateway.quota.rules import QuotaRule
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseSpec:
+    """``quota.lease``: the block size, how long a block admits, and the room a budget must have."""
+
+    tokens: int
+    ttl_s: float
+    headroom: int
+
+    def wanted(self, room: int) -> bool:
+        """Whether a budget with ``room`` tokens left (after the request just decided) may lease a block."""
+        return room >= self.headroom * self.tokens
+
+
+class LeaseReservation(Reservation):
+    """The ledger reservation behind a block: settled once, with what the block's requests were charged.
+    Its own class so reconciliation counts blocks apart from requests (their tokens are counted per
+    request, when each one settles)."""
+
+    __slots__ = ()
+
+
+def leasable(rule: QuotaRule) -> bool:
+    """A concurrency cap needs every request counted in Valkey: such rules never lease."""
+    return rule.max_in_flight == 0
+
+
+def ms_to_window_end(rule: QuotaRule, server_now_ms: int) -> int:
+    """Milliseconds until the first of the rule's windows ends (windows are aligned to the epoch, and
+    ``server_now_ms`` is the ledger's clock): a block must not admit into the next window, since its
+    reservation was made in this one."""
+    return min(b.window_s * 1000 - server_now_ms % (b.window_s * 1000) for b in rule.budgets)
+
+
+class Lease:
+    """One block: ``committed`` = the estimates of its requests in flight + what its ended requests
+    were charged. It admits while open and the request fits; once closed it only waits for its
+    requests to end, then it is settled (``returnable``)."""
+
+    __slots__ = ("reservation", "capacity", "committed", "in_flight", "closes_at", "closed", "limit",
+                 "room_beyond", "resets_at", "limit_header")
+
+    def __init__(self, reservation: Reservation, capacity: int, closes_at: float, limit: int, room_beyond: int,
+                 resets_at: float, limit_header: tuple[bytes, bytes]) -> None:
+        self.reservation = reservation
+        self.capacity = capacity
+        self.committed = 0
+        self.in_flight = 0
+        self.closes_at = closes_at  # monotonic seconds
+        self.closed = False
+        self.limit = limit  # the tightest budget's limit, from the grant
+        self.room_beyond = room_beyond  # that budget's room outside this block, at the grant
+        self.resets_at = resets_at  # monotonic seconds at which that budget's window ends
+        self.limit_header = limit_header
+
+    def take(self, estimate: int, now: float) -> bool:
+        """Admit a request of ``estimate`` tokens if the block is open and has room; a block that
+        cannot admit this one is closed (requests go to Valkey until the next block)."""
+        if self.closed:
+            return False
+        if now >= self.closes_at or self.committed + estimate > self.capacity:
+            self.closed = True
+            return False
+        self.committed += estimate
+        self.in_flight += 1
+        return True
+
+    def end(self, estimate: int, charged: int) -> bool:
+        """A request of this block ended and was charged ``charged`` tokens (its estimate, the
+        provider's usage, or 0 when nothing reached a provider). True when the block is now closed
+        and idle: settle it."""
+        self.committed += charged - estimate
+        self.in_flight -= 1
+        return self.closed and self.in_flight == 0
+
+    def close(self) -> bool:
+        """Stop admitting. True when nothing is in flight: settle it now."""
+        self.closed = True
+        return self.in_flight == 0
+
+    @property
+    def remaining(self) -> int:
+        """``x-ratelimit-remaining-tokens`` as this worker knows it: the room outside the block at the
+        grant plus what the block has not committed."""
+        return max(0, self.room_beyond + self.capacity - self.committed)
