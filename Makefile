@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test bench bench-core bench-tls bench-relay lint clean
+.PHONY: install run test bench bench-core bench-tls bench-relay bench-features lint clean
 
 install: $(STAMP)
 
@@ -37,6 +37,12 @@ bench-tls: install
 bench-relay: install
 	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
 	$(BIN)/python -m loadtest.bench_relay
+
+# What each feature costs a worker core against the core path, median of 3 interleaved rounds (issue 13,
+# target 2: everything >= 85 %). Run a subset with: python -m loadtest.bench_features --variants 0,4
+bench-features: install
+	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
+	$(BIN)/python -m loadtest.bench_features --rounds 3
 
 lint: install
 	$(BIN)/ruff check .
