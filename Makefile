@@ -42,7 +42,7 @@ bench-relay: install
 # target 2: everything >= 85 %). Run a subset with: python -m loadtest.bench_features --variants 0,4
 bench-features: install
 	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
-	$(BIN)/python -m loadtest.bench_features --rounds 3
+	$(BIN)/python -m loadtest.bench_features --rounds 4
 
 lint: install
 	$(BIN)/ruff check .

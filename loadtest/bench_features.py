@@ -16,7 +16,7 @@ runs Valkey's Lua ledger for every request and saturates first, which says nothi
 
 Rounds: one run of one variant varies by about +-10 % in worker CPU per request on a shared 2-core
 machine, too much to tell 80 % from 90 % in one sample. So the variants run interleaved: round 1 runs
-each selected variant once in order, then round 2, and so on. The mock providers stay up across
+each selected variant once in order, round 2 in reverse order, and so on. The mock providers stay up across
 rounds; each variant gets its own gateway process in each round (start, 1 s settle, 2 s warm-up, the
 measured run, stop). Reported per variant: the median over rounds of CPU µs per request and of req/s,
 and "vs core" = the median over rounds of (core's CPU per request in that round / the variant's in
@@ -286,7 +286,10 @@ def run(args: argparse.Namespace) -> int:
         try:
             for round_number in range(1, args.rounds + 1):
                 last = round_number == args.rounds
-                for index in args.variants:
+                # Even rounds run in reverse: a variant's place in the round (the first after the
+                # mocks idled, the last before the next round) then weighs on every variant alike.
+                order = args.variants if round_number % 2 else list(reversed(args.variants))
+                for index in order:
                     print(f"bench_features: round {round_number}/{args.rounds}: {VARIANTS[index][0]}",
                           file=sys.stderr)
                     measured = measure_variant(configs[index], args, gateway_cpus, load_cpus, overhead=last)
@@ -315,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     listing = "; ".join(f"{index} = {name}" for index, name in enumerate(VARIANT_NAMES))
     parser = argparse.ArgumentParser(prog="python -m loadtest.bench_features", description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; medians are reported")
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved repetitions; medians are reported")
     parser.add_argument("--duration", type=int, default=8, help="seconds per measured wrk run")
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--variants", metavar="LIST",
