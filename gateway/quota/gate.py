@@ -285,8 +285,7 @@ class QuotaGate:
         counters.admitted += 1
         counters.leased += 1
         counters.tokens_estimated += estimate
-        headers = (lease.limit_header, (H_REMAINING, b"%d" % lease.remaining),
-                   (H_RESET, duration_text(int((lease.resets_at - now) * 1000))))
+        headers = (lease.limit_header, (H_REMAINING, b"%d" % lease.remaining), lease.reset_header(now))
         return Admission(True, "admitted", None, headers, None, estimate, self.tenant_tokens.slot(tenant),
                          lease=lease)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.quota.admission import H_RESET, duration_text
 from gateway.quota.ledger import Reservation
 from gateway.quota.rules import QuotaRule
 
@@ -63,7 +64,7 @@ class Lease:
     requests to end, then it is settled (``returnable``)."""
 
     __slots__ = ("reservation", "capacity", "committed", "in_flight", "closes_at", "closed", "limit",
-                 "room_beyond", "resets_at", "limit_header")
+                 "room_beyond", "resets_at", "limit_header", "_reset_seconds", "_reset_header")
 
     def __init__(self, reservation: Reservation, capacity: int, closes_at: float, limit: int, room_beyond: int,
                  resets_at: float, limit_header: tuple[bytes, bytes]) -> None:
@@ -77,6 +78,8 @@ class Lease:
         self.room_beyond = room_beyond  # that budget's room outside this block, at the grant
         self.resets_at = resets_at  # monotonic seconds at which that budget's window ends
         self.limit_header = limit_header
+        self._reset_seconds = -1
+        self._reset_header = (H_RESET, b"")
 
     def take(self, estimate: int, now: float) -> bool:
         """Admit a request of ``estimate`` tokens if the block is open and has room; a block that
@@ -102,6 +105,15 @@ class Lease:
         """Stop admitting. True when nothing is in flight: settle it now."""
         self.closed = True
         return self.in_flight == 0
+
+    def reset_header(self, now: float) -> tuple[bytes, bytes]:
+        """``x-ratelimit-reset-tokens`` in whole seconds (rounded up), made once per second: the
+        block's requests share it rather than format a duration each."""
+        seconds = int(self.resets_at - now + 0.999)
+        if seconds != self._reset_seconds:
+            self._reset_seconds = seconds
+            self._reset_header = (H_RESET, duration_text(max(0, seconds) * 1000))
+        return self._reset_header
 
     @property
     def remaining(self) -> int:

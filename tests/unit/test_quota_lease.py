@@ -53,3 +53,12 @@ def test_a_block_ends_with_the_first_window_of_its_rule() -> None:
     rule = QuotaRule("r", (Budget(3600, 10), Budget(60, 10)), 16)
     assert ms_to_window_end(rule, 59_000) == 1_000
     assert ms_to_window_end(rule, 3_600_000) == 60_000
+
+
+def test_the_reset_header_is_whole_seconds_rounded_up_and_made_once_per_second() -> None:
+    lease = _lease()  # its window resets at 20.0
+    first = lease.reset_header(now=2.5)
+    assert first == (b"x-ratelimit-reset-tokens", b"18s")
+    assert lease.reset_header(now=2.9) is first
+    assert lease.reset_header(now=3.2) == (b"x-ratelimit-reset-tokens", b"17s")
+    assert lease.reset_header(now=25.0)[1] == b"0ms"  # past the window's end: nothing left to wait
