@@ -200,6 +200,9 @@ class Forwarder:
                 await relay.done
             finally:
                 cluster.end(endpoint)
+                # The exchange and its relay point at each other: unlinked, refcounting frees both at
+                # the end of the request instead of leaving a cycle per request to the collector.
+                exchange.listener = None
             status = relay.status
             if status:
                 self.providers.observe_first_byte(cluster.provider, relay.first_byte_at - sent_at)
