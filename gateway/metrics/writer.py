@@ -50,6 +50,8 @@ from gateway.routing.eligibility import REASONS
 # The router's reason bits (gateway.routing.eligibility) and the cell of each one's label.
 _FILTER_CELLS = tuple((bit, ROUTE_FILTERED + FILTER_REASONS.index(name)) for bit, name in REASONS)
 
+_AFFINITY_CELLS = {outcome: AFFINITY + i for i, outcome in enumerate(AFFINITY_OUTCOMES)}
+
 
 class WorkerMetrics:
     """A worker's writer over its own row."""
@@ -89,7 +91,7 @@ class WorkerMetrics:
         row[block + DURATION_SUM_US] += int(duration_s * 1e6)
 
     def affinity(self, outcome: str) -> None:
-        self.row[AFFINITY + AFFINITY_OUTCOMES.index(outcome)] += 1
+        self.row[_AFFINITY_CELLS[outcome]] += 1
 
     def retry(self) -> None:
         """Another endpoint (or a fresh connection) of the same provider tried after a failure."""

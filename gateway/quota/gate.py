@@ -207,7 +207,7 @@ class QuotaGate:
             if lease is not None:
                 now = _monotonic()
                 if lease.take(estimate, now):
-                    return self._leased(lease, tenant, estimate, now)
+                    return self._leased(lease, estimate, now)
                 del self._leases[key]  # closed: its requests still end and settle into it
                 if lease.in_flight == 0:
                     self._return_lease(lease)
@@ -280,14 +280,13 @@ class QuotaGate:
 
     # -- worker-held blocks (quota.lease)
 
-    def _leased(self, lease: Lease, tenant: str, estimate: int, now: float) -> Admission:
+    def _leased(self, lease: Lease, estimate: int, now: float) -> Admission:
         counters = self.counters
         counters.admitted += 1
         counters.leased += 1
         counters.tokens_estimated += estimate
         headers = (lease.limit_header, (H_REMAINING, b"%d" % lease.remaining), lease.reset_header(now))
-        return Admission(True, "admitted", None, headers, None, estimate, self.tenant_tokens.slot(tenant),
-                         lease=lease)
+        return Admission(True, "admitted", None, headers, None, estimate, lease.tenant_slot, lease=lease)
 
     def _lease(self, rule: QuotaRule, tenant: str, room: int) -> None:
         """Ask for a block of (rule, tenant) in this tick's batch, if leases are on, the rule may
@@ -319,7 +318,8 @@ class QuotaGate:
         now = _monotonic()
         life_s = min(spec.ttl_s, ms_to_window_end(rule, decision.now_ms) / 1000)
         lease = Lease(LeaseReservation(*decision.reservation), spec.tokens, now + life_s, decision.limit,
-                      decision.remaining, now + decision.reset_ms / 1000, (H_LIMIT, b"%d" % decision.limit))
+                      decision.remaining, now + decision.reset_ms / 1000, (H_LIMIT, b"%d" % decision.limit),
+                      self.tenant_tokens.slot(key[1]))
         self._leases[key] = lease
         self._held.add(lease)
         self.counters.leases_granted += 1

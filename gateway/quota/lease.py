@@ -64,10 +64,10 @@ class Lease:
     requests to end, then it is settled (``returnable``)."""
 
     __slots__ = ("reservation", "capacity", "committed", "in_flight", "closes_at", "closed", "limit",
-                 "room_beyond", "resets_at", "limit_header", "_reset_seconds", "_reset_header")
+                 "room_beyond", "resets_at", "limit_header", "tenant_slot", "_reset_seconds", "_reset_header")
 
     def __init__(self, reservation: Reservation, capacity: int, closes_at: float, limit: int, room_beyond: int,
-                 resets_at: float, limit_header: tuple[bytes, bytes]) -> None:
+                 resets_at: float, limit_header: tuple[bytes, bytes], tenant_slot: int = -1) -> None:
         self.reservation = reservation
         self.capacity = capacity
         self.committed = 0
@@ -78,6 +78,7 @@ class Lease:
         self.room_beyond = room_beyond  # that budget's room outside this block, at the grant
         self.resets_at = resets_at  # monotonic seconds at which that budget's window ends
         self.limit_header = limit_header
+        self.tenant_slot = tenant_slot  # the tenant's TenantTokens slot: one tenant per block
         self._reset_seconds = -1
         self._reset_header = (H_RESET, b"")
 
