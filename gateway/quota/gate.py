@@ -208,10 +208,11 @@ class QuotaGate:
                 now = _monotonic()
                 if lease.take(estimate, now):
                     return self._leased(lease, estimate, now)
-                del self._leases[key]  # closed: its requests still end and settle into it
-                if lease.in_flight == 0:
-                    self._return_lease(lease)
-                self._lease(rule, tenant, lease.remaining)
+                if lease.closed:
+                    del self._leases[key]  # its requests still end and settle into it
+                    if lease.in_flight == 0:
+                        self._return_lease(lease)
+                    self._lease(rule, tenant, lease.remaining)
         return self._admit(rule, tenant, estimate)
 
     async def admit(

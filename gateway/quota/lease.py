@@ -83,9 +83,10 @@ class Lease:
         self._reset_header = (H_RESET, b"")
 
     def take(self, estimate: int, now: float) -> bool:
-        """Admit a request of ``estimate`` tokens if the block is open and has room; a block that
-        cannot admit this one is closed (requests go to Valkey until the next block)."""
-        if self.closed:
+        """Admit a request of ``estimate`` tokens if the block is open and has room. A block that has
+        no room left for it is closed (requests go to Valkey until the next block); a request larger
+        than any block goes to Valkey and leaves the block open."""
+        if self.closed or estimate > self.capacity:
             return False
         if now >= self.closes_at or self.committed + estimate > self.capacity:
             self.closed = True

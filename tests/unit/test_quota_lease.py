@@ -15,6 +15,7 @@ def test_a_block_admits_while_requests_fit_and_closes_on_the_first_that_does_not
     lease = _lease()
     assert lease.take(60, now=1.0) and lease.take(40, now=1.0)
     assert (lease.committed, lease.in_flight, lease.remaining) == (100, 2, 1000)
+    assert not lease.take(101, now=1.0) and not lease.closed  # larger than any block: to Valkey, block stays
     assert not lease.take(1, now=1.0) and lease.closed
     assert not lease.end(60, 10)  # one request still in flight
     assert not lease.take(1, now=1.0)  # closed stays closed, though 50 tokens came back
