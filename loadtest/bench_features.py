@@ -1,37 +1,41 @@
 """What each feature costs on the request path, measured in one run (ratios, not absolute figures).
 
-    python -m loadtest.bench_features [--rounds 3] [--duration 8] [--connections 32] [--variants 0,4,lease]
+    python -m loadtest.bench_features [--method paired|sequential] [--rounds 4] [--duration 8]
+        [--connections 32] [--variants 0,4,lease]
 
-One gateway worker pinned to core 0; wrk, the mock providers and the embedded Valkey on core 1. The
-same topology is run with the routing core only, then with active health checks and outlier
-detection, session affinity, auth + token quota (embedded Valkey), everything together, and everything
-with quota leases (`quota.lease`: each worker reserves a block of the budget in Valkey and admits
-against it locally; `QUOTA_LEASE` below). For each: proxied req/s (32 connections), the worker's CPU
-time per request and the capacity of one worker core that implies (1 / CPU per request), its ratio to
-the core run, and the gateway overhead p50/p99 at one connection (``x-gridgate-overhead-ms``: request
-bytes in to upstream request written).
+Gateway workers pinned to core 0; wrk, the mock providers and the embedded Valkey on core 1. Variants
+of loadtest/configs/bench.yaml (`VARIANTS`): the routing core only, + health checks and outlier
+detection, + session affinity, + auth and token quota (embedded Valkey), everything, and everything with
+quota leases (`QUOTA_LEASE`). For each: the worker's CPU time per request and "vs core" = core's CPU per
+request / the variant's; req/s (32 connections); the gateway overhead p50/p99 at one connection
+(``x-gridgate-overhead-ms``). CPU per request, not req/s: with quota on, the load core also runs
+Valkey's Lua ledger for every request and saturates first, which says nothing about the gateway.
 
-The ratio is taken on the worker's CPU per request, not on req/s: with quota on, the load core also
-runs Valkey's Lua ledger for every request and saturates first, which says nothing about the gateway.
+This shared 2-core machine changes speed from minute to minute (the core variant alone measured
+135..175 µs per request minutes apart): a ratio of two runs made one after the other spreads by
++-6-10 %. Both methods run `--rounds` rounds (mocks up throughout; every gateway a process of its own:
+start, ready, 1 s settle, 2 s warm-up, the measured wrk run, stop; variants in order in odd rounds and
+reversed in even ones, `round_order`) and take the ratio within a round:
 
-Rounds: one run of one variant varies by about +-10 % in worker CPU per request on a shared 2-core
-machine, too much to tell 80 % from 90 % in one sample. So the variants run interleaved: round 1 runs
-each selected variant once in order, round 2 in reverse order, and so on. The mock providers stay up across
-rounds; each variant gets its own gateway process in each round (start, 1 s settle, 2 s warm-up, the
-measured run, stop). Reported per variant: the median over rounds of CPU µs per request and of req/s,
-and "vs core" = the median over rounds of (core's CPU per request in that round / the variant's in
-that round), with the min..max of those per-round ratios: a ratio within one round cancels the slow
-drift of the machine, and the range shows the spread that is left. The overhead run at one connection
-is done in the last round only: it is a latency figure (percentiles over thousands of requests of one
-run), not a CPU ratio, and repeating it would add max(3, duration / 2) s per variant and round.
+- `paired` (default): each variant runs AT THE SAME TIME as the core. Two gateways of one worker, both
+  on core 0 (about half of it each), the core on bench.yaml's ports and the variant on listen + 100,
+  admin + 10 (`PARTNER_PORT_OFFSETS`), each warmed up and then measured by its own wrk, the two started
+  together with the same connections and duration; each worker's CPU is read over that one window, so
+  a change of machine speed hits both alike (per-round ratios spread by about +-1.5 %). The core starts
+  first in odd rounds, the variant in even ones. Absolute CPU per request and req/s are then
+  two-gateways-per-core figures (higher than alone: context switches), so only the ratio is the
+  result. The overhead at one connection wants the core to itself: after the last round each variant,
+  the core included, runs once more alone for it.
+- `sequential`: every variant alone, one after the other; the overhead run in the last round.
 
-`--variants` runs a subset (comma-separated indexes or case-insensitive name substrings; the core
-variant always runs, it is the reference of every ratio). Every variant's config is checked by the
-gateway's own config parser before anything starts, so a variant the gateway does not support yet
-fails at once, naming the field.
+Reported per variant: the median over rounds of the per-round ratios with their min..max (the spread
+that is left), and the medians of CPU µs per request and req/s. `--variants` picks a subset (indexes
+or name substrings; the core always runs). Every variant's config is first checked by the gateway's
+own parser, so a variant the gateway does not support yet fails at once, naming the field.
 
-Prints a markdown table and writes loadtest/reports/bench-features-<time>.{json,md}; the JSON holds
-every round's raw wrk figures and worker CPU per request.
+Prints a markdown table and writes loadtest/reports/bench-features-<time>.{json,md}; the JSON records
+the method and every run's raw wrk figures and worker CPU per request (paired: each of the core's runs
+names the variant beside it). Gateway logs: loadtest/reports/gateway-bench-variant-<N>.log.
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from gateway.auth import hash_api_key
@@ -76,10 +82,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WRK_FEATURES = os.path.join(HERE, "configs", "wrk_features.lua")
 BENCH_KEY = "sk-bench"
 WARM_UP_S = 2
+METHODS = ("paired", "sequential")
+# Paired mode: the variant listens beside the core gateway on the core's (listen, admin) ports + these.
+PARTNER_PORT_OFFSETS = (100, 10)
 
 FAST_HEALTH = {"type": "http", "path": "/health", "interval": "1s", "timeout": "500ms"}
 # Worker-held token blocks for the "everything, quota leases" variant (issue 13, target 2).
 QUOTA_LEASE = {"tokens": 100_000, "ttl": "1s"}
+
+Address = tuple[str, int]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -145,13 +156,34 @@ def select_variants(spec: str | None, names: Sequence[str] = VARIANT_NAMES) -> l
     return sorted(chosen)
 
 
-def derived_config(index: int, work_dir: str) -> str:
-    """Write variant `index`'s config, checked by the gateway's own parser; its path."""
+def partner_addresses(topology: Topology, offsets: tuple[int, int] = PARTNER_PORT_OFFSETS) -> tuple[Address, Address]:
+    """(listen, admin) of a variant running beside `topology`'s gateway in paired mode: its ports + `offsets`.
+
+    Refused (ValueError) when a derived port is out of range, the same for both, or one `topology`
+    itself uses (its listen and admin ports, its provider endpoints, which the mocks hold).
+    """
+    listen = (topology.listen[0], topology.listen[1] + offsets[0])
+    admin = (topology.admin[0], topology.admin[1] + offsets[1])
+    taken = {topology.listen[1], topology.admin[1], *(port for _, _, port in topology.endpoints)}
+    if listen[1] == admin[1] or any(port in taken or not 0 < port < 65536 for port in (listen[1], admin[1])):
+        raise ValueError(f"paired mode would put a variant on listen port {listen[1]} and admin port {admin[1]}, "
+                         f"which clash with each other, with {topology.config_path} or the port range: "
+                         "change PARTNER_PORT_OFFSETS")
+    return listen, admin
+
+
+def derived_config(index: int, work_dir: str, addresses: tuple[Address, Address] | None = None) -> str:
+    """Write variant `index`'s config (on `addresses` = (listen, admin) if given), checked by the gateway's
+    own parser; its path."""
     name, features = VARIANTS[index]
 
     def change(config: dict[str, Any]) -> None:
         for feature in features:
             feature(config, work_dir)
+        if addresses is not None:
+            (listen_host, listen_port), (admin_host, admin_port) = addresses
+            config["listen"] = f"{listen_host}:{listen_port}"
+            config["admin"] = {**config.get("admin", {}), "listen": f"{admin_host}:{admin_port}"}
 
     path = write_derived_config(BENCH_CONFIG, work_dir, f"variant-{index}", change)
     try:
@@ -160,6 +192,26 @@ def derived_config(index: int, work_dir: str) -> str:
         raise RuntimeError(f"variant {index} ({name}): the gateway refuses its config: {'; '.join(exc.problems)} "
                            "(run the others with --variants)") from None
     return path
+
+
+def variant_configs(indexes: Sequence[int], method: str, work_dir: str) -> dict[int, str]:
+    """Every selected variant's config path; in paired mode the non-core ones listen beside the core."""
+    partner = None
+    if method == "paired":
+        try:
+            partner = partner_addresses(Topology.from_config(BENCH_CONFIG))
+        except ValueError as exc:
+            raise RuntimeError(str(exc)) from None
+    return {index: derived_config(index, work_dir, None if index == CORE else partner) for index in indexes}
+
+
+def round_order(round_number: int, items: Sequence[int]) -> list[int]:
+    """`items` in order in odd rounds, reversed in even ones (rounds count from 1).
+
+    A place in a round (the first after the mocks idled, the last before the next round; in a pair,
+    the gateway started first) then weighs on every item alike.
+    """
+    return list(items) if round_number % 2 else list(reversed(items))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -179,33 +231,89 @@ def pin_valkey(supervisor_pid: int, cpus: set[int] | None) -> None:
             continue
 
 
-def measure_variant(config_path: str, args: argparse.Namespace, gateway_cpus: set[int] | None,
-                    load_cpus: set[int] | None, overhead: bool) -> dict[str, Any]:
-    """One round of one variant in a gateway of its own: wrk's figures plus the worker CPU µs per request,
-    and the overhead run at one connection when `overhead`."""
-    topology = Topology.from_config(config_path)
-    url = f"http://{topology.listen[0]}:{topology.listen[1]}{CHAT_PATH}"
-    gateway = GatewayProcess(topology, 1, gateway_cpus)
-    try:
-        gateway.wait_ready()
-        pin_valkey(gateway.process.pid, load_cpus)
+def gateway_url(gateway: GatewayProcess) -> str:
+    host, port = gateway.topology.listen
+    return f"http://{host}:{port}{CHAT_PATH}"
+
+
+@contextmanager
+def running(config_paths: Sequence[str], gateway_cpus: set[int] | None,
+            load_cpus: set[int] | None) -> Iterator[list[GatewayProcess]]:
+    """Gateways of one worker each, started in the given order without waiting for one another and all
+    pinned to `gateway_cpus`; yielded ready, their embedded Valkey moved to `load_cpus`, after 1 s to
+    settle. Stopped on leaving."""
+    with ExitStack() as stack:
+        gateways = []
+        for path in config_paths:
+            name = os.path.splitext(os.path.basename(path))[0]
+            gateway = GatewayProcess(Topology.from_config(path), 1, gateway_cpus, log_name=f"gateway-bench-{name}.log")
+            stack.callback(gateway.stop)
+            gateways.append(gateway)
+        for gateway in gateways:
+            gateway.wait_ready()
+            pin_valkey(gateway.process.pid, load_cpus)
         time.sleep(1.0)
-        run_wrk(url, WRK_FEATURES, args.connections, WARM_UP_S, load_cpus)
-        workers = gateway.worker_pids()
-        cpu_before = sum(process_cpu_s(pid) for pid in workers)
-        throughput = run_wrk(url, WRK_FEATURES, args.connections, args.duration, load_cpus)
-        cpu_s = sum(process_cpu_s(pid) for pid in workers) - cpu_before
-        if not throughput.get("requests"):
-            raise RuntimeError(f"no request completed in {args.duration} s ({throughput['command']}); "
+        yield gateways
+
+
+def wrk_together(gateways: Sequence[GatewayProcess], connections: int, duration_s: int,
+                 load_cpus: set[int] | None) -> list[dict[str, Any]]:
+    """One wrk per gateway, started together (in the given order) on the load cores: their figures."""
+    with ThreadPoolExecutor(len(gateways)) as pool:
+        futures = [pool.submit(run_wrk, gateway_url(gateway), WRK_FEATURES, connections, duration_s, load_cpus)
+                   for gateway in gateways]
+        return [future.result() for future in futures]
+
+
+def cpu_s(pids: Sequence[int]) -> float:
+    return sum(process_cpu_s(pid) for pid in pids)
+
+
+def measure_window(gateways: Sequence[GatewayProcess], args: argparse.Namespace,
+                   load_cpus: set[int] | None) -> list[dict[str, Any]]:
+    """A warm-up, then the measured run, of all `gateways` at the same time: per gateway wrk's figures plus
+    its worker's CPU µs per request over that one window."""
+    wrk_together(gateways, args.connections, WARM_UP_S, load_cpus)
+    workers = [gateway.worker_pids() for gateway in gateways]
+    before = [cpu_s(pids) for pids in workers]
+    runs = wrk_together(gateways, args.connections, args.duration, load_cpus)
+    used = [cpu_s(pids) - cpu_before for pids, cpu_before in zip(workers, before, strict=True)]
+    for gateway, run, cpu_used in zip(gateways, runs, used, strict=True):
+        if not run.get("requests"):
+            raise RuntimeError(f"no request completed in {args.duration} s ({run['command']}); "
                                f"see {gateway.log_path}")
-        throughput["worker_cpu_us_per_request"] = cpu_s / throughput["requests"] * 1e6
-        run: dict[str, Any] = {"throughput": throughput}
-        if overhead:
-            run["overhead_1conn"] = run_wrk(url, WRK_FEATURES, 1, max(3, args.duration // 2), load_cpus)
-        run["rss_kib"] = gateway.rss()["workers_kib"]
-        return run
-    finally:
-        gateway.stop()
+        run["worker_cpu_us_per_request"] = cpu_used / run["requests"] * 1e6
+    return runs
+
+
+def overhead_run(gateway: GatewayProcess, args: argparse.Namespace, load_cpus: set[int] | None) -> dict[str, Any]:
+    """wrk at one connection: the overhead percentiles (``x-gridgate-overhead-ms``)."""
+    return run_wrk(gateway_url(gateway), WRK_FEATURES, 1, max(3, args.duration // 2), load_cpus)
+
+
+def measure(config_paths: Sequence[str], args: argparse.Namespace, gateway_cpus: set[int] | None,
+            load_cpus: set[int] | None, overhead: bool = False) -> list[dict[str, Any]]:
+    """One window of the gateways for `config_paths`, run at the same time (sequential: one; paired: two),
+    each in a gateway of its own: per gateway wrk's figures with the worker CPU µs per request, its
+    workers' RSS, and with `overhead` the overhead run at one connection after the window (for a single
+    gateway: a latency figure wants the core to itself)."""
+    with running(config_paths, gateway_cpus, load_cpus) as gateways:
+        runs: list[dict[str, Any]] = [{"throughput": throughput}
+                                      for throughput in measure_window(gateways, args, load_cpus)]
+        for gateway, run in zip(gateways, runs, strict=True):
+            if overhead:
+                run["overhead_1conn"] = overhead_run(gateway, args, load_cpus)
+            run["rss_kib"] = gateway.rss()["workers_kib"]
+        return runs
+
+
+def measure_alone(config_path: str, args: argparse.Namespace, gateway_cpus: set[int] | None,
+                  load_cpus: set[int] | None) -> dict[str, Any]:
+    """Paired mode's latency figure: the gateway alone, warmed up, then the overhead run at one connection."""
+    with running([config_path], gateway_cpus, load_cpus) as gateways:
+        wrk_together(gateways, args.connections, WARM_UP_S, load_cpus)
+        return {"overhead_1conn": overhead_run(gateways[0], args, load_cpus),
+                "rss_kib": gateways[0].rss()["workers_kib"]}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -233,29 +341,74 @@ def summarize_rounds(runs: Mapping[str, Sequence[Mapping[str, float]]], referenc
     return summaries
 
 
+Figures = Mapping[str, float]
+
+
+def summarize_paired(windows: Mapping[str, Sequence[tuple[Figures, Figures]]], reference: str) -> dict[str, dict[str, Any]]:
+    """`summarize_rounds` for paired windows: per variant, its (reference's figures, variant's figures) of each
+    round's window, the two measured at the same time. Each ratio is taken within its window; the
+    reference's own row is over all its windows (every ratio 1)."""
+    summaries = {name: summarize_rounds({reference: [ref for ref, _ in pairs], name: [own for _, own in pairs]},
+                                        reference)[name]
+                 for name, pairs in windows.items()}
+    every_reference_run = [ref for pairs in windows.values() for ref, _ in pairs]
+    summaries[reference] = summarize_rounds({reference: every_reference_run}, reference)[reference]
+    return summaries
+
+
 def errors(runs: Sequence[Mapping[str, Any]]) -> int:
     """Non-2xx responses and socket errors over all rounds."""
     return sum(run["throughput"].get("non_2xx", 0) + run["throughput"].get("socket_errors", 0) for run in runs)
 
 
+def overhead_ms(entry: Mapping[str, Any]) -> dict[str, float]:
+    """The overhead run's percentiles: from the run alone after the rounds (paired) or the last round."""
+    return (entry.get("alone") or entry["runs"][-1]).get("overhead_1conn", {}).get("overhead_ms", {})
+
+
+SEQUENTIAL_HEADERS = ("variant (1 worker core)", "req/s, median", "worker CPU µs/req, median", "req/s per worker core",
+                      "vs core, median of rounds", "vs core, range", "CPU µs/req per round",
+                      "overhead p50 ms (last round)", "overhead p99 ms (last round)", "errors")
+PAIRED_HEADERS = ("variant (beside the core on 1 worker core)", "vs core, median of rounds", "vs core, range",
+                  "vs core per round", "worker CPU µs/req, median (2 gateways per core)",
+                  "req/s, median (2 gateways per core)", "overhead p50 ms (alone)", "overhead p99 ms (alone)", "errors")
+
+
+def sequential_row(entry: Mapping[str, Any]) -> tuple[str, ...]:
+    s, over = entry["summary"], overhead_ms(entry)
+    per_round = ", ".join(f"{run['throughput']['worker_cpu_us_per_request']:.0f}" for run in entry["runs"])
+    return (f"{entry['index']}. {entry['variant']}", f"{s['requests_per_s_median']:,.0f}", f"{s['cpu_us_median']:.0f}",
+            f"{1e6 / s['cpu_us_median']:,.0f}", f"{s['vs_core_median']:.1%}",
+            f"{s['vs_core_min']:.1%}..{s['vs_core_max']:.1%}", per_round,
+            f"{over.get('p50', 0):.3f}", f"{over.get('p99', 0):.3f}", str(errors(entry["runs"])))
+
+
+def paired_row(entry: Mapping[str, Any]) -> tuple[str, ...]:
+    s, over = entry["summary"], overhead_ms(entry)
+    reference = entry["index"] == CORE
+    return (f"{entry['index']}. {entry['variant']}", f"{s['vs_core_median']:.1%}",
+            "-" if reference else f"{s['vs_core_min']:.1%}..{s['vs_core_max']:.1%}",
+            "-" if reference else ", ".join(f"{ratio:.1%}" for ratio in s["vs_core_per_round"]),
+            f"{s['cpu_us_median']:.0f}", f"{s['requests_per_s_median']:,.0f}",
+            f"{over.get('p50', 0):.3f}", f"{over.get('p99', 0):.3f}", str(errors(entry["runs"])))
+
+
 def render(results: dict[str, Any]) -> str:
     """The markdown table (one row per variant) and a warning if any run had errors."""
-    rows = []
-    for entry in results["variants"]:
-        s = entry["summary"]
-        over = entry["runs"][-1].get("overhead_1conn", {}).get("overhead_ms", {})
-        per_round = ", ".join(f"{run['throughput']['worker_cpu_us_per_request']:.0f}" for run in entry["runs"])
-        rows.append((f"{entry['index']}. {entry['variant']}", f"{s['requests_per_s_median']:,.0f}",
-                     f"{s['cpu_us_median']:.0f}", f"{1e6 / s['cpu_us_median']:,.0f}", f"{s['vs_core_median']:.1%}",
-                     f"{s['vs_core_min']:.1%}..{s['vs_core_max']:.1%}", per_round,
-                     f"{over.get('p50', 0):.3f}", f"{over.get('p99', 0):.3f}", str(errors(entry["runs"]))))
-    table = markdown_table(("variant (1 worker core)", "req/s, median", "worker CPU µs/req, median",
-                            "req/s per worker core", "vs core, median of rounds", "vs core, range",
-                            "CPU µs/req per round", "overhead p50 ms (last round)", "overhead p99 ms (last round)",
-                            "errors"), rows)
-    text = (f"{results['rounds']} interleaved rounds of wrk -t1 -c{results['connections']} for "
-            f"{results['duration_s']} s per variant; worker pinned to cores {results['gateway_cpus'] or 'any'}, "
-            f"wrk, mocks and Valkey to {results['load_cpus'] or 'any'}.\n\n{table}\n")
+    wrk = f"wrk -t1 -c{results['connections']} for {results['duration_s']} s"
+    if results["method"] == "paired":
+        headers, row = PAIRED_HEADERS, paired_row
+        intro = (f"{results['rounds']} rounds; in each, every variant ran at the same time as the core variant: two "
+                 f"gateways of one worker each sharing cores {results['gateway_cpus'] or 'any'}, each under its own "
+                 f"{wrk}, started together (wrk, mocks and Valkey on {results['load_cpus'] or 'any'}), and the "
+                 "ratio is taken within that window. CPU µs/req and req/s are two-gateways-per-core figures "
+                 "(higher than alone): only the ratio compares. The overhead at one connection is measured with "
+                 "each gateway alone after the rounds; the core's errors count all its windows.")
+    else:
+        headers, row = SEQUENTIAL_HEADERS, sequential_row
+        intro = (f"{results['rounds']} interleaved rounds of {wrk} per variant; worker pinned to cores "
+                 f"{results['gateway_cpus'] or 'any'}, wrk, mocks and Valkey to {results['load_cpus'] or 'any'}.")
+    text = f"{intro}\n\n{markdown_table(headers, [row(entry) for entry in results['variants']])}\n"
     failed = [entry["variant"] for entry in results["variants"] if errors(entry["runs"])]
     if failed:
         text += (f"\n**Errors in: {', '.join(failed)}.** Their CPU per request includes failed requests and is not "
@@ -267,6 +420,46 @@ def render(results: dict[str, Any]) -> str:
 # The run
 
 
+def log(message: str) -> None:
+    print(f"bench_features: {message}", file=sys.stderr)
+
+
+def run_sequential(configs: Mapping[int, str], args: argparse.Namespace, entries: Mapping[int, dict[str, Any]],
+                   gateway_cpus: set[int] | None, load_cpus: set[int] | None) -> dict[str, dict[str, Any]]:
+    """Every round runs each variant alone, one after the other; the summaries per variant name."""
+    for round_number in range(1, args.rounds + 1):
+        last = round_number == args.rounds
+        for index in round_order(round_number, args.variants):
+            log(f"round {round_number}/{args.rounds}: {VARIANTS[index][0]}")
+            (measured,) = measure([configs[index]], args, gateway_cpus, load_cpus, overhead=last)
+            entries[index]["runs"].append({"round": round_number, **measured})
+    return summarize_rounds({entry["variant"]: [run["throughput"] for run in entry["runs"]]
+                             for entry in entries.values()}, VARIANTS[CORE][0])
+
+
+def run_paired(configs: Mapping[int, str], args: argparse.Namespace, entries: Mapping[int, dict[str, Any]],
+               gateway_cpus: set[int] | None, load_cpus: set[int] | None) -> dict[str, dict[str, Any]]:
+    """Every round runs each non-core variant at the same time as the core; then each variant alone for the
+    overhead at one connection. The summaries per variant name."""
+    others = [index for index in args.variants if index != CORE]
+    windows: dict[str, list[tuple[Figures, Figures]]] = {VARIANTS[index][0]: [] for index in others}
+    for round_number in range(1, args.rounds + 1):
+        for index in round_order(round_number, others):
+            order = round_order(round_number, (CORE, index))
+            log(f"round {round_number}/{args.rounds}: {VARIANTS[index][0]} beside the core "
+                f"({VARIANTS[order[0]][0]} started first)")
+            measured = dict(zip(order, measure([configs[i] for i in order], args, gateway_cpus, load_cpus),
+                                strict=True))
+            for own in order:
+                entries[own]["runs"].append({"round": round_number, "started_first": own == order[0],
+                                             **({"paired_with": index} if own == CORE else {}), **measured[own]})
+            windows[VARIANTS[index][0]].append((measured[CORE]["throughput"], measured[index]["throughput"]))
+    for index in args.variants:
+        log(f"alone: {VARIANTS[index][0]}, overhead at one connection")
+        entries[index]["alone"] = measure_alone(configs[index], args, gateway_cpus, load_cpus)
+    return summarize_paired(windows, VARIANTS[CORE][0])
+
+
 def run(args: argparse.Namespace) -> int:
     if shutil.which("wrk") is None:
         print("bench_features: wrk not found on PATH; skipping (apt-get install -y wrk)")
@@ -274,40 +467,31 @@ def run(args: argparse.Namespace) -> int:
     gateway_cpus, load_cpus = split_cores()
     raise_fd_limit()
     pin_self(load_cpus)
-    results: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rounds": args.rounds,
-                               "duration_s": args.duration, "warm_up_s": WARM_UP_S, "connections": args.connections,
-                               "gateway_cpus": sorted(gateway_cpus or []), "load_cpus": sorted(load_cpus or []),
-                               "quota_lease": QUOTA_LEASE, "variants": []}
+    results: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "method": args.method,
+                               "rounds": args.rounds, "duration_s": args.duration, "warm_up_s": WARM_UP_S,
+                               "connections": args.connections, "gateway_cpus": sorted(gateway_cpus or []),
+                               "load_cpus": sorted(load_cpus or []), "quota_lease": QUOTA_LEASE, "variants": []}
     work_dir = tempfile.mkdtemp(prefix="gridgate-bench-")
     try:
-        configs = {index: derived_config(index, work_dir) for index in args.variants}
+        configs = variant_configs(args.variants, args.method, work_dir)
         entries = {index: {"index": index, "variant": VARIANTS[index][0], "runs": []} for index in args.variants}
         mocks = start_mocks(Topology.from_config(BENCH_CONFIG), load_cpus, tokens=16, models="demo-model")
         try:
-            for round_number in range(1, args.rounds + 1):
-                last = round_number == args.rounds
-                # Even rounds run in reverse: a variant's place in the round (the first after the
-                # mocks idled, the last before the next round) then weighs on every variant alike.
-                order = args.variants if round_number % 2 else list(reversed(args.variants))
-                for index in order:
-                    print(f"bench_features: round {round_number}/{args.rounds}: {VARIANTS[index][0]}",
-                          file=sys.stderr)
-                    measured = measure_variant(configs[index], args, gateway_cpus, load_cpus, overhead=last)
-                    entries[index]["runs"].append({"round": round_number, **measured})
+            method = run_paired if args.method == "paired" else run_sequential
+            summaries = method(configs, args, entries, gateway_cpus, load_cpus)
         finally:
             stop_all(mocks)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
-    summaries = summarize_rounds({entry["variant"]: [run["throughput"] for run in entry["runs"]]
-                                  for entry in entries.values()}, VARIANTS[CORE][0])
     for entry in entries.values():
         entry["summary"] = summaries[entry["variant"]]
         results["variants"].append(entry)
     text = render(results)
     stamp = timestamp()
     json_path = write_json(os.path.join(REPORTS_DIR, f"bench-features-{stamp}.json"), results)
-    command = (f"python -m loadtest.bench_features --rounds {args.rounds} --duration {args.duration} "
-               f"--connections {args.connections} --variants {','.join(map(str, args.variants))}")
+    command = (f"python -m loadtest.bench_features --method {args.method} --rounds {args.rounds} "
+               f"--duration {args.duration} --connections {args.connections} "
+               f"--variants {','.join(map(str, args.variants))}")
     title = f"# What each feature costs on the request path ({results['started']})"
     md_path = write_text(os.path.join(REPORTS_DIR, f"bench-features-{stamp}.md"), f"{title}\n\n`{command}`\n\n{text}")
     print(text)
@@ -318,9 +502,12 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     listing = "; ".join(f"{index} = {name}" for index, name in enumerate(VARIANT_NAMES))
     parser = argparse.ArgumentParser(prog="python -m loadtest.bench_features", description=__doc__.split("\n")[0])
+    parser.add_argument("--method", choices=METHODS, default="paired",
+                        help="paired: each variant at the same time as the core (the default); "
+                             "sequential: one variant after the other")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved repetitions; medians are reported")
     parser.add_argument("--duration", type=int, default=8, help="seconds per measured wrk run")
-    parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument("--connections", type=int, default=32, help="per wrk (paired: per gateway)")
     parser.add_argument("--variants", metavar="LIST",
                         help=f"comma-separated indexes or name substrings (default: all; {CORE} always runs): {listing}")
     args = parser.parse_args(argv)
@@ -330,6 +517,8 @@ def main(argv: list[str] | None = None) -> int:
         args.variants = select_variants(args.variants)
     except ValueError as exc:
         parser.error(f"--variants: {exc}; the variants are {listing}")
+    if args.method == "paired" and args.variants == [CORE]:
+        parser.error("--method paired measures variants beside the core: name one besides it in --variants")
     try:
         return run(args)
     except RuntimeError as exc:

@@ -93,12 +93,12 @@ class GatewayProcess:
     """`python -m gateway run` as a child process, optionally pinned to cores (workers inherit it)."""
 
     def __init__(self, topology: Topology, workers: int | None, cpus: set[int] | None,
-                 quiet: bool = True) -> None:
+                 quiet: bool = True, log_name: str = "gateway-bench.log") -> None:
         cmd = [sys.executable, "-m", "gateway", "run", "-c", topology.config_path]
         if workers is not None:
             cmd += ["--workers", str(workers)]
         self.topology = topology
-        self.log_path = os.path.join(REPORTS_DIR, "gateway-bench.log")
+        self.log_path = os.path.join(REPORTS_DIR, log_name)  # one per gateway when several run at once
         os.makedirs(REPORTS_DIR, exist_ok=True)
         self.log = open(self.log_path, "wb") if quiet else None  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT if quiet else None,
