@@ -29,9 +29,9 @@ def _lease_quota(url: str, tokens: int, *, block: int, ttl: str = "300ms", headr
     }
 
 
-def _window(gateway, tenant: str) -> dict:
+def _window(gateway, tenant: str, index: int = 0) -> dict:
     report = json.loads(admin_get(gateway.admin_port, f"/admin/quota?tenant={tenant}")[2])
-    return report["rules"][0]["windows"][0]
+    return report["rules"][0]["windows"][index]
 
 
 def _post(port: int, headers: list[tuple[str, str]]) -> int:
@@ -154,3 +154,22 @@ def test_a_stopping_gateway_settles_its_blocks_and_a_dead_worker_s_are_swept(val
     os.kill(second.worker_pids()[0], signal.SIGKILL)
     swept = wait_until(lambda: (w := _window(observer, "t-stop"))["reserved"] == 0 and w, "the sweep", timeout=10)
     assert swept["used"] == held["used"] + block
+
+
+def test_a_block_closes_when_the_first_window_of_its_rule_ends(valkey_url, mock_provider, gateway_factory):
+    handle = mock_provider("p", tokens=5)
+    quota = _lease_quota(valkey_url, 1_000_000, block=5000, ttl="60s")
+    quota["rules"][0]["budgets"] = [{"window": "1h", "tokens": 1_000_000}, {"window": "2s", "tokens": 1_000_000}]
+    gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
+                              extra={"auth": _auth({"t-window": "sk-w"}), "quota": quota})
+    charged = 0
+    for _ in range(3):
+        response = chat(gateway.port, "m", headers=_bearer("sk-w"))
+        assert response.status == 200
+        charged += response.json()["usage"]["total_tokens"]
+    wait_until(lambda: metric_value(gateway.admin_port, GRANTED) >= 1, "a block granted")
+    # Its ttl is a minute, but it was reserved in this 2 s window: it closes at the window's end and
+    # is settled, which the hour's window shows (the 2 s window it was charged to is gone by then).
+    hour = wait_until(lambda: (w := _window(gateway, "t-window"))["reserved"] == 0 and w, "the block settled",
+                      timeout=5)
+    assert hour["used"] == charged
