@@ -39,7 +39,7 @@ bench-relay: install
 	$(BIN)/python -m loadtest.bench_relay
 
 # What each feature costs a worker core against the core path, median of 4 interleaved rounds
-# (issue 13, target 2: everything >= 85 %). --method paired is quieter but reads higher.
+# (issue 13, target 2: everything >= 85 %), each variant measured beside the core (paired).
 # Run a subset with: python -m loadtest.bench_features --variants 0,4
 bench-features: install
 	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
