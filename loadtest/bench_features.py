@@ -60,15 +60,7 @@ from gateway.auth import hash_api_key
 from gateway.config import load_config
 from gateway.yaml_config import ConfigError
 from loadtest.bench_core import run_wrk
-from loadtest.report import (
-    REPORTS_DIR,
-    child_pids,
-    markdown_table,
-    process_cpu_s,
-    timestamp,
-    write_json,
-    write_text,
-)
+from loadtest.report import child_pids, markdown_table, process_cpu_s, write_report
 from loadtest.topology import (
     BENCH_CONFIG,
     CHAT_PATH,
@@ -490,16 +482,11 @@ def run(args: argparse.Namespace) -> int:
     for entry in entries.values():
         entry["summary"] = summaries[entry["variant"]]
         results["variants"].append(entry)
-    text = render(results)
-    stamp = timestamp()
-    json_path = write_json(os.path.join(REPORTS_DIR, f"bench-features-{stamp}.json"), results)
     command = (f"python -m loadtest.bench_features --method {args.method} --rounds {args.rounds} "
                f"--duration {args.duration} --connections {args.connections} "
                f"--variants {','.join(map(str, args.variants))}")
-    title = f"# What each feature costs on the request path ({results['started']})"
-    md_path = write_text(os.path.join(REPORTS_DIR, f"bench-features-{stamp}.md"), f"{title}\n\n`{command}`\n\n{text}")
-    print(text)
-    print(f"bench_features: wrote {json_path} and {md_path}")
+    write_report("bench-features", results, f"What each feature costs on the request path ({results['started']})",
+                 command, render(results))
     return 0
 
 

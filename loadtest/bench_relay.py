@@ -50,7 +50,7 @@ import yaml
 from loadtest.bare_relay import start_bare_relay_process
 from loadtest.bench_core import run_wrk
 from loadtest.mock_provider import child_setup, start_mock_provider_process, terminate
-from loadtest.report import REPORTS_DIR, markdown_table, process_cpu_s, timestamp, write_json, write_text
+from loadtest.report import markdown_table, process_cpu_s, write_json, write_report, write_text
 from loadtest.topology import (
     CHAT_PATH,
     ROOT,
@@ -278,15 +278,10 @@ def run(args: argparse.Namespace) -> int:
     for entry in results["systems"].values():
         entry["summary"] = summary(entry["runs"])
     results["ratio"] = ratios(results["systems"]["bare_relay"], results["systems"]["gridgate"])
-    text = render(results, args)
-    stamp = timestamp()
-    json_path = write_json(os.path.join(REPORTS_DIR, f"bench-relay-{stamp}.json"), results)
     command = (f"python -m loadtest.bench_relay --rounds {args.rounds} --duration {args.duration} "
                f"--connections {args.connections}")
-    title = f"# gridgate vs a bare uvloop + h11 relay ({results['started']})"
-    md_path = write_text(os.path.join(REPORTS_DIR, f"bench-relay-{stamp}.md"), f"{title}\n\n`{command}`\n\n{text}")
-    print(text)
-    print(f"bench_relay: wrote {json_path} and {md_path}")
+    write_report("bench-relay", results, f"gridgate vs a bare uvloop + h11 relay ({results['started']})", command,
+                 render(results, args))
     return 0
 
 

@@ -167,3 +167,13 @@ def write_text(path: str, text: str) -> str:
 
 def write_json(path: str, data: Any) -> str:
     return write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def write_report(name: str, results: Any, title: str, command: str, text: str) -> None:
+    """``loadtest/reports/<name>-<time>.{json,md}``: the raw results, and the table under its title and
+    the command that made it; prints the table and where both went."""
+    stamp = timestamp()
+    json_path = write_json(os.path.join(REPORTS_DIR, f"{name}-{stamp}.json"), results)
+    md_path = write_text(os.path.join(REPORTS_DIR, f"{name}-{stamp}.md"), f"# {title}\n\n`{command}`\n\n{text}")
+    print(text)
+    print(f"{name.replace('-', '_')}: wrote {json_path} and {md_path}")
