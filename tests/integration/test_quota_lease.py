@@ -8,6 +8,7 @@ import signal
 import threading
 import uuid
 
+from gateway.quota.embedded import EmbeddedValkey
 from tests.harness import Client, admin_get, candidate, chat, envelope, metric_value, wait_until
 from tests.integration.test_quota_e2e import _auth, _bearer
 
@@ -173,3 +174,30 @@ def test_a_block_closes_when_the_first_window_of_its_rule_ends(valkey_url, mock_
     hour = wait_until(lambda: (w := _window(gateway, "t-window"))["reserved"] == 0 and w, "the block settled",
                       timeout=5)
     assert hour["used"] == charged
+
+
+def test_an_open_block_keeps_admitting_while_valkey_is_down(tmp_path, mock_provider, gateway_factory):
+    server = EmbeddedValkey(tmp_path / "valkey")
+    url = server.start()
+    try:
+        handle = mock_provider("p")
+        gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
+                                  extra={"auth": _auth({"t-down": "sk-d"}),
+                                         "quota": _lease_quota(url, 1_000_000, block=5000, ttl="60s")})
+        assert chat(gateway.port, "m", headers=_bearer("sk-d")).status == 200
+        wait_until(lambda: metric_value(gateway.admin_port, GRANTED) >= 1, "a block granted")
+        server.stop()
+        # The budget was reserved before Valkey went away: the block admits without it (the
+        # on_backend_error policy, reject, would answer 503 to a request that needs Valkey).
+        for _ in range(5):
+            assert chat(gateway.port, "m", headers=_bearer("sk-d")).status == 200
+        # A request larger than the block needs Valkey: the policy answers for it.
+        assert chat(gateway.port, "m", headers=_bearer("sk-d"), max_tokens=6000).status == 503
+        restarted = EmbeddedValkey(tmp_path / "valkey")  # same data dir: same socket, same URL
+        assert restarted.start() == url
+        try:
+            assert gateway.stop() == 0  # settles its block into the restarted Valkey
+        finally:
+            restarted.stop()
+    finally:
+        server.stop()  # idempotent: only if a failure came first
