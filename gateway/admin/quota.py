@@ -6,7 +6,7 @@ from typing import Any
 
 from gateway.admin.pages import ReportUnavailable
 from gateway.config import Quota
-from gateway.quota.rules import rules_from_config
+from gateway.quota.rules import RuleSet, rules_from_config
 
 
 class QuotaReporter:
@@ -15,27 +15,28 @@ class QuotaReporter:
     def __init__(self) -> None:
         self._key: tuple[str, Quota] | None = None
         self._client: Any = None
-        self._gate: Any = None
+        self._ledger: Any = None
+        self._rules: Any = None
 
     async def report(self, url: str, quota: Quota, tenant: str) -> dict[str, Any]:
         # Imported here: the quota client (valkey) is loaded only once somebody asks for this page.
         from gateway.quota.backend import create_client
-        from gateway.quota.gate import QuotaBackendUnavailable, QuotaGate
         from gateway.quota.ledger import QuotaLedger
+        from gateway.quota.report import QuotaBackendUnavailable, quota_report
 
         if self._key != (url, quota):
             await self.close()
-        if self._gate is None:  # made lazily: the client belongs to the running loop
+        if self._ledger is None:  # made lazily: the client belongs to the running loop
             self._client = create_client(url, timeout_s=1.0)
-            ledger = QuotaLedger(self._client, reservation_timeout_s=float(quota.reservation_timeout))
-            self._gate = QuotaGate(ledger, rules_from_config(quota), on_backend_error=quota.on_backend_error)
+            self._ledger = QuotaLedger(self._client, reservation_timeout_s=float(quota.reservation_timeout))
+            self._rules = RuleSet(rules_from_config(quota))
             self._key = (url, quota)
         try:
-            return await self._gate.quota_report(tenant)
+            return await quota_report(self._ledger, self._rules, tenant)
         except QuotaBackendUnavailable as exc:
             raise ReportUnavailable(f"quota backend unavailable: {exc}") from None
 
     async def close(self) -> None:
         if self._client is not None:
             await self._client.aclose()
-        self._client = self._gate = self._key = None
+        self._client = self._ledger = self._rules = self._key = None

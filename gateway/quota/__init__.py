@@ -11,7 +11,9 @@ Import the submodules directly; this package imports nothing so the pure rooms s
     breaker    Breaker                                when admissions stop touching a failing backend
     counters   QuotaCounters, TenantTokens, configured_tenants   per-worker counters for the metrics
     reconcile  Reconciler                             settling off the request path, in batches
+    lease      Lease, LeaseSpec                       worker-held token blocks (quota.lease): the arithmetic
     gate       QuotaGate                              what a worker calls per request
+    report     quota_report                           the /admin/quota page's reading of the ledger
     resp       RespClient                             lean pipelined client for one Valkey node
     backend    create_client                          the client for a backend URL (RespClient or ValkeyCluster)
     embedded   EmbeddedValkey                         the bundled server the supervisor runs

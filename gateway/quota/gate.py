@@ -57,6 +57,7 @@ from gateway.quota.lease import Lease, LeaseReservation, LeaseSpec, leasable, ms
 from gateway.quota.ledger import ADMITTED, DENIED_BUDGET, AdmitCommand, QuotaLedger
 from gateway.quota.owner import owner_tag
 from gateway.quota.reconcile import Reconciler
+from gateway.quota.report import quota_report
 from gateway.quota.rules import QuotaRule, RuleSet, rules_from_config
 
 if TYPE_CHECKING:
@@ -71,10 +72,6 @@ BackendPolicy = Literal["reject", "allow"]
 # a bound on such pending cancels (one per failed batch) keeps a dead backend from piling up tasks.
 _CANCEL_DELAYS_S = (0.5, 2.0, 5.0, 15.0)
 _MAX_PENDING_CANCELS = 1024
-
-
-class QuotaBackendUnavailable(Exception):
-    """Raised by ``quota_report`` when Valkey cannot be reached (the admin page answers 503)."""
 
 
 class QuotaGate:
@@ -487,34 +484,8 @@ class QuotaGate:
         self._reconciler.enqueue(reservation, reservation.estimate if actual is None else actual)
 
     async def quota_report(self, tenant: str) -> dict[str, Any]:
-        """``/admin/quota?tenant=T``: per rule that can apply to T, per window: used, reserved,
-        remaining, reset (seconds). Raises ``QuotaBackendUnavailable`` if Valkey cannot answer."""
-        rules = []
-        try:
-            async with asyncio.timeout(max(self._timeout_s, 1.0)):
-                for rule in self._rules.rules_for_tenant(tenant):
-                    report = await self._ledger.report(rule, tenant)
-                    rules.append(
-                        {
-                            "rule": report.rule,
-                            "in_flight": report.in_flight,
-                            "max_in_flight": report.max_in_flight,
-                            "windows": [
-                                {
-                                    "window_s": w.window_s,
-                                    "limit": w.limit,
-                                    "used": w.used,
-                                    "reserved": w.reserved,
-                                    "remaining": w.remaining,
-                                    "reset_s": w.reset_s,
-                                }
-                                for w in report.windows
-                            ],
-                        }
-                    )
-        except BACKEND_ERRORS as exc:
-            raise QuotaBackendUnavailable(describe_error(exc)) from None
-        return {"tenant": tenant, "rules": rules}
+        """What the ledger holds for ``tenant`` (``report.quota_report``), through this gate's client."""
+        return await quota_report(self._ledger, self._rules, tenant, max(self._timeout_s, 1.0))
 
     def _spawn(self, coroutine: Any) -> asyncio.Task[Any]:
         task = (self._loop or asyncio.get_running_loop()).create_task(coroutine)
