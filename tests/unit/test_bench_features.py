@@ -13,10 +13,9 @@ from loadtest.bench_features import (
     partner_addresses,
     round_order,
     select_variants,
-    summarize_paired,
-    summarize_rounds,
     variant_configs,
 )
+from loadtest.feature_report import summarize_paired, summarize_rounds
 from loadtest.topology import BENCH_CONFIG, Topology
 
 
