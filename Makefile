@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test bench bench-core bench-tls bench-relay bench-features lint clean
+.PHONY: install run test bench bench-core bench-tls bench-relay bench-features lint clean wrk
 
 install: $(STAMP)
 
@@ -23,26 +23,22 @@ bench: install
 	$(BIN)/python -m loadtest.bench
 
 # wrk-based data-plane figures (req/s per worker core, overhead percentiles, RSS, 1,000 streams).
-bench-core: install
-	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
+bench-core: install wrk
 	$(BIN)/python -m loadtest.bench_core
 
 # What HTTPS on the listener and the access log cost a worker core (req/s per core, handshakes/s).
-bench-tls: install
-	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
+bench-tls: install wrk
 	$(BIN)/python -m loadtest.bench_tls
 
 # gridgate (1 worker, routing on) against a bare uvloop + h11 relay, one core each: worker CPU per request
 # and the ratio (issue 13, target 1: >= 1.0x). The upstream is nginx if installed, else the mock provider.
-bench-relay: install
-	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
+bench-relay: install wrk
 	$(BIN)/python -m loadtest.bench_relay
 
-# What each feature costs a worker core against the core path, median of 4 interleaved rounds
-# (issue 13, target 2: everything >= 85 %), each variant measured beside the core (paired).
+# What each feature costs a worker core against the core path: each variant measured beside the core on
+# one core (paired), median of 4 rounds (issue 13, target 2: everything >= 85 %).
 # Run a subset with: python -m loadtest.bench_features --variants 0,4
-bench-features: install
-	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
+bench-features: install wrk
 	$(BIN)/python -m loadtest.bench_features --rounds 4
 
 lint: install
@@ -50,3 +46,7 @@ lint: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The wrk benches install wrk when it is missing (Debian/Ubuntu).
+wrk:
+	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)

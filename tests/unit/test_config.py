@@ -218,3 +218,16 @@ def test_quota_breaker_timings_have_defaults_and_are_checked():
         "quota.breaker.failures: must be >= 1"]
     assert problems(BASE + f"quota: {{breaker: {{probe_interval: 1ms}}, {QUOTA_RULES}}}\n") == [
         "quota.breaker.probe_interval: must be between 10ms and 10s"]
+
+
+def test_quota_lease_is_off_by_default_and_its_fields_are_checked():
+    assert parse_config(BASE + f"quota: {{{QUOTA_RULES}}}\n").quota.lease is None
+    lease = parse_config(BASE + f"quota: {{lease: {{tokens: 5000}}, {QUOTA_RULES}}}\n").quota.lease
+    assert lease is not None and (lease.tokens, lease.ttl, lease.headroom) == (5000, 1.0, 10)
+    assert problems(BASE + f"quota: {{lease: {{tokens: 0}}, {QUOTA_RULES}}}\n") == [
+        "quota.lease.tokens: must be >= 1"]
+    assert problems(BASE + f"quota: {{lease: {{tokens: 10, ttl: 2m}}, {QUOTA_RULES}}}\n") == [
+        "quota.lease.ttl: must be between 10ms and 60s"]
+    assert problems(BASE + f"quota: {{lease: {{tokens: 10, headroom: 0}}, {QUOTA_RULES}}}\n") == [
+        "quota.lease.headroom: must be >= 1"]
+    assert problems(BASE + f"quota: {{lease: {{ttl: 1s}}, {QUOTA_RULES}}}\n")[0].startswith("quota.lease")
