@@ -316,8 +316,7 @@ class QuotaGate:
         now = _monotonic()
         life_s = min(spec.ttl_s, ms_to_window_end(rule, decision.now_ms) / 1000)
         lease = Lease(LeaseReservation(*decision.reservation), spec.tokens, now + life_s, decision.limit,
-                      decision.remaining, now + decision.reset_ms / 1000, (H_LIMIT, b"%d" % decision.limit),
-                      self.tenant_tokens.slot(key[1]))
+                      decision.remaining, now + decision.reset_ms / 1000, self.tenant_tokens.slot(key[1]))
         self._leases[key] = lease
         self._held.add(lease)
         self.counters.leases_granted += 1

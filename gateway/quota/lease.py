@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.quota.admission import H_RESET, duration_text
+from gateway.quota.admission import H_LIMIT, H_RESET, duration_text
 from gateway.quota.ledger import Reservation
 from gateway.quota.rules import QuotaRule
 
@@ -63,21 +63,20 @@ class Lease:
     were charged. It admits while open and the request fits; once closed it only waits for its
     requests to end, then it is settled (``returnable``)."""
 
-    __slots__ = ("reservation", "capacity", "committed", "in_flight", "closes_at", "closed", "limit",
+    __slots__ = ("reservation", "capacity", "committed", "in_flight", "closes_at", "closed",
                  "room_beyond", "resets_at", "limit_header", "tenant_slot", "_reset_seconds", "_reset_header")
 
     def __init__(self, reservation: Reservation, capacity: int, closes_at: float, limit: int, room_beyond: int,
-                 resets_at: float, limit_header: tuple[bytes, bytes], tenant_slot: int = -1) -> None:
+                 resets_at: float, tenant_slot: int = -1) -> None:
         self.reservation = reservation
         self.capacity = capacity
         self.committed = 0
         self.in_flight = 0
         self.closes_at = closes_at  # monotonic seconds
         self.closed = False
-        self.limit = limit  # the tightest budget's limit, from the grant
         self.room_beyond = room_beyond  # that budget's room outside this block, at the grant
         self.resets_at = resets_at  # monotonic seconds at which that budget's window ends
-        self.limit_header = limit_header
+        self.limit_header = (H_LIMIT, b"%d" % limit)  # the tightest budget's limit, from the grant
         self.tenant_slot = tenant_slot  # the tenant's TenantTokens slot: one tenant per block
         self._reset_seconds = -1
         self._reset_header = (H_RESET, b"")

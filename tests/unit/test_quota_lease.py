@@ -8,13 +8,14 @@ from gateway.quota.rules import Budget, QuotaRule
 
 def _lease(capacity: int = 100, closes_at: float = 10.0, room_beyond: int = 1000) -> Lease:
     reservation = LeaseReservation(b"z", b"p", b"id|100|60:1", capacity)
-    return Lease(reservation, capacity, closes_at, 5000, room_beyond, 20.0, (b"x-ratelimit-limit-tokens", b"5000"))
+    return Lease(reservation, capacity, closes_at, 5000, room_beyond, 20.0)
 
 
 def test_a_block_admits_while_requests_fit_and_closes_on_the_first_that_does_not() -> None:
     lease = _lease()
     assert lease.take(60, now=1.0) and lease.take(40, now=1.0)
     assert (lease.committed, lease.in_flight, lease.remaining) == (100, 2, 1000)
+    assert lease.limit_header == (b"x-ratelimit-limit-tokens", b"5000")
     assert not lease.take(101, now=1.0) and not lease.closed  # larger than any block: to Valkey, block stays
     assert not lease.take(1, now=1.0) and lease.closed
     assert not lease.end(60, 10)  # one request still in flight
