@@ -20,6 +20,11 @@ or an interleaving of two writers therefore reads as "absent" (the session is si
 re-bound), never as a binding that was not written for that key. Lost updates under a
 write race are possible and harmless: affinity is a preference, not a guarantee.
 
+Each process remembers the bindings it read (``key -> (record, sequence, binding)``): a record's
+sequence only grows, with every write to it, so while it is unchanged the remembered binding is
+exactly what the record holds, and a lookup costs one word read instead of a hash, a bucket scan
+and a checksum. A rebind or an eviction by any worker changes the sequence and forces a fresh read.
+
 Record words (little-endian u64; expiry is a float64 of the caller's clock)::
 
     0 seq | 1 key_lo | 2 key_hi | 3 stable_id_hash | 4 capability_hash | 5 expires_at | 6 checksum | 7 unused
@@ -44,6 +49,11 @@ _PAYLOAD = struct.Struct("<QQQQd")  # words 1..5
 _PAYLOAD_OFFSET = 8
 _PAYLOAD_END = _PAYLOAD_OFFSET + _PAYLOAD.size
 _READ_ATTEMPTS = 2
+_RECORD = struct.Struct("<QQQQQdQ")  # words 0..6: seq, key_lo, key_hi, stable, capability, expiry, checksum
+_BUCKET_TAGS = struct.Struct("<" + "8xQ48x" * WAYS)  # word 1 (key_lo) of each record of a bucket
+_BUCKET_WORDS = WAYS * _WORDS
+# Bindings this process remembers. Past the bound the memory starts over (sessions come back).
+SEEN_LIMIT = 8192
 
 _xxh3_128 = xxhash.xxh3_128_intdigest
 _xxh3_64 = xxhash.xxh3_64_intdigest
@@ -64,7 +74,7 @@ def _split_key(key: bytes) -> tuple[int, int]:
 class AffinityTable:
     """Bounded key -> (stable_id_hash, capability_hash, expires_at) map in shared memory."""
 
-    __slots__ = ("capacity", "_buckets", "_bytes", "_words", "_floats")
+    __slots__ = ("capacity", "_buckets", "_bytes", "_words", "_floats", "_seen", "_seen_limit")
 
     @staticmethod
     def bucket_count(capacity: int) -> int:
@@ -89,6 +99,8 @@ class AffinityTable:
         self._floats = view.cast("d")
         self._buckets = buckets
         self.capacity = buckets * WAYS
+        self._seen: dict[bytes, tuple[int, int, Binding]] = {}
+        self._seen_limit = min(self.capacity, SEEN_LIMIT)
         header = (_MAGIC, _LAYOUT_VERSION, WAYS, buckets)
         current = tuple(self._words[0:4])
         if current == (0, 0, 0, 0):
@@ -100,62 +112,71 @@ class AffinityTable:
 
     def _bucket_base(self, key_lo: int) -> int:
         """Word index of the first record of the key's bucket."""
-        return _HEADER_WORDS + (key_lo % self._buckets) * WAYS * _WORDS
+        return _HEADER_WORDS + (key_lo % self._buckets) * _BUCKET_WORDS
 
-    def _read(self, rec: int, key_lo: int, key_hi: int) -> Binding | None:
+    def _read(self, rec: int, key_lo: int, key_hi: int) -> tuple[int, Binding] | None:
+        """(sequence, binding) of record ``rec`` if it holds the key, read consistently; else None."""
+        start = rec * 8
         words = self._words
         for _ in range(_READ_ATTEMPTS):
-            seq = words[rec]
+            seq = words[rec]  # before the payload, and again after it: a seqlock
             if seq & 1:
                 continue  # a writer is inside this record
-            start = rec * 8
-            payload = bytes(self._bytes[start + _PAYLOAD_OFFSET : start + _PAYLOAD_END])
-            checksum = words[rec + 6]
+            _, lo, hi, stable, capability, expires_at, checksum = _RECORD.unpack_from(self._bytes, start)
             if words[rec] != seq:
                 continue
-            if _xxh3_64(payload) != checksum:
-                return None  # torn, interleaved by two writers, or never written
-            lo, hi, stable, capability, expires_at = _PAYLOAD.unpack(payload)
             if lo != key_lo or hi != key_hi:
                 return None
-            return Binding(stable, capability, expires_at)
+            if _xxh3_64(self._bytes[start + _PAYLOAD_OFFSET : start + _PAYLOAD_END]) != checksum:
+                return None  # torn, interleaved by two writers, or never written
+            return seq, Binding(stable, capability, expires_at)
         return None
 
     def lookup(self, key: bytes, now: float) -> Binding | None:
         """The live binding of ``key`` at ``now``, or None (absent, expired or unreadable)."""
+        seen = self._seen.get(key)
+        if seen is not None and self._words[seen[0]] == seen[1]:
+            found = seen[2]  # the record has not been written since this process read it
+            return found if found.expires_at > now else None
         key_lo, key_hi = _split_key(key)
         base = self._bucket_base(key_lo)
-        tags = self._words[base + 1 : base + WAYS * _WORDS : _WORDS].tolist()
+        tags = _BUCKET_TAGS.unpack_from(self._bytes, base * 8)
         if key_lo not in tags:
             return None
         if tags.count(key_lo) == 1:
-            found = self._read(base + tags.index(key_lo) * _WORDS, key_lo, key_hi)
-            return found if found is not None and found.expires_at > now else None
-        # Two racing writers can leave one key in two ways: the later binding wins.
+            rec = base + tags.index(key_lo) * _WORDS
+            read = self._read(rec, key_lo, key_hi)
+            if read is None:
+                return None
+            if len(self._seen) >= self._seen_limit:
+                self._seen.clear()
+            self._seen[key] = (rec, read[0], read[1])
+            return read[1] if read[1].expires_at > now else None
+        # Two racing writers can leave one key in two ways: the later binding wins (not remembered:
+        # a rebind rewrites only the first of them).
         best: Binding | None = None
         for way, tag in enumerate(tags):
             if tag == key_lo:
-                found = self._read(base + way * _WORDS, key_lo, key_hi)
-                if (
-                    found is not None
-                    and found.expires_at > now
-                    and (best is None or found.expires_at > best.expires_at)
-                ):
-                    best = found
+                read = self._read(base + way * _WORDS, key_lo, key_hi)
+                if read is not None and read[1].expires_at > now and (best is None or read[1].expires_at > best.expires_at):
+                    best = read[1]
         return best
 
     def bind(self, key: bytes, stable_id_hash: int, capability_hash: int, expires_at: float) -> None:
         """Bind ``key`` until ``expires_at`` (absolute, same clock as ``lookup``'s ``now``)."""
+        # Forget what this process read: after a write race left the key in two ways, the one
+        # remembered may not be the one rewritten here.
+        self._seen.pop(key, None)
         key_lo, key_hi = _split_key(key)
         base = self._bucket_base(key_lo)
         words = self._words
-        tags = words[base + 1 : base + WAYS * _WORDS : _WORDS].tolist()
+        tags = _BUCKET_TAGS.unpack_from(self._bytes, base * 8)
         if key_lo in tags:
             way = tags.index(key_lo)  # re-bind in place
         elif 0 in tags:
             way = tags.index(0)
         else:
-            expiries = self._floats[base + 5 : base + WAYS * _WORDS : _WORDS].tolist()
+            expiries = self._floats[base + 5 : base + _BUCKET_WORDS : _WORDS].tolist()
             way = min(range(WAYS), key=expiries.__getitem__)  # expired first, else the oldest
         rec = base + way * _WORDS
         payload = _PAYLOAD.pack(key_lo, key_hi, stable_id_hash, capability_hash, expires_at)
@@ -173,8 +194,8 @@ class AffinityTable:
             rec = _HEADER_WORDS + slot * _WORDS
             key_lo = self._words[rec + 1]
             if key_lo:
-                found = self._read(rec, key_lo, self._words[rec + 2])
-                live += found is not None and found.expires_at > now
+                read = self._read(rec, key_lo, self._words[rec + 2])
+                live += read is not None and read[1].expires_at > now
         return live
 
     def release(self) -> None:

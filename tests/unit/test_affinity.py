@@ -87,6 +87,29 @@ def test_second_attachment_sees_the_same_bindings_and_checks_layout() -> None:
         AffinityTable(memoryview(bytearray(100)), 64)
 
 
+def test_a_binding_another_worker_rewrites_or_evicts_is_read_again() -> None:
+    # Each worker remembers what it read, valid only while the record's sequence is unchanged.
+    mm, writer = shared(WAYS)  # a single bucket
+    reader = AffinityTable(memoryview(mm), WAYS)
+    writer.bind(b"k", 1, 1, 100.0)
+    assert reader.lookup(b"k", 0.0) == (1, 1, 100.0)
+    assert reader.lookup(b"k", 0.0) == (1, 1, 100.0)  # remembered
+    writer.bind(b"k", 2, 3, 200.0)  # a failover on another worker moves the session
+    assert reader.lookup(b"k", 0.0) == (2, 3, 200.0)
+    for i in range(WAYS):  # newer sessions push it out of its bucket
+        writer.bind(b"other-%d" % i, 9, 9, 300.0 + i)
+    assert reader.lookup(b"k", 0.0) is None
+
+
+def test_a_remembered_binding_still_expires_and_a_rebind_here_forgets_it() -> None:
+    _, table = shared(64)
+    table.bind(b"k", 1, 1, 10.0)
+    assert table.lookup(b"k", 5.0) is not None
+    assert table.lookup(b"k", 10.0) is None
+    table.bind(b"k", 4, 4, 30.0)
+    assert table.lookup(b"k", 20.0) == (4, 4, 30.0)
+
+
 def _record_of(mm: mmap.mmap, table: AffinityTable, key: bytes) -> int:
     """Byte offset of the record holding ``key`` (found by scanning the tags)."""
     for slot in range(table.capacity):
