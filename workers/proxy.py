@@ -8,6 +8,7 @@ Each step returns its result or an ``ErrorReply``; the first reply ends the requ
 from __future__ import annotations
 
 import time
+from hmac import compare_digest
 from urllib.parse import unquote_to_bytes
 
 from gateway.auth import Authenticator
@@ -81,7 +82,7 @@ class Proxy:
         headers = self.header_plan.scan(exchange.headers)
         request_id = headers.request_id or self.ids.next()
         refuse = self.outcomes.refuse
-        tenant = self.authenticate(headers)
+        tenant = self.authenticate(exchange, headers)
         if type(tenant) is ErrorReply:
             return refuse(exchange, tenant, request_id)
         policy = self.tenants.get(tenant)
@@ -137,12 +138,23 @@ class Proxy:
             raise
 
     # -- steps ------------------------------------------------------------------------------------
-    def authenticate(self, headers: RequestHeaders) -> str | ErrorReply:
+    def authenticate(self, exchange: Exchange, headers: RequestHeaders) -> str | ErrorReply:
         """The tenant of the presented key; 401 when auth is on and the key is missing or unknown."""
         if self.auth is None:
             return ANONYMOUS_TENANT
+        # A keep-alive client sends the same key with every request: when both key headers equal those
+        # its connection's last request was admitted with (compared in constant time), the tenant is
+        # that request's, without hashing again. The key stays with the connection, whose buffers hold
+        # it anyway, and goes with it; nothing keyed by a raw key outlives a connection.
+        authorization = headers.authorization or b""
+        api_key = headers.api_key or b""
+        conn = exchange.conn
+        memo = conn.auth_memo
+        if memo is not None and compare_digest(memo[0], authorization) and compare_digest(memo[1], api_key):
+            return memo[2]
         tenant = self.auth.authenticate(headers.authorization, headers.api_key)
         if tenant is not None:
+            conn.auth_memo = (authorization, api_key, tenant)
             return tenant
         return _MISSING_KEY if headers.authorization is None and headers.api_key is None else _INVALID_KEY
 

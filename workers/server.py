@@ -112,7 +112,7 @@ class ServerConnection(asyncio.Protocol):
     __slots__ = (
         "server", "settings", "transport", "codec", "state", "exchange", "peer", "_timer", "_deadline",
         "_on_deadline", "_head_bytes", "_t_head", "_body", "_body_len", "_framing", "_request", "_headers",
-        "_reading_paused", "writing_paused", "_loop", "pending", "served", "_eof",
+        "_reading_paused", "writing_paused", "_loop", "pending", "served", "_eof", "auth_memo",
     )
 
     def __init__(self, server: ServerState) -> None:
@@ -133,6 +133,8 @@ class ServerConnection(asyncio.Protocol):
         self._framing: RequestFraming | None = None
         self._request: codec.RequestHead | None = None
         self._headers: list[tuple[bytes, bytes]] = []
+        # (Authorization, X-Api-Key, tenant) of the last request this connection authenticated (Proxy).
+        self.auth_memo: tuple[bytes, bytes, str] | None = None
         self._reading_paused = False
         self.writing_paused = False
         self._loop = asyncio.get_running_loop()
