@@ -37,7 +37,7 @@ bench-relay: install wrk
 
 # What each feature costs a worker core against the core path: each variant measured beside the core on
 # one core (paired), median of 4 rounds (issue 13, target 2: everything >= 85 %).
-# Run a subset with: python -m loadtest.bench_features --variants 0,4
+# Run a subset with: python -m loadtest.bench_features --variants 0,5
 bench-features: install wrk
 	$(BIN)/python -m loadtest.bench_features --rounds 4
 

@@ -140,11 +140,6 @@ _FACTS_DECODER = msgspec.json.Decoder(FactFields)
 _VISIBLE_ASCII = bytes(range(33, 127))
 
 
-def _visible_ascii(value: bytes) -> bool:
-    # translate() deletes the visible characters in C; anything left is not visible ASCII.
-    return not value.translate(None, _VISIBLE_ASCII)
-
-
 def header_token(raw: bytes | str | None, max_bytes: int = MAX_NAME_BYTES) -> bytes | None:
     """Trim OWS; return the value if it is 1..max_bytes visible ASCII, else None."""
     if raw is None:
@@ -155,7 +150,8 @@ def header_token(raw: bytes | str | None, max_bytes: int = MAX_NAME_BYTES) -> by
         except UnicodeEncodeError:
             return None
     value = raw.strip(_OWS)
-    if not value or len(value) > max_bytes or not _visible_ascii(value):
+    # translate() deletes the visible characters in C; anything left is not visible ASCII.
+    if not value or len(value) > max_bytes or value.translate(None, _VISIBLE_ASCII):
         return None
     return value
 

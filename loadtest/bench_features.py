@@ -4,9 +4,9 @@
         [--connections 32] [--variants 0,4,lease]
 
 Gateway workers pinned to core 0; wrk, the mock providers and the embedded Valkey on core 1. Variants
-of loadtest/configs/bench.yaml (`VARIANTS`): the routing core only, + health checks and outlier
-detection, + session affinity, + auth and token quota (embedded Valkey), everything, and everything with
-quota leases (`QUOTA_LEASE`). For each: the worker's CPU time per request and "vs core" = core's CPU per
+of loadtest/configs/bench.yaml (`VARIANTS`): the routing core only (the access log off too), + health
+checks and outlier detection, + session affinity, + auth and token quota (embedded Valkey), + the access
+log (to a file), everything, and everything with quota leases (`QUOTA_LEASE`). For each: the worker's CPU time per request and "vs core" = core's CPU per
 request / the variant's; req/s (32 connections); the gateway overhead p50/p99 at one connection
 (``x-gridgate-overhead-ms``). CPU per request, not req/s: with quota on, the load core also runs
 Valkey's Lua ledger for every request and saturates first, which says nothing about the gateway.
@@ -119,14 +119,25 @@ def _lease(config: dict[str, Any], _work_dir: str) -> None:
     config["quota"]["lease"] = dict(QUOTA_LEASE)
 
 
+def _access_log(config: dict[str, Any], work_dir: str) -> None:
+    # A regular file, as on a host that logs to disk (one variant with a log runs at a time).
+    config["access_log"] = {"enabled": True, "path": os.path.join(work_dir, "access.log")}
+
+
+def _core(config: dict[str, Any], _work_dir: str) -> None:
+    # The access log is on by default: the core path goes without it, "everything" has it (issue 13).
+    config["access_log"] = {"enabled": False}
+
+
 CORE = 0  # the reference of every "vs core" ratio
 VARIANTS: tuple[tuple[str, tuple[Feature, ...]], ...] = (
-    ("core (auth, quota, health off)", ()),
+    ("core (auth, quota, health, access log off)", ()),
     ("+ health checks + outlier detection", (_health,)),
     ("+ session affinity", (_affinity,)),
     ("+ auth + token quota", (_quota,)),
-    ("everything", (_health, _affinity, _quota)),
-    ("everything, quota leases", (_health, _affinity, _quota, _lease)),  # needs the quota.lease config key
+    ("+ access log", (_access_log,)),
+    ("everything", (_health, _affinity, _quota, _access_log)),
+    ("everything, quota leases", (_health, _affinity, _quota, _access_log, _lease)),
 )
 VARIANT_NAMES = tuple(name for name, _ in VARIANTS)
 
@@ -174,7 +185,7 @@ def derived_config(index: int, work_dir: str, addresses: tuple[Address, Address]
     name, features = VARIANTS[index]
 
     def change(config: dict[str, Any]) -> None:
-        for feature in features:
+        for feature in (_core, *features):
             feature(config, work_dir)
         if addresses is not None:
             (listen_host, listen_port), (admin_host, admin_port) = addresses

@@ -24,6 +24,7 @@ import os
 import select
 import socket
 import stat
+from collections.abc import Callable
 
 log = logging.getLogger("gridgate.access_log")
 
@@ -90,6 +91,8 @@ class LineWriter:
         self._timer: asyncio.TimerHandle | None = None
         self._output = open_output(path)
         self._last_error_log = float("-inf")
+        # Called before each write-out to put deferred lines into `buffer` (the access log's).
+        self.fill: Callable[[], None] | None = None
 
     # -- the request path --------------------------------------------------------------------
     def has_room(self) -> bool:
@@ -99,7 +102,7 @@ class LineWriter:
         return False
 
     def wrote(self) -> None:
-        """A line was appended to ``buffer``: make sure a flush is coming."""
+        """A line was appended to ``buffer`` (or is pending for ``fill``): make sure a flush is coming."""
         if self._timer is None:
             self._timer = self._loop.call_later(self.flush_delay_s, self.flush)
 
@@ -109,6 +112,8 @@ class LineWriter:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self.fill is not None:
+            self.fill()
         buffer = self.buffer
         done = self._write_out()
         del buffer[:done]

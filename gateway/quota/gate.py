@@ -202,9 +202,13 @@ class QuotaGate:
             key = (rule.name, tenant)
             lease = self._leases.get(key)
             if lease is not None:
-                now = _monotonic()
-                if lease.take(estimate, now):
-                    return self._leased(lease, estimate, now)
+                headers = lease.take(estimate, _monotonic())
+                if headers is not None:
+                    counters = self.counters
+                    counters.admitted += 1
+                    counters.leased += 1
+                    counters.tokens_estimated += estimate
+                    return Admission(True, "admitted", None, headers, None, estimate, lease.tenant_slot, lease=lease)
                 if lease.closed:
                     del self._leases[key]  # its requests still end and settle into it
                     if lease.in_flight == 0:
@@ -277,14 +281,6 @@ class QuotaGate:
         return future
 
     # -- worker-held blocks (quota.lease)
-
-    def _leased(self, lease: Lease, estimate: int, now: float) -> Admission:
-        counters = self.counters
-        counters.admitted += 1
-        counters.leased += 1
-        counters.tokens_estimated += estimate
-        headers = (lease.limit_header, (H_REMAINING, b"%d" % lease.remaining), lease.reset_header(now))
-        return Admission(True, "admitted", None, headers, None, estimate, lease.tenant_slot, lease=lease)
 
     def _lease(self, rule: QuotaRule, tenant: str, room: int) -> None:
         """Ask for a block of (rule, tenant) in this tick's batch, if leases are on, the rule may
@@ -462,7 +458,8 @@ class QuotaGate:
     ) -> None:
         """A completed response with the usage the provider reported: charge ``total_tokens`` (the
         difference to the estimate is refunded or charged) and count the tenant's tokens in/out."""
-        if admission.metered:
+        if (admission.reservation is not None or admission.lease is not None) and (
+                prompt_tokens is not None or completion_tokens is not None):  # not yet settled, and split
             self.tenant_tokens.add(admission.tenant_slot, prompt_tokens, completion_tokens, total_tokens)
         self._settle(admission, total_tokens)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.quota.admission import H_LIMIT, H_RESET, duration_text
+from gateway.quota.admission import H_LIMIT, H_REMAINING, H_RESET, duration_text
 from gateway.quota.ledger import Reservation
 from gateway.quota.rules import QuotaRule
 
@@ -81,18 +81,21 @@ class Lease:
         self._reset_seconds = -1
         self._reset_header = (H_RESET, b"")
 
-    def take(self, estimate: int, now: float) -> bool:
-        """Admit a request of ``estimate`` tokens if the block is open and has room. A block that has
-        no room left for it is closed (requests go to Valkey until the next block); a request larger
-        than any block goes to Valkey and leaves the block open."""
+    def take(self, estimate: int, now: float) -> tuple[tuple[bytes, bytes], ...] | None:
+        """Admit a request of ``estimate`` tokens if the block is open and has room: its rate-limit
+        headers (limit, remaining, reset), else None. A block that has no room left for it is closed
+        (requests go to Valkey until the next block); a request larger than any block goes to Valkey and
+        leaves the block open."""
         if self.closed or estimate > self.capacity:
-            return False
-        if now >= self.closes_at or self.committed + estimate > self.capacity:
+            return None
+        committed = self.committed + estimate
+        if now >= self.closes_at or committed > self.capacity:
             self.closed = True
-            return False
-        self.committed += estimate
+            return None
+        self.committed = committed
         self.in_flight += 1
-        return True
+        remaining = self.room_beyond + self.capacity - committed  # as `remaining`, written out: per request
+        return self.limit_header, (H_REMAINING, b"%d" % (remaining if remaining > 0 else 0)), self.reset_header(now)
 
     def end(self, estimate: int, charged: int) -> bool:
         """A request of this block ended and was charged ``charged`` tokens (its estimate, the
