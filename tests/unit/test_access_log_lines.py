@@ -1,0 +1,47 @@
+"""Access-log lines are formatted at write-out: what a line says is what was true when the request ended."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from datetime import datetime
+from pathlib import Path
+from types import SimpleNamespace
+
+from workers.access_log import AccessLog
+from workers.line_writer import LineWriter
+
+
+def _exchange(ended_ms_ago: float, took_ms: float) -> SimpleNamespace:
+    """The fields AccessLog.record reads, for a request that started `took_ms` before it ended."""
+    t_start = time.perf_counter() - (took_ms + ended_ms_ago) / 1000
+    return SimpleNamespace(t_start=t_start, t_first_byte=t_start + 0.002, method=b"POST",
+                           target=b"/v1/chat/completions?key=secret", body=b"x" * 40, bytes_out=123)
+
+
+def test_a_line_written_later_keeps_the_times_and_values_of_when_it_was_recorded(tmp_path: Path) -> None:
+    async def write() -> list[dict]:
+        access_log = AccessLog(LineWriter(str(tmp_path / "access.log"), flush_delay_s=10.0))
+        exchange = _exchange(ended_ms_ago=0, took_ms=10)
+        access_log.record(exchange, b"req-1", 200, tenant="team-a", capability="m", overhead_s=0.0004567,  # type: ignore[arg-type]
+                          tokens_prompt=7, tokens_completion=16)
+        recorded_at = time.time()
+        exchange.bytes_out = 999  # changes after the end are not the line's
+        access_log.rejected(431, "header_too_large")
+        await asyncio.sleep(0.2)  # the line is formatted at close, well after the request ended
+        await access_log.close()
+        lines = [json.loads(text) for text in (tmp_path / "access.log").read_text().splitlines()]
+        stamped = datetime.fromisoformat(lines[0]["ts"].replace("Z", "+00:00")).timestamp()
+        assert recorded_at - 0.01 <= stamped <= recorded_at  # when it ended, not when it was written
+        return lines
+
+    served, rejected = asyncio.run(write())
+    assert (served["request_id"], served["tenant"], served["path"], served["status"]) == (
+        "req-1", "team-a", "/v1/chat/completions", 200)
+    assert 10 <= served["duration_ms"] < 150  # not the 200 ms it waited to be written
+    assert served["first_byte_ms"] == 2.0 and served["overhead_ms"] == 0.457
+    assert (served["bytes_in"], served["bytes_out"]) == (40, 123)
+    assert (served["tokens_prompt"], served["tokens_completion"]) == (7, 16)
+    assert (rejected["status"], rejected["error"], rejected["method"], rejected["duration_ms"]) == (
+        431, "header_too_large", None, None)
