@@ -34,6 +34,7 @@ import msgspec
 
 from gateway.http.errors import ErrorReply
 from gateway.http.media import is_json_content_type
+from gateway.request.headers import VISIBLE_ASCII
 from gateway.routing.eligibility import AUDIO, EMBEDDINGS, JSON_SCHEMA, TOOLS, VISION
 
 MAX_NAME_BYTES = 256
@@ -137,9 +138,6 @@ _DECODER = msgspec.json.Decoder(BodyFields)
 _FACTS_DECODER = msgspec.json.Decoder(FactFields)
 
 
-_VISIBLE_ASCII = bytes(range(33, 127))
-
-
 def header_token(raw: bytes | str | None, max_bytes: int = MAX_NAME_BYTES) -> bytes | None:
     """Trim OWS; return the value if it is 1..max_bytes visible ASCII, else None."""
     if raw is None:
@@ -150,8 +148,7 @@ def header_token(raw: bytes | str | None, max_bytes: int = MAX_NAME_BYTES) -> by
         except UnicodeEncodeError:
             return None
     value = raw.strip(_OWS)
-    # translate() deletes the visible characters in C; anything left is not visible ASCII.
-    if not value or len(value) > max_bytes or value.translate(None, _VISIBLE_ASCII):
+    if not value or len(value) > max_bytes or value.translate(None, VISIBLE_ASCII):  # not visible ASCII
         return None
     return value
 

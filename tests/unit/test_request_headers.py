@@ -44,3 +44,7 @@ def test_forwarded_for_lines_are_joined_and_request_id_validated():
     assert found.xff == b"1.1.1.1, 2.2.2.2" and found.request_id == b"ok-1"
     assert scan([(b"x-request-id", b"has space")]).request_id is None
     assert scan([(b"x-request-id", b"x" * 129)]).request_id is None
+    assert scan([(b"x-request-id", b"x" * 128)]).request_id == b"x" * 128
+    for bad in (b"caf\xc3\xa9", b"tab\there", b"del\x7f", b""):  # visible ASCII only, 1..128 bytes
+        assert scan([(b"x-request-id", bad)]).request_id is None
+    assert scan([(b"x-request-id", b"!~{}\"")]).request_id == b"!~{}\""
