@@ -117,13 +117,14 @@ class AccessLog:
         return self._ts
 
     def record(
-        self, exchange: Exchange, request_id: bytes | None, status: int, *, tenant: str | None = None,
+        self, exchange: Exchange, request_id: bytes | None, status: int, tenant: str | None = None,
         capability: str | None = None, route: RouteDecision | None = None, attempts: int = 0,
         endpoint: str | None = None, overhead_s: float | None = None, tokens_prompt: int | None = None,
         tokens_completion: int | None = None, error: str | None = None, filtered: int = 0,
         reasons: int = 0,
     ) -> None:
-        """One request ended: ``status`` as answered (499 when the client left before any answer)."""
+        """One request ended: ``status`` as answered (499 when the client left before any answer). The
+        relayed-response path passes every argument by position (a dozen keywords cost a call more)."""
         writer = self.writer
         if writer is None:
             return

@@ -246,11 +246,11 @@ class Forwarder:
             tokens, prompt, completion = usage.total_tokens, usage.prompt_tokens, usage.completion_tokens
         outcomes.settle(req.admission, settlement_for(status, tokens, relay.client_left), tokens, prompt, completion)
         failure = relay.failure
-        outcomes.access_log.record(
-            req.exchange, req.request_id, status, tenant=req.tenant, capability=req.capability, route=route,
-            attempts=attempt, endpoint=endpoint.address, overhead_s=overhead, tokens_prompt=prompt,
-            tokens_completion=completion, filtered=req.filtered, reasons=req.filtered_reasons,
-            error=f"upstream_{failure.name.lower()}" if failure else "client_closed" if relay.client_left else None,
+        outcomes.access_log.record(  # by position, in the signature's order (tenant .. reasons)
+            req.exchange, req.request_id, status, req.tenant, req.capability, route, attempt, endpoint.address,
+            overhead, prompt, completion,
+            f"upstream_{failure.name.lower()}" if failure else "client_closed" if relay.client_left else None,
+            req.filtered, req.filtered_reasons,
         )
 
     def _cool(self, cluster: UpstreamCluster, retry_after: bytes | None) -> None:

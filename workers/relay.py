@@ -135,8 +135,11 @@ class ResponseRelay:
     def upstream_end(self) -> None:
         if self.held_status:
             return
-        if self.usage is not None:
-            self.exchange.write(self.usage.flush())
+        usage = self.usage
+        if usage is not None:
+            held = usage.flush()
+            if held:
+                self.exchange.write(held)
         self.exchange.end()
         self._finish()
 

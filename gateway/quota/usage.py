@@ -135,8 +135,20 @@ class UsageScanner:
         self._held = b""
 
     def feed(self, chunk: bytes) -> bytes:
-        if not self._held and chunk[:1] == b"{" and chunk[-1:] == b"}" and self._read_document(chunk):
-            return chunk
+        if not self._held and chunk[:1] == b"{" and chunk[-1:] == b"}":
+            # A whole JSON response in one chunk (the usual non-streamed answer): its top-level `usage`
+            # decoded in C, ten times cheaper than the scan below, which takes anything else.
+            try:
+                usage = _usage_document.decode(chunk).usage
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                usage = None
+            if usage is not None and usage.total_tokens is not None:
+                self.total_tokens = usage.total_tokens
+                if usage.prompt_tokens is not None:
+                    self.prompt_tokens = usage.prompt_tokens
+                if usage.completion_tokens is not None:
+                    self.completion_tokens = usage.completion_tokens
+                return chunk
         data = self._held + chunk if self._held else chunk
         end = len(data)
         if _KEY_TAIL in data:
@@ -164,22 +176,6 @@ class UsageScanner:
         # Keep what could be the start of a key split by the chunk boundary.
         self._held = data[-(_LONGEST_KEY - 1):]
         return chunk
-
-    def _read_document(self, chunk: bytes) -> bool:
-        """A whole JSON response in one chunk (the usual non-streamed answer): its top-level ``usage``
-        decoded in C, ten times cheaper than the scan. False (scan it) for anything else."""
-        try:
-            usage = _usage_document.decode(chunk).usage
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return False
-        if usage is None or usage.total_tokens is None:
-            return False
-        self.total_tokens = usage.total_tokens
-        if usage.prompt_tokens is not None:
-            self.prompt_tokens = usage.prompt_tokens
-        if usage.completion_tokens is not None:
-            self.completion_tokens = usage.completion_tokens
-        return True
 
     def flush(self) -> bytes:
         if self._held:
