@@ -32,7 +32,7 @@ import os
 import time
 from collections.abc import Awaitable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from valkey.exceptions import NoScriptError
 
@@ -65,6 +65,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gridgate.quota")
 _monotonic = time.monotonic
+
+# What a request's Admission is decided from, once its admit's reply is in: (rule, tenant, estimate).
+_AdmitContext = tuple[QuotaRule, str, int]
+
+
+class _Batch(NamedTuple):
+    """One tick's admits, in the order sent."""
+
+    commands: list[AdmitCommand]
+    futures: list[asyncio.Future[Any]]
+    contexts: list[_AdmitContext | None]
+
 
 BackendPolicy = Literal["reject", "allow"]
 
@@ -104,9 +116,11 @@ class QuotaGate:
         self._probe_interval_s = probe_interval_s
         self._ids = CounterIds(prefix=owner)
         self._loop: asyncio.AbstractEventLoop | None = None
-        # This tick's admits, sent by one _flush: their commands and the futures their requests await.
+        # This tick's admits, sent by one _flush: their commands, the futures their requests await, and
+        # what each request's Admission is decided from (None: a block's grant, which takes the raw reply).
         self._commands: list[AdmitCommand] = []
         self._futures: list[asyncio.Future[Any]] = []
+        self._contexts: list[_AdmitContext | None] = []
         self._tasks: set[asyncio.Task] = set()  # probe, script reloads, cancels of lost admits
         self._cancels = 0
         self._probe: asyncio.Task[None] | None = None
@@ -232,13 +246,20 @@ class QuotaGate:
             admission = await admission  # type: ignore[misc]
         return admission  # type: ignore[return-value]
 
-    async def _admit(self, rule: QuotaRule, tenant: str, estimate: int) -> Admission:
+    def _admit(self, rule: QuotaRule, tenant: str, estimate: int) -> Admission | asyncio.Future[Admission]:
+        """An Admission now (the breaker is open), else the future of this tick's batch, resolved with
+        the request's Admission when the replies arrive (``_decide``, for the whole batch in one loop:
+        no coroutine per request)."""
         if self._breaker.is_open:
             return self._backend_unavailable()
         command = self._ledger.admit_command(rule, tenant, estimate, self._ids.next())
-        reply = await self._enqueue(command)
+        return self._enqueue(command, (rule, tenant, estimate))
+
+    def _decide(self, command: AdmitCommand, reply: Any, context: _AdmitContext) -> Admission:
+        """A request's Admission from its admit's reply (bytes; anything else: the backend failed)."""
         if reply.__class__ is not bytes:  # the batch failed, or this command did (counted per batch)
             return self._backend_unavailable()
+        rule, tenant, estimate = context
         decision = QuotaLedger.decision(command, reply)
         counters = self.counters
         limit = (H_LIMIT, b"%d" % decision.limit)
@@ -270,14 +291,16 @@ class QuotaGate:
         headers = ((H_RETRY_AFTER, b"%d" % retry_after), limit, remaining, reset)
         return Admission(False, reason, 429, headers, None, estimate)
 
-    def _enqueue(self, command: AdmitCommand) -> asyncio.Future[Any]:
-        """Add an admit to this loop tick's batch; the future gets its reply (or the batch's error)."""
+    def _enqueue(self, command: AdmitCommand, context: _AdmitContext | None = None) -> asyncio.Future[Any]:
+        """Add an admit to this loop tick's batch. The future gets the request's Admission (decided from
+        ``context``), or without a context the raw reply (or the batch's error)."""
         loop = self._loop or asyncio.get_running_loop()
         future = loop.create_future()
         if not self._futures:
             loop.call_soon(self._flush)
         self._commands.append(command)
         self._futures.append(future)
+        self._contexts.append(context)
         return future
 
     # -- worker-held blocks (quota.lease)
@@ -339,33 +362,32 @@ class QuotaGate:
 
     def _flush(self) -> None:
         """Send this tick's admits in one round trip."""
-        commands, futures = self._commands, self._futures
-        self._commands, self._futures = [], []
+        batch = _Batch(self._commands, self._futures, self._contexts)
+        self._commands, self._futures, self._contexts = [], [], []
         try:
-            sent = asyncio.ensure_future(self._ledger.send_admits(commands))
+            sent = asyncio.ensure_future(self._ledger.send_admits(batch.commands))
         except BACKEND_ERRORS as exc:  # e.g. too many commands pending on a stuck connection
-            self._batch_failed(commands, futures, exc)
+            self._batch_failed(batch, exc)
             return
-        sent.add_done_callback(partial(self._batch_sent, commands, futures))
+        sent.add_done_callback(partial(self._batch_sent, batch))
 
-    def _batch_sent(self, commands: list[AdmitCommand], futures: list[asyncio.Future[Any]],
-                    sent: asyncio.Future[list[Any]]) -> None:
+    def _batch_sent(self, batch: _Batch, sent: asyncio.Future[list[Any]]) -> None:
         if sent.cancelled():  # the gate is closing
-            self._batch_failed(commands, futures, ConnectionError("quota gate closed"))
+            self._batch_failed(batch, ConnectionError("quota gate closed"))
             return
         error = sent.exception()
         if error is not None:
-            self._batch_failed(commands, futures, error)
+            self._batch_failed(batch, error)
             return
         replies = sent.result()
         lost = [i for i, reply in enumerate(replies) if reply.__class__ is NoScriptError]
         if lost:  # the server restarted with an empty script cache: those admits did not run
-            self._spawn(self._readmit(commands, futures, replies, lost))
+            self._spawn(self._readmit(batch, replies, lost))
             return
-        self._resolve(commands, futures, replies)
+        self._resolve(batch, replies)
 
-    async def _readmit(self, commands: list[AdmitCommand], futures: list[asyncio.Future[Any]],
-                       replies: list[Any], lost: list[int]) -> None:
+    async def _readmit(self, batch: _Batch, replies: list[Any], lost: list[int]) -> None:
+        commands = batch.commands
         try:
             await self._ledger.load_script()
             again = await self._ledger.send_admits([commands[i] for i in lost])
@@ -373,13 +395,12 @@ class QuotaGate:
             again = [exc] * len(lost)
         for i, reply in zip(lost, again, strict=True):
             replies[i] = reply
-        self._resolve(commands, futures, replies)
+        self._resolve(batch, replies)
 
-    def _resolve(
-        self, commands: list[AdmitCommand], futures: list[asyncio.Future[Any]], replies: list[Any]
-    ) -> None:
+    def _resolve(self, batch: _Batch, replies: list[Any]) -> None:
         failed = False
-        for command, future, reply in zip(commands, futures, replies, strict=True):
+        for command, future, context, reply in zip(batch.commands, batch.futures, batch.contexts, replies,
+                                                   strict=True):
             if reply.__class__ is not bytes:
                 failed = True
             if future.cancelled():  # the request gave up waiting: free what the admit reserved
@@ -387,18 +408,18 @@ class QuotaGate:
                     reservation = QuotaLedger.decision(command, reply).reservation
                     self._reconciler.enqueue(reservation, 0)  # type: ignore[arg-type]
             else:
-                future.set_result(reply)
+                future.set_result(reply if context is None else self._decide(command, reply, context))
         if failed:
             errors = sum(reply.__class__ is not bytes for reply in replies)
             self._backend_failed(f"{errors} admit(s) answered with errors")
         elif self._breaker.success():
             self._closed()
 
-    def _batch_failed(self, commands: list[AdmitCommand], futures: list[asyncio.Future[Any]],
-                      error: BaseException) -> None:
-        for future in futures:
-            if not future.done():
-                future.set_result(error)  # a result, not an exception: one object, many requests
+    def _batch_failed(self, batch: _Batch, error: BaseException) -> None:
+        for future, context in zip(batch.futures, batch.contexts, strict=True):
+            if not future.done():  # a result, not an exception: one object, many requests
+                future.set_result(error if context is None else self._backend_unavailable())
+        commands = batch.commands
         self._backend_failed(describe_error(error))
         # The admits may still run once the backend catches up: undo them then (off the request path).
         if self._cancels >= _MAX_PENDING_CANCELS:
