@@ -67,11 +67,6 @@ class AccessLine(msgspec.Struct, omit_defaults=True, gc=False):
 _NO_ROUTE = (None, None, None, None, None, None)
 
 
-def _ms(seconds: float) -> float:
-    """Milliseconds with three decimals (whole microseconds), a quarter of the cost of ``round``."""
-    return int(seconds * 1e6 + 0.5) / 1000
-
-
 class AccessLog:
     """Per-worker access log. ``record`` never blocks and never raises for a full output."""
 
@@ -103,17 +98,16 @@ class AccessLog:
         """Lines lost since start (buffer full or output failing), for the metrics."""
         return 0 if self.writer is None else self.writer.dropped
 
-    def _timestamp(self, wall: float) -> str:
-        """RFC 3339 UTC with milliseconds, formatted at most once per millisecond (the date part once
-        per second): many lines share one under load."""
-        millis = int(wall * 1000)
-        if millis != self._millis:
-            self._millis = millis
-            second, fraction = divmod(millis, 1000)
-            if second != self._second:
-                self._second = second
-                self._second_text = time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(second))
-            self._ts = f"{self._second_text}{fraction:03d}Z"
+    def _timestamp(self, millis: int) -> str:
+        """RFC 3339 UTC with milliseconds (``millis`` since the epoch), formatted once per millisecond
+        (the date part once per second): many lines share one under load, and ``_fill`` reuses the last
+        one without a call."""
+        self._millis = millis
+        second, fraction = divmod(millis, 1000)
+        if second != self._second:
+            self._second = second
+            self._second_text = time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(second))
+        self._ts = f"{self._second_text}{fraction:03d}Z"
         return self._ts
 
     def record(
@@ -136,11 +130,10 @@ class AccessLog:
         if len(pending) >= self._max_pending:
             writer.dropped += 1
             return
-        pending.append((
-            _time(), _perf() - exchange.t_start, exchange.t_first_byte - exchange.t_start if exchange.t_first_byte
-            else None, exchange.method, exchange.target, request_id, status, tenant, capability, route, attempts,
-            endpoint, overhead_s, len(exchange.body), exchange.bytes_out, tokens_prompt, tokens_completion, error,
-            filtered, reasons,
+        pending.append((  # one clock reading: the wall time is derived from it at write-out
+            _perf(), exchange.t_start, exchange.t_first_byte, exchange.method, exchange.target, request_id, status,
+            tenant, capability, route, attempts, endpoint, overhead_s, len(exchange.body), exchange.bytes_out,
+            tokens_prompt, tokens_completion, error, filtered, reasons,
         ))
         writer.wrote()
 
@@ -153,7 +146,7 @@ class AccessLog:
         if len(pending) >= self._max_pending:
             writer.dropped += 1
             return
-        pending.append((_time(), None, None, None, None, None, status, None, None, None, 0, None, None, 0, 0, None,
+        pending.append((_perf(), None, 0.0, None, None, None, status, None, None, None, 0, None, None, 0, 0, None,
                         None, error, 0, 0))
         writer.wrote()
 
@@ -166,12 +159,15 @@ class AccessLog:
         self._pending = []
         writer = self.writer
         assert writer is not None
-        buffer, encode_into, has_room, timestamp = writer.buffer, self._encode_into, writer.has_room, self._timestamp
-        for (wall, duration_s, first_byte_s, method, target, request_id, status, tenant, capability, route, attempts,
+        buffer, encode_into, max_bytes = writer.buffer, self._encode_into, writer.max_buffer_bytes
+        wall_offset = _time() - _perf()  # perf_counter -> epoch seconds, for the lines' timestamps
+        for (ended, t_start, t_first_byte, method, target, request_id, status, tenant, capability, route, attempts,
              endpoint, overhead_s, bytes_in, bytes_out, tokens_prompt, tokens_completion, error, filtered,
              reasons) in pending:
-            if not has_room():
+            if len(buffer) >= max_bytes:  # LineWriter.has_room, written out: once per line
+                writer.dropped += 1
                 continue
+            millis = int((ended + wall_offset) * 1000)
             if target is not None:
                 query = target.find(b"?")
                 target = (target if query < 0 else target[:query]).decode("latin-1")
@@ -181,11 +177,14 @@ class AccessLog:
                 provider, stable_id, group = route.cluster, route.stable_id, route.selection_group
                 mode, affinity, revision = route.mode, route.affinity, route.revision
             line = AccessLine(
-                timestamp(wall), None if request_id is None else request_id.decode("latin-1"), tenant,
+                self._ts if millis == self._millis else self._timestamp(millis),
+                None if request_id is None else request_id.decode("latin-1"), tenant,
                 None if method is None else method.decode("latin-1"), target, status, capability, provider,
                 stable_id, group, mode, affinity, attempts, endpoint, revision, bytes_in, bytes_out, tokens_prompt,
-                tokens_completion, None if overhead_s is None else _ms(overhead_s),
-                None if first_byte_s is None else _ms(first_byte_s), None if duration_s is None else _ms(duration_s),
+                # Milliseconds with three decimals: whole microseconds, a quarter of the cost of round().
+                tokens_completion, None if overhead_s is None else int(overhead_s * 1e6 + 0.5) / 1000,
+                int((t_first_byte - t_start) * 1e6 + 0.5) / 1000 if t_first_byte else None,
+                None if t_start is None else int((ended - t_start) * 1e6 + 0.5) / 1000,
                 error, filtered, reason_names(reasons) if filtered else None,
             )
             encode_into(line, buffer, -1)

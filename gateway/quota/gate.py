@@ -222,7 +222,7 @@ class QuotaGate:
                     counters.admitted += 1
                     counters.leased += 1
                     counters.tokens_estimated += estimate
-                    return Admission(True, "admitted", None, headers, None, estimate, lease.tenant_slot, lease=lease)
+                    return Admission(True, "admitted", None, headers, None, estimate, lease.tenant_slot, None, lease)
                 if lease.closed:
                     del self._leases[key]  # its requests still end and settle into it
                     if lease.in_flight == 0:
