@@ -235,14 +235,9 @@ def session_key(
     Both are trimmed and must be 1..256 visible ASCII; an invalid or oversized value is
     ignored (no affinity) rather than rejected.
     """
-    if header_value.__class__ is bytes:  # as h11 hands it over: header_token's checks, without its call
-        key = header_value.strip(_OWS)  # type: ignore[union-attr]
-        if key and len(key) <= MAX_NAME_BYTES and not key.translate(None, VISIBLE_ASCII):
-            return key
-    else:
-        key = header_token(header_value)
-        if key is not None:
-            return key
+    key = header_token(header_value)
+    if key is not None:
+        return key
     if cookie_header is None or cookie_name is None:
         return None
     if isinstance(cookie_header, str):

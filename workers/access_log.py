@@ -99,15 +99,15 @@ class AccessLog:
         return 0 if self.writer is None else self.writer.dropped
 
     def _timestamp(self, millis: int) -> str:
-        """RFC 3339 UTC with milliseconds (``millis`` since the epoch), formatted once per millisecond
-        (the date part once per second): many lines share one under load, and ``_fill`` reuses the last
-        one without a call."""
-        self._millis = millis
-        second, fraction = divmod(millis, 1000)
-        if second != self._second:
-            self._second = second
-            self._second_text = time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(second))
-        self._ts = f"{self._second_text}{fraction:03d}Z"
+        """RFC 3339 UTC with milliseconds (``millis`` since the epoch), formatted at most once per
+        millisecond (the date part once per second): many lines share one under load."""
+        if millis != self._millis:
+            self._millis = millis
+            second, fraction = divmod(millis, 1000)
+            if second != self._second:
+                self._second = second
+                self._second_text = time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(second))
+            self._ts = f"{self._second_text}{fraction:03d}Z"
         return self._ts
 
     def record(
@@ -126,28 +126,24 @@ class AccessLog:
             sample = self.sample
             if sample < 1.0 and (sample <= 0.0 or _random() >= sample):
                 return
-        pending = self._pending
-        if len(pending) >= self._max_pending:
-            writer.dropped += 1
-            return
-        pending.append((  # one clock reading: the wall time is derived from it at write-out
+        self._keep(writer, (  # one clock reading: the wall time is derived from it at write-out
             _perf(), exchange.t_start, exchange.t_first_byte, exchange.method, exchange.target, request_id, status,
             tenant, capability, route, attempts, endpoint, overhead_s, len(exchange.body), exchange.bytes_out,
             tokens_prompt, tokens_completion, error, filtered, reasons,
         ))
-        writer.wrote()
 
     def rejected(self, status: int, error: str) -> None:
         """A request refused before it reached the handler (malformed HTTP, limits, timeouts)."""
-        writer = self.writer
-        if writer is None:
-            return
-        pending = self._pending
-        if len(pending) >= self._max_pending:
+        if self.writer is not None:
+            self._keep(self.writer, (_perf(), None, 0.0, None, None, None, status, None, None, None, 0, None, None,
+                                     0, 0, None, None, error, 0, 0))
+
+    def _keep(self, writer: LineWriter, entry: tuple[Any, ...]) -> None:
+        """Hold a line's values for the next write-out (dropped and counted past the bound)."""
+        if len(self._pending) >= self._max_pending:
             writer.dropped += 1
             return
-        pending.append((_perf(), None, 0.0, None, None, None, status, None, None, None, 0, None, None, 0, 0, None,
-                        None, error, 0, 0))
+        self._pending.append(entry)
         writer.wrote()
 
     def _fill(self) -> None:
@@ -159,15 +155,13 @@ class AccessLog:
         self._pending = []
         writer = self.writer
         assert writer is not None
-        buffer, encode_into, max_bytes = writer.buffer, self._encode_into, writer.max_buffer_bytes
+        buffer, encode_into, has_room, timestamp = writer.buffer, self._encode_into, writer.has_room, self._timestamp
         wall_offset = _time() - _perf()  # perf_counter -> epoch seconds, for the lines' timestamps
         for (ended, t_start, t_first_byte, method, target, request_id, status, tenant, capability, route, attempts,
              endpoint, overhead_s, bytes_in, bytes_out, tokens_prompt, tokens_completion, error, filtered,
              reasons) in pending:
-            if len(buffer) >= max_bytes:  # LineWriter.has_room, written out: once per line
-                writer.dropped += 1
+            if not has_room():
                 continue
-            millis = int((ended + wall_offset) * 1000)
             if target is not None:
                 query = target.find(b"?")
                 target = (target if query < 0 else target[:query]).decode("latin-1")
@@ -177,7 +171,7 @@ class AccessLog:
                 provider, stable_id, group = route.cluster, route.stable_id, route.selection_group
                 mode, affinity, revision = route.mode, route.affinity, route.revision
             line = AccessLine(
-                self._ts if millis == self._millis else self._timestamp(millis),
+                timestamp(int((ended + wall_offset) * 1000)),
                 None if request_id is None else request_id.decode("latin-1"), tenant,
                 None if method is None else method.decode("latin-1"), target, status, capability, provider,
                 stable_id, group, mode, affinity, attempts, endpoint, revision, bytes_in, bytes_out, tokens_prompt,

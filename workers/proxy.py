@@ -150,8 +150,7 @@ class Proxy:
         api_key = headers.api_key or b""
         conn = exchange.conn
         memo = conn.auth_memo
-        if memo is not None and compare_digest(memo[0], authorization) and (
-                memo[1] is api_key or compare_digest(memo[1], api_key)):  # the same object: both b"" (absent)
+        if memo is not None and compare_digest(memo[0], authorization) and compare_digest(memo[1], api_key):
             return memo[2]
         tenant = self.auth.authenticate(headers.authorization, headers.api_key)
         if tenant is not None:
@@ -234,7 +233,7 @@ def upstream_body(request: CapabilityRequest, body: bytes, admission: Admission 
     A metered stream whose client did not ask for a usage chunk is rewritten to ask for one; the relay's
     usage filter then removes that chunk so the client sees exactly what it asked for.
     """
-    if admission is None or (admission.reservation is None and admission.lease is None):  # not metered
+    if admission is None or not admission.metered:
         return body, None
     fields = request.body
     if fields is not None and fields.stream and not fields.include_usage:

@@ -25,13 +25,15 @@ def estimate_tokens(
 ) -> int:
     """Prompt estimate plus the completion allowance: ``max_tokens``, else ``max_completion_tokens``,
     else the rule's ``default_max_tokens``. Negative or non-int allowances fall back to the default
-    (the provider will reject such a request anyway; it must not produce a negative reservation).
-    Once per metered request: the checks are written out rather than calls."""
-    # bool is an int subclass; {"max_tokens": true} is not a count.
-    if type(max_tokens) is int and max_tokens >= 0:
-        completion = max_tokens
-    elif type(max_completion_tokens) is int and max_completion_tokens >= 0:
+    (the provider will reject such a request anyway; it must not produce a negative reservation)."""
+    completion = max_tokens
+    if not _is_count(completion):
         completion = max_completion_tokens
-    else:
-        completion = default_max_tokens
-    return (-(-body_len // PROMPT_BYTES_PER_TOKEN) if body_len > 0 else 0) + completion
+        if not _is_count(completion):
+            completion = default_max_tokens
+    return estimate_prompt_tokens(body_len) + completion
+
+
+def _is_count(value: object) -> bool:
+    # bool is an int subclass; {"max_tokens": true} is not a count.
+    return type(value) is int and value >= 0

@@ -479,8 +479,7 @@ class QuotaGate:
     ) -> None:
         """A completed response with the usage the provider reported: charge ``total_tokens`` (the
         difference to the estimate is refunded or charged) and count the tenant's tokens in/out."""
-        if (admission.reservation is not None or admission.lease is not None) and (
-                prompt_tokens is not None or completion_tokens is not None):  # not yet settled, and split
+        if admission.metered:
             self.tenant_tokens.add(admission.tenant_slot, prompt_tokens, completion_tokens, total_tokens)
         self._settle(admission, total_tokens)
 
