@@ -35,12 +35,10 @@ class Outcomes:
         gate = self.quota
         if admission is None or gate is None:
             return
-        if settlement == Settlement.RELEASE:
-            gate.release(admission)
-        elif settlement == Settlement.CHARGE_USAGE and tokens is not None:
-            gate.charge(admission, tokens, prompt_tokens, completion_tokens)
+        if settlement == Settlement.CHARGE_USAGE and tokens is not None:
+            gate.settle(admission, tokens, prompt_tokens, completion_tokens)
         else:
-            gate.charge_estimate(admission)
+            gate.settle(admission, 0 if settlement == Settlement.RELEASE else None)
 
     def refuse(self, exchange: Exchange, reply: ErrorReply, request_id: bytes, provider: str | None = None,
                attempts: int = 0, *, tenant: str | None = None, capability: str | None = None,

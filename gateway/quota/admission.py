@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from gateway.quota.ledger import Reservation
 from gateway.quota.rules import QuotaRule
 
@@ -16,38 +18,26 @@ H_REMAINING = b"x-ratelimit-remaining-tokens"
 H_RESET = b"x-ratelimit-reset-tokens"
 
 
-class Admission:
+class Admission(msgspec.Struct, gc=False):
     """The verdict the worker acts on.
 
     ``allowed`` False -> answer ``status`` (429 or 503) with ``headers``, send nothing upstream.
     ``allowed`` True -> forward; add ``headers`` to the response; when the request ends call one of
     ``QuotaGate.release`` / ``charge_estimate`` / ``charge`` (settling an unmetered admission is a no-op).
+
+    A ``msgspec.Struct``: one is built per metered request, and its constructor runs in C (half the
+    cost of an ``__init__``). Not tracked by the GC: it holds no reference back to itself.
     """
 
-    __slots__ = ("allowed", "reason", "status", "headers", "reservation", "estimate", "tenant_slot", "message",
-                 "lease")
-
-    def __init__(
-        self,
-        allowed: bool,
-        reason: str,
-        status: int | None,
-        headers: tuple[tuple[bytes, bytes], ...],
-        reservation: Reservation | None = None,
-        estimate: int = 0,
-        tenant_slot: int = -1,
-        message: str | None = None,
-        lease: Lease | None = None,
-    ) -> None:
-        self.allowed = allowed
-        self.reason = reason  # admitted|unmetered|denied|denied_never_fits|denied_concurrency|backend_error_*
-        self.status = status
-        self.headers = headers
-        self.reservation = reservation
-        self.estimate = estimate
-        self.tenant_slot = tenant_slot  # TenantTokens slot (admitted only)
-        self.message = message  # the never-fits explanation
-        self.lease = lease  # the worker-held block it was admitted from (then ``reservation`` is None)
+    allowed: bool
+    reason: str  # admitted|unmetered|denied|denied_never_fits|denied_concurrency|backend_error_*
+    status: int | None
+    headers: tuple[tuple[bytes, bytes], ...]
+    reservation: Reservation | None = None
+    estimate: int = 0
+    tenant_slot: int = -1  # TenantTokens slot (admitted only)
+    message: str | None = None  # the never-fits explanation
+    lease: Lease | None = None  # the worker-held block it was admitted from (then ``reservation`` is None)
 
     @property
     def metered(self) -> bool:

@@ -75,15 +75,16 @@ class TenantTokens:
     def slot(self, tenant: str) -> int:
         return self.index.get(tenant, len(self.names) - 1)
 
-    def add(self, slot: int, prompt_tokens: int | None, completion_tokens: int | None, total_tokens: int) -> None:
+    def add(self, slot: int, prompt_tokens: int | None, completion_tokens: int | None,
+            total_tokens: int | None) -> None:
         """One response's usage. A missing side is derived from the total when the other is known;
-        a usage without either side (total only) cannot be split and is not counted here."""
+        a usage without either side (total only, or none) cannot be split and is not counted here."""
         if prompt_tokens is None and completion_tokens is None:
             return
         if prompt_tokens is None:
-            prompt_tokens = max(0, total_tokens - completion_tokens)  # type: ignore[operator]
+            prompt_tokens = max(0, (total_tokens or 0) - completion_tokens)  # type: ignore[operator]
         elif completion_tokens is None:
-            completion_tokens = max(0, total_tokens - prompt_tokens)
+            completion_tokens = max(0, (total_tokens or 0) - prompt_tokens)
         self.tokens_in[slot] += prompt_tokens
         self.tokens_out[slot] += completion_tokens
 

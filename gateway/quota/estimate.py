@@ -25,15 +25,12 @@ def estimate_tokens(
 ) -> int:
     """Prompt estimate plus the completion allowance: ``max_tokens``, else ``max_completion_tokens``,
     else the rule's ``default_max_tokens``. Negative or non-int allowances fall back to the default
-    (the provider will reject such a request anyway; it must not produce a negative reservation)."""
-    completion = max_tokens
-    if not _is_count(completion):
+    (the provider will reject such a request anyway; it must not produce a negative reservation).
+    ``bool`` is an int subclass, and ``{"max_tokens": true}`` is not a count: hence ``__class__ is int``."""
+    if max_tokens.__class__ is int and max_tokens >= 0:  # type: ignore[operator]
+        completion = max_tokens
+    elif max_completion_tokens.__class__ is int and max_completion_tokens >= 0:  # type: ignore[operator]
         completion = max_completion_tokens
-        if not _is_count(completion):
-            completion = default_max_tokens
-    return estimate_prompt_tokens(body_len) + completion
-
-
-def _is_count(value: object) -> bool:
-    # bool is an int subclass; {"max_tokens": true} is not a count.
-    return type(value) is int and value >= 0
+    else:
+        completion = default_max_tokens
+    return estimate_prompt_tokens(body_len) + completion  # type: ignore[operator]

@@ -84,6 +84,8 @@ BackendPolicy = Literal["reject", "allow"]
 # a bound on such pending cancels (one per failed batch) keeps a dead backend from piling up tasks.
 _CANCEL_DELAYS_S = (0.5, 2.0, 5.0, 15.0)
 _MAX_PENDING_CANCELS = 1024
+# A block's successor is asked for this long before the block expires (at most a quarter of its life).
+_RENEW_LEAD_S = 0.1
 
 
 class QuotaGate:
@@ -305,14 +307,15 @@ class QuotaGate:
 
     # -- worker-held blocks (quota.lease)
 
-    def _lease(self, rule: QuotaRule, tenant: str, room: int) -> None:
+    def _lease(self, rule: QuotaRule, tenant: str, room: int, renewing: bool = False) -> None:
         """Ask for a block of (rule, tenant) in this tick's batch, if leases are on, the rule may
-        lease, the budget has the headroom, and no block of the pair is open or asked for."""
+        lease, the budget has the headroom, and no block of the pair is asked for, nor open (unless
+        ``renewing``: the open one is about to expire)."""
         spec = self._lease_spec
         if spec is None or not spec.wanted(room) or not leasable(rule) or self._breaker.is_open:
             return
         key = (rule.name, tenant)
-        if key in self._leases or key in self._lease_asked:
+        if (key in self._leases and not renewing) or key in self._lease_asked:
             return
         self._lease_asked.add(key)
         command = self._ledger.admit_command(rule, tenant, spec.tokens, self._ids.next())
@@ -333,13 +336,29 @@ class QuotaGate:
             self._reconciler.enqueue(LeaseReservation(*decision.reservation), 0)
             return
         now = _monotonic()
-        life_s = min(spec.ttl_s, ms_to_window_end(rule, decision.now_ms) / 1000)
+        window_end_s = ms_to_window_end(rule, decision.now_ms) / 1000
+        life_s = min(spec.ttl_s, window_end_s)
         lease = Lease(LeaseReservation(*decision.reservation), spec.tokens, now + life_s, decision.limit,
                       decision.remaining, now + decision.reset_ms / 1000, self.tenant_tokens.slot(key[1]))
+        replaced = self._leases.get(key)
         self._leases[key] = lease
         self._held.add(lease)
         self.counters.leases_granted += 1
-        (self._loop or asyncio.get_running_loop()).call_later(life_s, self._lease_expired, key, lease)
+        if replaced is not None and replaced.close():  # renewed: the old block takes no more requests
+            self._return_lease(replaced)
+        loop = self._loop or asyncio.get_running_loop()
+        loop.call_later(life_s, self._lease_expired, key, lease)
+        if spec.ttl_s < window_end_s:
+            # The next block is asked for shortly before this one expires, so the pair's requests never
+            # wait on a round trip in between. Not across a window's end: a block reserved now would
+            # count in the window that is ending.
+            loop.call_later(max(0.0, life_s - min(life_s / 4, _RENEW_LEAD_S)), self._renew, rule, key, lease)
+
+    def _renew(self, rule: QuotaRule, key: tuple[str, str], lease: Lease) -> None:
+        """Ask for the successor of a block that is still open and was used: an idle pair lets its
+        block expire and holds nothing."""
+        if self._leases.get(key) is lease and not lease.closed and lease.committed and not self._closing:
+            self._lease(rule, key[1], lease.remaining, renewing=True)
 
     def _lease_expired(self, key: tuple[str, str], lease: Lease) -> None:
         if self._leases.get(key) is lease:
@@ -464,11 +483,11 @@ class QuotaGate:
 
     def release(self, admission: Admission) -> None:
         """Nothing reached a provider: give the whole reservation back. Never blocks."""
-        self._settle(admission, 0)
+        self.settle(admission, 0)
 
     def charge_estimate(self, admission: Admission) -> None:
         """A provider may have worked but reported no usage (non-2xx, cut, disconnect): charge the estimate."""
-        self._settle(admission, None)
+        self.settle(admission, None)
 
     def charge(
         self,
@@ -479,25 +498,28 @@ class QuotaGate:
     ) -> None:
         """A completed response with the usage the provider reported: charge ``total_tokens`` (the
         difference to the estimate is refunded or charged) and count the tenant's tokens in/out."""
-        if admission.metered:
-            self.tenant_tokens.add(admission.tenant_slot, prompt_tokens, completion_tokens, total_tokens)
-        self._settle(admission, total_tokens)
+        self.settle(admission, total_tokens, prompt_tokens, completion_tokens)
 
-    def _settle(self, admission: Admission, actual: int | None) -> None:
+    def settle(self, admission: Admission, actual: int | None, prompt_tokens: int | None = None,
+               completion_tokens: int | None = None) -> None:
+        """The request ended: charge ``actual`` tokens (0: nothing reached a provider; None: its estimate)
+        and, when the provider reported them, count the tenant's tokens in/out. Never blocks; settles
+        once, however often it is called; an unmetered admission settles nothing."""
         lease = admission.lease
         if lease is not None:  # a block's share: counted here, settled with the block
-            admission.lease = None  # settled once, however often it is called
+            admission.lease = None
             estimate = admission.estimate
-            charged = estimate if actual is None else max(0, actual)
+            charged = estimate if actual is None else actual if actual > 0 else 0
             self.counters.count_settled(estimate, charged)
             if lease.end(estimate, charged):
                 self._return_lease(lease)
-            return
-        reservation = admission.reservation
-        if reservation is None:
-            return
-        admission.reservation = None  # settled once, however often it is called
-        self._reconciler.enqueue(reservation, reservation.estimate if actual is None else actual)
+        else:
+            reservation = admission.reservation
+            if reservation is None:
+                return
+            admission.reservation = None
+            self._reconciler.enqueue(reservation, reservation.estimate if actual is None else actual)
+        self.tenant_tokens.add(admission.tenant_slot, prompt_tokens, completion_tokens, actual)
 
     async def quota_report(self, tenant: str) -> dict[str, Any]:
         """What the ledger holds for ``tenant`` (``report.quota_report``), through this gate's client."""

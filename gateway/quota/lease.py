@@ -7,7 +7,8 @@ admits requests of that pair against the block in memory, with no await. When th
 (its ``ttl`` passed, the next request does not fit, or a window of the rule ends) and its last request
 has ended, the worker settles the block's reservation with the tokens its requests were charged: the
 unused part goes back to the budget. The same design as Envoy's rate-limit quota service: the data
-plane spends an assignment locally and reports what it used.
+plane spends an assignment locally and reports what it used. The gate asks for a used block's successor
+shortly before its ``ttl`` ends (``QuotaGate._renew``), so steady traffic never waits between blocks.
 
 What that trades: tokens another worker holds in an open block are reserved in Valkey, so a budget
 near its limit could refuse a request while a block somewhere still has room. Blocks are therefore
@@ -94,7 +95,12 @@ class Lease:
             return None
         self.committed = committed
         self.in_flight += 1
-        return self.limit_header, (H_REMAINING, b"%d" % self.remaining), self.reset_header(now)
+        # ``remaining`` and ``reset_header`` written out: this runs for every request a block admits.
+        remaining = self.room_beyond + self.capacity - committed
+        reset = self._reset_header
+        if int(self.resets_at - now + 0.999) != self._reset_seconds:
+            reset = self.reset_header(now)
+        return self.limit_header, (H_REMAINING, b"%d" % (remaining if remaining > 0 else 0)), reset
 
     def end(self, estimate: int, charged: int) -> bool:
         """A request of this block ended and was charged ``charged`` tokens (its estimate, the

@@ -117,22 +117,22 @@ class _UsageDocument(msgspec.Struct):
 _usage_document = msgspec.json.Decoder(_UsageDocument)
 
 
-class UsageScanner:
+class UsageScanner(msgspec.Struct, gc=False):
     """Finds ``"total_tokens": N`` (and the prompt/completion counts beside it) in a byte stream (JSON
     or SSE) without parsing or buffering it.
 
     Why a byte scan is exact enough: in JSON a raw ``"`` cannot occur inside a string (it is escaped
     as ``\\"``), so ``"total_tokens"`` followed by ``:`` is always a key; only ``usage`` objects carry
     it. The last value wins (the final usage of a stream).
+
+    A ``msgspec.Struct`` (not for encoding): every metered response makes one, and its constructor
+    runs in C.
     """
 
-    __slots__ = ("total_tokens", "prompt_tokens", "completion_tokens", "_held")
-
-    def __init__(self) -> None:
-        self.total_tokens: int | None = None
-        self.prompt_tokens: int | None = None
-        self.completion_tokens: int | None = None
-        self._held = b""
+    total_tokens: int | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    _held: bytes = b""
 
     def feed(self, chunk: bytes) -> bytes:
         if not self._held and chunk[:1] == b"{" and chunk[-1:] == b"}":

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import threading
+import time
 import uuid
 
 from gateway.quota.embedded import EmbeddedValkey
@@ -201,3 +202,29 @@ def test_an_open_block_keeps_admitting_while_valkey_is_down(tmp_path, mock_provi
             restarted.stop()
     finally:
         server.stop()  # idempotent: only if a failure came first
+
+
+def test_the_next_block_is_taken_before_the_open_one_expires(valkey_url, mock_provider, gateway_factory):
+    """A steady stream of requests never falls back to Valkey between blocks: each block's successor is
+    asked for shortly before it expires, so only the very first request reserves in Valkey."""
+    handle = mock_provider("p", tokens=5)
+    gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
+                              extra={"auth": _auth({"t-renew": "sk-r"}),
+                                     "quota": _lease_quota(valkey_url, 10**9, block=100_000, ttl="400ms")})
+    client = Client(gateway.port)
+    sent = 0
+    try:
+        deadline = time.monotonic() + 2.0  # five blocks' worth of time
+        while time.monotonic() < deadline:
+            response = client.request("POST", "/v1/chat/completions", BODY, _bearer("sk-r"))
+            assert response.status == 200, response.body
+            sent += 1
+            time.sleep(0.005)
+    finally:
+        client.close()
+    wait_until(lambda: metric_value(gateway.admin_port, LEASED) >= sent - 1, "the metrics published", timeout=3)
+    assert metric_value(gateway.admin_port, LEASED) == sent - 1
+    assert metric_value(gateway.admin_port, GRANTED) >= 4
+    # Replaced blocks were settled with what their requests used: nothing stays reserved beyond the open one.
+    window = _window(gateway, "t-renew")
+    assert window["reserved"] <= 100_000
