@@ -65,6 +65,7 @@ class AccessLine(msgspec.Struct, omit_defaults=True, gc=False):
 
 
 _NO_ROUTE = (None, None, None, None, None, None)
+_MAX_PATHS = 256
 
 
 class AccessLog:
@@ -81,6 +82,7 @@ class AccessLog:
         self._ts = ""
         # Lines waiting for a write-out, at most: about what the writer's buffer holds.
         self._max_pending = 16 if writer is None else max(16, writer.max_buffer_bytes // 512)
+        self._paths: dict[bytes, str] = {}  # request target -> its logged path
         if writer is not None:
             writer.fill = self._fill
 
@@ -147,33 +149,33 @@ class AccessLog:
         writer.wrote()
 
     def _fill(self) -> None:
-        """The writer is about to write out: encode the pending lines into its buffer (those that do not
-        fit are dropped and counted by it)."""
+        """The writer is about to write out: encode the pending lines into its buffer. Lines past its bound
+        are dropped and counted by it, after the loop (``trim``): the loop does no per-line checks."""
         pending = self._pending
         if not pending:
             return
         self._pending = []
         writer = self.writer
         assert writer is not None
-        buffer, encode_into, has_room, timestamp = writer.buffer, self._encode_into, writer.has_room, self._timestamp
+        buffer, encode_into, paths = writer.buffer, self._encode_into, self._paths
+        start = len(buffer)
         wall_offset = _time() - _perf()  # perf_counter -> epoch seconds, for the lines' timestamps
+        millis_done, ts = -1, ""  # lines ending in the same millisecond share one timestamp
         for (ended, t_start, t_first_byte, method, target, request_id, status, tenant, capability, route, attempts,
              endpoint, overhead_s, bytes_in, bytes_out, tokens_prompt, tokens_completion, error, filtered,
              reasons) in pending:
-            if not has_room():
-                continue
-            if target is not None:
-                query = target.find(b"?")
-                target = (target if query < 0 else target[:query]).decode("latin-1")
+            millis = int((ended + wall_offset) * 1000)
+            if millis != millis_done:
+                millis_done, ts = millis, self._timestamp(millis)
             if route is None:
                 provider, stable_id, group, mode, affinity, revision = _NO_ROUTE
             else:
                 provider, stable_id, group = route.cluster, route.stable_id, route.selection_group
                 mode, affinity, revision = route.mode, route.affinity, route.revision
             line = AccessLine(
-                timestamp(int((ended + wall_offset) * 1000)),
-                None if request_id is None else request_id.decode("latin-1"), tenant,
-                None if method is None else method.decode("latin-1"), target, status, capability, provider,
+                ts, None if request_id is None else request_id.decode("latin-1"), tenant,
+                None if method is None else method.decode("latin-1"),
+                None if target is None else paths.get(target) or self._path(target), status, capability, provider,
                 stable_id, group, mode, affinity, attempts, endpoint, revision, bytes_in, bytes_out, tokens_prompt,
                 # Milliseconds with three decimals: whole microseconds, a quarter of the cost of round().
                 tokens_completion, None if overhead_s is None else int(overhead_s * 1e6 + 0.5) / 1000,
@@ -183,6 +185,17 @@ class AccessLog:
             )
             encode_into(line, buffer, -1)
             buffer.append(10)  # "\n"
+        writer.trim(start)
+
+    def _path(self, target: bytes) -> str:
+        """The logged path of a request target: up to the query string (some APIs take keys there).
+        Remembered: a gateway serves a handful of paths (bounded all the same)."""
+        query = target.find(b"?")
+        path = (target if query < 0 else target[:query]).decode("latin-1")
+        if len(self._paths) >= _MAX_PATHS:
+            self._paths.clear()
+        self._paths[target] = path
+        return path
 
     def reopen(self) -> None:
         if self.writer is not None:

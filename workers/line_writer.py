@@ -101,6 +101,16 @@ class LineWriter:
         self.dropped += 1
         return False
 
+    def trim(self, start: int) -> None:
+        """Lines were appended to ``buffer`` from offset ``start`` on without ``has_room`` checks: drop
+        (and count) those past its bound, whole lines from the end."""
+        buffer = self.buffer
+        if len(buffer) <= self.max_buffer_bytes:
+            return
+        keep = (buffer.rfind(b"\n", start, self.max_buffer_bytes) + 1) or start
+        self.dropped += buffer.count(b"\n", keep)
+        del buffer[keep:]
+
     def wrote(self) -> None:
         """A line was appended to ``buffer`` (or is pending for ``fill``): make sure a flush is coming."""
         if self._timer is None:

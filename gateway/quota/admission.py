@@ -38,11 +38,9 @@ class Admission(msgspec.Struct, gc=False):
     tenant_slot: int = -1  # TenantTokens slot (admitted only)
     message: str | None = None  # the never-fits explanation
     lease: Lease | None = None  # the worker-held block it was admitted from (then ``reservation`` is None)
-
-    @property
-    def metered(self) -> bool:
-        """Whether the response's usage settles something (a reservation or a block's share)."""
-        return self.reservation is not None or self.lease is not None
+    # Admitted against a budget (a reservation or a block's share): the response's usage settles it.
+    # A field, not derived from the two above: settling clears them, and it is read on every request.
+    metered: bool = False
 
     @property
     def error(self) -> tuple[str, str, str] | None:

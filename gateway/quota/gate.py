@@ -224,7 +224,8 @@ class QuotaGate:
                     counters.admitted += 1
                     counters.leased += 1
                     counters.tokens_estimated += estimate
-                    return Admission(True, "admitted", None, headers, None, estimate, lease.tenant_slot, None, lease)
+                    return Admission(True, "admitted", None, headers, None, estimate, lease.tenant_slot, None, lease,
+                                     True)
                 if lease.closed:
                     del self._leases[key]  # its requests still end and settle into it
                     if lease.in_flight == 0:
@@ -274,7 +275,7 @@ class QuotaGate:
                 self._lease(rule, tenant, decision.remaining)
             return Admission(
                 True, "admitted", None, (limit, remaining, reset), decision.reservation, estimate,
-                self.tenant_tokens.slot(tenant),
+                self.tenant_tokens.slot(tenant), metered=True,
             )
         if decision.verdict == DENIED_BUDGET:
             counters.denied += 1

@@ -110,16 +110,23 @@ class HeaderPlan:
             if kind is None:
                 if name[:11] != b"x-gridgate-":
                     forward.append((name, value))
-            elif kind == _AUTHORIZATION:
-                found.authorization = value
-            elif kind == _API_KEY:
-                found.api_key = value
+            # The most frequent kinds first (Host and Content-Length are in every request): each test on
+            # the way costs a step per header.
+            elif kind == _DROP:  # consumed or hop-by-hop
+                pass
             elif kind == _CONTENT_TYPE:
                 found.content_type = value
+                forward.append((name, value))
+            elif kind == _AUTHORIZATION:
+                found.authorization = value
+            elif kind == _SESSION:
+                found.session = value
                 forward.append((name, value))
             elif kind == _MODEL:
                 found.model = value
                 forward.append((name, value))
+            elif kind == _API_KEY:
+                found.api_key = value
             elif kind == _REQUEST_ID:
                 found.request_id = value
             elif kind == _XFF:
@@ -129,9 +136,6 @@ class HeaderPlan:
                 forward.append((name, value))
             elif kind == _CONNECTION:
                 listed = connection_tokens(value) if listed is None else listed | connection_tokens(value)
-            elif kind == _SESSION:
-                found.session = value
-                forward.append((name, value))
             elif kind == _BALANCE_KEY:
                 if found.balance_keys is None:
                     found.balance_keys = {}
@@ -139,7 +143,6 @@ class HeaderPlan:
                 forward.append((name, value))
             elif kind == _PIN:
                 found.pin = value
-            # _DROP: consumed or hop-by-hop
         if listed:
             found.forward = [(n, v) for n, v in forward if n not in listed]
         request_id = found.request_id

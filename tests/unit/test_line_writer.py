@@ -129,3 +129,22 @@ def test_standard_output_that_nobody_reads(kind):
     finally:
         os.close(ours)
         os.close(theirs)
+
+
+def test_trim_drops_and_counts_the_appended_lines_past_the_bound(tmp_path) -> None:
+    async def main() -> None:
+        writer = LineWriter(str(tmp_path / "trim.log"), max_buffer_bytes=10 * len(line(0)))
+        writer.buffer += b"".join(line(n) for n in range(4))  # waiting from before, within the bound
+        start = len(writer.buffer)
+        writer.buffer += b"".join(line(n) for n in range(4, 13))  # a batch without per-line checks
+        writer.trim(start)
+        assert numbers(bytes(writer.buffer)) == list(range(10))  # whole lines, the oldest kept
+        assert writer.dropped == 3
+        full = len(writer.buffer) + 5  # a buffer already past its bound keeps what it had
+        writer.max_buffer_bytes = full - 100
+        writer.buffer += line(99)
+        writer.trim(full - 5)
+        assert numbers(bytes(writer.buffer)) == list(range(10)) and writer.dropped == 4
+        await writer.close()
+
+    asyncio.run(main())
