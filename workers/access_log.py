@@ -141,12 +141,15 @@ class AccessLog:
                                      0, 0, None, None, error, 0, 0))
 
     def _keep(self, writer: LineWriter, entry: tuple[Any, ...]) -> None:
-        """Hold a line's values for the next write-out (dropped and counted past the bound)."""
-        if len(self._pending) >= self._max_pending:
+        """Hold a line's values for the next write-out (dropped and counted past the bound). The first
+        line after a write-out asks for the next one; the others find it coming (``_fill`` empties the list)."""
+        pending = self._pending
+        if len(pending) >= self._max_pending:
             writer.dropped += 1
             return
-        self._pending.append(entry)
-        writer.wrote()
+        if not pending:
+            writer.wrote()
+        pending.append(entry)
 
     def _fill(self) -> None:
         """The writer is about to write out: encode the pending lines into its buffer. Lines past its bound

@@ -104,13 +104,14 @@ _MAX_HELD = 256  # bytes of a split `"total_tokens": N` kept across chunks
 _Count = Annotated[int, msgspec.Meta(ge=0)]
 
 
-class _UsageCounts(msgspec.Struct):
+# Decoded once per metered response; neither can form a cycle, so the GC need not track them.
+class _UsageCounts(msgspec.Struct, gc=False):
     total_tokens: _Count | None = None
     prompt_tokens: _Count | None = None
     completion_tokens: _Count | None = None
 
 
-class _UsageDocument(msgspec.Struct):
+class _UsageDocument(msgspec.Struct, gc=False):
     usage: _UsageCounts | None = None
 
 
