@@ -192,9 +192,12 @@ class AccessLog:
 
     def _path(self, target: bytes) -> str:
         """The logged path of a request target: up to the query string (some APIs take keys there).
-        Remembered: a gateway serves a handful of paths (bounded all the same)."""
+        A target without a query is remembered (a gateway serves a handful of paths; bounded all the
+        same); one with a query never is, so no key sent in one stays in memory."""
         query = target.find(b"?")
-        path = (target if query < 0 else target[:query]).decode("latin-1")
+        if query >= 0:
+            return target[:query].decode("latin-1")
+        path = target.decode("latin-1")
         if len(self._paths) >= _MAX_PATHS:
             self._paths.clear()
         self._paths[target] = path

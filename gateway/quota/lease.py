@@ -95,12 +95,7 @@ class Lease:
             return None
         self.committed = committed
         self.in_flight += 1
-        # ``remaining`` and ``reset_header`` written out: this runs for every request a block admits.
-        remaining = self.room_beyond + self.capacity - committed
-        reset = self._reset_header
-        if int(self.resets_at - now + 0.999) != self._reset_seconds:
-            reset = self.reset_header(now)
-        return self.limit_header, (H_REMAINING, b"%d" % (remaining if remaining > 0 else 0)), reset
+        return self.limit_header, (H_REMAINING, b"%d" % self.remaining), self.reset_header(now)
 
     def end(self, estimate: int, charged: int) -> bool:
         """A request of this block ended and was charged ``charged`` tokens (its estimate, the

@@ -31,6 +31,7 @@ def test_a_line_written_later_keeps_the_times_and_values_of_when_it_was_recorded
         access_log.rejected(431, "header_too_large")
         await asyncio.sleep(0.2)  # the line is formatted at close, well after the request ended
         await access_log.close()
+        assert all(b"?" not in target for target in access_log._paths)  # no query (no key) is remembered
         lines = [json.loads(text) for text in (tmp_path / "access.log").read_text().splitlines()]
         stamped = datetime.fromisoformat(lines[0]["ts"].replace("Z", "+00:00")).timestamp()
         assert recorded_at - 0.01 <= stamped <= recorded_at  # when it ended, not when it was written
