@@ -19,6 +19,7 @@ never lease (a concurrency cap must count every request in Valkey).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from gateway.quota.admission import H_LIMIT, H_REMAINING, H_RESET, duration_text
@@ -65,7 +66,7 @@ class Lease:
     requests to end, then it is settled (``returnable``)."""
 
     __slots__ = ("reservation", "capacity", "committed", "in_flight", "closes_at", "closed",
-                 "room_beyond", "resets_at", "limit_header", "tenant_slot", "_reset_seconds", "_reset_header")
+                 "room_beyond", "resets_at", "limit_header", "tenant_slot", "_room", "_reset_until", "_reset_header")
 
     def __init__(self, reservation: Reservation, capacity: int, closes_at: float, limit: int, room_beyond: int,
                  resets_at: float, tenant_slot: int = -1) -> None:
@@ -79,7 +80,10 @@ class Lease:
         self.resets_at = resets_at  # monotonic seconds at which that budget's window ends
         self.limit_header = (H_LIMIT, b"%d" % limit)  # the tightest budget's limit, from the grant
         self.tenant_slot = tenant_slot  # the tenant's TenantTokens slot: one tenant per block
-        self._reset_seconds = -1
+        self._room = room_beyond + capacity  # the room this worker knows of, before anything is committed
+        # The reset header, and until when (monotonic) it says the right whole second: the block's requests
+        # share one rather than compute a duration each.
+        self._reset_until = -math.inf
         self._reset_header = (H_RESET, b"")
 
     def take(self, estimate: int, now: float) -> tuple[tuple[bytes, bytes], ...] | None:
@@ -95,7 +99,11 @@ class Lease:
             return None
         self.committed = committed
         self.in_flight += 1
-        return self.limit_header, (H_REMAINING, b"%d" % self.remaining), self.reset_header(now)
+        # Every admitted request carries these headers, so they are made here in the fewest steps:
+        # ``remaining`` without its max() (committed <= capacity here, so it cannot be negative), and
+        # the reset header as it is while its second lasts.
+        reset = self._reset_header if now <= self._reset_until else self.reset_header(now)
+        return self.limit_header, (H_REMAINING, b"%d" % (self._room - committed)), reset
 
     def end(self, estimate: int, charged: int) -> bool:
         """A request of this block ended and was charged ``charged`` tokens (its estimate, the
@@ -113,14 +121,15 @@ class Lease:
     def reset_header(self, now: float) -> tuple[bytes, bytes]:
         """``x-ratelimit-reset-tokens`` in whole seconds (rounded up), made once per second: the
         block's requests share it rather than format a duration each."""
-        seconds = int(self.resets_at - now + 0.999)
-        if seconds != self._reset_seconds:
-            self._reset_seconds = seconds
+        if now > self._reset_until:
+            seconds = int(self.resets_at - now + 0.999)
             self._reset_header = (H_RESET, duration_text(max(0, seconds) * 1000))
+            # It says `seconds` while resets_at - now + 0.999 >= seconds; past the reset it stays 0 ms.
+            self._reset_until = self.resets_at + 0.999 - seconds if seconds > 0 else math.inf
         return self._reset_header
 
     @property
     def remaining(self) -> int:
         """``x-ratelimit-remaining-tokens`` as this worker knows it: the room outside the block at the
         grant plus what the block has not committed."""
-        return max(0, self.room_beyond + self.capacity - self.committed)
+        return max(0, self._room - self.committed)
