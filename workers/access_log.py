@@ -78,8 +78,6 @@ class AccessLog:
         self._pending: list[tuple[Any, ...]] = []  # what `record` keeps until `_fill`
         self._second = -1
         self._second_text = ""
-        self._millis = -1
-        self._ts = ""
         # Lines waiting for a write-out, at most: about what the writer's buffer holds.
         self._max_pending = 16 if writer is None else max(16, writer.max_buffer_bytes // 512)
         self._paths: dict[bytes, str] = {}  # request target -> its logged path
@@ -101,16 +99,13 @@ class AccessLog:
         return 0 if self.writer is None else self.writer.dropped
 
     def _timestamp(self, millis: int) -> str:
-        """RFC 3339 UTC with milliseconds (``millis`` since the epoch), formatted at most once per
-        millisecond (the date part once per second): many lines share one under load."""
-        if millis != self._millis:
-            self._millis = millis
-            second, fraction = divmod(millis, 1000)
-            if second != self._second:
-                self._second = second
-                self._second_text = time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(second))
-            self._ts = f"{self._second_text}{fraction:03d}Z"
-        return self._ts
+        """RFC 3339 UTC with milliseconds (``millis`` since the epoch); the date part is formatted once
+        per second (``_fill`` asks once per millisecond)."""
+        second, fraction = divmod(millis, 1000)
+        if second != self._second:
+            self._second = second
+            self._second_text = time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(second))
+        return f"{self._second_text}{fraction:03d}Z"
 
     def record(
         self, exchange: Exchange, request_id: bytes | None, status: int, tenant: str | None = None,

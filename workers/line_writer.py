@@ -78,7 +78,8 @@ class LineWriter:
     """Newline-terminated lines to ``path``, buffered up to ``max_buffer_bytes`` and written by the loop.
 
     ``buffer`` is exposed so a caller may encode straight into it (``encode_into(..., offset=-1)``);
-    it must then call ``wrote()``, after checking ``has_room()``.
+    it must then call ``trim()`` with the length the buffer had before (lines past the bound are
+    dropped and counted) and ``wrote()``.
     """
 
     def __init__(self, path: str, *, max_buffer_bytes: int = 4 << 20, flush_delay_s: float = 0.05) -> None:
@@ -95,15 +96,9 @@ class LineWriter:
         self.fill: Callable[[], None] | None = None
 
     # -- the request path --------------------------------------------------------------------
-    def has_room(self) -> bool:
-        if len(self.buffer) < self.max_buffer_bytes:
-            return True
-        self.dropped += 1
-        return False
-
     def trim(self, start: int) -> None:
-        """Lines were appended to ``buffer`` from offset ``start`` on without ``has_room`` checks: drop
-        (and count) those past its bound, whole lines from the end."""
+        """Lines were appended to ``buffer`` from offset ``start`` on: drop (and count) those past its
+        bound, whole lines from the end."""
         buffer = self.buffer
         if len(buffer) <= self.max_buffer_bytes:
             return

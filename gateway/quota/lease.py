@@ -99,11 +99,8 @@ class Lease:
             return None
         self.committed = committed
         self.in_flight += 1
-        # Every admitted request carries these headers, so they are made here in the fewest steps:
-        # ``remaining`` without its max() (committed <= capacity here, so it cannot be negative), and
-        # the reset header as it is while its second lasts.
-        reset = self._reset_header if now <= self._reset_until else self.reset_header(now)
-        return self.limit_header, (H_REMAINING, b"%d" % (self._room - committed)), reset
+        # ``remaining`` without its max(): committed <= capacity here, so it cannot be negative.
+        return self.limit_header, (H_REMAINING, b"%d" % (self._room - committed)), self.reset_header(now)
 
     def end(self, estimate: int, charged: int) -> bool:
         """A request of this block ended and was charged ``charged`` tokens (its estimate, the
