@@ -1,12 +1,23 @@
-"""Follow an overlay published in Valkey (CONTRACT §13): one subscriber per gateway host.
+"""Follow an overlay published in Valkey (docs/fleet.md): one subscriber per gateway host.
 
 The supervisor runs one :class:`ValkeyOverlaySource` for ``routing.overlay_source``. It reads
-the key at start, subscribes to ``<key>:events`` and re-reads the key on every message, and every
+the key at start, subscribes to ``<key>:events`` and re-reads the key when messages arrive, and every
 ``poll_interval`` as a backstop (a lost message, a writer that only SETs). Every document read is
 validated exactly as an overlay file is (size, JSON, contract, digest, expected scope); an accepted
 one is written atomically to a local cache file (:class:`OverlayCache`), which the workers follow
 like an ``overlay_file``: the way file reloads reach them. A rejected one is logged once with its
 reason and last-known-good stays.
+
+Whoever can write the key or publish on its channel must not be able to exhaust the host, so:
+
+- a read asks Valkey for the value's type and size first and fetches it only when it is a string
+  within the overlay file's bound (``MAX_OVERLAY_BYTES``), in one script, so the check and the
+  fetch see the same value: an oversized value never leaves Valkey;
+- notifications are coalesced: one read at a time, every message that arrived meanwhile answered by
+  the one next read, and at most one read per ``min_read_interval``, so a flood of publishes costs
+  a few reads a second, not one read and one validation per message;
+- the cache and the last rejection are remembered by a 128-bit digest of the bytes (xxh3), never the
+  rejected bytes themselves: the same bytes read again are neither validated nor logged again.
 
 Valkey down: the cache file, hence every worker, keeps the last-known-good; the outage is logged
 once, counted, and the source reconnects with exponential backoff (capped at the poll interval).
@@ -28,16 +39,20 @@ import logging
 import os
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from gateway.overlay.contract import UNREADABLE, OverlayRejected
+import xxhash
+
+from gateway.overlay.contract import MAX_OVERLAY_BYTES, TOO_LARGE, UNREADABLE, OverlayRejected
 from gateway.overlay.snapshot import Snapshot, snapshot_from_bytes
 from gateway.overlay.watch import check_overlay_bytes, read_overlay_bytes, write_atomically
 
 log = logging.getLogger("gridgate.overlay")
 
 POLL_INTERVAL_S = 5.0
+MIN_READ_INTERVAL_S = 0.5  # at most two reads a second, however many notifications arrive
 COMMAND_TIMEOUT_S = 2.0
 RECONNECT_BASE_S = 0.1
 
@@ -45,7 +60,16 @@ APPLIED = "applied"  # a new revision
 REFRESHED = "refreshed"  # the serving revision, re-rendered (newer rendered_at)
 UNCHANGED = "unchanged"  # byte for byte what is cached
 REJECTED = "rejected"
-_NOTHING_REJECTED = object()
+
+# One read of the key, atomically: its type, its size, and its bytes only when it is a string within
+# the bound (ARGV[1]); a missing key is type "none".
+READ_SCRIPT = """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind ~= 'string' then return {kind} end
+local size = redis.call('STRLEN', KEYS[1])
+if size > tonumber(ARGV[1]) then return {kind, size} end
+return {kind, size, redis.call('GET', KEYS[1])}
+"""
 
 
 def events_channel(key: str) -> str:
@@ -86,34 +110,61 @@ class SourceUnavailable(Exception):
     """Valkey could not be reached or did not answer in time."""
 
 
+def digest_of(data: bytes) -> bytes:
+    """What identifies a document's bytes: 128 bits of xxh3 (about 10 GB/s, so a 2 MiB read costs
+    a fraction of a millisecond to recognise)."""
+    return xxhash.xxh3_128_digest(data)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRead:
+    """What one read of the key found: its Valkey type, its size, and its bytes when they were fetched."""
+
+    kind: str  # "string", "none" (no such key) or another Valkey type
+    size: int = 0
+    data: bytes | None = None
+
+    @classmethod
+    def from_reply(cls, reply: list[Any]) -> KeyRead:
+        kind = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
+        return cls(kind, int(reply[1]) if len(reply) > 1 else 0, reply[2] if len(reply) > 2 else None)
+
+    def identity(self) -> bytes:
+        """The digest of the bytes; for a value that was not fetched, what Valkey said about it."""
+        return digest_of(self.data) if self.data is not None else f"{self.kind}:{self.size}".encode()
+
+
 class OverlayCache:
     """The last-known-good overlay from the source, and the file the workers follow.
 
     :meth:`offer` validates (raising :class:`OverlayRejected`) and writes a document that differs
-    from the cached bytes; the file only ever holds a document that passed validation.
+    from the cached one; the file only ever holds a document that passed validation. The cache
+    keeps the document's digest, not its bytes (the file has them).
     """
 
     def __init__(self, path: str, expected_scope: Any) -> None:
         self.path = path
         self.expected_scope = expected_scope
-        self.data: bytes | None = None
+        self.digest: bytes | None = None
         self.snapshot: Snapshot | None = None
 
-    def offer(self, data: bytes, where: str) -> str:
-        """APPLIED, REFRESHED or UNCHANGED; raises :class:`OverlayRejected` (the cache keeps its document)."""
-        if data == self.data:
+    def offer(self, data: bytes, where: str, digest: bytes | None = None) -> str:
+        """APPLIED, REFRESHED or UNCHANGED; raises :class:`OverlayRejected` (the cache keeps its document).
+        ``digest``: ``digest_of(data)`` when the caller has it already."""
+        digest = digest_of(data) if digest is None else digest
+        if digest == self.digest:
             return UNCHANGED
         snapshot = snapshot_from_bytes(check_overlay_bytes(data, where), self.expected_scope)
         write_atomically(self.path, data)
         same_revision = self.snapshot is not None and snapshot.revision == self.snapshot.revision
-        self.data, self.snapshot = data, snapshot
+        self.digest, self.snapshot = digest, snapshot
         return REFRESHED if same_revision else APPLIED
 
     def load_existing(self) -> OverlayRejected | None:
         """Adopt the cache file a previous run left, if it is still valid; else why not."""
         try:
             data = read_overlay_bytes(self.path)
-            self.snapshot, self.data = snapshot_from_bytes(data, self.expected_scope), data
+            self.snapshot, self.digest = snapshot_from_bytes(data, self.expected_scope), digest_of(data)
         except OverlayRejected as exc:
             return exc
         return None
@@ -130,11 +181,14 @@ class ValkeyOverlaySource:
     """Reads, validates and caches the overlay at one Valkey key; see the module docstring."""
 
     def __init__(self, url: str, key: str, cache: OverlayCache, *, poll_interval: float = POLL_INTERVAL_S,
-                 timeout: float = COMMAND_TIMEOUT_S) -> None:
+                 timeout: float = COMMAND_TIMEOUT_S, min_read_interval: float = MIN_READ_INTERVAL_S,
+                 max_bytes: int = MAX_OVERLAY_BYTES) -> None:
         self.url = url
         self.key = key
         self.cache = cache
         self.poll_interval = poll_interval
+        self.min_read_interval = min(min_read_interval, poll_interval)
+        self.max_bytes = max_bytes
         self.timeout = min(timeout, poll_interval)
         self.where = f"{redact_url(url)} key {key}"
         self._client: Any = None  # made on the loop that uses it (open() and run() may run on two loops)
@@ -142,7 +196,10 @@ class ValkeyOverlaySource:
         self.outages = 0
         self.outcomes: Counter[str] = Counter()
         self._down_since: float | None = None
-        self._rejected: object = _NOTHING_REJECTED  # the last rejected read, so a poll does not log it again
+        # The last rejected read: its identity (KeyRead.identity, never its bytes) and why, so the same
+        # document read again is neither validated nor logged again.
+        self.rejected: tuple[bytes, str] | None = None
+        self._last_read = float("-inf")  # loop time of the last read's start
         self._reconnect_delay = RECONNECT_BASE_S
 
     # ------------------------------------------------------------------ start
@@ -153,13 +210,13 @@ class ValkeyOverlaySource:
         Raises :class:`OverlaySourceError`.
         """
         try:
-            data = await self._read_key()
+            read = await self._read_key()
         except SourceUnavailable as exc:
             self._went_down(exc)
             problem = f"Valkey unreachable ({exc})"
         else:
             self._came_up()
-            rejection = self._take(data)
+            rejection = self._take(read)
             if rejection is None:
                 return "valkey"
             problem = rejection
@@ -208,19 +265,45 @@ class ValkeyOverlaySource:
             except (ValkeyError, OSError) as exc:
                 raise SourceUnavailable(_describe(exc)) from None
             # Subscribed first, read second: nothing published in between goes unseen.
-            self._take(await self._read_key())
+            await self._refresh()
             self._came_up()
             while True:
-                try:
-                    # A message or the poll interval: either way, re-read the key (the message only names
-                    # the revision; the key holds the document).
-                    await pubsub.get_message(timeout=self.poll_interval)
-                except (ValkeyError, OSError) as exc:
-                    raise SourceUnavailable(_describe(exc)) from None
-                self._take(await self._read_key())
+                await self._wait_for_news(pubsub)
+                await self._refresh()
         finally:
             await pubsub.aclose()
             await subscriber.aclose()
+
+    async def _wait_for_news(self, pubsub: Any) -> None:
+        """Return when the key should be read again: a notification arrived (the message only names the
+        revision; the key holds the document) or the poll interval passed since the last read.
+
+        Never sooner than ``min_read_interval`` after the last read, and every notification received
+        by then is consumed here: a burst of any size costs one read (the one in flight when it began
+        answers nothing that came after it, so there is at most one more)."""
+        loop = asyncio.get_running_loop()
+        poll_at = self._last_read + self.poll_interval
+        while (left := poll_at - loop.time()) > 0:
+            if await self._next_message(pubsub, left):
+                break
+        pause = self._last_read + self.min_read_interval - loop.time()
+        if pause > 0:
+            await asyncio.sleep(pause)
+        while await self._next_message(pubsub, 0.0):
+            pass
+
+    async def _next_message(self, pubsub: Any, timeout: float) -> bool:
+        """True when a notification arrived within ``timeout`` seconds (0: only one already received)."""
+        from valkey.exceptions import ValkeyError
+
+        try:
+            return await pubsub.get_message(timeout=timeout) is not None
+        except (ValkeyError, OSError) as exc:
+            raise SourceUnavailable(_describe(exc)) from None
+
+    async def _refresh(self) -> None:
+        self._last_read = asyncio.get_running_loop().time()
+        self._take(await self._read_key())
 
     def _commands(self) -> Any:
         """The command client; raises ValueError for a URL the quota backend would refuse too."""
@@ -230,37 +313,50 @@ class ValkeyOverlaySource:
             self._client = create_client(self.url, timeout_s=self.timeout)
         return self._client
 
-    async def _read_key(self) -> bytes | None:
+    async def _read_key(self) -> KeyRead:
         from valkey.exceptions import ValkeyError
 
         client = self._commands()
-        try:
-            return await client.execute_command("GET", self.key)  # the client's own timeout bounds it
+        try:  # the client's own timeout bounds it
+            reply = await client.execute_command("EVAL", READ_SCRIPT, 1, self.key, self.max_bytes)
         except (ValkeyError, OSError) as exc:
             raise SourceUnavailable(_describe(exc)) from None
+        return KeyRead.from_reply(reply)
 
-    def _take(self, data: bytes | None) -> str | None:
+    def _take(self, read: KeyRead) -> str | None:
         """Validate and cache one read of the key; None if the cache now holds it, else the problem."""
+        identity = read.identity()
+        if self.rejected is not None and self.rejected[0] == identity:
+            return self.rejected[1]  # the same document again: judged, logged and counted already
         try:
-            if data is None:
-                raise OverlayRejected(UNREADABLE, f"{self.where}: no such key")
-            outcome = self.cache.offer(data, self.where)
+            outcome = self.cache.offer(self._fetched(read), self.where, identity)
         except OverlayRejected as exc:
-            if data != self._rejected:  # each bad document is logged and counted once, not once per poll
-                self._rejected = data
-                self.outcomes[REJECTED] += 1
-                log.warning("overlay source rejected the document (%s); keeping revision %s", exc, self._serving())
-            return f"rejected: {exc}"
+            problem = f"rejected: {exc}"
+            self.rejected = (identity, problem)  # each bad document is logged and counted once, not once per poll
+            self.outcomes[REJECTED] += 1
+            log.warning("overlay source rejected the document (%s); keeping revision %s", exc, self._serving())
+            return problem
         except OSError as exc:  # the workers would not see the update: a local problem, logged every time
             log.error("overlay source: cannot write the cache file %s: %s", self.cache.path, exc)
             return f"cannot write the cache file {self.cache.path}: {exc.strerror or exc}"
-        self._rejected = _NOTHING_REJECTED
+        self.rejected = None
         if outcome != UNCHANGED:
             self.outcomes[outcome] += 1
             assert self.cache.snapshot is not None
             log.info("overlay source %s: %s revision %s", self.where,
                      "new" if outcome == APPLIED else "refreshed", self.cache.snapshot.revision)
         return None
+
+    def _fetched(self, read: KeyRead) -> bytes:
+        """The document's bytes; raises :class:`OverlayRejected` for a read that fetched none."""
+        if read.kind == "none":
+            raise OverlayRejected(UNREADABLE, f"{self.where}: no such key")
+        if read.kind != "string":
+            raise OverlayRejected(UNREADABLE, f"{self.where}: holds a {read.kind}, not a string")
+        if read.data is None:
+            raise OverlayRejected(TOO_LARGE, f"{self.where}: {read.size} bytes, larger than {self.max_bytes} bytes "
+                                             "(not read)")
+        return read.data
 
     # ------------------------------------------------------------------ outages
 

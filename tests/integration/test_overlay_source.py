@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from gateway.overlay.valkey_source import (
     OverlayCache,
     OverlaySourceError,
     ValkeyOverlaySource,
+    digest_of,
     events_channel,
     redact_url,
 )
@@ -84,7 +86,7 @@ def test_follows_publishes_at_once_polls_for_silent_writes_and_keeps_last_known_
             tampered["content_digest"]["value"] = "0" * 64
             for bad in (foreign, json.dumps(tampered).encode(), b"{not json"):
                 publish(store, key, bad)
-                await eventually(lambda bad=bad: source._rejected == bad)
+                await eventually(lambda bad=bad: source.rejected is not None and source.rejected[0] == digest_of(bad))
             await asyncio.sleep(1.2)  # a poll re-reads the garbage: not logged or counted again
             assert cached(cache_path) == revision_of(second)
             assert source.outcomes["rejected"] == 3
@@ -200,3 +202,117 @@ def test_an_outage_keeps_last_known_good_and_a_publish_after_recovery_is_picked_
 def test_redact_url_hides_credentials_and_options() -> None:
     assert redact_url("valkeys://user:secret@h:6380/2?ssl_cert_reqs=none") == "valkeys://***@h:6380/2"
     assert redact_url("unix:///run/valkey.sock") == "unix:///run/valkey.sock"
+
+
+# -- a hostile writer of the key: oversized values and floods of notifications ----------------------
+
+
+@pytest.fixture
+def private_valkey(tmp_path: Path) -> Any:
+    """A Valkey of this test alone, so its command and traffic counters are this test's."""
+    server = EmbeddedValkey(tmp_path / "valkey", unix_socket=False)
+    url = server.start()
+    store = valkey.Valkey.from_url(url)
+    try:
+        yield url, store
+    finally:
+        store.close()
+        server.stop()
+
+
+READ_COMMANDS = ("get", "getrange", "strlen", "eval", "evalsha", "fcall")  # however a source reads a key
+
+
+def reads_and_bytes_sent(store: valkey.Valkey) -> tuple[int, int]:
+    """(reads of the key by the source, bytes Valkey sent to all its clients) since the last reset."""
+    stats = store.info("commandstats")
+    calls = sum(stats.get(f"cmdstat_{command}", {}).get("calls", 0) for command in READ_COMMANDS)
+    return calls, store.info("stats")["total_net_output_bytes"]
+
+
+def test_an_oversized_value_is_never_fetched_and_is_judged_once(
+    tmp_path: Path, private_valkey: Any, key: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    url, store = private_valkey
+    cache_path = tmp_path / "cache.json"
+    good = overlay("a")
+    publish(store, key, good)
+
+    async def scenario() -> None:
+        source = ValkeyOverlaySource(url, key, OverlayCache(str(cache_path), SCOPE), poll_interval=0.3,
+                                     min_read_interval=0.05)
+        await source.open()
+        follower = asyncio.create_task(source.run())
+        try:
+            await eventually(lambda: source.up)
+            huge = b"{" + b" " * (48 * 1024 * 1024) + b"}"  # 48 MiB, 24 times the bound
+            await asyncio.to_thread(publish, store, key, huge)
+            del huge
+            await asyncio.to_thread(store.config_resetstat)
+            for _ in range(20):  # notifications and polls: each a read of the key, none a fetch
+                await asyncio.to_thread(store.publish, events_channel(key), "new")
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.7)  # two polls more
+            reads, sent = await asyncio.to_thread(reads_and_bytes_sent, store)
+            assert reads >= 3  # the source kept reading the key ...
+            assert sent < 256 * 1024  # ... and not one of those reads brought the value along
+            assert source.outcomes["rejected"] == 1  # judged once, not once per read
+            assert source.rejected is not None and "too_large" in source.rejected[1]
+            assert cached(cache_path) == revision_of(good)  # last-known-good keeps serving
+        finally:
+            follower.cancel()
+            await asyncio.gather(follower, return_exceptions=True)
+            await source.close()
+
+    with caplog.at_level(logging.INFO, logger="gridgate.overlay"):
+        asyncio.run(scenario())
+    assert caplog.text.count("overlay source rejected the document") == 1
+    assert "too_large" in caplog.text and "(not read)" in caplog.text
+
+
+def test_a_flood_of_notifications_costs_a_bounded_number_of_reads_and_the_last_document_wins(
+    tmp_path: Path, private_valkey: Any, key: str,
+) -> None:
+    url, store = private_valkey
+    cache_path = tmp_path / "cache.json"
+    publish(store, key, overlay("a"))
+    last = overlay("b", generation=2)
+    min_interval = 0.2
+
+    def flood(count: int) -> float:
+        """``count`` notifications as fast as Valkey takes them, the new document SET halfway; seconds taken."""
+        started = time.monotonic()
+        pipe = store.pipeline(transaction=False)
+        for index in range(count):
+            if index == count // 2:
+                pipe.set(key, last)
+            pipe.publish(events_channel(key), "new")
+            if index % 500 == 499:
+                pipe.execute()
+        pipe.execute()
+        return time.monotonic() - started
+
+    async def scenario() -> None:
+        source = ValkeyOverlaySource(url, key, OverlayCache(str(cache_path), SCOPE), poll_interval=30.0,
+                                     min_read_interval=min_interval)
+        await source.open()
+        follower = asyncio.create_task(source.run())
+        try:
+            await eventually(lambda: source.up)
+            await asyncio.to_thread(store.config_resetstat)
+            started = time.monotonic()
+            took = await asyncio.to_thread(flood, 10_000)
+            await eventually(lambda: cached(cache_path) == revision_of(last), timeout=5.0)
+            await asyncio.sleep(2 * min_interval)  # a read still queued would have happened by now
+            elapsed = time.monotonic() - started
+            reads, _ = await asyncio.to_thread(reads_and_bytes_sent, store)
+            # One read per min_interval while the flood lasts, one in flight, one queued behind it.
+            assert 1 <= reads <= elapsed / min_interval + 2, (reads, took, elapsed)
+            assert reads < 100
+            assert source.outcomes["applied"] == 2 and source.outcomes["rejected"] == 0
+        finally:
+            follower.cancel()
+            await asyncio.gather(follower, return_exceptions=True)
+            await source.close()
+
+    asyncio.run(scenario())
