@@ -7,8 +7,8 @@ unreachable, slow or garbled provider is ``healthy=False`` with an ``error`` say
 
 HTTP goes through the one small probe client (gateway.health.probe), shared with
 the gateway's endpoint health checks.
-The metrics parser reads only the gauges it needs, accepting the mock provider's
-names and vLLM's:
+Metrics pages are read with ``prometheus_client``'s text parser, for the gauges needed,
+under the mock provider's names and vLLM's:
 
 - queue depth: ``mock_queue_depth``, else ``vllm:num_requests_running`` +
   ``vllm:num_requests_waiting`` (summed over all series, e.g. one per model);
@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Iterable, Sequence
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.control.decide import Observation  # the pure side owns the type it consumes
 from gateway.control.spec import Provider
@@ -35,50 +37,28 @@ _WANTED = frozenset((MOCK_QUEUE_DEPTH, *VLLM_QUEUE_GAUGES, *KV_CACHE_GAUGES))
 # --------------------------------------------------------------------------- Prometheus text
 
 
-def _sample(line: str) -> tuple[str, float] | None:
-    """``name{labels} value [timestamp]`` -> (name, value); None for anything else."""
-    end = 0
-    while end < len(line) and line[end] not in "{ \t":
-        end += 1
-    name, rest = line[:end], line[end:]
-    if rest.startswith("{"):
-        in_quotes = escaped = False
-        for index, char in enumerate(rest):
-            if in_quotes:
-                if escaped:
-                    escaped = False
-                elif char == "\\":
-                    escaped = True
-                elif char == '"':
-                    in_quotes = False
-            elif char == '"':
-                in_quotes = True
-            elif char == "}":
-                rest = rest[index + 1 :]
-                break
-        else:
-            return None
-    fields = rest.split()
-    if not fields:
-        return None
-    try:
-        value = float(fields[0])
-    except ValueError:
-        return None
-    return (name, value) if math.isfinite(value) else None
-
-
 def parse_gauges(text: str, names: Iterable[str] = _WANTED) -> dict[str, list[float]]:
-    """Every sample of the named metrics, in page order (one value per label set)."""
+    """Every finite sample of the named metrics, in page order (one value per label set).
+
+    Parsed by ``prometheus_client``'s parser, line by line over the lines that can hold a wanted
+    sample: one garbled line elsewhere on a provider's page (or among them) costs only that line,
+    not the page, and a large page (vLLM's histograms) is not parsed whole for a few gauges.
+    """
     wanted = frozenset(names)
+    prefixes = tuple(wanted)
     found: dict[str, list[float]] = {}
     for raw in text.splitlines():
         line = raw.strip()
-        if not line or line.startswith("#"):
+        if not line.startswith(prefixes):
             continue
-        sample = _sample(line)
-        if sample is not None and sample[0] in wanted:
-            found.setdefault(sample[0], []).append(sample[1])
+        try:
+            families = list(text_string_to_metric_families(line + "\n"))
+        except ValueError:
+            continue
+        for family in families:
+            for sample in family.samples:
+                if sample.name in wanted and math.isfinite(sample.value):
+                    found.setdefault(sample.name, []).append(float(sample.value))
     return found
 
 

@@ -2,8 +2,9 @@
 
 Used by the health process (endpoint checks) and by the control plane (provider health and metrics
 pages). One request per connection with ``Connection: close``; the deadline covers everything from
-connect to the last byte read. The response is either read to EOF (bounded) and its body decoded
-(``Content-Length`` or chunked), or, when only the status matters, read up to its status line.
+connect to the last byte read. The HTTP is the data plane's own client codec
+(:class:`gateway.http.codec.ClientCodec`): one parser and one chunked decoder for every response the
+gateway reads. A response is read to its end (bounded), or, when only the status matters, to its head.
 Failures raise :class:`ProbeError` with a short message fit for logs and observations.
 """
 
@@ -17,9 +18,19 @@ from dataclasses import dataclass
 from functools import cache
 from urllib.parse import urlsplit
 
+from gateway.http.codec import (
+    NEED_DATA,
+    Body,
+    ClientCodec,
+    ConnectionClosed,
+    EndOfMessage,
+    ParseError,
+    ResponseHead,
+)
 from gateway.net import client_tls_context
 
 MAX_RESPONSE_BYTES = 4 * 1024 * 1024  # a metrics page is kilobytes; anything bigger is not one
+MAX_HEAD_BYTES = 64 * 1024
 
 
 class ProbeError(Exception):
@@ -89,12 +100,14 @@ async def http_get(target: ProbeTarget | str, timeout_s: float, *, status_only: 
                    user_agent: str = "gridgate") -> tuple[int, bytes]:
     """``GET`` a target (or URL) within ``timeout_s``: (status, body); raises :class:`ProbeError`.
 
-    ``status_only`` reads just the status line and returns an empty body.
+    ``status_only`` returns at the response head, with an empty body.
     """
     if isinstance(target, str):
         target = ProbeTarget.from_url(target)
-    request = (f"GET {target.path} HTTP/1.1\r\nHost: {target.authority}\r\nUser-Agent: {user_agent}\r\n"
-               "Accept: */*\r\nConnection: close\r\n\r\n").encode("ascii")
+    codec = ClientCodec(MAX_HEAD_BYTES)
+    request = codec.encode_request(b"GET", target.path.encode("ascii"), target.authority.encode("ascii"), [
+        (b"user-agent", user_agent.encode("ascii")), (b"accept", b"*/*"), (b"connection", b"close"),
+    ])
     tls = target.ssl_context
     with _explained(timeout_s):
         async with asyncio.timeout(timeout_s):
@@ -105,70 +118,63 @@ async def http_get(target: ProbeTarget | str, timeout_s: float, *, status_only: 
             try:
                 writer.write(request)
                 await writer.drain()
-                if status_only:
-                    return parse_status_line(await _read_status_line(reader)), b""
-                data = bytearray()
-                while chunk := await reader.read(65536):
-                    data += chunk
-                    if len(data) > MAX_RESPONSE_BYTES:
-                        raise ProbeError(f"response larger than {MAX_RESPONSE_BYTES} bytes")
+                return await _read_response(reader, codec, status_only)
             finally:
                 await _close(writer)
-    return parse_response(bytes(data))
 
 
-async def _read_status_line(reader: asyncio.StreamReader) -> bytes:
-    try:
-        return await reader.readline()
-    except ValueError:  # longer than the reader's buffer limit: no status line
-        raise ProbeError("malformed status line") from None
-
-
-def parse_status_line(line: bytes) -> int:
-    """The status code of ``HTTP/1.x NNN reason``; raises :class:`ProbeError`."""
-    if not line:
-        raise ProbeError("empty response")
-    parts = line.split(None, 2)
-    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or len(parts[1]) != 3 or not parts[1].isdigit():
-        raise ProbeError("malformed status line")
-    return int(parts[1])
-
-
-def _dechunk(body: bytes) -> bytes:
-    pieces: list[bytes] = []
-    pos = 0
+async def _read_response(reader: asyncio.StreamReader, codec: ClientCodec, status_only: bool) -> tuple[int, bytes]:
+    """Feed the codec until the response ended (or, ``status_only``, until its head)."""
+    response = _Response()
+    received = 0
     while True:
-        line_end = body.find(b"\r\n", pos)
-        if line_end < 0:
-            raise ProbeError("truncated chunked body")
+        data = await reader.read(65536)
+        received += len(data)
+        if received > MAX_RESPONSE_BYTES:
+            raise ProbeError(f"response larger than {MAX_RESPONSE_BYTES} bytes")
+        codec.feed(data)
         try:
-            size = int(body[pos:line_end].split(b";", 1)[0].strip(), 16)
-        except ValueError:
-            raise ProbeError("bad chunk size") from None
-        if size == 0:
-            return b"".join(pieces)
-        start = line_end + 2
-        if len(body) < start + size:
-            raise ProbeError("truncated chunked body")
-        pieces.append(body[start : start + size])
-        pos = start + size + 2
+            done = response.take(codec, status_only)
+        except ParseError:
+            raise ProbeError(response.problem(eof=not data, received=received)) from None
+        if done:
+            return response.status, b"".join(response.body)
+        if not data:  # cannot happen: the codec ends or raises at the end of the input
+            raise ProbeError(response.problem(eof=True, received=received))
 
 
-def parse_response(data: bytes) -> tuple[int, bytes]:
-    """(status, body) of a complete HTTP/1.1 response read to EOF; raises :class:`ProbeError`."""
-    head, sep, body = data.partition(b"\r\n\r\n")
-    if not sep:
-        raise ProbeError("incomplete response head" if data else "empty response")
-    lines = head.split(b"\r\n")
-    status = parse_status_line(lines[0])
-    headers: dict[bytes, bytes] = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(b":")
-        headers[name.strip().lower()] = value.strip()
-    if b"chunked" in headers.get(b"transfer-encoding", b"").lower():
-        body = _dechunk(body)
-    elif (length := headers.get(b"content-length")) is not None:
-        if not length.isdigit() or len(body) < int(length):
-            raise ProbeError("truncated body")
-        body = body[: int(length)]
-    return status, body
+class _Response:
+    """What the events of one response said so far."""
+
+    __slots__ = ("status", "body")
+
+    def __init__(self) -> None:
+        self.status = 0  # 0 until the head arrived
+        self.body: list[bytes] = []
+
+    def take(self, codec: ClientCodec, status_only: bool) -> bool:
+        """Consume the codec's events; True once the response (or its head, ``status_only``) is complete."""
+        while True:
+            event = codec.next_event()
+            kind = type(event)
+            if event is NEED_DATA:
+                return False
+            if kind is ResponseHead:
+                self.status = event.status_code
+                if status_only:
+                    return True
+            elif kind is Body:
+                self.body.append(bytes(event.data))
+            elif kind is EndOfMessage:
+                return True
+            elif kind is ConnectionClosed:  # the peer closed before a response began
+                raise ParseError("closed")
+            # an Informational (1xx) head: the final one follows
+
+    def problem(self, *, eof: bool, received: int) -> str:
+        """Why the bytes so far are no response, in plain words."""
+        if not self.status:
+            if eof:
+                return "incomplete response head" if received else "empty response"
+            return "malformed response head"
+        return "truncated body" if eof else "malformed body"

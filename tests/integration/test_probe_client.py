@@ -52,11 +52,33 @@ def _probe(raw: bytes, *, close: bool = True, timeout_s: float = 2.0, **options)
     return asyncio.run(scenario())
 
 
-def test_a_get_reads_content_length_and_chunked_bodies() -> None:
+def test_a_get_reads_content_length_chunked_and_until_close_bodies() -> None:
     assert _probe(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello") == (200, b"hello")
     chunked = b"HTTP/1.1 503 Busy\r\nTransfer-Encoding: chunked\r\n\r\n3;x=1\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
     assert _probe(chunked) == (503, b"abcde")
     assert _probe(b"HTTP/1.0 204 No Content\r\n\r\n") == (204, b"")
+    assert _probe(b"HTTP/1.0 200 OK\r\n\r\nuntil the end") == (200, b"until the end")
+    assert _probe(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok") == (200, b"ok")
+
+
+def test_a_body_is_read_across_many_small_writes() -> None:
+    async def scenario() -> tuple[int, bytes]:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            for piece in (b"HTTP/1.1 200 OK\r\nTransfer-", b"Encoding: chunked\r\n\r\n4\r\nmet", b"r\r\n",
+                          b"3\r\nics\r\n0\r", b"\n\r\n"):
+                writer.write(piece)
+                await writer.drain()
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(5)  # a complete chunked body needs no close
+
+        server, port = await _serve(handle)
+        try:
+            return await http_get(f"http://127.0.0.1:{port}/metrics", 2.0)
+        finally:
+            server.close()
+
+    assert asyncio.run(scenario()) == (200, b"metrics")
 
 
 def test_status_only_returns_at_the_status_line_without_waiting_for_the_body() -> None:
@@ -81,17 +103,20 @@ def test_the_request_is_one_get_with_host_and_close() -> None:
 
     head = asyncio.run(scenario())
     assert head.startswith(b"GET /health?deep=1 HTTP/1.1\r\n")
-    assert b"\r\nConnection: close\r\n" in head and b"\r\nUser-Agent: gridgate-test\r\n" in head
-    assert b"\r\nHost: 127.0.0.1:" in head
+    lines = head.lower().split(b"\r\n")  # field names are case-insensitive
+    assert b"connection: close" in lines and b"user-agent: gridgate-test" in lines
+    assert any(line.startswith(b"host: 127.0.0.1:") for line in lines)
 
 
 @pytest.mark.parametrize(("raw", "message"), [
     (b"", "empty response"),
-    (b"SSH-2.0-OpenSSH\r\n\r\n", "malformed status line"),
-    (b"HTTP/1.1 2000 OK\r\n\r\n", "malformed status line"),
+    (b"SSH-2.0-OpenSSH\r\n\r\n", "malformed response head"),
+    (b"HTTP/1.1 2000 OK\r\n\r\n", "malformed response head"),
     (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", "truncated body"),
-    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "bad chunk size"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n", "truncated body"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "malformed body"),
     (b"HTTP/1.1 200 OK\r\nContent-", "incomplete response head"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab", "malformed response head"),
 ])
 def test_garbled_answers_are_probe_errors_that_say_why(raw: bytes, message: str) -> None:
     with pytest.raises(ProbeError, match=message):

@@ -384,6 +384,17 @@ def test_metrics_parser_reads_vllm_gauges_across_series() -> None:
     assert kv_cache_from(gauges) == 0.5
 
 
+def test_metrics_parser_skips_a_garbled_sample_and_keeps_the_rest_of_the_page() -> None:
+    page = "\n".join([
+        'mock_queue_depth{provider="p" 3',  # unterminated label set: this line alone is dropped
+        'mock_queue_depth{provider="q",note="a\\nb"} 2',
+        "mock_queue_depth_total 99",  # another metric sharing the prefix
+        'mock_kv_cache_utilization{provider="q"} 0.25 1700000000000',
+    ])
+    gauges = parse_gauges(page)
+    assert gauges == {"mock_queue_depth": [2.0], "mock_kv_cache_utilization": [0.25]}
+
+
 def test_metrics_parser_prefers_mock_names_and_skips_non_finite_values() -> None:
     gauges = parse_gauges('mock_queue_depth{provider="p"} 2\nvllm:num_requests_running 9\n'
                           "mock_kv_cache_utilization NaN\n")
