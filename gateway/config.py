@@ -9,25 +9,44 @@ prints. Every key is documented in docs/configuration.md (a test keeps them in s
 from __future__ import annotations
 
 import os
-import re
-from typing import Any, Literal
-
-import msgspec
+from typing import ClassVar, Literal
 
 from gateway.auth import is_key_digest
+from gateway.config_routing import (  # noqa: F401 - the routing schema, re-exported: importers use gateway.config
+    Backoff,
+    Cooling,
+    ModelFacts,
+    ModelMatch,
+    OverlayScope,
+    OverlaySource,
+    Retry,
+    Routing,
+    SessionAffinity,
+    TenantPolicy,
+    is_header_name,
+)
 from gateway.net import parse_host_port
-from gateway.yaml_config import ConfigError, Seconds, convert_yaml, read_text
+from gateway.yaml_config import (  # noqa: F401 - Seconds, read_text and convert_yaml are re-exported
+    DAY,
+    HOUR,
+    MINUTE,
+    ConfigError,
+    Range,
+    Seconds,
+    StrictStruct,
+    check_ranges,
+    convert_yaml,
+    read_text,
+)
 
-_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+# Every numeric key has a range, checked in its Struct's __post_init__ with check_ranges (a test feeds
+# each one 0, -1 and a huge value). Durations are in seconds; the bounds keep values sane and keep
+# timers and counters far from overflow.
+MAX_COUNT = 1_000_000_000  # counts of requests and tokens per request
+MAX_TOKENS = 10**15  # tokens of a budget or a lease block
+MAX_WORKERS = 1024
 
-
-def is_header_name(text: str) -> bool:
-    """An HTTP field name (RFC 9110 token)."""
-    return _HEADER_NAME.fullmatch(text) is not None
-
-
-class _Strict(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    pass
+_Strict = StrictStruct  # the one base of every YAML schema (the control plane's spec too)
 
 
 class ServerTls(_Strict):
@@ -57,16 +76,31 @@ class Limits(_Strict):
     max_requests_per_connection: int = 1000
     max_url_bytes: int = 8192
 
+    _RANGES: ClassVar[dict[str, Range]] = {
+        "max_header_bytes": (1024, 16 * 1024 * 1024),
+        "max_body_bytes": (1, 1024 * 1024 * 1024),  # bodies are held in memory
+        "max_connections_per_worker": (1, 1_000_000),
+        "max_requests_per_connection": (1, MAX_COUNT),
+        "max_url_bytes": (64, 1024 * 1024),
+    }
+
     def __post_init__(self) -> None:
-        for name in self.__struct_fields__:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1")
+        check_ranges(self, self._RANGES)
 
 
 class Timeouts(_Strict):
     header_read: Seconds = Seconds(10)
     keepalive_idle: Seconds = Seconds(75)
     graceful_shutdown: Seconds = Seconds(30)
+
+    _RANGES: ClassVar[dict[str, Range]] = {
+        "header_read": (0.1, HOUR),
+        "keepalive_idle": (0.1, DAY),
+        "graceful_shutdown": (0, HOUR),  # 0: cut what is in flight at once
+    }
+
+    def __post_init__(self) -> None:
+        check_ranges(self, self._RANGES)
 
 
 class WeightedEndpoint(_Strict):
@@ -102,11 +136,30 @@ class HealthCheck(_Strict):
     healthy_threshold: int = 2
     unhealthy_threshold: int = 3
 
+    _RANGES: ClassVar[dict[str, Range]] = {
+        "interval": (0.1, HOUR),
+        "timeout": (0.01, MINUTE),
+        "healthy_threshold": (1, 100),
+        "unhealthy_threshold": (1, 100),
+    }
+
+    def __post_init__(self) -> None:
+        check_ranges(self, self._RANGES)
+
 
 class OutlierDetection(_Strict):
     consecutive_failures: int = 5
     base_ejection: Seconds = Seconds(30)
     max_ejection_percent: int = 50
+
+    _RANGES: ClassVar[dict[str, Range]] = {
+        "consecutive_failures": (0, 1000),  # 0: never eject
+        "base_ejection": (0.1, HOUR),
+        "max_ejection_percent": (1, 100),
+    }
+
+    def __post_init__(self) -> None:
+        check_ranges(self, self._RANGES)
 
 
 _SIMPLE_STRATEGIES = ("round_robin", "least_connections", "p2c", "random")
@@ -124,7 +177,14 @@ class Cluster(_Strict):
     health_check: HealthCheck | None = None
     outlier_detection: OutlierDetection | None = None
 
+    _RANGES: ClassVar[dict[str, Range]] = {
+        "connect_timeout": (0.01, 5 * MINUTE),
+        "read_timeout": (0.1, DAY),
+        "max_connections": (1, 100_000),
+    }
+
     def __post_init__(self) -> None:
+        check_ranges(self, self._RANGES)
         if not self.name:
             raise ValueError("name: must not be empty")
         if not self.endpoints:
@@ -138,181 +198,9 @@ class Cluster(_Strict):
                 raise ValueError(f"load_balancer_strategy: {strategy!r} is not one of {', '.join(_SIMPLE_STRATEGIES)}")
         elif len(strategy) != 1 or next(iter(strategy)) not in ("consistent_hash", "maglev"):
             raise ValueError("load_balancer_strategy: must be a name or {consistent_hash: {...}} / {maglev: {...}}")
-        if self.max_connections < 1:
-            raise ValueError("max_connections: must be >= 1")
 
     def weighted_endpoints(self) -> list[tuple[str, int]]:
         return [(e, 1) if isinstance(e, str) else (e.address, e.weight) for e in self.endpoints]
-
-
-class SessionAffinity(_Strict):
-    enabled: bool = False
-    header: str | None = "X-Session-Id"
-    cookie: str | None = None
-    ttl: Seconds = Seconds(3600)
-    capacity: int = 65536
-
-    def __post_init__(self) -> None:
-        if self.capacity < 8:
-            raise ValueError("capacity: must be >= 8 bindings")
-
-
-class OverlayScope(_Strict):
-    network: str | None = None
-    gateway: str | None = None
-    namespace: str | None = None
-    local_site: str | None = None
-
-    def is_configured(self) -> bool:
-        return any(v is not None for v in (self.network, self.gateway, self.namespace, self.local_site))
-
-
-class Backoff(_Strict):
-    base: Seconds = Seconds(0.01)
-    max: Seconds = Seconds(0.5)
-
-    def __post_init__(self) -> None:
-        if self.max < self.base:
-            raise ValueError("max: must be >= base")
-
-
-class Retry(_Strict):
-    """Provider-level failover (CONTRACT §11): attempts and deadline for all providers together."""
-
-    attempts: int = 3
-    deadline: Seconds = Seconds(30)
-    backoff: Backoff = Backoff()
-    first_byte_timeout: Seconds | None = None
-
-    def __post_init__(self) -> None:
-        if self.attempts < 1:
-            raise ValueError("attempts: must be >= 1 (1 = no failover)")
-        if self.deadline <= 0:
-            raise ValueError("deadline: must be > 0")
-        if self.first_byte_timeout is not None and self.first_byte_timeout <= 0:
-            raise ValueError("first_byte_timeout: must be > 0 (or null for none)")
-
-
-class Cooling(_Strict):
-    """How long a provider answering 429/503 is skipped; its Retry-After wins, capped at ``max``."""
-
-    default: Seconds = Seconds(5)
-    max: Seconds = Seconds(300)
-
-    def __post_init__(self) -> None:
-        if self.default <= 0:
-            raise ValueError("default: must be > 0")
-        if self.max < self.default:
-            raise ValueError("max: must be >= default")
-
-
-_STABLE_HASH_FACTS = ("tenant", "session", "request_id")
-
-
-def _check_stable_hash_key(parts: list[str]) -> None:
-    if not parts:
-        raise ValueError("stable_hash_key: must name at least one request fact")
-    for index, part in enumerate(parts):
-        name = part[len("header:"):] if part.startswith("header:") else None
-        if part not in _STABLE_HASH_FACTS and not (name and is_header_name(name)):
-            raise ValueError(f"stable_hash_key[{index}]: {part!r} is not tenant, session, request_id "
-                             "or header:<Name>")
-        if parts.index(part) != index:
-            raise ValueError(f"stable_hash_key[{index}]: {part!r} is listed twice")
-
-
-class ModelMatch(_Strict):
-    capability: str  # glob over the capability (model) name, e.g. "gpt-4o*"
-    cluster: str | None = None
-
-    def __post_init__(self) -> None:
-        if not self.capability:
-            raise ValueError("capability: must not be empty (use \"*\" for every capability)")
-
-
-class ModelFacts(_Strict):
-    """Request-aware eligibility facts of the candidates it matches (CONTRACT §12)."""
-
-    match: ModelMatch
-    context_window: int | None = None
-    features: list[Literal["tools", "vision", "json_schema", "audio", "embeddings"]] | None = None
-    region: str | None = None
-    traffic_weight: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.context_window is not None and self.context_window < 1:
-            raise ValueError("context_window: must be >= 1 token")
-        if self.region is not None and not self.region:
-            raise ValueError("region: must not be empty")
-        if self.traffic_weight is not None and not 1 <= self.traffic_weight <= 1000:
-            raise ValueError("traffic_weight: must be 1..1000")
-
-
-class OverlaySource(_Strict):
-    """``routing.overlay_source``: follow an overlay published in Valkey (CONTRACT §13, docs/fleet.md)."""
-
-    kind: Literal["valkey"]
-    url: str  # as quota.backend.url: valkey://, valkeys:// (TLS), redis://, rediss://, unix://, user:password@
-    key: str
-    poll_interval: Seconds = Seconds(5)  # re-read the key this often even without a publish notification
-    # The last accepted document, which the workers follow and a restart serves while Valkey is down.
-    # Default: $STATE_DIRECTORY/overlay-cache.json under systemd, else a private temporary directory.
-    cache_file: str | None = None
-
-    def __post_init__(self) -> None:
-        if not self.key.strip() or any(ch.isspace() for ch in self.key):
-            raise ValueError("key: must be a key name without spaces")
-        if self.poll_interval <= 0:
-            raise ValueError("poll_interval: must be > 0")
-
-
-class Routing(_Strict):
-    overlay_file: str | None = None
-    # Instead of (or, as the fallback at a start without Valkey, beside) the file: a Valkey key.
-    overlay_source: OverlaySource | None = None
-    # Warn when the serving overlay was rendered longer ago than this (a dead control plane); None: never.
-    overlay_max_age: Seconds | None = None
-    # Instead of a file: the overlay's candidate objects inline (a legacy overlay, local_site "inline",
-    # deterministic selection); changed by a config reload.
-    candidates: list[dict[str, Any]] | None = None
-    model_header: str = "X-Model"
-    session_affinity: SessionAffinity = SessionAffinity()
-    expected_overlay_scope: OverlayScope = OverlayScope()
-    route_headers: bool = True
-    provider_hop_clusters: list[str] = []
-    reload_debounce: Seconds = Seconds(0.5)
-    retry: Retry = Retry()
-    cooling: Cooling = Cooling()
-    picker: Literal["overlay", "weighted", "stable_hash", "least_loaded"] = "overlay"
-    stable_hash_key: list[str] = msgspec.field(default_factory=lambda: ["tenant", "session"])
-    models: list[ModelFacts] = []
-    pin_header: str = "X-Gridgate-Pin"
-
-    def __post_init__(self) -> None:
-        _check_stable_hash_key(self.stable_hash_key)
-        for name in ("model_header", "pin_header"):
-            if not is_header_name(getattr(self, name)):
-                raise ValueError(f"{name}: not a valid header name")
-
-
-class TenantPolicy(_Strict):
-    """Routing policy of one tenant (CONTRACT §12); an omitted list means no restriction."""
-
-    tenant: str
-    allowed_capabilities: list[str] | None = None  # globs over capability names
-    allowed_regions: list[str] | None = None
-    may_pin: bool = False
-    priority: Literal["interactive", "batch"] = "interactive"
-
-    def __post_init__(self) -> None:
-        if not self.tenant:
-            raise ValueError("tenant: must not be empty")
-        for name in ("allowed_capabilities", "allowed_regions"):
-            values = getattr(self, name)
-            if values is not None and not values:
-                raise ValueError(f"{name}: must not be empty (omit the key for no restriction)")
-            if values is not None and not all(values):
-                raise ValueError(f"{name}: entries must not be empty")
 
 
 class AccessLog(_Strict):
@@ -395,20 +283,20 @@ class QuotaBreaker(_Strict):
     # While open, each worker probes the backend this often (one PING); the first answer closes it.
     probe_interval: Seconds = Seconds(0.1)
 
+    _RANGES: ClassVar[dict[str, Range]] = {"failures": (1, 1000), "probe_interval": (0.01, 10)}
+
     def __post_init__(self) -> None:
-        if self.failures < 1:
-            raise ValueError("failures: must be >= 1")
-        if not 0.01 <= self.probe_interval <= 10:
-            raise ValueError("probe_interval: must be between 10ms and 10s")
+        check_ranges(self, self._RANGES)
 
 
 class Budget(_Strict):
     window: Seconds
     tokens: int
 
+    _RANGES: ClassVar[dict[str, Range]] = {"window": (1, 366 * DAY), "tokens": (1, MAX_TOKENS)}
+
     def __post_init__(self) -> None:
-        if self.window < 1 or self.tokens < 1:
-            raise ValueError("window must be >= 1s and tokens >= 1")
+        check_ranges(self, self._RANGES)
 
 
 class QuotaMatch(_Strict):
@@ -419,14 +307,25 @@ class QuotaMatch(_Strict):
 class Estimate(_Strict):
     default_max_tokens: int = 1024
 
+    _RANGES: ClassVar[dict[str, Range]] = {"default_max_tokens": (0, 100_000_000)}
+
+    def __post_init__(self) -> None:
+        check_ranges(self, self._RANGES)
+
 
 class QuotaRule(_Strict):
     name: str
     budgets: list[Budget]
     match: QuotaMatch | None = None
     estimate: Estimate = Estimate()
-    max_in_flight: int | None = None
+    max_in_flight: int | None = None  # None: no limit (0 is refused rather than read as "unlimited")
 
+    _RANGES: ClassVar[dict[str, Range]] = {"max_in_flight": (1, 1_000_000)}
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight is not None and self.max_in_flight < 1:
+            raise ValueError("max_in_flight: must be >= 1 (omit the key for no limit)")
+        check_ranges(self, self._RANGES)
 
 
 class QuotaLease(_Strict):
@@ -440,13 +339,11 @@ class QuotaLease(_Strict):
     # request reserves in Valkey, exactly as without leases.
     headroom: int = 10
 
+    _RANGES: ClassVar[dict[str, Range]] = {"tokens": (1, MAX_TOKENS), "ttl": (0.01, MINUTE),
+                                           "headroom": (1, 1_000_000)}
+
     def __post_init__(self) -> None:
-        if self.tokens < 1:
-            raise ValueError("tokens: must be >= 1")
-        if not 0.01 <= self.ttl <= 60:
-            raise ValueError("ttl: must be between 10ms and 60s")
-        if self.headroom < 1:
-            raise ValueError("headroom: must be >= 1")
+        check_ranges(self, self._RANGES)
 
 
 class Quota(_Strict):
@@ -456,6 +353,11 @@ class Quota(_Strict):
     reservation_timeout: Seconds = Seconds(120)
     breaker: QuotaBreaker = QuotaBreaker()
     lease: QuotaLease | None = None
+
+    _RANGES: ClassVar[dict[str, Range]] = {"reservation_timeout": (1, DAY)}
+
+    def __post_init__(self) -> None:
+        check_ranges(self, self._RANGES)
 
 
 class Config(_Strict):
@@ -504,8 +406,8 @@ def _cross_checks(config: Config) -> list[str]:
             parse_host_port(getattr(config, field))
         except ValueError as exc:
             problems.append(f"{field}: {exc}")
-    if config.workers != "auto" and int(config.workers) < 1:
-        problems.append("workers: must be 'auto' or an integer >= 1")
+    if config.workers != "auto" and not 1 <= int(config.workers) <= MAX_WORKERS:
+        problems.append(f"workers: must be 'auto' or an integer 1..{MAX_WORKERS}")
     for index, cluster in enumerate(config.clusters):
         if cluster.upstream_auth is not None and not is_header_name(cluster.upstream_auth.header):
             problems.append(f"clusters[{index}].upstream_auth.header: not a valid header name")
@@ -520,8 +422,6 @@ def _routing_checks(config: Config, cluster_names: set[str]) -> list[str]:
     elif routing.candidates is not None and (routing.overlay_file is not None or routing.overlay_source is not None):
         problems.append("routing.candidates: give either inline candidates or routing.overlay_file/overlay_source, "
                         "not both")
-    if routing.overlay_max_age is not None and routing.overlay_max_age <= 0:
-        problems.append("routing.overlay_max_age: must be > 0")
     for index, name in enumerate(routing.provider_hop_clusters):
         if name not in cluster_names:
             problems.append(f"routing.provider_hop_clusters[{index}]: unknown cluster {name!r}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import msgspec
@@ -28,8 +29,15 @@ class ConfigError(Exception):
         self.problems = problems
 
 
+class StrictStruct(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """The base of every schema read from YAML: an unknown key is an error naming it, values are frozen."""
+
+
 class Seconds(float):
     """A duration in seconds, written in the file as ``500ms``, ``30s``, ``2m``, ``1h`` or ``1d``."""
+
+
+MINUTE, HOUR, DAY = 60.0, 3600.0, 86400.0
 
 
 _DURATION = re.compile(r"^\s*(\d+)\s*(ms|s|m|h|d)\s*$")
@@ -41,6 +49,43 @@ def parse_duration(text: str) -> Seconds:
     if not match:
         raise ValueError(f"invalid duration {text!r} (integer with unit ms, s, m, h or d)")
     return Seconds(int(match.group(1)) * _UNIT_SECONDS[match.group(2)])
+
+
+def format_duration(seconds: float) -> str:
+    """A duration as the file writes it: the largest unit that divides it (``100ms``, ``90s``, ``1h``)."""
+    millis = round(seconds * 1000)
+    if not millis:
+        return "0s"
+    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000)):
+        if millis % size == 0:
+            return f"{millis // size}{unit}"
+    return f"{millis}ms"
+
+
+Range = tuple[float, float]
+
+
+def check_ranges(struct: Any, ranges: Mapping[str, Range]) -> None:
+    """Raise ValueError (``name: must be >= 100ms``) for the first field of ``struct`` outside its
+    inclusive range; an unset (None) optional field is skipped. For ``__post_init__`` methods: the
+    loader turns the message into a line naming the field's whole path."""
+    for name, (low, high) in ranges.items():
+        value = getattr(struct, name)
+        if value is None or low <= value <= high:
+            continue
+        key = _file_name(type(struct), name)
+        show = format_duration if isinstance(value, Seconds) else _number
+        raise ValueError(f"{key}: must be >= {show(low)}" if value < low else f"{key}: must be <= {show(high)}")
+
+
+def _file_name(kind: type, attribute: str) -> str:
+    """The key a field has in the file (``scoreBands``) for its attribute name (``score_bands``)."""
+    fields: tuple[str, ...] = kind.__struct_fields__  # type: ignore[attr-defined]
+    return kind.__struct_encode_fields__[fields.index(attribute)]  # type: ignore[attr-defined]
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
 
 
 def decode_hook(kind: type, value: Any) -> Any:

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import os
 from importlib import metadata
-from typing import Literal
+from typing import ClassVar, Literal
 from urllib.parse import urlsplit
 
 import msgspec
 
-# One error builder for every YAML file gridgate reads: the config's.
+# One error builder and one strict base for every YAML file gridgate reads: the config's.
 from gateway.config import ConfigError, Seconds, convert_yaml, quota_url_problem, read_text
 from gateway.overlay.contract import MAX_CANDIDATES, MAX_TEXT_BYTES
+from gateway.yaml_config import DAY, HOUR, MINUTE, Range, check_ranges
+from gateway.yaml_config import StrictStruct as _Strict
 
 NO_METRICS = "noMetrics"
 QUEUE_DEPTH = "queueDepth"
@@ -41,10 +43,6 @@ def _package_version() -> str:
         return metadata.version("gridgate")
     except metadata.PackageNotFoundError:
         return "0.0.0"
-
-
-class _Strict(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    pass
 
 
 class Scope(_Strict):
@@ -78,6 +76,13 @@ class ScoringPolicy(_Strict):
     # changes neither the groups nor the semantic revision.
     score_bands: int = msgspec.field(name="scoreBands", default=4)
 
+    # Thresholds above 0 (a queue depth, a utilisation up to 1).
+    _RANGES: ClassVar[dict[str, Range]] = {"queue_depth_threshold": (1e-9, 1e6), "kv_cache_threshold": (1e-9, 1.0),
+                                           "score_bands": (1, 100)}
+
+    def __post_init__(self) -> None:
+        check_ranges(self, self._RANGES)
+
     def uses_metrics(self) -> bool:
         return self.strategy != NO_METRICS
 
@@ -101,6 +106,9 @@ class Admission(_Strict):
     # stabilized: a provider's published state changes only after this many consecutive
     # observations agree on the new state (a hold-down against flapping).
     observations: int = 3
+
+    def __post_init__(self) -> None:
+        check_ranges(self, {"observations": (1, 100)})
 
     def required_observations(self) -> int:
         return self.observations if self.mode == STABILIZED else 1
@@ -153,6 +161,9 @@ class ValkeyTarget(_Strict):
     # The lease that lets one control-plane instance of several publish; default 3 x interval.
     lease_ttl: Seconds | None = None
 
+    def __post_init__(self) -> None:
+        check_ranges(self, {"lease_ttl": (0.1, DAY)})
+
 
 class Publish(_Strict):
     valkey: ValkeyTarget | None = None
@@ -176,6 +187,12 @@ class ControlSpec(_Strict):
     # None: the published document has no selection_policy (gateways then select deterministically).
     selection_policy: SelectionPolicy | None = msgspec.field(name="selectionPolicy", default=None)
     admission: Admission = msgspec.field(default_factory=Admission)
+
+    _RANGES: ClassVar[dict[str, Range]] = {"refresh": (0.1, 30 * DAY), "interval": (0.1, HOUR),
+                                           "probe_timeout": (0.01, MINUTE)}
+
+    def __post_init__(self) -> None:
+        check_ranges(self, self._RANGES)
 
     @property
     def source_uid(self) -> str:
@@ -267,21 +284,8 @@ def _cross_checks(spec: ControlSpec) -> list[str]:
                          ("source_uid", spec.source_uid)):
         if (problem := _text_problem(value, f"producer.{field}")):
             problems.append(problem)
-    if spec.interval <= 0:
-        problems.append("interval: must be > 0")
-    if spec.probe_timeout <= 0:
-        problems.append("probe_timeout: must be > 0")
-    elif spec.probe_timeout > spec.interval:
+    if spec.probe_timeout > spec.interval:
         problems.append("probe_timeout: must not exceed interval (a cycle would overrun the next)")
-    scoring = spec.scoring_policy
-    for name, value in (("queueDepthThreshold", scoring.queue_depth_threshold),
-                        ("kvCacheThreshold", scoring.kv_cache_threshold)):
-        if value is not None and value <= 0:
-            problems.append(f"scoringPolicy.{name}: must be > 0")
-    if not 1 <= scoring.score_bands <= 100:
-        problems.append("scoringPolicy.scoreBands: must be 1..100")
-    if spec.admission.observations < 1:
-        problems.append("admission.observations: must be >= 1")
     if spec.output is None and spec.publish.valkey is None:
         problems.append("output: required key is missing (or give publish.valkey)")
     elif spec.output is None:

@@ -92,8 +92,8 @@ def test_relative_files_resolve_against_the_config_directory():
         ("access_log: {path: ''}\n", "access_log.path: must be '-'"),
         ("access_log: {enabled: maybe}\n", "access_log.enabled: expected true or false, got 'maybe'"),
         ("routing: {overlay_file: o, retry: {attempts: 0}}\n", "routing.retry.attempts: must be >= 1"),
-        ("routing: {overlay_file: o, retry: {deadline: 0s}}\n", "routing.retry.deadline: must be > 0"),
-        ("routing: {overlay_file: o, retry: {first_byte_timeout: 0ms}}\n", "routing.retry.first_byte_timeout: must be > 0"),
+        ("routing: {overlay_file: o, retry: {deadline: 0s}}\n", "routing.retry.deadline: must be >= 10ms"),
+        ("routing: {overlay_file: o, retry: {first_byte_timeout: 0ms}}\n", "routing.retry.first_byte_timeout: must be >= 10ms"),
         ("routing: {overlay_file: o, retry: {backoff: {base: 1s, max: 10ms}}}\n",
          "routing.retry.backoff.max: must be >= base"),
         ("routing: {overlay_file: o, cooling: {default: 10m}}\n", "routing.cooling.max: must be >= default"),
@@ -217,7 +217,7 @@ def test_quota_breaker_timings_have_defaults_and_are_checked():
     assert problems(BASE + f"quota: {{breaker: {{failures: 0}}, {QUOTA_RULES}}}\n") == [
         "quota.breaker.failures: must be >= 1"]
     assert problems(BASE + f"quota: {{breaker: {{probe_interval: 1ms}}, {QUOTA_RULES}}}\n") == [
-        "quota.breaker.probe_interval: must be between 10ms and 10s"]
+        "quota.breaker.probe_interval: must be >= 10ms"]
 
 
 def test_quota_lease_is_off_by_default_and_its_fields_are_checked():
@@ -227,7 +227,7 @@ def test_quota_lease_is_off_by_default_and_its_fields_are_checked():
     assert problems(BASE + f"quota: {{lease: {{tokens: 0}}, {QUOTA_RULES}}}\n") == [
         "quota.lease.tokens: must be >= 1"]
     assert problems(BASE + f"quota: {{lease: {{tokens: 10, ttl: 2m}}, {QUOTA_RULES}}}\n") == [
-        "quota.lease.ttl: must be between 10ms and 60s"]
+        "quota.lease.ttl: must be <= 1m"]
     assert problems(BASE + f"quota: {{lease: {{tokens: 10, headroom: 0}}, {QUOTA_RULES}}}\n") == [
         "quota.lease.headroom: must be >= 1"]
     assert problems(BASE + f"quota: {{lease: {{ttl: 1s}}, {QUOTA_RULES}}}\n")[0].startswith("quota.lease")

@@ -39,11 +39,11 @@ def test_overlay_source_beside_an_overlay_file_and_a_max_age() -> None:
     ("{overlay_source: {kind: valkey, url: 'valkey://h:1', key: 'a b'}}",
      "routing.overlay_source.key: must be a key name without spaces"),
     ("{overlay_source: {kind: valkey, url: 'valkey://h:1', key: k, poll_interval: 0s}}",
-     "routing.overlay_source.poll_interval: must be > 0"),
+     "routing.overlay_source.poll_interval: must be >= 100ms"),
     ("{overlay_source: {kind: valkey, url: 'valkey://h:1', key: k, channel: c}}",
      "routing.overlay_source.channel: unknown key"),
     (f"{{overlay_source: {SOURCE}, candidates: []}}", "routing.candidates: give either inline candidates"),
-    ("{overlay_file: o.json, overlay_max_age: 0s}", "routing.overlay_max_age: must be > 0"),
+    ("{overlay_file: o.json, overlay_max_age: 0s}", "routing.overlay_max_age: must be >= 1s"),
 ])
 def test_overlay_source_errors_name_the_field(routing: str, expected: str) -> None:
     assert problems(routing)[0].startswith(expected)

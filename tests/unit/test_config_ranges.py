@@ -1,0 +1,202 @@
+"""Every numeric key has a range, named in its error: the schema is walked, so a new key cannot skip it.
+
+For each integer, number and duration the schema (``gateway.config.Config``, and the control plane's
+``ControlSpec``) accepts, wherever it sits, a complete base document gets that one key set to -1, 0
+and a huge value. The huge value and -1 must be refused with a line that starts with the key's path;
+0 too, unless the key is listed in ``ZERO_MEANS_SOMETHING`` (and then 0 must be accepted). A key the
+base document cannot reach fails the test until the base grows the block that holds it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec.inspect as schema
+import pytest
+import yaml
+
+from gateway.config import Config, ConfigError, parse_config
+from gateway.control.spec import ControlSpec, parse_spec
+from gateway.yaml_config import Seconds
+
+Path_ = tuple[str | int, ...]
+
+BASE_CONFIG: dict[str, Any] = {
+    "workers": 2,
+    "clusters": [{
+        "name": "a",
+        "endpoints": [{"address": "127.0.0.1:9001"}],
+        "health_check": {},
+        "outlier_detection": {},
+    }],
+    "routing": {
+        "overlay_file": "overlay.json",
+        "overlay_source": {"kind": "valkey", "url": "valkey://127.0.0.1:6379/0", "key": "k"},
+        "overlay_max_age": "1h",
+        "retry": {"first_byte_timeout": "1s", "backoff": {}},
+        "cooling": {},
+        "session_affinity": {},
+        "models": [{"match": {"capability": "*"}, "context_window": 1000, "traffic_weight": 1}],
+    },
+    "limits": {},
+    "timeouts": {},
+    "access_log": {},
+    "quota": {
+        "rules": [{"name": "r", "budgets": [{"window": "1m", "tokens": 10}], "estimate": {}, "max_in_flight": 5}],
+        "breaker": {},
+        "lease": {"tokens": 10},
+    },
+}
+
+BASE_SPEC: dict[str, Any] = {
+    "output": "overlay.json",
+    "scope": {"network": "n", "gateway": "g", "namespace": "s", "local_site": "l"},
+    "providers": [{"name": "a", "site": "l", "models": ["m"], "health_url": "http://a.test/health",
+                   "metrics_url": "http://a.test/metrics"}],
+    "publish": {"valkey": {"url": "valkey://127.0.0.1:6379/0", "key": "k", "lease_ttl": "1m"}},
+    "refresh": "1h",
+    "scoringPolicy": {"strategy": "queueDepth", "queueDepthThreshold": 10, "kvCacheThreshold": 0.9},
+    "admission": {"mode": "stabilized"},
+}
+
+# Keys for which 0 is a documented setting (docs/configuration.md): they must accept it.
+ZERO_MEANS_SOMETHING = {
+    "clusters[0].outlier_detection.consecutive_failures",  # never eject
+    "timeouts.graceful_shutdown",  # cut what is in flight at once
+    "routing.reload_debounce",  # re-read at once
+    "routing.retry.backoff.base",  # no pause between attempts
+    "quota.rules[0].estimate.default_max_tokens",  # estimate the prompt only
+    "access_log.sample",  # log errors only
+}
+
+
+def numeric_keys(kind: schema.Type, at: Path_ = ()) -> Iterator[tuple[Path_, str]]:
+    """(path, kind) of every numeric key reachable from ``kind``: "int", "number" or "duration"."""
+    if isinstance(kind, schema.StructType):
+        for field in kind.fields:
+            if not (at == () and field.name == "base_dir"):  # set by the loader, never by the file
+                yield from numeric_keys(field.type, (*at, field.encode_name))
+    elif isinstance(kind, schema.UnionType):
+        leaves = {leaf for member in kind.types if (leaf := _numeric(member))}
+        if leaves:
+            yield at, leaves.pop()
+        for member in kind.types:
+            if not _numeric(member):
+                yield from numeric_keys(member, at)
+    elif isinstance(kind, schema.ListType):
+        yield from numeric_keys(kind.item_type, (*at, 0))
+    elif isinstance(kind, schema.DictType):
+        yield from numeric_keys(kind.value_type, (*at, "*"))
+    elif leaf := _numeric(kind):
+        yield at, leaf
+
+
+def _numeric(kind: schema.Type) -> str | None:
+    if isinstance(kind, schema.CustomType) and kind.cls is Seconds:
+        return "duration"
+    if isinstance(kind, schema.IntType):
+        return "int"
+    if isinstance(kind, schema.FloatType):
+        return "number"
+    return None
+
+
+def dotted(path: Path_) -> str:
+    return "".join(f"[{step}]" if isinstance(step, int) else f".{step}" for step in path).lstrip(".")
+
+
+def with_value(base: dict[str, Any], path: Path_, value: Any) -> dict[str, Any] | None:
+    """A copy of ``base`` with the key at ``path`` set; None when a block on the way is missing."""
+    document = copy.deepcopy(base)
+    node: Any = document
+    for step in path[:-1]:
+        if step == "*":
+            step = next(iter(node)) if isinstance(node, dict) and node else None
+        try:
+            node = node[step]
+        except (KeyError, IndexError, TypeError):
+            return None
+        if not isinstance(node, dict | list):
+            return None
+    if not isinstance(node, dict):
+        return None
+    node[path[-1]] = value
+    return document
+
+
+VALUES = {"int": (-1, 0, 10**18), "number": (-1.0, 0.0, 1e18), "duration": (None, "0ms", "100000d")}
+
+
+def problems_for(load: Callable[[str], Any], document: dict[str, Any]) -> list[str]:
+    try:
+        load(yaml.safe_dump(document))
+    except ConfigError as exc:
+        return exc.problems
+    return []
+
+
+def range_failures(root: type, base: dict[str, Any], load: Callable[[str], Any]) -> tuple[int, list[str]]:
+    """(keys checked, what is wrong) for every numeric key of ``root``."""
+    assert problems_for(load, base) == [], "the base document itself must be valid"
+    failures: list[str] = []
+    keys = list(numeric_keys(schema.type_info(root)))
+    for path, kind in keys:
+        name = dotted(path)
+        negative, zero, huge = VALUES[kind]
+        for value, label in ((negative, "-1"), (zero, "0"), (huge, "a huge value")):
+            if value is None:
+                continue  # a duration cannot be written negative
+            document = with_value(base, path, value)
+            if document is None:
+                failures.append(f"{name}: the base document has no block to hold it; add one")
+                break
+            found = problems_for(load, document)
+            named = any(line.startswith(f"{name}: ") for line in found)
+            if label == "0" and name in ZERO_MEANS_SOMETHING:
+                if found:
+                    failures.append(f"{name}: 0 is documented as meaningful but refused: {found}")
+            elif not named:
+                failures.append(f"{name}: {value!r} ({label}) is accepted or not named: {found or 'ok'}")
+    return len(keys), failures
+
+
+def test_every_numeric_config_key_has_a_range_named_in_its_error() -> None:
+    count, failures = range_failures(Config, BASE_CONFIG, parse_config)
+    assert count >= 40  # the walk still finds the keys
+    assert not failures, "\n".join(failures)
+
+
+def test_every_numeric_control_spec_key_has_a_range_named_in_its_error(tmp_path: Path) -> None:
+    count, failures = range_failures(ControlSpec, BASE_SPEC, lambda text: parse_spec(text, base_dir=str(tmp_path)))
+    assert count >= 8
+    assert not failures, "\n".join(failures)
+
+
+def test_the_keys_allowed_zero_exist() -> None:
+    names = {dotted(path) for path, _ in numeric_keys(schema.type_info(Config))}
+    assert ZERO_MEANS_SOMETHING <= names
+
+
+@pytest.mark.parametrize(("document", "problem"), [
+    ({"clusters": [{"name": "a", "endpoints": ["h:1"], "health_check": {"interval": "0ms"}}]},
+     "clusters[0].health_check.interval: must be >= 100ms"),
+    ({"clusters": [{"name": "a", "endpoints": ["h:1"], "health_check": {"healthy_threshold": 0}}]},
+     "clusters[0].health_check.healthy_threshold: must be >= 1"),
+    ({"clusters": [{"name": "a", "endpoints": ["h:1"], "health_check": {"unhealthy_threshold": -3}}]},
+     "clusters[0].health_check.unhealthy_threshold: must be >= 1"),
+    ({"clusters": [{"name": "a", "endpoints": ["h:1"], "outlier_detection": {"consecutive_failures": -1}}]},
+     "clusters[0].outlier_detection.consecutive_failures: must be >= 0"),
+    ({"clusters": [{"name": "a", "endpoints": ["h:1"], "outlier_detection": {"max_ejection_percent": 500}}]},
+     "clusters[0].outlier_detection.max_ejection_percent: must be <= 100"),
+    ({"quota": {"reservation_timeout": "0s", "rules": [{"name": "r", "budgets": [{"window": "1m", "tokens": 1}]}]}},
+     "quota.reservation_timeout: must be >= 1s"),
+    ({"quota": {"rules": [{"name": "r", "budgets": [{"window": "1m", "tokens": 1}], "max_in_flight": 0}]}},
+     "quota.rules[0].max_in_flight: must be >= 1 (omit the key for no limit)"),
+    ({"timeouts": {"header_read": "2d"}}, "timeouts.header_read: must be <= 1h"),
+])
+def test_values_check_used_to_accept_are_refused_naming_the_bound(document: dict[str, Any], problem: str) -> None:
+    raw = {"clusters": [{"name": "a", "endpoints": ["h:1"]}], "routing": {"overlay_file": "o.json"}, **document}
+    assert problems_for(parse_config, raw) == [problem]
