@@ -15,7 +15,10 @@ from gateway.routing.eligibility import REASONS
 MAX_CLUSTERS = 64
 MAX_TENANTS = 128
 STATUS_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
-GATEWAY_STATUSES = (400, 401, 404, 405, 408, 413, 414, 429, 431, 500, 501, 502, 503, 504, 505)
+GATEWAY_STATUSES = (400, 401, 403, 404, 405, 408, 413, 414, 422, 429, 431, 500, 501, 502, 503, 504, 505)
+# Labels of gridgate_gateway_errors_total: the statuses above, then "other" for any other error status,
+# so no error the gateway answers goes uncounted.
+GATEWAY_ERROR_LABELS = (*(str(status) for status in GATEWAY_STATUSES), "other")
 OVERHEAD_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 # Upstream latency of relayed responses, at LLM scale: a first token may take a minute, a stream ten.
 FIRST_BYTE_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -47,7 +50,7 @@ LATENCY_STRIDE = DURATION_SUM_US + 1
 # Offsets of each family inside a worker's row. Requests of cluster c, class k: REQUESTS + c*5 + k.
 REQUESTS = 0
 GATEWAY_ERRORS = REQUESTS + CLUSTER_SLOTS * len(STATUS_CLASSES)
-OVERHEAD_BUCKETS = GATEWAY_ERRORS + len(GATEWAY_STATUSES)
+OVERHEAD_BUCKETS = GATEWAY_ERRORS + len(GATEWAY_ERROR_LABELS)
 OVERHEAD_SUM_US = OVERHEAD_BUCKETS + len(OVERHEAD_BUCKETS_S) + 1  # last bucket is +Inf
 OVERHEAD_COUNT = OVERHEAD_SUM_US + 1
 AFFINITY = OVERHEAD_COUNT + 1
@@ -77,8 +80,10 @@ def request_cell(cluster_index: int, status: int) -> int:
 
 
 def gateway_error_cell(status: int) -> int | None:
-    index = _GATEWAY_STATUS_INDEX.get(status)
-    return None if index is None else GATEWAY_ERRORS + index
+    """The cell of an error status (>= 400) the gateway answered itself; None for a success."""
+    if status < 400:
+        return None
+    return GATEWAY_ERRORS + _GATEWAY_STATUS_INDEX.get(status, len(GATEWAY_STATUSES))
 
 
 def overhead_cell(seconds: float) -> int:

@@ -19,8 +19,8 @@ from gateway.metrics.catalogue import (
     FIRST_BYTE_BUCKETS_S,
     FIRST_BYTE_SUM_US,
     GATEWAY_CLUSTER,
+    GATEWAY_ERROR_LABELS,
     GATEWAY_ERRORS,
-    GATEWAY_STATUSES,
     MAX_CLUSTERS,
     MAX_TENANTS,
     OTHER_CLUSTER,
@@ -87,8 +87,8 @@ def _request_families(totals: list[int], cluster_names: Sequence[str]) -> Iterat
                 requests.add_metric([name, klass], value)
     yield requests
     errors = CounterMetricFamily("gridgate_gateway_errors", "Errors the gateway answered itself.", labels=["status"])
-    for index, status in enumerate(GATEWAY_STATUSES):
-        errors.add_metric([str(status)], totals[GATEWAY_ERRORS + index])
+    for index, label in enumerate(GATEWAY_ERROR_LABELS):
+        errors.add_metric([label], totals[GATEWAY_ERRORS + index])
     yield errors
     overhead_counts = totals[OVERHEAD_BUCKETS:OVERHEAD_BUCKETS + len(OVERHEAD_BUCKETS_S) + 1]
     yield HistogramMetricFamily(

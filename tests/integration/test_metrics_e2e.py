@@ -134,3 +134,24 @@ def test_tenant_tokens_grow_by_the_usage_the_provider_reported(valkey_url, mock_
     samples = eventually(gateway.admin_port, lambda s: counted(s) == reported)
     assert counted(samples) == reported
     assert value(samples, "gridgate_tenant_tokens_total", tenant="other", direction="in") == 0
+
+
+def test_policy_refusals_count_as_gateway_errors_by_status(providers, gateway_factory):
+    """403 model_not_allowed and 422 no_eligible_provider are answered by the gateway itself: counted."""
+    keys = {"team": "sk-team"}
+    models = [{"match": {"capability": "m"}, "features": []}]  # no candidate takes tools
+    overlay = envelope([candidate("m", "provider-a"), candidate("other", "provider-a")])
+    gateway = gateway_factory({"provider-a": [providers["provider-a"].address]}, overlay, extra={
+        "auth": _auth(keys), "tenants": [{"tenant": "team", "allowed_capabilities": ["m"]}],
+        "routing": {"models": models},
+    })
+    forbidden = chat(gateway.port, "other", headers=_bearer("sk-team"))
+    assert forbidden.status == 403 and forbidden.json()["error"]["code"] == "model_not_allowed"
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for _ in range(2):
+        unroutable = chat(gateway.port, "m", headers=_bearer("sk-team"), tools=tools)
+        assert unroutable.status == 422 and unroutable.json()["error"]["code"] == "no_eligible_provider"
+    samples = scrape(gateway.admin_port)
+    assert value(samples, "gridgate_gateway_errors_total", status="403") == 1
+    assert value(samples, "gridgate_gateway_errors_total", status="422") == 2
+    assert value(samples, "gridgate_requests_total", cluster="gateway", code="4xx") == 3

@@ -63,6 +63,20 @@ def test_latency_histograms_put_each_response_in_its_le_bucket_under_its_cluster
     assert len(buckets) == len(FIRST_BYTE_BUCKETS_S) + 1
 
 
+def test_every_error_the_gateway_answers_itself_is_counted_by_status():
+    row = [0] * COUNTERS
+    metrics = WorkerMetrics(row, ("provider-a",))
+    for status in (403, 422, 422, 401, 418):  # model_not_allowed, no_eligible_provider (twice), ..., unlisted
+        metrics.request(None, status)
+    metrics.request(None, 200)  # GET /v1/models: answered by the gateway, not an error
+    metrics.request("provider-a", 502)  # about a provider: counted under its cluster instead
+    families = parsed(row, ("provider-a",))
+    errors = {dict(labels)["status"]: value for (_, labels), value in families["gridgate_gateway_errors"].items()}
+    assert {status: value for status, value in errors.items() if value} == {"403": 1, "422": 2, "401": 1, "other": 1}
+    assert sample(families, "gridgate_requests", "gridgate_requests_total", cluster="gateway", code="4xx") == 5.0
+    assert sample(families, "gridgate_requests", "gridgate_requests_total", cluster="provider-a", code="5xx") == 1.0
+
+
 def test_failovers_cooling_and_filters_count_under_their_labels():
     row = [0] * COUNTERS
     metrics = WorkerMetrics(row, ("provider-a", "provider-b"))
