@@ -5,6 +5,8 @@
 Providers provider-a/b/c listen on 127.0.0.1:9001-9003 with a little latency and a visible token
 rate; then `python -m gateway run -c deploy/demo/gridgate.yaml` runs until Ctrl-C or SIGTERM. The
 signal is forwarded to the gateway once, the gateway drains and exits, then the providers stop.
+The terminal shows the gateway's own log; the access log goes where the config says (the demo
+config: a file next to it), and the banner says where.
 
 The children run in their own sessions so a terminal's Ctrl-C reaches only this script: the
 gateway then gets exactly one SIGINT (from here) and the providers outlive it until it has drained.
@@ -42,8 +44,29 @@ gridgate demo is up: data plane http://127.0.0.1:8080, admin http://127.0.0.1:99
   curl -sN localhost:8080/v1/chat/completions -H 'Authorization: Bearer sk-demo' -H 'Content-Type: application/json' -d '{"model":"demo-model","stream":true,"messages":[{"role":"user","content":"hi"}]}'
   curl -s localhost:9901/admin/overlay      curl -s localhost:9001/metrics
   curl -s -XPOST localhost:9001/admin/health -H 'Content-Type: application/json' -d '{"status":503}'   # fail provider-a's health check
+{access_log}
 Ctrl-C stops everything.
 """
+
+
+def banner(config_path: str) -> str:
+    return BANNER.replace("{access_log}", access_log_note(config_path))
+
+
+def access_log_note(config_path: str) -> str:
+    """Where the gateway run with ``config_path`` writes its access log, for the banner."""
+    from gateway.config import ConfigError, load_config
+
+    try:
+        settings = (config := load_config(config_path)).access_log
+    except ConfigError:
+        return "access log: see the config (it did not load here)"
+    if not settings.enabled:
+        return "access log: off"
+    if settings.path == "-":
+        return "access log: this terminal (standard output)"
+    path = os.path.relpath(config.file_path(settings.path))
+    return f"access log (one JSON line per request): {path}    tail -f {path}"
 
 
 def admin_ready(timeout: float = 0.5) -> bool:
@@ -115,7 +138,7 @@ def run(config: str, workers: int | None) -> int:
         gateway = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, preexec_fn=child_setup(None))
         forwarder = SignalForwarder(gateway)
         if wait_until_ready(gateway, forwarder):
-            print(BANNER, file=sys.stderr, flush=True)
+            print(banner(config), file=sys.stderr, flush=True)
         elif gateway.poll() is None and not forwarder.received:
             print(f"demo: gateway not ready after {READY_TIMEOUT_S:.0f}s; still waiting on it", file=sys.stderr)
         code = gateway.wait()

@@ -238,6 +238,8 @@ class ServerConnection(asyncio.Protocol):
                     return
         except GatewayError as error:
             self._reject(error.reply)
+        except codec.NotHttp:
+            self.close()  # e.g. https:// to the plain listener: nothing to answer, no request to log
         except codec.ParseError as error:
             code = "headers_too_large" if error.status == 431 else "invalid_request"
             self._reject(ErrorReply(error.status, code, f"malformed HTTP request: {error}", close=True))

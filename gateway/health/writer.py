@@ -150,8 +150,10 @@ class HealthService:
         while not stop.is_set():
             why = await probe()
             if member.verdict.active.observe(why is None, spec):
-                log.warning("endpoint %s/%s is %s (active %s check%s)", member.cluster.name, member.address,
-                            "healthy" if why is None else "unhealthy", spec.type, f": {why}" if why else "")
+                # An endpoint coming back is good news (INFO); one going down needs a look (WARNING).
+                log.log(logging.INFO if why is None else logging.WARNING, "endpoint %s/%s is %s (active %s check%s)",
+                        member.cluster.name, member.address, "healthy" if why is None else "unhealthy", spec.type,
+                        f": {why}" if why else "")
                 self._publish_all(self._clock())
             next_at += spec.interval_s
             delay = next_at - self._clock()

@@ -79,6 +79,24 @@ class ParseError(Exception):
         self.status = status
 
 
+class NotHttp(ParseError):
+    """The peer speaks another protocol: a TLS handshake sent to a plain HTTP listener (a client that
+    expected https://). No HTTP answer can help it, and it made no request to log."""
+
+
+# A TLS record of type handshake, protocol version 3.x (SSL 3.0 up to TLS 1.3): how every ClientHello starts.
+_TLS_HANDSHAKE = b"\x16\x03"
+# How h11 (pinned to 0.16) names a request line it took whole before refusing it: a ClientHello whose
+# random bytes happen to hold a blank line ("\n\n") is refused this way instead of at its first byte.
+_TLS_REQUEST_LINE = "illegal request line: bytearray(b'\\x16\\x03"
+
+
+def _is_tls_handshake(parser: h11.Connection, error: h11.RemoteProtocolError) -> bool:
+    """The bytes h11 refused begin a TLS handshake. Asked only once a request failed to parse, so
+    recognising TLS costs the requests that do parse nothing."""
+    return parser.trailing_data[0][:2] == _TLS_HANDSHAKE or str(error).startswith(_TLS_REQUEST_LINE)
+
+
 class FramingError(Exception):
     """A message we send would break its own framing (more or fewer bytes than promised)."""
 
@@ -208,6 +226,8 @@ class ServerCodec:
         try:
             event = self._parser.next_event()
         except h11.RemoteProtocolError as error:
+            if _is_tls_handshake(self._parser, error):
+                raise NotHttp("a TLS handshake on a plain HTTP listener") from None
             raise ParseError(str(error), error.error_status_hint) from None
         return _own_event(event)
 

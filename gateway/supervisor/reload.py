@@ -13,9 +13,12 @@ pure (generations.py).
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import re
 import signal
 import socket
+import ssl
 import time
 from collections.abc import Callable
 
@@ -40,6 +43,35 @@ from gateway.supervisor.worker_set import WorkerSet
 from shm.segment import Segment
 
 log = logging.getLogger("gridgate.supervisor")
+
+_PEM_CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", re.S)
+
+
+def certificate_fingerprint(config: Config) -> str | None:
+    """SHA-256 of the serving certificate of ``server_tls`` (the first in its chain file), as
+    ``openssl x509 -noout -fingerprint -sha256`` prints it; None without HTTPS or a readable file."""
+    if config.server_tls is None:
+        return None
+    try:
+        with open(config.file_path(config.server_tls.cert_file), "rb") as handle:
+            found = _PEM_CERTIFICATE.search(handle.read())
+        if found is None:
+            return None
+        digest = hashlib.sha256(ssl.PEM_cert_to_DER_cert(found.group().decode("ascii"))).hexdigest().upper()
+    except (OSError, ValueError):
+        return None
+    return ":".join(digest[i:i + 2] for i in range(0, len(digest), 2))
+
+
+def certificate_note(config: Config, before: str | None, after: str | None) -> str | None:
+    """The log line that says what a reload did to the HTTPS certificate; None without HTTPS."""
+    if config.server_tls is None or after is None:
+        return None
+    path = config.file_path(config.server_tls.cert_file)
+    if after == before:
+        return f"reload: server_tls certificate {path} re-read, unchanged (sha256 {after})"
+    return (f"reload: server_tls certificate {path} reloaded (sha256 {after}, was {before or 'none'}): new "
+            "handshakes use it, open connections keep theirs")
 
 
 class GenerationSwap:
@@ -74,6 +106,7 @@ class GenerationSwap:
         self._for_workers = for_workers  # the overlay feed's view of a config (overlay_feed.py)
         self._reload_again = False
         self._endpoint_slots_widened = False  # the directory holds two generations' endpoints
+        self._certificate = certificate_fingerprint(config)  # the serving generation's HTTPS certificate
         # Numbers are never reused: an abandoned generation may still be draining when the next starts.
         self._generations_started = workers.generation
 
@@ -114,7 +147,9 @@ class GenerationSwap:
         self._workers.resize(plan.workers)
         self.config = new
         self._workers.signal_serving(signal.SIGHUP)
-        log.info("reload: configuration unchanged for workers; forwarded SIGHUP to re-read the overlay")
+        log.info("reload: configuration unchanged for workers; forwarded SIGHUP to re-read the overlay"
+                 + (" and the TLS certificate" if new.server_tls is not None else ""))
+        self._certificate_served(new)
         self._readiness.reloaded()
 
     def _start_generation(self, new: Config, plan: ReloadPlan) -> None:
@@ -185,6 +220,7 @@ class GenerationSwap:
         self.config = pending.config
         self._move_admin(self.config, pending.admin_sock)
         log.info("reload: generation %d serving (pids %s)", pending.generation, ", ".join(str(c.pid) for c in fresh))
+        self._certificate_served(self.config)
         self._readiness.reloaded()
         self._follow_up()
 
@@ -208,6 +244,14 @@ class GenerationSwap:
         if self._reload_again:
             self._reload_again = False
             self._request_reload()
+
+    def _certificate_served(self, config: Config) -> None:
+        """The workers serve ``config``'s certificate now (it loaded in ``validate_deployment``): say which."""
+        fingerprint = certificate_fingerprint(config)
+        note = certificate_note(config, self._certificate, fingerprint)
+        self._certificate = fingerprint
+        if note is not None:
+            log.info("%s", note)
 
     def _move_admin(self, config: Config, sock: socket.socket | None) -> None:
         if sock is None:

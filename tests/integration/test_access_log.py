@@ -192,3 +192,27 @@ def test_candidates_removed_by_the_eligibility_filters_are_counted(providers, ga
     assert (by_id["big"]["provider"], by_id["big"]["filtered"]) == ("provider-b", 1)
     assert by_id["big"]["filtered_reasons"] == ["context_window"]
     assert "filtered" not in by_id["small"] and "filtered_reasons" not in by_id["small"]  # present only when a filter removed a candidate
+
+
+def test_a_tls_handshake_on_the_plain_listener_gets_no_answer_and_no_line(gateway_factory, providers):
+    """A client that expected https:// (a browser, `curl https://`, a TLS health probe) sent a
+    ClientHello: it made no HTTP request, so it is closed without an answer and logs no line of nulls."""
+    import socket
+    import ssl
+
+    gateway, path = access_gateway(gateway_factory, providers)
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as sock:
+            try:
+                context.wrap_socket(sock, server_hostname="127.0.0.1")
+            except (ssl.SSLError, OSError) as exc:
+                handshake_error = exc
+            else:
+                raise AssertionError("a TLS handshake with a plain HTTP listener succeeded")
+        assert "HTTP" not in str(handshake_error)  # closed, not answered with an HTTP 400
+    assert ask(gateway.port, "after-tls").status == 200  # a positive signal: this line is written
+    lines = wait_lines(path, 1)
+    time.sleep(0.2)  # the access log writes out every 50 ms: a line of the probes would be there too
+    assert [line["request_id"] for line in read_lines(path)] == ["after-tls"], lines

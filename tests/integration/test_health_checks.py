@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import socket
 import time
 import traceback
 from collections.abc import Callable
+
+import pytest
 
 from gateway.cluster.balancers import build_balancer
 from gateway.cluster.outcome import Outcome
@@ -88,7 +91,7 @@ def _segment_for(*clusters: ClusterSpec) -> tuple[Segment, dict[str, int]]:
     return segment, segment.directory.assign(all_endpoint_ids(clusters))
 
 
-def test_http_check_flips_after_the_unhealthy_then_healthy_threshold() -> None:
+def test_http_check_flips_after_the_unhealthy_then_healthy_threshold(caplog: pytest.LogCaptureFixture) -> None:
     async def scenario() -> None:
         server = ProbeServer()
         address = await server.start()
@@ -117,7 +120,12 @@ def test_http_check_flips_after_the_unhealthy_then_healthy_threshold() -> None:
         assert recovering[:4] == [1, 1, 0, 0]  # up again only after the 2nd good probe
         assert all(line == b"GET /healthz HTTP/1.1" for line in server.request_lines)
 
-    asyncio.run(scenario())
+    with caplog.at_level(logging.INFO, logger="gridgate.health"):
+        asyncio.run(scenario())
+    # Going down needs a look (WARNING); coming back is good news (INFO), not another warning.
+    flips = [(r.levelname, r.getMessage()) for r in caplog.records if " is " in r.getMessage()]
+    assert [level for level, _ in flips] == ["WARNING", "INFO"], flips
+    assert "is unhealthy (active http check: HTTP 503)" in flips[0][1] and "is healthy" in flips[1][1]
 
 
 def test_tcp_check_marks_a_closed_port_unhealthy_and_a_reopened_one_healthy() -> None:

@@ -134,3 +134,7 @@ def test_sighup_serves_a_new_certificate_to_new_connections(tmp_path, tls_gatewa
         client.close()
         old.close()
     assert "cannot reload" not in gateway.log()
+    # The log says the certificate was reloaded, and which one serves now (as openssl prints it).
+    fingerprint = subprocess.run(["openssl", "x509", "-noout", "-fingerprint", "-sha256", "-in", new_cert],
+                                 check=True, capture_output=True, text=True).stdout.strip().split("=", 1)[1]
+    assert f"server_tls certificate {cert} reloaded (sha256 {fingerprint}, was " in gateway.log()

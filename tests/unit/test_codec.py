@@ -120,6 +120,21 @@ def test_malformed_request_raises_parse_error_with_a_status():
     assert caught.value.status == 400
 
 
+@pytest.mark.parametrize("random_part", [bytes(range(14, 46)), bytes(range(32))],
+                         ids=["no-blank-line", "random-bytes-holding-a-blank-line"])
+def test_a_tls_handshake_is_not_http_and_other_garbage_is_a_plain_parse_error(random_part):
+    hello = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + random_part + b"\n\n" * (random_part[0] == 0)
+    server = codec.ServerCodec(65536)
+    server.feed(hello)
+    with pytest.raises(codec.NotHttp):
+        server.next_event()
+    other = codec.ServerCodec(65536)
+    other.feed(b"\x17\x03\x03 nonsense\r\n\r\n")
+    with pytest.raises(codec.ParseError) as info:
+        other.next_event()
+    assert not isinstance(info.value, codec.NotHttp) and info.value.status == 400
+
+
 def test_client_codec_round_trip_and_reuse():
     client = codec.ClientCodec()
     head = client.encode_request(b"POST", b"/v1/x", b"up", [(b"content-length", b"2")])
