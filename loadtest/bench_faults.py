@@ -41,17 +41,10 @@ from typing import Any
 
 import yaml
 
-from loadtest.bench_core import (
-    BENCH_CONFIG,
-    CHAT_PATH,
-    WRK_CHAT,
-    http_get,
-    parse_wrk,
-    raise_fd_limit,
-    stop_all,
-)
+from loadtest.bench_core import WRK_CHAT, parse_wrk
 from loadtest.mock_provider import MockProviderHandle, start_mock_provider_process, terminate
 from loadtest.report import REPORTS_DIR, child_pids, markdown_table, timestamp, write_json, write_text
+from loadtest.topology import BENCH_CONFIG, CHAT_PATH, http_get, raise_fd_limit, stop_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCENARIOS = ("none", "kill", "reload", "stop")
