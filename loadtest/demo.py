@@ -5,8 +5,9 @@
 Providers provider-a/b/c listen on 127.0.0.1:9001-9003 with a little latency and a visible token
 rate; then `python -m gateway run -c deploy/demo/gridgate.yaml` runs until Ctrl-C or SIGTERM. The
 signal is forwarded to the gateway once, the gateway drains and exits, then the providers stop.
-The terminal shows the gateway's own log; the access log goes where the config says (the demo
-config: a file next to it), and the banner says where.
+The terminal shows the gateway's own log (standard error). The access log, which the config sends
+to standard output (as under systemd, where it reaches the journal), goes to ``DEMO_ACCESS_LOG``
+instead of flooding the terminal; the banner says where.
 
 The children run in their own sessions so a terminal's Ctrl-C reaches only this script: the
 gateway then gets exactly one SIGINT (from here) and the providers outlive it until it has drained.
@@ -30,6 +31,7 @@ from loadtest.mock_provider import MockProviderHandle, child_setup, start_mock_p
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_CONFIG = os.path.join(ROOT, "deploy", "demo", "gridgate.yaml")
 DEMO_OVERLAY = os.path.join(ROOT, "deploy", "demo", "overlay.json")
+DEMO_ACCESS_LOG = os.path.join(ROOT, "deploy", "demo", "access.log")  # the gateway's standard output
 ADMIN = ("127.0.0.1", 9901)
 PROVIDERS = (("provider-a", 9001), ("provider-b", 9002), ("provider-c", 9003))
 # Enough delay to watch tokens arrive one by one, little enough to feel responsive.
@@ -54,7 +56,8 @@ def banner(config_path: str) -> str:
 
 
 def access_log_note(config_path: str) -> str:
-    """Where the gateway run with ``config_path`` writes its access log, for the banner."""
+    """Where the gateway run with ``config_path`` (its standard output in ``DEMO_ACCESS_LOG``) writes its
+    access log, for the banner."""
     from gateway.config import ConfigError, load_config
 
     try:
@@ -63,9 +66,7 @@ def access_log_note(config_path: str) -> str:
         return "access log: see the config (it did not load here)"
     if not settings.enabled:
         return "access log: off"
-    if settings.path == "-":
-        return "access log: this terminal (standard output)"
-    path = os.path.relpath(config.file_path(settings.path))
+    path = os.path.relpath(DEMO_ACCESS_LOG if settings.path == "-" else config.file_path(settings.path))
     return f"access log (one JSON line per request): {path}    tail -f {path}"
 
 
@@ -134,8 +135,10 @@ def run(config: str, workers: int | None) -> int:
     cmd = [sys.executable, "-m", "gateway", "run", "-c", config]
     if workers is not None:
         cmd += ["--workers", str(workers)]
+    access_log = open(DEMO_ACCESS_LOG, "ab")  # noqa: SIM115 - the gateway's stdout for its whole life
     try:
-        gateway = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, preexec_fn=child_setup(None))
+        gateway = subprocess.Popen(cmd, cwd=ROOT, stdout=access_log, start_new_session=True,
+                                   preexec_fn=child_setup(None))
         forwarder = SignalForwarder(gateway)
         if wait_until_ready(gateway, forwarder):
             print(banner(config), file=sys.stderr, flush=True)
@@ -143,6 +146,7 @@ def run(config: str, workers: int | None) -> int:
             print(f"demo: gateway not ready after {READY_TIMEOUT_S:.0f}s; still waiting on it", file=sys.stderr)
         code = gateway.wait()
     finally:
+        access_log.close()
         stop_providers(providers)
     # A gateway ended by our forwarded signal exits 0 when it drains cleanly; pass its verdict on.
     return code if code >= 0 else 128 - code
