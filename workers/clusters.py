@@ -1,8 +1,10 @@
 """The worker's provider clusters: per cluster its endpoints (each with its keep-alive pool), the
 shared-memory balancer that picks among them, and the passive-health and in-flight bookkeeping.
 
-Built once per worker from the config; the request path asks ``ClusterManager.get(name)`` and then
-``pick``/``begin``/``end``/``record`` on the cluster.
+Built once per worker from the config; the request path finds the routed provider's cluster in
+``ClusterManager.by_provider`` and then calls ``pick``, ``begin``/``end`` around an attempt and
+``record_success``/``record_failure`` on it; provider selection asks ``routable`` and ``inflight`` by
+provider index.
 """
 
 from __future__ import annotations
@@ -148,9 +150,6 @@ class ClusterManager:
         }
         self.by_provider: dict[int, UpstreamCluster] = {c.provider: c for c in self._clusters.values()}
 
-    def get(self, name: str) -> UpstreamCluster | None:
-        return self._clusters.get(name)
-
     def routable(self, provider: int) -> bool:
         cluster = self.by_provider.get(provider)
         return cluster is not None and cluster.has_routable_endpoint()
@@ -158,9 +157,6 @@ class ClusterManager:
     def inflight(self, provider: int) -> int:
         cluster = self.by_provider.get(provider)
         return 0 if cluster is None else cluster.inflight()
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._clusters
 
     def balance_key_headers(self) -> list[str]:
         return [c.key_header.decode() for c in self._clusters.values() if c.key_header]

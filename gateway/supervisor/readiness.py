@@ -52,6 +52,7 @@ class Readiness:
         self._stopping = False
         self._last_status = ""
         self._next_watchdog = 0.0
+        self._watchdog_withheld = False
 
     # ------------------------------------------------------------------ status messages
 
@@ -133,7 +134,21 @@ class Readiness:
                 self._last_status = status
                 self._notifier.status(status)
         interval = self._notifier.watchdog_interval
-        if interval is not None and now >= self._next_watchdog and self.heartbeats_fresh(now):
+        if interval is None:
+            return
+        fresh = self.heartbeats_fresh(now)
+        self._note_watchdog(fresh, now)
+        if fresh and now >= self._next_watchdog:
             self._notifier.watchdog()
             self._next_watchdog = now + interval
+
+    def _note_watchdog(self, fresh: bool, now: float) -> None:
+        """One line when the watchdog stops being fed (systemd will restart the service) and one when it resumes."""
+        if not fresh and not self._watchdog_withheld:
+            _, reason = readiness_of(self._workers.serving(), now)
+            log.warning("watchdog: not pinging systemd (%s); it restarts the service after WatchdogSec unless the "
+                        "worker recovers or is replaced first", reason)
+        elif fresh and self._watchdog_withheld:
+            log.info("watchdog: every worker's heartbeat is fresh again; pinging systemd")
+        self._watchdog_withheld = not fresh
 

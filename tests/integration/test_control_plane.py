@@ -107,6 +107,19 @@ def generation(path: str) -> int:
     return load(path)[0]["provenance"]["source_generation"]
 
 
+def health_probes(trio: dict[str, MockProviderHandle]) -> dict[str, int]:
+    """GET /health requests each provider answered: one per control-plane round."""
+    return {name: mock_served(handle, ("health",)) for name, handle in trio.items()}
+
+
+def wait_rounds(trio: dict[str, MockProviderHandle], rounds: int) -> None:
+    """Until the control plane observed every provider ``rounds`` more times: the positive sign that it
+    ran, before a test says that nothing it did changed the file."""
+    before = health_probes(trio)
+    wait_for(lambda: all(count >= before[name] + rounds for name, count in health_probes(trio).items()),
+             timeout=rounds * INTERVAL_MS / 1000 * 4 + 5, what=f"{rounds} more observation rounds")
+
+
 class PollingReader:
     """Reads the overlay in a tight loop; every read must be a complete, valid document."""
 
@@ -204,9 +217,9 @@ def test_control_process_publishes_on_change_only_atomically_and_stops_on_sigter
         capability = snapshot.capability("inference_model", "m1")
         assert capability is not None and [c.cluster for c in capability.serving] == ["provider-a", "provider-b"]
 
-        # Nothing changes: five rounds later the file is untouched.
+        # Nothing changes: five rounds later (each observed every provider) the file is untouched.
         mtime = os.stat(output).st_mtime_ns
-        time.sleep(5 * INTERVAL_MS / 1000)
+        wait_rounds(trio, 5)
         assert os.stat(output).st_mtime_ns == mtime and generation(output) == 1
 
         admin(trio["provider-b"], "/admin/health", {"status": 503})
@@ -307,7 +320,7 @@ def test_restart_keeps_the_generation_and_does_not_republish_the_same_revision(
 
     mtime = os.stat(output).st_mtime_ns
     control = control_threads(spec_path)
-    time.sleep(4 * INTERVAL_MS / 1000)
+    wait_rounds(trio, 4)  # the restarted control plane ran four rounds ...
     assert os.stat(output).st_mtime_ns == mtime, "a restart with an unchanged revision must not publish"
 
     admin(trio["provider-c"], "/admin/health", {"status": 200})

@@ -27,6 +27,25 @@ def _wait_revision(gateway, revision: str, timeout: float = 3.0) -> float:
     raise AssertionError(f"workers did not converge on {revision}: {body!r}")
 
 
+def _rejected_reloads(gateway) -> float:
+    """``gridgate_overlay_reloads_total{result="rejected"}``: overlay re-reads the workers refused."""
+    _, _, body = admin_get(gateway.admin_port, "/metrics")
+    for line in body.decode().splitlines():
+        if line.startswith('gridgate_overlay_reloads_total{result="rejected"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _wait_every_worker_refused(gateway, reason: str, timeout: float = 3.0) -> None:
+    """Until each worker logged that it read the overlay and refused it for ``reason``: the positive sign
+    that the reload ran everywhere, before anything is said about what did not change."""
+    deadline = time.monotonic() + timeout
+    for pid in gateway.worker_pids():
+        while f"[{pid}]: overlay rejected ({reason}" not in gateway.log():
+            assert time.monotonic() < deadline, f"worker {pid} never refused the overlay: {gateway.log()[-2000:]}"
+            time.sleep(0.02)
+
+
 def test_round_robin_over_one_connection_is_exact_and_repeating(providers, gateway_factory):
     overlay = envelope([candidate("m", name) for name in CLUSTERS], mode="roundRobin")
     gateway = gateway_factory(_clusters(providers), overlay, workers=1)
@@ -156,18 +175,21 @@ def test_reload_converges_and_invalid_overlay_keeps_last_known_good(providers, g
     assert elapsed < 1.5
     assert chat(gateway.port, "m").headers["x-mock-provider"] == "provider-b"
 
+    # Invalid overlays: each worker reads and refuses it (logged, counted), then keeps the last good one.
+    assert _rejected_reloads(gateway) == 0
     broken = envelope([candidate("m", "provider-c")], generation=3)
     broken["content_digest"]["value"] = "0" * 64
     write_json_atomic(gateway.overlay_path, broken)
-    time.sleep(0.6)
+    _wait_every_worker_refused(gateway, "digest_mismatch")
     _wait_revision(gateway, updated["revision"]["value"])
     assert chat(gateway.port, "m").headers["x-mock-provider"] == "provider-b"
     with open(gateway.overlay_path, "w") as handle:
         handle.write("{ not json")
     gateway.signal(signal.SIGHUP)
-    time.sleep(0.6)
+    _wait_every_worker_refused(gateway, "malformed_structure")
+    _wait_revision(gateway, updated["revision"]["value"])
     assert chat(gateway.port, "m").headers["x-mock-provider"] == "provider-b"
-    assert "overlay" in gateway.log().lower() and "digest_mismatch" in gateway.log()
+    assert _rejected_reloads(gateway) >= 4  # two refusals by each of the two workers
 
 
 def test_symlink_swap_is_followed(providers, gateway_factory, tmp_path):

@@ -412,12 +412,16 @@ def test_sd_notify_ready_watchdog_reloading_stopping(start_gateway, tmp_path):
         try:
             status, body = wait_until(lambda: (r := admin_json(gateway, "/readyz"))[0] == 503 and r, "readyz 503")
             assert "heartbeat" in body["reason"]
+            # The supervisor noticed and stopped feeding the watchdog (its own word for it), and then
+            # sent no ping for five watchdog intervals.
+            wait_until(lambda: "watchdog: not pinging systemd (worker pid" in gateway.log(), "the watchdog withheld")
             pings = listener.count("WATCHDOG")
-            time.sleep(1.0)  # five watchdog intervals
+            time.sleep(1.0)
             assert listener.count("WATCHDOG") == pings
         finally:
             os.kill(frozen, signal.SIGCONT)
         wait_until(lambda: listener.count("WATCHDOG") > pings, "WATCHDOG=1 to resume")
+        assert "watchdog: every worker's heartbeat is fresh again" in gateway.log()
         wait_until(lambda: admin_json(gateway, "/readyz")[0] == 200, "readyz 200 again")
 
         gateway.signal(signal.SIGHUP)
