@@ -280,7 +280,8 @@ class ValkeyOverlaySource:
 
         Never sooner than ``min_read_interval`` after the last read, and every notification received
         by then is consumed here: a burst of any size costs one read (the one in flight when it began
-        answers nothing that came after it, so there is at most one more)."""
+        answers nothing that came after it, so there is at most one more). Consuming them is bounded
+        in time too, so a flood that never pauses still gets the key read once per interval or so."""
         loop = asyncio.get_running_loop()
         poll_at = self._last_read + self.poll_interval
         while (left := poll_at - loop.time()) > 0:
@@ -289,7 +290,8 @@ class ValkeyOverlaySource:
         pause = self._last_read + self.min_read_interval - loop.time()
         if pause > 0:
             await asyncio.sleep(pause)
-        while await self._next_message(pubsub, 0.0):
+        drain_until = loop.time() + self.min_read_interval
+        while await self._next_message(pubsub, 0.0) and loop.time() < drain_until:
             pass
 
     async def _next_message(self, pubsub: Any, timeout: float) -> bool:

@@ -55,6 +55,17 @@ def test_check_names_the_bad_field(config_dir, capsys):
     assert err.startswith("listen: ") and err.count("\n") == 1
 
 
+@pytest.mark.parametrize(("block", "problem"), [
+    ("    health_check: {interval: 0ms}\n", "clusters[0].health_check.interval: must be >= 100ms"),
+    ("    outlier_detection: {max_ejection_percent: 500}\n",
+     "clusters[0].outlier_detection.max_ejection_percent: must be <= 100"),
+])
+def test_check_refuses_a_number_out_of_its_range_naming_the_bound(config_dir, capsys, block, problem):
+    (config_dir / "gateway.yaml").write_text(CONFIG.replace('    endpoints: ["127.0.0.1:9001"]\n',
+                                                            '    endpoints: ["127.0.0.1:9001"]\n' + block))
+    assert run(capsys, "check", "-c", str(config_dir / "gateway.yaml")) == (1, "", problem + "\n")
+
+
 def test_check_names_the_unknown_key(config_dir, capsys):
     (config_dir / "gateway.yaml").write_text(CONFIG + "surprise: true\n")
     code, _, err = run(capsys, "check", "-c", str(config_dir / "gateway.yaml"))
