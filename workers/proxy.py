@@ -105,8 +105,7 @@ class Proxy:
             # Reserve tokens before routing: a denial never reaches a provider (429/503 with headers).
             fields = capability.body
             admission = quota.admission(tenant, name, len(exchange.body),
-                                        fields.max_tokens if fields is not None else None,
-                                        fields.max_completion_tokens if fields is not None else None)
+                                        fields.completion_allowance if fields is not None else None)
             if admission is not None:
                 if admission.__class__ is not Admission:  # the ledger decides: await this tick's batch
                     admission = await admission
@@ -195,7 +194,7 @@ class Proxy:
         fields = request.body
         completion = 0
         if fields is not None:
-            completion = fields.max_tokens or fields.max_completion_tokens or 0
+            completion = fields.completion_allowance or 0  # the allowance the quota reserves for
         return Needs(estimate_prompt_tokens(len(exchange.body)) + completion,
                      request_features(fields, exchange.target), policy.regions)
 
