@@ -18,6 +18,7 @@ from gateway.quota.estimate import relayed_floor
 from gateway.quota.gate import Admission
 from gateway.request.attempts import Next, ProviderAttempts, Settlement, attempt_tokens, unanswered_tokens
 from gateway.request.failover import COOLING_STATUSES, Failover, cooling_seconds, parse_retry_after
+from gateway.request.headers import ask_identity_encoding
 from gateway.routing import RouteDecision, Router
 from gateway.routing.eligibility import Needs
 from workers.clusters import ClusterManager, UpstreamCluster, UpstreamEndpoint
@@ -90,6 +91,8 @@ class Forwarder:
     async def forward(self, req: ProxyRequest, route: RouteDecision) -> None:
         """Try providers until one answers (or the budget is spent); settle the reservation."""
         exchange = req.exchange
+        if req.metering is not None:
+            ask_identity_encoding(req.forward)  # the usage must be readable in the answer
         first = route
         failover: Failover | None = None
         deadline = _monotonic() + float(self.retry.deadline)

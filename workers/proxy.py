@@ -20,7 +20,7 @@ from gateway.quota.estimate import estimate_prompt_tokens
 from gateway.quota.gate import Admission, QuotaGate
 from gateway.quota.usage import rewrite_request_for_usage
 from gateway.request.attempts import Settlement
-from gateway.request.headers import HeaderPlan, RequestHeaders
+from gateway.request.headers import ACCEPT_ENCODING, HeaderPlan, RequestHeaders
 from gateway.routing import RouteDecision, Router
 from gateway.routing.eligibility import Needs
 from gateway.routing.plan import model_not_found
@@ -244,7 +244,9 @@ def upstream_body(request: CapabilityRequest, body: bytes, admission: Admission 
 
 def forwarded_headers(exchange: Exchange, headers: RequestHeaders, request_id: bytes,
                       body: bytes) -> list[tuple[bytes, bytes]]:
-    """The headers every provider attempt sends (each provider's own are added per attempt)."""
+    """The headers every provider attempt sends (each provider's own are added per attempt). The
+    client's ``Accept-Encoding`` goes last, where a metered request's ``identity`` replaces it
+    (``gateway.request.headers.ask_identity_encoding``)."""
     forward = headers.forward
     peer = exchange.peer
     xff = headers.xff
@@ -254,6 +256,8 @@ def forwarded_headers(exchange: Exchange, headers: RequestHeaders, request_id: b
         forward.append((b"content-length", b"%d" % len(body)))
     elif exchange.method not in _BODYLESS_METHODS:
         forward.append((b"content-length", b"0"))
+    if headers.accept_encoding is not None:
+        forward.append((ACCEPT_ENCODING, headers.accept_encoding))
     return forward
 
 
