@@ -203,13 +203,8 @@ class QuotaGate:
 
     # -- admission (request path)
 
-    def admission(
-        self,
-        tenant: str,
-        model: str | None,
-        body_len: int,
-        completion_allowance: int | None,
-    ) -> Admission | Awaitable[Admission] | None:
+    def admission(self, tenant: str, model: str | None, body_len: int,
+                  completion_allowance: int | None) -> Admission | Awaitable[Admission] | None:
         """None when no rule applies (unmetered: nothing to settle); an ``Admission`` decided here,
         from a worker-held block (``quota.lease``), with no await; else the awaitable of the ledger's
         decision (this loop tick's batch). ``completion_allowance``: the largest the body names
@@ -239,13 +234,7 @@ class QuotaGate:
                     self._lease(rule, tenant, lease.remaining)
         return self._admit(rule, tenant, estimate)
 
-    async def admit(
-        self,
-        tenant: str,
-        model: str | None,
-        body_len: int,
-        completion_allowance: int | None,
-    ) -> Admission:
+    async def admit(self, tenant: str, model: str | None, body_len: int, completion_allowance: int | None) -> Admission:
         """``admission`` awaited: always an ``Admission`` (``UNMETERED`` when no rule applies)."""
         admission = self.admission(tenant, model, body_len, completion_allowance)
         if admission is None:
