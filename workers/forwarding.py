@@ -36,6 +36,13 @@ _HELD_CODES = {429: "upstream_rate_limited", 502: "upstream_bad_gateway", 503: "
                504: "upstream_timeout"}
 
 
+def _split(total: int, prompt: int | None, completion: int | None) -> tuple[int, int]:
+    """Both sides of a usage that reported its total and one side."""
+    if prompt is None:
+        return max(0, total - (completion or 0)), completion or 0
+    return prompt, max(0, total - prompt)
+
+
 class ProxyRequest:
     """One request on its way upstream: what every attempt needs, decided once before the first."""
 
@@ -260,7 +267,11 @@ class Forwarder:
             if tokens is None:  # no usage: at least what reached the client (a hang-up near the end)
                 floor = relayed_floor(len(req.exchange.body), req.exchange.bytes_out)
             charged = req.owed + attempt_tokens(status, tokens, req.estimate, floor)
-            outcomes.settle(req.admission, Settlement.CHARGE_USAGE, charged, prompt, completion)
+            if req.owed and tokens is not None and (prompt is None) != (completion is None):
+                # The tenant's tokens in/out split this usage, not what the earlier attempts cost.
+                outcomes.settle(req.admission, Settlement.CHARGE_USAGE, charged, *_split(tokens, prompt, completion))
+            else:
+                outcomes.settle(req.admission, Settlement.CHARGE_USAGE, charged, prompt, completion)
         failure = relay.failure
         outcomes.access_log.record(  # by position, in the signature's order (tenant .. reasons)
             req.exchange, req.request_id, status, req.tenant, req.capability, route, attempt, endpoint.address,

@@ -49,9 +49,6 @@ class ReservationKeeper:
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def __len__(self) -> int:
-        return len(self._young) + len(self._old)
-
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._timer = self._loop.call_later(self.period_s, self._pass)
@@ -97,5 +94,8 @@ class ReservationKeeper:
         except BACKEND_ERRORS as exc:
             self._counters.backend_errors += 1
             log.debug("quota: extending %d reservations failed: %s", len(due), describe_error(exc))
+            return
+        except Exception:  # never let one bad pass go unnoticed; the next pass tries again
+            log.exception("quota: extending %d reservations failed", len(due))
             return
         self._counters.reservations_extended += extended

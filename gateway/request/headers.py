@@ -147,6 +147,9 @@ class HeaderPlan:
             elif kind == _CONTENT_TYPE:
                 found.content_type = value
                 forward.append((name, value))
+            elif kind == _ACCEPT_ENCODING:  # sent by most SDKs (the openai one asks for gzip)
+                accept = found.accept_encoding
+                found.accept_encoding = value if accept is None else accept + b", " + value
             elif kind == _AUTHORIZATION:
                 found.authorization = value
             elif kind == _SESSION:
@@ -171,9 +174,6 @@ class HeaderPlan:
                     found.balance_keys = {}
                 found.balance_keys[name] = value
                 forward.append((name, value))
-            elif kind == _ACCEPT_ENCODING:
-                accept = found.accept_encoding
-                found.accept_encoding = value if accept is None else accept + b", " + value
             elif kind == _PIN:
                 found.pin = value
         if listed:

@@ -213,3 +213,31 @@ def test_sweep_finds_a_dead_workers_reservations_on_every_node(cluster_url: str)
             await gate.close()
 
     asyncio.run(scenario())
+
+
+def test_running_requests_keep_their_reservations_on_every_node(cluster_url: str) -> None:
+    tenants = [f"t-{uuid.uuid4().hex[:8]}" for _ in range(9)]
+    rules = [_rule(t, 1000) for t in tenants]
+
+    async def scenario() -> None:
+        gate = QuotaGate(QuotaLedger(create_client(cluster_url), reservation_timeout_s=0.6), rules,
+                         request_timeout_s=2)
+        await gate.start()
+        try:
+            admissions = await asyncio.gather(*(gate.admit(t, "m", 0, 70) for t in tenants))
+            assert all(a.allowed for a in admissions)
+            await asyncio.sleep(1.5)  # more than twice the timeout: each was extended on its own node
+            for tenant in tenants:
+                report = (await gate.quota_report(tenant))["rules"][0]
+                assert (report["in_flight"], report["windows"][0]["reserved"]) == (1, 70)
+            for admission in admissions:
+                gate.charge(admission, 5)
+            await gate.drain()
+            for tenant in tenants:
+                window = (await gate.quota_report(tenant))["rules"][0]["windows"][0]
+                assert (window["used"], window["reserved"]) == (5, 0)
+            assert gate.counters.reservations_expired == 0
+        finally:
+            await gate.close()
+
+    asyncio.run(scenario())
