@@ -220,7 +220,7 @@ def test_a_client_that_hangs_up_near_the_end_pays_at_least_for_what_was_relayed(
 
 def test_a_small_max_tokens_beside_a_large_max_completion_tokens_is_reserved_in_full(
         valkey_url, mock_provider, gateway_factory):
-    handle = mock_provider("p", latency_ms=1500)
+    handle = mock_provider("p", latency_ms=3000)  # all ten are in flight together
     gateway = metered(gateway_factory, valkey_url, {"p": [handle.address]}, tokens=50_000)
     fields = {"max_tokens": 1, "max_completion_tokens": 20_000}
     with ThreadPoolExecutor(10) as pool:
@@ -290,7 +290,7 @@ def test_a_leased_block_outliving_the_reservation_timeout_is_settled_with_what_i
         valkey_url, mock_provider, gateway_factory):
     handle = mock_provider("p", tokens=200, tokens_per_s=100)  # a two-second stream
     gateway = metered(gateway_factory, valkey_url, {"p": [handle.address]}, timeout="500ms",
-                      lease={"tokens": 5000, "ttl": "100ms", "headroom": 2})
+                      lease={"tokens": 5000, "ttl": "1s", "headroom": 2})
     assert chat(gateway.port, "m", max_tokens=5).status == 200  # the ledger admits; a block is taken
     response = chat(gateway.port, "m", stream=True, max_tokens=500)  # admitted from the block
     assert response.status == 200 and b"[DONE]" in response.body
