@@ -240,6 +240,16 @@ def test_the_responses_api_s_max_output_tokens_is_reserved(valkey_url, mock_prov
     assert chat(gateway.port, "m", max_output_tokens=60_000).status == 429  # can never fit
 
 
+def test_the_context_window_filter_uses_the_same_largest_allowance(providers, gateway_factory):
+    models = [{"match": {"capability": "m"}, "context_window": 10_000}]
+    gateway = gateway_factory({"provider-a": [providers["provider-a"].address]},
+                              envelope([candidate("m", "provider-a")]), extra={"routing": {"models": models}})
+    for fields in ({"max_tokens": 1, "max_completion_tokens": 20_000}, {"max_output_tokens": 20_000}):
+        response = chat(gateway.port, "m", **fields)
+        assert response.status == 400 and response.json()["error"]["code"] == "context_length_exceeded", fields
+    assert chat(gateway.port, "m", max_tokens=1, max_completion_tokens=9_000).status == 200
+
+
 # -- metered requests ask for an uncompressed answer (issue 27, finding 7) ---------------------------------
 
 def _gzip_when_asked(head: bytes, _: bytes) -> bytes:
