@@ -24,8 +24,9 @@ Rules, in order:
 4. Else 400 ``missing_capability``.
 
 A body is decoded when it is non-empty and its content type is JSON (``application/json``
-or ``*+json``) or absent. Undecodable JSON is 400 ``invalid_json``; a known field of the
-wrong type (``"stream": "yes"``) is 400 ``invalid_request``.
+or ``*+json``) or absent. Undecodable JSON (invalid UTF-8, nested too deeply for the decoder)
+is 400 ``invalid_json``; a known field of the wrong type (``"stream": "yes"``) or out of range
+(``"max_tokens": 1e400``) is 400 ``invalid_request``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import msgspec
 
 from gateway.http.errors import ErrorReply
 from gateway.http.media import is_json_content_type
+from gateway.quota.estimate import completion_allowance
 from gateway.request.headers import VISIBLE_ASCII
 from gateway.routing.eligibility import AUDIO, EMBEDDINGS, JSON_SCHEMA, TOOLS, VISION
 
@@ -56,6 +58,7 @@ class BodyFields(msgspec.Struct):
     model: str | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
+    max_output_tokens: int | None = None  # the Responses API's completion allowance
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     jsonrpc: str | None = None
@@ -66,6 +69,11 @@ class BodyFields(msgspec.Struct):
     def include_usage(self) -> bool:
         options = self.stream_options
         return bool(options is not None and options.include_usage)
+
+    @property
+    def completion_allowance(self) -> int | None:
+        """The largest completion allowance the body names (``gateway.quota.estimate``)."""
+        return completion_allowance(self.max_tokens, self.max_completion_tokens, self.max_output_tokens)
 
 
 _ABSENT = msgspec.Raw()  # raw fields default to empty bytes: absent
@@ -161,6 +169,9 @@ def decode_body(body: bytes | bytearray | memoryview, facts: bool = False) -> Bo
         return ErrorReply(400, "invalid_request", f"Invalid request body: {exc}")
     except msgspec.DecodeError as exc:
         return ErrorReply(400, "invalid_json", f"Request body is not valid JSON: {exc}")
+    except RecursionError:
+        # msgspec recurses per nesting level, even to skip a field: ~1,000 levels exhaust the stack.
+        return ErrorReply(400, "invalid_json", "Request body is not valid JSON: nested too deeply")
 
 
 def _valid_body_name(name: str) -> bool:

@@ -52,14 +52,14 @@ async def bench_gate(url: str, n: int, concurrency: int) -> dict[str, float]:
     results: dict[str, float] = {}
     try:
         for i in range(200):  # warm the connection pool and the script
-            gate.charge(await gate.admit(tenants[i % 16], "m", 2048, 256, None), 100)
+            gate.charge(await gate.admit(tenants[i % 16], "m", 2048, 256), 100)
         await gate.drain()
 
         latencies = []
         admissions = []
         for i in range(n):
             start = time.perf_counter()
-            admissions.append(await gate.admit(tenants[i % 16], "m", 2048, 256, None))
+            admissions.append(await gate.admit(tenants[i % 16], "m", 2048, 256))
             latencies.append(time.perf_counter() - start)
         latencies.sort()
         results["admit sequential, mean"] = statistics.fmean(latencies) * 1e6
@@ -76,7 +76,7 @@ async def bench_gate(url: str, n: int, concurrency: int) -> dict[str, float]:
 
         async def worker(count: int) -> None:
             for i in range(count):
-                gate.charge(await gate.admit(tenants[i % 16], "m", 2048, 256, None), 100)
+                gate.charge(await gate.admit(tenants[i % 16], "m", 2048, 256), 100)
 
         start, cpu = time.perf_counter(), time.process_time()
         await asyncio.gather(*(worker(n // concurrency) for _ in range(concurrency)))

@@ -14,9 +14,11 @@ import random
 import time
 
 from gateway.http.errors import ErrorReply
+from gateway.quota.estimate import relayed_floor
 from gateway.quota.gate import Admission
-from gateway.request.attempts import Next, ProviderAttempts, Settlement, settlement_for
+from gateway.request.attempts import Next, ProviderAttempts, Settlement, attempt_tokens, unanswered_tokens
 from gateway.request.failover import COOLING_STATUSES, Failover, cooling_seconds, parse_retry_after
+from gateway.request.headers import ask_identity_encoding
 from gateway.routing import RouteDecision, Router
 from gateway.routing.eligibility import Needs
 from workers.clusters import ClusterManager, UpstreamCluster, UpstreamEndpoint
@@ -34,12 +36,19 @@ _HELD_CODES = {429: "upstream_rate_limited", 502: "upstream_bad_gateway", 503: "
                504: "upstream_timeout"}
 
 
+def _split(total: int, prompt: int | None, completion: int | None) -> tuple[int, int]:
+    """Both sides of a usage that reported its total and one side."""
+    if prompt is None:
+        return max(0, total - (completion or 0)), completion or 0
+    return prompt, max(0, total - prompt)
+
+
 class ProxyRequest:
     """One request on its way upstream: what every attempt needs, decided once before the first."""
 
     __slots__ = (
         "exchange", "request_id", "tenant", "batch", "capability", "admission", "session", "needs", "key",
-        "filtered", "filtered_reasons", "balance_keys", "body", "metering", "forward", "evidence",
+        "filtered", "filtered_reasons", "balance_keys", "body", "metering", "forward", "evidence", "owed",
     )
 
     def __init__(
@@ -64,6 +73,13 @@ class ProxyRequest:
         self.metering = metering  # None: not metered; True: the body was rewritten to ask for usage
         self.forward = forward  # the headers every attempt sends
         self.evidence = evidence  # extra evidence headers (x-gridgate-filtered)
+        self.owed = 0  # tokens the attempts that ended without serving cost (gateway.request.attempts)
+
+    @property
+    def estimate(self) -> int:
+        """The tokens reserved at admission (0 when not metered)."""
+        admission = self.admission
+        return 0 if admission is None else admission.estimate
 
 
 class Forwarder:
@@ -82,9 +98,10 @@ class Forwarder:
     async def forward(self, req: ProxyRequest, route: RouteDecision) -> None:
         """Try providers until one answers (or the budget is spent); settle the reservation."""
         exchange = req.exchange
+        if req.metering is not None:
+            ask_identity_encoding(req.forward)  # the usage must be readable in the answer
         first = route
         failover: Failover | None = None
-        reached = False
         deadline = _monotonic() + float(self.retry.deadline)
         while True:
             cluster = self.clusters.by_provider.get(route.provider)
@@ -96,11 +113,9 @@ class Forwarder:
                 if req.session is not None and route.provider != first.provider:
                     self.router.rebind(req.session, route, _monotonic())  # the binding moves to who served
                 return
-            reply, provider_reached = outcome
-            reached = reached or provider_reached
             if failover is None:
                 failover = Failover(self.retry, deadline, self.rng)
-            failover.failed(route.provider, reply)
+            failover.failed(route.provider, outcome)
             if not failover.may_try_another(_monotonic()) or exchange.client_gone or route.mode == "pinned":
                 break
             following = self.router.failover(first, failover.tried, req.needs, req.key)
@@ -110,7 +125,7 @@ class Forwarder:
             await asyncio.sleep(failover.backoff())
             route = following
         outcomes = self.outcomes
-        outcomes.settle(req.admission, Settlement.CHARGE_ESTIMATE if reached else Settlement.RELEASE)
+        outcomes.settle(req.admission, Settlement.CHARGE_USAGE, req.owed)  # 0: nothing reached a provider
         if exchange.client_gone:
             outcomes.access_log.record(exchange, req.request_id, 499, tenant=req.tenant, capability=req.capability,
                                        route=route, attempts=failover.attempts, error="client_closed",
@@ -146,9 +161,10 @@ class Forwarder:
     async def _try_provider(
         self, req: ProxyRequest, cluster: UpstreamCluster, route: RouteDecision, deadline: float,
         hold_retryable: bool, attempt: int,
-    ) -> tuple[ErrorReply, bool] | None:
+    ) -> ErrorReply | None:
         """One provider, its endpoints in turn. None: the request is over (answered, or the client left,
-        and settled); else the reply to give if no other provider serves, and whether a request was sent."""
+        and settled); else the reply to give if no other provider serves. What each attempt that ended
+        without serving cost is added to ``req.owed``."""
         exchange = req.exchange
         outcomes = self.outcomes
         upstream_headers = self._upstream_headers(req, cluster, route)
@@ -179,7 +195,7 @@ class Forwarder:
                 if exchange.client_gone:
                     # The client left while we waited for admission or a connection: send nothing.
                     pool.release(conn, reusable=True)
-                    outcomes.settle(req.admission, Settlement.RELEASE)
+                    outcomes.settle(req.admission, Settlement.CHARGE_USAGE, req.owed)
                     outcomes.access_log.record(exchange, req.request_id, 499, tenant=req.tenant,
                                                capability=req.capability, route=route, attempts=attempt,
                                                error="client_closed", filtered=req.filtered,
@@ -213,9 +229,11 @@ class Forwarder:
                 return None
             if relay.held_status:
                 cluster.record_success(endpoint, status)  # it answered: a 429 is a cooling signal, not a failure
-                return self._held_reply(cluster, status, relay.retry_after), True
+                req.owed += attempt_tokens(status, None, req.estimate)  # its body was discarded unread
+                return self._held_reply(cluster, status, relay.retry_after)
             if relay.failure is None:  # the client left before the response started
-                outcomes.settle(req.admission, Settlement.CHARGE_ESTIMATE)
+                req.owed += attempt_tokens(0, None, req.estimate)  # the provider may be working on it
+                outcomes.settle(req.admission, Settlement.CHARGE_USAGE, req.owed)
                 outcomes.access_log.record(exchange, req.request_id, 499, tenant=req.tenant, capability=req.capability,
                                            route=route, attempts=attempt, endpoint=endpoint.address,
                                            error="client_closed", filtered=req.filtered,
@@ -224,11 +242,12 @@ class Forwarder:
             if self.route_headers:
                 response_headers.pop()  # the overhead header is re-measured on the next attempt
             cluster.record_failure(endpoint, relay.failure)
+            req.owed += unanswered_tokens(relay.failure, conn.reused, req.estimate)
             if _monotonic() >= deadline:
                 break
             if attempts.failed_before_head(endpoint, relay.failure, relay.detail, conn.reused) == Next.STOP:
                 break
-        return attempts.error_reply(), attempts.reached
+        return attempts.error_reply()
 
     def _served(self, req: ProxyRequest, cluster: UpstreamCluster, endpoint: UpstreamEndpoint,
                 route: RouteDecision, relay: ResponseRelay, overhead: float, attempt: int, sent_at: float) -> None:
@@ -240,11 +259,19 @@ class Forwarder:
         metrics.request(cluster.name, status)
         metrics.upstream_latency(cluster.name, relay.first_byte_at - sent_at, relay.ended_at - sent_at)
         cluster.record_success(endpoint, status)
-        usage = relay.usage
+        usage = relay.usage  # None when not metered
         tokens = prompt = completion = None
         if usage is not None:
             tokens, prompt, completion = usage.total_tokens, usage.prompt_tokens, usage.completion_tokens
-        outcomes.settle(req.admission, settlement_for(status, tokens, relay.client_left), tokens, prompt, completion)
+            floor = 0
+            if tokens is None:  # no usage: at least what reached the client (a hang-up near the end)
+                floor = relayed_floor(len(req.exchange.body), req.exchange.bytes_out)
+            charged = req.owed + attempt_tokens(status, tokens, req.estimate, floor)
+            if req.owed and tokens is not None and (prompt is None) != (completion is None):
+                # The tenant's tokens in/out split this usage, not what the earlier attempts cost.
+                outcomes.settle(req.admission, Settlement.CHARGE_USAGE, charged, *_split(tokens, prompt, completion))
+            else:
+                outcomes.settle(req.admission, Settlement.CHARGE_USAGE, charged, prompt, completion)
         failure = relay.failure
         outcomes.access_log.record(  # by position, in the signature's order (tenant .. reasons)
             req.exchange, req.request_id, status, req.tenant, req.capability, route, attempt, endpoint.address,

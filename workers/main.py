@@ -168,6 +168,7 @@ class Worker:
             session_header=affinity.header if affinity.enabled else None,
             pin_header=routing.pin_header,
             balance_key_headers=[*clusters.balance_key_headers(), *settings.stable_hash_headers()],
+            credential_headers=[c.upstream_auth.header for c in config.clusters if c.upstream_auth is not None],
         )
         return Proxy(
             settings=settings, header_plan=header_plan, auth=self.auth, tenants=TenantPolicies(config.tenants),

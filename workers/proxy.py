@@ -20,7 +20,7 @@ from gateway.quota.estimate import estimate_prompt_tokens
 from gateway.quota.gate import Admission, QuotaGate
 from gateway.quota.usage import rewrite_request_for_usage
 from gateway.request.attempts import Settlement
-from gateway.request.headers import HeaderPlan, RequestHeaders
+from gateway.request.headers import ACCEPT_ENCODING, HeaderPlan, RequestHeaders
 from gateway.routing import RouteDecision, Router
 from gateway.routing.eligibility import Needs
 from gateway.routing.plan import model_not_found
@@ -105,8 +105,7 @@ class Proxy:
             # Reserve tokens before routing: a denial never reaches a provider (429/503 with headers).
             fields = capability.body
             admission = quota.admission(tenant, name, len(exchange.body),
-                                        fields.max_tokens if fields is not None else None,
-                                        fields.max_completion_tokens if fields is not None else None)
+                                        fields.completion_allowance if fields is not None else None)
             if admission is not None:
                 if admission.__class__ is not Admission:  # the ledger decides: await this tick's batch
                     admission = await admission
@@ -195,7 +194,7 @@ class Proxy:
         fields = request.body
         completion = 0
         if fields is not None:
-            completion = fields.max_tokens or fields.max_completion_tokens or 0
+            completion = fields.completion_allowance or 0  # the allowance the quota reserves for
         return Needs(estimate_prompt_tokens(len(exchange.body)) + completion,
                      request_features(fields, exchange.target), policy.regions)
 
@@ -245,7 +244,9 @@ def upstream_body(request: CapabilityRequest, body: bytes, admission: Admission 
 
 def forwarded_headers(exchange: Exchange, headers: RequestHeaders, request_id: bytes,
                       body: bytes) -> list[tuple[bytes, bytes]]:
-    """The headers every provider attempt sends (each provider's own are added per attempt)."""
+    """The headers every provider attempt sends (each provider's own are added per attempt). The
+    client's ``Accept-Encoding`` goes last, where a metered request's ``identity`` replaces it
+    (``gateway.request.headers.ask_identity_encoding``)."""
     forward = headers.forward
     peer = exchange.peer
     xff = headers.xff
@@ -255,6 +256,8 @@ def forwarded_headers(exchange: Exchange, headers: RequestHeaders, request_id: b
         forward.append((b"content-length", b"%d" % len(body)))
     elif exchange.method not in _BODYLESS_METHODS:
         forward.append((b"content-length", b"0"))
+    if headers.accept_encoding is not None:
+        forward.append((ACCEPT_ENCODING, headers.accept_encoding))
     return forward
 
 

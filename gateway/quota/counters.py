@@ -30,6 +30,7 @@ class QuotaCounters:
     tokens_refunded: int = 0
     tokens_overage: int = 0
     reservations_expired: int = 0  # charged at the estimate because they outlived the timeout
+    reservations_extended: int = 0  # deadlines moved on because their requests still ran (keeper.py)
     backend_errors: int = 0  # failed backend round trips (an admit batch, a settle batch, a probe)
     breaker_opened: int = 0  # the breaker opened: the on_backend_error policy applies without a round trip
     breaker_closed: int = 0  # the backend answered again

@@ -20,8 +20,9 @@ within about one probe interval of the backend answering.
 
 Concurrency cap: ``QuotaRule.max_in_flight`` is enforced by the same script call, counting the live
 reservations of the (rule, tenant) in its reservation set, so it holds across every worker and every
-gateway sharing the Valkey, and costs no extra round trip. The reservations of a worker that dies
-are settled by the supervisor's sweep (``owner.py``), the others when their timeout passes.
+gateway sharing the Valkey, and costs no extra round trip. A request that runs longer than the
+reservation timeout keeps its reservation live (``keeper.py``); the reservations of a worker that dies
+are settled by the supervisor's sweep (``owner.py``), lost ones when their timeout passes.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ from gateway.quota.admission import (
 from gateway.quota.backend import BACKEND_ERRORS, describe_error
 from gateway.quota.breaker import Breaker
 from gateway.quota.counters import QuotaCounters, TenantTokens, configured_tenants
-from gateway.quota.estimate import estimate_tokens
+from gateway.quota.estimate import estimate_prompt_tokens
+from gateway.quota.keeper import ReservationKeeper
 from gateway.quota.lease import Lease, LeaseReservation, LeaseSpec, leasable, ms_to_window_end
 from gateway.quota.ledger import ADMITTED, DENIED_BUDGET, AdmitCommand, QuotaLedger
 from gateway.quota.owner import owner_tag
@@ -127,6 +129,7 @@ class QuotaGate:
         self._cancels = 0
         self._probe: asyncio.Task[None] | None = None
         self.counters = QuotaCounters()
+        self._keeper = ReservationKeeper(ledger, self.counters, self._breaker, call_timeout_s=request_timeout_s)
         self._reconciler = Reconciler(
             ledger, self.counters, timeout_s=request_timeout_s,
             queue_size=reconcile_queue_size, batch=reconcile_batch, retry_delays_s=reconcile_retry_delays_s,
@@ -177,6 +180,7 @@ class QuotaGate:
             if self._breaker.trip():
                 self._opened()
         self._reconciler.start()
+        self._keeper.start()
 
     async def drain(self) -> None:
         """Wait until every settlement queued so far has been reconciled (or given up on)."""
@@ -187,6 +191,7 @@ class QuotaGate:
         the client. Unsettled reservations are charged at their estimate by the supervisor's sweep or
         on expiry. Blocks still held are settled now, their requests in flight charged at their estimate."""
         self._closing = True
+        self._keeper.stop()
         self._leases.clear()
         for lease in list(self._held):
             lease.close()
@@ -198,22 +203,18 @@ class QuotaGate:
 
     # -- admission (request path)
 
-    def admission(
-        self,
-        tenant: str,
-        model: str | None,
-        body_len: int,
-        max_tokens: int | None,
-        max_completion_tokens: int | None,
-    ) -> Admission | Awaitable[Admission] | None:
+    def admission(self, tenant: str, model: str | None, body_len: int,
+                  completion_allowance: int | None) -> Admission | Awaitable[Admission] | None:
         """None when no rule applies (unmetered: nothing to settle); an ``Admission`` decided here,
         from a worker-held block (``quota.lease``), with no await; else the awaitable of the ledger's
-        decision (this loop tick's batch)."""
+        decision (this loop tick's batch). ``completion_allowance``: the largest the body names
+        (``estimate.completion_allowance``), None for the rule's default."""
         rule = self._rules.match(tenant, model)
         if rule is None:
             self.counters.unmetered += 1
             return None
-        estimate = estimate_tokens(body_len, max_tokens, max_completion_tokens, rule.default_max_tokens)
+        estimate = estimate_prompt_tokens(body_len) + (
+            rule.default_max_tokens if completion_allowance is None else completion_allowance)
         if self._leases:
             key = (rule.name, tenant)
             lease = self._leases.get(key)
@@ -233,16 +234,9 @@ class QuotaGate:
                     self._lease(rule, tenant, lease.remaining)
         return self._admit(rule, tenant, estimate)
 
-    async def admit(
-        self,
-        tenant: str,
-        model: str | None,
-        body_len: int,
-        max_tokens: int | None,
-        max_completion_tokens: int | None,
-    ) -> Admission:
+    async def admit(self, tenant: str, model: str | None, body_len: int, completion_allowance: int | None) -> Admission:
         """``admission`` awaited: always an ``Admission`` (``UNMETERED`` when no rule applies)."""
-        admission = self.admission(tenant, model, body_len, max_tokens, max_completion_tokens)
+        admission = self.admission(tenant, model, body_len, completion_allowance)
         if admission is None:
             return UNMETERED
         if admission.__class__ is not Admission:
@@ -273,6 +267,7 @@ class QuotaGate:
             counters.tokens_estimated += estimate
             if self._lease_spec is not None:
                 self._lease(rule, tenant, decision.remaining)
+            self._keeper.add(decision.reservation)  # type: ignore[arg-type]
             return Admission(
                 True, "admitted", None, (limit, remaining, reset), decision.reservation, estimate,
                 self.tenant_tokens.slot(tenant), metered=True,
@@ -344,6 +339,7 @@ class QuotaGate:
         replaced = self._leases.get(key)
         self._leases[key] = lease
         self._held.add(lease)
+        self._keeper.add(lease.reservation)
         self.counters.leases_granted += 1
         if replaced is not None and replaced.close():  # renewed: the old block takes no more requests
             self._return_lease(replaced)
@@ -371,6 +367,7 @@ class QuotaGate:
         """Settle a block with what its requests were charged (once: the block leaves ``_held``)."""
         if lease in self._held:
             self._held.discard(lease)
+            self._keeper.discard(lease.reservation)
             self._reconciler.enqueue(lease.reservation, lease.committed)
 
     def _backend_unavailable(self) -> Admission:
@@ -519,6 +516,7 @@ class QuotaGate:
             if reservation is None:
                 return
             admission.reservation = None
+            self._keeper.discard(reservation)
             self._reconciler.enqueue(reservation, reservation.estimate if actual is None else actual)
         self.tenant_tokens.add(admission.tenant_slot, prompt_tokens, completion_tokens, actual)
 

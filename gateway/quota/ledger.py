@@ -1,4 +1,4 @@
-"""The shared token ledger in Valkey: one server-side Lua script, one round trip per decision.
+"""The shared token ledger in Valkey: one server-side Lua script (``ledger_script``), one round trip per decision.
 
 Key layout (version ``v1``; every key of one (rule, tenant) shares the hash tag, so one script call
 touches one Valkey Cluster slot):
@@ -19,193 +19,25 @@ Tokens are attributed to the windows the request was admitted in (refunds and ov
 A denied request changes nothing (all budgets or none). Every key carries a TTL: a window lives
 until its end + the reservation timeout + 60 s of slack, the reservation set until its last deadline
 + at least 30 s; an expired window is never recreated by a late settle. Reservations past their
-deadline are expired lazily by the next call on that (rule, tenant): charged at their estimate.
+deadline are expired lazily by the next call on that (rule, tenant): charged at their estimate. A
+request that runs longer than the timeout has its deadline moved on while it runs (``extend_many``,
+driven by ``gateway.quota.keeper``), so only a reservation the gateway lost track of expires.
 
-The script carries its version in its text; a changed script has a new SHA, so old and new gateways
-can run side by side during a rolling upgrade; a changed key layout must bump ``v1`` in both.
+The script carries its version in its text (see ``ledger_script`` for rolling upgrades).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from valkey.exceptions import NoScriptError
 
+from gateway.quota.ledger_script import KEY_PREFIX, LEDGER_SCRIPT, LEDGER_SHA
 from gateway.quota.resp import RespClient, encode_command
 from gateway.quota.rules import QuotaRule
-
-SCRIPT_NAME = "gridgate-quota-ledger"
-SCRIPT_VERSION = 3
-KEY_PREFIX = "gg:q:v1"
-
-LEDGER_SCRIPT = (
-    f"""-- {SCRIPT_NAME} v{SCRIPT_VERSION} (keys {KEY_PREFIX}); modes: admit | settle | cancel | sweep | report
-"""
-    + r"""
-local mode = ARGV[1]
-local zkey = KEYS[1]      -- reservations of one (rule, tenant): member -> deadline (ms)
-local prefix = ARGV[2]    -- same hash tag as zkey; window keys are built from it
-local SLACK_MS = 60000    -- keys outlive their last use by this much so late settles still land
-local EXPIRE_BATCH = 128  -- bound the work one call does on stale reservations
-
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-
-local function window_key(win, idx)
-  return prefix .. ':w:' .. win .. ':' .. idx
-end
-
--- TTL floor: make `key` live at least `ms - SLACK_MS / 2` more. Renewing only when the TTL has run
--- down by half the slack keeps PEXPIRE (an AOF write) off most calls. (PEXPIRE GT cannot be used:
--- it ignores keys without a TTL.)
-local function keep_for(key, ms)
-  if redis.call('PTTL', key) < ms - SLACK_MS / 2 then redis.call('PEXPIRE', key, ms) end
-end
-
--- Take a reservation out of "reserved" and charge `charge` tokens (nil = its estimate) as used,
--- in every window it was admitted into. A window that already expired is not recreated.
-local function release(member, charge)
-  local est, wins = string.match(member, '^[^|]*|(%d+)|(.*)$')
-  est = tonumber(est)
-  if charge == nil then charge = est end
-  for win, idx in string.gmatch(wins, '(%d+):(%d+)') do
-    local k = window_key(win, idx)
-    if redis.call('EXISTS', k) == 1 then
-      redis.call('HINCRBY', k, 'r', -est)
-      if charge ~= 0 then redis.call('HINCRBY', k, 'u', charge) end
-    end
-  end
-  return est
-end
-
--- Lazy expiry: a reservation past its deadline is charged at its estimate.
-local function expire_stale()
-  local stale = redis.call('ZRANGEBYSCORE', zkey, '-inf', now, 'LIMIT', 0, EXPIRE_BATCH)
-  for i = 1, #stale do release(stale[i], nil) end
-  if #stale > 0 then redis.call('ZREM', zkey, unpack(stale)) end
-  return #stale
-end
-
-if mode == 'admit' then
-  -- ARGV: mode, prefix, id, estimate, timeout_ms, max_in_flight, {window_s, limit}...
-  local expired = expire_stale()
-  local est = tonumber(ARGV[4])
-  local timeout_ms = tonumber(ARGV[5])
-  local max_in_flight = tonumber(ARGV[6])
-  local keys, resets, parts = {}, {}, {}
-  -- Headers: the tightest budget when admitted; when denied, a budget the estimate can never fit
-  -- (its whole window is smaller), else the longest-blocking failing budget.
-  local lim, rem, reset = 0, nil, 0
-  local deny_lim, deny_rem, deny_reset, deny_never = 0, 0, -1, false
-  local n = (#ARGV - 6) / 2
-  for i = 1, n do
-    local win_s = ARGV[5 + 2 * i]
-    local limit = tonumber(ARGV[6 + 2 * i])
-    local wms = tonumber(win_s) * 1000
-    local idx = math.floor(now / wms)
-    local k = window_key(win_s, idx)
-    local v = redis.call('HMGET', k, 'u', 'r')
-    local room = limit - (tonumber(v[1]) or 0) - (tonumber(v[2]) or 0)
-    local r = (idx + 1) * wms - now
-    if est > room then
-      local never = est > limit
-      if (never and not deny_never) or (never == deny_never and r > deny_reset) then
-        deny_lim, deny_rem, deny_reset, deny_never = limit, math.max(room, 0), r, never
-      end
-    elseif rem == nil or room - est < rem then
-      lim, rem, reset = limit, room - est, r
-    end
-    keys[i], resets[i], parts[i] = k, r, win_s .. ':' .. idx
-  end
-  -- One bulk string instead of an array: the client parses one reply, not seven (~25% faster).
-  if deny_reset >= 0 then
-    return string.format('0 %d %d %d %d %d', deny_lim, deny_rem, deny_reset, now, expired)
-  end
-  if max_in_flight > 0 and redis.call('ZCOUNT', zkey, '(' .. now, '+inf') >= max_in_flight then
-    return string.format('-1 %d %d %d %d %d', lim, rem + est, reset, now, expired)
-  end
-  for i = 1, n do
-    redis.call('HINCRBY', keys[i], 'r', est)
-    keep_for(keys[i], resets[i] + timeout_ms + SLACK_MS)
-  end
-  local member = ARGV[3] .. '|' .. ARGV[4] .. '|' .. table.concat(parts, ',')
-  redis.call('ZADD', zkey, now + timeout_ms, member)
-  keep_for(zkey, timeout_ms + SLACK_MS)
-  return string.format('1 %d %d %d %d %d ', lim, rem, reset, now, expired) .. member
-
-elseif mode == 'settle' then
-  -- ARGV: mode, prefix, member, actual_tokens
-  -- -> the outcome: 0 no-op, 1 charged as asked, 2 expired (charged at the estimate)
-  local deadline = redis.call('ZSCORE', zkey, ARGV[3])
-  if not deadline then return 0 end  -- settled before, or expired and charged: a no-op
-  redis.call('ZREM', zkey, ARGV[3])
-  if tonumber(deadline) <= now then
-    release(ARGV[3], nil)
-    return 2
-  end
-  release(ARGV[3], tonumber(ARGV[4]))
-  return 1
-
-elseif mode == 'cancel' then
-  -- ARGV: mode, prefix, id. The admit's reply never reached the gateway (it timed out), so the
-  -- request was refused: release that reservation unused. Rare, so a scan of one tenant's set is fine.
-  local cursor = '0'
-  repeat
-    local page = redis.call('ZSCAN', zkey, cursor, 'MATCH', ARGV[3] .. '|*', 'COUNT', 1000)
-    cursor = page[1]
-    if #page[2] > 0 then
-      local member = page[2][1]
-      redis.call('ZREM', zkey, member)
-      release(member, 0)
-      return 1
-    end
-  until cursor == '0'
-  return 0
-
-elseif mode == 'sweep' then
-  -- ARGV: mode, prefix, owner tag...: the reservations of workers that died (their ids start with
-  -- the owner tag). Each frees its concurrency slot and is charged at its estimate (it may have
-  -- reached a provider). Removing the member is what makes a late settle of it a no-op.
-  local released, charged = 0, 0
-  for i = 3, #ARGV do
-    local cursor = '0'
-    repeat
-      local page = redis.call('ZSCAN', zkey, cursor, 'MATCH', ARGV[i] .. '*', 'COUNT', 1000)
-      cursor = page[1]
-      local found = page[2]  -- member, score, member, score ...
-      for j = 1, #found, 2 do
-        if redis.call('ZREM', zkey, found[j]) == 1 then
-          charged = charged + release(found[j], nil)
-          released = released + 1
-        end
-      end
-    until cursor == '0'
-  end
-  return {released, charged}
-
-elseif mode == 'report' then
-  -- ARGV: mode, prefix, window_s... -> now, in_flight, {used, reserved, reset_ms}...
-  expire_stale()
-  local out = {now, redis.call('ZCOUNT', zkey, '(' .. now, '+inf')}
-  for i = 3, #ARGV do
-    local wms = tonumber(ARGV[i]) * 1000
-    local idx = math.floor(now / wms)
-    local v = redis.call('HMGET', window_key(ARGV[i], idx), 'u', 'r')
-    out[#out + 1] = tonumber(v[1]) or 0
-    out[#out + 1] = tonumber(v[2]) or 0
-    out[#out + 1] = (idx + 1) * wms - now
-  end
-  return out
-end
-return redis.error_reply('gridgate quota ledger: unknown mode ' .. tostring(mode))
-"""
-)
-
-LEDGER_SHA = hashlib.sha1(LEDGER_SCRIPT.encode()).hexdigest()
 
 # Settle outcomes (what the script did).
 SETTLE_NOOP = 0  # already settled, or expired earlier and charged at the estimate
@@ -322,6 +154,10 @@ class QuotaLedger:
     def client(self) -> Any:
         return self._client
 
+    @property
+    def reservation_timeout_s(self) -> float:
+        return self._timeout_ms / 1000
+
     async def load_script(self) -> None:
         """SCRIPT LOAD (on every primary in cluster mode), off the request path: at start and after
         the backend recovered (a restarted server has an empty script cache)."""
@@ -402,6 +238,26 @@ class QuotaLedger:
         else:
             wires = [("EVALSHA", LEDGER_SHA, 1, r.zkey, "settle", r.prefix, r.member, max(0, a)) for r, a in items]
         return await self._pipeline_reloading(wires)
+
+    async def extend_many(self, reservations: Sequence[Reservation], per_call: int = 256) -> int:
+        """Move the deadline of these reservations (requests still running) to now + the timeout: one
+        script call per (rule, tenant) and ``per_call`` members, all in one pipelined round trip.
+        Returns how many were live and extended; raises on a backend error (the caller retries on its
+        next pass, well before the deadlines it is guarding)."""
+        by_set: dict[tuple[bytes, bytes], list[bytes]] = {}
+        for reservation in reservations:
+            by_set.setdefault((reservation.zkey, reservation.prefix), []).append(reservation.member)
+        wires = []
+        for (zkey, prefix), members in by_set.items():
+            for start in range(0, len(members), per_call):
+                wires.append(self._wire(("EVALSHA", LEDGER_SHA, 1, zkey, "extend", prefix, self._timeout_ms,
+                                         *members[start:start + per_call])))
+        extended = 0
+        for reply in await self._pipeline_reloading(wires):
+            if isinstance(reply, Exception):
+                raise reply
+            extended += reply
+        return extended
 
     async def cancel_many(self, commands: Sequence[AdmitCommand]) -> list[bool | Exception]:
         """Release, unused, the reservations of admits whose replies were lost; per admit: released

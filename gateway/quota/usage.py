@@ -51,7 +51,7 @@ def rewrite_request_for_usage(body: bytes) -> bytes | None:
     """
     try:
         fields = _stream_fields.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None
     if not needs_usage_rewrite(fields.stream, fields.stream_options):
         return None
@@ -62,7 +62,10 @@ def rewrite_request_for_usage(body: bytes) -> bytes | None:
         return b"".join((body[: start + 1], _INCLUDE_USAGE_MEMBER, separator, body[start + 1 :]))
     if fields.stream_options is not None and not isinstance(fields.stream_options, dict):
         return None  # invalid stream_options: not ours to fix, the provider will say so
-    document = msgspec.json.decode(body)
+    try:
+        document = msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError):  # nested too deeply for a full decode: the provider judges it
+        return None
     document["stream_options"] = {**(fields.stream_options or {}), "include_usage": True}
     return msgspec.json.encode(document)
 
@@ -142,7 +145,7 @@ class UsageScanner(msgspec.Struct, gc=False):
             # document carries the whole usage: its counts are taken as they are (None where absent).
             try:
                 usage = _usage_document.decode(chunk).usage
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
                 usage = None
             if usage is not None and usage.total_tokens is not None:
                 self.total_tokens, self.prompt_tokens, self.completion_tokens = usage.total_tokens, \
@@ -305,5 +308,5 @@ def _decode_data(event: bytes) -> _ChunkShape | None:
     payload = b"\n".join(line[1:] if line.startswith(b" ") else line for line in lines)
     try:
         return _chunk_shape.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None  # [DONE], or not JSON: forward untouched

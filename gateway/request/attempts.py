@@ -1,8 +1,8 @@
 """Sans-IO bookkeeping of one request's upstream attempts and of what its quota reservation owes.
 
 The proxy does the I/O; this decides: after a failed attempt, what next (another endpoint, the same
-endpoint on a fresh connection, or stop); which error the client finally sees; and how the token
-reservation is settled (release, charge the estimate, or charge the reported usage).
+endpoint on a fresh connection, or stop); which error the client finally sees; and what each attempt
+costs the tenant's token reservation (``attempt_tokens``, ``unanswered_tokens``).
 """
 
 from __future__ import annotations
@@ -30,15 +30,39 @@ class Settlement(IntEnum):
     """How a token reservation is settled when the request ends."""
 
     RELEASE = 0  # nothing reached a provider: give the whole reservation back
-    CHARGE_ESTIMATE = 1  # a provider may have done work but reported no usage
-    CHARGE_USAGE = 2  # a complete 2xx response reported its usage
+    CHARGE_ESTIMATE = 1  # a provider may have done work and the outcome is unknown (the handler failed)
+    CHARGE_USAGE = 2  # charge the tokens given: what the request's attempts cost (``attempt_tokens``)
 
 
-def settlement_for(status: int, total_tokens: int | None, client_gone: bool) -> Settlement:
-    """A response started: charge the reported usage of a complete 2xx, else the estimate."""
-    if 200 <= status < 300 and total_tokens is not None and not client_gone:
-        return Settlement.CHARGE_USAGE
-    return Settlement.CHARGE_ESTIMATE
+# What each attempt of a request costs (docs/configuration.md, "What a request is charged"); the request
+# is charged the sum over its attempts, so a request that failed over pays only for what its attempts
+# cost. Pure functions of an attempt's outcome, so the rules are tested apart from any I/O.
+
+def attempt_tokens(status: int, total_tokens: int | None, estimate: int, floor: int = 0) -> int:
+    """The tokens one attempt that reached a provider costs.
+
+    - The provider reported usage: that usage, whatever the status (a cut stream or a client that
+      left after the usage arrived included).
+    - Else a 4xx (429 included): the provider refused the work, it costs nothing.
+    - Else it may have worked (a 5xx, a 2xx without usage, a stream cut by either side, no response
+      head at all: ``status`` 0): the estimate, or ``floor`` when more (``estimate.relayed_floor``: the
+      prompt plus what was relayed to the client, which the provider certainly generated).
+    """
+    if total_tokens is not None:
+        return total_tokens
+    if 400 <= status < 500:
+        return 0
+    return floor if floor > estimate else estimate
+
+
+def unanswered_tokens(failure: Failure, reused: bool, estimate: int) -> int:
+    """The tokens an attempt costs whose request was written but got no response head. A pooled
+    connection the provider had already closed (a reset on reuse) never took the request: nothing (the
+    failover sends it again for the same reason). Anything else (a timeout, a reset on a fresh
+    connection, a malformed answer) may have worked: the estimate."""
+    if reused and failure == Failure.RESET:
+        return 0
+    return attempt_tokens(0, None, estimate)
 
 
 class ProviderAttempts(Generic[E]):

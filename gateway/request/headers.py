@@ -2,8 +2,13 @@
 
 A ``HeaderPlan`` is built once per worker from the config (which names matter and why); ``scan``
 runs once per request and returns ``RequestHeaders``. Hop-by-hop headers, the client's credentials,
-framing headers and client-supplied ``x-gridgate-*`` / ``x-ai-routing-*`` headers are never forwarded;
+framing headers, client-supplied ``x-gridgate-*`` / ``x-ai-routing-*`` headers and any header named like
+a cluster's ``upstream_auth.header`` (the provider would read it as a credential) are never forwarded;
 names listed in ``Connection`` are dropped too (RFC 9110 §7.6.1).
+
+``Accept-Encoding`` is kept aside: the proxy forwards the client's own as the last header of the list
+(``forwarded_headers``) and a metered request replaces it with ``identity`` (``ask_identity_encoding``),
+since the usage in a compressed body cannot be read.
 """
 
 from __future__ import annotations
@@ -13,8 +18,8 @@ from collections.abc import Iterable
 # What a header name means to the gateway.
 (
     _FORWARD, _AUTHORIZATION, _API_KEY, _CONNECTION, _REQUEST_ID, _XFF, _COOKIE, _DROP, _MODEL, _SESSION,
-    _CONTENT_TYPE, _BALANCE_KEY, _PIN,
-) = range(13)
+    _CONTENT_TYPE, _BALANCE_KEY, _PIN, _ACCEPT_ENCODING,
+) = range(14)
 
 _ALWAYS: dict[bytes, int] = {
     b"authorization": _AUTHORIZATION,
@@ -24,6 +29,7 @@ _ALWAYS: dict[bytes, int] = {
     b"x-forwarded-for": _XFF,
     b"cookie": _COOKIE,
     b"content-type": _CONTENT_TYPE,
+    b"accept-encoding": _ACCEPT_ENCODING,
     b"host": _DROP,
     b"content-length": _DROP,
     b"transfer-encoding": _DROP,
@@ -39,6 +45,22 @@ _ALWAYS: dict[bytes, int] = {
     b"x-ai-routing-revision": _DROP,
 }
 _MAX_REQUEST_ID = 128
+# Names the gateway reads from the client and never forwards anyway: a credential header may share them.
+_CONSUMED = (_AUTHORIZATION, _API_KEY)
+
+ACCEPT_ENCODING = b"accept-encoding"
+IDENTITY_ENCODING = (ACCEPT_ENCODING, b"identity")
+
+
+def ask_identity_encoding(forward: list[tuple[bytes, bytes]]) -> None:
+    """Make a metered request ask for an uncompressed answer: the gateway reads the usage in it (a gzip
+    body's usage is never found, and the request would be charged its estimate, whatever it used).
+    The client's own ``Accept-Encoding``, when it sent one, is the list's last header (``forwarded_headers``
+    in workers/proxy.py puts it there): replaced in place, no scan of the list."""
+    if forward and forward[-1][0] == ACCEPT_ENCODING:
+        forward[-1] = IDENTITY_ENCODING
+    else:
+        forward.append(IDENTITY_ENCODING)
 
 
 def connection_tokens(value: bytes) -> set[bytes]:
@@ -60,7 +82,7 @@ class RequestHeaders:
 
     __slots__ = (
         "forward", "authorization", "api_key", "request_id", "xff", "cookie", "content_type", "model",
-        "session", "pin", "balance_keys",
+        "session", "pin", "balance_keys", "accept_encoding",
     )
 
     def __init__(self) -> None:
@@ -75,6 +97,7 @@ class RequestHeaders:
         self.session: bytes | None = None  # the configured session-affinity header
         self.pin: bytes | None = None  # the configured pin header
         self.balance_keys: dict[bytes, bytes] | None = None  # consistent-hash headers of the clusters
+        self.accept_encoding: bytes | None = None  # forwarded last (see ask_identity_encoding)
 
 
 class HeaderPlan:
@@ -88,7 +111,10 @@ class HeaderPlan:
         session_header: str | None = None,
         pin_header: str | None = None,
         balance_key_headers: Iterable[str] = (),
+        credential_headers: Iterable[str] = (),
     ) -> None:
+        """``credential_headers``: every cluster's ``upstream_auth.header``; a client header of that name
+        is never forwarded (it would reach the provider beside, or ahead of, the gateway's own)."""
         kinds = dict(_ALWAYS)
         for name in balance_key_headers:
             kinds[name.lower().encode()] = _BALANCE_KEY
@@ -97,6 +123,10 @@ class HeaderPlan:
         if pin_header:
             kinds[pin_header.lower().encode()] = _PIN
         kinds[model_header.lower().encode()] = _MODEL
+        for name in credential_headers:
+            key = name.lower().encode()
+            if kinds.get(key) not in _CONSUMED:  # a credential wins over any other use of the name
+                kinds[key] = _DROP
         self._kinds = kinds
 
     def scan(self, headers: list[tuple[bytes, bytes]]) -> RequestHeaders:
@@ -117,6 +147,9 @@ class HeaderPlan:
             elif kind == _CONTENT_TYPE:
                 found.content_type = value
                 forward.append((name, value))
+            elif kind == _ACCEPT_ENCODING:  # sent by most SDKs (the openai one asks for gzip)
+                accept = found.accept_encoding
+                found.accept_encoding = value if accept is None else accept + b", " + value
             elif kind == _AUTHORIZATION:
                 found.authorization = value
             elif kind == _SESSION:
@@ -145,6 +178,8 @@ class HeaderPlan:
                 found.pin = value
         if listed:
             found.forward = [(n, v) for n, v in forward if n not in listed]
+            if ACCEPT_ENCODING in listed:
+                found.accept_encoding = None
         request_id = found.request_id
         if request_id is not None and not valid_request_id(request_id):
             found.request_id = None

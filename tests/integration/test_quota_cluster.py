@@ -152,7 +152,7 @@ def test_quota_is_exact_on_a_cluster_across_slots(cluster_url: str) -> None:
         gate = await _gate(cluster_url, rules)
         try:
             results = await asyncio.gather(
-                *(gate.admit(t, "m", 0, 100, None) for t in tenants for _ in range(15))
+                *(gate.admit(t, "m", 0, 100) for t in tenants for _ in range(15))
             )
             per_tenant = [sum(a.allowed for a in results[i * 15 : (i + 1) * 15]) for i in range(len(tenants))]
             assert per_tenant == [10] * len(tenants)
@@ -178,7 +178,7 @@ def test_cluster_reloads_a_lost_script(cluster_url: str) -> None:
         gate = await _gate(cluster_url, [_rule(tenant, 1000)])
         try:
             await gate._ledger.client.script_flush()
-            admission = await gate.admit(tenant, "m", 0, 300, None)
+            admission = await gate.admit(tenant, "m", 0, 300)
             assert admission.allowed
             await gate._ledger.client.script_flush()
             gate.charge(admission, 100)
@@ -202,7 +202,7 @@ def test_sweep_finds_a_dead_workers_reservations_on_every_node(cluster_url: str)
         await gate.start()
         sweeper = QuotaLedger(create_client(cluster_url, timeout_s=2), reservation_timeout_s=1)
         try:
-            assert all(a.allowed for a in await asyncio.gather(*(gate.admit(t, "m", 0, 70, None) for t in tenants)))
+            assert all(a.allowed for a in await asyncio.gather(*(gate.admit(t, "m", 0, 70) for t in tenants)))
             assert await sweeper.sweep([dead]) == (9, 9 * 70)
             for tenant in tenants:
                 report = (await gate.quota_report(tenant))["rules"][0]
@@ -210,6 +210,34 @@ def test_sweep_finds_a_dead_workers_reservations_on_every_node(cluster_url: str)
                 assert (report["windows"][0]["used"], report["windows"][0]["reserved"]) == (70, 0)
         finally:
             await sweeper.client.aclose()
+            await gate.close()
+
+    asyncio.run(scenario())
+
+
+def test_running_requests_keep_their_reservations_on_every_node(cluster_url: str) -> None:
+    tenants = [f"t-{uuid.uuid4().hex[:8]}" for _ in range(9)]
+    rules = [_rule(t, 1000) for t in tenants]
+
+    async def scenario() -> None:
+        gate = QuotaGate(QuotaLedger(create_client(cluster_url), reservation_timeout_s=0.6), rules,
+                         request_timeout_s=2)
+        await gate.start()
+        try:
+            admissions = await asyncio.gather(*(gate.admit(t, "m", 0, 70) for t in tenants))
+            assert all(a.allowed for a in admissions)
+            await asyncio.sleep(1.5)  # more than twice the timeout: each was extended on its own node
+            for tenant in tenants:
+                report = (await gate.quota_report(tenant))["rules"][0]
+                assert (report["in_flight"], report["windows"][0]["reserved"]) == (1, 70)
+            for admission in admissions:
+                gate.charge(admission, 5)
+            await gate.drain()
+            for tenant in tenants:
+                window = (await gate.quota_report(tenant))["rules"][0]["windows"][0]
+                assert (window["used"], window["reserved"]) == (5, 0)
+            assert gate.counters.reservations_expired == 0
+        finally:
             await gate.close()
 
     asyncio.run(scenario())

@@ -90,6 +90,17 @@ def test_body_fields_are_decoded() -> None:
         True,
         True,
     )
+    assert fields.completion_allowance == 200
+
+
+def test_the_responses_api_s_max_output_tokens_is_an_allowance() -> None:
+    body = b'{"model": "m", "input": "hi", "max_output_tokens": 3000, "max_tokens": 2}'
+    for facts in (False, True):
+        result = lookup_capability(None, body, JSON, facts)
+        assert isinstance(result, CapabilityRequest) and result.body is not None
+        assert (result.body.max_output_tokens, result.body.completion_allowance) == (3000, 3000)
+    none = ok(None, b'{"model": "m"}').body
+    assert none is not None and none.completion_allowance is None
 
 
 def test_absent_optional_fields_default() -> None:
@@ -118,6 +129,27 @@ def test_invalid_body_model_is_400(model: str) -> None:
 def test_bad_json_is_invalid_json(body: bytes) -> None:
     result = error(b"m", body)
     assert (result.status, result.code) == (400, "invalid_json")
+
+
+_DEEP = b"[" * 1000 + b"]" * 1000
+
+
+@pytest.mark.parametrize("body", [
+    b'{"model": "m", "metadata": ' + _DEEP + b"}",  # a field the gateway skips
+    b'{"model": "m", "messages": [{"role": "user", "content": ' + _DEEP + b"}]}",  # one it keeps raw
+    b'{"model": "m", "x": ' + b'{"a": ' * 1000 + b"1" + b"}" * 1001,  # objects, not arrays
+    b'{"model": "m\xff"}',  # invalid UTF-8
+])
+@pytest.mark.parametrize("facts", [False, True])
+def test_undecodable_bodies_are_invalid_json_never_an_exception(body: bytes, facts: bool) -> None:
+    # Issue 27, finding 14: JSON nested 1,000 deep raised RecursionError (a 500 and a traceback).
+    result = lookup_capability(None, body, b"application/json", facts)
+    assert type(result) is ErrorReply and (result.status, result.code) == (400, "invalid_json"), result
+
+
+def test_numbers_out_of_range_and_deep_arrays_instead_of_an_object_are_a_400() -> None:
+    assert error(None, b'{"model": "m", "max_tokens": 1e400}').status == 400
+    assert error(None, _DEEP).status == 400
 
 
 @pytest.mark.parametrize(

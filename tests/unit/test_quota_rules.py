@@ -5,7 +5,13 @@ import pytest
 from gateway.quota.admission import duration_text, never_fits_message, window_text
 from gateway.quota.breaker import Breaker
 from gateway.quota.counters import TenantTokens
-from gateway.quota.estimate import estimate_prompt_tokens, estimate_tokens
+from gateway.quota.estimate import (
+    MAX_ALLOWANCE,
+    completion_allowance,
+    estimate_prompt_tokens,
+    estimate_tokens,
+    relayed_floor,
+)
 from gateway.quota.rules import Budget, QuotaRule, RuleSet, validate_rules
 
 MINUTE = (Budget(60, 1000),)
@@ -75,16 +81,41 @@ def test_prompt_estimate_is_body_bytes_over_four_rounded_up() -> None:
     assert estimate_prompt_tokens(4001) == 1001
 
 
-def test_estimate_uses_max_tokens_then_max_completion_tokens_then_default() -> None:
-    assert estimate_tokens(400, 50, 70, 1024) == 150
+def test_estimate_takes_the_largest_allowance_the_body_names_else_the_default() -> None:
+    assert estimate_tokens(400, 50, 70, 1024) == 170
+    assert estimate_tokens(400, 70, 50, 1024) == 170
     assert estimate_tokens(400, None, 70, 1024) == 170
     assert estimate_tokens(400, None, None, 1024) == 1124
-    assert estimate_tokens(400, 0, 70, 1024) == 100
+    assert estimate_tokens(400, 0, None, 1024) == 100  # zero is a count, not an absence
+    assert estimate_tokens(400, 0, 70, 1024) == 170
+
+
+def test_a_small_max_tokens_beside_a_large_allowance_reserves_the_large_one() -> None:
+    # Providers obey the field they know: {"max_tokens": 1, "max_completion_tokens": 20000} may
+    # generate 20,000 tokens (issue 27, finding 4: 40 such requests used 16x a 50,000 budget).
+    assert completion_allowance(1, 20000) == 20000
+    assert completion_allowance(1, None, 30000) == 30000  # the Responses API's max_output_tokens
+    assert completion_allowance(40000, 20000, 30000) == 40000
+    assert completion_allowance(None, None, None) is None
+    assert estimate_tokens(0, 1, 20000, 1024) == 20000
+    assert estimate_tokens(0, None, None, 1024, max_output_tokens=5) == 5
+
+
+def test_an_allowance_beyond_the_ledger_s_integers_is_capped_not_wrapped() -> None:
+    assert completion_allowance(10**26, None) == MAX_ALLOWANCE
+    assert completion_allowance(-(10**26), 7) == 7
+
+
+def test_relayed_floor_counts_prompt_and_relayed_bytes_four_to_a_token() -> None:
+    assert relayed_floor(400, 7200) == 100 + 1800
+    assert relayed_floor(0, 1) == 1
 
 
 @pytest.mark.parametrize("bad", [-5, True, 3.5, "10"])
 def test_estimate_ignores_allowances_that_are_not_counts(bad: object) -> None:
     assert estimate_tokens(0, bad, None, 7) == 7  # type: ignore[arg-type]
+    assert estimate_tokens(0, None, bad, 7) == 7  # type: ignore[arg-type]
+    assert estimate_tokens(0, 3, bad, 7, bad) == 3  # type: ignore[arg-type]
 
 
 def test_breaker_opens_after_consecutive_failures_and_closes_on_the_first_answer() -> None:

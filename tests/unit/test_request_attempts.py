@@ -1,10 +1,10 @@
-"""Sans-IO attempt bookkeeping inside one provider, and quota settlement."""
+"""Sans-IO attempt bookkeeping inside one provider, and what each attempt costs the quota."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.request.attempts import Next, ProviderAttempts, Settlement, settlement_for
+from gateway.request.attempts import Next, ProviderAttempts, attempt_tokens, unanswered_tokens
 from gateway.request.failures import Failure
 
 
@@ -50,12 +50,42 @@ def test_malformed_response_is_502_bad_upstream_response():
     assert attempts.error_reply().code == "bad_upstream_response"
 
 
-@pytest.mark.parametrize(("status", "tokens", "gone", "expected"), [
-    (200, 42, False, Settlement.CHARGE_USAGE),
-    (200, None, False, Settlement.CHARGE_ESTIMATE),  # no usage reported
-    (200, 42, True, Settlement.CHARGE_ESTIMATE),  # the client left: the usage seen may be partial
-    (503, 42, False, Settlement.CHARGE_ESTIMATE),
-    (400, None, False, Settlement.CHARGE_ESTIMATE),
+ESTIMATE = 521
+
+
+@pytest.mark.parametrize(("status", "usage", "floor", "expected"), [
+    (200, 42, 0, 42),  # a response that reports usage is charged that usage
+    (200, 42, 9000, 42),  # ... even when the client left after it arrived (the floor is for no usage)
+    (503, 42, 0, 42),  # ... whatever its status
+    (429, 7, 0, 7),
+    (400, None, 0, 0),  # a provider 4xx without usage did no billable work
+    (429, None, 0, 0),
+    (404, None, 300, 0),
+    (500, None, 0, ESTIMATE),  # a 5xx without usage may have worked
+    (503, None, 0, ESTIMATE),
+    (0, None, 0, ESTIMATE),  # no response head (a timeout, a lost connection)
+    (200, None, 0, ESTIMATE),  # a 2xx without usage
+    (200, None, 1900, 1900),  # a client that hung up after 1,800 tokens were relayed pays for those
+    (200, None, 100, ESTIMATE),  # ... and at least the estimate
 ])
-def test_settlement_of_a_started_response(status, tokens, gone, expected):
-    assert settlement_for(status, tokens, gone) == expected
+def test_what_one_attempt_costs(status, usage, floor, expected):
+    assert attempt_tokens(status, usage, ESTIMATE, floor) == expected
+
+
+@pytest.mark.parametrize(("failure", "reused", "expected"), [
+    (Failure.RESET, True, 0),  # a pooled connection the provider had closed: it never took the request
+    (Failure.RESET, False, ESTIMATE),
+    (Failure.TIMEOUT, True, ESTIMATE),
+    (Failure.TIMEOUT, False, ESTIMATE),
+    (Failure.MALFORMED, True, ESTIMATE),
+])
+def test_what_an_attempt_without_a_response_head_costs(failure, reused, expected):
+    assert unanswered_tokens(failure, reused, ESTIMATE) == expected
+
+
+def test_a_request_that_failed_over_pays_for_each_attempt_by_the_same_rules():
+    # Issue 21 item 7: three providers answering 429 cost 521 tokens; a 429 costs nothing.
+    assert sum(attempt_tokens(429, None, ESTIMATE) for _ in range(3)) == 0
+    # A 503 (may have worked), then a stale pooled connection, then a 200 reporting 40 tokens.
+    owed = attempt_tokens(503, None, ESTIMATE) + unanswered_tokens(Failure.RESET, True, ESTIMATE)
+    assert owed + attempt_tokens(200, 40, ESTIMATE) == ESTIMATE + 40

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.request.headers import HeaderPlan
+from gateway.request.headers import ACCEPT_ENCODING, IDENTITY_ENCODING, HeaderPlan, ask_identity_encoding
 
 
 def scan(headers, **plan):
@@ -48,3 +48,28 @@ def test_forwarded_for_lines_are_joined_and_request_id_validated():
     for bad in (b"caf\xc3\xa9", b"tab\there", b"del\x7f", b""):  # visible ASCII only, 1..128 bytes
         assert scan([(b"x-request-id", bad)]).request_id is None
     assert scan([(b"x-request-id", b"!~{}\"")]).request_id == b"!~{}\""
+
+
+def test_a_header_named_like_an_upstream_credential_is_never_forwarded():
+    # Issue 27, finding 15: a client's `api-key` was sent upstream ahead of the gateway's own.
+    found = scan([(b"api-key", b"client-guess"), (b"x-provider-token", b"t"), (b"authorization", b"Bearer k"),
+                  (b"accept", b"*/*")], credential_headers=["Api-Key", "X-Provider-Token", "Authorization"])
+    assert found.forward == [(b"accept", b"*/*")]
+    assert found.authorization == b"Bearer k"  # still the client's key to the gateway
+
+
+def test_a_credential_header_wins_over_any_other_use_of_its_name():
+    found = scan([(b"x-user", b"u")], balance_key_headers=["X-User"], credential_headers=["x-user"])
+    assert found.forward == []
+
+
+def test_accept_encoding_is_kept_aside_and_a_metered_request_asks_for_identity():
+    found = scan([(b"accept-encoding", b"gzip"), (b"accept-encoding", b"br"), (b"accept", b"*/*")])
+    assert found.forward == [(b"accept", b"*/*")] and found.accept_encoding == b"gzip, br"
+    forward = [*found.forward, (ACCEPT_ENCODING, found.accept_encoding)]  # as forwarded_headers leaves it
+    ask_identity_encoding(forward)
+    assert forward == [(b"accept", b"*/*"), IDENTITY_ENCODING]
+    without = [(b"accept", b"*/*")]  # the client sent none: any coding would do, so ask for identity
+    ask_identity_encoding(without)
+    assert without == [(b"accept", b"*/*"), IDENTITY_ENCODING]
+    assert scan([(b"connection", b"accept-encoding"), (b"accept-encoding", b"gzip")]).accept_encoding is None
