@@ -67,6 +67,12 @@ class Timeouts(_Strict):
     header_read: Seconds = Seconds(10)
     keepalive_idle: Seconds = Seconds(75)
     graceful_shutdown: Seconds = Seconds(30)
+    # A response whose client reads nothing this long is cut and its upstream connection freed.
+    client_stall: Seconds = Seconds(60)
+
+    def __post_init__(self) -> None:
+        if self.client_stall <= 0:
+            raise ValueError("client_stall: must be > 0")
 
 
 class WeightedEndpoint(_Strict):
