@@ -358,7 +358,8 @@ class ClientCodec:
         self._max_head = max_header_bytes
         self._parser = h11.Connection(h11.CLIENT, max_incomplete_event_size=max_header_bytes)
         self._method = b"GET"
-        self._primed = False  # a canned request went through the parser for this response
+        # A canned request went through the parser for this response, or none is needed any more.
+        self._primed = False
         self._head_start = b""  # the first bytes of a response, until its status class is known
         # A length-framed body counted off here: the bytes still due (-1: h11 frames this response),
         # the bytes received and not yet handed out, and whether the body ended.
@@ -404,8 +405,9 @@ class ClientCodec:
         if not data and self._head_start:  # the provider closed in the middle of a status line
             self._parser.receive_data(self._head_start)
             self._head_start = b""
-        elif not self._primed and self._parser.their_state is h11.IDLE and data:
-            # Before the status line is parsed: a 1xx head needs the request passed through h11 first.
+        elif not self._primed and data:
+            # Until the status code's first digit is known: a 1xx head needs the request passed through
+            # h11 first; a final head needs nothing more (so the answer is no longer watched for it).
             head = self._head_start + data
             if len(head) <= _INFORMATIONAL_PREFIX:
                 self._head_start = head
@@ -413,6 +415,8 @@ class ClientCodec:
             self._head_start = b""
             if head[_INFORMATIONAL_PREFIX:_INFORMATIONAL_PREFIX + 1] == b"1":
                 self._prime()
+            else:
+                self._primed = True
             data = head
         self._parser.receive_data(data)
 
@@ -499,7 +503,8 @@ class ClientCodec:
         if self._left >= 0:
             return self._ended
         parser = self._parser
-        return parser.their_state is h11.DONE and not parser.trailing_data[0] and not self._head_start
+        after, closed = parser.trailing_data
+        return parser.their_state is h11.DONE and not after and not closed
 
     @property
     def buffered(self) -> int:
