@@ -123,8 +123,18 @@ _HEADERS = st.lists(st.tuples(_NAME, _VALUE), max_size=3)
 _ODD_INFO_HEADER = st.sampled_from([(b"content-length", b"5"), (b"transfer-encoding", b"chunked")])
 
 
+# Framing headers a broken provider adds to an otherwise valid answer (the malformed streams only).
+_ODD_HEADERS = st.sampled_from([
+    (b"Content-Length", b"7"), (b"Content-Length", b"0"), (b"Content-Length", b"-1"), (b"Content-Length", b"+5"),
+    (b"Content-Length", b"1 2"), (b"Content-Length", b"99999999999999999999"), (b"Transfer-Encoding", b"gzip"),
+    (b"Transfer-Encoding", b"chunked, identity"), (b"Transfer-Encoding", b"identity"),
+    (b"Transfer-Encoding", b"chunked"), (b"Connection", b"keep-alive, close"), (b"Connection", b"upgrade"),
+    (b"X-Folded", b"a\r\n b"), (b"X-Bare-Lf", b"a\nContent-Length: 3"),
+])
+
+
 @st.composite
-def models(draw) -> Model:
+def models(draw, odd: bool = False) -> Model:
     informational = draw(st.lists(
         st.tuples(st.sampled_from([100, 102, 103]),
                   st.one_of(_HEADERS, _HEADERS.flatmap(lambda hs: _ODD_INFO_HEADER.map(lambda odd: [*hs, odd])))),
@@ -145,7 +155,7 @@ def models(draw) -> Model:
         informational=informational,
         version=draw(st.sampled_from([b"1.1", b"1.1", b"1.1", b"1.0"])),
         status=draw(st.sampled_from([200, 201, 204, 304, 404, 429, 500])),
-        headers=draw(_HEADERS),
+        headers=draw(_HEADERS) + (draw(st.lists(_ODD_HEADERS, max_size=2)) if odd else []),
         framing=framing,
         body=body,
         chunks=chunks,
@@ -293,7 +303,9 @@ def check(method: bytes, data: bytes, eof: bool, cuts: list[int]) -> Outcome:
     assert bytewise.events == whole.events, "the events depend on how the stream was split"
     assert split.reusable == whole.reusable == bytewise.reusable
     reference = run_reference(method, data, eof)
-    assert _same_as_reference(whole.events, reference), (whole.events, reference)
+    sniffing = not eof and len(data) <= codec._INFORMATIONAL_PREFIX and not whole.events
+    if not (sniffing and reference == [("error",)]):  # h11 may refuse a first byte before the codec passes it on
+        assert _same_as_reference(whole.events, reference), (whole.events, reference)
     if whole.reusable:
         assert reusable_allowed(data, method, whole.events, eof)
     return whole
@@ -345,7 +357,7 @@ def mutate(data: bytes, mutations: list[tuple]) -> bytes:
 
 
 @settings(settings.get_profile(PROFILE))
-@given(model=models(), mutations=st.lists(_MUTATION, min_size=1, max_size=3),
+@given(model=models(odd=True), mutations=st.lists(_MUTATION, max_size=3),
        cuts=st.lists(st.integers(0, 10_000), max_size=12))
 @example(model=Model(b"POST", [], b"1.1", 200, [], "chunked", b"hello", [5], [b""]),
          mutations=[("insert", 62, b"0")], cuts=[])  # a chunk-size with a leading zero
