@@ -79,7 +79,8 @@ class UpstreamCluster:
             pool = UpstreamPool(
                 host, port, max_connections=cluster.max_connections,
                 connect_timeout=float(cluster.connect_timeout), read_timeout=float(cluster.read_timeout),
-                ssl_context=ssl_context, server_hostname=sni or host, head_wait=head_wait, client_stall=client_stall,
+                ssl_context=ssl_context, server_hostname=sni or host, head_wait=head_wait,
+                client_stall=client_stall,
             )
             self.endpoints.append(UpstreamEndpoint(slot, endpoint.address, endpoint.weight, pool))
         self.balancer = build_balancer(spec.strategy, self.endpoints, view, hash_header=spec.hash_header,

@@ -152,7 +152,8 @@ class ResponseRelay:
             # After the first byte the attempt cannot be retried: end it visibly, never silently (a client
             # that stopped reading would never read an error event: it is cut).
             exchange = self.exchange
-            if self.is_sse and not self.length_framed and not exchange.client_gone and failure != Failure.CLIENT_STALLED:
+            readable = not exchange.client_gone and failure != Failure.CLIENT_STALLED
+            if self.is_sse and not self.length_framed and readable:
                 exchange.write(sse_error_event(failure.code, f"upstream stream failed: {detail}"))
                 exchange.end()
             else:

@@ -354,7 +354,8 @@ class UpstreamPool:
             )
         except TimeoutError:
             self._slot_freed()
-            raise ConnectFailed(Failure.CONNECT_TIMEOUT, f"connect timed out after {max(limit, 0.0):.3g}s") from None
+            detail = f"connect timed out after {max(limit, 0.0):.3g}s"
+            raise ConnectFailed(Failure.CONNECT_TIMEOUT, detail) from None
         except ssl.SSLError as error:
             self._slot_freed()
             raise ConnectFailed(Failure.REFUSED, f"TLS handshake failed: {error.reason or 'error'}") from None
