@@ -57,7 +57,7 @@ CASES = {
     "http10_keep_alive": ("POST", 200, "answer:{tag}", 0.0),
     "close_delimited": ("POST", 200, "answer:{tag}", 0.0),
     # stray bytes: a whole response arrives unasked while the connection sits idle in the pool
-    "late_extra": ("POST", 200, "answer:{tag}", 0.2),
+    "late_extra": ("POST", 200, "answer:{tag}", 0.5),
 }
 
 
