@@ -21,7 +21,7 @@ import ssl
 import time
 from typing import Protocol
 
-from gateway.http import codec
+from gateway.http import client_codec, codec
 from gateway.request.failures import Failure
 from gateway.request.fair_queue import FairQueue
 
@@ -60,7 +60,7 @@ class UpstreamConnection(asyncio.Protocol):
     def __init__(self, pool: UpstreamPool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
-        self.codec = codec.ClientCodec()
+        self.codec = client_codec.ClientCodec()
         self.sink: UpstreamSink | None = None
         self.reused = False
         self.closed = False
@@ -152,7 +152,7 @@ class UpstreamConnection(asyncio.Protocol):
                 else:  # ConnectionClosed or PAUSED
                     self._fail(Failure.RESET, "connection closed before the response completed")
                     return
-        except codec.RefusedResponse as error:
+        except client_codec.RefusedResponse as error:
             self._fail(Failure.MALFORMED, str(error))
         except codec.ParseError:
             if data:

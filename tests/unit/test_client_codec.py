@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.http import codec
+from gateway.http import client_codec, codec
 
 
-def parse(wire: list[bytes], method: bytes = b"POST", eof: bool = False) -> tuple[list, codec.ClientCodec]:
+def parse(wire: list[bytes], method: bytes = b"POST", eof: bool = False) -> tuple[list, client_codec.ClientCodec]:
     """Feed ``wire`` piece by piece; the events until the end (or until more data is needed)."""
-    client = codec.ClientCodec()
+    client = client_codec.ClientCodec()
     client.encode_request(method, b"/", b"up", [])
     events: list = []
     for piece in [*wire, b""] if eof else wire:
@@ -84,7 +84,7 @@ def test_bytes_beyond_a_declared_length_are_dropped_and_forbid_reuse(later):
 
 
 def test_the_provider_closing_mid_body_is_a_parse_error():
-    client = codec.ClientCodec()
+    client = client_codec.ClientCodec()
     client.encode_request(b"POST", b"/", b"up", [])
     client.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
     assert client.next_event().status_code == 200 and bytes(client.next_event().data) == b"abc"
@@ -96,19 +96,19 @@ def test_the_provider_closing_mid_body_is_a_parse_error():
 
 
 def test_more_than_16_informational_heads_are_refused():
-    client = codec.ClientCodec()
+    client = client_codec.ClientCodec()
     client.encode_request(b"POST", b"/", b"up", [])
     client.feed(b"HTTP/1.1 100 Continue\r\n\r\n" * 17)
-    for _ in range(codec.MAX_INFORMATIONAL_HEADS):
+    for _ in range(client_codec.MAX_INFORMATIONAL_HEADS):
         assert type(client.next_event()) is codec.Informational
-    with pytest.raises(codec.RefusedResponse) as caught:
+    with pytest.raises(client_codec.RefusedResponse) as caught:
         client.next_event()
     assert caught.value.status == 502
     assert str(caught.value) == "more than 16 informational (1xx) heads"
 
 
 def test_the_informational_count_is_per_response():
-    client = codec.ClientCodec()
+    client = client_codec.ClientCodec()
     for _ in range(3):
         client.encode_request(b"POST", b"/", b"up", [])
         client.feed(b"HTTP/1.1 103 Early Hints\r\n\r\n" * 10 + b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")

@@ -29,7 +29,7 @@ import h11
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gateway.http import codec
+from gateway.http import client_codec, codec
 
 settings.register_profile("ci", max_examples=150, derandomize=True, database=None, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -99,8 +99,8 @@ class Model:
     def expected_events(self) -> list[tuple]:
         """What a correct parser reports (before any error the 1xx cap raises)."""
         events: list[tuple] = [("info", status) for status, _ in self.informational]
-        if len(self.informational) > codec.MAX_INFORMATIONAL_HEADS:
-            return [*events[:codec.MAX_INFORMATIONAL_HEADS], ("error",)]
+        if len(self.informational) > client_codec.MAX_INFORMATIONAL_HEADS:
+            return [*events[:client_codec.MAX_INFORMATIONAL_HEADS], ("error",)]
         events.append(("head", self.status))
         if self.bodiless:
             return [*events, ("end",)]
@@ -112,7 +112,7 @@ class Model:
         return events
 
     def expected_reusable(self) -> bool:
-        return (len(self.informational) <= codec.MAX_INFORMATIONAL_HEADS and not self.odd_informational
+        return (len(self.informational) <= client_codec.MAX_INFORMATIONAL_HEADS and not self.odd_informational
                 and self.version == b"1.1" and not self.close and not self.bodiless
                 and self.framing in ("length", "chunked") and not self.after and not self.eof)
 
@@ -187,7 +187,7 @@ def _append(events: list[tuple], item: tuple) -> None:
 
 
 def run_codec(method: bytes, pieces: list[bytes], eof: bool) -> Outcome:
-    client = codec.ClientCodec(MAX_HEAD)
+    client = client_codec.ClientCodec(MAX_HEAD)
     client.encode_request(method, b"/", b"up", [])
     events: list[tuple] = []
     feeds = [*pieces, b""] if eof else pieces
@@ -248,7 +248,7 @@ def run_reference(method: bytes, data: bytes, eof: bool) -> list[tuple]:
             kind = type(event)
             if kind is h11.InformationalResponse:
                 informational += 1
-                if informational > codec.MAX_INFORMATIONAL_HEADS:
+                if informational > client_codec.MAX_INFORMATIONAL_HEADS:
                     return [*events, ("error",)]  # the codec's cap
                 events.append(("info", event.status_code))
             elif kind is h11.Response:
@@ -303,7 +303,7 @@ def check(method: bytes, data: bytes, eof: bool, cuts: list[int]) -> Outcome:
     assert bytewise.events == whole.events, "the events depend on how the stream was split"
     assert split.reusable == whole.reusable == bytewise.reusable
     reference = run_reference(method, data, eof)
-    sniffing = not eof and len(data) <= codec._INFORMATIONAL_PREFIX and not whole.events
+    sniffing = not eof and len(data) <= client_codec._INFORMATIONAL_PREFIX and not whole.events
     if not (sniffing and reference == [("error",)]):  # h11 may refuse a first byte before the codec passes it on
         assert _same_as_reference(whole.events, reference), (whole.events, reference)
     if whole.reusable:
