@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test bench bench-core bench-tls bench-relay bench-features lint clean wrk
+.PHONY: install run test bench bench-core bench-tls bench-relay bench-features lint clean wrk fuzz-upstream
 
 install: $(STAMP)
 
@@ -40,6 +40,11 @@ bench-relay: install wrk
 # Run a subset with: python -m loadtest.bench_features --variants 0,5
 bench-features: install wrk
 	$(BIN)/python -m loadtest.bench_features --rounds 4
+
+# The upstream response parser's fuzzer, long and random (make test runs a short derandomized pass);
+# FUZZ_EXAMPLES=N sets the examples per property (default 20000).
+fuzz-upstream: install
+	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=0 tests/unit/test_client_codec_fuzz.py
 
 lint: install
 	$(BIN)/ruff check .

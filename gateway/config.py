@@ -92,11 +92,14 @@ class Timeouts(_Strict):
     header_read: Seconds = Seconds(10)
     keepalive_idle: Seconds = Seconds(75)
     graceful_shutdown: Seconds = Seconds(30)
+    # A response whose client reads nothing this long is cut and its upstream connection freed.
+    client_stall: Seconds = Seconds(60)
 
     _RANGES: ClassVar[dict[str, Range]] = {
         "header_read": (0.1, HOUR),
         "keepalive_idle": (0.1, DAY),
         "graceful_shutdown": (0, HOUR),  # 0: cut what is in flight at once
+        "client_stall": (1, DAY),
     }
 
     def __post_init__(self) -> None:

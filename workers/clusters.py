@@ -59,7 +59,8 @@ class UpstreamCluster:
                  "hashing", "_row", "_view", "_reader", "_reader_generation")
 
     def __init__(self, cluster: Cluster, spec: ClusterSpec, provider: int, provider_hop: bool,
-                 slot_map: dict[str, int], view: SharedEndpointState, row: WorkerRow, head_wait: float) -> None:
+                 slot_map: dict[str, int], view: SharedEndpointState, row: WorkerRow, head_wait: float,
+                 client_stall: float = 60.0) -> None:
         self.name = cluster.name
         self.provider = provider  # index in the worker's provider table (routing and shared provider state)
         self.provider_hop = provider_hop
@@ -81,6 +82,7 @@ class UpstreamCluster:
                 host, port, max_connections=cluster.max_connections,
                 connect_timeout=float(cluster.connect_timeout), read_timeout=float(cluster.read_timeout),
                 ssl_context=ssl_context, server_hostname=sni or host, head_wait=head_wait,
+                client_stall=client_stall,
             )
             self.endpoints.append(UpstreamEndpoint(slot, endpoint.address, endpoint.weight, pool))
         self.balancer = build_balancer(spec.strategy, self.endpoints, view, hash_header=spec.hash_header,
@@ -142,10 +144,11 @@ class ClusterManager:
         view = SharedEndpointState(segment, row.index)
         retry = config.routing.retry
         head_wait = min(float(retry.deadline), float(retry.first_byte_timeout or retry.deadline))
+        client_stall = float(config.timeouts.client_stall)
         self.provider_index = provider_index
         self._clusters = {
             cluster.name: UpstreamCluster(cluster, spec, provider_index[cluster.name], cluster.name in hop, slot_map,
-                                          view, row, head_wait)
+                                          view, row, head_wait, client_stall)
             for cluster, spec in zip(config.clusters, cluster_specs_from_config(config), strict=True)
         }
         self.by_provider: dict[int, UpstreamCluster] = {c.provider: c for c in self._clusters.values()}

@@ -243,9 +243,10 @@ class Forwarder:
                 response_headers.pop()  # the overhead header is re-measured on the next attempt
             cluster.record_failure(endpoint, relay.failure)
             req.owed += unanswered_tokens(relay.failure, conn.reused, req.estimate)
-            if _monotonic() >= deadline:
-                break
+            # Recorded first, so that a failure at the deadline is reported as what it was (a timeout: 504).
             if attempts.failed_before_head(endpoint, relay.failure, relay.detail, conn.reused) == Next.STOP:
+                break
+            if _monotonic() >= deadline:
                 break
         return attempts.error_reply()
 
@@ -276,7 +277,7 @@ class Forwarder:
         outcomes.access_log.record(  # by position, in the signature's order (tenant .. reasons)
             req.exchange, req.request_id, status, req.tenant, req.capability, route, attempt, endpoint.address,
             overhead, prompt, completion,
-            f"upstream_{failure.name.lower()}" if failure else "client_closed" if relay.client_left else None,
+            failure.code if failure else "client_closed" if relay.client_left else None,
             req.filtered, req.filtered_reasons,
         )
 

@@ -85,6 +85,7 @@ class ResponseRelay:
             self.retry_after = next((v for n, v in headers if n == b"retry-after"), None)
             if self.hold_retryable:
                 self.held_status = status
+                self.conn.resume()  # its body is read and discarded, whatever the client's pace
                 self._finish()
                 return
         out = []
@@ -148,10 +149,12 @@ class ResponseRelay:
             return  # the held answer counts; its body was being discarded
         self.failure, self.detail = failure, detail
         if self.response_started:
-            # After the first byte the attempt cannot be retried: end it visibly, never silently.
+            # After the first byte the attempt cannot be retried: end it visibly, never silently (a client
+            # that stopped reading would never read an error event: it is cut).
             exchange = self.exchange
-            if self.is_sse and not self.length_framed and not exchange.client_gone:
-                exchange.write(sse_error_event(f"upstream_{failure.name.lower()}", f"upstream stream failed: {detail}"))
+            readable = not exchange.client_gone and failure != Failure.CLIENT_STALLED
+            if self.is_sse and not self.length_framed and readable:
+                exchange.write(sse_error_event(failure.code, f"upstream stream failed: {detail}"))
                 exchange.end()
             else:
                 exchange.abort()
@@ -169,7 +172,7 @@ class ResponseRelay:
     # be back in the pool, serving someone else).
     def pause_writing(self) -> None:
         conn = self.conn
-        if conn.sink is self:
+        if conn.sink is self and not self.held_status:  # a held answer's body is discarded, not written
             conn.pause()
 
     def resume_writing(self) -> None:

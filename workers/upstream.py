@@ -2,11 +2,16 @@
 
 A connection delivers the response to a *sink* through five callbacks (head, data, flush, end,
 failed) instead of async iteration: streaming a chunk costs one method call, not a task switch.
-Framing doubt (both Content-Length and Transfer-Encoding, bytes after the end, a protocol error)
-means the connection is closed instead of being returned to the pool.
 
-Read timeouts use a deadline field and one timer per connection that is re-armed only when it fires
-(``last_activity`` moves the deadline; the timer re-checks), so a request costs no timer operations.
+A pooled connection serves every tenant in turn, so it goes back to the pool only when the codec says
+its last answer ended beyond doubt (``ClientCodec.reusable``: one framing, a body its status allows,
+nothing after the end); bytes that arrive while it sits idle close it too. Everything else (a
+protocol error, a timeout, a client that left) closes it. See docs/upstream.md.
+
+Deadlines use fields and one timer per connection that is re-armed only when it fires
+(``last_activity`` moves the deadline; the timer re-checks), so a request costs no timer operations:
+the response head's deadline, the read timeout (the provider's silence) and, while the client does not
+read (its socket paused the relay), ``timeouts.client_stall``.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import ssl
 import time
 from typing import Protocol
 
-from gateway.http import codec
+from gateway.http import client_codec, codec
 from gateway.request.failures import Failure
 from gateway.request.fair_queue import FairQueue
 
@@ -55,7 +60,7 @@ class UpstreamConnection(asyncio.Protocol):
     def __init__(self, pool: UpstreamPool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
-        self.codec = codec.ClientCodec()
+        self.codec = client_codec.ClientCodec()
         self.sink: UpstreamSink | None = None
         self.reused = False
         self.closed = False
@@ -122,8 +127,9 @@ class UpstreamConnection(asyncio.Protocol):
         self.last_activity = _monotonic()
         sink = self.sink
         if sink is None:
-            # Bytes while idle: the provider is not speaking HTTP as we understand it.
-            self._finish(reusable=False)
+            # Bytes nobody asked for (idle in the pool, or handed over and not yet sent on): they
+            # would be read as the next request's answer. The provider is not speaking HTTP as we do.
+            self.pool.discard(self)
             return
         parser = self.codec
         parser.feed(data)
@@ -146,6 +152,8 @@ class UpstreamConnection(asyncio.Protocol):
                 else:  # ConnectionClosed or PAUSED
                     self._fail(Failure.RESET, "connection closed before the response completed")
                     return
+        except client_codec.RefusedResponse as error:
+            self._fail(Failure.MALFORMED, str(error))
         except codec.ParseError:
             if data:
                 self._fail(Failure.MALFORMED, "malformed response")
@@ -173,9 +181,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def _on_end(self, sink: UpstreamSink) -> None:
         self.sink = None
-        parser = self.codec
-        # Both Content-Length and Transfer-Encoding (RFC 9112 §6.3): relayed as chunked, never reused.
-        self._finish(parser.reusable and not parser.framing_doubt)
+        self._finish(self.codec.reusable)
         sink.upstream_end()
 
     def _fail(self, failure: Failure, detail: str) -> None:
@@ -215,7 +221,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._timer = self._loop.call_later(max(when - _monotonic(), 0.0), self._on_timer)
 
     def _on_timer(self) -> None:
-        """The read and head deadlines: idle connections let the timer lapse (the next request re-arms it)."""
+        """The head, read and client-stall deadlines: idle connections let the timer lapse (the next
+        request re-arms it)."""
         self._timer = None
         if self.sink is None or self.closed:
             return
@@ -224,14 +231,23 @@ class UpstreamConnection(asyncio.Protocol):
             self._fail(Failure.TIMEOUT, "no response before the deadline")
             return
         pool = self.pool
-        limit = pool.read_timeout
-        idle = now - self.last_activity
-        if self._paused or idle < limit:
-            # A paused stream waits on the client, not the provider; re-check later.
-            wake = min(max(now + limit - idle, now + 0.05), now + pool.timer_period)
-            self._arm(wake if self._got_head else min(wake, self._head_deadline))
-            return
-        self._fail(Failure.TIMEOUT, f"no response bytes for {limit:g}s")
+        idle = now - self.last_activity  # while paused: since the bytes that filled the client's buffer
+        if not self._paused:
+            limit = pool.read_timeout
+            if idle >= limit:
+                self._fail(Failure.TIMEOUT, f"no response bytes for {limit:g}s")
+                return
+        elif self._got_head:
+            # The stream waits on the client, not the provider: a client that reads nothing for this
+            # long is cut, so that it cannot hold an upstream connection (a pool slot) forever.
+            limit = pool.client_stall
+            if idle >= limit:
+                self._fail(Failure.CLIENT_STALLED, f"the client read nothing for {limit:g}s")
+                return
+        else:  # paused before the head (the client is behind on an earlier answer): the head deadline rules
+            limit, idle = pool.timer_period, 0.0
+        wake = min(max(now + limit - idle, now + 0.05), now + pool.timer_period)
+        self._arm(wake if self._got_head else min(wake, self._head_deadline))
 
 
 class UpstreamPool:
@@ -253,6 +269,7 @@ class UpstreamPool:
         server_hostname: str | None = None,
         wait_timeout: float | None = None,
         head_wait: float = _INF,
+        client_stall: float = 60.0,
         max_waiters: int = MAX_WAITERS,
     ) -> None:
         self.host = host
@@ -263,8 +280,9 @@ class UpstreamPool:
         self.ssl_context = ssl_context
         self.server_hostname = server_hostname
         self.wait_timeout = connect_timeout if wait_timeout is None else wait_timeout
+        self.client_stall = client_stall  # a stream whose client reads nothing this long is cut
         # The longest a connection timer sleeps: the shortest deadline a request usually gets.
-        self.timer_period = min(read_timeout, head_wait)
+        self.timer_period = min(read_timeout, head_wait, client_stall)
         self.loop = asyncio.get_running_loop()
         self.idle: list[UpstreamConnection] = []
         self.open_count = 0
@@ -336,7 +354,8 @@ class UpstreamPool:
             )
         except TimeoutError:
             self._slot_freed()
-            raise ConnectFailed(Failure.CONNECT_TIMEOUT, f"connect timed out after {limit:g}s") from None
+            detail = f"connect timed out after {max(limit, 0.0):.3g}s"
+            raise ConnectFailed(Failure.CONNECT_TIMEOUT, detail) from None
         except ssl.SSLError as error:
             self._slot_freed()
             raise ConnectFailed(Failure.REFUSED, f"TLS handshake failed: {error.reason or 'error'}") from None
@@ -361,6 +380,14 @@ class UpstreamPool:
         if not conn.slot_returned:  # a connection frees its slot once, however many paths end it
             conn.slot_returned = True
             self._slot_freed()
+
+    def discard(self, conn: UpstreamConnection) -> None:
+        """Close a connection that must not carry another request, wherever it is (idle or handed over)."""
+        try:
+            self.idle.remove(conn)
+        except ValueError:
+            pass
+        self.release(conn, reusable=False)
 
     def connection_gone(self, conn: UpstreamConnection) -> None:
         """An idle connection was closed by the provider: drop it so it is never reused."""

@@ -8,12 +8,13 @@ next message:
 
 - server side (``ServerCodec``): a fresh parser per request cycle, seeded with the bytes already
   received (pipelining), so responses never pass through it;
-- client side (``ClientCodec``): a fresh parser per response; only a HEAD request (its answer has no
-  body) or a 1xx head needs a canned request event passed through h11 first.
+- client side (``ClientCodec``, in gateway/http/client_codec.py, also reachable here): a fresh parser
+  per response; only a HEAD request (its answer has no body) or a 1xx head needs a canned request
+  event passed through h11 first.
 
 Bodies framed by a Content-Length are counted off by ``BodyReader`` instead of h11 (the server asks
-for it with ``read_body``; the client does it for every length-framed response): h11 then parses heads
-only, and its per-event state machine is skipped for the bodies. Chunked request bodies go through the
+for it with ``read_body``; the client counts every length-framed response body itself): h11 then
+parses heads only, and its per-event state machine is skipped for the bodies. Chunked request bodies go through the
 strict decoder of gateway/http/framing.py the same way; chunked responses stay with h11.
 
 Events: the gateway reads only the attributes documented here, so swapping the parser is a change
@@ -329,118 +330,12 @@ def _own_event(event):  # h11's body events become the codec's own; heads pass a
     return event
 
 
-# Parsing a response needs no request event, except to learn that the request was a HEAD (its answer
-# has no body) or when a 1xx head arrives (h11 accepts those only after a request): then a canned
-# request of the right method is passed through h11 first; its bytes are discarded.
-_CANNED_HOST = [(b"host", b"upstream")]
-_canned_requests: dict[bytes, h11.Request] = {}
-_CANNED_LIMIT = 64
-_END = h11.EndOfMessage()
-_INFORMATIONAL_PREFIX = len(b"HTTP/1.1 ")  # the status code's first digit follows
+def __getattr__(name: str):  # -> the client side's public names, which live in their own module
+    if name in _CLIENT_NAMES:
+        from gateway.http import client_codec
+
+        return getattr(client_codec, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _canned_request(method: bytes) -> h11.Request:
-    event = _canned_requests.get(method)
-    if event is None:
-        event = h11.Request(method=method, target=b"/", headers=_CANNED_HOST)
-        if len(_canned_requests) < _CANNED_LIMIT:
-            _canned_requests[method] = event
-    return event
-
-
-class ClientCodec:
-    """One upstream connection: serialises requests, parses the responses (a fresh parser per response)."""
-
-    __slots__ = ("_parser", "_max_head", "_method", "_primed", "_head_start", "_body", "keep_alive",
-                 "head_headers", "framing_doubt")
-
-    def __init__(self, max_header_bytes: int = 65536) -> None:
-        self._max_head = max_header_bytes
-        self._parser = h11.Connection(h11.CLIENT, max_incomplete_event_size=max_header_bytes)
-        self._method = b"GET"
-        self._primed = False  # a canned request went through the parser for this response
-        self._head_start = b""  # the first bytes of a response, until its status class is known
-        self._body: BodyReader | None = None  # a length-framed body counted off here
-        self.keep_alive = True  # the response lets the connection be reused
-        self.head_headers: list[tuple[bytes, bytes]] = []  # the last response head's headers, as a plain list
-        self.framing_doubt = False  # the last head had both Content-Length and Transfer-Encoding
-
-    def encode_request(self, method: bytes, target: bytes, host: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
-        """The request head bytes: Host first, then ``headers`` (with the body framing, Content-Length);
-        the body follows as raw bytes."""
-        self._method = method
-        if method == b"HEAD":
-            self._prime()
-        return _head_bytes(method + b" " + target + b" HTTP/1.1\r\nhost: " + host, headers)
-
-    def _prime(self) -> None:
-        if not self._primed:
-            self._primed = True
-            parser = self._parser
-            parser.send(_canned_request(self._method))
-            parser.send(_END)
-
-    def feed(self, data: bytes) -> None:
-        if self._body is not None:
-            self._body.feed(data)
-            return
-        if not data and self._head_start:  # the provider closed in the middle of a status line
-            self._parser.receive_data(self._head_start)
-            self._head_start = b""
-        elif not self._primed and self._parser.their_state is h11.IDLE and data:
-            # Before the status line is parsed: a 1xx head needs the request passed through h11 first.
-            head = self._head_start + data
-            if len(head) <= _INFORMATIONAL_PREFIX:
-                self._head_start = head
-                return
-            self._head_start = b""
-            if head[_INFORMATIONAL_PREFIX:_INFORMATIONAL_PREFIX + 1] == b"1":
-                self._prime()
-            data = head
-        self._parser.receive_data(data)
-
-    def next_event(self):  # -> ResponseHead | Informational | Body | EndOfMessage | ConnectionClosed | ...
-        if self._body is not None:
-            try:
-                return self._body.next_event()
-            except ParseError as error:
-                raise ParseError(str(error), 502) from None
-        try:
-            event = self._parser.next_event()
-        except h11.RemoteProtocolError as error:
-            raise ParseError(str(error), 502) from None
-        if type(event) is h11.Response:
-            self._on_head(event)
-            return event
-        return _own_event(event)
-
-    def _on_head(self, event: h11.Response) -> None:
-        headers = self.head_headers = header_pairs(event.headers)
-        length = -1
-        chunked = close = False
-        for name, value in headers:
-            if name == b"content-length":
-                length = int(value)  # h11 accepted it: digits
-            elif name == b"transfer-encoding":
-                chunked = True
-            elif name == b"connection" and b"close" in value.lower():
-                close = True
-        self.framing_doubt = chunked and length >= 0
-        self.keep_alive = event.http_version == b"1.1" and not close
-        if length >= 0 and not chunked and self._method != b"HEAD" and event.status_code not in (204, 304):
-            self._body = BodyReader(self._parser.trailing_data[0], length, None)
-
-    @property
-    def reusable(self) -> bool:
-        """The response ended cleanly, kept the connection alive, and nothing unexpected followed it."""
-        body = self._body
-        if body is not None:
-            return body.ended and not body.stash and self.keep_alive
-        parser = self._parser
-        return parser.their_state is h11.DONE and not parser.trailing_data[0] and not self._head_start
-
-    def next_cycle(self) -> None:
-        """A fresh parser for the next response on this connection (called only when ``reusable``)."""
-        self._parser = h11.Connection(h11.CLIENT, max_incomplete_event_size=self._max_head)
-        self._primed = False
-        self._body = None
+_CLIENT_NAMES = frozenset(("ClientCodec", "RefusedResponse", "MAX_INFORMATIONAL_HEADS"))

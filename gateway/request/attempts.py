@@ -129,7 +129,7 @@ class ProviderAttempts(Generic[E]):
         if failure is None:
             return ErrorReply(502, "upstream_unavailable", f"{provider}: no endpoint available")
         message = f"{provider}: {self.detail}"
-        if failure == Failure.TIMEOUT:
+        if failure == Failure.TIMEOUT:  # a connect timeout is a connect failure: 502, like a refusal
             return ErrorReply(504, "upstream_timeout", message)
         if failure == Failure.MALFORMED:
             return ErrorReply(502, "bad_upstream_response", message)

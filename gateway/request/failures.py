@@ -14,4 +14,14 @@ class Failure(IntEnum):
     TIMEOUT = 4  # no response bytes within the read (or first-byte) deadline
     MALFORMED = 5  # the response was not valid HTTP/1.1
     BUSY = 6  # every connection to the endpoint was in use past the wait deadline
+    CLIENT_STALLED = 7  # the client read nothing of the response for timeouts.client_stall
+
+    @property
+    def code(self) -> str:
+        """The error code of the access log and of a stream's error event."""
+        return _CODES[self]
+
+
+_CODES = {failure: f"upstream_{failure.name.lower()}" for failure in Failure}
+_CODES[Failure.CLIENT_STALLED] = "client_stalled"
 

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from gateway.request.failures import Failure
 from workers.upstream import PoolExhausted, UpstreamPool
 
 
@@ -127,6 +128,49 @@ def test_idle_connection_closed_by_the_provider_is_evicted_and_its_slot_freed():
         assert pool.idle == [] and pool.open_count == 0
         fresh = await pool.acquire()
         assert fresh is not conn and server.accepted == 2
+
+    run(scenario)
+
+
+def test_bytes_arriving_on_an_idle_connection_close_it_and_free_its_slot():
+    async def scenario(server, port):
+        pool = pool_for(port)
+        conn = await pool.acquire()
+        pool.release(conn, reusable=True)
+        server.transports[0].write(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nleak")  # nobody asked
+        for _ in range(100):
+            if conn.closed:
+                break
+            await asyncio.sleep(0.01)
+        # Out of the pool at once (not left for the next acquire to skip), its slot free for a fresh one.
+        assert conn.closed and pool.idle == [] and pool.open_count == 0
+        fresh = await pool.acquire()
+        assert fresh is not conn and server.accepted == 2
+
+    run(scenario)
+
+
+def test_bytes_arriving_before_a_handed_over_connection_is_used_make_its_request_fail_as_a_reset():
+    async def scenario(server, port):
+        pool = pool_for(port)
+        first = await pool.acquire()
+        waiter = asyncio.ensure_future(pool.acquire())
+        await asyncio.sleep(0.01)
+        pool.release(first, reusable=True)  # handed to the waiter, which has not run yet ...
+        first.data_received(b"HTTP/1.1 200 OK\r\n")  # ... when unasked bytes arrive
+        handed = await waiter
+        assert handed is first and handed.closed and pool.open_count == 0
+
+        class Sink:
+            failure = None
+
+            def upstream_failed(self, failure, detail):
+                self.failure = failure
+
+        sink = Sink()
+        handed.send_request(sink, b"POST", b"/", b"up", [], b"")
+        assert sink.failure == Failure.RESET  # retried on a fresh connection by the proxy, never answered
+        assert pool.open_count == 0  # the slot was returned once, not twice
 
     run(scenario)
 
