@@ -16,6 +16,7 @@ import msgspec
 
 from gateway.auth import is_key_digest
 from gateway.net import parse_host_port
+from gateway.request.routes import mcp_path_problem, parse_route_rule
 from gateway.yaml_config import ConfigError, Seconds, convert_yaml, read_text
 
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
@@ -123,10 +124,17 @@ class Cluster(_Strict):
     upstream_auth: UpstreamAuth | None = None
     health_check: HealthCheck | None = None
     outlier_detection: OutlierDetection | None = None
+    # "METHOD /path/glob" routes beyond the defaults, sent only to this cluster (docs/security.md).
+    allowed_routes: list[str] = []
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("name: must not be empty")
+        for index, rule in enumerate(self.allowed_routes):
+            try:
+                parse_route_rule(rule)
+            except ValueError as exc:
+                raise ValueError(f"allowed_routes[{index}]: {exc}") from None
         if not self.endpoints:
             raise ValueError("endpoints: must not be empty")
         for entry in self.endpoints:
@@ -287,9 +295,14 @@ class Routing(_Strict):
     stable_hash_key: list[str] = msgspec.field(default_factory=lambda: ["tenant", "session"])
     models: list[ModelFacts] = []
     pin_header: str = "X-Gridgate-Pin"
+    # The MCP endpoint (streamable HTTP: POST, GET, DELETE); null: none (docs/security.md).
+    mcp_path: str | None = "/mcp"
 
     def __post_init__(self) -> None:
         _check_stable_hash_key(self.stable_hash_key)
+        problem = None if self.mcp_path is None else mcp_path_problem(self.mcp_path)
+        if problem:
+            raise ValueError(f"mcp_path: {self.mcp_path!r} {problem}")
         for name in ("model_header", "pin_header"):
             if not is_header_name(getattr(self, name)):
                 raise ValueError(f"{name}: not a valid header name")
