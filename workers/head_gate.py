@@ -114,13 +114,11 @@ class HeadGate:
         return tenant
 
 
-def route_not_allowed(method: bytes, target: bytes, request_id: bytes, tenant: str | None,
-                      detail: str = "") -> HeadRefusal:
-    """404 ``route_not_allowed``: the route is not one the gateway forwards (or not to this provider)."""
+def route_not_allowed(method: bytes, target: bytes, request_id: bytes, tenant: str | None) -> HeadRefusal:
+    """404 ``route_not_allowed``: not a route the gateway serves (docs/security.md)."""
     path = target.split(b"?", 1)[0].decode("latin-1")
     if len(path) > 200:
         path = path[:200] + "..."
-    message = (f"{method.decode('latin-1')} {path} is not a route this gateway serves"
-               f"{detail}; see the allowed routes in the gateway's docs/security.md")
+    message = f"{method.decode('latin-1')} {path} is not a route this gateway serves"
     return HeadRefusal(404, "route_not_allowed", message, [(b"x-request-id", request_id)],
                        request_id=request_id, method=method, target=target, tenant=tenant)
