@@ -56,7 +56,10 @@ class Exchange:
         self.close_after = False
         self.listener: ExchangeListener | None = None
         self.peer = conn.peer
-        self.admitted = conn.admitted  # the head gate's verdict (workers/head_gate.py), None without a gate
+        # The head gate's verdict (workers/head_gate.py; None without a gate), taken off the connection so
+        # an idle keep-alive connection holds nothing of its last request.
+        self.admitted = conn.admitted
+        conn.admitted = None
         self.t_first_byte = 0.0  # when the response head was queued (the access log's first_byte_ms)
         self.bytes_out = 0  # response body bytes written
 

@@ -83,7 +83,8 @@ class HeadGate:
                  headers: list[tuple[bytes, bytes]]) -> Admitted | HeadRefusal:
         scanned = self.header_plan.scan(headers)
         request_id = scanned.request_id or self.ids.next()
-        tenant = ANONYMOUS_TENANT if self.auth is None else self.authenticate(conn, scanned)
+        auth = self.auth
+        tenant = ANONYMOUS_TENANT if auth is None else self.authenticate(conn, scanned, auth)
         if tenant is None:
             missing = scanned.authorization is None and scanned.api_key is None
             return HeadRefusal(401, "invalid_api_key", _MISSING_KEY if missing else _INVALID_KEY,
@@ -94,7 +95,7 @@ class HeadGate:
             return route_not_allowed(method, target, request_id, tenant)
         return Admitted(route, tenant, scanned, request_id)
 
-    def authenticate(self, conn: GatedConnection, headers: RequestHeaders) -> str | None:
+    def authenticate(self, conn: GatedConnection, headers: RequestHeaders, auth: Authenticator) -> str | None:
         """The tenant of the presented key, or None (missing or unknown).
 
         A keep-alive client sends the same key with every request: when both key headers equal those
@@ -107,8 +108,7 @@ class HeadGate:
         memo = conn.auth_memo
         if memo is not None and compare_digest(memo[0], authorization) and compare_digest(memo[1], api_key):
             return memo[2]
-        assert self.auth is not None
-        tenant = self.auth.authenticate(headers.authorization, headers.api_key)
+        tenant = auth.authenticate(headers.authorization, headers.api_key)
         if tenant is not None:
             conn.auth_memo = (authorization, api_key, tenant)
         return tenant

@@ -122,6 +122,7 @@ class Worker:
         self.auth = Authenticator([(key.tenant, key.key) for key in auth.keys]) if auth is not None else None
         self.quota: QuotaGate | None = None
         self.clusters: ClusterManager | None = None
+        self.head_gate: HeadGate | None = None
         self.access_log: AccessLog | None = None
         tls = self.config.server_tls
         self.tls = None if tls is None else ReloadableServerTls(
@@ -153,7 +154,8 @@ class Worker:
         return WorkerMetrics(table.row(self.row.index), clusters, tenants)
 
     async def _build_proxy(self) -> Proxy:
-        """The parts that need the running loop (pools, the quota client), then the request handler."""
+        """The parts that need the running loop (pools, the quota client), then the head gate and the request
+        handler."""
         config = self.config
         quota = config.quota
         if quota is not None and self.ctx.quota_url:
@@ -174,11 +176,11 @@ class Worker:
         )
         routes = RouteTable(routing.mcp_path, [(c.name, c.allowed_routes) for c in config.clusters],
                             self.provider_index)
-        gate = HeadGate(routes, self.auth, header_plan)
+        self.head_gate = HeadGate(routes, self.auth, header_plan)
         return Proxy(
-            settings=settings, gate=gate, tenants=TenantPolicies(config.tenants), overlay=self.overlay,
-            router=self.router, clusters=clusters, providers=self.providers, quota=self.quota,
-            metrics=self.metrics, access_log=self.access_log,
+            settings=settings, tenants=TenantPolicies(config.tenants), overlay=self.overlay, router=self.router,
+            clusters=clusters, providers=self.providers, quota=self.quota, metrics=self.metrics,
+            access_log=self.access_log,
         )
 
     async def serve(self) -> int:
@@ -187,7 +189,7 @@ class Worker:
         proxy = await self._build_proxy()
         state = ServerState(ServerSettings(self.config), proxy.handle)
         state.on_reject = self._rejected
-        state.head_gate = proxy.gate  # key and route decided on the head, before any body is read
+        state.head_gate = self.head_gate  # key and route decided on the head, before any body is read
         try:
             sock = self._listener()
         except OSError as error:

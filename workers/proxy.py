@@ -33,7 +33,7 @@ from workers.access_log import AccessLog
 from workers.clusters import ClusterManager
 from workers.exchange import Exchange
 from workers.forwarding import Forwarder, ProxyRequest
-from workers.head_gate import Admitted, HeadGate, HeadRefusal
+from workers.head_gate import Admitted
 from workers.outcomes import Outcomes
 from workers.overlay_follower import OverlayFollower
 from workers.providers import ProviderStates
@@ -49,12 +49,11 @@ class Proxy:
     """Per-worker request handler; ``handle`` runs once per request."""
 
     def __init__(
-        self, *, settings: ProxySettings, gate: HeadGate, tenants: TenantPolicies, overlay: OverlayFollower,
-        router: Router, clusters: ClusterManager, providers: ProviderStates, quota: QuotaGate | None,
-        metrics: WorkerMetrics, access_log: AccessLog,
+        self, *, settings: ProxySettings, tenants: TenantPolicies, overlay: OverlayFollower, router: Router,
+        clusters: ClusterManager, providers: ProviderStates, quota: QuotaGate | None, metrics: WorkerMetrics,
+        access_log: AccessLog,
     ) -> None:
         self.settings = settings
-        self.gate = gate
         self.tenants = tenants
         self.overlay = overlay
         self.router = router
@@ -67,11 +66,9 @@ class Proxy:
                                    providers=providers, outcomes=self.outcomes)
 
     async def handle(self, exchange: Exchange) -> None:
-        admitted = exchange.admitted
-        if admitted is None:  # a server without the head gate in front: the same decision, now
-            admitted = self.gate(exchange.conn, exchange.method, exchange.target, exchange.headers)
-            if type(admitted) is not Admitted:
-                return self.refused(exchange, admitted)
+        admitted: Admitted | None = exchange.admitted  # key, route and headers, decided on the head
+        if admitted is None:  # fail closed: nothing is forwarded unless the head gate admitted it
+            raise RuntimeError("the server in front of the proxy runs no head gate (workers/head_gate.py)")
         headers = admitted.headers
         request_id = admitted.request_id
         tenant = admitted.tenant
@@ -138,13 +135,6 @@ class Proxy:
             raise
 
     # -- steps ------------------------------------------------------------------------------------
-    def refused(self, exchange: Exchange, refusal: HeadRefusal) -> None:
-        """The gate refused a request whose body was read already (no gate in front of the server)."""
-        exchange.send_error(refusal)  # its headers carry the request id
-        self.metrics.request(None, refusal.status)
-        self.access_log.record(exchange, refusal.request_id, refusal.status, tenant=refusal.tenant,
-                               error=refusal.code)
-
     def models(self, exchange: Exchange, policy: Policy, request_id: bytes, tenant: str) -> None:
         """``GET /v1/models`` (the list the tenant may use) and ``GET /v1/models/{id}``, from the overlay."""
         target = exchange.target.split(b"?", 1)[0]
