@@ -111,6 +111,7 @@ class Proxy:
         key = self.hash_key(tenant, session, request_id, headers) if settings.stable_hash_key else b""
         if not settings.affinity_enabled:
             session = None
+        rebinds = session if barred is None else None  # a barred request never moves a session's binding
         route = pinned or self.route(capability, session, needs, key, barred)
         if type(route) is ErrorReply:
             self.outcomes.settle(admission, Settlement.RELEASE)
@@ -122,7 +123,7 @@ class Proxy:
         filtered = self.router.filtered if pinned is None else 0
         body, metering = upstream_body(capability, exchange.body, admission)
         request = ProxyRequest(
-            exchange, request_id, tenant, policy.batch, name, admission, session, needs, key, filtered,
+            exchange, request_id, tenant, policy.batch, name, admission, rebinds, needs, key, filtered,
             self.router.filtered_reasons if filtered else 0,
             headers.balance_keys, body, metering, forwarded_headers(exchange, headers, request_id, body),
             [(b"x-gridgate-filtered", b"%d" % filtered)] if filtered and self.settings.route_headers else [],

@@ -200,7 +200,8 @@ class Router:
         decision = self._select(plan, outcome, excluded, blocked, key)  # type: ignore[arg-type]
         if decision is None:
             return plan.unavailable
-        table.bind(session_key, decision.candidate.stable_id_hash, plan.capability_hash, now + self._ttl)
+        if excluded is None or outcome == NEW:  # a barred request never moves a session's binding
+            table.bind(session_key, decision.candidate.stable_id_hash, plan.capability_hash, now + self._ttl)
         return decision
 
     def failover(self, first: RouteDecision, tried: Collection[int], needs: Needs | None = None,

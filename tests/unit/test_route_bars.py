@@ -83,10 +83,15 @@ def test_failover_never_moves_to_a_barred_provider() -> None:
     assert r.failover(first, [INDEX["a"]]).cluster == "b"  # type: ignore[union-attr]  # without the bar
 
 
-def test_a_session_bound_to_a_barred_provider_is_not_reused_for_the_barred_route() -> None:
+def test_a_session_bound_to_a_barred_provider_is_served_elsewhere_and_keeps_its_binding() -> None:
     table = AffinityTable(memoryview(mmap.mmap(-1, AffinityTable.required_bytes(64))), 64)
     r = router(affinity=table)
     snapshot = snap(mode="deterministic")
     assert route(r, snapshot, frozenset(), b"s1").cluster == "a"  # bound to a
     moved = route(r, snapshot, frozenset({INDEX["a"]}), b"s1")
     assert (moved.cluster, moved.affinity) == ("b", "failover")
+    kept = route(r, snapshot, frozenset(), b"s1")  # the session's other requests stay where they were
+    assert (kept.cluster, kept.affinity) == ("a", "reused")
+    fresh = route(r, snapshot, frozenset({INDEX["a"]}), b"s2")  # a new session is bound where it was served
+    assert (fresh.cluster, fresh.affinity) == ("b", "new")
+    assert route(r, snapshot, frozenset(), b"s2").affinity == "reused"
