@@ -26,6 +26,7 @@ from gateway.config_routing import (  # noqa: F401 - the routing schema, re-expo
     is_header_name,
 )
 from gateway.net import parse_host_port
+from gateway.request.routes import parse_route_rule
 from gateway.yaml_config import (  # noqa: F401 - Seconds, read_text and convert_yaml are re-exported
     DAY,
     HOUR,
@@ -179,6 +180,8 @@ class Cluster(_Strict):
     upstream_auth: UpstreamAuth | None = None
     health_check: HealthCheck | None = None
     outlier_detection: OutlierDetection | None = None
+    # "METHOD /path/glob" routes beyond the defaults, sent only to this cluster (docs/security.md).
+    allowed_routes: list[str] = []
 
     _RANGES: ClassVar[dict[str, Range]] = {
         "connect_timeout": (0.01, 5 * MINUTE),
@@ -190,6 +193,11 @@ class Cluster(_Strict):
         check_ranges(self, self._RANGES)
         if not self.name:
             raise ValueError("name: must not be empty")
+        for index, rule in enumerate(self.allowed_routes):
+            try:
+                parse_route_rule(rule)
+            except ValueError as exc:
+                raise ValueError(f"allowed_routes[{index}]: {exc}") from None
         if not self.endpoints:
             raise ValueError("endpoints: must not be empty")
         for entry in self.endpoints:

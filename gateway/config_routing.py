@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
+from gateway.request.routes import mcp_path_problem
 from gateway.yaml_config import DAY, HOUR, MINUTE, Range, Seconds, StrictStruct, check_ranges
 
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
@@ -168,12 +169,17 @@ class Routing(StrictStruct):
     stable_hash_key: list[str] = msgspec.field(default_factory=lambda: ["tenant", "session"])
     models: list[ModelFacts] = []
     pin_header: str = "X-Gridgate-Pin"
+    # The MCP endpoint (streamable HTTP: POST, GET, DELETE); null: none (docs/security.md).
+    mcp_path: str | None = "/mcp"
 
     _RANGES: ClassVar[dict[str, Range]] = {"overlay_max_age": (1, 365 * DAY), "reload_debounce": (0, MINUTE)}
 
     def __post_init__(self) -> None:
         check_ranges(self, self._RANGES)
         _check_stable_hash_key(self.stable_hash_key)
+        problem = None if self.mcp_path is None else mcp_path_problem(self.mcp_path)
+        if problem:
+            raise ValueError(f"mcp_path: {self.mcp_path!r} {problem}")
         for name in ("model_header", "pin_header"):
             if not is_header_name(getattr(self, name)):
                 raise ValueError(f"{name}: not a valid header name")

@@ -129,11 +129,13 @@ class AccessLog:
             tokens_prompt, tokens_completion, error, filtered, reasons,
         ))
 
-    def rejected(self, status: int, error: str) -> None:
-        """A request refused before it reached the handler (malformed HTTP, limits, timeouts)."""
+    def rejected(self, status: int, error: str, request_id: bytes | None = None, method: bytes | None = None,
+                 target: bytes | None = None, tenant: str | None = None) -> None:
+        """A request refused before it reached the handler (malformed HTTP, limits, timeouts; or refused on
+        its head by the head gate, which knows the request's id, method, path and maybe tenant)."""
         if self.writer is not None:
-            self._keep(self.writer, (_perf(), None, 0.0, None, None, None, status, None, None, None, 0, None, None,
-                                     0, 0, None, None, error, 0, 0))
+            self._keep(self.writer, (_perf(), None, 0.0, method, target, request_id, status, tenant, None, None, 0,
+                                     None, None, 0, 0, None, None, error, 0, 0))
 
     def _keep(self, writer: LineWriter, entry: tuple[Any, ...]) -> None:
         """Hold a line's values for the next write-out (dropped and counted past the bound). The first

@@ -37,7 +37,7 @@ class Exchange:
     __slots__ = (
         "conn", "method", "target", "version", "headers", "body", "t_start", "started", "finished",
         "close_after", "listener", "peer", "t_first_byte",
-        "bytes_out", "response_headers",
+        "bytes_out", "response_headers", "admitted",
     )
 
     def __init__(
@@ -56,6 +56,10 @@ class Exchange:
         self.close_after = False
         self.listener: ExchangeListener | None = None
         self.peer = conn.peer
+        # The head gate's verdict (workers/head_gate.py; None without a gate), taken off the connection so
+        # an idle keep-alive connection holds nothing of its last request.
+        self.admitted = conn.admitted
+        conn.admitted = None
         self.t_first_byte = 0.0  # when the response head was queued (the access log's first_byte_ms)
         self.bytes_out = 0  # response body bytes written
 

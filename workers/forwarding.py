@@ -48,7 +48,8 @@ class ProxyRequest:
 
     __slots__ = (
         "exchange", "request_id", "tenant", "batch", "capability", "admission", "session", "needs", "key",
-        "filtered", "filtered_reasons", "balance_keys", "body", "metering", "forward", "evidence", "owed",
+        "filtered", "filtered_reasons", "balance_keys", "body", "metering", "forward", "evidence", "barred",
+        "owed",
     )
 
     def __init__(
@@ -56,6 +57,7 @@ class ProxyRequest:
         admission: Admission | None, session: bytes | None, needs: Needs | None, key: bytes, filtered: int,
         filtered_reasons: int, balance_keys: dict[bytes, bytes] | None, body: bytes, metering: bool | None,
         forward: list[tuple[bytes, bytes]], evidence: list[tuple[bytes, bytes]],
+        barred: frozenset[int] | None = None,
     ) -> None:
         self.exchange = exchange
         self.request_id = request_id
@@ -73,6 +75,7 @@ class ProxyRequest:
         self.metering = metering  # None: not metered; True: the body was rewritten to ask for usage
         self.forward = forward  # the headers every attempt sends
         self.evidence = evidence  # extra evidence headers (x-gridgate-filtered)
+        self.barred = barred  # providers its route may not reach (docs/security.md); failover skips them too
         self.owed = 0  # tokens the attempts that ended without serving cost (gateway.request.attempts)
 
     @property
@@ -118,7 +121,7 @@ class Forwarder:
             failover.failed(route.provider, outcome)
             if not failover.may_try_another(_monotonic()) or exchange.client_gone or route.mode == "pinned":
                 break
-            following = self.router.failover(first, failover.tried, req.needs, req.key)
+            following = self.router.failover(first, failover.tried, req.needs, req.key, req.barred)
             if following is None:
                 break
             self.outcomes.metrics.failover(cluster.name)

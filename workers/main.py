@@ -47,6 +47,7 @@ from gateway.quota.counters import configured_tenants
 from gateway.quota.gate import QuotaGate
 from gateway.quota.ledger import QuotaLedger
 from gateway.request.headers import HeaderPlan
+from gateway.request.routes import RouteTable
 from gateway.routing import Router
 from gateway.routing.eligibility import FactsTable
 from gateway.routing.tenants import TenantPolicies
@@ -57,6 +58,7 @@ from shm.providers import ProviderCells
 from shm.segment import Segment
 from workers.access_log import AccessLog
 from workers.clusters import ClusterManager
+from workers.head_gate import HeadGate, HeadRefusal
 from workers.overlay_follower import OverlayFollower
 from workers.providers import ProviderStates
 from workers.proxy import Proxy
@@ -120,6 +122,7 @@ class Worker:
         self.auth = Authenticator([(key.tenant, key.key) for key in auth.keys]) if auth is not None else None
         self.quota: QuotaGate | None = None
         self.clusters: ClusterManager | None = None
+        self.head_gate: HeadGate | None = None
         self.access_log: AccessLog | None = None
         tls = self.config.server_tls
         self.tls = None if tls is None else ReloadableServerTls(
@@ -151,7 +154,8 @@ class Worker:
         return WorkerMetrics(table.row(self.row.index), clusters, tenants)
 
     async def _build_proxy(self) -> Proxy:
-        """The parts that need the running loop (pools, the quota client), then the request handler."""
+        """The parts that need the running loop (pools, the quota client), then the head gate and the request
+        handler."""
         config = self.config
         quota = config.quota
         if quota is not None and self.ctx.quota_url:
@@ -165,15 +169,19 @@ class Worker:
         settings = ProxySettings.from_config(config)
         header_plan = HeaderPlan(
             routing.model_header,
-            session_header=affinity.header if affinity.enabled else None,
+            # Scanned for affinity, and for a stable_hash key that names the session (affinity on or not).
+            session_header=affinity.header if settings.session_fact else None,
             pin_header=routing.pin_header,
             balance_key_headers=[*clusters.balance_key_headers(), *settings.stable_hash_headers()],
             credential_headers=[c.upstream_auth.header for c in config.clusters if c.upstream_auth is not None],
         )
+        routes = RouteTable(routing.mcp_path, [(c.name, c.allowed_routes) for c in config.clusters],
+                            self.provider_index)
+        self.head_gate = HeadGate(routes, self.auth, header_plan)
         return Proxy(
-            settings=settings, header_plan=header_plan, auth=self.auth, tenants=TenantPolicies(config.tenants),
-            overlay=self.overlay, router=self.router, clusters=clusters, providers=self.providers,
-            quota=self.quota, metrics=self.metrics, access_log=self.access_log,
+            settings=settings, tenants=TenantPolicies(config.tenants), overlay=self.overlay, router=self.router,
+            clusters=clusters, providers=self.providers, quota=self.quota, metrics=self.metrics,
+            access_log=self.access_log,
         )
 
     async def serve(self) -> int:
@@ -182,6 +190,7 @@ class Worker:
         proxy = await self._build_proxy()
         state = ServerState(ServerSettings(self.config), proxy.handle)
         state.on_reject = self._rejected
+        state.head_gate = self.head_gate  # key and route decided on the head, before any body is read
         try:
             sock = self._listener()
         except OSError as error:
@@ -242,7 +251,11 @@ class Worker:
     def _rejected(self, reply: ErrorReply) -> None:
         self.metrics.request(None, reply.status)
         if self.access_log is not None:
-            self.access_log.rejected(reply.status, reply.code)
+            if type(reply) is HeadRefusal:  # refused on its head: the line names the request
+                self.access_log.rejected(reply.status, reply.code, reply.request_id, reply.method, reply.target,
+                                         reply.tenant)
+            else:
+                self.access_log.rejected(reply.status, reply.code)
 
     def _request_reload(self) -> None:
         self.reload_requested = True

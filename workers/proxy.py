@@ -1,6 +1,6 @@
-"""The request lifecycle, top to bottom: headers -> authenticate -> tenant policy -> capability ->
-pin -> admit (quota) -> route -> forward (workers/forwarding.py: providers, endpoints, relay) ->
-settle the reservation.
+"""The request lifecycle, top to bottom: admitted on its head (workers/head_gate.py: key, allowed
+route, header scan) -> tenant policy -> capability -> pin -> admit (quota) -> route -> forward
+(workers/forwarding.py: providers, endpoints, relay) -> settle the reservation.
 
 Each step returns its result or an ``ErrorReply``; the first reply ends the request.
 """
@@ -8,19 +8,23 @@ Each step returns its result or an ``ErrorReply``; the first reply ends the requ
 from __future__ import annotations
 
 import time
-from hmac import compare_digest
 from urllib.parse import unquote_to_bytes
 
-from gateway.auth import Authenticator
-from gateway.capability import CapabilityRequest, lookup_capability, request_features, session_key
+from gateway.capability import (
+    MCP_SESSION_NAME,
+    CapabilityRequest,
+    lookup_capability,
+    request_features,
+    session_key,
+)
 from gateway.http.errors import ErrorReply
-from gateway.ids import CounterIds
 from gateway.metrics.writer import WorkerMetrics
 from gateway.quota.estimate import estimate_prompt_tokens
 from gateway.quota.gate import Admission, QuotaGate
 from gateway.quota.usage import rewrite_request_for_usage
 from gateway.request.attempts import Settlement
-from gateway.request.headers import ACCEPT_ENCODING, HeaderPlan, RequestHeaders
+from gateway.request.headers import ACCEPT_ENCODING, RequestHeaders
+from gateway.request.routes import MCP, MODELS, AllowedRoute
 from gateway.routing import RouteDecision, Router
 from gateway.routing.eligibility import Needs
 from gateway.routing.plan import model_not_found
@@ -29,43 +33,27 @@ from workers.access_log import AccessLog
 from workers.clusters import ClusterManager
 from workers.exchange import Exchange
 from workers.forwarding import Forwarder, ProxyRequest
+from workers.head_gate import Admitted
 from workers.outcomes import Outcomes
 from workers.overlay_follower import OverlayFollower
 from workers.providers import ProviderStates
 from workers.proxy_settings import ProxySettings
 
-_perf = time.perf_counter
 _monotonic = time.monotonic
-
-# Quota for requests without authentication is accounted to this tenant.
-ANONYMOUS_TENANT = "anonymous"
 _FORM_URLENCODED = b"application/x-www-form-urlencoded"
 _JSON_HEADER = (b"content-type", b"application/json")
 _BODYLESS_METHODS = (b"GET", b"HEAD", b"DELETE", b"OPTIONS")
-_WWW_AUTHENTICATE = [(b"www-authenticate", b'Bearer realm="gridgate"')]
-_MISSING_KEY = ErrorReply(401, "invalid_api_key", "missing API key: send Authorization: Bearer <key> or X-Api-Key",
-                          _WWW_AUTHENTICATE)
-_INVALID_KEY = ErrorReply(401, "invalid_api_key", "invalid API key", _WWW_AUTHENTICATE)
-_ATTEMPTS = tuple((b"x-gridgate-attempts", b"%d" % n) for n in range(64))
-_HELD_CODES = {429: "upstream_rate_limited", 502: "upstream_bad_gateway", 503: "upstream_unavailable",
-               504: "upstream_timeout"}
-
-
-def _attempts_header(count: int) -> tuple[bytes, bytes]:
-    return _ATTEMPTS[count] if count < len(_ATTEMPTS) else (b"x-gridgate-attempts", b"%d" % count)
 
 
 class Proxy:
     """Per-worker request handler; ``handle`` runs once per request."""
 
     def __init__(
-        self, *, settings: ProxySettings, header_plan: HeaderPlan, auth: Authenticator | None,
-        tenants: TenantPolicies, overlay: OverlayFollower, router: Router, clusters: ClusterManager,
-        providers: ProviderStates, quota: QuotaGate | None, metrics: WorkerMetrics, access_log: AccessLog,
+        self, *, settings: ProxySettings, tenants: TenantPolicies, overlay: OverlayFollower, router: Router,
+        clusters: ClusterManager, providers: ProviderStates, quota: QuotaGate | None, metrics: WorkerMetrics,
+        access_log: AccessLog,
     ) -> None:
         self.settings = settings
-        self.header_plan = header_plan
-        self.auth = auth
         self.tenants = tenants
         self.overlay = overlay
         self.router = router
@@ -76,27 +64,29 @@ class Proxy:
         self.outcomes = Outcomes(quota, metrics, access_log, settings.route_headers)
         self.forwarder = Forwarder(settings=settings, overlay=overlay, router=router, clusters=clusters,
                                    providers=providers, outcomes=self.outcomes)
-        self.ids = CounterIds(b"-")
 
     async def handle(self, exchange: Exchange) -> None:
-        headers = self.header_plan.scan(exchange.headers)
-        request_id = headers.request_id or self.ids.next()
+        admitted: Admitted | None = exchange.admitted  # key, route and headers, decided on the head
+        if admitted is None:  # fail closed: nothing is forwarded unless the head gate admitted it
+            raise RuntimeError("the server in front of the proxy runs no head gate (workers/head_gate.py)")
+        headers = admitted.headers
+        request_id = admitted.request_id
+        tenant = admitted.tenant
+        allowed = admitted.route
         refuse = self.outcomes.refuse
-        tenant = self.authenticate(exchange, headers)
-        if type(tenant) is ErrorReply:
-            return refuse(exchange, tenant, request_id)
         policy = self.tenants.get(tenant)
-        if exchange.method == b"GET" and exchange.target.startswith(b"/v1/models"):
+        if allowed.kind == MODELS:
             return self.models(exchange, policy, request_id, tenant)
-        capability = self.capability(exchange, headers)
+        capability = self.capability(exchange, headers, allowed)
         if type(capability) is ErrorReply:
             return refuse(exchange, capability, request_id, tenant=tenant)
         name = capability.name
         if not policy.allows(name):
             return refuse(exchange, model_not_allowed(tenant, name), request_id, tenant=tenant, capability=name)
+        barred = allowed.barred or None  # the route is allowed only on some clusters: never the others
         pinned = None
         if headers.pin is not None:
-            pinned = self.pin(capability, headers.pin, policy)
+            pinned = self.pin(capability, headers.pin, policy, allowed)
             if type(pinned) is ErrorReply:
                 return refuse(exchange, pinned, request_id, tenant=tenant, capability=name)
         admission = None
@@ -111,24 +101,32 @@ class Proxy:
                     admission = await admission
                 if not admission.allowed:
                     return refuse(exchange, refusal(admission), request_id, tenant=tenant, capability=name)
+        settings = self.settings
+        # The session fact: for affinity, and for a stable_hash key that names it (affinity on or not).
         session = None
-        if self.settings.affinity_enabled:
-            session = session_key(headers.session, headers.cookie, self.settings.affinity_cookie)
-        needs = self.needs(exchange, capability, policy) if self.settings.filters else None
-        key = self.hash_key(tenant, session, request_id, headers) if self.settings.stable_hash_key else b""
-        route = pinned or self.route(capability, session, needs, key)
+        if settings.session_fact:
+            session = session_key(headers.session, headers.cookie, settings.affinity_cookie)
+        needs = self.needs(exchange, capability, policy) if settings.filters else None
+        key = self.hash_key(tenant, session, request_id, headers) if settings.stable_hash_key else b""
+        if not settings.affinity_enabled:
+            session = None
+        rebinds = session if barred is None else None  # a barred request never moves a session's binding
+        route = pinned or self.route(capability, session, needs, key, barred)
         if type(route) is ErrorReply:
             self.outcomes.settle(admission, Settlement.RELEASE)
+            if barred is not None and not self.served_on(allowed, capability):
+                route = no_allowed_provider(exchange, allowed, name)
             router = self.router  # a 400/422 from the filters: the access line says what they removed
             return refuse(exchange, route, request_id, tenant=tenant, capability=name, filtered=router.filtered,
                           reasons=router.filtered_reasons)
         filtered = self.router.filtered if pinned is None else 0
         body, metering = upstream_body(capability, exchange.body, admission)
         request = ProxyRequest(
-            exchange, request_id, tenant, policy.batch, name, admission, session, needs, key, filtered,
+            exchange, request_id, tenant, policy.batch, name, admission, rebinds, needs, key, filtered,
             self.router.filtered_reasons if filtered else 0,
             headers.balance_keys, body, metering, forwarded_headers(exchange, headers, request_id, body),
             [(b"x-gridgate-filtered", b"%d" % filtered)] if filtered and self.settings.route_headers else [],
+            barred,
         )
         try:
             await self.forwarder.forward(request, route)
@@ -137,26 +135,6 @@ class Proxy:
             raise
 
     # -- steps ------------------------------------------------------------------------------------
-    def authenticate(self, exchange: Exchange, headers: RequestHeaders) -> str | ErrorReply:
-        """The tenant of the presented key; 401 when auth is on and the key is missing or unknown."""
-        if self.auth is None:
-            return ANONYMOUS_TENANT
-        # A keep-alive client sends the same key with every request: when both key headers equal those
-        # its connection's last request was admitted with (compared in constant time), the tenant is
-        # that request's, without hashing again. The key stays with the connection, whose buffers hold
-        # it anyway, and goes with it; nothing keyed by a raw key outlives a connection.
-        authorization = headers.authorization or b""
-        api_key = headers.api_key or b""
-        conn = exchange.conn
-        memo = conn.auth_memo
-        if memo is not None and compare_digest(memo[0], authorization) and compare_digest(memo[1], api_key):
-            return memo[2]
-        tenant = self.auth.authenticate(headers.authorization, headers.api_key)
-        if tenant is not None:
-            conn.auth_memo = (authorization, api_key, tenant)
-            return tenant
-        return _MISSING_KEY if headers.authorization is None and headers.api_key is None else _INVALID_KEY
-
     def models(self, exchange: Exchange, policy: Policy, request_id: bytes, tenant: str) -> None:
         """``GET /v1/models`` (the list the tenant may use) and ``GET /v1/models/{id}``, from the overlay."""
         target = exchange.target.split(b"?", 1)[0]
@@ -172,22 +150,34 @@ class Proxy:
         self.metrics.request(None, 200)
         self.access_log.record(exchange, request_id, 200, tenant=tenant)
 
-    def capability(self, exchange: Exchange, headers: RequestHeaders) -> CapabilityRequest | ErrorReply:
+    def capability(self, exchange: Exchange, headers: RequestHeaders,
+                   allowed: AllowedRoute) -> CapabilityRequest | ErrorReply:
+        body = exchange.body
+        if not body and headers.model is None and exchange.method in _BODYLESS_METHODS:
+            if allowed.kind == MCP:
+                # The MCP session's event stream (GET) and its end (DELETE) carry no JSON-RPC message:
+                # they belong to the session, routed like its messages that name no tool.
+                return CapabilityRequest("mcp_tool", MCP_SESSION_NAME, None)
+            return ErrorReply(400, "missing_capability", f"{exchange.method.decode()} "
+                              f"{exchange.target.split(b'?', 1)[0].decode('latin-1')} names no model: "
+                              "send the model header so the gateway knows where to route it")
         content_type = headers.content_type
-        if content_type is not None and content_type.startswith(_FORM_URLENCODED) and exchange.body[:1] == b"{":
+        if content_type is not None and content_type.startswith(_FORM_URLENCODED) and body[:1] == b"{":
             content_type = None  # `curl -d '{...}'` sends JSON under the form type; read it as JSON
-        if not exchange.body and headers.model is None and exchange.method in _BODYLESS_METHODS:
-            # A bodyless request naming no model is for the gateway itself, and nothing here serves it.
-            return ErrorReply(404, "not_found", f"{exchange.method.decode()} {exchange.target.decode('latin-1')} "
-                              "is not served by the gateway; proxied requests name a model (body or model header)")
-        return lookup_capability(headers.model, exchange.body, content_type, self.settings.filters)
+        return lookup_capability(headers.model, body, content_type, self.settings.filters)
 
-    def pin(self, request: CapabilityRequest, pin: bytes, policy: Policy) -> RouteDecision | ErrorReply:
-        """A pinned route (CONTRACT §12): only for tenants with ``may_pin``; no failover."""
+    def pin(self, request: CapabilityRequest, pin: bytes, policy: Policy,
+            allowed: AllowedRoute) -> RouteDecision | ErrorReply:
+        """A pinned route (docs/routing.md): only for tenants with ``may_pin``; no failover; never to a
+        provider the request's route is not allowed on."""
         if not policy.may_pin:
             return ErrorReply(403, "pin_not_allowed", "This API key may not pin a route.")
-        return self.router.pinned(self.overlay.snapshot, request.kind, request.name,
-                                  pin.strip().decode("latin-1"))
+        decision = self.router.pinned(self.overlay.snapshot, request.kind, request.name,
+                                      pin.strip().decode("latin-1"))
+        if type(decision) is not ErrorReply and decision.provider in allowed.barred:
+            return ErrorReply(404, "route_not_allowed", f"This route is not allowed on the pinned provider "
+                              f"{decision.cluster!r} (only on {', '.join(sorted(allowed.clusters or ()))}).")
+        return decision
 
     def needs(self, exchange: Exchange, request: CapabilityRequest, policy: Policy) -> Needs:
         """What the request needs from a provider: context, features, the tenant's regions."""
@@ -212,18 +202,31 @@ class Proxy:
                 parts.append((headers.balance_keys or {}).get(fact[1], b""))
         return b"\x00".join(parts)
 
+    def served_on(self, allowed: AllowedRoute, request: CapabilityRequest) -> bool:
+        """Whether a cluster the route is allowed on has a candidate of the capability (error path only)."""
+        capability = self.overlay.snapshot.capabilities.get((request.kind, request.name))
+        clusters = allowed.clusters or ()
+        return capability is not None and any(member.cluster in clusters for member in capability.members)
+
     def route(self, request: CapabilityRequest, session: bytes | None, needs: Needs | None,
-              key: bytes) -> RouteDecision | ErrorReply:
+              key: bytes, barred: frozenset[int] | None) -> RouteDecision | ErrorReply:
         now = _monotonic()
         self.providers.maybe_refresh(now)
         router = self.router
-        decision = router.route(self.overlay.snapshot, request.kind, request.name, session, now, needs, key)
+        decision = router.route(self.overlay.snapshot, request.kind, request.name, session, now, needs, key,
+                                barred)
         if router.filtered:
             self.metrics.route_filtered(router.filtered_reasons)
         if type(decision) is not ErrorReply:
             self.metrics.affinity(decision.affinity)
         return decision
 
+
+def no_allowed_provider(exchange: Exchange, allowed: AllowedRoute, capability: str) -> ErrorReply:
+    """The route is allowed only on some clusters, and none of them serves the capability."""
+    path = exchange.target.split(b"?", 1)[0].decode("latin-1")
+    return ErrorReply(404, "route_not_allowed", f"{exchange.method.decode('latin-1')} {path} is allowed only on "
+                      f"{', '.join(sorted(allowed.clusters or ()))}, and no provider there serves {capability!r}.")
 
 
 def upstream_body(request: CapabilityRequest, body: bytes, admission: Admission | None) -> tuple[bytes, bool | None]:

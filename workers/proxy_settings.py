@@ -11,6 +11,8 @@ from gateway.config import Config, Cooling, Retry
 class ProxySettings:
     route_headers: bool
     affinity_enabled: bool
+    # The session fact is read for affinity, and for a stable_hash key that names it (affinity on or not).
+    session_fact: bool
     affinity_cookie: bytes | None
     retry: Retry
     cooling: Cooling
@@ -30,10 +32,12 @@ class ProxySettings:
         if routing.picker == "stable_hash":
             key = tuple(("header", part[len("header:"):].lower().encode()) if part.startswith("header:") else part
                         for part in routing.stable_hash_key)
+        session_fact = affinity.enabled or "session" in key
         return cls(
             route_headers=routing.route_headers,
             affinity_enabled=affinity.enabled,
-            affinity_cookie=affinity.cookie.encode() if affinity.enabled and affinity.cookie else None,
+            session_fact=session_fact,
+            affinity_cookie=affinity.cookie.encode() if session_fact and affinity.cookie else None,
             retry=retry,
             cooling=routing.cooling,
             first_byte_timeout=None if retry.first_byte_timeout is None else float(retry.first_byte_timeout),

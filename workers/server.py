@@ -79,6 +79,10 @@ class ServerState:
         self.draining = False
         # Called with the answer to every request rejected before it reached the handler (metrics, access log).
         self.on_reject: Callable[[ErrorReply], None] | None = None
+        # Decides on each request head, before its body is read (workers/head_gate.py): an ErrorReply
+        # refuses the request (answered at once, the body never read, the connection closed); anything
+        # else admits it and travels to the handler as ``exchange.admitted``.
+        self.head_gate: Callable[[ServerConnection, bytes, bytes, list[tuple[bytes, bytes]]], object] | None = None
 
     def close_idle(self, now: float) -> None:
         """Draining: close the connections that sat idle between requests for ``_DRAIN_IDLE_S``.
@@ -112,7 +116,7 @@ class ServerConnection(asyncio.Protocol):
     __slots__ = (
         "server", "settings", "transport", "codec", "state", "exchange", "peer", "_timer", "_deadline",
         "_on_deadline", "_head_bytes", "_t_head", "_body", "_body_len", "_framing", "_request", "_headers",
-        "_reading_paused", "writing_paused", "_loop", "pending", "served", "_eof", "auth_memo",
+        "_reading_paused", "writing_paused", "_loop", "pending", "served", "_eof", "auth_memo", "admitted",
     )
 
     def __init__(self, server: ServerState) -> None:
@@ -133,8 +137,9 @@ class ServerConnection(asyncio.Protocol):
         self._framing: RequestFraming | None = None
         self._request: codec.RequestHead | None = None
         self._headers: list[tuple[bytes, bytes]] = []
-        # (Authorization, X-Api-Key, tenant) of the last request this connection authenticated (Proxy).
+        # Owned by the head gate: (Authorization, X-Api-Key, tenant) of the last key it admitted here.
         self.auth_memo: tuple[bytes, bytes, str] | None = None
+        self.admitted: object = None  # the head gate's verdict on the current request (exchange.admitted)
         self._reading_paused = False
         self.writing_paused = False
         self._loop = asyncio.get_running_loop()
@@ -253,6 +258,14 @@ class ServerConnection(asyncio.Protocol):
         framing = self._framing = check_request_head(
             event.method, event.target, event.http_version, headers, settings.max_url_bytes, settings.max_body_bytes,
         )
+        gate = self.server.head_gate
+        if gate is not None:
+            # Key and route are decided before the body is read (and before any 100 Continue): a refusal
+            # is answered at once and the connection closed, none of its body ever buffered.
+            admitted = gate(self, event.method, framing.target, headers)
+            if isinstance(admitted, ErrorReply):
+                raise GatewayError(admitted)
+            self.admitted = admitted
         self._request = event
         self.state = _BODY
         self._set_deadline(settings.keepalive_idle_s, _ON_BODY)

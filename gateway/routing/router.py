@@ -164,13 +164,15 @@ class Router:
         now: float = 0.0,
         needs: Needs | None = None,
         key: bytes = b"",
+        barred: frozenset[int] | None = None,
     ) -> RouteDecision | ErrorReply:
         """Route one request for capability ``(kind, name)``.
 
         ``session_key`` is the affinity key (see ``gateway.capability.session_key``) and ``now`` the
         shared clock (``time.monotonic()`` is system-wide on Linux, so every worker agrees on expiries).
         ``needs`` (request facts and tenant regions) filters candidates; ``key`` feeds the stable_hash
-        picker. ``filtered`` tells how many candidates the filters removed.
+        picker. ``filtered`` tells how many candidates the filters removed. ``barred``: providers that
+        may not serve the request at all (its route is allowed only on other clusters, docs/security.md).
         """
         self.filtered = 0
         plan = self._plan_for(snapshot, kind, name)
@@ -180,8 +182,9 @@ class Router:
         if type(blocked) is ErrorReply:
             return blocked
         table = self._affinity
+        excluded = barred or None
         if session_key is None or table is None:
-            return self._select(plan, NONE, None, blocked, key) or plan.unavailable  # type: ignore[arg-type]
+            return self._select(plan, NONE, excluded, blocked, key) or plan.unavailable  # type: ignore[arg-type]
 
         bound = table.lookup(session_key, now)
         outcome = NEW
@@ -190,24 +193,27 @@ class Router:
                 option = plan.reusable.get(bound.stable_id_hash)
                 # Reuse keeps the original expiry: it is absolute from binding time.
                 if (option is not None and option.provider >= 0 and self.providers.usable[option.provider]
-                        and (needs is None or not needs.reasons(option.facts))):
+                        and (needs is None or not needs.reasons(option.facts))
+                        and (excluded is None or option.provider not in excluded)):
                     return option.decisions[REUSED]
             outcome = FAILOVER
-        decision = self._select(plan, outcome, None, blocked, key)  # type: ignore[arg-type]
+        decision = self._select(plan, outcome, excluded, blocked, key)  # type: ignore[arg-type]
         if decision is None:
             return plan.unavailable
-        table.bind(session_key, decision.candidate.stable_id_hash, plan.capability_hash, now + self._ttl)
+        if excluded is None or outcome == NEW:  # a barred request never moves a session's binding
+            table.bind(session_key, decision.candidate.stable_id_hash, plan.capability_hash, now + self._ttl)
         return decision
 
     def failover(self, first: RouteDecision, tried: Collection[int], needs: Needs | None = None,
-                 key: bytes = b"") -> RouteDecision | None:
+                 key: bytes = b"", barred: frozenset[int] | None = None) -> RouteDecision | None:
         """The next provider after ``tried`` failed: the same group first (by its picker), then the next
-        groups in order, with the same filters. None when no other provider is left."""
+        groups in order, with the same filters and bars. None when no other provider is left."""
         outcome = NONE if first.outcome == NONE else FAILOVER
         blocked = self._blocked(first.plan, needs)
         if type(blocked) is ErrorReply:
             return None
-        return self._select(first.plan, outcome, tried, blocked, key)  # type: ignore[arg-type]
+        excluded = barred.union(tried) if barred else tried
+        return self._select(first.plan, outcome, excluded, blocked, key)  # type: ignore[arg-type]
 
     def pinned(self, snapshot: Snapshot, kind: str, name: str, pin: str) -> RouteDecision | ErrorReply:
         """A pinned route (diagnosis, rollback): the candidate named by cluster or stable id, whatever its

@@ -29,7 +29,9 @@ from tests.harness import (
 @pytest.fixture
 def one_provider(mock_provider, gateway_factory):
     handle = mock_provider("solo")
-    gateway = gateway_factory({"solo": [handle.address]}, envelope([candidate("m", "solo")]))
+    # The mock's echo page is a route beyond the defaults (docs/security.md): listed for the cluster.
+    gateway = gateway_factory({"solo": [handle.address]}, envelope([candidate("m", "solo")]),
+                              cluster_options={"allowed_routes": ["POST /debug/echo"]})
     return handle, gateway
 
 

@@ -12,7 +12,8 @@ from tests.harness import admin_get, candidate, chat, envelope, raw_exchange, re
 
 def test_gateway_error_on_head_keeps_the_connection_usable(mock_provider, gateway_factory):
     handle = mock_provider("p")
-    gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]))
+    gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
+                              cluster_options={"allowed_routes": ["HEAD /v1/chat/completions"]})
     payload = (b"HEAD /v1/chat/completions HTTP/1.1\r\nHost: g\r\nX-Model: nope\r\n\r\n"
                b"GET /v1/models HTTP/1.1\r\nHost: g\r\nConnection: close\r\n\r\n")
     raw = raw_exchange(gateway.port, payload)
@@ -40,7 +41,8 @@ def test_half_closed_client_still_gets_its_answer(mock_provider, gateway_factory
 
 def test_every_x_forwarded_for_line_is_kept(mock_provider, gateway_factory):
     handle = mock_provider("p")
-    gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]))
+    gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
+                              cluster_options={"allowed_routes": ["POST /debug/echo"]})
     status, _, body = request("127.0.0.1", gateway.port, "POST", "/debug/echo", b"{}",
                               headers=[("X-Model", "m"), ("X-Forwarded-For", "1.1.1.1"),
                                        ("X-Forwarded-For", "2.2.2.2")])

@@ -15,6 +15,10 @@ def _clusters(providers) -> dict[str, list[str]]:
     return {name: [providers[name].address] for name in CLUSTERS}
 
 
+# The mock's echo page, which these tests read back: a route beyond the defaults (docs/security.md).
+ECHO_ROUTE = {"allowed_routes": ["POST /debug/echo"]}
+
+
 def _wait_revision(gateway, revision: str, timeout: float = 3.0) -> float:
     started = time.monotonic()
     while time.monotonic() - started < timeout:
@@ -90,7 +94,8 @@ def test_unavailable_best_group_falls_through_and_nothing_admissible_is_503(prov
 
 def test_provider_hop_headers_only_for_listed_clusters(providers, gateway_factory):
     overlay = envelope([candidate("m", "provider-a"), candidate("n", "provider-b")])
-    gateway = gateway_factory(_clusters(providers), overlay, extra={"routing": {"provider_hop_clusters": ["provider-a"]}})
+    gateway = gateway_factory(_clusters(providers), overlay, extra={"routing": {"provider_hop_clusters": ["provider-a"]}},
+                              cluster_options=ECHO_ROUTE)
     status, _, body = request("127.0.0.1", gateway.port, "POST", "/debug/echo", b"{}",
                               headers=[("X-Model", "m"), ("X-Request-Id", "hop-1"),
                                        ("X-Ai-Routing-Revision", "spoofed")])
@@ -110,7 +115,7 @@ def test_mcp_tools_call_routes_by_tool_name(providers, gateway_factory):
         candidate("search", "provider-b", kind="mcp_tool"),
         candidate("m", "provider-a"),
     ])
-    gateway = gateway_factory(_clusters(providers), overlay)
+    gateway = gateway_factory(_clusters(providers), overlay, cluster_options=ECHO_ROUTE)
     body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "search", "arguments": {}}}
     status, headers, _ = request("127.0.0.1", gateway.port, "POST", "/debug/echo", body,
                                  headers=[("Content-Type", "application/json"), ("X-Model", "m")])

@@ -27,6 +27,7 @@ def strict_gateway(tmp_path_factory):
     directory = tmp_path_factory.mktemp("strict")
     gateway = Gateway(
         str(directory), {"strict": [handle.address]}, envelope([candidate("m", "strict")]),
+        cluster_options={"allowed_routes": ["GET,POST /debug/echo"]},  # the mock's echo page, read back below
         extra={
             "limits": {"max_header_bytes": MAX_HEADER, "max_body_bytes": MAX_BODY, "max_url_bytes": MAX_URL},
             "timeouts": {"header_read": "1s"},

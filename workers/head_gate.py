@@ -1,0 +1,124 @@
+"""The head gate: what the gateway decides on a request's head, before any byte of its body is read
+(docs/security.md).
+
+The server calls the gate right after the head passed its strict checks. One header scan (the one
+the proxy uses afterwards), then:
+
+1. **Authenticate** the key (when ``auth`` is configured): missing or unknown is 401. Before the
+   route check, so a caller without a key learns nothing about which routes exist, and the access
+   line of a refused route names the tenant that tried it.
+2. **Route**: the request must be on an allowed route (``gateway.request.routes``), else 404
+   ``route_not_allowed``.
+
+A refusal is a ``HeadRefusal``: the server answers it at once with ``Connection: close`` and never
+reads the body; it carries what the access line needs. An admitted request gets an ``Admitted``,
+which the server hands to the proxy on the exchange, so nothing is scanned or checked twice.
+"""
+
+from __future__ import annotations
+
+from hmac import compare_digest
+from typing import Protocol
+
+from gateway.auth import Authenticator
+from gateway.http.errors import ErrorReply
+from gateway.ids import CounterIds
+from gateway.request.headers import HeaderPlan, RequestHeaders
+from gateway.request.routes import AllowedRoute, RouteTable
+
+# Quota for requests without authentication is accounted to this tenant.
+ANONYMOUS_TENANT = "anonymous"
+_WWW_AUTHENTICATE = (b"www-authenticate", b'Bearer realm="gridgate"')
+_MISSING_KEY = "missing API key: send Authorization: Bearer <key> or X-Api-Key"
+_INVALID_KEY = "invalid API key"
+
+AuthMemo = tuple[bytes, bytes, str]
+
+
+class GatedConnection(Protocol):
+    """The per-connection slot the server keeps for the gate (and only the gate writes)."""
+
+    auth_memo: AuthMemo | None
+
+
+class Admitted:
+    """A request the gate let through: its route, tenant, scanned headers and request id."""
+
+    __slots__ = ("route", "tenant", "headers", "request_id")
+
+    def __init__(self, route: AllowedRoute, tenant: str, headers: RequestHeaders, request_id: bytes) -> None:
+        self.route = route
+        self.tenant = tenant
+        self.headers = headers
+        self.request_id = request_id
+
+
+class HeadRefusal(ErrorReply):
+    """A request refused on its head, with what its access line says about it."""
+
+    __slots__ = ("request_id", "method", "target", "tenant")
+
+    def __init__(self, status: int, code: str, message: str, headers: list[tuple[bytes, bytes]], *,
+                 request_id: bytes, method: bytes, target: bytes, tenant: str | None) -> None:
+        super().__init__(status, code, message, headers, close=True)  # the body is never read
+        self.request_id = request_id
+        self.method = method
+        self.target = target
+        self.tenant = tenant
+
+
+class HeadGate:
+    """One per worker; ``__call__`` runs once per request head."""
+
+    __slots__ = ("routes", "auth", "header_plan", "ids")
+
+    def __init__(self, routes: RouteTable, auth: Authenticator | None, header_plan: HeaderPlan,
+                 ids: CounterIds | None = None) -> None:
+        self.routes = routes
+        self.auth = auth
+        self.header_plan = header_plan
+        self.ids = ids or CounterIds(b"-")
+
+    def __call__(self, conn: GatedConnection, method: bytes, target: bytes,
+                 headers: list[tuple[bytes, bytes]]) -> Admitted | HeadRefusal:
+        scanned = self.header_plan.scan(headers)
+        request_id = scanned.request_id or self.ids.next()
+        auth = self.auth
+        tenant = ANONYMOUS_TENANT if auth is None else self.authenticate(conn, scanned, auth)
+        if tenant is None:
+            missing = scanned.authorization is None and scanned.api_key is None
+            return HeadRefusal(401, "invalid_api_key", _MISSING_KEY if missing else _INVALID_KEY,
+                               [_WWW_AUTHENTICATE, (b"x-request-id", request_id)],
+                               request_id=request_id, method=method, target=target, tenant=None)
+        route = self.routes.match(method, target)
+        if route is None:
+            return route_not_allowed(method, target, request_id, tenant)
+        return Admitted(route, tenant, scanned, request_id)
+
+    def authenticate(self, conn: GatedConnection, headers: RequestHeaders, auth: Authenticator) -> str | None:
+        """The tenant of the presented key, or None (missing or unknown).
+
+        A keep-alive client sends the same key with every request: when both key headers equal those
+        its connection's last request was admitted with (compared in constant time), the tenant is that
+        request's, without hashing again. The key stays with the connection, whose buffers hold it
+        anyway, and goes with it; nothing keyed by a raw key outlives a connection.
+        """
+        authorization = headers.authorization or b""
+        api_key = headers.api_key or b""
+        memo = conn.auth_memo
+        if memo is not None and compare_digest(memo[0], authorization) and compare_digest(memo[1], api_key):
+            return memo[2]
+        tenant = auth.authenticate(headers.authorization, headers.api_key)
+        if tenant is not None:
+            conn.auth_memo = (authorization, api_key, tenant)
+        return tenant
+
+
+def route_not_allowed(method: bytes, target: bytes, request_id: bytes, tenant: str | None) -> HeadRefusal:
+    """404 ``route_not_allowed``: not a route the gateway serves (docs/security.md)."""
+    path = target.split(b"?", 1)[0].decode("latin-1")
+    if len(path) > 200:
+        path = path[:200] + "..."
+    message = f"{method.decode('latin-1')} {path} is not a route this gateway serves"
+    return HeadRefusal(404, "route_not_allowed", message, [(b"x-request-id", request_id)],
+                       request_id=request_id, method=method, target=target, tenant=tenant)
