@@ -56,17 +56,24 @@ class Limits(_Strict):
     # The response that reaches it carries `Connection: close`, so replaced or added workers get load.
     max_requests_per_connection: int = 1000
     max_url_bytes: int = 8192
+    max_header_count: int = 100  # header lines per request head -> 431
+    # Request bodies buffered by one worker, all connections together -> 503 + Retry-After.
+    max_buffered_body_bytes_per_worker: int = 268435456
 
     def __post_init__(self) -> None:
         for name in self.__struct_fields__:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
+        if self.max_buffered_body_bytes_per_worker < self.max_body_bytes:
+            raise ValueError("max_buffered_body_bytes_per_worker: must be >= max_body_bytes "
+                             "(a body of the largest allowed size must fit)")
 
 
 class Timeouts(_Strict):
     header_read: Seconds = Seconds(10)
     keepalive_idle: Seconds = Seconds(75)
     graceful_shutdown: Seconds = Seconds(30)
+    body_read: Seconds = Seconds(60)  # the whole request body, from the end of its head -> 408
 
 
 class WeightedEndpoint(_Strict):
