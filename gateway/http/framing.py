@@ -139,6 +139,11 @@ class ChunkedDecoder:
     def done(self) -> bool:
         return self._state == self._DONE
 
+    @property
+    def pending(self) -> int:
+        """Bytes held between calls (a partial chunk line or trailer)."""
+        return len(self._line)
+
     def feed(self, data: bytes | bytearray) -> tuple[list[bytes], int]:
         """Decode the next wire bytes: (body pieces, bytes of ``data`` consumed). All of ``data`` is
         consumed unless the body ends inside it. Raise GatewayError (close) on a framing violation."""
