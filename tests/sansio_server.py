@@ -23,7 +23,14 @@ def settings(**limits) -> ServerSettings:
     return ServerSettings(types.SimpleNamespace(limits=Limits(**limits), timeouts=Timeouts(**timeouts)))
 
 
+# Far beyond anything a test sends: a server that replays requests is stopped here, not at 4 GB.
+_RUNAWAY_BUFFER = 16 * 1024 * 1024
+
+
 async def echo_handler(exchange: Exchange) -> None:
+    if exchange.conn.codec.buffered > _RUNAWAY_BUFFER:
+        exchange.conn.close(abort=True)
+        raise AssertionError("runaway receive buffer: the server processes bytes again")
     exchange.respond(200, [(b"content-type", b"application/octet-stream")],
                      exchange.method + b" " + exchange.target + b"\n" + exchange.body)
 
