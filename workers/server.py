@@ -191,7 +191,8 @@ class ServerConnection(asyncio.Protocol):
         self.codec.feed(b"")
         if self.state == _HEAD or self.state == _BODY:
             self._process()
-        return True  # keep our side open until the answers are written
+        # Keep our side open until the answers are written (an idle connection is closed already).
+        return None if self.state == _CLOSED else True
 
     def pause_writing(self) -> None:
         self.writing_paused = True

@@ -178,6 +178,7 @@ def test_thousands_of_tiny_headers_are_refused_for_almost_no_cpu(bounded):
         raw = raw_exchange(gateway.port, tiny)
         assert status_of(raw) == 431 and b"headers_too_large" in raw, raw[:300]
     spent = cpu_seconds(worker) - cpu
+    print(f"worker CPU per refusal of 10,900 tiny headers: {spent * 10:.2f} ms")
     assert spent < 0.5, f"{spent:.2f} s of worker CPU for 100 refusals"  # main: about 1.8 s
 
 
