@@ -126,7 +126,7 @@ class Run:
 async def settle() -> None:
     """Run the loop until every task the server started (request handlers) has finished."""
     me = asyncio.current_task()
-    for _ in range(10000):
+    for _ in range(100000):
         await asyncio.sleep(0)
         if all(task is me or task.done() for task in asyncio.all_tasks()):
             return

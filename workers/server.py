@@ -47,8 +47,8 @@ _PIPELINE_BUFFER_LIMIT = 65536
 # A transport may deliver what it had read after pause_reading (TLS records already decrypted): past
 # this, the connection is dropped rather than buffering on (a plain socket stays below 320 KiB).
 _PIPELINE_HARD_LIMIT = 1048576
-# _WAIT_DRAIN: between requests, the client has not read its answers; nothing is parsed until it does.
-_HEAD, _BODY, _HANDLING, _WAIT_DRAIN, _CLOSED = range(5)
+# _UNREAD: between requests, the client has not read its answers; nothing is parsed until it does.
+_HEAD, _BODY, _HANDLING, _UNREAD, _CLOSED = range(5)
 _LINGER_S = 2.0
 # Draining: a connection idle this long between requests (or since it opened) is closed. A client
 # that just sent a request is answered (with `Connection: close`) instead.
@@ -56,7 +56,7 @@ _DRAIN_IDLE_S = 1.0
 # After the graceful deadline: how long the last bytes of ended streams get to leave before exit.
 _FLUSH_S = 1.0
 # What a deadline means when it passes.
-_ON_IDLE, _ON_HEADER, _ON_BODY, _ON_STALL = range(4)
+_ON_IDLE, _ON_HEADER, _ON_BODY, _ON_UNREAD = range(4)
 
 
 class ServerSettings:
@@ -205,7 +205,7 @@ class ServerConnection(asyncio.Protocol):
         exchange = self.exchange
         if exchange is not None and exchange.listener is not None:
             exchange.listener.resume_writing()
-        if self.state == _WAIT_DRAIN:  # the client reads its answers again: on to its next request
+        if self.state == _UNREAD:  # the client reads its answers again: on to its next request
             self._next_request()
 
     def data_received(self, data: bytes) -> None:
@@ -372,8 +372,8 @@ class ServerConnection(asyncio.Protocol):
         if self.writing_paused:
             # The client does not read its answers: parse nothing more until it does (resume_writing),
             # and give up on it after the keep-alive timeout.
-            self.state = _WAIT_DRAIN
-            self._set_deadline(self.settings.keepalive_idle_s, _ON_STALL)
+            self.state = _UNREAD
+            self._set_deadline(self.settings.keepalive_idle_s, _ON_UNREAD)
             return
         self._next_request()
 
@@ -460,5 +460,5 @@ class ServerConnection(asyncio.Protocol):
             self._reject(ErrorReply(408, "request_timeout", "request header block not received in time"))
         elif self.state == _HEAD:
             self.close()
-        elif meaning == _ON_STALL and self.state == _WAIT_DRAIN:
+        elif meaning == _ON_UNREAD and self.state == _UNREAD:
             self.close(abort=True)  # its unread answers are dropped with it: no flush to a client that never reads
