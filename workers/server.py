@@ -298,7 +298,8 @@ class ServerConnection(asyncio.Protocol):
         self._deadline = _INF
         self.exchange = exchange
         self._loop.create_task(self._run(exchange))
-        self._bound_backlog()
+        if self.codec.buffered > _PIPELINE_BUFFER_LIMIT:  # later requests came with this one
+            self._bound_backlog()
 
     def _count_body(self, size: int) -> None:
         """Count ``size`` bytes of the current request's body against the worker's budget, or refuse it."""
@@ -361,7 +362,8 @@ class ServerConnection(asyncio.Protocol):
     def finish_exchange(self, exchange: Exchange, aborted: bool = False) -> None:
         self.served += 1
         self.exchange = None
-        self._uncount_body()
+        if self._body_counted:
+            self._uncount_body()
         if self.state == _CLOSED:
             return
         parser = self.codec
