@@ -177,8 +177,9 @@ class ServerCodec:
     The codec owns the connection's receive buffer. A request head is found in it (and its size and
     line count checked) before h11 sees it; h11 then parses that head alone, in a fresh parser per
     request. The body is framed from the same buffer by a ``BodyReader``, which hands the buffer back
-    holding exactly the bytes after the body. Nothing is copied per request but the head, so n
-    pipelined bytes cost O(n) however many requests they hold.
+    holding exactly the bytes after the body. Per request only the head (for h11) and the body (handed
+    on) are copied, never the bytes that follow, so n pipelined bytes cost O(n) however many requests
+    they hold.
     """
 
     __slots__ = (
