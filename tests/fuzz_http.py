@@ -30,8 +30,11 @@ settings.register_profile(
 FUZZ_PROFILE = "long" if os.environ.get("GRIDGATE_FUZZ") == "long" else "ci"
 
 
-def fuzz_settings(**overrides) -> settings:
-    """The active profile (see the module doc), with per-test overrides."""
+def fuzz_settings(short_examples: int | None = None, **overrides) -> settings:
+    """The active profile (see the module doc), with per-test overrides; ``short_examples`` replaces
+    the example count of the short profile only (for a test whose examples cost more)."""
+    if short_examples is not None and FUZZ_PROFILE == "ci":
+        overrides["max_examples"] = short_examples
     return settings(settings.get_profile(FUZZ_PROFILE), **overrides)
 
 

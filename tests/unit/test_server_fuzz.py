@@ -156,7 +156,7 @@ def test_random_byte_mutations_never_crash_hang_or_leak(stream, delivery, cuts, 
     assert len([a for a in result.answers() if a[0] == 200]) <= len(stream) + len(mutations)
 
 
-@fuzz_settings(max_examples=15)
+@fuzz_settings(short_examples=15)
 @given(count=st.integers(20, 120), window=st.integers(1, 4096), delivery=DELIVERIES, cuts=CUTS)
 def test_a_client_that_reads_its_answers_late_gets_them_all_in_order_and_stays_bounded(count, window, delivery, cuts):
     stream = [request(kind, b"/r/%d" % index, b"y" * 300, sizes=[64])
