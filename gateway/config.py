@@ -75,6 +75,10 @@ class Timeouts(_Strict):
     graceful_shutdown: Seconds = Seconds(30)
     body_read: Seconds = Seconds(60)  # the whole request body, from the end of its head -> 408
 
+    def __post_init__(self) -> None:
+        if self.body_read <= 0:
+            raise ValueError("body_read: must be > 0")
+
 
 class WeightedEndpoint(_Strict):
     address: str

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from gateway.config import ConfigError, parse_config
 from tests.fuzz_http import request
 from tests.sansio_server import StandInTransport, echo_handler, serve, settings, settle, split_answers
 from workers.server import _PIPELINE_BUFFER_LIMIT, _PIPELINE_HARD_LIMIT, ServerConnection, ServerState
@@ -142,3 +145,28 @@ def test_a_body_beyond_the_worker_budget_gets_503_and_its_connection_dying_gives
         (status, head, body), = answers
         assert status == 503 and b"retry-after: 1" in head and b"server_busy" in body and finished
     assert after == 0
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    ("limits: {max_header_count: 0}", "limits.max_header_count: must be >= 1"),
+    ("limits: {max_body_bytes: 1000, max_buffered_body_bytes_per_worker: 999}",
+     "limits.max_buffered_body_bytes_per_worker: must be >= max_body_bytes"),
+    ("timeouts: {body_read: 0s}", "timeouts.body_read: must be > 0"),
+])
+def test_the_bound_settings_are_checked_and_errors_name_the_field(extra, expected):
+    with pytest.raises(ConfigError) as caught:
+        parse_config(_CONFIG + extra)
+    assert any(problem.startswith(expected) for problem in caught.value.problems), caught.value.problems
+
+
+def test_the_bound_settings_have_their_documented_defaults():
+    config = parse_config(_CONFIG)
+    assert config.limits.max_header_count == 100
+    assert config.limits.max_buffered_body_bytes_per_worker == 256 * 1024 * 1024
+    assert config.timeouts.body_read == 60
+
+
+_CONFIG = """
+clusters: [{name: a, endpoints: ["127.0.0.1:1"]}]
+routing: {candidates: [{kind: inference_model, name: m, site: s, cluster: a}]}
+"""
