@@ -108,11 +108,14 @@ def full_post(port: int, size: int) -> tuple[int, bytes]:
 def test_bodies_beyond_the_worker_budget_get_503_and_the_budget_comes_back(bounded):
     handle, gateway = bounded
     before = mock_served(handle, ["chat"])
-    # Two uploads in progress hold the whole budget: each Content-Length is counted when its head arrives.
+    # Two uploads in progress hold the whole budget: each Content-Length is counted when its head arrives
+    # (before the 100 Continue the client waits for).
     holders = [connect(gateway.port) for _ in range(2)]
     for sock in holders:
-        sock.sendall(post_head(MiB) + b"x" * 1000)
-    time.sleep(0.5)
+        sock.sendall(post_head(MiB)[:-2] + b"Expect: 100-continue\r\n\r\n")
+        sock.settimeout(10)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 100 ")
+        sock.sendall(b"x" * 1000)
     for chunked in (False, True):
         sock = connect(gateway.port)
         if chunked:  # a chunked body is counted as it arrives: refused at its first chunk
