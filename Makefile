@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test bench bench-core bench-tls bench-relay bench-features lint clean wrk fuzz-upstream
+.PHONY: install run test fuzz fuzz-upstream conformance bench bench-core bench-tls bench-relay bench-features lint clean wrk
 
 install: $(STAMP)
 
@@ -18,6 +18,18 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest -q tests
+
+# The codec fuzzers' long run (hypothesis profile "long" in tests/fuzz_http.py; a short, derandomized
+# run is part of `make test`). More examples: make fuzz GRIDGATE_FUZZ_EXAMPLES=50000. Paste the seed of
+# any failure as an @example next to the test it broke.
+fuzz: install
+	GRIDGATE_FUZZ=long $(BIN)/python -m pytest -q -p no:cacheprovider -o timeout=0 tests/unit/*fuzz*.py
+
+# HTTPWookiee (reverse-proxy mode) and smuggler against gridgate and nginx, on loopback
+# (docs/conformance.md). Needs HTTPWOOKIEE_DIR and SMUGGLER_DIR (checkouts) and nginx; skips, saying
+# why, whatever is missing.
+conformance: install
+	$(BIN)/python -m loadtest.conformance
 
 bench: install
 	$(BIN)/python -m loadtest.bench

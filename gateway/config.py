@@ -76,6 +76,9 @@ class Limits(_Strict):
     # The response that reaches it carries `Connection: close`, so replaced or added workers get load.
     max_requests_per_connection: int = 1000
     max_url_bytes: int = 8192
+    max_header_count: int = 100  # header lines per request head -> 431
+    # Request bodies buffered by one worker, all connections together -> 503 + Retry-After.
+    max_buffered_body_bytes_per_worker: int = 268435456
 
     _RANGES: ClassVar[dict[str, Range]] = {
         "max_header_bytes": (1024, 16 * 1024 * 1024),
@@ -83,10 +86,15 @@ class Limits(_Strict):
         "max_connections_per_worker": (1, 1_000_000),
         "max_requests_per_connection": (1, MAX_COUNT),
         "max_url_bytes": (64, 1024 * 1024),
+        "max_header_count": (1, 10_000),
+        "max_buffered_body_bytes_per_worker": (1, 64 * 1024 * 1024 * 1024),
     }
 
     def __post_init__(self) -> None:
         check_ranges(self, self._RANGES)
+        if self.max_buffered_body_bytes_per_worker < self.max_body_bytes:
+            raise ValueError("max_buffered_body_bytes_per_worker: must be >= max_body_bytes "
+                             "(a body of the largest allowed size must fit)")
 
 
 class Timeouts(_Strict):
@@ -95,12 +103,14 @@ class Timeouts(_Strict):
     graceful_shutdown: Seconds = Seconds(30)
     # A response whose client reads nothing this long is cut and its upstream connection freed.
     client_stall: Seconds = Seconds(60)
+    body_read: Seconds = Seconds(60)  # the whole request body, from the end of its head -> 408
 
     _RANGES: ClassVar[dict[str, Range]] = {
         "header_read": (0.1, HOUR),
         "keepalive_idle": (0.1, DAY),
         "graceful_shutdown": (0, HOUR),  # 0: cut what is in flight at once
         "client_stall": (1, DAY),
+        "body_read": (0.1, DAY),
     }
 
     def __post_init__(self) -> None:

@@ -13,9 +13,15 @@ connection only after such a response or once it sat idle for ``_DRAIN_IDLE_S``:
 sending a request is never cut. Streams still open at the graceful deadline end with an SSE error event.
 
 Deadlines: one timer per connection, re-armed only when it fires. A connection keeps a deadline
-(header block, body idle, keep-alive idle) in a field; the timer never sleeps longer than the shortest
-timeout, so moving the deadline later or earlier by at least that much never needs a re-arm, and a
-request costs no timer operations at all.
+(header block, whole body, keep-alive idle, answers left unread) in a field; the timer never sleeps
+longer than the shortest timeout, so moving the deadline later or earlier by at least that much never
+needs a re-arm, and a request costs no timer operations at all.
+
+Bounds (docs/conformance.md): one request is parsed at a time, and the next one only once the answer
+before it ended and the client reads its answers (the transport is below its write high-water mark);
+bytes received beyond the request being read stop the reading of the socket past
+``_PIPELINE_BUFFER_LIMIT``; the body bytes a worker holds are counted against
+``limits.max_buffered_body_bytes_per_worker``.
 """
 
 from __future__ import annotations
@@ -35,9 +41,14 @@ log = logging.getLogger("gridgate.server")
 
 _perf = time.perf_counter
 _INF = float("inf")
-# Pipelined bytes buffered while a request is being answered before we stop reading the socket.
+# Bytes of later requests (pipelined) buffered before the socket is no longer read: in every state but
+# the reading of a head (bounded by limits.max_header_bytes) or a body (consumed as it arrives).
 _PIPELINE_BUFFER_LIMIT = 65536
-_HEAD, _BODY, _HANDLING, _CLOSED = range(4)
+# A transport may deliver what it had read after pause_reading (TLS records already decrypted): past
+# this, the connection is dropped rather than buffering on (a plain socket stays below 320 KiB).
+_PIPELINE_HARD_LIMIT = 1048576
+# _UNREAD: between requests, the client has not read its answers; nothing is parsed until it does.
+_HEAD, _BODY, _HANDLING, _UNREAD, _CLOSED = range(5)
 _LINGER_S = 2.0
 # Draining: a connection idle this long between requests (or since it opened) is closed. A client
 # that just sent a request is answered (with `Connection: close`) instead.
@@ -45,28 +56,31 @@ _DRAIN_IDLE_S = 1.0
 # After the graceful deadline: how long the last bytes of ended streams get to leave before exit.
 _FLUSH_S = 1.0
 # What a deadline means when it passes.
-_ON_IDLE, _ON_HEADER, _ON_BODY = range(3)
+_ON_IDLE, _ON_HEADER, _ON_BODY, _ON_UNREAD = range(4)
 
 
 class ServerSettings:
     """What every connection of a worker needs, resolved once from the config."""
 
     __slots__ = (
-        "max_header_bytes", "max_body_bytes", "max_url_bytes", "max_connections", "max_requests",
-        "header_read_s", "keepalive_idle_s", "timer_period_s",
+        "max_header_bytes", "max_header_count", "max_body_bytes", "max_url_bytes", "max_connections",
+        "max_requests", "max_buffered_body", "header_read_s", "keepalive_idle_s", "body_read_s", "timer_period_s",
     )
 
     def __init__(self, config: Config) -> None:
         limits, timeouts = config.limits, config.timeouts
         self.max_header_bytes = limits.max_header_bytes
+        self.max_header_count = limits.max_header_count
         self.max_body_bytes = limits.max_body_bytes
         self.max_url_bytes = limits.max_url_bytes
         self.max_connections = limits.max_connections_per_worker
         self.max_requests = limits.max_requests_per_connection
+        self.max_buffered_body = limits.max_buffered_body_bytes_per_worker
         self.header_read_s = float(timeouts.header_read)
         self.keepalive_idle_s = float(timeouts.keepalive_idle)
+        self.body_read_s = float(timeouts.body_read)
         # The connection timer never sleeps longer than the shortest deadline (see the module doc).
-        self.timer_period_s = min(self.header_read_s, self.keepalive_idle_s)
+        self.timer_period_s = min(self.header_read_s, self.keepalive_idle_s, self.body_read_s)
 
 
 class ServerState:
@@ -77,6 +91,8 @@ class ServerState:
         self.handler = handler
         self.connections: set[ServerConnection] = set()
         self.draining = False
+        # Request body bytes held by this worker's connections (limits.max_buffered_body_bytes_per_worker).
+        self.body_bytes = 0
         # Called with the answer to every request rejected before it reached the handler (metrics, access log).
         self.on_reject: Callable[[ErrorReply], None] | None = None
         # Decides on each request head, before its body is read (workers/head_gate.py): an ErrorReply
@@ -115,15 +131,16 @@ class ServerState:
 class ServerConnection(asyncio.Protocol):
     __slots__ = (
         "server", "settings", "transport", "codec", "state", "exchange", "peer", "_timer", "_deadline",
-        "_on_deadline", "_head_bytes", "_t_head", "_body", "_body_len", "_framing", "_request", "_headers",
-        "_reading_paused", "writing_paused", "_loop", "pending", "served", "_eof", "auth_memo", "admitted",
+        "_on_deadline", "_head_bytes", "_t_head", "_body", "_body_len", "_body_counted", "_framing", "_request",
+        "_headers", "_reading_paused", "writing_paused", "_loop", "pending", "served", "_eof", "auth_memo",
+        "admitted",
     )
 
     def __init__(self, server: ServerState) -> None:
         self.server = server
         self.settings = server.settings
         self.transport: asyncio.Transport | None = None
-        self.codec = codec.ServerCodec(server.settings.max_header_bytes)
+        self.codec = codec.ServerCodec(server.settings.max_header_bytes, server.settings.max_header_count)
         self.state = _HEAD
         self.exchange: Exchange | None = None
         self.peer = b""
@@ -134,6 +151,7 @@ class ServerConnection(asyncio.Protocol):
         self._t_head = 0.0
         self._body: list[bytes] = []
         self._body_len = 0
+        self._body_counted = 0  # this request's share of ServerState.body_bytes
         self._framing: RequestFraming | None = None
         self._request: codec.RequestHead | None = None
         self._headers: list[tuple[bytes, bytes]] = []
@@ -167,17 +185,20 @@ class ServerConnection(asyncio.Protocol):
         self.state = _CLOSED
         self._cancel_timer()
         self.server.connections.discard(self)
+        self._uncount_body()
         exchange = self.exchange
         if exchange is not None and not exchange.finished and exchange.listener is not None:
             exchange.listener.client_lost()
 
     def eof_received(self) -> bool | None:
-        """The client half-closed: answer what it already sent, then close."""
+        """The client half-closed: answer the requests it sent whole, then close. A request cut short
+        by the half-close is answered 400 (it can never complete)."""
         self._eof = True
-        if self.exchange is None and not self.codec.buffered:
-            self.close()
-            return None
-        return True  # keep our side open until the answer is written
+        self.codec.feed(b"")
+        if self.state == _HEAD or self.state == _BODY:
+            self._process()
+        # Keep our side open until the answers are written (an idle connection is closed already).
+        return None if self.state == _CLOSED else True
 
     def pause_writing(self) -> None:
         self.writing_paused = True
@@ -190,28 +211,34 @@ class ServerConnection(asyncio.Protocol):
         exchange = self.exchange
         if exchange is not None and exchange.listener is not None:
             exchange.listener.resume_writing()
+        if self.state == _UNREAD:  # the client reads its answers again: on to its next request
+            self._next_request()
 
     def data_received(self, data: bytes) -> None:
         state = self.state
-        if state == _HANDLING:
-            # Pipelined bytes: keep them in the codec until the current answer is done.
-            self.codec.feed(data)
-            if self.codec.buffered > _PIPELINE_BUFFER_LIMIT and not self._reading_paused:
-                self._reading_paused = True
-                self.transport.pause_reading()
-            return
         if state == _HEAD:
             if self._head_bytes == 0:
                 self._t_head = _perf()
                 self._set_deadline(self.settings.header_read_s, _ON_HEADER)
             self._head_bytes += len(data)
-        elif state == _BODY:
-            # An idle deadline, not a total one: a steady upload of a large body keeps going.
-            self._set_deadline(self.settings.keepalive_idle_s, _ON_BODY)
-        elif state == _CLOSED:
+        elif state != _BODY:  # the body deadline is a total one: arriving bytes do not renew it
+            if state != _CLOSED:
+                # Pipelined bytes: kept in the codec until the current answer is done and read.
+                self.codec.feed(data)
+                self._bound_backlog()
             return
         self.codec.feed(data)
         self._process()
+
+    def _bound_backlog(self) -> None:
+        """Bytes of later requests past the ceiling: stop reading the socket until they are parsed."""
+        buffered = self.codec.buffered
+        if buffered > _PIPELINE_BUFFER_LIMIT and not self._reading_paused:
+            self._reading_paused = True
+            self.transport.pause_reading()
+        if buffered > _PIPELINE_HARD_LIMIT:
+            log.warning("closing a connection that kept sending after reading was paused (%d bytes)", buffered)
+            self.close(abort=True)
 
     # -- parsing ---------------------------------------------------------------------------
     def _process(self) -> None:
@@ -222,11 +249,8 @@ class ServerConnection(asyncio.Protocol):
                 kind = type(event)
                 if kind is codec.Body:
                     self._body_len += len(event.data)
-                    if self._body_len > self.settings.max_body_bytes:
-                        raise GatewayError(ErrorReply(
-                            413, "request_too_large", f"request body larger than {self.settings.max_body_bytes} bytes",
-                            close=True,
-                        ))
+                    if self._body_len > self._body_counted:  # chunked: its size is learnt as it arrives
+                        self._count_body(self._body_len)
                     self._body.append(event.data)
                 elif kind is codec.RequestHead:
                     self._on_request_head(event)
@@ -234,9 +258,6 @@ class ServerConnection(asyncio.Protocol):
                     self._dispatch()
                     return
                 elif event is codec.NEED_DATA:
-                    if self.state == _HEAD and self._head_bytes > self.settings.max_header_bytes:
-                        raise GatewayError(ErrorReply(431, "headers_too_large", "request header block too large",
-                                                      close=True))
                     return
                 else:  # ConnectionClosed, or PAUSED (cannot happen before the request ended)
                     self.close()
@@ -250,10 +271,7 @@ class ServerConnection(asyncio.Protocol):
             self._reject(ErrorReply(error.status, code, f"malformed HTTP request: {error}", close=True))
 
     def _on_request_head(self, event: codec.RequestHead) -> None:
-        head_size = self._head_bytes - self.codec.buffered
         settings = self.settings
-        if head_size > settings.max_header_bytes:
-            raise GatewayError(ErrorReply(431, "headers_too_large", "request header block too large", close=True))
         headers = self._headers = codec.header_pairs(event.headers)
         framing = self._framing = check_request_head(
             event.method, event.target, event.http_version, headers, settings.max_url_bytes, settings.max_body_bytes,
@@ -267,8 +285,10 @@ class ServerConnection(asyncio.Protocol):
                 raise GatewayError(admitted)
             self.admitted = admitted
         self._request = event
+        if framing.content_length > 0:
+            self._count_body(framing.content_length)  # counted whole before a byte of it is read
         self.state = _BODY
-        self._set_deadline(settings.keepalive_idle_s, _ON_BODY)
+        self._set_deadline(settings.body_read_s, _ON_BODY)
         parser = self.codec
         if parser.expects_continue:
             self.write(codec.CONTINUE_RESPONSE)
@@ -294,6 +314,31 @@ class ServerConnection(asyncio.Protocol):
         self._deadline = _INF
         self.exchange = exchange
         self._loop.create_task(self._run(exchange))
+        if self.codec.buffered > _PIPELINE_BUFFER_LIMIT:  # later requests came with this one
+            self._bound_backlog()
+
+    def _count_body(self, size: int) -> None:
+        """Count ``size`` bytes of the current request's body against the worker's budget, or refuse it."""
+        settings = self.settings
+        if size > settings.max_body_bytes:
+            raise GatewayError(ErrorReply(
+                413, "request_too_large", f"request body larger than {settings.max_body_bytes} bytes", close=True,
+            ))
+        server = self.server
+        held = server.body_bytes + size - self._body_counted
+        if held > settings.max_buffered_body:
+            raise GatewayError(ErrorReply(
+                503, "server_busy", "the gateway holds too many request bodies right now, retry",
+                ((b"retry-after", b"1"),), close=True,
+            ))
+        server.body_bytes = held
+        self._body_counted = size
+
+    def _uncount_body(self) -> None:
+        """The request ended or its connection died: its body no longer counts."""
+        if self._body_counted:
+            self.server.body_bytes -= self._body_counted
+            self._body_counted = 0
 
     async def _run(self, exchange: Exchange) -> None:
         try:
@@ -333,6 +378,8 @@ class ServerConnection(asyncio.Protocol):
     def finish_exchange(self, exchange: Exchange, aborted: bool = False) -> None:
         self.served += 1
         self.exchange = None
+        if self._body_counted:
+            self._uncount_body()
         if self.state == _CLOSED:
             return
         parser = self.codec
@@ -340,15 +387,23 @@ class ServerConnection(asyncio.Protocol):
             self.close(abort=aborted)
             return
         parser.next_cycle()
-        self.state = _HEAD
-        self._head_bytes = parser.buffered
-        if self._eof and not self._head_bytes:
-            self.close()
+        if self.writing_paused:
+            # The client does not read its answers: parse nothing more until it does (resume_writing),
+            # and give up on it after the keep-alive timeout.
+            self.state = _UNREAD
+            self._set_deadline(self.settings.keepalive_idle_s, _ON_UNREAD)
             return
-        if self._reading_paused:
+        self._next_request()
+
+    def _next_request(self) -> None:
+        """Parse the next request from what is buffered, or wait for it."""
+        parser = self.codec
+        self.state = _HEAD
+        buffered = self._head_bytes = parser.buffered
+        if self._reading_paused and buffered <= _PIPELINE_BUFFER_LIMIT:
             self._reading_paused = False
             self.transport.resume_reading()
-        if self._head_bytes:
+        if buffered or self._eof:
             self._t_head = _perf()
             self._set_deadline(self.settings.header_read_s, _ON_HEADER)
             self._process()
@@ -375,6 +430,7 @@ class ServerConnection(asyncio.Protocol):
         self.state = _CLOSED
         self.server.connections.discard(self)
         self._cancel_timer()
+        self._uncount_body()
         transport = self.transport
         if transport.can_write_eof():
             transport.write_eof()
@@ -386,6 +442,7 @@ class ServerConnection(asyncio.Protocol):
         self.state = _CLOSED
         self._cancel_timer()
         self.server.connections.discard(self)
+        self._uncount_body()
         if abort:
             self.transport.abort()
         else:
@@ -421,3 +478,5 @@ class ServerConnection(asyncio.Protocol):
             self._reject(ErrorReply(408, "request_timeout", "request header block not received in time"))
         elif self.state == _HEAD:
             self.close()
+        elif meaning == _ON_UNREAD and self.state == _UNREAD:
+            self.close(abort=True)  # its unread answers are dropped with it: no flush to a client that never reads

@@ -6,16 +6,17 @@ or was built by the gateway, and h11's send path (per-header validation plus its
 about a third of a request's codec cost. h11 only has to learn what it needs to parse the peer's
 next message:
 
-- server side (``ServerCodec``): a fresh parser per request cycle, seeded with the bytes already
-  received (pipelining), so responses never pass through it;
+- server side (``ServerCodec``): the codec keeps the connection's receive buffer, finds each request
+  head in it (size and line count checked first) and gives h11 that head alone, in a fresh parser per
+  request, so responses never pass through it and pipelined bytes are never copied per request;
 - client side (``ClientCodec``, in gateway/http/client_codec.py, also reachable here): a fresh parser
-  per response; only a HEAD request (its answer has no body) or a 1xx head needs a canned request
-  event passed through h11 first.
+  per response; only a HEAD request (its answer has no
+  body) or a 1xx head needs a canned request event passed through h11 first.
 
-Bodies framed by a Content-Length are counted off by ``BodyReader`` instead of h11 (the server asks
-for it with ``read_body``; the client counts every length-framed response body itself): h11 then
-parses heads only, and its per-event state machine is skipped for the bodies. Chunked request bodies go through the
-strict decoder of gateway/http/framing.py the same way; chunked responses stay with h11.
+Request bodies are framed by ``BodyReader``, never by h11 (the server says how with ``read_body``;
+Content-Length bodies are counted off, chunked ones go through the strict decoder of
+gateway/http/framing.py). The client does the same for every length-framed response; chunked
+responses stay with h11.
 
 Events: the gateway reads only the attributes documented here, so swapping the parser is a change
 to this module alone:
@@ -30,6 +31,8 @@ to this module alone:
 
 from __future__ import annotations
 
+import re
+import sys
 from collections.abc import Sequence
 from http import HTTPStatus
 
@@ -87,16 +90,6 @@ class NotHttp(ParseError):
 
 # A TLS record of type handshake, protocol version 3.x (SSL 3.0 up to TLS 1.3): how every ClientHello starts.
 _TLS_HANDSHAKE = b"\x16\x03"
-# How h11 (pinned to 0.16) names a request line it took whole before refusing it: a ClientHello whose
-# random bytes happen to hold a blank line ("\n\n") is refused this way instead of at its first byte.
-_TLS_REQUEST_LINE = "illegal request line: bytearray(b'\\x16\\x03"
-
-
-def _is_tls_handshake(parser: h11.Connection, error: h11.RemoteProtocolError) -> bool:
-    """The bytes h11 refused begin a TLS handshake. Asked only once a request failed to parse, so
-    recognising TLS costs the requests that do parse nothing."""
-    return parser.trailing_data[0][:2] == _TLS_HANDSHAKE or str(error).startswith(_TLS_REQUEST_LINE)
-
 
 class FramingError(Exception):
     """A message we send would break its own framing (more or fewer bytes than promised)."""
@@ -126,14 +119,18 @@ def header_pairs(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, by
 
 
 class BodyReader:
-    """Frames one message body after h11 parsed its head: ``length`` bytes, or a chunked body through
-    ``chunked`` (gateway/http/framing.py ChunkedDecoder). Bytes after the body stay in ``stash``:
-    they belong to the next message."""
+    """Frames one message body after its head: ``length`` bytes, or a chunked body through ``chunked``
+    (gateway/http/framing.py ChunkedDecoder).
+
+    It owns ``stash``, the bytes received and not framed yet (a bytearray passed in is adopted, not
+    copied). Once the body ended, ``stash`` holds exactly the bytes after it: they belong to the next
+    message and are never framed as this one's.
+    """
 
     __slots__ = ("stash", "left", "chunked", "closed", "ended")
 
     def __init__(self, initial: bytes | bytearray, length: int, chunked: ChunkedDecoder | None) -> None:
-        self.stash = bytearray(initial)
+        self.stash = initial if type(initial) is bytearray else bytearray(initial)
         self.left = length
         self.chunked = chunked
         self.closed = False
@@ -148,11 +145,14 @@ class BodyReader:
     def next_event(self):  # -> Body | EndOfMessage | NEED_DATA | PAUSED
         if self.ended:
             return PAUSED
+        stash = self.stash
         chunked = self.chunked
         if chunked is not None:
-            if self.stash:
-                pieces = chunked.feed(bytes(self.stash))  # raises GatewayError on a framing violation
-                self.stash = bytearray(chunked.leftover)
+            if not chunked.done and stash:
+                # The decoder consumes up to the end of the body, never beyond: what it leaves in the
+                # stash is the next message, and a done decoder is never fed again.
+                pieces, used = chunked.feed(stash)  # raises GatewayError on a framing violation
+                del stash[:used]
                 if pieces:
                     return Body(pieces[0] if len(pieces) == 1 else b"".join(pieces))
             if chunked.done:
@@ -161,12 +161,11 @@ class BodyReader:
         elif self.left == 0:
             self.ended = True
             return END
-        elif self.stash:
-            stash = self.stash
+        elif stash:
             if len(stash) <= self.left:
                 self.left -= len(stash)
                 self.stash = bytearray()
-                return Body(stash)
+                return Body(stash)  # handed over whole: no copy
             data = stash[:self.left]
             del stash[:self.left]
             self.left = 0
@@ -176,21 +175,38 @@ class BodyReader:
         return NEED_DATA
 
 
+# The end of a request head, found the way h11 finds it (a bare LF is a line end too).
+_HEAD_END = re.compile(rb"\n\r?\n")
+_CONNECTION_CLOSED = h11.ConnectionClosed()
+
+
 class ServerCodec:
-    """One client connection: parses requests, frames the responses to them (one at a time, in order)."""
+    """One client connection: parses requests, frames the responses to them (one at a time, in order).
+
+    The codec owns the connection's receive buffer. A request head is found in it (and its size and
+    line count checked) before h11 sees it; h11 then parses that head alone, in a fresh parser per
+    request. The body is framed from the same buffer by a ``BodyReader``, which hands the buffer back
+    holding exactly the bytes after the body. Per request only the head (for h11) and the body (handed
+    on) are copied, never the bytes that follow, so n pipelined bytes cost O(n) however many requests
+    they hold.
+    """
 
     __slots__ = (
-        "_parser", "_max_head", "_body", "_at_start", "_held_cr", "_mode", "_remaining", "must_close", "_method",
-        "_http11", "_keep_alive",
+        "_buf", "_closed", "_parser", "_head", "_body", "_scan", "_at_start", "_max_head", "_max_lines",
+        "_mode", "_remaining", "must_close", "_method", "_http11", "_keep_alive",
     )
 
-    def __init__(self, max_header_bytes: int) -> None:
-        self._max_head = max_header_bytes
-        self._parser = h11.Connection(h11.SERVER, max_incomplete_event_size=max_header_bytes)
-        # Set by ``read_body``: the body is framed here, not by h11; later bytes wait for the next cycle.
+    def __init__(self, max_header_bytes: int, max_header_count: int = 100) -> None:
+        self._buf = bytearray()  # received and not parsed yet (while no body is being read)
+        self._closed = False  # the client half-closed
+        self._parser: h11.Connection | None = None  # parsed the current request's head
+        self._head: h11.Request | None = None
+        # The current request's body framing (``read_body``); later bytes wait for the next cycle.
         self._body: BodyReader | None = None
-        self._at_start = True  # no byte of the current request reached the parser yet
-        self._held_cr = False
+        self._scan = 0  # where the search for the end of the head resumes
+        self._at_start = True  # no byte of the current request looked at yet
+        self._max_head = max_header_bytes
+        self._max_lines = max_header_count + 2  # the request line and the empty line that ends the head
         self._mode = _NO_BODY
         self._remaining = 0
         self.must_close = False  # after the current response, the connection cannot be reused
@@ -201,69 +217,111 @@ class ServerCodec:
     # -- parsing ------------------------------------------------------------------------------
     def feed(self, data: bytes) -> None:
         """Bytes received from the client (b"" means the client half-closed)."""
-        if self._body is not None:
-            self._body.feed(data)
-            return
-        if self._at_start and data:
-            data = self._skip_empty_line(data)
-            if not data:
-                return
-        self._parser.receive_data(data)
-
-    def _skip_empty_line(self, data: bytes) -> bytes:
-        """RFC 9112 §2.2: ignore one empty line (CRLF) received before the request line."""
-        if self._held_cr:
-            self._held_cr = False
-            data = b"\r" + data
-        if data == b"\r":
-            self._held_cr = True
-            return b""
-        self._at_start = False
-        return data[2:] if data[:2] == b"\r\n" else data
+        body = self._body
+        if body is not None:
+            body.feed(data)
+        elif data:
+            self._buf += data
+        else:
+            self._closed = True
 
     def next_event(self):  # -> RequestHead | Body | EndOfMessage | ConnectionClosed | NEED_DATA | PAUSED
-        if self._body is not None:
+        body = self._body
+        if body is not None:
+            return body.next_event()
+        if self._parser is not None:  # a head was returned and the caller did not ask for ``read_body``
+            self._frame_body_as_declared()
             return self._body.next_event()
+        return self._next_head()
+
+    def _next_head(self):
+        buf = self._buf
+        if self._at_start and buf:
+            if buf[0] == 13:  # RFC 9112 §2.2: one empty line (CRLF) before the request line is ignored
+                if len(buf) == 1:
+                    if not self._closed:
+                        return NEED_DATA
+                elif buf[1] == 10:
+                    del buf[:2]
+            self._at_start = False
+        match = _HEAD_END.search(buf, self._scan)
+        if match is None:
+            if self._closed:
+                if buf:
+                    raise ParseError("the connection closed in the middle of a request head")
+                return _CONNECTION_CLOSED
+            if len(buf) > self._max_head:
+                raise ParseError("request header block too large", 431)
+            if buf and buf[0] < 0x21:  # no request line starts so (a TLS hello on the plain port...)
+                if buf[:2] == _TLS_HANDSHAKE:
+                    raise NotHttp("a TLS handshake on a plain HTTP listener")
+                raise ParseError("illegal request line")
+            self._scan = max(0, len(buf) - 2)
+            return NEED_DATA
+        end = match.end()
+        if end > self._max_head:
+            raise ParseError("request header block too large", 431)
+        # Counted in C before h11 spends Python time per line: a block of many tiny fields is refused
+        # for the price of one scan.
+        if buf.count(b"\n", 0, end) > self._max_lines:
+            raise ParseError("too many header fields", 431)
+        parser = self._parser = h11.Connection(h11.SERVER, max_incomplete_event_size=self._max_head)
+        head = buf[:end]
+        parser.receive_data(head)
+        del buf[:end]
+        self._scan = 0
         try:
-            event = self._parser.next_event()
+            event = parser.next_event()
         except h11.RemoteProtocolError as error:
-            if _is_tls_handshake(self._parser, error):
+            if head[:2] == _TLS_HANDSHAKE:  # a ClientHello whose random bytes hold a blank line
                 raise NotHttp("a TLS handshake on a plain HTTP listener") from None
             raise ParseError(str(error), error.error_status_hint) from None
-        return _own_event(event)
+        if type(event) is not h11.Request:  # a complete head is a request or an error
+            raise ParseError("malformed request head")
+        self._head = event
+        return event
 
     def read_body(self, content_length: int, chunked: ChunkedDecoder | None = None) -> None:
-        """After a request head: frame its body here (``content_length`` bytes, -1 for none, or chunked)
-        instead of in h11. Without this call, h11 frames the body."""
-        self._body = BodyReader(self._parser.trailing_data[0], max(content_length, 0), chunked)
+        """After a request head: frame its body (``content_length`` bytes, -1 for none, or chunked).
+        Without this call the body is framed as the head declares it, with no size limit."""
+        reader = self._body = BodyReader(self._buf, max(content_length, 0), chunked)
+        reader.closed = self._closed
+        self._buf = bytearray()  # the reader owns the received bytes until ``next_cycle``
+
+    def _frame_body_as_declared(self) -> None:
+        length, chunked = 0, False
+        for name, value in header_pairs(self._head.headers):  # h11 validated and merged them
+            if name == b"transfer-encoding":
+                chunked = True
+            elif name == b"content-length":
+                length = int(value)
+        self.read_body(-1 if chunked else length, ChunkedDecoder(sys.maxsize, self._max_head) if chunked else None)
 
     @property
     def buffered(self) -> int:
-        """Bytes received but not parsed yet (the rest of a pipelined stream)."""
+        """Bytes received but not parsed yet (the rest of the current body, or a pipelined stream)."""
         body = self._body
-        return len(self._parser.trailing_data[0]) if body is None else len(body.stash)
+        return len(self._buf) if body is None else len(body.stash)
 
     @property
     def expects_continue(self) -> bool:
         """The request announced ``Expect: 100-continue`` and has not sent its body yet."""
-        return self._parser.they_are_waiting_for_100_continue
+        parser = self._parser
+        return parser is not None and parser.they_are_waiting_for_100_continue
 
     def next_cycle(self) -> None:
-        """Start parsing the next request on this connection (after its response ended)."""
+        """Start parsing the next request on this connection (after its response ended): the bytes
+        after the body are the next request's, taken over as they are (no copy)."""
         body = self._body
-        if body is not None:
-            data, closed = bytes(body.stash), body.closed
-            self._body = None
-        else:
-            pending, closed = self._parser.trailing_data
-            data = bytes(pending)
-        self._parser = h11.Connection(h11.SERVER, max_incomplete_event_size=self._max_head)
+        if body is None or not body.ended:
+            raise RuntimeError("next_cycle before the request was read to its end")
+        self._buf = body.stash
+        self._closed = body.closed
+        self._body = None
+        self._parser = None
+        self._head = None
         self._at_start = True
-        self._held_cr = False
-        if data:
-            self.feed(data)
-        if closed:
-            self._parser.receive_data(b"")
+        self._scan = 0
 
     # -- responding ---------------------------------------------------------------------------
     def expect_response(self, method: bytes, http11: bool, keep_alive: bool) -> None:

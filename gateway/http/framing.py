@@ -114,12 +114,15 @@ class ChunkedDecoder:
     Refuses chunk lines longer than ``MAX_CHUNK_LINE`` (oversized extensions), malformed sizes or
     extensions, a missing CRLF after chunk data, a declared total above the body limit and oversized
     or malformed trailer sections (trailers are dropped, never forwarded). Leading zeros in a size are
-    fine: the limit applies to the value. ``feed`` returns the decoded body pieces; once ``done``,
-    ``leftover`` holds the bytes after the body (the next pipelined request).
+    fine: the limit applies to the value.
+
+    ``feed`` returns the decoded body pieces and how many input bytes it consumed: every byte up to the
+    end of the body, never one after it. The bytes after the terminator (the next pipelined request)
+    stay with the caller, exactly once; a decoder is never fed again once ``done``. What it keeps
+    between calls is one partial line, bounded by ``MAX_CHUNK_LINE`` or the trailer limit.
     """
 
-    __slots__ = ("_max_body", "_max_trailers", "_line", "_remaining", "_state", "_total", "_trailer_bytes",
-                 "leftover")
+    __slots__ = ("_max_body", "_max_trailers", "_line", "_remaining", "_state", "_total", "_trailer_bytes")
 
     _SIZE, _DATA, _DATA_CRLF, _TRAILERS, _DONE = range(5)
 
@@ -131,14 +134,21 @@ class ChunkedDecoder:
         self._state = self._SIZE
         self._total = 0
         self._trailer_bytes = 0
-        self.leftover = b""
 
     @property
     def done(self) -> bool:
         return self._state == self._DONE
 
-    def feed(self, data: bytes) -> list[bytes]:
-        """Decode the next wire bytes; raise GatewayError (close) on a framing violation."""
+    @property
+    def pending(self) -> int:
+        """Bytes held between calls (a partial chunk line or trailer)."""
+        return len(self._line)
+
+    def feed(self, data: bytes | bytearray) -> tuple[list[bytes], int]:
+        """Decode the next wire bytes: (body pieces, bytes of ``data`` consumed). All of ``data`` is
+        consumed unless the body ends inside it. Raise GatewayError (close) on a framing violation."""
+        if self._state == self._DONE:
+            raise RuntimeError("chunked decoder fed after the end of its body")
         pieces: list[bytes] = []
         pos, end = 0, len(data)
         while pos < end:
@@ -151,23 +161,26 @@ class ChunkedDecoder:
                 if self._remaining == 0:
                     self._state = self._DATA_CRLF
                 continue
-            if state == self._DONE:
-                self.leftover += data[pos:]
-                break
             newline = data.find(b"\n", pos)
-            piece = data[pos:] if newline < 0 else data[pos:newline + 1]
-            pos += len(piece)
+            stop = end if newline < 0 else newline + 1
+            piece = data[pos:stop]
+            pos = stop
             self._line += piece
             if state == self._TRAILERS:
                 self._trailer_bytes += len(piece)
                 if self._trailer_bytes > self._max_trailers:
                     raise _reject(431, "trailers_too_large", "chunked trailer section too large")
+            elif state == self._DATA_CRLF:
+                if not b"\r\n".startswith(self._line):
+                    raise _reject(400, "invalid_chunk", "chunk data not followed by CRLF")
             elif len(self._line) > MAX_CHUNK_LINE:
                 raise _reject(400, "invalid_chunk", "chunk header or extension too long")
             if newline >= 0:
                 line, self._line = self._line, b""
                 self._end_line(state, line)
-        return pieces
+                if self._state == self._DONE:
+                    break  # the bytes after the terminator belong to the next request
+        return pieces, pos
 
     def _end_line(self, state: int, line: bytes) -> None:
         if state == self._DATA_CRLF:

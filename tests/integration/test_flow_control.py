@@ -63,7 +63,7 @@ def test_slow_client_pauses_the_provider_and_the_read_timeout_waits(gateway_fact
 def test_stalled_request_body_gets_408(mock_provider, gateway_factory):
     handle = mock_provider("p")
     gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
-                              extra={"timeouts": {"keepalive_idle": "1s"}})
+                              extra={"timeouts": {"body_read": "1s"}})
     started = time.monotonic()
     raw = raw_exchange(gateway.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Length: 40\r\n\r\n"
                        b'{"model":', timeout=6)

@@ -7,6 +7,7 @@ connection, and send nothing to the provider.
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import pytest
@@ -39,6 +40,7 @@ def strict_gateway(tmp_path_factory):
 
 
 GOOD_BODY = b'{"model": "m"}'
+GOOD_REQUEST = b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Length: 14\r\n\r\n" + GOOD_BODY
 
 CASES = {
     "content_length_and_transfer_encoding": (
@@ -102,6 +104,24 @@ CASES = {
     "bad_content_length": (b"POST / HTTP/1.1\r\nHost: g\r\nContent-Length: 1x\r\n\r\n", 400),
     "conflicting_content_lengths": (
         b"POST / HTTP/1.1\r\nHost: g\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd", 400),
+    # limits.max_header_count (100): counted before any header is parsed, however small the block.
+    "too_many_header_fields": (
+        b"GET /v1/models HTTP/1.1\r\nHost: g\r\n" + b"a:b\r\n" * 100 + b"\r\n", 431),
+    "obfuscated_transfer_encoding": (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nTransfer-Encoding: xchunked\r\n\r\n", 501),
+    "two_transfer_encodings": (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nTransfer-Encoding: chunked\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 501),
+    "negative_chunk_size": (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"-e\r\n" + GOOD_BODY + b"\r\n0\r\n\r\n", 400),
+    "bare_lf_after_chunk_size": (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"e\n" + GOOD_BODY + b"\r\n0\r\n\r\n", 400),
+    "chunk_data_longer_than_its_size": (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5\r\n" + GOOD_BODY + b"\r\n0\r\n\r\n", 400),
+    "nul_in_header_value": (b"GET /v1/models HTTP/1.1\r\nHost: g\r\nX-A: a\x00b\r\n\r\n", 400),
 }
 
 
@@ -122,17 +142,46 @@ def test_rejects_and_closes(strict_gateway, case, split):
     assert mock_served(handle) == before
 
 
-def test_pipelined_request_after_rejection_is_never_processed(strict_gateway):
+SMUGGLED = b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Length: 14\r\n\r\n" + GOOD_BODY
+
+
+@pytest.mark.parametrize("split", [None, 7], ids=["whole", "split"])
+@pytest.mark.parametrize("case", ["content_length_and_transfer_encoding", "transfer_encoding_on_http10",
+                                  "chunk_data_without_crlf", "negative_chunk_size", "bare_lf_after_chunk_size",
+                                  "chunk_data_longer_than_its_size", "two_transfer_encodings", "malformed_trailer",
+                                  "conflicting_content_lengths", "too_many_header_fields"])
+def test_pipelined_request_after_rejection_is_never_processed(strict_gateway, case, split):
+    # Once framing is in doubt nothing more is read from the connection: a request pipelined behind
+    # a rejected one (where a smuggling attempt would put it) never reaches the provider.
     handle, gateway = strict_gateway
     before = mock_served(handle)
-    smuggled = b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Length: 14\r\n\r\n" + GOOD_BODY
-    payload = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Length: 5\r\n"
-        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + smuggled
-    )
-    raw = raw_exchange(gateway.port, payload)
-    assert raw.count(b"HTTP/1.1 ") == 1 and status_of(raw) == 400
+    raw = raw_exchange(gateway.port, CASES[case][0] + SMUGGLED * 3, split=split, pause=0.0005)
+    assert raw.count(b"HTTP/1.1 ") == 1 and status_of(raw) == CASES[case][1], raw[:300]
     assert mock_served(handle) == before
+
+
+@pytest.mark.parametrize("cut", ["head", "length_body", "chunked_body"])
+def test_a_request_cut_short_by_a_half_close_is_answered_400_at_once(strict_gateway, cut):
+    # The client can never finish it: answer now, instead of at the header or body deadline.
+    handle, gateway = strict_gateway
+    before = mock_served(handle)
+    partial = {
+        "head": b"GET /v1/models HTTP/1.1\r\nHost: g\r\nX-A: b",
+        "length_body": b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Length: 14\r\n\r\n" + GOOD_BODY[:5],
+        "chunked_body": b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nTransfer-Encoding: chunked\r\n\r\n"
+                        b"e\r\n" + GOOD_BODY + b"\r\n",
+    }[cut]
+    sock = socket.create_connection(("127.0.0.1", gateway.port), timeout=5)
+    started = time.monotonic()
+    sock.sendall(GOOD_REQUEST + partial)
+    sock.shutdown(socket.SHUT_WR)
+    raw = b""
+    while data := sock.recv(65536):
+        raw += data
+    sock.close()
+    assert time.monotonic() - started < 0.9  # well before the 1 s header deadline
+    assert raw.count(b"HTTP/1.1 200 ") == 1 and raw.count(b"HTTP/1.1 400 ") == 1, raw[-300:]
+    assert mock_served(handle) == before + 1  # the complete request before it, once
 
 
 def test_absolute_form_target_is_accepted(strict_gateway):

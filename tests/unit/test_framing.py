@@ -63,12 +63,21 @@ def test_keep_alive(headers, version, keep_alive):
 
 
 def decode(wire: bytes, step: int | None = None, max_body: int = 100) -> tuple[bytes, bytes]:
+    """Feed ``wire`` in pieces as a reader does (never after the end); (body, bytes left after it)."""
     decoder = ChunkedDecoder(max_body, 64)
     pieces: list[bytes] = []
+    rest = b""
     for start in range(0, len(wire), step or len(wire)):
-        pieces += decoder.feed(wire[start:start + (step or len(wire))])
+        piece = wire[start:start + (step or len(wire))]
+        if decoder.done:
+            rest += piece
+            continue
+        decoded, used = decoder.feed(piece)
+        pieces += decoded
+        rest += piece[used:]
+        assert used == len(piece) or decoder.done  # everything is consumed until the body ends
     assert decoder.done
-    return b"".join(pieces), decoder.leftover
+    return b"".join(pieces), rest
 
 
 CHUNK_OK = [
@@ -111,3 +120,33 @@ def test_chunked_violations(wire, status, step):
         for start in range(0, len(wire), step or len(wire)):
             decoder.feed(wire[start:start + (step or len(wire))])
     assert caught.value.reply.status == status
+
+
+@pytest.mark.parametrize(("wire", "body"), [c[1:] for c in CHUNK_OK], ids=[c[0] for c in CHUNK_OK])
+def test_the_decoder_stops_at_the_end_of_the_body_and_takes_no_byte_after_it(wire, body):
+    # Issue 20: bytes after the terminator (the next pipelined request) were appended to a leftover
+    # that was fed back in, so they were processed again on every call.
+    after = b"GET /next HTTP/1.1\r\nHost: g\r\n\r\n"
+    decoder = ChunkedDecoder(100, 64)
+    pieces, used = decoder.feed(wire + after)
+    assert decoder.done and b"".join(pieces) == body and used == len(wire)
+    with pytest.raises(RuntimeError):
+        decoder.feed(after)  # a done decoder is never fed again
+
+
+def test_the_decoder_keeps_at_most_one_bounded_line_between_calls():
+    decoder = ChunkedDecoder(10**9, 64)
+    for _ in range(MAX_CHUNK_LINE):
+        pieces, used = decoder.feed(b"0")  # an endless run of leading zeros, one byte at a time
+        assert (pieces, used) == ([], 1)
+    with pytest.raises(GatewayError) as caught:
+        decoder.feed(b"0")
+    assert caught.value.reply.status == 400
+
+
+def test_bytes_other_than_crlf_after_chunk_data_are_refused_at_once():
+    decoder = ChunkedDecoder(100, 64)
+    decoder.feed(b"2\r\nab")
+    with pytest.raises(GatewayError) as caught:
+        decoder.feed(b"\rX")  # not a prefix of CRLF: refused without waiting for a line end
+    assert caught.value.reply.status == 400
