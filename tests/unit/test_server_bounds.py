@@ -151,7 +151,7 @@ def test_a_body_beyond_the_worker_budget_gets_503_and_its_connection_dying_gives
     ("limits: {max_header_count: 0}", "limits.max_header_count: must be >= 1"),
     ("limits: {max_body_bytes: 1000, max_buffered_body_bytes_per_worker: 999}",
      "limits.max_buffered_body_bytes_per_worker: must be >= max_body_bytes"),
-    ("timeouts: {body_read: 0s}", "timeouts.body_read: must be > 0"),
+    ("timeouts: {body_read: 0s}", "timeouts.body_read: must be >= 100ms"),
 ])
 def test_the_bound_settings_are_checked_and_errors_name_the_field(extra, expected):
     with pytest.raises(ConfigError) as caught:
