@@ -46,8 +46,8 @@ MAX_PENDING_CANCELS = 1024
 class AdmitBatcher(Generic[Context]):
     """``decide(command, reply, context)``: a request's Admission from its admit's reply (bytes)."""
 
-    __slots__ = ("_ledger", "_breaker", "_reconciler", "_counters", "_decide", "_pending", "_loop", "_tasks",
-                 "_cancels")
+    __slots__ = ("_ledger", "_breaker", "_reconciler", "_counters", "_decide", "_pending", "_sending", "_loop",
+                 "_tasks", "_cancels")
 
     def __init__(self, ledger: QuotaLedger, breaker: BackendBreaker, reconciler: Reconciler, counters: QuotaCounters,
                  decide: Callable[[AdmitCommand, bytes, Context], Admission]) -> None:
@@ -57,12 +57,19 @@ class AdmitBatcher(Generic[Context]):
         self._counters = counters
         self._decide = decide
         self._pending: list[_Entry] = []  # this tick's admits, in the order they will be sent
+        self._sending: set[asyncio.Future[list[Reply]]] = set()  # batches sent, not answered yet
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()  # script reloads and cancels of lost admits
         self._cancels = 0
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+
+    async def settled(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) for the batches already sent: at shutdown, what they granted is
+        given back through the reconciler before it stops, rather than left to expire at its estimate."""
+        if self._sending:
+            await asyncio.wait(list(self._sending), timeout=timeout_s)
 
     def close(self) -> None:
         for task in list(self._tasks):
@@ -96,9 +103,11 @@ class AdmitBatcher(Generic[Context]):
         except BACKEND_ERRORS as exc:  # e.g. too many commands pending on a stuck connection
             self._failed(batch, exc)
             return
+        self._sending.add(sent)
         sent.add_done_callback(partial(self._sent, batch))
 
     def _sent(self, batch: list[_Entry], sent: asyncio.Future[list[Reply]]) -> None:
+        self._sending.discard(sent)
         if sent.cancelled():  # the gate is closing
             self._failed(batch, ConnectionError("quota gate closed"))
             return

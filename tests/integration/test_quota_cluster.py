@@ -23,6 +23,7 @@ from gateway.quota.ledger import QuotaLedger, key_prefix
 from gateway.quota.owner import owner_tag
 from gateway.quota.rules import Budget, QuotaRule
 from tests.integration.test_quota_ledger import admit, flush_scripts
+from tests.integration.test_quota_parts import check_transport
 
 LONG = 10_000_000
 SLOT_RANGES = ((0, 5460), (5461, 10922), (10923, 16383))
@@ -242,5 +243,17 @@ def test_running_requests_keep_their_reservations_on_every_node(cluster_url: str
             assert gate.counters.reservations_expired == 0
         finally:
             await gate.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_cluster_transport_does_what_the_ledger_relies_on(cluster_url: str) -> None:
+    async def scenario() -> None:
+        transport = create_client(cluster_url)
+        assert type(transport) is ClusterTransport
+        try:
+            await check_transport(transport, cluster_url)
+        finally:
+            await transport.aclose()
 
     asyncio.run(scenario())
