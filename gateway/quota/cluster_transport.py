@@ -13,7 +13,7 @@ servers' ``maxclients`` refuse them (cheaper than valkey-py's blocking pool, whi
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any
 
 from valkey.asyncio.cluster import ValkeyCluster
@@ -33,7 +33,7 @@ class ClusterTransport(ScriptCalls, ValkeyCluster):
         super().__init__(*args, **kwargs)
         self._turns = asyncio.Semaphore(max_concurrent_calls)
 
-    def template(self, args: ScriptArgs) -> ClusterTemplate:
+    def template(self, args: ScriptArgs) -> ClusterTemplate:  # type: ignore[override]
         # "EVALSHA" as a str: valkey-py's cluster routing recognises the command by that name.
         call = ("EVALSHA", self.sha, 1, *args)
         return call, tuple(i for i, arg in enumerate(call) if arg is SLOT)
@@ -48,7 +48,7 @@ class ClusterTransport(ScriptCalls, ValkeyCluster):
     def wire(self, args: Sequence[Arg]) -> tuple[Arg, ...]:
         return ("EVALSHA", self.sha, 1, *args)
 
-    def send_admits(self, wires: Sequence[tuple[Arg, ...]]) -> Any:  # type: ignore[override]
+    def send_admits(self, wires: Sequence[tuple[Arg, ...]]) -> Awaitable[list[Reply]]:  # type: ignore[override]
         return self._pipelined(wires)
 
     async def _pipelined(self, wires: Sequence[tuple[Arg, ...]]) -> list[Reply]:  # type: ignore[override]

@@ -18,6 +18,10 @@ reservations of a worker that dies are settled by the supervisor's sweep (``owne
 
 Concurrency cap: ``QuotaRule.max_in_flight`` is enforced by the same script call, counting the live
 reservations of the (rule, tenant), so it holds across every worker and every gateway sharing the Valkey.
+
+Where further limits go (request rates, per-key limits, spend): into what a (tenant, model) is metered by
+(``Metered``, memoised here), the arguments and reply of the one admit call (``ledger.py``), and further
+allowances of a block (``lease.Allowance``). The batcher, the breaker and the transports carry any admit.
 """
 
 from __future__ import annotations
@@ -63,6 +67,9 @@ _MAX_METERED = 4096  # (tenant, model) pairs remembered; hostile model names can
 
 
 class QuotaGate:
+    """One per worker: ``admission`` and ``settle`` on the request path, ``start``/``drain``/``close`` around
+    it, ``quota_report`` for the admin page; ``counters`` and ``tenant_tokens`` feed the metrics."""
+
     def __init__(
         self,
         ledger: QuotaLedger,

@@ -36,7 +36,7 @@ import msgspec
 
 from gateway.quota.ledger_script import KEY_PREFIX
 from gateway.quota.rules import QuotaRule
-from gateway.quota.transport import SLOT, LedgerTransport, Reply, Wire
+from gateway.quota.transport import SLOT, LedgerTransport, Reply, Template, Wire
 
 # Settle outcomes (what the script did).
 SETTLE_NOOP = 0  # already settled, or expired earlier and charged at the estimate
@@ -68,7 +68,7 @@ class Account(msgspec.Struct, frozen=True, gc=False):
     tenant: str
     zkey: bytes
     prefix: bytes
-    admit: Any  # the transport's template
+    admit: Template  # the transport's
 
 
 class AdmitCommand(msgspec.Struct, frozen=True, gc=False):

@@ -18,7 +18,7 @@ _SLOT_FORMAT = b"$%d\r\n%b\r\n"
 class RespTransport(ScriptCalls, RespClient):
     """``RespClient`` speaking the ``LedgerTransport`` protocol; still every command of the client."""
 
-    def template(self, args: ScriptArgs) -> bytes:
+    def template(self, args: ScriptArgs) -> bytes:  # type: ignore[override]
         call = ("EVALSHA", self.sha, 1, *args)
         parts = [b"*%d\r\n" % len(call)]
         for arg in call:
@@ -28,7 +28,7 @@ class RespTransport(ScriptCalls, RespClient):
                 parts.append(_bulk_string(arg).replace(b"%", b"%%"))
         return b"".join(parts)
 
-    def fill(self, template: bytes, values: Sequence[bytes]) -> bytes:
+    def fill(self, template: bytes, values: Sequence[bytes]) -> bytes:  # type: ignore[override]
         sized: list[int | bytes] = []
         for value in values:
             sized += (len(value), value)

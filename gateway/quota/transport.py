@@ -33,6 +33,8 @@ ScriptArgs = Sequence[Arg | None]
 SLOT = None
 # A call as its client sends it: RESP bytes (single node) or an argument tuple (cluster).
 Wire = bytes | tuple[Arg, ...]
+# A call prepared once: RESP bytes to %-format, or the argument tuple and the positions of its slots.
+Template = bytes | tuple[tuple[Arg | None, ...], tuple[int, ...]]
 # What a call answered: the script's value (bytes, int, a list of them), or the error reply in place.
 Reply = bytes | int | list[Any] | Exception | None
 
@@ -41,11 +43,11 @@ class LedgerTransport(Protocol):
     """The ledger's only way to Valkey. Errors are valkey-py's exception classes (``backend.BACKEND_ERRORS``);
     timeouts belong to the caller."""
 
-    def template(self, args: ScriptArgs) -> Any:
+    def template(self, args: ScriptArgs) -> Template:
         """A call prepared once: ``args`` with ``SLOT`` where each call differs (filled by ``fill``)."""
         ...
 
-    def fill(self, template: Any, values: Sequence[bytes]) -> Wire:
+    def fill(self, template: Template, values: Sequence[bytes]) -> Wire:
         """The call ``template`` makes with ``values`` in its slots, in order."""
         ...
 
@@ -71,7 +73,7 @@ class LedgerTransport(Protocol):
         """SCRIPT LOAD (on every primary of a cluster); raises if the server names another SHA."""
         ...
 
-    async def ping(self) -> Any:
+    async def ping(self) -> object:
         """One cheap command: raises unless the backend serves commands (a loading server does not)."""
         ...
 
