@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 from valkey.exceptions import ResponseError
@@ -224,6 +225,62 @@ def test_closing_the_gate_returns_every_block_charging_requests_in_flight_their_
         try:
             report = (await ledger.report(rule_for(tenant, (LONG, 1_000_000)), tenant)).windows[0]
             assert (report.used, report.reserved) == (10 + 300, 0)
+        finally:
+            await ledger.close()
+
+    asyncio.run(scenario())
+
+
+@contextlib.asynccontextmanager
+async def slow_replies(url: str, delay_s: float) -> AsyncIterator[str]:
+    """A loopback proxy to the Valkey at ``url`` that holds every reply ``delay_s`` (commands pass at
+    once): a distant backend. Yields the URL to reach Valkey through it."""
+    target = urlsplit(url)
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await reader.read(65536):
+                if delay:
+                    await asyncio.sleep(delay)
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def serve(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        if target.scheme == "unix":
+            server_reader, server_writer = await asyncio.open_unix_connection(target.path)
+        else:
+            server_reader, server_writer = await asyncio.open_connection(target.hostname, target.port)
+        await asyncio.gather(pipe(client_reader, server_writer, 0), pipe(server_reader, client_writer, delay_s))
+
+    proxy = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = proxy.sockets[0].getsockname()[1]
+    password = f":{target.password}@" if target.password else ""
+    try:
+        yield f"valkey://{password}127.0.0.1:{port}/0"
+    finally:
+        proxy.close()
+
+
+def test_a_block_granted_while_the_gate_closes_goes_back_unused(valkey_url: str) -> None:
+    # The ask for a block is on the wire when the worker stops: the ledger grants it, and the grant's reply
+    # must still give it back, or the whole block stays reserved until it expires and is charged in full.
+    tenant = new_tenant()
+    rule = rule_for(tenant, (LONG, 1_000_000))
+    lease = LeaseSpec(tokens=1000, ttl_s=30, headroom=2)
+
+    async def scenario() -> None:
+        async with slow_replies(valkey_url, 0.3) as distant:
+            async with counted_gate(distant, [rule], lease=lease) as (gate, transport):
+                running = await admit(gate, tenant, 10)  # its reply asks for a block ...
+                await asyncio.sleep(0)
+                assert transport.admit_writes == [1, 1] and gate.counters.leases_granted == 0  # ... not granted yet
+                assert running.allowed  # and it is still running: nothing to settle yet
+            # closed: the grant arrived while it closed
+        ledger = QuotaLedger(create_client(valkey_url), reservation_timeout_s=120)
+        try:
+            report = (await ledger.report(rule, tenant)).windows[0]
+            assert (report.used, report.reserved) == (0, 10)  # the running request's reservation, no block
         finally:
             await ledger.close()
 
