@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.admin.pages import ReportUnavailable
 from gateway.config import Quota
 from gateway.quota.rules import RuleSet, rules_from_config
+
+if TYPE_CHECKING:
+    from gateway.quota.ledger import QuotaLedger
 
 
 class QuotaReporter:
@@ -14,9 +17,8 @@ class QuotaReporter:
 
     def __init__(self) -> None:
         self._key: tuple[str, Quota] | None = None
-        self._client: Any = None
-        self._ledger: Any = None
-        self._rules: Any = None
+        self._ledger: QuotaLedger | None = None
+        self._rules: RuleSet | None = None
 
     async def report(self, url: str, quota: Quota, tenant: str) -> dict[str, Any]:
         # Imported here: the quota client (valkey) is loaded only once somebody asks for this page.
@@ -26,9 +28,9 @@ class QuotaReporter:
 
         if self._key != (url, quota):
             await self.close()
-        if self._ledger is None:  # made lazily: the client belongs to the running loop
-            self._client = create_client(url, timeout_s=1.0)
-            self._ledger = QuotaLedger(self._client, reservation_timeout_s=float(quota.reservation_timeout))
+        if self._ledger is None or self._rules is None:  # made lazily: the client belongs to the running loop
+            self._ledger = QuotaLedger(create_client(url, timeout_s=1.0),
+                                       reservation_timeout_s=float(quota.reservation_timeout))
             self._rules = RuleSet(rules_from_config(quota))
             self._key = (url, quota)
         try:
@@ -37,6 +39,6 @@ class QuotaReporter:
             raise ReportUnavailable(f"quota backend unavailable: {exc}") from None
 
     async def close(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-        self._client = self._ledger = self._rules = self._key = None
+        if self._ledger is not None:
+            await self._ledger.close()
+        self._ledger = self._rules = self._key = None

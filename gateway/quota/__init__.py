@@ -1,4 +1,4 @@
-"""Token quota: rules and estimates (pure), usage extraction (pure), the Valkey ledger, the gate.
+"""Token quota: rules and estimates (pure), usage extraction (pure), the Valkey ledger, and the gate in parts.
 
 Import the submodules directly; this package imports nothing so the pure rooms stay I/O-free.
 
@@ -6,15 +6,26 @@ Import the submodules directly; this package imports nothing so the pure rooms s
     estimate   estimate_tokens                        the reservation size
     usage      rewrite_request_for_usage, usage_observer   actual usage from responses
     owner      owner_tag                              the worker identity in every reservation id
-    ledger     QuotaLedger                            the Lua script and key layout in Valkey
     admission  Admission                              a verdict with its headers and error text
-    breaker    Breaker                                when admissions stop touching a failing backend
     counters   QuotaCounters, TenantTokens, configured_tenants   per-worker counters for the metrics
-    reconcile  Reconciler                             settling off the request path, in batches
-    lease      Lease, LeaseSpec                       worker-held token blocks (quota.lease): the arithmetic
-    gate       QuotaGate                              what a worker calls per request
-    report     quota_report                           the /admin/quota page's reading of the ledger
+    lease      Lease, Allowance, LeaseSpec            a worker-held block (quota.lease): the arithmetic
+
+  The ledger, and how it reaches Valkey:
+    ledger_script                                     the one Lua script, versioned, and its key prefix
+    ledger     QuotaLedger, Account, Reservation      the key layout, the script's calls, their replies
+    transport  LedgerTransport                        the protocol the ledger speaks to Valkey through
+    resp_transport     RespTransport                  ... one node, over the lean pipelined RespClient
+    cluster_transport  ClusterTransport               ... Valkey Cluster, over valkey-py's ValkeyCluster
+    backend    create_client                          the transport for a backend URL (chosen once, here)
     resp       RespClient                             lean pipelined client for one Valkey node
-    backend    create_client                          the client for a backend URL (RespClient or ValkeyCluster)
+
+  The gate a worker calls (admission, settle), and its parts:
+    gate       QuotaGate                              composes the parts below; the two verbs
+    batcher    AdmitBatcher                           one pipelined write per loop tick of admits
+    lease_book LeaseBook                              the worker's blocks: ask, grant, take, renew, return
+    breaker    Breaker, BackendBreaker                when admissions stop touching a failing backend; the probe
+    reconcile  Reconciler                             settling off the request path, in batches
+    keeper     ReservationKeeper                      running requests keep their reservations live
+    report     quota_report                           the /admin/quota page's reading of the ledger
     embedded   EmbeddedValkey                         the bundled server the supervisor runs
 """

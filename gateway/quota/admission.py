@@ -22,15 +22,15 @@ class Admission(msgspec.Struct, gc=False):
     """The verdict the worker acts on.
 
     ``allowed`` False -> answer ``status`` (429 or 503) with ``headers``, send nothing upstream.
-    ``allowed`` True -> forward; add ``headers`` to the response; when the request ends call one of
-    ``QuotaGate.release`` / ``charge_estimate`` / ``charge`` (settling an unmetered admission is a no-op).
+    ``allowed`` True -> forward; add ``headers`` to the response; when the request ends call
+    ``QuotaGate.settle`` once with what it cost (settling an admission that reserved nothing is a no-op).
 
     A ``msgspec.Struct``: one is built per metered request, and its constructor runs in C (half the
     cost of an ``__init__``). Not tracked by the GC: it holds no reference back to itself.
     """
 
     allowed: bool
-    reason: str  # admitted|unmetered|denied|denied_never_fits|denied_concurrency|backend_error_*
+    reason: str  # admitted|denied|denied_never_fits|denied_concurrency|backend_error_*
     status: int | None
     headers: tuple[tuple[bytes, bytes], ...]
     reservation: Reservation | None = None
@@ -72,7 +72,6 @@ _ERRORS = {
 }
 
 
-UNMETERED = Admission(True, "unmetered", None, ())
 ALLOWED_UNMETERED = Admission(True, "backend_error_allowed", None, ())
 # While the breaker is open the probe runs every ~100 ms: one second is an honest retry hint.
 REJECTED = Admission(False, "backend_error_rejected", 503, ((H_RETRY_AFTER, b"1"),))

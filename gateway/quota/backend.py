@@ -5,6 +5,9 @@ Accepted URLs (the config validates them: ``gateway.config.quota_url_problem``):
 / ``valkeys+cluster://host:port`` (Valkey Cluster; the node is a seed, the topology is discovered).
 ``{kind: embedded}`` resolves to the URL the supervisor's ``EmbeddedValkey.start()`` returned.
 
+The client is also the ledger's transport (``transport.py``): the URL decides, once, here, which of the
+two implementations serves it, and nothing downstream asks again.
+
 Clients are created inside each worker (after fork, on the worker's event loop), never shared
 across processes. Timeouts are short on purpose: a slow quota backend must turn into the configured
 ``on_backend_error`` policy quickly, not into request latency.
@@ -12,13 +15,11 @@ across processes. Timeouts are short on purpose: a slow quota backend must turn 
 
 from __future__ import annotations
 
-from typing import Any
-
-from valkey.asyncio.cluster import ValkeyCluster
 from valkey.exceptions import ValkeyError
 
 from gateway.config import QUOTA_CLUSTER_SCHEMES, single_node_url
-from gateway.quota.resp import RespClient
+from gateway.quota.cluster_transport import ClusterTransport
+from gateway.quota.resp_transport import RespTransport
 
 DEFAULT_TIMEOUT_S = 0.25
 
@@ -31,8 +32,9 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-def create_client(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
-    """A ``RespClient`` for a single node, a valkey-py ``ValkeyCluster`` for a cluster URL; both
+def create_client(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> RespTransport | ClusterTransport:
+    """A ``RespTransport`` (``RespClient``) for a single node, a ``ClusterTransport`` (valkey-py's
+    ``ValkeyCluster``) for a cluster URL: the ledger's transport and a command client both. Both
     return bytes replies and make no client-side retries (the gate's breaker and policy decide what
     a failure means). ``timeout_s`` bounds connecting and waiting for replies.
 
@@ -41,10 +43,9 @@ def create_client(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
     the quota's cost per request). Cluster: valkey-py, which knows slots, redirections and topology;
     it initialises lazily on first use."""
     if url.partition("://")[0].lower() not in QUOTA_CLUSTER_SCHEMES:
-        return RespClient.from_url(url, timeout_s=timeout_s)
-    # The pool is not capped: QuotaLedger bounds concurrent calls (cheaper than valkey-py's blocking
-    # pool, which takes a lock per command), and that bounds the connections.
-    return ValkeyCluster.from_url(
+        return RespTransport.from_url(url, timeout_s=timeout_s)
+    # The pool is not capped: the transport bounds its batches in flight, and that bounds the connections.
+    return ClusterTransport.from_url(
         single_node_url(url),
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,

@@ -8,7 +8,7 @@ admits requests of that pair against the block in memory, with no await. When th
 has ended, the worker settles the block's reservation with the tokens its requests were charged: the
 unused part goes back to the budget. The same design as Envoy's rate-limit quota service: the data
 plane spends an assignment locally and reports what it used. The gate asks for a used block's successor
-shortly before its ``ttl`` ends (``QuotaGate._renew``), so steady traffic never waits between blocks.
+shortly before its ``ttl`` ends (``LeaseBook``), so steady traffic never waits between blocks.
 
 What that trades: tokens another worker holds in an open block are reserved in Valkey, so a budget
 near its limit could refuse a request while a block somewhere still has room. Blocks are therefore
@@ -40,12 +40,10 @@ class LeaseSpec:
         return room >= self.headroom * self.tokens
 
 
-class LeaseReservation(Reservation):
+class LeaseReservation(Reservation, frozen=True, gc=False):
     """The ledger reservation behind a block: settled once, with what the block's requests were charged.
     Its own class so reconciliation counts blocks apart from requests (their tokens are counted per
     request, when each one settles)."""
-
-    __slots__ = ()
 
 
 def leasable(rule: QuotaRule) -> bool:
@@ -60,53 +58,83 @@ def ms_to_window_end(rule: QuotaRule, server_now_ms: int) -> int:
     return min(b.window_s * 1000 - server_now_ms % (b.window_s * 1000) for b in rule.budgets)
 
 
-class Lease:
-    """One block: ``committed`` = the estimates of its requests in flight + what its ended requests
-    were charged. It admits while open and the request fits; once closed it only waits for its
-    requests to end, then it is settled (``returnable``)."""
+class Allowance:
+    """One kind of budget a block holds: its ``capacity``, what the block's requests ``committed`` of it
+    (the estimates of those in flight + what the ended ones were charged), and its rate-limit headers as
+    this worker knows them. A block holds tokens today; request slots (``x-ratelimit-*-requests``) and
+    nano-USD are further allowances of the same shape, and a request is admitted when every one fits."""
 
-    __slots__ = ("reservation", "capacity", "committed", "in_flight", "closes_at", "closed",
-                 "room_beyond", "resets_at", "limit_header", "tenant_slot", "_room", "_reset_until", "_reset_header")
+    __slots__ = ("capacity", "committed", "room", "resets_at", "limit_header", "remaining_name", "_reset_name",
+                 "_reset_until", "_reset_header")
 
-    def __init__(self, reservation: Reservation, capacity: int, closes_at: float, limit: int, room_beyond: int,
-                 resets_at: float, tenant_slot: int = -1) -> None:
-        self.reservation = reservation
+    def __init__(self, capacity: int, limit: int, room_beyond: int, resets_at: float,
+                 names: tuple[bytes, bytes, bytes] = (H_LIMIT, H_REMAINING, H_RESET)) -> None:
         self.capacity = capacity
         self.committed = 0
-        self.in_flight = 0
-        self.closes_at = closes_at  # monotonic seconds
-        self.closed = False
-        self.room_beyond = room_beyond  # that budget's room outside this block, at the grant
-        self.resets_at = resets_at  # monotonic seconds at which that budget's window ends
-        self.limit_header = (H_LIMIT, b"%d" % limit)  # the tightest budget's limit, from the grant
-        self.tenant_slot = tenant_slot  # the tenant's TenantTokens slot: one tenant per block
-        self._room = room_beyond + capacity  # the room this worker knows of, before anything is committed
+        self.room = room_beyond + capacity  # the room this worker knows of, before anything is committed
+        self.resets_at = resets_at  # monotonic seconds at which the tightest budget's window ends
+        limit_name, self.remaining_name, self._reset_name = names
+        self.limit_header = (limit_name, b"%d" % limit)  # the tightest budget's limit, from the grant
         # The reset header, and until when (monotonic) it says the right whole second: the block's requests
         # share one rather than compute a duration each.
         self._reset_until = -math.inf
-        self._reset_header = (H_RESET, b"")
+        self._reset_header = (self._reset_name, b"")
+
+    @property
+    def remaining(self) -> int:
+        """The room outside the block at the grant plus what the block has not committed."""
+        return max(0, self.room - self.committed)
+
+    def remaining_header(self) -> tuple[bytes, bytes]:
+        return self.remaining_name, b"%d" % self.remaining
+
+    def reset_header(self, now: float) -> tuple[bytes, bytes]:
+        """The reset header in whole seconds (rounded up), made once per second."""
+        if now > self._reset_until:
+            seconds = int(self.resets_at - now + 0.999)
+            self._reset_header = (self._reset_name, duration_text(max(0, seconds) * 1000))
+            # It says `seconds` while resets_at - now + 0.999 >= seconds; past the reset it stays 0 ms.
+            self._reset_until = self.resets_at + 0.999 - seconds if seconds > 0 else math.inf
+        return self._reset_header
+
+
+class Lease:
+    """One block: admits while open and the request fits every allowance; once closed it only waits for
+    its requests to end, then it is settled (``end``/``close`` say when)."""
+
+    __slots__ = ("reservation", "tokens", "in_flight", "closes_at", "closed", "tenant_slot")
+
+    def __init__(self, reservation: Reservation, tokens: Allowance, closes_at: float, tenant_slot: int = -1) -> None:
+        self.reservation = reservation
+        self.tokens = tokens
+        self.in_flight = 0
+        self.closes_at = closes_at  # monotonic seconds
+        self.closed = False
+        self.tenant_slot = tenant_slot  # the tenant's TenantTokens slot: one tenant per block
 
     def take(self, estimate: int, now: float) -> tuple[tuple[bytes, bytes], ...] | None:
         """Admit a request of ``estimate`` tokens if the block is open and has room: its rate-limit
         headers (limit, remaining, reset), else None. A block that has no room left for it is closed
         (requests go to Valkey until the next block); a request larger than any block goes to Valkey and
         leaves the block open."""
-        if self.closed or estimate > self.capacity:
+        tokens = self.tokens
+        if self.closed or estimate > tokens.capacity:
             return None
-        committed = self.committed + estimate
-        if now >= self.closes_at or committed > self.capacity:
+        committed = tokens.committed + estimate
+        if now >= self.closes_at or committed > tokens.capacity:
             self.closed = True
             return None
-        self.committed = committed
+        tokens.committed = committed
         self.in_flight += 1
         # ``remaining`` without its max(): committed <= capacity here, so it cannot be negative.
-        return self.limit_header, (H_REMAINING, b"%d" % (self._room - committed)), self.reset_header(now)
+        return (tokens.limit_header, (tokens.remaining_name, b"%d" % (tokens.room - committed)),
+                tokens.reset_header(now))
 
     def end(self, estimate: int, charged: int) -> bool:
         """A request of this block ended and was charged ``charged`` tokens (its estimate, the
         provider's usage, or 0 when nothing reached a provider). True when the block is now closed
         and idle: settle it."""
-        self.committed += charged - estimate
+        self.tokens.committed += charged - estimate
         self.in_flight -= 1
         return self.closed and self.in_flight == 0
 
@@ -114,19 +142,3 @@ class Lease:
         """Stop admitting. True when nothing is in flight: settle it now."""
         self.closed = True
         return self.in_flight == 0
-
-    def reset_header(self, now: float) -> tuple[bytes, bytes]:
-        """``x-ratelimit-reset-tokens`` in whole seconds (rounded up), made once per second: the
-        block's requests share it rather than format a duration each."""
-        if now > self._reset_until:
-            seconds = int(self.resets_at - now + 0.999)
-            self._reset_header = (H_RESET, duration_text(max(0, seconds) * 1000))
-            # It says `seconds` while resets_at - now + 0.999 >= seconds; past the reset it stays 0 ms.
-            self._reset_until = self.resets_at + 0.999 - seconds if seconds > 0 else math.inf
-        return self._reset_header
-
-    @property
-    def remaining(self) -> int:
-        """``x-ratelimit-remaining-tokens`` as this worker knows it: the room outside the block at the
-        grant plus what the block has not committed."""
-        return max(0, self._room - self.committed)

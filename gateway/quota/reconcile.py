@@ -66,7 +66,8 @@ class Reconciler:
         wakeup = self._wakeup
         if wakeup is not None:
             self._wakeup = None
-            wakeup.set_result(None)
+            if not wakeup.done():  # done: cancelled with the drainer (stopped); the item waits for nothing
+                wakeup.set_result(None)
 
     async def drain(self) -> None:
         """Wait until every settlement queued so far has been reconciled (or given up on)."""

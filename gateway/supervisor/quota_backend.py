@@ -9,7 +9,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.config import Config
 
@@ -17,6 +17,9 @@ from gateway.config import Config
 # computed here match the ones in their reservation ids.
 from gateway.quota.owner import owner_tag
 from gateway.supervisor.startup import StartupError
+
+if TYPE_CHECKING:  # the ledger (and valkey with it) loads only when a worker exits: see _ledger
+    from gateway.quota.ledger import QuotaLedger
 
 log = logging.getLogger("gridgate.supervisor")
 
@@ -109,7 +112,7 @@ class ReservationSweeper:
         self._pending: dict[str, set[bytes]] = {}  # backend URL -> owner tags to sweep
         self._give_up_after_s: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
-        self._ledgers: dict[str, Any] = {}  # backend URL -> QuotaLedger with its own client
+        self._ledgers: dict[str, QuotaLedger] = {}  # backend URL -> a ledger with its own client
         self.reservations_swept = 0
         self.tokens_charged = 0
 
@@ -138,7 +141,7 @@ class ReservationSweeper:
                 log.warning("quota: reservation sweep unfinished at shutdown; those expire by themselves")
             self._task = None
         for ledger in self._ledgers.values():
-            await ledger.client.aclose()
+            await ledger.close()
         self._ledgers.clear()
 
     async def _run(self) -> None:
@@ -169,7 +172,7 @@ class ReservationSweeper:
                          released, len(tags), charged)
             return
 
-    def _ledger(self, url: str) -> Any:
+    def _ledger(self, url: str) -> QuotaLedger:
         ledger = self._ledgers.get(url)
         if ledger is None:
             from gateway.quota.backend import create_client

@@ -13,13 +13,17 @@ from pathlib import Path
 
 import pytest
 import valkey
+import valkey.asyncio
 
 from gateway.quota.backend import create_client
+from gateway.quota.cluster_transport import ClusterTransport
 from gateway.quota.embedded import bundled_server_binary
 from gateway.quota.gate import QuotaGate
 from gateway.quota.ledger import QuotaLedger, key_prefix
 from gateway.quota.owner import owner_tag
 from gateway.quota.rules import Budget, QuotaRule
+from tests.integration.test_quota_ledger import admit, flush_scripts
+from tests.integration.test_quota_parts import check_transport
 
 LONG = 10_000_000
 SLOT_RANGES = ((0, 5460), (5461, 10922), (10923, 16383))
@@ -137,7 +141,7 @@ async def _gate(url: str, rules: list[QuotaRule]) -> QuotaGate:
 
 def test_cluster_url_builds_a_cluster_client(cluster_url: str) -> None:
     client = create_client(cluster_url)
-    assert type(client).__name__ == "ValkeyCluster"
+    assert type(client) is ClusterTransport and isinstance(client, valkey.asyncio.ValkeyCluster)
     asyncio.run(client.aclose())
 
 
@@ -152,13 +156,13 @@ def test_quota_is_exact_on_a_cluster_across_slots(cluster_url: str) -> None:
         gate = await _gate(cluster_url, rules)
         try:
             results = await asyncio.gather(
-                *(gate.admit(t, "m", 0, 100) for t in tenants for _ in range(15))
+                *(admit(gate, t, 100) for t in tenants for _ in range(15))
             )
             per_tenant = [sum(a.allowed for a in results[i * 15 : (i + 1) * 15]) for i in range(len(tenants))]
             assert per_tenant == [10] * len(tenants)
             # Settle everything in pipelined batches that span the three nodes.
             for admission in results:
-                gate.charge(admission, 40)
+                gate.settle(admission, 40)
             await gate.drain()
             assert gate.counters.reconcile_failures == 0
             for tenant in tenants:
@@ -177,11 +181,11 @@ def test_cluster_reloads_a_lost_script(cluster_url: str) -> None:
     async def scenario() -> None:
         gate = await _gate(cluster_url, [_rule(tenant, 1000)])
         try:
-            await gate._ledger.client.script_flush()
-            admission = await gate.admit(tenant, "m", 0, 300)
+            await flush_scripts(cluster_url)
+            admission = await admit(gate, tenant, 300)
             assert admission.allowed
-            await gate._ledger.client.script_flush()
-            gate.charge(admission, 100)
+            await flush_scripts(cluster_url)
+            gate.settle(admission, 100)
             await gate.drain()
             window = (await gate.quota_report(tenant))["rules"][0]["windows"][0]
             assert window["used"] == 100
@@ -202,14 +206,14 @@ def test_sweep_finds_a_dead_workers_reservations_on_every_node(cluster_url: str)
         await gate.start()
         sweeper = QuotaLedger(create_client(cluster_url, timeout_s=2), reservation_timeout_s=1)
         try:
-            assert all(a.allowed for a in await asyncio.gather(*(gate.admit(t, "m", 0, 70) for t in tenants)))
+            assert all(a.allowed for a in await asyncio.gather(*(admit(gate, t, 70) for t in tenants)))
             assert await sweeper.sweep([dead]) == (9, 9 * 70)
             for tenant in tenants:
                 report = (await gate.quota_report(tenant))["rules"][0]
                 assert report["in_flight"] == 0
                 assert (report["windows"][0]["used"], report["windows"][0]["reserved"]) == (70, 0)
         finally:
-            await sweeper.client.aclose()
+            await sweeper.close()
             await gate.close()
 
     asyncio.run(scenario())
@@ -224,14 +228,14 @@ def test_running_requests_keep_their_reservations_on_every_node(cluster_url: str
                          request_timeout_s=2)
         await gate.start()
         try:
-            admissions = await asyncio.gather(*(gate.admit(t, "m", 0, 70) for t in tenants))
+            admissions = await asyncio.gather(*(admit(gate, t, 70) for t in tenants))
             assert all(a.allowed for a in admissions)
             await asyncio.sleep(1.5)  # more than twice the timeout: each was extended on its own node
             for tenant in tenants:
                 report = (await gate.quota_report(tenant))["rules"][0]
                 assert (report["in_flight"], report["windows"][0]["reserved"]) == (1, 70)
             for admission in admissions:
-                gate.charge(admission, 5)
+                gate.settle(admission, 5)
             await gate.drain()
             for tenant in tenants:
                 window = (await gate.quota_report(tenant))["rules"][0]["windows"][0]
@@ -239,5 +243,17 @@ def test_running_requests_keep_their_reservations_on_every_node(cluster_url: str
             assert gate.counters.reservations_expired == 0
         finally:
             await gate.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_cluster_transport_does_what_the_ledger_relies_on(cluster_url: str) -> None:
+    async def scenario() -> None:
+        transport = create_client(cluster_url)
+        assert type(transport) is ClusterTransport
+        try:
+            await check_transport(transport, cluster_url)
+        finally:
+            await transport.aclose()
 
     asyncio.run(scenario())

@@ -8,11 +8,21 @@ import time
 
 from gateway.quota.backend import create_client
 from gateway.quota.gate import QuotaGate
-from gateway.quota.ledger import _SETTLE_WIRE, LEDGER_SHA, SETTLE_NOOP, QuotaLedger, Reservation
+from gateway.quota.ledger import QuotaLedger, Reservation
+from gateway.quota.ledger_script import LEDGER_SHA
 from gateway.quota.owner import owner_tag
-from gateway.quota.resp import RespClient, encode_command
+from gateway.quota.resp import encode_command
+from gateway.quota.resp_transport import RespTransport
 from gateway.quota.rules import Budget, QuotaRule
-from tests.integration.test_quota_ledger import LONG, admit, new_tenant, open_gate, rule_for, window
+from tests.integration.test_quota_ledger import (
+    LONG,
+    admit,
+    flush_scripts,
+    new_tenant,
+    open_gate,
+    rule_for,
+    window,
+)
 
 
 def test_one_tick_of_64_admits_stays_exact_even_when_the_script_cache_was_lost(valkey_url: str) -> None:
@@ -20,16 +30,14 @@ def test_one_tick_of_64_admits_stays_exact_even_when_the_script_cache_was_lost(v
 
     async def scenario() -> None:
         async with open_gate(valkey_url, [rule_for(tenant, (LONG, 4000), (2 * LONG, 10**6))]) as gate:
-            flush = create_client(valkey_url)
-            await flush.script_flush()  # as after a restart: the whole batch answers NOSCRIPT first
-            await flush.aclose()
+            await flush_scripts(valkey_url)  # as after a restart: the whole batch answers NOSCRIPT first
             results = await asyncio.gather(*(admit(gate, tenant, 100) for _ in range(64)))
             assert sum(a.allowed for a in results) == 40
             assert {a.reason for a in results} == {"admitted", "denied"}
             report = await gate.quota_report(tenant)
             assert (window(report)["reserved"], window(report, 0, 1)["reserved"]) == (4000, 4000)
             for admission in results:
-                gate.charge(admission, 10, prompt_tokens=6)  # denied ones hold nothing: no-ops
+                gate.settle(admission, 10, 6)  # denied ones hold nothing: no-ops
             await gate.drain()
             report = await gate.quota_report(tenant)
             assert (window(report)["used"], window(report)["reserved"]) == (400, 0)
@@ -83,14 +91,17 @@ def test_sweep_settles_a_dead_workers_reservations_once_and_leaves_the_others(va
                 assert await sweeper.sweep([dead, owner_tag(1, 9, 1)]) == (3, 250)
                 assert await sweeper.sweep([dead]) == (0, 0)  # idempotent
             finally:
-                await sweeper.client.aclose()
+                await sweeper.close()
 
             report = (await replacement.quota_report(tenant))["rules"][0]
             assert report["in_flight"] == 1  # the replacement's reservation survived
             assert (report["windows"][0]["used"], report["windows"][0]["reserved"]) == (200, 300)
             assert (await admit(replacement, tenant, 1)).allowed  # the slots are free again
             # A late settle by the worker (it was not dead after all) charges nothing more.
-            assert await dying._ledger.settle(gone[0].reservation, 5) == SETTLE_NOOP  # type: ignore[arg-type]
+            dying.settle(gone[0], 5)
+            await dying.drain()
+            assert dying.counters.reconcile_duplicates == 1
+            assert window(await replacement.quota_report(tenant))["used"] == 200
             other = (await replacement.quota_report(other_tenant))["rules"][0]["windows"][0]
             assert (other["used"], other["reserved"]) == (50, 0)
 
@@ -137,12 +148,15 @@ def test_an_admit_whose_request_gave_up_is_released_when_its_reply_arrives(valke
 
 
 def test_the_pre_encoded_admit_and_settle_are_exactly_the_commands() -> None:
-    ledger = QuotaLedger(RespClient(), reservation_timeout_s=120)
-    rule = QuotaRule("r:1", (Budget(60, 1000), Budget(86400, 5000)), 10, max_in_flight=3)
-    command = ledger.admit_command(rule, "t{x}", 123, b"ab.1.0.7.f")
-    assert command.wire == encode_command(("EVALSHA", LEDGER_SHA, 1, command.zkey, "admit", command.prefix,
+    # Key names carry `%` (escaped rule and tenant names): the templates must not read them as formats.
+    transport = RespTransport()
+    ledger = QuotaLedger(transport, reservation_timeout_s=120)
+    rule = QuotaRule("r:1%d", (Budget(60, 1000), Budget(86400, 5000)), 10, max_in_flight=3)
+    account = ledger.account(rule, "t{x}")
+    assert b"%25d" in account.prefix
+    command = ledger.admit_command(account, 123, b"ab.1.0.7.f")
+    assert command.wire == encode_command(("EVALSHA", LEDGER_SHA, 1, account.zkey, "admit", account.prefix,
                                            b"ab.1.0.7.f", 123, 120_000, 3, 60, 1000, 86400, 5000))
-    reservation = Reservation(command.zkey, command.prefix, b"ab.1.0.7.f|123|60:1,86400:2", 123)
-    assert _SETTLE_WIRE % (len(reservation.zkey), reservation.zkey, len(reservation.prefix), reservation.prefix,
-                           len(reservation.member), reservation.member, 2, b"42") == encode_command(
+    reservation = Reservation(account.zkey, account.prefix, b"ab.1.0.7.f|123|60:1,86400:2", 123)
+    assert ledger._settle_wire(reservation, 42) == encode_command(
         ("EVALSHA", LEDGER_SHA, 1, reservation.zkey, "settle", reservation.prefix, reservation.member, 42))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.quota.admission import Admission
 from gateway.quota.backend import create_client
 from gateway.quota.embedded import EmbeddedValkey, EmbeddedValkeyError
 from gateway.quota.gate import QuotaGate
@@ -55,9 +56,22 @@ async def open_gate(
         await gate.close()
 
 
-async def admit(gate: QuotaGate, tenant: str, tokens: int, model: str = "m"):
-    # body_len 0: the estimate is exactly max_tokens.
-    return await gate.admit(tenant, model, 0, tokens)
+async def admit(gate: QuotaGate, tenant: str, tokens: int, model: str = "m") -> Admission:
+    """The gate's ``admission`` as a worker awaits it; body_len 0: the estimate is exactly ``tokens``."""
+    admission = gate.admission(tenant, model, 0, tokens)
+    assert admission is not None, "no rule applies"
+    if admission.__class__ is not Admission:
+        admission = await admission  # type: ignore[misc]
+    return admission  # type: ignore[return-value]
+
+
+async def flush_scripts(url: str) -> None:
+    """SCRIPT FLUSH on the server (every primary of a cluster), as a restart or a failover would."""
+    client = create_client(url)
+    try:
+        await client.script_flush()
+    finally:
+        await client.aclose()
 
 
 def window(report: dict, rule_index: int = 0, window_index: int = 0) -> dict:
@@ -107,6 +121,7 @@ def test_concurrent_admissions_never_exceed_the_budget(valkey_url: str) -> None:
 _OTHER_PROCESS = textwrap.dedent(
     """
     import asyncio, sys
+    from gateway.quota.admission import Admission
     from gateway.quota.backend import create_client
     from gateway.quota.gate import QuotaGate
     from gateway.quota.ledger import QuotaLedger
@@ -121,7 +136,10 @@ _OTHER_PROCESS = textwrap.dedent(
         await gate.start()
         import time
         await asyncio.sleep(max(0.0, start_at - time.time()))
-        results = await asyncio.gather(*(gate.admit(tenant, "m", 0, 100) for _ in range(150)))
+        async def admit():
+            admission = gate.admission(tenant, "m", 0, 100)
+            return admission if admission.__class__ is Admission else await admission
+        results = await asyncio.gather(*(admit() for _ in range(150)))
         print(sum(a.allowed for a in results))
         await gate.close()
 
@@ -163,7 +181,7 @@ def test_reconciliation_refunds_unused_reservation_so_later_requests_fit(valkey_
             first = await admit(gate, tenant, 600)
             assert first.allowed
             assert not (await admit(gate, tenant, 600)).allowed
-            gate.charge(first, 100)
+            gate.settle(first, 100)
             await gate.drain()
             report = await gate.quota_report(tenant)
             assert (window(report)["used"], window(report)["reserved"]) == (100, 0)
@@ -179,7 +197,7 @@ def test_overage_is_charged(valkey_url: str) -> None:
     async def scenario() -> None:
         async with open_gate(valkey_url, [rule_for(tenant, (LONG, 1000))]) as gate:
             admission = await admit(gate, tenant, 100)
-            gate.charge(admission, 900)
+            gate.settle(admission, 900)
             await gate.drain()
             assert window(await gate.quota_report(tenant))["used"] == 900
             assert gate.counters.tokens_overage == 800
@@ -203,9 +221,9 @@ def test_reconciling_twice_charges_once(valkey_url: str) -> None:
                 assert await ledger.settle(reservation, 50) == SETTLE_NOOP
                 assert await ledger.settle(reservation, 400) == SETTLE_NOOP
             finally:
-                await ledger.client.aclose()
-            gate.charge(admission, 70)  # the gate's own settle is now a duplicate too
-            gate.charge(admission, 70)  # and a second call on the handle does nothing
+                await ledger.close()
+            gate.settle(admission, 70)  # the gate's own settle is now a duplicate too
+            gate.settle(admission, 70)  # and a second call on the handle does nothing
             await gate.drain()
             report = await gate.quota_report(tenant)
             assert (window(report)["used"], window(report)["reserved"]) == (50, 0)
@@ -224,7 +242,7 @@ def test_failed_or_unreported_responses_are_charged_at_the_estimate(
         async with open_gate(valkey_url, [rule_for(tenant, (LONG, 1000))]) as gate:
             admission = await admit(gate, tenant, 400)
             assert attempt_tokens(status, total, admission.estimate) == 400
-            gate.charge_estimate(admission)
+            gate.settle(admission, None)
             await gate.drain()
             report = await gate.quota_report(tenant)
             assert (window(report)["used"], window(report)["reserved"]) == (400, 0)
@@ -247,7 +265,7 @@ def test_abandoned_reservation_is_charged_at_its_estimate_after_the_timeout(valk
             report = await gate.quota_report(tenant)
             assert (window(report)["used"], window(report)["reserved"]) == (300, 0)
             assert report["rules"][0]["in_flight"] == 0
-            gate.charge(abandoned, 5)  # too late: stays charged at the estimate
+            gate.settle(abandoned, 5)  # too late: stays charged at the estimate
             await gate.drain()
             assert window(await gate.quota_report(tenant))["used"] == 300
 
@@ -263,7 +281,7 @@ def test_an_expired_reservation_settled_before_anyone_noticed_is_charged_at_esti
             async with open_gate(valkey_url, [rule], reservation_timeout_s=0.3) as lost:
                 admission = await admit(lost, tenant, 300)  # nothing keeps it alive from now on
             await asyncio.sleep(0.4)
-            gate.charge(admission, 5)
+            gate.settle(admission, 5)
             await gate.drain()
             assert gate.counters.reservations_expired == 1
             assert window(await gate.quota_report(tenant))["used"] == 300
@@ -287,7 +305,7 @@ def test_a_request_running_past_the_timeout_keeps_counting_and_is_charged_its_us
             assert report["rules"][0]["in_flight"] == 1
             second = await admit(gate, tenant, 10)
             assert (second.allowed, second.reason) == (False, "denied_concurrency")
-            gate.charge(running, 42)
+            gate.settle(running, 42)
             await gate.drain()
             report = await gate.quota_report(tenant)
             assert (window(report)["used"], window(report)["reserved"]) == (42, 0)
@@ -308,7 +326,7 @@ def test_extending_moves_only_live_reservations(valkey_url: str) -> None:
         await ledger.load_script()
 
         async def reserve(tokens: int) -> Reservation:
-            command = ledger.admit_command(rule, tenant, tokens, uuid.uuid4().hex.encode())
+            command = ledger.admit_command(ledger.account(rule, tenant), tokens, uuid.uuid4().hex.encode())
             (reply,) = await ledger.send_admits([command])
             reservation = QuotaLedger.decision(command, reply).reservation
             assert reservation is not None
@@ -327,7 +345,7 @@ def test_extending_moves_only_live_reservations(valkey_url: str) -> None:
             assert await ledger.settle(live, 30) == SETTLE_APPLIED
             assert (await ledger.report(rule, tenant)).windows[0].used == 237
         finally:
-            await ledger.client.aclose()
+            await ledger.close()
 
     asyncio.run(scenario())
 
@@ -386,7 +404,7 @@ def test_concurrency_cap_limits_requests_in_flight(valkey_url: str) -> None:
             third = await admit(gate, tenant, 10)
             assert (third.status, third.reason) == (429, "denied_concurrency")
             assert dict(third.headers)[b"retry-after"] == b"1"
-            gate.charge(first, 10)
+            gate.settle(first, 10)
             await gate.drain()
             assert (await admit(gate, tenant, 10)).allowed
 
@@ -429,17 +447,20 @@ def test_every_key_has_a_ttl(valkey_url: str) -> None:
         async with open_gate(valkey_url, [rule], reservation_timeout_s=120) as gate:
             await admit(gate, tenant, 10)
             settled = await admit(gate, tenant, 10)
-            gate.charge(settled, 3)
+            gate.settle(settled, 3)
             await gate.drain()
-            client = gate._ledger.client
-            keys = [
-                k
-                async for k in client.scan_iter(match=key_prefix(rule.name, tenant).replace("{", "[{]") + "*")
-            ]
-            assert len(keys) == 3  # the reservation set and one hash per window
-            for key in keys:
-                ttl_ms = await client.pttl(key)
-                assert 120_000 < ttl_ms <= (LONG + 240) * 1000, (key, ttl_ms)
+            client = create_client(valkey_url)
+            try:
+                keys = [
+                    k
+                    async for k in client.scan_iter(match=key_prefix(rule.name, tenant).replace("{", "[{]") + "*")
+                ]
+                assert len(keys) == 3  # the reservation set and one hash per window
+                for key in keys:
+                    ttl_ms = await client.pttl(key)
+                    assert 120_000 < ttl_ms <= (LONG + 240) * 1000, (key, ttl_ms)
+            finally:
+                await client.aclose()
 
     asyncio.run(scenario())
 
@@ -449,11 +470,11 @@ def test_lost_script_cache_is_reloaded_transparently(valkey_url: str) -> None:
 
     async def scenario() -> None:
         async with open_gate(valkey_url, [rule_for(tenant, (LONG, 1000))]) as gate:
-            await gate._ledger.client.script_flush()
+            await flush_scripts(valkey_url)
             admission = await admit(gate, tenant, 100)
             assert admission.allowed
-            await gate._ledger.client.script_flush()
-            gate.charge(admission, 40)  # the pipelined settle path reloads too
+            await flush_scripts(valkey_url)
+            gate.settle(admission, 40)  # the pipelined settle path reloads too
             await gate.drain()
             assert window(await gate.quota_report(tenant))["used"] == 40
             assert gate.counters.reconcile_failures == 0
@@ -464,9 +485,8 @@ def test_lost_script_cache_is_reloaded_transparently(valkey_url: str) -> None:
 def test_unmatched_tenant_is_unmetered_without_a_round_trip(valkey_url: str) -> None:
     async def scenario() -> None:
         async with open_gate(valkey_url, [rule_for("someone-else", (LONG, 1))]) as gate:
-            admission = await admit(gate, new_tenant(), 10**9)
-            assert admission.allowed and admission.reason == "unmetered" and admission.headers == ()
-            gate.charge(admission, 5)  # nothing to settle
+            assert gate.admission(new_tenant(), "m", 0, 10**9) is None  # nothing to await, nothing to settle
+            assert gate.counters.unmetered == 1 and gate.counters.admitted == 0
 
     asyncio.run(scenario())
 
@@ -508,7 +528,7 @@ def test_backend_down_applies_policy_with_breaker_and_recovers_at_once(tmp_path:
             else:
                 assert {(a.allowed, a.reason) for a in outcomes} == {(True, "backend_error_allowed")}
                 assert gate.counters.backend_error_allowed == 202
-                gate.charge(outcomes[0], 10)  # nothing was reserved: nothing to settle
+                gate.settle(outcomes[0], 10)  # nothing was reserved: nothing to settle
             await asyncio.sleep(0.3)  # the probe keeps failing meanwhile; the breaker stays open
             assert gate.breaker.is_open and gate.counters.breaker_closed == 0
             server.start()  # same port and data: the budget so far survives; it answers PING now
@@ -563,7 +583,7 @@ def test_budgets_survive_an_embedded_server_restart(tmp_path: Path) -> None:
     async def spend() -> None:
         async with open_gate(url, rules) as gate:
             admission = await admit(gate, tenant, 700)
-            gate.charge(admission, 650)
+            gate.settle(admission, 650)
             await gate.drain()
 
     async def check() -> None:

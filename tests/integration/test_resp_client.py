@@ -26,6 +26,7 @@ from valkey.exceptions import (
 from gateway.quota.backend import create_client
 from gateway.quota.embedded import EmbeddedValkey
 from gateway.quota.resp import INCOMPLETE, RespClient, encode_command, read_reply
+from gateway.quota.resp_transport import RespTransport
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
 
@@ -247,7 +248,8 @@ def test_db_comes_from_the_url(valkey_url: str, run: Run) -> None:
 
 
 def test_create_client_is_the_lean_client_for_a_single_node(valkey_url: str) -> None:
-    assert type(create_client(valkey_url)) is RespClient
+    client = create_client(valkey_url)
+    assert type(client) is RespTransport and isinstance(client, RespClient)  # the lean client, as the ledger's transport
     with pytest.raises(ValueError, match="max_connections"):
         create_client(valkey_url + "?max_connections=4")  # a pool option would silently do nothing
 
