@@ -62,6 +62,7 @@ class AccessLine(msgspec.Struct, omit_defaults=True, gc=False):
     error: str | None
     filtered: int = 0
     filtered_reasons: list[str] | None = None
+    shadow: tuple[str, ...] | None = None  # quota limits in shadow mode that would have refused it
 
 
 _NO_ROUTE = (None, None, None, None, None, None)
@@ -123,10 +124,11 @@ class AccessLog:
             sample = self.sample
             if sample < 1.0 and (sample <= 0.0 or _random() >= sample):
                 return
+        admitted = exchange.admitted
         self._keep(writer, (  # one clock reading: the wall time is derived from it at write-out
             _perf(), exchange.t_start, exchange.t_first_byte, exchange.method, exchange.target, request_id, status,
             tenant, capability, route, attempts, endpoint, overhead_s, len(exchange.body), exchange.bytes_out,
-            tokens_prompt, tokens_completion, error, filtered, reasons,
+            tokens_prompt, tokens_completion, error, filtered, reasons, None if admitted is None else admitted.shadow,
         ))
 
     def rejected(self, status: int, error: str, request_id: bytes | None = None, method: bytes | None = None,
@@ -135,7 +137,7 @@ class AccessLog:
         its head by the head gate, which knows the request's id, method, path and maybe tenant)."""
         if self.writer is not None:
             self._keep(self.writer, (_perf(), None, 0.0, method, target, request_id, status, tenant, None, None, 0,
-                                     None, None, 0, 0, None, None, error, 0, 0))
+                                     None, None, 0, 0, None, None, error, 0, 0, None))
 
     def _keep(self, writer: LineWriter, entry: tuple[Any, ...]) -> None:
         """Hold a line's values for the next write-out (dropped and counted past the bound). The first
@@ -163,7 +165,7 @@ class AccessLog:
         millis_done, ts = -1, ""  # lines ending in the same millisecond share one timestamp
         for (ended, t_start, t_first_byte, method, target, request_id, status, tenant, capability, route, attempts,
              endpoint, overhead_s, bytes_in, bytes_out, tokens_prompt, tokens_completion, error, filtered,
-             reasons) in pending:
+             reasons, shadow) in pending:
             millis = int((ended + wall_offset) * 1000)
             if millis != millis_done:
                 millis_done, ts = millis, self._timestamp(millis)
@@ -181,7 +183,7 @@ class AccessLog:
                 tokens_completion, None if overhead_s is None else int(overhead_s * 1e6 + 0.5) / 1000,
                 int((t_first_byte - t_start) * 1e6 + 0.5) / 1000 if t_first_byte else None,
                 None if t_start is None else int((ended - t_start) * 1e6 + 0.5) / 1000,
-                error, filtered, reason_names(reasons) if filtered else None,
+                error, filtered, reason_names(reasons) if filtered else None, shadow,
             )
             encode_into(line, buffer, -1)
             buffer.append(10)  # "\n"

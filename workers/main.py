@@ -119,7 +119,7 @@ class Worker:
         )
         self._report_unconfigured(self.router.prepare(self.overlay.snapshot))
         auth = self.config.auth
-        self.auth = Authenticator([(key.tenant, key.key) for key in auth.keys]) if auth is not None else None
+        self.auth = Authenticator.from_config(auth) if auth is not None else None
         self.quota: QuotaGate | None = None
         self.clusters: ClusterManager | None = None
         self.head_gate: HeadGate | None = None

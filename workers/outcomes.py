@@ -37,8 +37,10 @@ class Outcomes:
             return
         if settlement == Settlement.CHARGE_USAGE and tokens is not None:
             gate.settle(admission, tokens, prompt_tokens, completion_tokens)
+        elif settlement == Settlement.RELEASE:  # nothing reached a provider: its request slots go back too
+            gate.settle(admission, 0, reached=False)
         else:
-            gate.settle(admission, 0 if settlement == Settlement.RELEASE else None)
+            gate.settle(admission, None)
 
     def refuse(self, exchange: Exchange, reply: ErrorReply, request_id: bytes, provider: str | None = None,
                attempts: int = 0, *, tenant: str | None = None, capability: str | None = None,

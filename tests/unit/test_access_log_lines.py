@@ -17,7 +17,24 @@ def _exchange(ended_ms_ago: float, took_ms: float) -> SimpleNamespace:
     """The fields AccessLog.record reads, for a request that started `took_ms` before it ended."""
     t_start = time.perf_counter() - (took_ms + ended_ms_ago) / 1000
     return SimpleNamespace(t_start=t_start, t_first_byte=t_start + 0.002, method=b"POST",
-                           target=b"/v1/chat/completions?key=secret", body=b"x" * 40, bytes_out=123)
+                           target=b"/v1/chat/completions?key=secret", body=b"x" * 40, bytes_out=123, admitted=None)
+
+
+def test_the_line_names_the_shadow_limits_that_would_have_refused_the_request(tmp_path: Path) -> None:
+    async def write() -> list[dict]:
+        access_log = AccessLog(LineWriter(str(tmp_path / "access.log"), flush_delay_s=10.0))
+        shadowed = _exchange(ended_ms_ago=0, took_ms=1)
+        shadowed.admitted = SimpleNamespace(shadow=("key requests 60/1m", "rule r tokens 100/1h"))
+        access_log.record(shadowed, b"req-1", 200, tenant="team-a")  # type: ignore[arg-type]
+        plain = _exchange(ended_ms_ago=0, took_ms=1)
+        plain.admitted = SimpleNamespace(shadow=None)
+        access_log.record(plain, b"req-2", 200, tenant="team-a")  # type: ignore[arg-type]
+        await access_log.close()
+        return [json.loads(text) for text in (tmp_path / "access.log").read_text().splitlines()]
+
+    shadowed, plain = asyncio.run(write())
+    assert shadowed["shadow"] == ["key requests 60/1m", "rule r tokens 100/1h"]
+    assert "shadow" not in plain  # only when some limit would have refused
 
 
 def test_a_line_written_later_keeps_the_times_and_values_of_when_it_was_recorded(tmp_path: Path) -> None:

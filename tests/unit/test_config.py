@@ -220,14 +220,22 @@ def test_quota_breaker_timings_have_defaults_and_are_checked():
         "quota.breaker.probe_interval: must be >= 10ms"]
 
 
-def test_quota_lease_is_off_by_default_and_its_fields_are_checked():
-    assert parse_config(BASE + f"quota: {{{QUOTA_RULES}}}\n").quota.lease is None
+def test_quota_lease_is_on_by_default_and_off_with_null_or_enabled_false():
+    from gateway.quota.gate import lease_spec
+
+    default = parse_config(BASE + f"quota: {{{QUOTA_RULES}}}\n").quota
+    assert default.lease is not None and lease_spec(default) is not None
+    assert (default.lease.tokens, default.lease.requests, default.lease.ttl, default.lease.headroom) == (
+        None, None, 1.0, 10)  # sizes follow what blocks use
+    assert lease_spec(parse_config(BASE + f"quota: {{lease: null, {QUOTA_RULES}}}\n").quota) is None
+    assert lease_spec(parse_config(BASE + f"quota: {{lease: {{enabled: false}}, {QUOTA_RULES}}}\n").quota) is None
     lease = parse_config(BASE + f"quota: {{lease: {{tokens: 5000}}, {QUOTA_RULES}}}\n").quota.lease
-    assert lease is not None and (lease.tokens, lease.ttl, lease.headroom) == (5000, 1.0, 10)
+    assert lease is not None and (lease.tokens, lease.ttl, lease.headroom) == (5000, 1.0, 10)  # as before: fixed
     assert problems(BASE + f"quota: {{lease: {{tokens: 0}}, {QUOTA_RULES}}}\n") == [
         "quota.lease.tokens: must be >= 1"]
+    assert problems(BASE + f"quota: {{lease: {{requests: 0}}, {QUOTA_RULES}}}\n") == [
+        "quota.lease.requests: must be >= 1"]
     assert problems(BASE + f"quota: {{lease: {{tokens: 10, ttl: 2m}}, {QUOTA_RULES}}}\n") == [
         "quota.lease.ttl: must be <= 1m"]
     assert problems(BASE + f"quota: {{lease: {{tokens: 10, headroom: 0}}, {QUOTA_RULES}}}\n") == [
         "quota.lease.headroom: must be >= 1"]
-    assert problems(BASE + f"quota: {{lease: {{ttl: 1s}}, {QUOTA_RULES}}}\n")[0].startswith("quota.lease")
