@@ -29,7 +29,7 @@ import msgspec
 from gateway.quota.ledger_script import KEY_PREFIX
 from gateway.quota.limits import LimitRef, Scope, limit_refs
 from gateway.quota.rules import QuotaRule
-from gateway.quota.transport import SLOT, LedgerTransport, Reply, Template, Wire
+from gateway.quota.transport import SLOT, LedgerTransport, Reply, Template, UnexpectedReply, Wire
 
 if TYPE_CHECKING:
     from gateway.auth import KeyIdentity
@@ -272,12 +272,12 @@ class QuotaLedger:
 
     @staticmethod
     def read(command: AdmitCommand, reply: bytes) -> AdmitReply:
-        """An admit reply (``command`` is the one that produced it). Raises ValueError for a reply the
-        script cannot have written (the caller treats it as a backend error)."""
+        """An admit reply (``command`` is the one that produced it). Raises ``UnexpectedReply`` (a
+        ValueError) for a reply the script cannot have written: the caller treats it as a backend error."""
         fields = reply.split(b" ", F_MEMBER)
         admitted = fields[0] == b"1"
         if len(fields) != ADMIT_FIELDS - (not admitted) or not (admitted or fields[0] == b"0"):
-            raise ValueError(f"unexpected admit reply {reply[:80]!r}")
+            raise UnexpectedReply(f"unexpected admit reply {reply[:80]!r}")
         reservation = None
         if admitted:
             account = command.account
@@ -318,7 +318,7 @@ class QuotaLedger:
             if isinstance(reply, Exception):
                 raise reply
             if reply.__class__ is not int:
-                raise ValueError(f"unexpected extend reply {reply!r:.80}")
+                raise UnexpectedReply(f"unexpected extend reply {reply!r:.80}")
             extended += reply  # type: ignore[operator]
         return extended
 
@@ -346,8 +346,10 @@ class QuotaLedger:
             for reply in await self._transport.run_batch([wire((key, "sweep", key[:-1], *owner_tags)) for key in keys]):
                 if isinstance(reply, Exception):
                     raise reply
-                released += reply[0]  # type: ignore[index]
-                charged += reply[1]  # type: ignore[index]
+                if not (isinstance(reply, list) and len(reply) == 2 and all(x.__class__ is int for x in reply)):
+                    raise UnexpectedReply(f"unexpected sweep reply {reply!r:.80}")
+                released += reply[0]
+                charged += reply[1]
 
         keys: list[bytes] = []
         async for key in self._transport.scan_keys(RESERVATION_SETS, "zset"):
@@ -360,8 +362,8 @@ class QuotaLedger:
         return released, charged
 
     async def report(self, tenant: str, scopes: Sequence[Scope]) -> tuple[int, list[ScopeReport]]:
-        """The tenant's open reservations and, per scope, what its counters hold now. Raises ValueError
-        for a reply the script cannot have written."""
+        """The tenant's open reservations and, per scope, what its counters hold now. Raises
+        ``UnexpectedReply`` for a reply the script cannot have written."""
         zkey, prefix = keys_of(tenant)
         args: list[Any] = [zkey, "report", prefix, len(scopes)]
         for scope in scopes:
@@ -397,7 +399,7 @@ class QuotaLedger:
             if at != len(values):
                 raise ValueError("reply length")
         except (TypeError, ValueError, IndexError):
-            raise ValueError(f"unexpected report reply {reply!r:.80}") from None
+            raise UnexpectedReply(f"unexpected report reply {reply!r:.80}") from None
         return values[1], reports
 
 
