@@ -42,7 +42,7 @@ from gateway.quota.estimate import PROMPT_BYTES_PER_TOKEN
 from gateway.quota.keeper import ReservationKeeper
 from gateway.quota.lease import Lease, LeaseSpec
 from gateway.quota.lease_book import LeaseBook
-from gateway.quota.ledger import F_RQ_REMAINING, F_TK_REMAINING, Account, AdmitCommand, QuotaLedger
+from gateway.quota.ledger import F_RQ_REMAINING, F_SHADOW, F_TK_REMAINING, Account, AdmitCommand, QuotaLedger
 from gateway.quota.limits import Scope
 from gateway.quota.owner import owner_tag
 from gateway.quota.reconcile import Reconciler
@@ -236,9 +236,10 @@ class QuotaGate:
         fields = answer.fields
         counters.admitted += 1
         counters.tokens_estimated += estimate
-        shadow = shadow_names(account, fields)
-        if shadow is not None:
-            counters.shadow_refusals += len(shadow)
+        shadow = None
+        if fields[F_SHADOW] != b"-":
+            shadow = shadow_names(account, fields)
+            counters.shadow_refusals += len(shadow)  # type: ignore[arg-type]
         if self._leases is not None and account.leasable:
             self._leases.want(account, metered[1], estimate, int(fields[F_TK_REMAINING]), int(fields[F_RQ_REMAINING]))
         reservation = answer.reservation

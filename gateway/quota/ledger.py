@@ -180,6 +180,7 @@ def scopes_of(rule: QuotaRule | None, key: KeyIdentity | None) -> tuple[Scope, .
 # Every tenant's reservation set: ``z`` right after the hash tag.
 RESERVATION_SETS = KEY_PREFIX + ":{*}:z"
 
+_ONE = b"1"  # a request's slots: one
 _MAX_ACCOUNTS = 65536  # defensive cap; tenants and keys come from configured keys, so never reached
 
 
@@ -262,8 +263,9 @@ class QuotaLedger:
         )
 
     def admit_command(self, account: Account, estimate: int, reservation_id: bytes, slots: int = 1) -> AdmitCommand:
-        return AdmitCommand(self._fill(account.admit, (reservation_id, b"%d" % estimate, b"%d" % slots)), account,
-                            reservation_id, estimate, slots)
+        return AdmitCommand(self._fill(account.admit, (reservation_id, b"%d" % estimate,
+                                                       _ONE if slots == 1 else b"%d" % slots)),
+                            account, reservation_id, estimate, slots)
 
     def send_admits(self, commands: Sequence[AdmitCommand]) -> Awaitable[list[Reply]]:
         """Send admit commands in one pipelined round trip (per node in cluster mode); their replies
@@ -297,7 +299,7 @@ class QuotaLedger:
 
     def _settle_wire(self, reservation: Reservation, actual_tokens: int, slots_back: int) -> Wire:
         return self._fill(self._settle, (reservation.zkey, reservation.prefix, reservation.member,
-                                         b"%d" % max(0, actual_tokens), b"%d" % max(0, slots_back)))
+                                         b"%d" % max(0, actual_tokens), b"%d" % slots_back))
 
     async def extend_many(self, reservations: Sequence[Reservation], per_call: int = 256) -> int:
         """Move the deadline of these reservations (requests still running) to now + the timeout: one
