@@ -66,7 +66,12 @@ async def fake_valkey(evalsha: bytes, sha: bytes = LEDGER_SHA.encode()) -> Async
     """A server on loopback that speaks enough RESP to be connected to, and answers every ledger call
     with ``evalsha``. Yields its URL."""
 
+    handlers: set[asyncio.Task[None]] = set()
+
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        handlers.add(task)
         buffer = bytearray()
         with contextlib.suppress(ConnectionError):
             while data := await reader.read(65536):
@@ -81,6 +86,9 @@ async def fake_valkey(evalsha: bytes, sha: bytes = LEDGER_SHA.encode()) -> Async
         yield f"valkey://127.0.0.1:{server.sockets[0].getsockname()[1]}/0"
     finally:
         server.close()
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
 
 
 RULES = [QuotaRule("r", (Budget(60, 1000),), 10, requests=(RequestLimit(60, 100, 100),))]
