@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from gateway.pricing.cost import ModelPrice, PriceRow, request_cost, worst_case_cost
+from gateway.pricing.cost import ModelPrice, PriceRow, request_cost, total_only_cost, worst_case_cost
 from gateway.pricing.table import PriceTable
 from gateway.pricing.units import parse_usd_per_million
 
@@ -110,20 +110,24 @@ class PriceBook:
     def cost(
         self,
         model: str,
-        prompt_tokens: int,
-        completion_tokens: int,
-        cached_tokens: int = 0,
-        cache_write_tokens: int = 0,
-        reasoning_tokens: int = 0,
+        prompt_tokens: int | None,
+        completion_tokens: int | None,
+        cached_tokens: int | None = 0,
+        cache_write_tokens: int | None = 0,
+        reasoning_tokens: int | None = 0,
+        total_tokens: int | None = None,
     ) -> int:
-        """What a request served by ``model`` cost, in nano-USD (see ``cost.request_cost``); 0 for an
-        unpriced model. Call once per request: it counts unpriced and estimated requests."""
+        """What a request served by ``model`` cost, in nano-USD (``cost.request_cost``; a usage that
+        gives only ``total_tokens`` is priced by ``cost.total_only_cost``); 0 for an unpriced model.
+        Call once per request: it counts unpriced and estimated requests."""
         price = self.price(model)
         if price is None:
             self.counts.zero += 1
             return 0
         if price.source == "estimate":
             self.counts.estimated += 1
+        if prompt_tokens is None and completion_tokens is None and total_tokens is not None:
+            return total_only_cost(price, total_tokens)
         return request_cost(price, prompt_tokens, completion_tokens, cached_tokens, cache_write_tokens,
                             reasoning_tokens)
 

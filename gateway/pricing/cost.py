@@ -87,23 +87,24 @@ class ModelPrice:
 
 def request_cost(
     price: ModelPrice,
-    prompt_tokens: int,
-    completion_tokens: int,
-    cached_tokens: int = 0,
-    cache_write_tokens: int = 0,
-    reasoning_tokens: int = 0,
+    prompt_tokens: int | None,
+    completion_tokens: int | None,
+    cached_tokens: int | None = 0,
+    cache_write_tokens: int | None = 0,
+    reasoning_tokens: int | None = 0,
 ) -> int:
-    """What one request cost, in nano-USD, from the usage the provider reported (integers).
+    """What one request cost, in nano-USD, from the usage the provider reported (integer counts;
+    None, a count the provider did not report, is 0: a usage observer's attributes pass as they are).
 
     Inconsistent parts never make a cost negative or larger than the whole: a negative count counts
     as 0, cached and cache-written tokens beyond the prompt are capped at it (cached first), and
     reasoning beyond the completion at the completion.
     """
-    prompt = prompt_tokens if prompt_tokens > 0 else 0
-    completion = completion_tokens if completion_tokens > 0 else 0
-    cached = min(cached_tokens, prompt) if cached_tokens > 0 else 0
-    written = min(cache_write_tokens, prompt - cached) if cache_write_tokens > 0 else 0
-    reasoning = min(reasoning_tokens, completion) if reasoning_tokens > 0 else 0
+    prompt = prompt_tokens if prompt_tokens and prompt_tokens > 0 else 0
+    completion = completion_tokens if completion_tokens and completion_tokens > 0 else 0
+    cached = min(cached_tokens, prompt) if cached_tokens and cached_tokens > 0 else 0
+    written = min(cache_write_tokens, prompt - cached) if cache_write_tokens and cache_write_tokens > 0 else 0
+    reasoning = min(reasoning_tokens, completion) if reasoning_tokens and reasoning_tokens > 0 else 0
     row = price.tier(prompt)
     return nusd_of(
         (prompt - cached - written) * row.input
@@ -127,3 +128,10 @@ def worst_case_cost(price: ModelPrice, prompt_tokens: int, completion_tokens: in
     completion = completion_tokens if completion_tokens > 0 else 0
     prompt_side, output_side = price.worst[price._tier_index(prompt)]
     return nusd_of(prompt * prompt_side + completion * output_side)
+
+
+def total_only_cost(price: ModelPrice, total_tokens: int) -> int:
+    """The cost of a usage that gives only ``total_tokens`` (no prompt/completion split): every token
+    at the dearest price of the tier that many prompt tokens reach, so it is never under-charged."""
+    total = total_tokens if total_tokens > 0 else 0
+    return nusd_of(total * max(price.worst[price._tier_index(total)]))

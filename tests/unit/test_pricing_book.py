@@ -81,6 +81,16 @@ def test_the_cost_is_of_the_model_that_served_and_counts_what_had_no_price() -> 
     assert prices.admits("my-private-model")  # zero: it may run
 
 
+def test_usage_as_an_observer_reports_it_passes_as_it_is() -> None:
+    prices = book()
+    # counts a provider did not report are None: none of them
+    assert prices.cost("gpt-4o", 10_000, 1_000, cached_tokens=None, reasoning_tokens=None) == 35_000_000
+    assert prices.cost("gpt-4o", None, 1_000, None, None, None) == 10_000_000
+    # only a total: every token at the dearest price of the model, never less than it could have cost
+    assert prices.cost("gpt-4o", None, None, total_tokens=1_000) == 10_000_000
+    assert prices.cost("gpt-4o", None, None, None, None, None, None) == 0
+
+
 def test_reject_refuses_unpriced_models_only() -> None:
     prices = book("pricing: {unpriced: reject}")
     assert prices.admits("gpt-4o") and prices.admits("openai/gpt-4o")
