@@ -21,6 +21,9 @@ import msgspec
 
 # One error builder and one strict base for every YAML file gridgate reads: the config's.
 from gateway.config import ConfigError, Seconds, convert_yaml, quota_url_problem, read_text
+from gateway.control import signals as sig
+from gateway.control.signals import PRESETS, SIGNAL_WORDS, SignalPlan, label_problem, parse_alternatives
+from gateway.net import parse_host_port
 from gateway.overlay.contract import MAX_CANDIDATES, MAX_TEXT_BYTES
 from gateway.yaml_config import DAY, HOUR, MINUTE, Range, check_ranges
 from gateway.yaml_config import StrictStruct as _Strict
@@ -66,6 +69,36 @@ class Producer(_Strict):
     source_uid: str | None = None  # default: "gridgate-control/<network>"
 
 
+class MetricsSource(_Strict):
+    """Where the load signals are on a provider's metrics page (gateway.control.signals).
+
+    In ``scoringPolicy.metrics`` it applies to every provider. A provider's own ``metrics`` block
+    overrides the keys it sets; one naming another ``preset`` (another kind of server) starts afresh
+    from that preset instead, inheriting nothing. A name list replaces the preset's; ``[]`` reads no
+    such signal.
+    """
+
+    preset: Literal["auto", "llm-d-epp", "vllm", "sglang", "tgi"] | None = None
+    queue_depth: list[str] | None = msgspec.field(name="queueDepth", default=None)
+    kv_cache: list[str] | None = msgspec.field(name="kvCache", default=None)
+    ready_endpoints: list[str] | None = msgspec.field(name="readyEndpoints", default=None)
+    pool_label: str | None = msgspec.field(name="poolLabel", default=None)
+    model_label: str | None = msgspec.field(name="modelLabel", default=None)
+    pool: str | None = None  # only series whose pool label has this value
+    model: str | None = None  # only series whose model label has this value
+
+
+def merged(base: MetricsSource, override: MetricsSource | None) -> MetricsSource:
+    """``override``'s keys where it sets them, else ``base``'s (all of ``override`` if it names a preset)."""
+    if override is None:
+        return base
+    if override.preset is not None and override.preset != (base.preset or "auto"):
+        return override
+    fields = {name: getattr(override, name) if getattr(override, name) is not None else getattr(base, name)
+              for name in MetricsSource.__struct_fields__}
+    return MetricsSource(**fields)
+
+
 class ScoringPolicy(_Strict):
     strategy: Literal["noMetrics", "queueDepth", "kvCachePressure"] = NO_METRICS
     # Above a threshold a provider is under pressure: existing_only. None = not checked, except
@@ -75,6 +108,7 @@ class ScoringPolicy(_Strict):
     # Scores are quantized into this many bands below the threshold, so metric jitter inside a band
     # changes neither the groups nor the semantic revision.
     score_bands: int = msgspec.field(name="scoreBands", default=4)
+    metrics: MetricsSource = msgspec.field(default_factory=MetricsSource)
 
     # Thresholds above 0 (a queue depth, a utilisation up to 1).
     _RANGES: ClassVar[dict[str, Range]] = {"queue_depth_threshold": (1e-9, 1e6), "kv_cache_threshold": (1e-9, 1.0),
@@ -144,6 +178,7 @@ class Provider(_Strict):
     cluster: str | None = None  # the gateway cluster name; default: name
     kind: Literal["inference_model", "mcp_tool"] = "inference_model"
     credential: CredentialRef | None = None
+    metrics: MetricsSource | None = None  # overrides scoringPolicy.metrics for this provider
 
     @property
     def cluster_name(self) -> str:
@@ -187,6 +222,8 @@ class ControlSpec(_Strict):
     # None: the published document has no selection_policy (gateways then select deterministically).
     selection_policy: SelectionPolicy | None = msgspec.field(name="selectionPolicy", default=None)
     admission: Admission = msgspec.field(default_factory=Admission)
+    # Serve the control plane's own Prometheus metrics (GET /metrics) on host:port; None: not served.
+    metrics_listen: str | None = None
 
     _RANGES: ClassVar[dict[str, Range]] = {"refresh": (0.1, 30 * DAY), "interval": (0.1, HOUR),
                                            "probe_timeout": (0.01, MINUTE)}
@@ -198,10 +235,85 @@ class ControlSpec(_Strict):
     def source_uid(self) -> str:
         return self.producer.source_uid or f"gridgate-control/{self.scope.network}"
 
+    def signal_plan(self, provider: Provider) -> SignalPlan:
+        """What to read on ``provider``'s metrics page (the spec was validated: no problems left)."""
+        plan, _ = resolve_signals(self.scoring_policy, provider.metrics)
+        return plan
+
     @property
     def lease_ttl(self) -> float:
         target = self.publish.valkey
         return float(target.lease_ttl) if target is not None and target.lease_ttl is not None else 3 * self.interval
+
+
+# --------------------------------------------------------------------------- metric signals
+
+
+def _needed_signals(scoring: ScoringPolicy) -> list[str]:
+    """The signals an assessment uses: each metric with a threshold, and ready endpoints (a guard)."""
+    needed = []
+    if scoring.effective_queue_depth_threshold() is not None:
+        needed.append(sig.QUEUE_DEPTH)
+    if scoring.effective_kv_cache_threshold() is not None:
+        needed.append(sig.KV_CACHE)
+    return [*needed, sig.READY_ENDPOINTS]
+
+
+def resolve_signals(scoring: ScoringPolicy, own: MetricsSource | None,
+                    own_path: str = "providers[?].metrics") -> tuple[SignalPlan, list[str]]:
+    """A provider's signal plan (its ``metrics`` block over ``scoringPolicy.metrics``) and the problems
+    found resolving it, each naming the block that set the key at fault."""
+    source = merged(scoring.metrics, own)
+
+    def path(attribute: str, key: str) -> str:
+        block = own_path if own is not None and getattr(own, attribute) is not None else "scoringPolicy.metrics"
+        return f"{block}.{key}"
+
+    problems: list[str] = []
+    preset_name = source.preset or "auto"
+    preset = PRESETS[preset_name]
+    keys = {sig.QUEUE_DEPTH: "queueDepth", sig.KV_CACHE: "kvCache", sig.READY_ENDPOINTS: "readyEndpoints"}
+    signals = []
+    for signal in _needed_signals(scoring):
+        names = getattr(source, signal)
+        try:
+            alternatives = getattr(preset, signal) if names is None else parse_alternatives(names)
+        except ValueError as exc:
+            problems.append(f"{path(signal, keys[signal])}: {exc}")
+            continue
+        if alternatives:
+            signals.append((signal, alternatives))
+        elif signal != sig.READY_ENDPOINTS:
+            where = path(signal, keys[signal]) if names is not None else path("preset", "preset")
+            problems.append(f"{where}: the {preset_name} preset names no {SIGNAL_WORDS[signal]} gauge and "
+                            f"scoringPolicy needs one: list it in {keys[signal]}")
+    filters = []
+    for attribute in ("pool", "model"):
+        value = getattr(source, attribute)
+        if value is None:
+            continue
+        label_key = f"{attribute}_label"
+        label = getattr(source, label_key) or getattr(preset, label_key)
+        if label is None:
+            problems.append(f"{path(attribute, attribute)}: the {preset_name} preset has no {attribute} label: "
+                            f"set {attribute}Label")
+        elif (problem := label_problem(label)) is not None:
+            problems.append(f"{path(label_key, attribute + 'Label')}: {problem}")
+        else:
+            filters.append((label, value))
+    return SignalPlan(tuple(signals), tuple(filters), preset_name), problems
+
+
+def _signal_problems(spec: ControlSpec) -> list[str]:
+    """Every provider's plan must resolve; each problem once, under the block that caused it."""
+    scoring = spec.scoring_policy
+    if not scoring.uses_metrics():
+        return []
+    problems: dict[str, None] = {}
+    for index, provider in enumerate(spec.providers):
+        _, found = resolve_signals(scoring, provider.metrics, f"providers[{index}].metrics")
+        problems.update(dict.fromkeys(found))
+    return list(problems)
 
 
 # --------------------------------------------------------------------------- cross-checks
@@ -296,7 +408,12 @@ def _cross_checks(spec: ControlSpec) -> list[str]:
         problems.append(f"output: directory {os.path.dirname(spec.output)} does not exist")
     if spec.refresh is not None and spec.refresh < spec.interval:
         problems.append("refresh: must be at least interval")
-    return problems + _publish_problems(spec) + _provider_problems(spec)
+    if spec.metrics_listen is not None:
+        try:
+            parse_host_port(spec.metrics_listen)
+        except ValueError as exc:
+            problems.append(f"metrics_listen: {exc}")
+    return problems + _publish_problems(spec) + _provider_problems(spec) + _signal_problems(spec)
 
 
 def _publish_problems(spec: ControlSpec) -> list[str]:
