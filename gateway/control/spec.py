@@ -22,7 +22,8 @@ import msgspec
 # One error builder and one strict base for every YAML file gridgate reads: the config's.
 from gateway.config import ConfigError, Seconds, convert_yaml, quota_url_problem, read_text
 from gateway.control import signals as sig
-from gateway.control.signals import PRESETS, SIGNAL_WORDS, SignalPlan, label_problem, parse_alternatives
+from gateway.control.metrics_spec import MetricsSource, resolve_signals
+from gateway.control.signals import SignalPlan
 from gateway.net import parse_host_port
 from gateway.overlay.contract import MAX_CANDIDATES, MAX_TEXT_BYTES
 from gateway.yaml_config import DAY, HOUR, MINUTE, Range, check_ranges
@@ -67,36 +68,6 @@ class Producer(_Strict):
     name: str = "gridgate-control"
     version: str = msgspec.field(default_factory=_package_version)
     source_uid: str | None = None  # default: "gridgate-control/<network>"
-
-
-class MetricsSource(_Strict):
-    """Where the load signals are on a provider's metrics page (gateway.control.signals).
-
-    In ``scoringPolicy.metrics`` it applies to every provider. A provider's own ``metrics`` block
-    overrides the keys it sets; one naming another ``preset`` (another kind of server) starts afresh
-    from that preset instead, inheriting nothing. A name list replaces the preset's; ``[]`` reads no
-    such signal.
-    """
-
-    preset: Literal["auto", "llm-d-epp", "vllm", "sglang", "tgi"] | None = None
-    queue_depth: list[str] | None = msgspec.field(name="queueDepth", default=None)
-    kv_cache: list[str] | None = msgspec.field(name="kvCache", default=None)
-    ready_endpoints: list[str] | None = msgspec.field(name="readyEndpoints", default=None)
-    pool_label: str | None = msgspec.field(name="poolLabel", default=None)
-    model_label: str | None = msgspec.field(name="modelLabel", default=None)
-    pool: str | None = None  # only series whose pool label has this value
-    model: str | None = None  # only series whose model label has this value
-
-
-def merged(base: MetricsSource, override: MetricsSource | None) -> MetricsSource:
-    """``override``'s keys where it sets them, else ``base``'s (all of ``override`` if it names a preset)."""
-    if override is None:
-        return base
-    if override.preset is not None and override.preset != (base.preset or "auto"):
-        return override
-    fields = {name: getattr(override, name) if getattr(override, name) is not None else getattr(base, name)
-              for name in MetricsSource.__struct_fields__}
-    return MetricsSource(**fields)
 
 
 class ScoringPolicy(_Strict):
@@ -237,7 +208,8 @@ class ControlSpec(_Strict):
 
     def signal_plan(self, provider: Provider) -> SignalPlan:
         """What to read on ``provider``'s metrics page (the spec was validated: no problems left)."""
-        plan, _ = resolve_signals(self.scoring_policy, provider.metrics)
+        plan, _ = resolve_signals(self.scoring_policy.metrics, provider.metrics,
+                                  _needed_signals(self.scoring_policy))
         return plan
 
     @property
@@ -259,51 +231,6 @@ def _needed_signals(scoring: ScoringPolicy) -> list[str]:
     return [*needed, sig.READY_ENDPOINTS]
 
 
-def resolve_signals(scoring: ScoringPolicy, own: MetricsSource | None,
-                    own_path: str = "providers[?].metrics") -> tuple[SignalPlan, list[str]]:
-    """A provider's signal plan (its ``metrics`` block over ``scoringPolicy.metrics``) and the problems
-    found resolving it, each naming the block that set the key at fault."""
-    source = merged(scoring.metrics, own)
-
-    def path(attribute: str, key: str) -> str:
-        block = own_path if own is not None and getattr(own, attribute) is not None else "scoringPolicy.metrics"
-        return f"{block}.{key}"
-
-    problems: list[str] = []
-    preset_name = source.preset or "auto"
-    preset = PRESETS[preset_name]
-    keys = {sig.QUEUE_DEPTH: "queueDepth", sig.KV_CACHE: "kvCache", sig.READY_ENDPOINTS: "readyEndpoints"}
-    signals = []
-    for signal in _needed_signals(scoring):
-        names = getattr(source, signal)
-        try:
-            alternatives = getattr(preset, signal) if names is None else parse_alternatives(names)
-        except ValueError as exc:
-            problems.append(f"{path(signal, keys[signal])}: {exc}")
-            continue
-        if alternatives:
-            signals.append((signal, alternatives))
-        elif signal != sig.READY_ENDPOINTS:
-            where = path(signal, keys[signal]) if names is not None else path("preset", "preset")
-            problems.append(f"{where}: the {preset_name} preset names no {SIGNAL_WORDS[signal]} gauge and "
-                            f"scoringPolicy needs one: list it in {keys[signal]}")
-    filters = []
-    for attribute in ("pool", "model"):
-        value = getattr(source, attribute)
-        if value is None:
-            continue
-        label_key = f"{attribute}_label"
-        label = getattr(source, label_key) or getattr(preset, label_key)
-        if label is None:
-            problems.append(f"{path(attribute, attribute)}: the {preset_name} preset has no {attribute} label: "
-                            f"set {attribute}Label")
-        elif (problem := label_problem(label)) is not None:
-            problems.append(f"{path(label_key, attribute + 'Label')}: {problem}")
-        else:
-            filters.append((label, value))
-    return SignalPlan(tuple(signals), tuple(filters), preset_name), problems
-
-
 def _signal_problems(spec: ControlSpec) -> list[str]:
     """Every provider's plan must resolve; each problem once, under the block that caused it."""
     scoring = spec.scoring_policy
@@ -311,7 +238,8 @@ def _signal_problems(spec: ControlSpec) -> list[str]:
         return []
     problems: dict[str, None] = {}
     for index, provider in enumerate(spec.providers):
-        _, found = resolve_signals(scoring, provider.metrics, f"providers[{index}].metrics")
+        _, found = resolve_signals(scoring.metrics, provider.metrics, _needed_signals(scoring),
+                                   f"providers[{index}].metrics")
         problems.update(dict.fromkeys(found))
     return list(problems)
 
