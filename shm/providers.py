@@ -2,7 +2,7 @@
 
 One row per worker slot (single writer: that worker), ``max_providers`` records per row, each record
 a few int64 words. Readers combine rows: the latest cooling wins (max), latencies are averaged over
-the rows that measured. Storage only: the meaning of each word is documented here, the arithmetic
+the rows that measured, each weighted by how recent its latest sample is. Storage only: the meaning of each word is documented here, the arithmetic
 lives with its users.
 """
 
@@ -14,6 +14,7 @@ from shm.metrics import MetricsTable
 COOLED_UNTIL_NS = 0  # monotonic ns until which this worker saw the provider cooled
 COOLED_AT_NS = 1  # monotonic ns when that cooling began
 FIRST_BYTE_US = 2  # this worker's moving average of the provider's first-byte latency (0: unmeasured)
+SAMPLED_AT_NS = 3  # monotonic ns of this worker's latest sample in that average (readers age it from there)
 RECORD_WORDS = 4
 
 

@@ -106,12 +106,14 @@ class Worker:
         self.overlay = OverlayFollower(self.config, ctx.overlay_fallback)
         configured = [cluster.name for cluster in self.config.clusters]
         self.provider_index = provider_indexes(self.ctx.metric_clusters or tuple(configured), configured)
+        routing = self.config.routing
+        least_loaded = routing.least_loaded
         self.providers = ProviderStates(
             ProviderCells(self.segment.region(PROVIDERS_REGION), self.segment.max_workers, MAX_PROVIDERS),
             self.row.index, self.segment.rows_in_use, max(self.provider_index.values(), default=-1) + 1,
-            self._routable, self._inflight,
+            self._routable, self._inflight, half_life=float(least_loaded.latency_half_life),
+            latency_prior=None if least_loaded.latency_prior is None else float(least_loaded.latency_prior),
         )
-        routing = self.config.routing
         self.router = Router(
             max(ctx.slot, 0), affinity=self._affinity_table(), affinity_ttl_s=float(routing.session_affinity.ttl),
             provider_index=self.provider_index, providers=self.providers.view, picker=routing.picker,
