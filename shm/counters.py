@@ -4,7 +4,9 @@ Worker row (writer: that worker; reset by the supervisor once it is dead)::
 
     header line   0 heartbeat_ns | 1 status | 2 pid | 3..7 reserved
     slot line s   0 in_flight | 1 requests | 2 connect | 3 reset | 4 timeout | 5 http_5xx
-                  6 consecutive_failures (since this worker's last success) | 7 reserved
+                  6 consecutive_failures (since this worker's last success)
+                  7 cooled_until_ns (monotonic ns until which this worker saw the endpoint cooled by a
+                    429/503: shm.providers.EndpointCooling; 0 never)
 
 One cache line per (worker, slot) keeps a request's increments on one line and keeps workers off
 each other's lines. Readers sum the rows; nobody but the owner writes a row, so no locks.
@@ -29,7 +31,7 @@ from shm.segment import HEALTH_RECORD_WORDS, SLOT_LINE_WORDS, Segment
 from shm.seqlock import read_record, write_record
 
 # Slot-line word offsets.
-INFLIGHT, REQUESTS, FAIL_CONNECT, FAIL_RESET, FAIL_TIMEOUT, FAIL_5XX, CONSECUTIVE = 0, 1, 2, 3, 4, 5, 6
+INFLIGHT, REQUESTS, FAIL_CONNECT, FAIL_RESET, FAIL_TIMEOUT, FAIL_5XX, CONSECUTIVE, COOLED_UNTIL = range(8)
 # Row-header word offsets.
 HEARTBEAT, STATUS, PID = 0, 1, 2
 # Health header word offsets.
@@ -76,7 +78,7 @@ class WorkerRow:
             q[base + CONSECUTIVE] = 0
 
     def counters(self, slot: int) -> list[int]:
-        """The slot line: [in_flight, requests, connect, reset, timeout, 5xx, consecutive, reserved]."""
+        """The slot line: [in_flight, requests, connect, reset, timeout, 5xx, consecutive, cooled_until_ns]."""
         base = slot << 3
         return self._q[base : base + SLOT_LINE_WORDS].tolist()
 
@@ -119,7 +121,8 @@ class RowsReader:
         return self._words[first : first + self._layout.max_endpoints * SLOT_LINE_WORDS].tolist()
 
     def totals(self, slot: int) -> list[int]:
-        """The slot line summed over every row in use (consecutive is summed too)."""
+        """The slot line summed over every row in use (consecutive is summed too; cooled_until is not a
+        count: read it with shm.providers.EndpointCooling)."""
         acc = [0] * SLOT_LINE_WORDS
         for r in range(self.rows_in_use()):
             start = self._layout.slot_line_word(r, slot)
