@@ -19,7 +19,9 @@ Health record per slot (writer: the health process; seqlocked)::
 
 All-zero means healthy, closed, full weight: a fresh segment starts every endpoint healthy. The health
 header line holds ``generation`` (bumped after every published change, so readers poll one word),
-the writer's pid and heartbeat.
+the writer's pid and heartbeat (writer: the health process), and ``verdicts_stale`` (writer: the
+supervisor, which watches that heartbeat: 1 while the verdicts are too old to trust, and readers then
+treat every endpoint as unknown, that is routable, as without checks; gateway.health.watch).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ INFLIGHT, REQUESTS, FAIL_CONNECT, FAIL_RESET, FAIL_TIMEOUT, FAIL_5XX, CONSECUTIV
 # Row-header word offsets.
 HEARTBEAT, STATUS, PID = 0, 1, 2
 # Health header word offsets.
-HEALTH_GENERATION, WRITER_PID, WRITER_HEARTBEAT = 0, 1, 2
+HEALTH_GENERATION, WRITER_PID, WRITER_HEARTBEAT, VERDICTS_STALE = 0, 1, 2, 3
 
 
 class WorkerStatus(IntEnum):
@@ -185,6 +187,18 @@ class HealthTable:
     def writer(self) -> tuple[int, int]:
         """(pid, heartbeat_ns) of the health process, zeros if none ever ran."""
         return self._words[self._header + WRITER_PID], self._words[self._header + WRITER_HEARTBEAT]
+
+    def stale(self) -> bool:
+        """The supervisor judged the verdicts too old to trust (the health process stopped beating)."""
+        return bool(self._words[self._header + VERDICTS_STALE])
+
+    def mark_stale(self, stale: bool) -> None:
+        """Supervisor only: the verdicts are (no longer) too old to trust."""
+        self._words[self._header + VERDICTS_STALE] = int(stale)
+
+    def stale_word(self) -> int:
+        """Index of the stale flag in the segment's words (readers fold it into their generation)."""
+        return self._header + VERDICTS_STALE
 
 
 def _encode(record: HealthRecord) -> HealthRecord:

@@ -89,6 +89,7 @@ def endpoints_report(segment: Segment, clusters: Sequence[ClusterSpec], *, wall_
         })
     return {
         "health_process": None if not writer_pid else
-        {"pid": writer_pid, "heartbeat_age_s": round((now_ns - writer_beat) / 1e9, 3)},
+        {"pid": writer_pid, "heartbeat_age_s": round((now_ns - writer_beat) / 1e9, 3),
+         "verdicts_stale": health.stale()},  # too old: workers read every endpoint as unknown (routable)
         "clusters": report_clusters,
     }

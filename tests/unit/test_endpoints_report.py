@@ -65,7 +65,7 @@ def test_ejection_state_deadline_and_panic_are_reported() -> None:
     assert b["endpoints"][0]["health"] == "slow_start" and b["endpoints"][0]["weight_permille"] == 250
     assert b["endpoints"][0]["active_check"] == "disabled"
     assert not b["panic"] and b["strategy"] == "maglev" and b["hash_header"] == "X-User-Id"
-    assert report["health_process"] == {"pid": 4242, "heartbeat_age_s": 0.25}
+    assert report["health_process"] == {"pid": 4242, "heartbeat_age_s": 0.25, "verdicts_stale": False}
 
 
 def test_an_endpoint_without_a_slot_is_unknown_and_no_writer_is_none() -> None:
