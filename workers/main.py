@@ -54,7 +54,7 @@ from gateway.routing.tenants import TenantPolicies
 from shm.affinity import AffinityTable
 from shm.counters import WorkerRow, WorkerStatus
 from shm.metrics import MetricsTable
-from shm.providers import ProviderCells
+from shm.providers import EndpointCooling, ProviderCells
 from shm.segment import Segment
 from workers.access_log import AccessLog
 from workers.clusters import ClusterManager
@@ -106,12 +106,15 @@ class Worker:
         self.overlay = OverlayFollower(self.config, ctx.overlay_fallback)
         configured = [cluster.name for cluster in self.config.clusters]
         self.provider_index = provider_indexes(self.ctx.metric_clusters or tuple(configured), configured)
+        routing = self.config.routing
+        least_loaded = routing.least_loaded
         self.providers = ProviderStates(
             ProviderCells(self.segment.region(PROVIDERS_REGION), self.segment.max_workers, MAX_PROVIDERS),
             self.row.index, self.segment.rows_in_use, max(self.provider_index.values(), default=-1) + 1,
-            self._routable, self._inflight,
+            self._routable, self._inflight, half_life=float(least_loaded.latency_half_life),
+            latency_prior=None if least_loaded.latency_prior is None else float(least_loaded.latency_prior),
+            endpoint_cooling=EndpointCooling(self.segment, self.row.index),
         )
-        routing = self.config.routing
         self.router = Router(
             max(ctx.slot, 0), affinity=self._affinity_table(), affinity_ttl_s=float(routing.session_affinity.ttl),
             provider_index=self.provider_index, providers=self.providers.view, picker=routing.picker,
@@ -163,6 +166,8 @@ class Worker:
             self.quota = QuotaGate.from_config(ledger, config, generation=self.ctx.generation, slot=self.ctx.slot)
             await self.quota.start()
         clusters = self.clusters = ClusterManager(config, self.segment, self.row, self.provider_index)
+        for cluster in clusters.by_provider.values():  # 429/503 cool these first (workers.providers)
+            self.providers.set_endpoints(cluster.provider, cluster.endpoints)
         self.access_log = AccessLog.from_config(config)
         routing = config.routing
         affinity = routing.session_affinity
