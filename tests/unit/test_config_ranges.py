@@ -51,6 +51,7 @@ BASE_CONFIG: dict[str, Any] = {
     },
     "pricing": {"overrides": {"private-*": {"input": 1, "output": 2, "cached_input": 0.5, "cache_write": "1",
                                             "reasoning": 2}}},
+    "cors": {"allowed_origins": ["https://app.example.com"]},
 }
 
 BASE_SPEC: dict[str, Any] = {
@@ -78,6 +79,7 @@ ZERO_MEANS_SOMETHING = {
     "pricing.overrides.*.cached_input",
     "pricing.overrides.*.cache_write",
     "pricing.overrides.*.reasoning",
+    "cors.max_age",  # ask before every request
 }
 
 
