@@ -7,7 +7,8 @@ gateway/pricing/cost.py expects): ``prompt_tokens`` all input tokens, cached and
 included; ``completion_tokens`` all output tokens, reasoning included.
 
 - Responses (``/v1/responses``): ``usage.input_tokens``, ``output_tokens``, ``total_tokens``,
-  ``input_tokens_details.cached_tokens``, ``output_tokens_details.reasoning_tokens``; streamed, in
+  ``input_tokens_details.cached_tokens`` (and ``cache_write_tokens`` where reported),
+  ``output_tokens_details.reasoning_tokens``; streamed, in
   ``response.usage`` of the last event (``response.completed``, ``response.incomplete`` or
   ``response.failed``; the earlier events carry ``"usage": null``).
 - Messages (``/v1/messages``): ``usage.input_tokens`` excludes the cache: prompt = input +
@@ -43,6 +44,7 @@ _Count = Annotated[int, msgspec.Meta(ge=0)]
 
 class _InputDetails(msgspec.Struct, gc=False):
     cached_tokens: _Count | None = None
+    cache_write_tokens: _Count | None = None
 
 
 class _OutputDetails(msgspec.Struct, gc=False):
@@ -198,6 +200,7 @@ class ResponsesUsage(_AnswerUsage):
         self.prompt_tokens, self.completion_tokens, self.total_tokens = prompt, completion, total
         details = usage.input_tokens_details
         self.cached_tokens = None if details is None else details.cached_tokens
+        self.cache_write_tokens = None if details is None else details.cache_write_tokens
         output_details = usage.output_tokens_details
         self.reasoning_tokens = None if output_details is None else output_details.reasoning_tokens
         return True

@@ -88,6 +88,13 @@ def test_responses_body_without_details_leaves_them_unknown() -> None:
     assert counts(observe(ResponsesUsage(False), [body])) == (5, 7, 12, None, None, None)
 
 
+def test_responses_cache_writes_are_read_where_reported() -> None:
+    body = (b'{"object":"response","usage":{"input_tokens":5000,"input_tokens_details":{"cache_write_tokens":4096,'
+            b'"cached_tokens":0,"cache_write_tokens_details":{"ttl_12h_tokens":0,"ttl_30m_tokens":4096}},'
+            b'"output_tokens":7,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":5007}}')
+    assert counts(observe(ResponsesUsage(False), splits(body, 3))) == (5000, 7, 5007, 0, 4096, 0)
+
+
 def test_responses_error_body_reports_nothing() -> None:
     body = b'{"error":{"message":"Unknown parameter: \'stream_options.include_usage\'.","type":"invalid_request_error"}}'
     assert counts(observe(ResponsesUsage(False), [body])) == (None,) * 6
