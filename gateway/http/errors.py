@@ -46,9 +46,11 @@ _ANTHROPIC_TYPE_BY_STATUS = {
     413: "request_too_large",
     429: "rate_limit_error",
     500: "api_error",
+    501: "invalid_request_error",  # a transfer-coding or HTTP version the gateway does not take
     502: "api_error",
     503: "overloaded_error",
     504: "timeout_error",
+    505: "invalid_request_error",
     529: "overloaded_error",
 }
 ANTHROPIC_TYPES = frozenset(_ANTHROPIC_TYPE_BY_STATUS.values())

@@ -94,9 +94,11 @@ def test_error_shape_of_a_target_no_route_admitted(target: bytes, shape: int) ->
     (429, "rate_limit_error"),
     (431, "invalid_request_error"),
     (500, "api_error"),
+    (501, "invalid_request_error"),
     (502, "api_error"),
     (503, "overloaded_error"),
     (504, "timeout_error"),
+    (505, "invalid_request_error"),
     (507, "api_error"),
 ])
 def test_anthropic_shape_by_status(status: int, anthropic_type: str) -> None:
