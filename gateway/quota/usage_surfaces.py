@@ -118,7 +118,9 @@ class _AnswerUsage:
 
     def feed(self, chunk: bytes) -> bytes:
         if self._sse:
-            self._feed_events(chunk)
+            # The usual chunk: whole events, none with usage (every delta): nothing to hold or read.
+            if self._held or chunk[-2:] != b"\n\n" or _USAGE_KEY in chunk:
+                self._feed_events(chunk)
         elif not self._done:
             if not self._held and chunk[:1] == b"{" and chunk[-1:] == b"}" and self._take_document(chunk):
                 self._done = True  # the usual answer: whole in one chunk
