@@ -52,6 +52,7 @@ BASE_CONFIG: dict[str, Any] = {
     },
     "pricing": {"overrides": {"private-*": {"input": 1, "output": 2, "cached_input": 0.5, "cache_write": "1",
                                             "reasoning": 2}}},
+    "cors": {"allowed_origins": ["https://app.example.com"]},
 }
 
 BASE_SPEC: dict[str, Any] = {
@@ -79,6 +80,7 @@ ZERO_MEANS_SOMETHING = {
     "pricing.overrides.*.cached_input",
     "pricing.overrides.*.cache_write",
     "pricing.overrides.*.reasoning",
+    "cors.max_age",  # ask before every request
 }
 
 
