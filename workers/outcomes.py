@@ -52,44 +52,49 @@ class Outcomes:
         bytes leave, so a client that reads the metrics after its answer finds its request counted."""
         relay = record.attempt
         result = None if relay is None else relay.result()
-        if result is not None and result.started:
-            self._served(record, result)
-        else:
-            charged = record.owed
-            if result is not None:  # sent, and no answer came: the provider may be working on it
-                charged += attempt_tokens(0, None, record.estimate)
-            if record.status == 0:  # no answer was given: the client left, or the handler failed
-                gone = record.exchange is None or record.exchange.client_gone
-                record.status, record.error = (CLIENT_CLOSED, "client_closed") if gone else (500, "internal_error")
-            if record.status != CLIENT_CLOSED:
-                self.metrics.request(record.provider, record.status)
-            if record.admission is not None and self.quota is not None:
-                self.quota.settle(record.admission, charged)
+        served = result is not None and result.started
+        if served:
+            self._served(record, result)  # type: ignore[arg-type]
+        elif record.status == 0:  # no answer was given: the client left, or the handler failed
+            gone = record.exchange is None or record.exchange.client_gone
+            record.status, record.error = (CLIENT_CLOSED, "client_closed") if gone else (500, "internal_error")
+        if record.status != CLIENT_CLOSED:
+            self.metrics.request(record.provider, record.status)
+        admission = record.admission
+        if admission is not None and self.quota is not None:
+            self.quota.settle(admission, *self._charge(record, result, served))
         self.access_log.record(record)
 
     def _served(self, record: RequestRecord, result: AttemptResult) -> None:
         """A provider's response was relayed (completely, or cut after it started)."""
         route = record.route
         assert route is not None
-        cluster = route.cluster
-        status = record.status = result.status
+        cluster = record.provider = route.cluster
+        record.status = result.status
         failure = result.failure
         record.error = failure.code if failure is not None else "client_closed" if result.client_left else None
+        record.tokens_prompt = result.prompt_tokens
+        record.tokens_completion = result.completion_tokens
         metrics = self.metrics
-        metrics.request(cluster, status)
         metrics.overhead(record.overhead_s or 0.0)
         metrics.upstream_latency(cluster, result.first_byte_s, result.duration_s)
         self.observe(route.provider, cluster, result)
-        prompt = record.tokens_prompt = result.prompt_tokens
-        completion = record.tokens_completion = result.completion_tokens
-        admission = record.admission
-        if admission is not None and self.quota is not None:
-            tokens = result.total_tokens
-            owed = record.owed
-            if owed and tokens is not None:  # the tenant's tokens in/out split this usage, not the others'
-                prompt, completion = usage_split(tokens, prompt, completion)
-            charged = owed + served_tokens(result, admission.estimate, record.bytes_in, record.bytes_out)
-            self.quota.settle(admission, charged, prompt, completion)
+
+    @staticmethod
+    def _charge(record: RequestRecord, result: AttemptResult | None,
+                served: bool) -> tuple[int, int | None, int | None]:
+        """The tokens the request's attempts cost (docs/configuration.md, "What a request is charged"),
+        and the tenant's tokens in/out of the usage that served it."""
+        owed = record.owed
+        if result is None:
+            return owed, None, None
+        if not served:  # sent, and no answer came: the provider may be working on it
+            return owed + attempt_tokens(0, None, record.estimate), None, None
+        charged = owed + served_tokens(result, record.estimate, record.bytes_in, record.bytes_out)
+        tokens, prompt, completion = result.total_tokens, result.prompt_tokens, result.completion_tokens
+        if owed and tokens is not None:  # the tenant's tokens in/out split this usage, not the other attempts'
+            prompt, completion = usage_split(tokens, prompt, completion)
+        return charged, prompt, completion
 
     def observe(self, provider: int, cluster: str, result: AttemptResult) -> None:
         """What an answer says about its provider: its first-byte latency (least_loaded), and a 429/503
