@@ -73,8 +73,9 @@ class Outcomes:
         record.status = result.status
         failure = result.failure
         record.error = failure.code if failure is not None else "client_closed" if result.client_left else None
-        record.tokens_prompt = result.prompt_tokens
-        record.tokens_completion = result.completion_tokens
+        usage = result.usage
+        if usage is not None:
+            record.tokens_prompt, record.tokens_completion = usage.prompt_tokens, usage.completion_tokens
         metrics = self.metrics
         metrics.overhead(record.overhead_s or 0.0)
         metrics.upstream_latency(cluster, result.first_byte_s, result.duration_s)
@@ -91,7 +92,8 @@ class Outcomes:
         if not served:  # sent, and no answer came: the provider may be working on it
             return owed + attempt_tokens(0, None, record.estimate), None, None
         charged = owed + served_tokens(result, record.estimate, record.bytes_in, record.bytes_out)
-        tokens, prompt, completion = result.total_tokens, result.prompt_tokens, result.completion_tokens
+        prompt, completion = record.tokens_prompt, record.tokens_completion
+        tokens = result.total_tokens
         if owed and tokens is not None:  # the tenant's tokens in/out split this usage, not the other attempts'
             prompt, completion = usage_split(tokens, prompt, completion)
         return charged, prompt, completion

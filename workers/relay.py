@@ -90,12 +90,9 @@ class ResponseRelay:
         if result is None:
             ended = self.ended_at = self.ended_at or _monotonic()
             sent = self.sent_at
-            usage = self.usage
             result = self._result = AttemptResult(
                 self.status, self.response_started, self.held_status != 0, self.failure, self.detail,
-                self.client_left, self.retry_after,
-                None if usage is None else usage.total_tokens, None if usage is None else usage.prompt_tokens,
-                None if usage is None else usage.completion_tokens, self.events,
+                self.client_left, self.retry_after, self.usage, self.events,
                 self.first_byte_at - sent if self.first_byte_at else 0.0, ended - sent,
             )
         return result

@@ -15,6 +15,7 @@ import msgspec
 
 from gateway.http.errors import ErrorReply
 from gateway.quota.estimate import estimate_prompt_tokens
+from gateway.quota.usage import UsageObserver
 from gateway.request.failures import Failure
 
 E = TypeVar("E")
@@ -41,12 +42,17 @@ class AttemptResult(msgspec.Struct, gc=False):
     detail: str = ""  # the failure in plain words
     client_left: bool = False  # the client went away during the attempt
     retry_after: bytes | None = None  # the provider's Retry-After, when it sent one
-    total_tokens: int | None = None  # the usage the provider reported (None: none, or not metered)
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
+    # What read the usage the provider reported (its ``total_tokens``, ``prompt_tokens``, ... are None
+    # where it reported none); None when the attempt was not metered.
+    usage: UsageObserver | None = None
     events: int | None = None  # data events relayed to the client (a metered event stream only)
     first_byte_s: float = 0.0  # request written -> response head
     duration_s: float = 0.0  # request written -> attempt over
+
+    @property
+    def total_tokens(self) -> int | None:
+        usage = self.usage
+        return None if usage is None else usage.total_tokens
 
 
 # What each attempt of a request costs (docs/configuration.md, "What a request is charged"); the request

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.quota.usage import UsageScanner
 from gateway.request.attempts import (
     AttemptResult,
     Next,
@@ -117,7 +118,7 @@ def test_a_hang_up_of_any_other_body_pays_four_bytes_a_token():
 
 
 def test_a_served_attempt_with_usage_pays_its_usage_and_a_4xx_without_usage_nothing():
-    assert served_tokens(AttemptResult(status=500, started=True, total_tokens=42, events=9), 300, 100, 10) == 42
+    assert served_tokens(AttemptResult(status=500, started=True, usage=UsageScanner(total_tokens=42), events=9), 300, 100, 10) == 42
     assert served_tokens(AttemptResult(status=404, started=True), 300, 100, 10_000) == 0
 
 
