@@ -1,5 +1,5 @@
 """The intelligent route: affinity -> selection groups -> picker, and failover to the next provider
-(CONTRACT §4.2, §4.4, §11).
+(docs/overlay.md, "Selecting a provider" and "Session affinity"; docs/routing.md, "Failover").
 
 One ``Router`` per worker process, pure apart from the affinity table it is given (shared memory) and
 the random source; clocks come in as arguments. A selection walks the capability's admitting groups
@@ -244,7 +244,7 @@ class Router:
 
     def pinned(self, snapshot: Snapshot, kind: str, name: str, pin: str) -> RouteDecision | ErrorReply:
         """A pinned route (diagnosis, rollback): the candidate named by cluster or stable id, whatever its
-        group, with any admission but none, no failover (CONTRACT §12)."""
+        group, with any admission but none, no failover (docs/routing.md, "Request-aware selection")."""
         plan = self._plan_for(snapshot, kind, name)
         if type(plan) is ErrorReply:
             return plan
