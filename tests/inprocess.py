@@ -31,7 +31,7 @@ from shm.counters import WorkerRow
 from tests.sansio_server import StandInTransport
 from workers.main import _private_segment
 from workers.request_path import RequestPath
-from workers.server import ServerConnection
+from workers.server import ServerConnection, ServerState
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -161,6 +161,7 @@ class Client:
 @dataclass
 class InProcessGateway:
     path: RequestPath
+    state: ServerState  # the worker's server state: its connections, draining
     directory: Path
     clients: list[Client] = field(default_factory=list)
 
@@ -186,11 +187,11 @@ class InProcessGateway:
             affinity_capacity=config.routing.session_affinity.capacity, metrics_region=METRICS_REGION,
             metric_clusters=tuple(clusters),
         )
-        return cls(await RequestPath.build(ctx, segment, WorkerRow(segment, 0)), directory)
+        path = await RequestPath.build(ctx, segment, WorkerRow(segment, 0))
+        return cls(path, path.server_state(), directory)
 
     def connect(self) -> Client:
-        state = self.path.server_state()
-        connection = ServerConnection(state)
+        connection = ServerConnection(self.state)
         transport = ClientTransport(connection, self.samples)
         connection.connection_made(transport)
         client = Client(transport, connection)

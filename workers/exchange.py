@@ -34,6 +34,8 @@ class ExchangeListener(Protocol):
 class RequestEnd(Protocol):
     """The request's record: closed once, when the response ends (or by its handler, for other exits)."""
 
+    error: str | None  # why the response ended early, when the exchange itself ended it
+
     def close(self) -> None: ...
 
 
@@ -178,6 +180,8 @@ class Exchange:
         if not is_event_stream(content_type):
             return False
         self.close_after = True  # the connection closes after this last chunk
+        if self.record is not None:
+            self.record.error = "gateway_shutdown"  # the access line says why the stream ended here
         self.write(_SHUTDOWN_EVENT)
         self.end()
         return True

@@ -72,7 +72,10 @@ class Outcomes:
         cluster = record.provider = route.cluster
         record.status = result.status
         failure = result.failure
-        record.error = failure.code if failure is not None else "client_closed" if result.client_left else None
+        if failure is not None:
+            record.error = failure.code
+        elif result.client_left:
+            record.error = "client_closed"  # else None, or why the gateway ended the stream (a shutdown)
         usage = result.usage
         if usage is not None:
             record.tokens_prompt, record.tokens_completion = usage.prompt_tokens, usage.completion_tokens

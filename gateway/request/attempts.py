@@ -66,7 +66,7 @@ def attempt_tokens(status: int, total_tokens: int | None, estimate: int, floor: 
       left after the usage arrived included).
     - Else a 4xx (429 included): the provider refused the work, it costs nothing.
     - Else it may have worked (a 5xx, a 2xx without usage, a stream cut by either side, no response
-      head at all: ``status`` 0): the estimate, or ``floor`` when more (``estimate.relayed_floor``: the
+      head at all: ``status`` 0): the estimate, or ``floor`` when more (``served_floor``: the
       prompt plus what was relayed to the client, which the provider certainly generated).
     """
     if total_tokens is not None:

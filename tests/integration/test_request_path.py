@@ -250,6 +250,29 @@ def test_a_client_gone_in_the_middle_of_a_stream_pays_one_token_per_event_it_was
     run(scenario)
 
 
+def test_a_stream_still_open_at_the_graceful_deadline_ends_with_an_error_event_and_its_line_says_so(
+        tmp_path, valkey_url):
+    async def scenario() -> None:
+        provider = await start_provider("p", tokens=400, tokens_per_s=200)
+        gateway = await gateway_for(tmp_path, [provider], valkey_url)
+        try:
+            client = gateway.connect()
+            client.send("POST", "/v1/chat/completions",
+                        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                         "max_tokens": 1000})
+            await until(lambda: (a := client.answer()) is not None and a.body.count(b"data:") >= 20, "20 events")
+            await gateway.state.cut_remaining()
+            answer = await client.answered()
+            assert b"gateway_shutdown" in answer.body and b"[DONE]" not in answer.body
+            assert (await until_settled(gateway))["used"] == estimate(1000, stream=True)  # no usage arrived
+            line = only_line(gateway)
+            assert (line["status"], line["error"]) == (200, "gateway_shutdown")
+        finally:
+            await gateway.close()
+
+    run(scenario)
+
+
 async def until_settled(gateway: InProcessGateway) -> dict[str, Any]:
     """The ledger's window once the request's reservation is settled (its handler ends on its own)."""
     deadline = asyncio.get_running_loop().time() + 10
