@@ -211,8 +211,11 @@ def test_a_client_gone_before_the_answer_is_499_and_costs_the_estimate(tmp_path,
             client.send("POST", "/v1/chat/completions",
                         {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300})
             await until(lambda: provider.state.in_flight == 1, "the request reached the provider")
+            clusters = gateway.path.clusters
+            assert clusters.inflight(0) == 1  # the endpoint lease is held while the attempt runs
             client.hang_up()
             window = await until_settled(gateway)
+            assert clusters.inflight(0) == 0  # and given back when it ends
             assert window["used"] == estimate(300)  # the provider may be working on it
             line = only_line(gateway)
             assert (line["status"], line["error"], line["provider"], line["endpoint"], line["attempts"]) == (
