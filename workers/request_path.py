@@ -102,7 +102,7 @@ class RequestPath:
         quota = await _quota_gate(ctx)
         access_log = AccessLog.from_config(config)
         settings = ProxySettings.from_config(config)
-        outcomes = Outcomes(quota, metrics, access_log, providers, routing.cooling, settings.route_headers)
+        outcomes = Outcomes(quota, metrics, access_log, providers, settings.cooling, settings.route_headers)
         proxy = Proxy(settings=settings, tenants=TenantPolicies(config.tenants), overlay=overlay, router=router,
                       clusters=clusters, providers=providers, quota=quota, metrics=metrics, outcomes=outcomes)
         return cls(config, metrics, overlay, clusters, providers, router, quota, access_log,

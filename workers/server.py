@@ -8,9 +8,10 @@ else is read from it.
 
 Keep-alive ends on purpose in two cases (docs/operations.md, "Drains and listening sockets"): the
 response that reaches ``limits.max_requests_per_connection`` says ``Connection: close`` (so clients
-reconnect and spread onto replaced or added workers), and so does every response of a draining worker. A drain closes a
-connection only after such a response or once it sat idle for ``_DRAIN_IDLE_S``: a client that is
-sending a request is never cut. Streams still open at the graceful deadline end with an SSE error event.
+reconnect and spread onto replaced or added workers), and so does every response of a draining
+worker. A drain closes a connection only after such a response or once it sat idle for
+``_DRAIN_IDLE_S``: a client that is sending a request is never cut. Streams still open at the graceful
+deadline end with an SSE error event.
 
 Deadlines: one timer per connection, re-armed only when it fires. A connection keeps a deadline
 (header block, whole body, keep-alive idle, answers left unread) in a field; the timer never sleeps
@@ -360,8 +361,7 @@ class ServerConnection(asyncio.Protocol):
         if self.state != _CLOSED:
             self.transport.write(data)
 
-    # The exchange's side (workers/exchange.py ExchangeConnection): responses are framed here, queued,
-    # and written by ``flush``, one syscall per burst.
+    # The exchange's side (workers/exchange.py ExchangeConnection): framed, queued, written by ``flush``.
     def queue_head(self, status: int, headers: list[tuple[bytes, bytes]], content_length: int | None,
                    close_requested: bool) -> None:
         # The last response of a connection: asked for, draining, or the per-connection request cap.
