@@ -10,6 +10,7 @@ client can read its last byte.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Protocol
 
@@ -17,6 +18,7 @@ from gateway.http import codec
 from gateway.http.errors import JSON_CONTENT_TYPE, ErrorReply, error_type_for, sse_error_event
 from gateway.http.media import is_event_stream
 
+log = logging.getLogger("gridgate.server")
 _perf = time.perf_counter
 _SHUTDOWN_EVENT = sse_error_event(
     "gateway_shutdown", "the gateway shut down before this stream ended", error_type_for(503),
@@ -140,12 +142,15 @@ class Exchange:
         self._over(conn, False)
 
     def _over(self, conn: ExchangeConnection, aborted: bool) -> None:
-        """The response is complete or cut: close the request's record, then let the bytes go."""
+        """The response is complete or cut: close the request's record, then let the bytes go. A failure
+        to account for the request never keeps its answer (or the relay that ends it) from finishing."""
         record = self.record
         try:
             if record is not None:
                 self.record = None
                 record.close()
+        except Exception:
+            log.exception("closing a request's record failed")
         finally:
             conn.flush()
             conn.finish_exchange(self, aborted)
