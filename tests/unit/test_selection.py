@@ -13,7 +13,7 @@ from gateway.config import ModelFacts, ModelMatch
 from gateway.http.errors import ErrorReply
 from gateway.overlay.snapshot import Snapshot, snapshot_from_object
 from gateway.routing import ProviderView, RouteDecision, Router
-from gateway.routing.eligibility import TOOLS, VISION, FactsTable, Needs
+from gateway.routing.eligibility import TOO_SMALL, TOOLS, VISION, FactsTable, Needs
 
 MODEL = "inference_model"
 
@@ -102,10 +102,14 @@ def test_context_window_keeps_only_the_providers_it_fits() -> None:
     table = facts({"match": {"capability": "m", "cluster": "small"}, "context_window": 2000},
                   {"match": {"capability": "*", "cluster": "big"}, "context_window": 100_000})
     router = router_for("small", "big", facts=table)
-    picks = {route(router, snapshot, needs=Needs(tokens=50_000)).cluster for _ in range(4)}
-    assert picks == {"big"} and router.filtered == 1
+    decisions = [route(router, snapshot, needs=Needs(tokens=50_000)) for _ in range(4)]
+    assert {d.cluster for d in decisions} == {"big"}
+    assert {(d.filtered, d.filtered_reasons) for d in decisions} == {(1, TOO_SMALL)}
+    assert decisions[0].evidence[-1] == (b"x-gridgate-filtered", b"1")
+    assert route(router, snapshot, needs=Needs(tokens=500)).filtered == 0
     too_big = router.route(snapshot, MODEL, "m", needs=Needs(tokens=500_000))
     assert isinstance(too_big, ErrorReply) and (too_big.status, too_big.code) == (400, "context_length_exceeded")
+    assert (too_big.filtered, too_big.filtered_reasons) == (2, TOO_SMALL)  # the access line says what they removed
     assert "100000" in too_big.message
 
 
