@@ -170,7 +170,8 @@ class AccessLog:
                 ts, None if request_id is None else request_id.decode("latin-1"), entry.tenant,
                 None if method is None else method.decode("latin-1"),
                 None if target is None else paths.get(target) or self._path(target), entry.status, entry.capability,
-                provider, stable_id, group, mode, affinity, entry.attempts, entry.endpoint, revision, entry.bytes_in,
+                provider, stable_id, group, mode, affinity, entry.attempts,
+                None if entry.endpoint is None else entry.endpoint.address, revision, entry.bytes_in,
                 entry.bytes_out, entry.tokens_prompt, entry.tokens_completion,
                 # Milliseconds with three decimals: whole microseconds, a quarter of the cost of round().
                 None if overhead_s is None else int(overhead_s * 1e6 + 0.5) / 1000,

@@ -46,6 +46,7 @@ class Forwarder:
         self.clusters = clusters
         self.outcomes = outcomes
         self.metrics = outcomes.metrics
+        self.providers = outcomes.providers
         self.rng = random.Random()
 
     async def forward(self, record: RequestRecord, route: RouteDecision) -> ErrorReply | None:
@@ -114,6 +115,8 @@ class Forwarder:
         response_headers = self._response_headers(record, route)
         key = cluster.balance_key(record.balance_keys, exchange.target)
         attempts: ProviderAttempts[UpstreamEndpoint] = ProviderAttempts(cluster.name)
+        # Endpoints cooled by a 429/503 are left out while the provider has others (docs/routing.md, "Cooling").
+        attempts.excluded = self.providers.cooled_endpoints(cluster.provider)
         while (endpoint := cluster.pick(key, attempts.excluded)) is not None:
             if attempts.failure is not None:
                 self.metrics.retry()  # an endpoint of this provider failed: this is a retry inside it
@@ -173,7 +176,7 @@ class Forwarder:
         relay = ResponseRelay(exchange, conn, response_headers, record.metering, hold_retryable)
         exchange.listener = relay
         record.attempt = relay
-        record.endpoint = endpoint.address
+        record.endpoint = endpoint
         overhead = record.overhead_s = _perf() - exchange.t_start
         if self.route_headers:
             response_headers.append((b"x-gridgate-overhead-ms", b"%.3f" % (overhead * 1000.0)))
@@ -191,7 +194,7 @@ class Forwarder:
         """An attempt that reached the provider and did not serve: what it cost goes to the record, what it
         said to the provider's state. Returns the held status (the answer may be the last word), or None."""
         record.attempt = None
-        self.outcomes.observe(route.provider, cluster.name, result)
+        self.outcomes.observe(route.provider, cluster.name, record.endpoint, result)
         if result.held:  # it answered (its body was discarded unread): 4xx nothing, 5xx the estimate
             record.owed += attempt_tokens(result.status, None, record.estimate)
             return result.status

@@ -15,11 +15,12 @@ from gateway.http.errors import ErrorReply
 from gateway.metrics.writer import WorkerMetrics
 from gateway.quota.gate import QuotaGate
 from gateway.request.attempts import AttemptResult, attempt_tokens, served_tokens, usage_split
-from gateway.request.failover import COOLING_STATUSES, cooling_seconds, parse_retry_after
+from gateway.request.failover import COOLING_STATUSES
 from gateway.routing.decision import header_value
 from workers.access_log import AccessLog
+from workers.cooling import cool_for_answer
 from workers.head_gate import HeadRefusal
-from workers.providers import ProviderStates
+from workers.providers import Endpoint, ProviderStates
 from workers.request_record import RequestRecord
 
 _monotonic = time.monotonic
@@ -82,7 +83,7 @@ class Outcomes:
         metrics = self.metrics
         metrics.overhead(record.overhead_s or 0.0)
         metrics.upstream_latency(cluster, result.first_byte_s, result.duration_s)
-        self.observe(route.provider, cluster, result)
+        self.observe(route.provider, cluster, record.endpoint, result)
 
     @staticmethod
     def _charge(record: RequestRecord, result: AttemptResult | None,
@@ -101,16 +102,15 @@ class Outcomes:
             prompt, completion = usage_split(tokens, prompt, completion)
         return charged, prompt, completion
 
-    def observe(self, provider: int, cluster: str, result: AttemptResult) -> None:
+    def observe(self, provider: int, cluster: str, endpoint: Endpoint, result: AttemptResult) -> None:
         """What an answer says about its provider: its first-byte latency (least_loaded), and a 429/503
         cools it in every worker of the host (Retry-After wins, capped: docs/routing.md)."""
         status = result.status
         if status:
             self.providers.observe_first_byte(provider, result.first_byte_s)
             if status in COOLING_STATUSES:
-                seconds = cooling_seconds(parse_retry_after(result.retry_after, time.time()), self.cooling)
-                self.providers.cool(provider, seconds, _monotonic())
-                self.metrics.cooled(cluster)
+                cool_for_answer(self.providers, self.metrics, cluster, provider, endpoint, result.retry_after,
+                                result.provider_wide, self.cooling, _monotonic(), time.time())
 
     def refuse(self, record: RequestRecord, reply: ErrorReply) -> None:
         """Answer with a gateway-made error; one about a provider (``record.provider``) names it and its

@@ -27,6 +27,7 @@ from gateway.request.attempts import AttemptResult
 from gateway.request.failover import RETRYABLE_STATUSES
 from gateway.request.failures import Failure
 from gateway.request.headers import connection_tokens
+from gateway.routing.cooling import cooling_signals
 from workers.exchange import Exchange
 from workers.upstream import UpstreamConnection
 
@@ -52,7 +53,7 @@ class ResponseRelay:
     __slots__ = (
         "exchange", "conn", "done", "failure", "detail", "client_left", "status", "extra_headers",
         "response_started", "is_sse", "metering", "usage", "length_framed", "hold_retryable", "held_status",
-        "retry_after", "sent_at", "first_byte_at", "ended_at", "events", "_result",
+        "retry_after", "provider_wide", "sent_at", "first_byte_at", "ended_at", "events", "_result",
     )
 
     def __init__(
@@ -76,6 +77,7 @@ class ResponseRelay:
         self.hold_retryable = hold_retryable
         self.held_status = 0  # a retryable status held back from the client (0: none)
         self.retry_after: bytes | None = None  # the provider's Retry-After, when it sent one
+        self.provider_wide = False  # a retryable answer said the whole provider is limited
         self.sent_at = 0.0  # monotonic time the request was written (set by the sender)
         self.first_byte_at = 0.0  # monotonic time the response head arrived
         self.ended_at = 0.0  # monotonic time the attempt was over
@@ -93,7 +95,7 @@ class ResponseRelay:
             result = self._result = AttemptResult(
                 self.status, self.response_started, self.held_status != 0, self.failure, self.detail,
                 self.client_left, self.retry_after, self.usage, self.events,
-                self.first_byte_at - sent if self.first_byte_at else 0.0, ended - sent,
+                self.first_byte_at - sent if self.first_byte_at else 0.0, ended - sent, self.provider_wide,
             )
         return result
 
@@ -106,7 +108,7 @@ class ResponseRelay:
         self.status = status
         self.first_byte_at = _monotonic()
         if status in RETRYABLE_STATUSES:
-            self.retry_after = next((v for n, v in headers if n == b"retry-after"), None)
+            self.retry_after, self.provider_wide = cooling_signals(headers)
             if self.hold_retryable:
                 self.held_status = status
                 self.conn.resume()  # its body is read and discarded, whatever the client's pace

@@ -50,7 +50,7 @@ class RequestRecord(msgspec.Struct, gc=False):
     # -- the attempts
     route: RouteDecision | None = None  # the provider of the latest attempt (the one that served)
     attempts: int = 0  # providers tried
-    endpoint: str | None = None  # the endpoint the request was last sent to
+    endpoint: Any = None  # workers.clusters.UpstreamEndpoint the request was last sent to
     attempt: Any = None  # workers.relay.ResponseRelay of the attempt in progress, or of the one that served
     owed: int = 0  # tokens the attempts that ended without serving cost (gateway/request/attempts.py)
     overhead_s: float | None = None  # gateway time before the upstream request was written

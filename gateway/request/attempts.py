@@ -48,6 +48,7 @@ class AttemptResult(msgspec.Struct, gc=False):
     events: int | None = None  # data events relayed to the client (a metered event stream only)
     first_byte_s: float = 0.0  # request written -> response head
     duration_s: float = 0.0  # request written -> attempt over
+    provider_wide: bool = False  # a 429/503 said the whole provider is limited (gateway/routing/cooling.py)
 
     @property
     def total_tokens(self) -> int | None:

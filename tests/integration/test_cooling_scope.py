@@ -2,11 +2,9 @@
 (docs/routing.md, "Cooling"): a 429 from one endpoint of a provider cools that endpoint on every
 worker, and the provider keeps serving through its other endpoint.
 
-The request path's side (read the answer's head with ``gateway.routing.cooling.cooling_signals``,
-cool with ``workers.cooling.cool_for_answer``, leave ``ProviderStates.cooled_endpoints`` out of each
-attempt) is wired in workers/forwarding.py and workers/relay.py; until it is, the provider as a whole
-is cooled and this test fails (strict xfail: it turns into a failure the day the wiring lands, so
-the marker is removed then).
+The request path's side: the relay reads the answer's head with
+``gateway.routing.cooling.cooling_signals``, the request's close cools with
+``workers.cooling.cool_for_answer``, and each attempt leaves ``ProviderStates.cooled_endpoints`` out.
 """
 
 from __future__ import annotations
@@ -14,18 +12,8 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
-
 from tests.harness import chat, mock_served, request
 from tests.integration.test_failover import FAST_RETRY, deterministic
-
-WIRED = False
-try:  # the wiring's visible mark: the relay reads the provider-wide flag of a retryable answer
-    from workers.relay import ResponseRelay
-
-    WIRED = "provider_wide" in ResponseRelay.__slots__
-except ImportError:  # pragma: no cover
-    pass
 
 
 def admin_config(handle, **settings) -> None:
@@ -33,7 +21,6 @@ def admin_config(handle, **settings) -> None:
     assert status == 200, body
 
 
-@pytest.mark.xfail(not WIRED, strict=True, reason="needs the request path's cooling call (see the docstring)")
 def test_a_429_from_one_endpoint_cools_that_endpoint_on_every_worker_and_the_provider_keeps_serving(
         mock_provider, gateway_factory):
     limited = mock_provider("limited-replica", fail_rate=1.0, fail_status=429, retry_after="30")
