@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test fuzz fuzz-upstream conformance bench bench-core bench-tls bench-relay bench-features lint clean wrk
+.PHONY: install run test fuzz fuzz-upstream conformance bench bench-core bench-tls bench-relay bench-features lint clean wrk prices
 
 install: $(STAMP)
 
@@ -60,6 +60,12 @@ fuzz-upstream: install
 
 lint: install
 	$(BIN)/ruff check .
+
+# Regenerates gateway/pricing/data/ (the price table and its notice) from the LiteLLM release pinned in
+# gateway/pricing/generate.py: downloads that one wheel, installs and runs none of it (docs/pricing.md).
+# The result is committed; tests and CI never download.
+prices: install
+	$(BIN)/python -m gateway.pricing.generate
 
 clean:
 	rm -rf $(VENV) build *.egg-info

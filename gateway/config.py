@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from typing import ClassVar, Literal
 
+from gateway.config_cors import Cors  # noqa: F401 - re-exported: importers use gateway.config
+from gateway.config_pricing import PriceOverride, Pricing  # noqa: F401 - re-exported: importers use gateway.config
 from gateway.config_quota import (  # noqa: F401 - the auth and quota schema, re-exported like routing's
     MAX_COUNT,
     MAX_TOKENS,
@@ -269,6 +271,8 @@ class Config(_Strict):
     access_log: AccessLog = AccessLog()
     auth: Auth | None = None
     quota: Quota | None = None
+    pricing: Pricing = Pricing()  # prices of models, for spend (docs/pricing.md)
+    cors: Cors | None = None  # browser clients (docs/cors.md); off when absent
     # Where the config file lives; relative paths (overlay_file) resolve against it.
     base_dir: str = "."
 

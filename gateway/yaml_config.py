@@ -10,6 +10,7 @@ along the error's path with :mod:`msgspec.inspect`, so every Struct gets this fo
 from __future__ import annotations
 
 import difflib
+import json
 import re
 from collections.abc import Mapping
 from typing import Any, TypeVar
@@ -154,6 +155,8 @@ def validation_problem(error: msgspec.ValidationError, kind: type, raw: Any) -> 
     assert match is not None
     message, path = match.group("msg"), match.group("path") or ""
     segments = [m.group("key") or m.group("index") for m in _SEGMENT.finditer(path)]
+    if "..." in segments:
+        path, segments = _name_mapping_keys(schema.type_info(kind), raw, segments)
     target, value = _walk(schema.type_info(kind), raw, segments)
     named = _NAMED_FIELD.match(message)
     if named:
@@ -169,6 +172,40 @@ def validation_problem(error: msgspec.ValidationError, kind: type, raw: Any) -> 
         elif missing:
             path, message = _join(path, missing.group("field")), "required key is missing"
     return f"{path.lstrip('.') or '(top level)'}: {message}"
+
+
+def _name_mapping_keys(kind: schema.Type, raw: Any, segments: list[str]) -> tuple[str, list[str]]:
+    """msgspec writes a mapping's key as ``[...]`` in its paths; put the key that failed in its place
+    (the first whose value alone fails to convert), so ``pricing.overrides[...].input`` becomes
+    ``pricing.overrides["gpt-4*"].input``. Returns the path and its segments, the keys filled in."""
+    path, named = "", []
+    for segment in segments:
+        container = _member_for(kind, segment, raw)
+        if segment == "..." and isinstance(container, schema.DictType) and isinstance(raw, dict):
+            value_kind = container.value_type
+            if isinstance(value_kind, schema.StructType):
+                failing = (key for key, value in raw.items() if isinstance(key, str) and _fails(value, value_kind.cls))
+                segment = next(failing, segment)
+        if isinstance(container, schema.DictType):
+            path += "[...]" if segment == "..." else f"[{json.dumps(segment)}]"
+        elif isinstance(container, schema.ListType) and segment.isdigit():
+            path += f"[{segment}]"
+        else:
+            path += f".{segment}"
+        named.append(segment)
+        kind, raw = _walk(kind, raw, [segment])
+        if kind is None:
+            break
+    rest = "".join(f"[{step}]" if step.isdigit() else f".{step}" for step in segments[len(named):])
+    return path + rest, named
+
+
+def _fails(value: Any, cls: type) -> bool:
+    try:
+        msgspec.convert(value, cls, dec_hook=decode_hook)
+    except msgspec.ValidationError:
+        return True
+    return False
 
 
 def describe(kind: schema.Type) -> str:

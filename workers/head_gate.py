@@ -43,10 +43,9 @@ class GatedConnection(Protocol):
 
 class Admitted:
     """A request the gate let through: its route, tenant, scanned headers and request id, and its key
-    (None without auth); ``shadow``: the quota limits in shadow mode that would have refused it (the
-    access log's ``shadow``), set by the proxy."""
+    (None without auth)."""
 
-    __slots__ = ("route", "tenant", "headers", "request_id", "key", "shadow")
+    __slots__ = ("route", "tenant", "headers", "request_id", "key")
 
     def __init__(self, route: AllowedRoute, tenant: str, headers: RequestHeaders, request_id: bytes,
                  key: KeyIdentity | None = None) -> None:
@@ -55,7 +54,6 @@ class Admitted:
         self.headers = headers
         self.request_id = request_id
         self.key = key
-        self.shadow: tuple[str, ...] | None = None
 
 
 class HeadRefusal(ErrorReply):

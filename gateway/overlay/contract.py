@@ -26,34 +26,42 @@ indexes the groups (see :mod:`gateway.overlay.snapshot`).
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Mapping
-from datetime import datetime
 from typing import Any
 
 import msgspec
 import xxhash
 
 from gateway.overlay.digest import semantic_revision
+from gateway.overlay.envelope import (  # noqa: F401 - re-exported: the contract's one catalogue
+    ENVELOPE_MARKERS,
+    SCOPE_FIELDS,
+    SUPPORTED_SCHEMA_VERSION,
+    configured_scope,
+    digest_object,
+    envelope_scope,
+)
+from gateway.overlay.envelope import provenance as provenance_of
+from gateway.overlay.reasons import (  # noqa: F401 - re-exported: the contract's one catalogue
+    DIGEST_MISMATCH,
+    EMPTY,
+    INVALID_FIELD,
+    MALFORMED_STRUCTURE,
+    MAX_TEXT_BYTES,
+    MISSING_SCHEMA_VERSION,
+    REVISION_DIGEST_MISMATCH,
+    SCOPE_MISMATCH,
+    TOO_LARGE,
+    UNREADABLE,
+    UNSUPPORTED_SCHEMA_VERSION,
+    OverlayRejected,
+    field_error,
+    is_text,
+    parse_json,
+)
 
 MAX_OVERLAY_BYTES = 2 * 1024 * 1024
 MAX_CANDIDATES = 1024
-MAX_TEXT_BYTES = 256
-SUPPORTED_SCHEMA_VERSION = "1.0.0"
-
-# Rejection reasons (stable strings: `gridgate overlay validate` prints them).
-MALFORMED_STRUCTURE = "malformed_structure"
-UNSUPPORTED_SCHEMA_VERSION = "unsupported_schema_version"
-MISSING_SCHEMA_VERSION = "missing_schema_version"
-SCOPE_MISMATCH = "scope_mismatch"
-DIGEST_MISMATCH = "digest_mismatch"
-REVISION_DIGEST_MISMATCH = "revision_digest_mismatch"
-INVALID_FIELD = "invalid_field"
-# File-level reasons (raised by gateway.overlay.watch, listed here so there is one catalogue).
-UNREADABLE = "unreadable"
-EMPTY = "empty"
-TOO_LARGE = "too_large"
 
 KINDS = ("inference_model", "mcp_tool")
 NEW_AND_EXISTING = "new_and_existing"
@@ -66,29 +74,8 @@ ADMISSION_ALIASES = {"excluded": ADMISSION_NONE}
 MODES = ("deterministic", "roundRobin", "random")
 CREDENTIAL_STRATEGIES = ("apikey", "bearer_token")
 
-ENVELOPE_MARKERS = ("schema_version", "revision", "content_digest", "scope", "provenance")
-SCOPE_FIELDS = ("network", "gateway", "namespace", "local_site")
-
-_HEX64 = re.compile(r"[0-9a-f]{64}")
-_RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})")
 _HTTP_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,256}")
 _MAX_INDEX_INT = 2**31 - 1
-
-
-class OverlayRejected(Exception):
-    """The overlay is not acceptable. ``reason`` is a stable code, ``detail`` names the field."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(reason, detail)
-        self.reason = reason
-        self.detail = detail
-
-    def __str__(self) -> str:
-        return f"{self.reason}: {self.detail}" if self.detail else self.reason
-
-
-def field_error(path: str, message: str) -> OverlayRejected:
-    return OverlayRejected(INVALID_FIELD, f"{path}: {message}")
 
 
 class Credential(msgspec.Struct, frozen=True):
@@ -138,56 +125,11 @@ def stable_id_hash(stable_id: str) -> int:
     return xxhash.xxh3_64_intdigest(stable_id.encode("utf-8", "surrogatepass"))
 
 
-# --------------------------------------------------------------------------- JSON
-
-
-def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise OverlayRejected(MALFORMED_STRUCTURE, f"invalid JSON: duplicate key {key!r}")
-            seen.add(key)
-    return obj
-
-
-def _reject_constant(name: str) -> Any:
-    raise OverlayRejected(MALFORMED_STRUCTURE, f"invalid JSON: {name} is not a JSON number")
-
-
-def parse_json(data: bytes) -> Any:
-    """Parse overlay bytes; floats stay exact Python floats for the digest.
-
-    Duplicate keys and NaN/Infinity are rejected: they have no canonical form.
-    """
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise OverlayRejected(MALFORMED_STRUCTURE, f"invalid JSON: not UTF-8 ({exc.reason})") from None
-    try:
-        return json.loads(text, object_pairs_hook=_reject_duplicate_keys, parse_constant=_reject_constant)
-    except json.JSONDecodeError as exc:
-        raise OverlayRejected(MALFORMED_STRUCTURE, f"invalid JSON: {exc}") from None
-    except RecursionError:
-        raise OverlayRejected(MALFORMED_STRUCTURE, "invalid JSON: nested too deeply") from None
-
-
 # --------------------------------------------------------------------------- field checks
 
 
-def _is_text(value: Any) -> bool:
-    """1..256 UTF-8 bytes and not blank."""
-    if type(value) is not str or not value.strip():
-        return False
-    try:
-        return len(value.encode("utf-8")) <= MAX_TEXT_BYTES
-    except UnicodeEncodeError:
-        return False
-
-
 def _text(value: Any, path: str) -> str:
-    if not _is_text(value):
+    if not is_text(value):
         raise field_error(path, f"must be 1..{MAX_TEXT_BYTES} bytes, not blank")
     return value
 
@@ -376,69 +318,6 @@ def _validate_document(
     return mode, network, generated_at, candidates
 
 
-# --------------------------------------------------------------------------- envelope
-
-
-def _digest_object(value: Any, field: str) -> str:
-    """`{algorithm: sha256, value: <64 hex>}` (revision adds kind: content_addressed)."""
-    if (
-        not isinstance(value, dict)
-        or value.get("algorithm") != "sha256"
-        or type(value.get("value")) is not str
-        or not _HEX64.fullmatch(value["value"])
-    ):
-        raise OverlayRejected(
-            MALFORMED_STRUCTURE, f"{field}: must be {{algorithm: sha256, value: <64 lowercase hex>}}"
-        )
-    return value["value"]
-
-
-def _envelope_scope(value: Any) -> dict[str, str]:
-    if not isinstance(value, dict):
-        raise OverlayRejected(
-            MALFORMED_STRUCTURE, "scope: must be an object {network, gateway, namespace, local_site}"
-        )
-    for field in SCOPE_FIELDS:
-        if not _is_text(value.get(field)):
-            raise OverlayRejected(MALFORMED_STRUCTURE, f"scope.{field}: must be 1..256 bytes, not blank")
-    return {field: value[field] for field in SCOPE_FIELDS}
-
-
-def _rfc3339(value: Any) -> bool:
-    if type(value) is not str or not _RFC3339.fullmatch(value):
-        return False
-    try:
-        datetime.fromisoformat(value.upper().replace("Z", "+00:00"))
-    except ValueError:
-        return False
-    return True
-
-
-def _provenance(value: Any) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise OverlayRejected(MALFORMED_STRUCTURE, "provenance: must be an object")
-    for field in ("producer", "producer_version", "source_name", "source_uid"):
-        if not _is_text(value.get(field)):
-            raise OverlayRejected(MALFORMED_STRUCTURE, f"provenance.{field}: must be 1..256 bytes, not blank")
-    generation = value.get("source_generation")
-    if type(generation) is not int or generation <= 0:
-        raise OverlayRejected(MALFORMED_STRUCTURE, "provenance.source_generation: must be an integer > 0")
-    if not _rfc3339(value.get("rendered_at")):
-        raise OverlayRejected(MALFORMED_STRUCTURE, "provenance.rendered_at: must be an RFC 3339 timestamp")
-    return dict(value)
-
-
-def configured_scope(expected: Any) -> dict[str, str]:
-    """The non-null fields of an expected scope (a mapping, or an object such as config.OverlayScope)."""
-    if expected is None:
-        return {}
-    if isinstance(expected, Mapping):
-        values = {field: expected.get(field) for field in SCOPE_FIELDS}
-    else:
-        values = {field: getattr(expected, field, None) for field in SCOPE_FIELDS}
-    return {field: value for field, value in values.items() if value is not None}
-
-
 def _revision_of(document: dict[str, Any], prefix: str) -> str:
     try:
         return semantic_revision(document)
@@ -475,12 +354,12 @@ def validate_overlay(root: Any, expected_scope: Any = None) -> ValidatedOverlay:
             UNSUPPORTED_SCHEMA_VERSION,
             f"schema_version {root['schema_version']!r} (supported: {SUPPORTED_SCHEMA_VERSION})",
         )
-    revision_value = _digest_object(root.get("revision"), "revision")
+    revision_value = digest_object(root.get("revision"), "revision")
     if root["revision"].get("kind") != "content_addressed":
         raise OverlayRejected(MALFORMED_STRUCTURE, "revision.kind: must be content_addressed")
-    digest_value = _digest_object(root.get("content_digest"), "content_digest")
-    scope = _envelope_scope(root.get("scope"))
-    provenance = _provenance(root.get("provenance"))
+    digest_value = digest_object(root.get("content_digest"), "content_digest")
+    scope = envelope_scope(root.get("scope"))
+    provenance = provenance_of(root.get("provenance"))
     document = root.get("overlay")
     if not isinstance(document, dict):
         raise OverlayRejected(MALFORMED_STRUCTURE, "overlay: must be an object")

@@ -9,8 +9,15 @@ client's bytes are those it would have received without the rewrite.
 Response side: ``usage_observer`` picks the observer for one response. Each ``feed(chunk)`` returns the
 bytes to send to the client (the same object when nothing changes); ``flush()`` at the end returns
 what is held back; ``total_tokens`` is the last ``usage.total_tokens`` seen (None if none), and
-``prompt_tokens``/``completion_tokens`` the last counts of each side. Chunk boundaries may fall
-anywhere, including inside ``"total_tokens"`` or its number.
+``prompt_tokens``/``completion_tokens`` the last counts of each side. ``cached_tokens`` (of the
+prompt, ``prompt_tokens_details.cached_tokens``) and ``reasoning_tokens`` (of the completion,
+``completion_tokens_details.reasoning_tokens``) are the parts priced apart (gateway/pricing/cost.py);
+None when the provider did not report them; ``cache_write_tokens`` is always None here (OpenAI-style
+usage does not report cache writes; Anthropic's does: gateway/quota/usage_surfaces.py). Chunk
+boundaries may fall anywhere, including inside ``"total_tokens"`` or its number.
+
+This module serves the APIs whose usage lives where OpenAI's chat completions put it; the Responses
+and Messages APIs have their own observers (gateway/quota/usage_surfaces.py, ``observer_for``).
 """
 
 from __future__ import annotations
@@ -83,6 +90,9 @@ class UsageObserver(Protocol):
     total_tokens: int | None
     prompt_tokens: int | None
     completion_tokens: int | None
+    cached_tokens: int | None
+    cache_write_tokens: int | None
+    reasoning_tokens: int | None
 
     def feed(self, chunk: bytes) -> bytes: ...
 
@@ -98,20 +108,31 @@ def usage_observer(is_event_stream: bool, usage_rewritten: bool) -> UsageObserve
 
 
 # The usage members recorded: `"<name>_tokens": N`. One search for their common tail per chunk.
+# `cached_tokens` and `reasoning_tokens` are keys of the usage's details objects only.
 _KEY_TAIL = b'_tokens"'
 _LONGEST_KEY = len(b'"completion_tokens"')
-_USAGE_VALUE = re.compile(rb'"(?:prompt|completion|total)_tokens"\s*:\s*(\d+)')
-_USAGE_INCOMPLETE = re.compile(rb'"(?:prompt|completion|total)_tokens"\s*(?::\s*\d*)?')
+_USAGE_VALUE = re.compile(rb'"(?:prompt|completion|total|cached|reasoning)_tokens"\s*:\s*(\d+)')
+_USAGE_INCOMPLETE = re.compile(rb'"(?:prompt|completion|total|cached|reasoning)_tokens"\s*(?::\s*\d*)?')
 _MAX_HELD = 256  # bytes of a split `"total_tokens": N` kept across chunks
 
 _Count = Annotated[int, msgspec.Meta(ge=0)]
 
 
-# Decoded once per metered response; neither can form a cycle, so the GC need not track them.
+# Decoded once per metered response; none can form a cycle, so the GC need not track them.
+class _PromptDetails(msgspec.Struct, gc=False):
+    cached_tokens: _Count | None = None
+
+
+class _CompletionDetails(msgspec.Struct, gc=False):
+    reasoning_tokens: _Count | None = None
+
+
 class _UsageCounts(msgspec.Struct, gc=False):
     total_tokens: _Count | None = None
     prompt_tokens: _Count | None = None
     completion_tokens: _Count | None = None
+    prompt_tokens_details: _PromptDetails | None = None
+    completion_tokens_details: _CompletionDetails | None = None
 
 
 class _UsageDocument(msgspec.Struct, gc=False):
@@ -136,6 +157,9 @@ class UsageScanner(msgspec.Struct, gc=False):
     total_tokens: int | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    cache_write_tokens: int | None = None  # never reported in this shape
     _held: bytes = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -150,6 +174,9 @@ class UsageScanner(msgspec.Struct, gc=False):
             if usage is not None and usage.total_tokens is not None:
                 self.total_tokens, self.prompt_tokens, self.completion_tokens = usage.total_tokens, \
                     usage.prompt_tokens, usage.completion_tokens
+                prompt_details, completion_details = usage.prompt_tokens_details, usage.completion_tokens_details
+                self.cached_tokens = None if prompt_details is None else prompt_details.cached_tokens
+                self.reasoning_tokens = None if completion_details is None else completion_details.reasoning_tokens
                 return chunk
         data = self._held + chunk if self._held else chunk
         end = len(data)
@@ -165,8 +192,12 @@ class UsageScanner(msgspec.Struct, gc=False):
                     self.total_tokens = value
                 elif kind == 112:  # p
                     self.prompt_tokens = value
-                else:
+                elif kind == 114:  # r
+                    self.reasoning_tokens = value
+                elif data[match.start() + 2] == 111:  # co
                     self.completion_tokens = value
+                else:  # ca
+                    self.cached_tokens = value
             # The last key may be cut before its number: keep it whole for the next chunk.
             last = data.rfind(_KEY_TAIL)
             start = data.rfind(b'"', max(0, last - _LONGEST_KEY), last) if last >= 0 else -1
@@ -217,12 +248,16 @@ class SseUsageFilter:
     puts it last; if it does not, the last such member in the event is removed).
     """
 
-    __slots__ = ("total_tokens", "prompt_tokens", "completion_tokens", "_pending", "_scanner")
+    __slots__ = ("total_tokens", "prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens",
+                 "cache_write_tokens", "_pending", "_scanner")
 
     def __init__(self) -> None:
         self.total_tokens: int | None = None
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
+        self.cached_tokens: int | None = None
+        self.reasoning_tokens: int | None = None
+        self.cache_write_tokens: int | None = None  # never reported in this shape
         self._pending = b""
         self._scanner: UsageScanner | None = None  # set when the stream turned out not to be SSE
 
@@ -268,6 +303,8 @@ class SseUsageFilter:
         self.total_tokens = scanner.total_tokens
         self.prompt_tokens = scanner.prompt_tokens
         self.completion_tokens = scanner.completion_tokens
+        self.cached_tokens = scanner.cached_tokens
+        self.reasoning_tokens = scanner.reasoning_tokens
 
     def _filter_event(self, event: bytes) -> bytes:
         if b'"usage"' not in event:
@@ -283,12 +320,15 @@ class SseUsageFilter:
         if isinstance(shape.usage, dict):
             usage = shape.usage
             total, prompt, completion = (usage.get(k) for k in ("total_tokens", "prompt_tokens", "completion_tokens"))
-            if type(total) is int:
+            if _is_count(total):
                 self.total_tokens = total
-            if type(prompt) is int:
+            if _is_count(prompt):
                 self.prompt_tokens = prompt
-            if type(completion) is int:
+            if _is_count(completion):
                 self.completion_tokens = completion
+            # The usage chunk carries the whole usage: a detail it lacks is unknown, not the last one seen.
+            self.cached_tokens = _detail(usage, "prompt_tokens_details", "cached_tokens")
+            self.reasoning_tokens = _detail(usage, "completion_tokens_details", "reasoning_tokens")
             if shape.choices == []:
                 return b""  # the usage-only chunk the client did not ask for
             return event
@@ -299,6 +339,17 @@ class SseUsageFilter:
                     last = matches[-1]
                     return event[: last.start()] + last.group(1) + event[last.end() :]
         return event
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _detail(usage: dict[str, Any], details: str, name: str) -> int | None:
+    """``usage[details][name]`` when it is a count, else None."""
+    part = usage.get(details)
+    value = part.get(name) if isinstance(part, dict) else None
+    return value if _is_count(value) else None
 
 
 def _decode_data(event: bytes) -> _ChunkShape | None:

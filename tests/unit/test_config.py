@@ -156,6 +156,15 @@ def test_cluster_field_errors_are_precise():
     assert found[0].startswith("clusters[0].load_balancer_strategy: 'fastest' is not one of")
 
 
+def test_an_error_inside_a_mapping_of_your_keys_names_the_key():
+    # msgspec says `[...]` for a key of a mapping; the line names the key that failed, quoted
+    found = problems('clusters: [{name: a, endpoints: ["h:1"], load_balancer_strategy: {maglev: {headr: X}}}]\n'
+                     "routing: {overlay_file: o}\n")
+    assert found == ['clusters[0].load_balancer_strategy["maglev"].headr: unknown key (did you mean header?)']
+    found = problems(BASE + 'pricing: {overrides: {"ok-*": {input: 1, output: 1}, "gpt-4.1*": {input: 1, output: [2]}}}\n')
+    assert found == ['pricing.overrides["gpt-4.1*"].output: expected a string, an integer or a number, got a list']
+
+
 def test_duplicate_clusters_are_reported():
     text = 'clusters: [{name: a, endpoints: ["h:1"]}, {name: a, endpoints: ["h:2"]}]\nrouting: {overlay_file: o}\n'
     assert problems(text) == ["clusters[1].name: duplicate cluster name 'a'"]

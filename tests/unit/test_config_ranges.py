@@ -38,6 +38,7 @@ BASE_CONFIG: dict[str, Any] = {
         "overlay_max_age": "1h",
         "retry": {"first_byte_timeout": "1s", "backoff": {}},
         "cooling": {},
+        "least_loaded": {"latency_prior": "100ms"},
         "session_affinity": {},
         "models": [{"match": {"capability": "*"}, "context_window": 1000, "traffic_weight": 1}],
     },
@@ -53,6 +54,9 @@ BASE_CONFIG: dict[str, Any] = {
         "breaker": {},
         "lease": {"tokens": 10, "requests": 10},
     },
+    "pricing": {"overrides": {"private-*": {"input": 1, "output": 2, "cached_input": 0.5, "cache_write": "1",
+                                            "reasoning": 2}}},
+    "cors": {"allowed_origins": ["https://app.example.com"]},
 }
 
 BASE_SPEC: dict[str, Any] = {
@@ -74,6 +78,13 @@ ZERO_MEANS_SOMETHING = {
     "routing.retry.backoff.base",  # no pause between attempts
     "quota.rules[0].estimate.default_max_tokens",  # estimate the prompt only
     "access_log.sample",  # log errors only
+    # a price of 0: the model is free
+    "pricing.overrides.*.input",
+    "pricing.overrides.*.output",
+    "pricing.overrides.*.cached_input",
+    "pricing.overrides.*.cache_write",
+    "pricing.overrides.*.reasoning",
+    "cors.max_age",  # ask before every request
 }
 
 
@@ -110,6 +121,20 @@ def _numeric(kind: schema.Type) -> str | None:
 
 def dotted(path: Path_) -> str:
     return "".join(f"[{step}]" if isinstance(step, int) else f".{step}" for step in path).lstrip(".")
+
+
+def named(base: dict[str, Any], path: Path_) -> str:
+    """The key's path as an error names it: a mapping's key (``*``) is the one the base document has,
+    quoted (``pricing.overrides["private-*"].input``)."""
+    out, node = "", base
+    for step in path:
+        if step == "*" and isinstance(node, dict) and node:
+            step = next(iter(node))
+            out += f'["{step}"]'
+        else:
+            out += f"[{step}]" if isinstance(step, int) else f".{step}"
+        node = node[step] if isinstance(node, dict | list) and (isinstance(node, list) or step in node) else {}
+    return out.lstrip(".")
 
 
 def with_value(base: dict[str, Any], path: Path_, value: Any) -> dict[str, Any] | None:
@@ -158,11 +183,11 @@ def range_failures(root: type, base: dict[str, Any], load: Callable[[str], Any])
                 failures.append(f"{name}: the base document has no block to hold it; add one")
                 break
             found = problems_for(load, document)
-            named = any(line.startswith(f"{name}: ") for line in found)
+            is_named = any(line.startswith(f"{named(base, path)}: ") for line in found)
             if label == "0" and name in ZERO_MEANS_SOMETHING:
                 if found:
                     failures.append(f"{name}: 0 is documented as meaningful but refused: {found}")
-            elif not named:
+            elif not is_named:
                 failures.append(f"{name}: {value!r} ({label}) is accepted or not named: {found or 'ok'}")
     return len(keys), failures
 

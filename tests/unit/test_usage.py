@@ -18,7 +18,8 @@ USAGE = {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
 
 
 def sse_stream(
-    include_usage: bool, *, compact: bool = True, newline: bytes = b"\n", usage_first: bool = False
+    include_usage: bool, *, compact: bool = True, newline: bytes = b"\n", usage_first: bool = False,
+    usage: dict | None = None,
 ) -> bytes:
     """An OpenAI-style chat completion stream; with include_usage the provider adds `"usage": null` to
     every chunk and a final usage-only chunk."""
@@ -48,7 +49,7 @@ def sse_stream(
                 "created": 1,
                 "model": "m",
                 "choices": [],
-                "usage": USAGE,
+                "usage": USAGE if usage is None else usage,
             }
         )
     blank = newline + newline
@@ -77,6 +78,20 @@ def counts(observer: UsageScanner | SseUsageFilter) -> tuple[int | None, int | N
     return observer.prompt_tokens, observer.completion_tokens, observer.total_tokens
 
 
+def parts(observer: UsageScanner | SseUsageFilter) -> tuple[int | None, int | None]:
+    """The parts priced apart: (cached prompt tokens, reasoning completion tokens)."""
+    return observer.cached_tokens, observer.reasoning_tokens
+
+
+# What OpenAI reports for a chat completion (its details carry other counts beside the two we read).
+DETAILED = {
+    "prompt_tokens": 2006, "completion_tokens": 300, "total_tokens": 2306,
+    "prompt_tokens_details": {"cached_tokens": 1920, "audio_tokens": 0},
+    "completion_tokens_details": {"reasoning_tokens": 256, "audio_tokens": 0, "accepted_prediction_tokens": 0,
+                                  "rejected_prediction_tokens": 0},
+}
+
+
 def test_scanner_finds_the_usage_counts_in_plain_json_at_every_split() -> None:
     usage = {**USAGE, "prompt_tokens_details": {"cached_tokens": 2}, "completion_tokens_details": {
         "reasoning_tokens": 1}}
@@ -87,6 +102,7 @@ def test_scanner_finds_the_usage_counts_in_plain_json_at_every_split() -> None:
         scanner = UsageScanner()
         assert run(scanner, body, [cut]) == body
         assert counts(scanner) == (5, 4, 9), cut
+        assert parts(scanner) == (2, 1), cut
 
 
 @pytest.mark.parametrize(
@@ -145,6 +161,66 @@ def test_last_usage_wins() -> None:
     scanner = UsageScanner()
     run(scanner, b'data: {"usage":{"total_tokens":3}}\n\ndata: {"usage":{"total_tokens":11}}\n\n', [5])
     assert scanner.total_tokens == 11
+
+
+@pytest.mark.parametrize(
+    ("usage", "expected"),
+    [
+        (DETAILED, (1920, 256)),
+        ({**USAGE}, (None, None)),  # no details: unknown, not 0
+        ({**USAGE, "prompt_tokens_details": None, "completion_tokens_details": None}, (None, None)),
+        ({**USAGE, "prompt_tokens_details": {"cached_tokens": 0}, "completion_tokens_details": {}}, (0, None)),
+    ],
+)
+def test_cached_and_reasoning_tokens_are_read_from_a_whole_answer_and_in_pieces(usage: dict, expected: tuple) -> None:
+    body = json.dumps({"id": "x", "object": "chat.completion", "choices": [], "usage": usage}).encode()
+    whole = UsageScanner()
+    assert run(whole, body, []) == body
+    assert parts(whole) == expected
+    for cut in range(1, len(body)):
+        pieces = UsageScanner()
+        run(pieces, body, [cut])
+        assert parts(pieces) == expected, cut
+        assert pieces.total_tokens == usage["total_tokens"]
+
+
+@pytest.mark.parametrize("cached", [-3, 1.5, "7", True])
+def test_a_cached_count_that_is_no_count_is_not_read(cached: object) -> None:
+    body = json.dumps({"usage": {**USAGE, "prompt_tokens_details": {"cached_tokens": cached}}}).encode()
+    scanner = UsageScanner()
+    run(scanner, body, [])
+    assert counts(scanner) == (5, 4, 9)  # the rest of the usage still counts
+    assert scanner.cached_tokens in (None, 1)  # 1.5 is read up to its point, like any count of the scan
+    stream = sse_stream(include_usage=True, usage={**USAGE, "prompt_tokens_details": {"cached_tokens": cached}})
+    sse = SseUsageFilter()
+    run(sse, stream, [])
+    assert counts(sse) == (5, 4, 9) and sse.cached_tokens is None
+
+
+def test_cached_and_reasoning_tokens_are_read_from_a_stream_the_client_asked_usage_of() -> None:
+    stream = sse_stream(include_usage=True, usage=DETAILED)
+    rng = random.Random(5)
+    for cuts in [[], *[random_cuts(stream, rng) for _ in range(200)]]:
+        scanner = UsageScanner()
+        assert run(scanner, stream, cuts) == stream
+        assert parts(scanner) == (1920, 256)
+
+
+def test_cached_and_reasoning_tokens_are_read_from_a_stream_the_gateway_asked_usage_of() -> None:
+    with_usage = sse_stream(include_usage=True, usage=DETAILED)
+    plain = sse_stream(include_usage=False)
+    rng = random.Random(3)
+    for cuts in [[], list(range(1, len(with_usage))), *[random_cuts(with_usage, rng) for _ in range(200)]]:
+        sse = SseUsageFilter()
+        assert run(sse, with_usage, cuts) == plain
+        assert counts(sse) == (2006, 300, 2306) and parts(sse) == (1920, 256)
+
+
+def test_the_filter_reads_the_parts_of_a_body_that_is_not_sse() -> None:
+    body = json.dumps({"usage": DETAILED, "pad": "x" * (2 << 20)}).encode()
+    sse = SseUsageFilter()
+    assert run(sse, body, [1000, 1 << 20, (1 << 20) + 5]) == body
+    assert parts(sse) == (1920, 256)
 
 
 # --- the client sees exactly the stream it asked for -----------------------------------------------
