@@ -20,6 +20,7 @@ from tests.harness import (
     candidate,
     chat,
     envelope,
+    free_port,
     metric_value,
     mock_served,
     wait_until,
@@ -174,6 +175,25 @@ def test_a_request_that_never_reached_a_provider_gives_its_slot_back(valkey_url,
     assert chat(gateway.port, "m", headers=[*_bearer("sk-1"), ("X-Mock-Status", "400")]).status == 400
     assert chat(gateway.port, "m", headers=_bearer("sk-1")).status == 200
     assert chat(gateway.port, "m", headers=_bearer("sk-1")).status == 429
+
+
+def test_requests_that_could_not_connect_to_their_provider_give_their_slots_back(
+        valkey_url, mock_provider, gateway_factory):
+    handle = mock_provider("p")
+    tenant = _tenant()
+    options = {"auth": _keys({"tenant": tenant, "key": "sk-1"}),
+               "quota": _quota(valkey_url, {"name": f"r-{tenant}", "requests": [{"window": "1m", "count": 2}]})}
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens: every connection is refused
+    gateway = gateway_factory({"p": [handle.address], "dead": [dead]},
+                              envelope([candidate("m", "p"), candidate("down", "dead")]), extra=options)
+    for _ in range(2):  # admitted, then no connection came: the request never reached a provider
+        response = chat(gateway.port, "down", headers=_bearer("sk-1"))
+        assert response.status == 502 and "connection refused" in response.json()["error"]["message"]
+        time.sleep(0.2)  # the slot goes back off the response path
+    assert [chat(gateway.port, "m", headers=_bearer("sk-1")).status for _ in range(2)] == [200, 200]
+    refused = chat(gateway.port, "m", headers=_bearer("sk-1"))
+    assert refused.status == 429 and f"rule r-{tenant} requests 2/1m" in refused.json()["error"]["message"]
+    assert mock_served(handle) == 2
 
 
 def test_shadow_limits_never_refuse_and_are_named_in_the_access_log_and_counted(
