@@ -68,3 +68,42 @@ def test_every_exported_metric_is_documented():
     documented = (REPO / "docs" / "operations.md").read_text()
     missing = sorted(name for name in names if f"`{name}" not in documented)
     assert not missing, f"add these metrics to docs/operations.md: {missing}"
+
+
+# -- docs/architecture.md: the map names real files, functions and tests ---------------------------------
+
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+_CODE_LINK = re.compile(r"\]\((?P<target>[^)\s#]+\.py)\) `(?P<symbol>[A-Za-z_][\w.]*)`")
+_REPO_PATH = re.compile(r"`(?P<path>(?:gateway|workers|shm|tests|loadtest|deploy)/[\w/.-]+)`")
+_TEST_IN = re.compile(r"`(?P<test>test_\w+)` in `(?P<path>tests/[\w/]+\.py)`")
+
+
+def _defines(source: str, name: str, top_level: bool) -> bool:
+    indent = "" if top_level else r"[ \t]+"
+    pattern = rf"^{indent}(?:async def|def|class) {name}\b|^{indent}{name}\s*(?::[^=\n]*)?="
+    return re.search(pattern, source, re.MULTILINE) is not None
+
+
+def test_the_architecture_map_names_functions_its_files_define():
+    text = ARCHITECTURE.read_text()
+    pairs = [(m.group("target"), m.group("symbol")) for m in _CODE_LINK.finditer(text)]
+    assert len(pairs) >= 30, "the search no longer finds the map's `file` `symbol` pairs"
+    missing = []
+    for target, symbol in pairs:
+        source = (ARCHITECTURE.parent / target).resolve().read_text()
+        first, *rest = symbol.split(".")
+        if not _defines(source, first, top_level=True) or not all(_defines(source, n, False) for n in rest):
+            missing.append(f"{target} {symbol}")
+    assert not missing, f"docs/architecture.md names what these files do not define: {missing}"
+
+
+def test_the_architecture_map_names_files_and_tests_that_exist():
+    text = ARCHITECTURE.read_text()
+    paths = {m.group("path") for m in _REPO_PATH.finditer(text)}
+    assert len(paths) >= 10
+    assert not sorted(p for p in paths if not (REPO / p).exists()), "docs/architecture.md names missing files"
+    tests = [(m.group("test"), m.group("path")) for m in _TEST_IN.finditer(text)]
+    assert tests, "the search no longer finds the map's tests to copy"
+    gone = [f"{path}::{name}" for name, path in tests
+            if not re.search(rf"^def {name}\(", (REPO / path).read_text(), re.MULTILINE)]
+    assert not gone, f"docs/architecture.md names tests that do not exist: {gone}"
