@@ -106,7 +106,7 @@ class ValkeyPublisher:
     async def publish(self, document: dict[str, Any], now: datetime) -> PublishResult | None:
         """One round; None when nothing was written (the key is current, or another instance leads).
 
-        Raises :class:`ValkeyUnavailable`, or :class:`~gateway.overlay.contract.OverlayRejected`
+        Raises :class:`ValkeyUnavailable`, or :class:`~gateway.overlay.reasons.OverlayRejected`
         when the render does not validate.
         """
         try:

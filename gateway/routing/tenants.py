@@ -52,10 +52,6 @@ class TenantPolicies:
     def get(self, tenant: str) -> Policy:
         return self._by_tenant.get(tenant, OPEN)
 
-    @property
-    def restrict_regions(self) -> bool:
-        return any(policy.regions is not None for policy in self._by_tenant.values())
-
 
 def model_not_allowed(tenant: str, capability: str) -> ErrorReply:
     return ErrorReply(403, "model_not_allowed", f"The API key of tenant {tenant!r} may not use {capability!r}.")
