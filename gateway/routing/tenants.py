@@ -1,6 +1,6 @@
-"""Per-tenant routing policy (CONTRACT §12): which capabilities a tenant may use, which regions may
-serve it, whether it may pin a route. Pure; capability checks are memoised per tenant so globs are
-matched once per (tenant, capability), not per request.
+"""Per-tenant routing policy (docs/routing.md#request-aware-selection): which capabilities a tenant
+may use, which regions may serve it, whether it may pin a route. Pure; capability checks are memoised
+per tenant so globs are matched once per (tenant, capability), not per request.
 """
 
 from __future__ import annotations

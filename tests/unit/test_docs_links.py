@@ -107,3 +107,49 @@ def test_the_architecture_map_names_files_and_tests_that_exist():
     gone = [f"{path}::{name}" for name, path in tests
             if not re.search(rf"^def {name}\(", (REPO / path).read_text(), re.MULTILINE)]
     assert not gone, f"docs/architecture.md names tests that do not exist: {gone}"
+
+
+# -- code and tests cite the docs/ pages a clone has, never the contract outside it ------------------------
+
+_NOT_THE_REPOSITORY = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis", "build"}
+# Spelled in two parts so that this file does not cite what it forbids.
+_CONTRACT_CITATION = re.compile("CONTRACT" + r"(?: ?§|\.md)")
+_DOCS_CITATION = re.compile(r"\bdocs/(?P<page>[\w-]+\.md)(?:#(?P<anchor>[\w-]+))?")
+
+
+def _repository_files() -> list[Path]:
+    found = []
+    for path in REPO.rglob("*"):
+        parts = path.relative_to(REPO).parts
+        if any(part in _NOT_THE_REPOSITORY or part.endswith(".egg-info") for part in parts):
+            continue
+        if path.is_file():
+            found.append(path)
+    return found
+
+
+def test_nothing_in_the_repository_cites_the_contract_outside_it():
+    files = _repository_files()
+    assert len(files) > 300  # the walk still finds the repository
+    cited = []
+    for path in files:
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:  # binary: nothing a reader would follow
+            continue
+        cited += [f"{_name(path)}:{text.count(chr(10), 0, m.start()) + 1}" for m in _CONTRACT_CITATION.finditer(text)]
+    assert not cited, f"cite the docs/ page that explains it instead (see docs/README.md): {cited}"
+
+
+def test_the_docs_pages_code_and_tests_cite_exist_with_their_sections():
+    sources = [p for package in ("gateway", "workers", "shm", "tests", "loadtest") for p in (REPO / package).rglob("*.py")]
+    citations = [(path, m) for path in sources for m in _DOCS_CITATION.finditer(path.read_text())]
+    assert len(citations) > 50  # the search still finds the citations
+    broken = []
+    for path, match in citations:
+        page = REPO / "docs" / match.group("page")
+        if not page.exists():
+            broken.append(f"{_name(path)}: docs/{match.group('page')} (no such page)")
+        elif match.group("anchor") and match.group("anchor") not in _anchors(page):
+            broken.append(f"{_name(path)}: {match.group(0)} (no such section)")
+    assert not broken, f"citations of docs/ that do not resolve: {broken}"
