@@ -6,8 +6,9 @@ environment. Two callers, one set of rules:
 - the supervisor, before it forks and on every reload: :func:`validate_deployment` raises for
   what would stop the gateway from serving;
 - ``gridgate check``: :func:`check_problems` also reports overlay candidates whose cluster this
-  gateway lacks (the gateway tolerates them and skips those candidates at run time, CONTRACT §3,
-  but a config under review should not carry them), and can skip the environment for CI.
+  gateway lacks (the gateway tolerates them and skips those candidates at run time:
+  docs/routing.md#usable-providers; a config under review should not carry them), and can skip the
+  environment for CI.
 
 Imports stay on the pure floors (overlay, quota rules): nothing from the data plane.
 """

@@ -1,4 +1,4 @@
-"""The gateway configuration schema (CONTRACT §2) and its loader.
+"""The gateway configuration schema (docs/configuration.md) and its loader.
 
 msgspec Structs with ``forbid_unknown_fields`` give us unknown-key rejection and
 field paths for free; :mod:`gateway.yaml_config` turns msgspec's messages into one
@@ -227,7 +227,7 @@ class Cluster(_Strict):
 
 
 class AccessLog(_Strict):
-    """One JSON line per request (CONTRACT §14)."""
+    """One JSON line per request (docs/operations.md#access-log)."""
 
     enabled: bool = True
     path: str = "-"  # "-" = stdout; else a file, reopened on SIGUSR1 (resolve it with Config.file_path)

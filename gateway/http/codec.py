@@ -381,15 +381,6 @@ class ServerCodec:
         return b""
 
 
-def _own_event(event):  # h11's body events become the codec's own; heads pass as they are
-    kind = type(event)
-    if kind is h11.Data:
-        return Body(event.data)
-    if kind is h11.EndOfMessage:
-        return END
-    return event
-
-
 def __getattr__(name: str):  # -> the client side's public names, which live in their own module
     if name in _CLIENT_NAMES:
         from gateway.http import client_codec

@@ -103,7 +103,8 @@ class WorkerMetrics:
         self.row[PROVIDER_FAILOVERS + self.cluster_index.get(cluster, OTHER_CLUSTER)] += 1
 
     def cooled(self, cluster: str) -> None:
-        """This cluster's provider answered 429/503 and is skipped for a while."""
+        """This cluster's provider was cooled (a 429/503 spoke for the whole provider, or left it no endpoint
+        that is not cooled) and is skipped for a while."""
         self.row[PROVIDER_COOLED + self.cluster_index.get(cluster, OTHER_CLUSTER)] += 1
 
     def endpoint_cooled(self, cluster: str) -> None:
@@ -122,7 +123,7 @@ class WorkerMetrics:
 
     # -- published from the heartbeat (per-process monotonic counters, copied) --------------------
     def publish_quota(self, counters: Any) -> None:
-        """Copy the quota gate's monotonic per-worker counters (gateway.quota.gate.QuotaCounters)."""
+        """Copy the quota gate's monotonic per-worker counters (gateway.quota.counters.QuotaCounters)."""
         row = self.row
         row[QUOTA_DECISION] = counters.admitted
         row[QUOTA_DECISION + 1] = counters.denied + counters.denied_concurrency

@@ -7,11 +7,12 @@ adopting a snapshot costs nothing up front and a capability costs O(its members)
 A group picks among the options a caller deems usable (``usable(option) -> bool``: configured,
 not cooled, has a routable endpoint, not tried yet, eligible for the request). The overlay's modes:
 ``deterministic`` (first usable in file order), ``roundRobin`` (rotation, skipping the unusable),
-``random`` (uniform over the usable). ``routing.picker`` may choose instead (CONTRACT §12):
-``weighted`` (smooth weighted round robin by ``traffic_weight``, exact over a cycle), ``stable_hash``
-(rendezvous hashing of the request's key: a key keeps its provider while the group is unchanged, and
-retries keep their exclusions), ``least_loaded`` (power of two choices on load x expected first-byte
-latency, an unmeasured or long-idle provider expected at the group's prior: gateway.routing.providers).
+``random`` (uniform over the usable). ``routing.picker`` may choose instead
+(docs/routing.md#which-picker-and-balancer-when): ``weighted`` (smooth weighted round robin by
+``traffic_weight``, exact over a cycle), ``stable_hash`` (rendezvous hashing of the request's key: a
+key keeps its provider while the group is unchanged, and retries keep their exclusions),
+``least_loaded`` (power of two choices on load x expected first-byte latency, an unmeasured or
+long-idle provider expected at the group's prior: gateway.routing.providers).
 """
 
 from __future__ import annotations

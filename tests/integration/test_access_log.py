@@ -1,4 +1,5 @@
-"""The access log (CONTRACT §14) through a real gateway: one JSON line per request, matching the traffic."""
+"""The access log (docs/operations.md#access-log) through a real gateway: one JSON line per request,
+matching the traffic."""
 
 from __future__ import annotations
 
