@@ -34,8 +34,10 @@ from collections.abc import Awaitable, Callable
 
 from gateway.config import Config
 from gateway.http import codec
-from gateway.http.errors import ErrorReply, GatewayError, error_headers
+from gateway.http.errors import OPENAI_SHAPE, ErrorReply, GatewayError, error_headers
 from gateway.http.framing import ChunkedDecoder, RequestFraming, check_request_head
+from gateway.request.surfaces import error_shape_of_target
+from workers.cors_gate import CorsPolicy, request_origin
 from workers.exchange import Exchange
 
 log = logging.getLogger("gridgate.server")
@@ -100,6 +102,8 @@ class ServerState:
         # refuses the request (answered at once, the body never read, the connection closed); anything
         # else admits it and travels to the handler as ``exchange.admitted``.
         self.head_gate: Callable[[ServerConnection, bytes, bytes, list[tuple[bytes, bytes]]], object] | None = None
+        # The CORS policy (gateway/request/cors.py; None: off): what the answers it writes itself carry.
+        self.cors: CorsPolicy | None = None
 
     def close_idle(self, now: float) -> None:
         """Draining: close the connections that sat idle between requests for ``_DRAIN_IDLE_S``.
@@ -272,6 +276,7 @@ class ServerConnection(asyncio.Protocol):
             self._reject(ErrorReply(error.status, code, f"malformed HTTP request: {error}", close=True))
 
     def _on_request_head(self, event: codec.RequestHead) -> None:
+        self._request = event  # first: a refusal of this head is answered in its API's error shape
         settings = self.settings
         headers = self._headers = codec.header_pairs(event.headers)
         framing = self._framing = check_request_head(
@@ -285,7 +290,6 @@ class ServerConnection(asyncio.Protocol):
             if isinstance(admitted, ErrorReply):
                 raise GatewayError(admitted)
             self.admitted = admitted
-        self._request = event
         if framing.content_length > 0:
             self._count_body(framing.content_length)  # counted whole before a byte of it is read
         self.state = _BODY
@@ -431,10 +435,21 @@ class ServerConnection(asyncio.Protocol):
         """Answer a request whose framing is in doubt, then close without reading more."""
         if self.state == _CLOSED:
             return
-        if self.server.on_reject is not None:
-            self.server.on_reject(reply)
-        body = reply.body()
-        headers = [*error_headers(body), *reply.headers, (b"connection", b"close")]
+        server = self.server
+        if server.on_reject is not None:
+            server.on_reject(reply)
+        request = self._request  # the request this answers, when its head was read
+        if reply.status == 204:  # an allowed CORS preflight (workers/cors_gate.py): no body
+            body = b""
+            headers = [*reply.headers, (b"connection", b"close")]
+        else:
+            body = reply.body(OPENAI_SHAPE if request is None else error_shape_of_target(request.target))
+            headers = [*error_headers(body), *reply.headers, (b"connection", b"close")]
+        cors = server.cors
+        if cors is not None and request is not None and reply.status != 204:  # a preflight's are its own
+            origin = request_origin(self._headers)
+            if origin is not None:
+                headers += cors.response_headers(origin)
         self.write(codec.raw_response(reply.status, headers, body))
         self._linger_close()
 
