@@ -130,8 +130,10 @@ def test_count_tokens_is_forwarded_and_costs_nothing(valkey_url, mock_provider, 
     # The budget spent: inference is refused, counting is still answered (no admission at all).
     client.messages.create(model="m", max_tokens=50, messages=[{"role": "user", "content": "spend it"}],
                            extra_headers={"x-mock-tokens": "90"})
-    with pytest.raises(anthropic.RateLimitError):
+    with pytest.raises(anthropic.RateLimitError) as limited:
         client.messages.create(model="m", max_tokens=50, messages=[{"role": "user", "content": "more"}])
+    assert limited.value.body["error"]["type"] == "rate_limit_error"
+    assert int(limited.value.response.headers["retry-after"]) >= 1  # admissible once the window moves
     spent = _used(gateway, "t-count")
     assert client.messages.count_tokens(model="m", messages=[{"role": "user", "content": "still?"}]).input_tokens > 0
     assert _used(gateway, "t-count") == spent
@@ -184,6 +186,20 @@ def test_upstream_failure_on_messages_uses_anthropics_shape(mock_provider, gatew
         _anthropic(gateway).messages.create(model="m", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
     assert failed.value.status_code == 502
     assert failed.value.body["type"] == "error" and failed.value.body["error"]["type"] == "api_error"
+
+
+def test_a_messages_stream_cut_by_the_provider_ends_with_an_anthropic_error_event(mock_provider, gateway_factory):
+    handle = mock_provider("p", tokens=8)
+    gateway = _gateway(gateway_factory, handle.address, "t-cut")
+    with pytest.raises(anthropic.APIStatusError) as failed:
+        with _anthropic(gateway).messages.stream(model="m", max_tokens=64, messages=[{"role": "user", "content": "go"}],
+                                                 extra_headers={"x-mock-reset": "mid"}) as stream:
+            for _ in stream.text_stream:
+                pass
+    error = failed.value.body
+    assert error["type"] == "error" and error["error"]["type"] == "api_error", error
+    assert error["error"]["code"] == "upstream_reset"
+    assert [line["error"] for line in _access_lines(gateway, 1)] == ["upstream_reset"]
 
 
 def test_an_error_event_mid_stream_is_relayed_and_logged(valkey_url, mock_provider, gateway_factory):
