@@ -322,3 +322,40 @@ def _no_proxy_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
+
+
+# --- the filters read each API's own body fields ------------------------------------------------------
+
+
+def test_the_filters_read_each_apis_body_fields(providers, gateway_factory):
+    models = [
+        {"match": {"capability": "m", "cluster": "provider-a"}, "context_window": 2000, "features": ["tools"]},
+        {"match": {"capability": "m", "cluster": "provider-b"}, "context_window": 100000, "features": ["vision"]},
+        {"match": {"capability": "m"}, "context_window": 100000, "features": []},
+    ]
+    overlay = envelope([candidate("m", name) for name in providers], mode="roundRobin")
+    gateway = gateway_factory({name: [handle.address] for name, handle in providers.items()}, overlay,
+                              extra={"auth": {"keys": [{"tenant": "t-filters", "key": hash_api_key(KEY)}]},
+                                     "routing": {"models": models}})
+    claude, oai = _anthropic(gateway), _openai(gateway)
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    tool = {"name": "f", "input_schema": {"type": "object"}}
+    for _ in range(2):  # roundRobin would move on: only the capable provider is left each time
+        seen = claude.messages.with_raw_response.create(
+            model="m", max_tokens=50, messages=[{"role": "user", "content": [image, {"type": "text", "text": "?"}]}])
+        assert seen.headers["x-gridgate-provider"] == "provider-b"
+        tools = claude.messages.with_raw_response.create(
+            model="m", max_tokens=50, tools=[tool], messages=[{"role": "user", "content": "hi"}])
+        assert tools.headers["x-gridgate-provider"] == "provider-a"
+        looked = oai.responses.with_raw_response.create(model="m", input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": "https://example.com/y.png"}]}])
+        assert looked.headers["x-gridgate-provider"] == "provider-b"
+    # Anthropic's max_tokens is the completion allowance: beyond every window, 400 in Anthropic's shape.
+    with pytest.raises(anthropic.BadRequestError) as too_big:
+        claude.messages.create(model="m", max_tokens=500_000, messages=[{"role": "user", "content": "hi"}], timeout=30)
+    assert too_big.value.body["type"] == "error" and too_big.value.body["error"]["type"] == "invalid_request_error"
+    assert too_big.value.body["error"]["code"] == "context_length_exceeded"
+    with pytest.raises(anthropic.UnprocessableEntityError) as nobody:
+        claude.messages.create(model="m", max_tokens=50, tools=[tool],
+                               messages=[{"role": "user", "content": [image]}])
+    assert nobody.value.body["type"] == "error" and nobody.value.body["error"]["code"] == "no_eligible_provider"
