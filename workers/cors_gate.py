@@ -21,7 +21,7 @@ from gateway.http.errors import ErrorReply
 from gateway.request.cors import CorsPolicy, PreflightReply
 from workers.head_gate import Admitted, HeadRefusal
 
-__all__ = ["CorsGate", "CorsPolicy", "request_origin"]
+__all__ = ["CorsGate", "request_origin"]
 
 _OPTIONS = b"OPTIONS"
 _ORIGIN = b"origin"

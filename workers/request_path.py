@@ -21,6 +21,7 @@ from gateway.quota.backend import create_client
 from gateway.quota.counters import configured_tenants
 from gateway.quota.gate import QuotaGate
 from gateway.quota.ledger import QuotaLedger
+from gateway.request.cors import CorsPolicy
 from gateway.request.headers import HeaderPlan
 from gateway.request.routes import RouteTable
 from gateway.routing import Router
@@ -33,7 +34,7 @@ from shm.providers import EndpointCooling, ProviderCells
 from shm.segment import Segment
 from workers.access_log import AccessLog
 from workers.clusters import ClusterManager
-from workers.cors_gate import CorsGate, CorsPolicy
+from workers.cors_gate import CorsGate
 from workers.head_gate import HeadGate
 from workers.outcomes import Outcomes
 from workers.overlay_follower import OverlayFollower

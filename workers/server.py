@@ -34,11 +34,10 @@ from collections.abc import Awaitable, Callable
 
 from gateway.config import Config
 from gateway.http import codec
-from gateway.http.errors import OPENAI_SHAPE, ErrorReply, GatewayError, error_headers
+from gateway.http.errors import ErrorReply, GatewayError
 from gateway.http.framing import ChunkedDecoder, RequestFraming, check_request_head
-from gateway.request.surfaces import error_shape_of_target
-from workers.cors_gate import CorsPolicy, request_origin
 from workers.exchange import Exchange
+from workers.raw_answers import CorsPolicy, raw_answer
 
 log = logging.getLogger("gridgate.server")
 
@@ -102,8 +101,7 @@ class ServerState:
         # refuses the request (answered at once, the body never read, the connection closed); anything
         # else admits it and travels to the handler as ``exchange.admitted``.
         self.head_gate: Callable[[ServerConnection, bytes, bytes, list[tuple[bytes, bytes]]], object] | None = None
-        # The CORS policy (gateway/request/cors.py; None: off): what the answers it writes itself carry.
-        self.cors: CorsPolicy | None = None
+        self.cors: CorsPolicy | None = None  # the CORS policy (None: off) of the answers written here
 
     def close_idle(self, now: float) -> None:
         """Draining: close the connections that sat idle between requests for ``_DRAIN_IDLE_S``.
@@ -175,10 +173,9 @@ class ServerConnection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         server = self.server
         if len(server.connections) >= self.settings.max_connections:
-            reply = ErrorReply(503, "too_many_connections", "worker connection limit reached, retry")
-            body = reply.body()
-            headers = [*error_headers(body), (b"retry-after", b"1"), (b"connection", b"close")]
-            transport.write(codec.raw_response(503, headers, body))  # type: ignore[attr-defined]
+            reply = ErrorReply(503, "too_many_connections", "worker connection limit reached, retry",
+                               [(b"retry-after", b"1")])
+            transport.write(raw_answer(reply))  # type: ignore[attr-defined]
             self._linger_close()
             return
         server.connections.add(self)
@@ -435,22 +432,11 @@ class ServerConnection(asyncio.Protocol):
         """Answer a request whose framing is in doubt, then close without reading more."""
         if self.state == _CLOSED:
             return
-        server = self.server
-        if server.on_reject is not None:
-            server.on_reject(reply)
-        request = self._request  # the request this answers, when its head was read
-        if reply.status == 204:  # an allowed CORS preflight (workers/cors_gate.py): no body
-            body = b""
-            headers = [*reply.headers, (b"connection", b"close")]
-        else:
-            body = reply.body(OPENAI_SHAPE if request is None else error_shape_of_target(request.target))
-            headers = [*error_headers(body), *reply.headers, (b"connection", b"close")]
-        cors = server.cors
-        if cors is not None and request is not None and reply.status != 204:  # a preflight's are its own
-            origin = request_origin(self._headers)
-            if origin is not None:
-                headers += cors.response_headers(origin)
-        self.write(codec.raw_response(reply.status, headers, body))
+        if self.server.on_reject is not None:
+            self.server.on_reject(reply)
+        request = self._request  # the request this answers, when its head was read (its API, its Origin)
+        target = None if request is None else request.target
+        self.write(raw_answer(reply, target, self._headers, self.server.cors))
         self._linger_close()
 
     def _linger_close(self) -> None:
