@@ -28,7 +28,7 @@ from gateway.request.attempts import AttemptResult
 from gateway.request.failover import RETRYABLE_STATUSES
 from gateway.request.failures import Failure
 from gateway.request.headers import connection_tokens
-from gateway.request.surfaces import OPENAI_USAGE
+from gateway.request.surfaces import MESSAGES_USAGE, OPENAI_USAGE, RESPONSES_USAGE
 from gateway.routing.cooling import cooling_signals
 from workers.exchange import Exchange
 from workers.upstream import UpstreamConnection
@@ -149,9 +149,9 @@ class ResponseRelay:
                 continue
             out.append((name, value))
         self.is_sse = is_event_stream(content_type)
+        usage_kind = OPENAI_USAGE if admitted is None else admitted.route.surface.usage
         if metered:
             # The chat path's observer at once; the Responses and Messages APIs' by their surface.
-            usage_kind = OPENAI_USAGE if admitted is None else admitted.route.surface.usage
             if usage_kind == OPENAI_USAGE:
                 self.usage = usage_observer(self.is_sse, bool(self.metering))
             else:
@@ -159,6 +159,10 @@ class ResponseRelay:
                     usage_kind, self.is_sse, bool(self.metering))
             if self.is_sse:
                 self.events = 0
+        elif usage_kind == RESPONSES_USAGE or usage_kind == MESSAGES_USAGE:
+            # Not metered, these answers are read all the same (they are never changed): the access line
+            # shows their tokens, and an error event in their stream is seen.
+            self.usage = self.answer_usage = observer_for(usage_kind, self.is_sse, False)  # type: ignore[assignment]
         # Re-frame as chunked when the provider did, or when the usage filter may shorten the body.
         if chunked or self.metering is True:
             content_length = None

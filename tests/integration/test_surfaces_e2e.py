@@ -200,6 +200,16 @@ def test_a_messages_stream_cut_by_the_provider_ends_with_an_anthropic_error_even
     assert error["type"] == "error" and error["error"]["type"] == "api_error", error
     assert error["error"]["code"] == "upstream_reset"
     assert [line["error"] for line in _access_lines(gateway, 1)] == ["upstream_reset"]
+    # Without a quota too, the provider's own error event is seen, and the access line shows the tokens.
+    with pytest.raises(anthropic.APIStatusError):
+        with _anthropic(gateway).messages.stream(model="m", max_tokens=64, messages=[{"role": "user", "content": "go"}],
+                                                 extra_headers={"x-mock-stream-error": "1"}) as stream:
+            for _ in stream.text_stream:
+                pass
+    message = _anthropic(gateway).messages.create(model="m", max_tokens=64, messages=[{"role": "user", "content": "ok"}])
+    lines = _access_lines(gateway, 3)
+    assert [line["error"] for line in lines] == ["upstream_reset", "upstream_error_event", None]
+    assert lines[2]["tokens_prompt"] == message.usage.input_tokens and lines[2]["tokens_completion"] == 8
 
 
 def test_an_error_event_mid_stream_is_relayed_and_logged(valkey_url, mock_provider, gateway_factory):
