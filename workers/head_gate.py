@@ -42,15 +42,17 @@ class GatedConnection(Protocol):
 
 
 class Admitted:
-    """A request the gate let through: its route, tenant, scanned headers and request id."""
+    """A request the gate let through: its route, tenant, scanned headers and request id. ``cors``: the
+    CORS headers of its answers (workers/cors_gate.py sets it; None: CORS is off)."""
 
-    __slots__ = ("route", "tenant", "headers", "request_id")
+    __slots__ = ("route", "tenant", "headers", "request_id", "cors")
 
     def __init__(self, route: AllowedRoute, tenant: str, headers: RequestHeaders, request_id: bytes) -> None:
         self.route = route
         self.tenant = tenant
         self.headers = headers
         self.request_id = request_id
+        self.cors: tuple[tuple[bytes, bytes], ...] | None = None
 
 
 class HeadRefusal(ErrorReply):

@@ -75,6 +75,8 @@ class Outcomes:
         failure = result.failure
         if failure is not None:
             record.error = failure.code
+        elif result.stream_error is not None:
+            record.error = result.stream_error  # the provider ended the stream with an error event
         elif result.client_left:
             record.error = "client_closed"  # else None, or why the gateway ended the stream (a shutdown)
         usage = result.usage

@@ -15,8 +15,8 @@ from urllib.parse import unquote_to_bytes
 from gateway.capability import (
     MCP_SESSION_NAME,
     CapabilityRequest,
+    body_features,
     lookup_capability,
-    request_features,
     session_key,
 )
 from gateway.http.errors import ErrorReply
@@ -88,7 +88,8 @@ class Proxy:
             if type(pinned) is ErrorReply:
                 return self.outcomes.refuse(record, pinned)
             quota = self.quota
-            if quota is not None:
+            surface = admitted.route.surface
+            if quota is not None and surface.metered:  # count_tokens generates no tokens: never metered
                 # Reserve tokens before routing: a denial never reaches a provider (429/503 with headers).
                 fields = capability.body
                 admission = quota.admission(admitted.tenant, capability.name, len(exchange.body),
@@ -101,7 +102,8 @@ class Proxy:
                     record.admission = admission
             route = pinned or self.decide(record, capability, admitted, policy)
             if type(route) is RouteDecision:
-                record.body, record.metering = upstream_body(capability, exchange.body, record.admission)
+                record.body, record.metering = upstream_body(capability, exchange.body, record.admission,
+                                                             surface.rewrites_stream)
                 record.forward = forwarded_headers(exchange, admitted.headers, record.request_id, record.body)
                 record.balance_keys = admitted.headers.balance_keys
                 route = await self.forwarder.forward(record, route)
@@ -195,8 +197,9 @@ class Proxy:
         completion = 0
         if fields is not None:
             completion = fields.completion_allowance or 0  # the allowance the quota reserves for
+        surface = exchange.admitted.route.surface  # type: ignore[attr-defined]
         return Needs(estimate_prompt_tokens(len(exchange.body)) + completion,
-                     request_features(fields, exchange.target), policy.regions)
+                     body_features(fields, surface.body), policy.regions)
 
     def hash_key(self, tenant: str, session: bytes | None, request_id: bytes, headers: RequestHeaders) -> bytes:
         """The stable_hash picker's key, from the configured request facts."""
@@ -240,16 +243,19 @@ def no_allowed_provider(exchange: Exchange, allowed: AllowedRoute, capability: s
                       f"{', '.join(sorted(allowed.clusters or ()))}, and no provider there serves {capability!r}.")
 
 
-def upstream_body(request: CapabilityRequest, body: bytes, admission: Admission | None) -> tuple[bytes, bool | None]:
+def upstream_body(request: CapabilityRequest, body: bytes, admission: Admission | None,
+                  rewrites_stream: bool = True) -> tuple[bytes, bool | None]:
     """The body to send and the metering mode (None: not metered; True: rewritten to ask for usage).
 
-    A metered stream whose client did not ask for a usage chunk is rewritten to ask for one; the relay's
-    usage filter then removes that chunk so the client sees exactly what it asked for.
+    A metered stream whose client did not ask for a usage chunk is rewritten to ask for one, on the
+    APIs that define that member (``route.surface.rewrites_stream``: the Responses and Messages APIs
+    refuse it, and report usage in every stream anyway); the relay's usage filter then removes that
+    chunk so the client sees exactly what it asked for.
     """
     if admission is None or not admission.metered:
         return body, None
     fields = request.body
-    if fields is not None and fields.stream and not fields.include_usage:
+    if rewrites_stream and fields is not None and fields.stream and not fields.include_usage:
         rewritten = rewrite_request_for_usage(body)
         if rewritten is not None:
             return rewritten, True

@@ -20,13 +20,15 @@ from __future__ import annotations
 import asyncio
 import time
 
-from gateway.http.errors import sse_error_event
+from gateway.http.errors import sse_error_event_in
 from gateway.http.media import is_event_stream
 from gateway.quota.usage import UsageObserver, usage_observer
+from gateway.quota.usage_surfaces import AnswerUsage, observer_for
 from gateway.request.attempts import AttemptResult
 from gateway.request.failover import RETRYABLE_STATUSES
 from gateway.request.failures import Failure
 from gateway.request.headers import connection_tokens
+from gateway.request.surfaces import MESSAGES_USAGE, OPENAI_USAGE, RESPONSES_USAGE
 from gateway.routing.cooling import cooling_signals
 from workers.exchange import Exchange
 from workers.upstream import UpstreamConnection
@@ -38,6 +40,12 @@ _monotonic = time.monotonic
 _RESPONSE_DROP = frozenset(
     (b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"te", b"trailer", b"upgrade",
      b"x-request-id", b"content-length")
+)
+# With CORS on (docs/cors.md), CORS is the gateway's to answer: the provider's own are never relayed.
+_RESPONSE_DROP_CORS = _RESPONSE_DROP | frozenset(
+    (b"access-control-allow-origin", b"access-control-allow-credentials", b"access-control-allow-methods",
+     b"access-control-allow-headers", b"access-control-expose-headers", b"access-control-max-age",
+     b"access-control-allow-private-network")
 )
 # A metered response's token headers are the gateway's, not the provider's.
 _QUOTA_HEADERS = frozenset(
@@ -53,7 +61,7 @@ class ResponseRelay:
     __slots__ = (
         "exchange", "conn", "done", "failure", "detail", "client_left", "status", "extra_headers",
         "response_started", "is_sse", "metering", "usage", "length_framed", "hold_retryable", "held_status",
-        "retry_after", "provider_wide", "sent_at", "first_byte_at", "ended_at", "events", "_result",
+        "retry_after", "provider_wide", "sent_at", "first_byte_at", "ended_at", "events", "answer_usage", "_result",
     )
 
     def __init__(
@@ -83,6 +91,8 @@ class ResponseRelay:
         self.ended_at = 0.0  # monotonic time the attempt was over
         # Data events relayed: counted for a metered event stream only (a hang-up's floor), else None.
         self.events: int | None = None
+        # The Responses or Messages API's usage observer (None on the chat path): it also sees error events.
+        self.answer_usage: AnswerUsage | None = None
         self._result: AttemptResult | None = None
 
     def result(self) -> AttemptResult:
@@ -92,10 +102,12 @@ class ResponseRelay:
         if result is None:
             ended = self.ended_at = self.ended_at or _monotonic()
             sent = self.sent_at
+            answer_usage = self.answer_usage
             result = self._result = AttemptResult(
                 self.status, self.response_started, self.held_status != 0, self.failure, self.detail,
                 self.client_left, self.retry_after, self.usage, self.events,
                 self.first_byte_at - sent if self.first_byte_at else 0.0, ended - sent, self.provider_wide,
+                None if answer_usage is None else answer_usage.stream_error,
             )
         return result
 
@@ -116,12 +128,14 @@ class ResponseRelay:
                 return
         out = []
         metered = self.metering is not None
+        admitted = self.exchange.admitted
+        drop = _RESPONSE_DROP if admitted is None or admitted.cors is None else _RESPONSE_DROP_CORS
         chunked = False
         content_length: int | None = None
         listed: set[bytes] | None = None
         content_type = None
         for name, value in headers:
-            if name in _RESPONSE_DROP:
+            if name in drop:
                 if name == b"content-length":
                     content_length = int(value)  # the codec accepted it, so it is digits
                 elif name == b"transfer-encoding":
@@ -135,10 +149,20 @@ class ResponseRelay:
                 continue
             out.append((name, value))
         self.is_sse = is_event_stream(content_type)
+        usage_kind = OPENAI_USAGE if admitted is None else admitted.route.surface.usage
         if metered:
-            self.usage = usage_observer(self.is_sse, bool(self.metering))
+            # The chat path's observer at once; the Responses and Messages APIs' by their surface.
+            if usage_kind == OPENAI_USAGE:
+                self.usage = usage_observer(self.is_sse, bool(self.metering))
+            else:
+                self.usage = self.answer_usage = observer_for(  # type: ignore[assignment]
+                    usage_kind, self.is_sse, bool(self.metering))
             if self.is_sse:
                 self.events = 0
+        elif usage_kind == RESPONSES_USAGE or usage_kind == MESSAGES_USAGE:
+            # Not metered, these answers are read all the same (they are never changed): the access line
+            # shows their tokens, and an error event in their stream is seen.
+            self.usage = self.answer_usage = observer_for(usage_kind, self.is_sse, False)  # type: ignore[assignment]
         # Re-frame as chunked when the provider did, or when the usage filter may shorten the body.
         if chunked or self.metering is True:
             content_length = None
@@ -188,7 +212,8 @@ class ResponseRelay:
             exchange = self.exchange
             readable = not exchange.client_gone and failure != Failure.CLIENT_STALLED
             if self.is_sse and not self.length_framed and readable:
-                exchange.write(sse_error_event(failure.code, f"upstream stream failed: {detail}"))
+                exchange.write(sse_error_event_in(exchange.error_shape, failure.code,
+                                                  f"upstream stream failed: {detail}"))
                 exchange.end()
             else:
                 exchange.abort()

@@ -21,6 +21,7 @@ from gateway.quota.backend import create_client
 from gateway.quota.counters import configured_tenants
 from gateway.quota.gate import QuotaGate
 from gateway.quota.ledger import QuotaLedger
+from gateway.request.cors import CorsPolicy
 from gateway.request.headers import HeaderPlan
 from gateway.request.routes import RouteTable
 from gateway.routing import Router
@@ -33,6 +34,7 @@ from shm.providers import EndpointCooling, ProviderCells
 from shm.segment import Segment
 from workers.access_log import AccessLog
 from workers.clusters import ClusterManager
+from workers.cors_gate import CorsGate
 from workers.head_gate import HeadGate
 from workers.outcomes import Outcomes
 from workers.overlay_follower import OverlayFollower
@@ -119,6 +121,10 @@ class RequestPath:
         state = ServerState(ServerSettings(self.config), self.proxy.handle)
         state.on_reject = self.outcomes.rejected
         state.head_gate = self.head_gate  # key and route decided on the head, before any body is read
+        cors = CorsPolicy.from_config(self.config.cors)
+        if cors is not None:  # browser clients: preflights answered before the key is checked
+            state.head_gate = CorsGate(cors, self.head_gate, self.head_gate.ids.next)
+            state.cors = cors
         return state
 
     def publish_counters(self) -> None:
