@@ -22,7 +22,7 @@ from gateway.request.failover import COOLING_STATUSES, Failover
 from gateway.request.headers import ask_identity_encoding
 from gateway.routing import RouteDecision, Router
 from workers.clusters import ClusterManager, EndpointLease, UpstreamCluster, UpstreamEndpoint
-from workers.outcomes import Outcomes, attempts_header
+from workers.outcomes import Outcomes, attempts_header, served_model_headers
 from workers.overlay_follower import OverlayFollower
 from workers.proxy_settings import ProxySettings
 from workers.relay import ResponseRelay
@@ -49,19 +49,24 @@ class Forwarder:
         self.providers = outcomes.providers
         self.rng = random.Random()
 
-    async def forward(self, record: RequestRecord, route: RouteDecision) -> ErrorReply | None:
+    async def forward(self, record: RequestRecord, route: RouteDecision, failover: Failover | None = None,
+                      onward: bool = False) -> ErrorReply | None:
         """Try providers until one answers (or the budget is spent). None: the request is over (answered,
-        or the client left); else the answer to give, about ``record.provider``."""
+        or the client left); else the answer to give, about ``record.provider``.
+
+        A fallback chain (workers/model_chain.py) passes its ``failover``, shared by all its models (one
+        deadline, one attempt budget), and ``onward`` when another model may still be tried: then a
+        retryable answer of this model's last provider is held back too."""
         if record.metering is not None:
             ask_identity_encoding(record.forward)  # the usage must be readable in the answer
         first = route
-        failover: Failover | None = None
-        deadline = _monotonic() + float(self.retry.deadline)
+        deadline = _monotonic() + float(self.retry.deadline) if failover is None else failover.deadline
         while True:
             cluster = self.clusters.by_provider[route.provider]  # the router only picks configured providers
             attempt = record.attempts = 1 if failover is None else failover.attempts + 1
             record.route = route
-            hold = self.retry.attempts > attempt and route.plan.provider_count > 1 and route.mode != "pinned"
+            hold = (self.retry.attempts > attempt and (onward or route.plan.provider_count > 1)
+                    and route.mode != "pinned")
             reply = await self._try_provider(record, cluster, route, deadline, hold)
             if reply is None:
                 if record.session is not None and route.provider != first.provider:
@@ -104,6 +109,8 @@ class Forwarder:
             headers += route.evidence
         if record.admission is not None:
             headers += record.admission.headers
+        if record.model_route is not None:  # an alias or a fallback chain: which model serves (docs/models.md)
+            headers += served_model_headers(record)
         return headers
 
     async def _try_provider(self, record: RequestRecord, cluster: UpstreamCluster, route: RouteDecision,
