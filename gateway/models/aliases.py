@@ -13,6 +13,7 @@ from typing import NamedTuple
 import msgspec
 
 from gateway.config_models import Models
+from gateway.metrics.catalogue import fallback_edge_name
 
 
 class ModelRoute(NamedTuple):
@@ -79,3 +80,16 @@ def retarget_body(body: bytes, model: str) -> bytes | None:
         return None
     document["model"] = model
     return msgspec.json.encode(document)
+
+
+def fallback_edges(models: Models) -> list[str]:
+    """The (from, to) edges a request may move along (``gateway.metrics.catalogue.fallback_edge_name``), for
+    the metrics' bounded label set: every model of a chain to each later one (a forbidden model between
+    them is skipped), in config order."""
+    edges: dict[str, None] = {}
+    for route in model_routes(models).values():
+        walk = (route.target, *route.chain)
+        for index, source in enumerate(walk):
+            for target in walk[index + 1:]:
+                edges[fallback_edge_name(source, target)] = None
+    return list(edges)

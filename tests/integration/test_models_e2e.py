@@ -1,0 +1,248 @@
+"""Aliases and fallback chains across models (docs/models.md) through real gateways and mock providers.
+
+Model ``big`` is served by cluster ``big-a``, ``small`` by ``small-a`` (and ``huge`` by ``huge-a`` where a
+test needs a third model); the chain under test is ``big -> small`` unless a test says otherwise. The mock
+providers echo the ``model`` of the body they received, so a response's ``model`` says what the gateway
+sent upstream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from typing import Any
+
+import pytest
+
+from tests.harness import Client, candidate, chat, envelope, metric_value, mock_served, request
+
+FAST_RETRY = {"attempts": 3, "deadline": "10s", "backoff": {"base": "1ms", "max": "5ms"}}
+KEY = "sk-models-e2e"
+AUTH = [("Authorization", f"Bearer {KEY}")]
+
+
+def overlay(*models: str) -> dict:
+    return envelope([candidate(model, f"{model}-a") for model in models], mode="deterministic")
+
+
+def models_gateway(gateway_factory, providers: dict[str, Any], models: dict, **extra: Any):
+    """A gateway serving each model of ``providers`` from its own cluster, with the ``models`` block."""
+    retry = {**FAST_RETRY, **extra.pop("retry", {})}
+    config = {"routing": {"retry": retry, **extra.pop("routing", {})}, "models": models,
+              "access_log": {"path": "access.log"}, **extra}
+    gateway = gateway_factory({f"{model}-a": [handle.address] for model, handle in providers.items()},
+                              overlay(*providers), extra=config)
+    return gateway, os.path.join(gateway.directory, "access.log")
+
+
+def log_line(path: str, request_id: str, timeout: float = 5.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(path, "rb") as handle:
+                for raw in handle:
+                    if raw.startswith(b"{"):
+                        line = json.loads(raw)
+                        if line.get("request_id") == request_id:
+                            return line
+        except FileNotFoundError:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no access line for {request_id}")
+        time.sleep(0.02)
+
+
+def fallbacks_metric(gateway, source: str, target: str, reason: str) -> float:
+    return metric_value(gateway.admin_port,
+                        f'gridgate_fallbacks_total{{from="{source}",reason="{reason}",to="{target}"}}')
+
+
+FAILURES = {
+    "unavailable": {"fail_rate": 1.0, "fail_status": 503},
+    "rate_limited": {"fail_rate": 1.0, "fail_status": 429},
+    "first_byte_timeout": {"stall_rate": 1.0, "stall_ms": 5000},
+}
+
+
+@pytest.mark.parametrize("reason", sorted(FAILURES))
+def test_a_failing_first_model_is_served_by_the_next_one(reason, mock_provider, gateway_factory):
+    big, small = mock_provider("big", **FAILURES[reason]), mock_provider("small")
+    gateway, log = models_gateway(gateway_factory, {"big": big, "small": small},
+                                  {"fallbacks": {"big": {"chain": ["small"]}}},
+                                  retry={"first_byte_timeout": "300ms"})
+    response = chat(gateway.port, "big", headers=[("X-Request-Id", f"fb-{reason}")])
+    assert response.status == 200, response.body
+    assert response.headers["x-gridgate-model"] == "small"
+    assert response.headers["x-gridgate-fallback-hops"] == "1"
+    assert response.headers["x-gridgate-provider"] == "small-a"
+    assert response.headers["x-gridgate-attempts"] == "2"  # one attempt budget for the whole chain
+    assert response.json()["model"] == "small"  # the upstream body names the model that serves
+    assert mock_served(small) == 1
+    line = log_line(log, f"fb-{reason}")
+    assert (line["capability"], line["served_model"], line["fallback_hops"], line["fallback_reasons"]) == (
+        "big", "small", 1, [reason])
+    assert fallbacks_metric(gateway, "big", "small", reason) == 1
+
+
+def test_a_reason_the_chain_does_not_list_never_moves_the_request(mock_provider, gateway_factory):
+    big, small = mock_provider("big", fail_rate=1.0, fail_status=503), mock_provider("small")
+    gateway, _ = models_gateway(gateway_factory, {"big": big, "small": small},
+                                {"fallbacks": {"big": {"chain": ["small"], "on": ["rate_limited"]}}})
+    response = chat(gateway.port, "big")
+    assert response.status == 503
+    assert response.headers["x-gridgate-fallback-hops"] == "0"
+    assert mock_served(small) == 0
+
+
+@pytest.mark.parametrize("status", [400, 401, 403])
+def test_client_errors_never_fall_back(status, mock_provider, gateway_factory):
+    big, small = mock_provider("big", fail_rate=1.0, fail_status=status), mock_provider("small")
+    gateway, _ = models_gateway(gateway_factory, {"big": big, "small": small},
+                                {"fallbacks": {"big": {"chain": ["small"]}}})
+    response = chat(gateway.port, "big")
+    assert response.status == status
+    assert mock_served(small) == 0
+
+
+def test_a_too_long_prompt_is_served_by_the_long_context_model(mock_provider, gateway_factory):
+    small, big = mock_provider("small"), mock_provider("big")
+    gateway, log = models_gateway(
+        gateway_factory, {"small": small, "big": big}, {"fallbacks": {"small": {"chain": ["big"]}}},
+        routing={"models": [{"match": {"capability": "small"}, "context_window": 500},
+                            {"match": {"capability": "big"}, "context_window": 100000}]})
+    long_prompt = "word " * 2000
+    response = chat(gateway.port, "small", headers=[("X-Request-Id", "too-long")],
+                    messages=[{"role": "user", "content": long_prompt}])
+    assert response.status == 200, response.body
+    assert response.headers["x-gridgate-model"] == "big"
+    assert response.json()["model"] == "big"
+    assert (mock_served(small), mock_served(big)) == (0, 1)
+    assert log_line(log, "too-long")["fallback_reasons"] == ["context_length_exceeded"]
+    short = chat(gateway.port, "small")  # a prompt that fits stays on its model
+    assert short.headers["x-gridgate-model"] == "small"
+    assert short.headers["x-gridgate-fallback-hops"] == "0"
+
+
+def test_a_model_the_tenant_may_not_use_is_skipped_never_served(mock_provider, gateway_factory):
+    big = mock_provider("big", fail_rate=1.0, fail_status=503)
+    small, huge = mock_provider("small"), mock_provider("huge")
+    key_hash = "sha256:" + hashlib.sha256(KEY.encode()).hexdigest()
+    gateway, log = models_gateway(
+        gateway_factory, {"big": big, "small": small, "huge": huge},
+        {"fallbacks": {"big": {"chain": ["small", "huge"]}}},
+        auth={"keys": [{"tenant": "team-a", "key": key_hash}]},
+        tenants=[{"tenant": "team-a", "allowed_capabilities": ["big", "huge"]}])
+    response = chat(gateway.port, "big", headers=[*AUTH, ("X-Request-Id", "skip")])
+    assert response.status == 200, response.body
+    assert response.headers["x-gridgate-model"] == "huge"
+    assert (mock_served(small), mock_served(huge)) == (0, 1)
+    line = log_line(log, "skip")
+    assert (line["fallback_hops"], line["fallback_skipped"], line["served_model"]) == (1, 1, "huge")
+    assert metric_value(gateway.admin_port, 'gridgate_fallback_skipped_total{from="big",to="small"}') == 1
+    assert fallbacks_metric(gateway, "big", "huge", "unavailable") == 1
+    # Asking for the forbidden model itself is refused, as before.
+    assert chat(gateway.port, "small", headers=AUTH).status == 403
+
+
+def test_max_hops_bounds_the_walk(mock_provider, gateway_factory):
+    big = mock_provider("big", fail_rate=1.0, fail_status=503)
+    small = mock_provider("small", fail_rate=1.0, fail_status=503)
+    huge = mock_provider("huge")
+    gateway, _ = models_gateway(gateway_factory, {"big": big, "small": small, "huge": huge},
+                                {"fallbacks": {"big": {"chain": ["small", "huge"], "max_hops": 1}}},
+                                retry={"attempts": 5})
+    response = chat(gateway.port, "big")
+    assert response.status == 503
+    assert response.headers["x-gridgate-fallback-hops"] == "1"
+    assert mock_served(huge) == 0
+
+
+def stream(port: int, model: str) -> tuple[int, dict[str, str], bytes]:
+    client = Client(port)
+    try:
+        response = client.request("POST", "/v1/chat/completions", {
+            "model": model, "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+        return response.status, response.headers, response.body
+    finally:
+        client.close()
+
+
+def test_a_stream_falls_back_before_its_first_byte_like_a_non_stream(mock_provider, gateway_factory):
+    big, small = mock_provider("big", fail_rate=1.0, fail_status=429), mock_provider("small")
+    gateway, _ = models_gateway(gateway_factory, {"big": big, "small": small},
+                                {"fallbacks": {"big": {"chain": ["small"]}}})
+    status, headers, body = stream(gateway.port, "big")
+    assert status == 200
+    assert headers["x-gridgate-model"] == "small"
+    assert headers["content-type"].startswith("text/event-stream")
+    assert b'"model": "small"' in body or b'"model":"small"' in body
+    assert body.rstrip().endswith(b"data: [DONE]")
+
+
+def test_a_stream_cut_after_its_first_byte_is_not_retried(mock_provider, gateway_factory):
+    big, small = mock_provider("big", mid_reset_rate=1.0), mock_provider("small")
+    gateway, log = models_gateway(gateway_factory, {"big": big, "small": small},
+                                  {"fallbacks": {"big": {"chain": ["small"]}}})
+    client = Client(gateway.port)
+    try:
+        client.send("POST", "/v1/chat/completions", {"model": "big", "stream": True,
+                    "messages": [{"role": "user", "content": "hi"}]}, [("X-Request-Id", "cut")])
+        response = client.receive()
+    finally:
+        client.close()
+    assert response.status == 200
+    assert response.headers["x-gridgate-model"] == "big"
+    assert b"upstream_reset" in response.body  # the stream ends with an error event, never silently
+    assert mock_served(small) == 0
+    assert log_line(log, "cut")["fallback_hops"] == 0 if "fallback_hops" in log_line(log, "cut") else True
+
+
+def test_the_whole_chain_shares_one_deadline(mock_provider, gateway_factory):
+    """Both models stall; each attempt's first-byte timeout (1.4 s) alone would let the chain run 2.8 s:
+    the one deadline (2 s) ends it at 2 s."""
+    big = mock_provider("big", stall_rate=1.0, stall_ms=10000)
+    small = mock_provider("small", stall_rate=1.0, stall_ms=10000)
+    gateway, log = models_gateway(gateway_factory, {"big": big, "small": small},
+                                  {"fallbacks": {"big": {"chain": ["small"]}}},
+                                  retry={"deadline": "2s", "first_byte_timeout": "1400ms"})
+    started = time.monotonic()
+    response = chat(gateway.port, "big", headers=[("X-Request-Id", "deadline")])
+    elapsed = time.monotonic() - started
+    print(f"chain of two stalled models, deadline 2s, first_byte_timeout 1.4s: answered in {elapsed:.3f}s")
+    assert response.status == 504
+    assert response.headers["x-gridgate-model"] == "small"  # it did move: the deadline ended the second try
+    assert 1.9 <= elapsed < 2.5
+    assert log_line(log, "deadline")["fallback_reasons"] == ["first_byte_timeout"]
+
+
+def test_aliases_resolve_and_list(mock_provider, gateway_factory):
+    small, big = mock_provider("small"), mock_provider("big")
+    gateway, log = models_gateway(gateway_factory, {"small": small, "big": big},
+                                  {"aliases": {"fast": "small", "secret": {"target": "big", "hidden": True}}})
+    response = chat(gateway.port, "fast", headers=[("X-Request-Id", "alias")])
+    assert response.status == 200, response.body
+    assert response.headers["x-gridgate-model"] == "small"
+    assert response.json()["model"] == "small"  # the upstream body names the target
+    line = log_line(log, "alias")
+    assert (line["capability"], line["requested_model"], line["served_model"]) == ("small", "fast", "small")
+    status, _, body = request("127.0.0.1", gateway.port, "GET", "/v1/models")
+    listed = {entry["id"] for entry in json.loads(body)["data"]}
+    assert status == 200 and listed == {"small", "big", "fast"}  # "secret" is hidden
+    for name in ("fast", "secret"):
+        status, _, body = request("127.0.0.1", gateway.port, "GET", f"/v1/models/{name}")
+        assert status == 200 and json.loads(body)["id"] == name
+    assert request("127.0.0.1", gateway.port, "GET", "/v1/models/nope")[0] == 404
+    plain = chat(gateway.port, "big")  # no alias, no chain: no model headers
+    assert plain.status == 200 and "x-gridgate-model" not in plain.headers
+
+
+def test_an_alias_with_a_chain_walks_it(mock_provider, gateway_factory):
+    big, small = mock_provider("big", fail_rate=1.0, fail_status=503), mock_provider("small")
+    gateway, _ = models_gateway(gateway_factory, {"big": big, "small": small},
+                                {"aliases": {"default": "big"}, "fallbacks": {"default": {"chain": ["small"]}}})
+    response = chat(gateway.port, "default")
+    assert response.status == 200
+    assert response.headers["x-gridgate-model"] == "small"
+    assert fallbacks_metric(gateway, "big", "small", "unavailable") == 1
