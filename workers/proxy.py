@@ -67,7 +67,7 @@ class Proxy:
         self.outcomes = outcomes
         self.forwarder = Forwarder(settings=settings, overlay=overlay, router=router, clusters=clusters,
                                    outcomes=outcomes)
-        self.models = settings.models
+        self.model_routes = settings.models
         self.chain = ModelChain(self)
 
     async def handle(self, exchange: Exchange) -> None:
@@ -86,7 +86,7 @@ class Proxy:
             capability = self.capability(exchange, admitted.headers, admitted.route)
             if type(capability) is ErrorReply:
                 return self.outcomes.refuse(record, capability)
-            models = self.models
+            models = self.model_routes
             if models:  # an alias resolves before policy, quota rules and prices (docs/models.md)
                 chosen = models.get(capability.name)
                 if chosen is not None and capability.kind == INFERENCE_MODEL:
