@@ -61,7 +61,7 @@ class ModelChain:
             reason: str | None
             if type(route) is RouteDecision:
                 self._retarget(record, model, admitted)
-                reply = await self.forwarder.forward(record, route, failover, hops_left > 0)
+                reply = await self.forwarder.forward(record, route, failover, hops_left > 0, entry.refusals)
                 if reply is None or record.exchange.client_gone:
                     return reply
                 reason = failure_reason([provider_reason(r, self.first_byte_timeout) for r in failover.replies],

@@ -14,6 +14,7 @@ import msgspec
 
 from gateway.config_models import Models
 from gateway.metrics.catalogue import fallback_edge_name
+from gateway.models.fallbacks import refusals_to_hold
 
 
 class ModelRoute(NamedTuple):
@@ -27,6 +28,7 @@ class ModelRoute(NamedTuple):
     chain: tuple[str, ...] = ()
     on: frozenset[str] = frozenset()
     hops: int = 0
+    refusals: frozenset[str] | None = None  # provider 400 codes that move it on (``refusals_to_hold``)
 
 
 def model_routes(models: Models) -> dict[str, ModelRoute]:
@@ -41,7 +43,8 @@ def model_routes(models: Models) -> dict[str, ModelRoute]:
             routes[name] = ModelRoute(name, target, name != target)
             continue
         chain = tuple(models.target(entry) for entry in fallback.chain)
-        routes[name] = ModelRoute(name, target, name != target, chain, frozenset(fallback.on), fallback.hops)
+        on = frozenset(fallback.on)
+        routes[name] = ModelRoute(name, target, name != target, chain, on, fallback.hops, refusals_to_hold(on))
     return routes
 
 

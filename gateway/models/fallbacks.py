@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import msgspec
+
+from gateway.config_models import IMMEDIATE_REASONS
 from gateway.http.errors import ErrorReply
 
 # A provider failure's error code (workers/forwarding.py, gateway/request/attempts.py) -> its reason.
@@ -21,7 +24,11 @@ _CODE_REASONS = {
     "bad_upstream_response": "unavailable",
     "upstream_busy": "unavailable",
     "upstream_timeout": "timeout",
+    # A provider's 400 whose error code says so (held by the relay: workers/relay.py).
+    "context_length_exceeded": "context_length_exceeded",
+    "content_filter": "content_filter",
 }
+MAX_REFUSAL_BYTES = 65536  # of a 400's body read for its error code
 # The detail of a timeout that came from the per-attempt head deadline (workers/upstream.py).
 _HEAD_DEADLINE = "no response before the deadline"
 # Refusals of a model made before any provider was tried, and the reason each one is.
@@ -64,3 +71,26 @@ def key_allows_model(key_identity: object, model: str) -> bool:
     use ``model``. Until managed keys land every key may use every model its tenant may; the key work
     replaces this body (the chain walk calls it for every hop, before the hop is tried)."""
     return True
+
+
+def refusals_to_hold(on: frozenset[str]) -> frozenset[str] | None:
+    """The provider error codes a chain moving ``on`` these reasons reads a 400 for (None: none)."""
+    codes = on.intersection(IMMEDIATE_REASONS)
+    return frozenset(codes) if codes else None
+
+
+def refusal_code(body: bytes, codes: frozenset[str]) -> str | None:
+    """The error code of a provider's 400 body when it is one of ``codes``: the OpenAI shape's
+    ``error.code`` (``{"error": {"code": "context_length_exceeded", ...}}``), or its ``error.type``."""
+    try:
+        document = msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    error = document.get("error") if isinstance(document, dict) else None
+    if not isinstance(error, dict):
+        return None
+    for key in ("code", "type"):
+        value = error.get(key)
+        if isinstance(value, str) and value in codes:
+            return value
+    return None

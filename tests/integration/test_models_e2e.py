@@ -103,7 +103,37 @@ def test_client_errors_never_fall_back(status, mock_provider, gateway_factory):
                                 {"fallbacks": {"big": {"chain": ["small"]}}})
     response = chat(gateway.port, "big")
     assert response.status == status
+    assert f"injected_{status}".encode() in response.body  # the provider's own answer, as it came
     assert mock_served(small) == 0
+
+
+@pytest.mark.parametrize("code", ["context_length_exceeded", "content_filter"])
+def test_a_provider_refusal_with_a_listed_code_moves_on_at_once(code, mock_provider, gateway_factory):
+    small = mock_provider("small", fail_rate=1.0, fail_status=400, fail_code=code)
+    small_b = mock_provider("small-b")  # another provider of the same model: never tried for such a refusal
+    big = mock_provider("big")
+    overlay_doc = envelope([candidate("small", "small-a"), candidate("small", "small-b", group=1),
+                            candidate("big", "big-a")], mode="deterministic")
+    gateway = gateway_factory({"small-a": [small.address], "small-b": [small_b.address], "big-a": [big.address]},
+                              overlay_doc, extra={"routing": {"retry": FAST_RETRY},
+                                                  "models": {"fallbacks": {"small": {"chain": ["big"]}}},
+                                                  "access_log": {"path": "access.log"}})
+    response = chat(gateway.port, "small", headers=[("X-Request-Id", code)])
+    assert response.status == 200, response.body
+    assert response.headers["x-gridgate-model"] == "big"
+    assert (mock_served(small_b), mock_served(big)) == (0, 1)
+    assert log_line(os.path.join(gateway.directory, "access.log"), code)["fallback_reasons"] == [code]
+
+
+def test_a_provider_refusal_the_chain_does_not_list_is_relayed(mock_provider, gateway_factory):
+    small = mock_provider("small", fail_rate=1.0, fail_status=400, fail_code="content_filter")
+    big = mock_provider("big")
+    gateway, _ = models_gateway(gateway_factory, {"small": small, "big": big},
+                                {"fallbacks": {"small": {"chain": ["big"], "on": ["context_length_exceeded"]}}})
+    response = chat(gateway.port, "small")
+    assert response.status == 400
+    assert response.json()["error"]["code"] == "content_filter"
+    assert mock_served(big) == 0
 
 
 def test_a_too_long_prompt_is_served_by_the_long_context_model(mock_provider, gateway_factory):

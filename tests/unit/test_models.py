@@ -90,8 +90,8 @@ models:
     assert set(routes) == {"fast", "default", "big"}  # "small" pays one dict miss, nothing else
     assert routes["fast"].target == "small" and routes["fast"].alias and routes["fast"].hops == 0
     # An alias without its own chain walks its target's; chain entries are resolved to their targets.
-    assert routes["default"][1:] == ("big", True, ("small",), frozenset({"rate_limited"}), 1)
-    assert routes["big"][1:] == ("big", False, ("small",), frozenset({"rate_limited"}), 1)
+    assert routes["default"][1:] == ("big", True, ("small",), frozenset({"rate_limited"}), 1, None)
+    assert routes["big"][1:] == ("big", False, ("small",), frozenset({"rate_limited"}), 1, None)
     assert visible_aliases(config.models) == (("fast", "small"),)
     assert fallback_edges(config.models) == ["big\x00small"]
 
