@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import Client, candidate, chat, envelope, metric_value, mock_served, request
+from tests.harness import Client, candidate, chat, envelope, metric_value, mock_served, request, wait_until
 
 FAST_RETRY = {"attempts": 3, "deadline": "10s", "backoff": {"base": "1ms", "max": "5ms"}}
 KEY = "sk-models-e2e"
@@ -278,3 +278,31 @@ def test_an_alias_with_a_chain_walks_it(mock_provider, gateway_factory):
     assert response.status == 200
     assert response.headers["x-gridgate-model"] == "small"
     assert fallbacks_metric(gateway, "big", "small", "unavailable") == 1
+
+
+def test_a_chain_is_admitted_once_and_charged_what_its_attempts_cost(valkey_url, mock_provider, gateway_factory):
+    """One admission for the whole chain; the first model's 429 costs nothing (a 4xx), the serving model
+    its usage; the reservation settles once, for both attempts."""
+    from gateway.auth import hash_api_key
+
+    big, small = mock_provider("big", fail_rate=1.0, fail_status=429), mock_provider("small", tokens=5)
+    quota = {"backend": {"kind": "valkey", "url": valkey_url}, "reservation_timeout": "2s",
+             "rules": [{"name": "models-chain", "budgets": [{"window": "1h", "tokens": 100000}],
+                        "estimate": {"default_max_tokens": 10}}]}
+    gateway, _ = models_gateway(gateway_factory, {"big": big, "small": small},
+                                {"fallbacks": {"big": {"chain": ["small"]}}},
+                                auth={"keys": [{"tenant": "t-chain", "key": hash_api_key("sk-chain")}]}, quota=quota)
+    response = chat(gateway.port, "big", headers=[("Authorization", "Bearer sk-chain")])
+    assert response.status == 200 and response.headers["x-gridgate-model"] == "small"
+    admitted = 'gridgate_quota_decisions_total{reason="admitted"}'  # published on the worker's heartbeat
+    wait_until(lambda: metric_value(gateway.admin_port, admitted) >= 1, "the admission counted")
+    usage = response.json()["usage"]["total_tokens"]
+    deadline = time.monotonic() + 5
+    while True:  # settled off the response path: the 429 cost nothing, the serving model its usage
+        report = json.loads(request("127.0.0.1", gateway.admin_port, "GET", "/admin/quota?tenant=t-chain")[2])
+        window = report["rules"][0]["windows"][0]
+        if window["reserved"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert (window["reserved"], window["used"]) == (0, usage)
+    assert metric_value(gateway.admin_port, admitted) == 1
