@@ -46,6 +46,7 @@ class ModelChain:
         self.first_byte_timeout = proxy.settings.first_byte_timeout is not None
         self.model_header = proxy.settings.model_header
         self.rng = random.Random()
+        self.kind = "inference_model"  # only models have aliases and chains (workers/proxy.py)
 
     async def walk(self, record: RequestRecord, capability: CapabilityRequest, admitted: Admitted,
                    policy: Policy, route: RouteDecision | ErrorReply, pinned: bool) -> ErrorReply | None:
@@ -57,6 +58,7 @@ class ModelChain:
         hops_left = 0 if pinned else entry.hops  # a pinned route never moves (docs/routing.md)
         following = iter(entry.chain)
         model = capability.name
+        reply: ErrorReply | None = None
         while True:
             reason: str | None
             if type(route) is RouteDecision:
@@ -67,10 +69,13 @@ class ModelChain:
                 reason = failure_reason([provider_reason(r, self.first_byte_timeout) for r in failover.replies],
                                         entry.on)
             else:
-                reply = route  # type: ignore[assignment]
-                reason = refusal_reason(reply, entry.on)
-                if reason is None and record.fallback_hops and reply.code == "model_not_found":
-                    reason = record.fallback_reasons[-1]  # type: ignore[index] - the overlay lacks this hop
+                reason = refusal_reason(route, entry.on)  # type: ignore[arg-type]
+                if reason is None and reply is not None and route.code == "model_not_found":  # type: ignore[union-attr]
+                    # The overlay stopped serving this model since it was chosen: on to the next one,
+                    # with the last model's answer kept for the client.
+                    reason = record.fallback_reasons[-1]  # type: ignore[index]
+                else:
+                    reply = route  # type: ignore[assignment]
             if reason is None or hops_left == 0 or not failover.may_try_another(_monotonic()):
                 return reply
             next_model = self._next_allowed(record, model, following, policy, admitted)
@@ -88,9 +93,12 @@ class ModelChain:
 
     def _next_allowed(self, record: RequestRecord, model: str, following: object, policy: Policy,
                       admitted: Admitted) -> str | None:
-        """The next model of the chain the tenant and the key may use; the others are skipped (counted)."""
+        """The next model of the chain the overlay serves and the tenant and the key may use; the others
+        are skipped (counted), never tried."""
+        served = self.proxy.overlay.snapshot.capabilities
         for candidate in following:  # type: ignore[attr-defined]
-            if policy.allows(candidate) and key_allows_model(admitted, candidate):
+            if ((self.kind, candidate) in served and policy.allows(candidate)
+                    and key_allows_model(admitted, candidate)):
                 return candidate
             record.fallback_skipped += 1
             self.metrics.fallback_skipped(model, candidate)

@@ -306,3 +306,14 @@ def test_a_chain_is_admitted_once_and_charged_what_its_attempts_cost(valkey_url,
         time.sleep(0.05)
     assert (window["reserved"], window["used"]) == (0, usage)
     assert metric_value(gateway.admin_port, admitted) == 1
+
+
+def test_a_chain_model_the_overlay_does_not_serve_is_skipped(mock_provider, gateway_factory):
+    big, small = mock_provider("big", fail_rate=1.0, fail_status=503), mock_provider("small")
+    gateway, log = models_gateway(gateway_factory, {"big": big, "small": small},
+                                  {"fallbacks": {"big": {"chain": ["ghost", "small"], "max_hops": 1}}})
+    response = chat(gateway.port, "big", headers=[("X-Request-Id", "ghost")])
+    assert response.status == 200, response.body
+    assert response.headers["x-gridgate-model"] == "small"
+    line = log_line(log, "ghost")
+    assert (line["fallback_hops"], line["fallback_skipped"]) == (1, 1)
