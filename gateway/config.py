@@ -13,6 +13,7 @@ from typing import ClassVar, Literal
 
 from gateway.auth import is_key_digest
 from gateway.config_cors import Cors  # noqa: F401 - re-exported: importers use gateway.config
+from gateway.config_models import Alias, Fallback, Models, restore_on_keys  # noqa: F401 - re-exported: importers use gateway.config
 from gateway.config_pricing import PriceOverride, Pricing  # noqa: F401 - re-exported: importers use gateway.config
 from gateway.config_routing import (  # noqa: F401 - the routing schema, re-exported: importers use gateway.config
     Backoff,
@@ -398,6 +399,7 @@ class Config(_Strict):
     quota: Quota | None = None
     pricing: Pricing = Pricing()  # prices of models, for spend (docs/pricing.md)
     cors: Cors | None = None  # browser clients (docs/cors.md); off when absent
+    models: Models = Models()  # aliases and fallback chains across models (docs/models.md)
     # Where the config file lives; relative paths (overlay_file) resolve against it.
     base_dir: str = "."
 
@@ -474,7 +476,7 @@ def _tenant_checks(config: Config) -> list[str]:
 
 def parse_config(text: str, base_dir: str = ".", source: str | None = None) -> Config:
     """Parse YAML text into a validated Config; raise ConfigError naming each bad field."""
-    config = convert_yaml(text, Config, {"base_dir": base_dir}, source)
+    config = convert_yaml(text, Config, {"base_dir": base_dir}, source, restore_on_keys)
     problems = _cross_checks(config)
     if problems:
         raise ConfigError(problems)

@@ -107,6 +107,7 @@ class MockSettings:
     embedding_dim: int = 8
     fail_rate: float = 0.0
     fail_status: int = 503
+    fail_code: str | None = None  # the error code of injected failures (None: injected_<status>)
     fail_next: int = 0  # the next N inference requests fail (counts down), whatever fail_rate says
     retry_after: str | None = None  # Retry-After of injected errors (None: "1" on 429/503)
     reset_rate: float = 0.0
@@ -492,7 +493,8 @@ class Completion:
             yield from self._json_steps(first_delay)
 
     def _error_bytes(self) -> bytes:
-        message, code = f"injected failure by {self.state.settings.name}", f"injected_{self.status}"
+        message = f"injected failure by {self.state.settings.name}"
+        code = self.state.settings.fail_code or f"injected_{self.status}"
         if self.shape is not None:
             payload = self.shape.error_payload(self.status, message, "mock_injected_error", code)
         else:
@@ -1078,6 +1080,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--embedding-dim", type=int, default=8)
     p.add_argument("--fail-rate", type=float, default=0.0, help="share of inference requests answered --fail-status")
     p.add_argument("--fail-status", type=int, default=503)
+    p.add_argument("--fail-code", default=None,
+                   help="error code of injected failures, e.g. context_length_exceeded (default: injected_<status>)")
     p.add_argument("--retry-after", default=None,
                    help="Retry-After of injected errors: seconds, an HTTP date, date+N or none (default: 1 on 429/503)")
     p.add_argument("--reset-rate", type=float, default=0.0, help="share reset before any response byte")
@@ -1099,6 +1103,7 @@ def settings_from_args(args: argparse.Namespace) -> MockSettings:
         name=args.name, latency_ms=args.latency_ms, ttft_ms=args.ttft_ms, tokens_per_s=args.tokens_per_s,
         tokens=args.tokens, models=[m for m in args.models.split(",") if m] or ["mock-model"],
         embedding_dim=args.embedding_dim, fail_rate=args.fail_rate, fail_status=args.fail_status,
+        fail_code=args.fail_code,
         retry_after=args.retry_after,
         reset_rate=args.reset_rate, mid_reset_rate=args.mid_reset_rate, stall_rate=args.stall_rate,
         stall_ms=args.stall_ms, kv_capacity_tokens=args.kv_capacity_tokens,

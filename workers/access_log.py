@@ -63,6 +63,13 @@ class AccessLine(msgspec.Struct, omit_defaults=True, gc=False):
     error: str | None
     filtered: int = 0
     filtered_reasons: list[str] | None = None
+    # An alias or a fallback chain (docs/models.md): the name asked for (when an alias), the model that
+    # served (or was tried last), the moves along the chain and why, and chain models skipped.
+    requested_model: str | None = None
+    served_model: str | None = None
+    fallback_hops: int = 0
+    fallback_reasons: list[str] | None = None
+    fallback_skipped: int = 0
 
 
 _NO_ROUTE = (None, None, None, None, None, None)
@@ -179,6 +186,10 @@ class AccessLog:
                 None if t_start is None else int((ended - t_start) * 1e6 + 0.5) / 1000,
                 entry.error, filtered, reason_names(entry.filtered_reasons) if filtered else None,
             )
+            if entry.model_route is not None:
+                line.requested_model, line.served_model = entry.requested_model, entry.served
+                line.fallback_hops, line.fallback_reasons = entry.fallback_hops, entry.fallback_reasons
+                line.fallback_skipped = entry.fallback_skipped
             encode_into(line, buffer, -1)
             buffer.append(10)  # "\n"
         writer.trim(start)

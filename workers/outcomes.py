@@ -34,6 +34,16 @@ def attempts_header(count: int) -> tuple[bytes, bytes]:
     return _ATTEMPTS[count] if count < len(_ATTEMPTS) else (b"x-gridgate-attempts", b"%d" % count)
 
 
+def served_model_headers(record: RequestRecord) -> list[tuple[bytes, bytes]]:
+    """A request whose model is an alias or has a fallback chain says which model served it and how many
+    models it moved along its chain (docs/models.md)."""
+    model = record.served
+    headers = [] if model is None else [(b"x-gridgate-model", header_value(model))]
+    if record.model_route is not None and record.model_route.hops:
+        headers.append((b"x-gridgate-fallback-hops", b"%d" % record.fallback_hops))
+    return headers
+
+
 class Outcomes:
     """One per worker: the end of every request the proxy handled, and the answers it makes itself."""
 
@@ -124,6 +134,8 @@ class Outcomes:
         if self.route_headers and provider is not None:
             extra.append((b"x-gridgate-provider", header_value(provider)))
             extra.append(attempts_header(record.attempts))
+        if record.model_route is not None:
+            extra += served_model_headers(record)
         record.exchange.send_error(reply, extra)
 
     def rejected(self, reply: ErrorReply) -> None:

@@ -35,6 +35,7 @@ from workers.clusters import ClusterManager
 from workers.exchange import Exchange
 from workers.forwarding import Forwarder
 from workers.head_gate import Admitted
+from workers.model_chain import ModelChain
 from workers.outcomes import Outcomes
 from workers.overlay_follower import OverlayFollower
 from workers.providers import ProviderStates
@@ -45,6 +46,7 @@ _monotonic = time.monotonic
 _FORM_URLENCODED = b"application/x-www-form-urlencoded"
 _JSON_HEADER = (b"content-type", b"application/json")
 _BODYLESS_METHODS = (b"GET", b"HEAD", b"DELETE", b"OPTIONS")
+INFERENCE_MODEL = "inference_model"
 
 
 class Proxy:
@@ -65,6 +67,8 @@ class Proxy:
         self.outcomes = outcomes
         self.forwarder = Forwarder(settings=settings, overlay=overlay, router=router, clusters=clusters,
                                    outcomes=outcomes)
+        self.model_routes = settings.models
+        self.chain = ModelChain(self)
 
     async def handle(self, exchange: Exchange) -> None:
         """One request, from its admitted head to its end. Its record closes exactly once: as its answer
@@ -82,6 +86,12 @@ class Proxy:
             capability = self.capability(exchange, admitted.headers, admitted.route)
             if type(capability) is ErrorReply:
                 return self.outcomes.refuse(record, capability)
+            models = self.model_routes
+            if models:  # an alias resolves before policy, quota rules and prices (docs/models.md)
+                chosen = models.get(capability.name)
+                if chosen is not None and capability.kind == INFERENCE_MODEL:
+                    record.model_route = chosen
+                    capability = CapabilityRequest(INFERENCE_MODEL, chosen.target, capability.body)
             record.capability = capability.name
             record.batch = policy.batch
             pinned = self.permit(capability, admitted, policy)
@@ -101,7 +111,13 @@ class Proxy:
                         return self.outcomes.refuse(record, refusal(admission))
                     record.admission = admission
             route = pinned or self.decide(record, capability, admitted, policy)
-            if type(route) is RouteDecision:
+            if record.model_route is not None:  # an alias, or a fallback chain
+                record.body, record.metering = upstream_body(capability, exchange.body, record.admission,
+                                                             surface.rewrites_stream)
+                record.forward = forwarded_headers(exchange, admitted.headers, record.request_id, record.body)
+                record.balance_keys = admitted.headers.balance_keys
+                route = await self.chain.walk(record, capability, admitted, policy, route, pinned is not None)
+            elif type(route) is RouteDecision:
                 record.body, record.metering = upstream_body(capability, exchange.body, record.admission,
                                                              surface.rewrites_stream)
                 record.forward = forwarded_headers(exchange, admitted.headers, record.request_id, record.body)

@@ -22,6 +22,7 @@ import time
 
 from gateway.http.errors import sse_error_event_in
 from gateway.http.media import is_event_stream
+from gateway.models.fallbacks import MAX_REFUSAL_BYTES, refusal_code
 from gateway.quota.usage import UsageObserver, usage_observer
 from gateway.quota.usage_surfaces import AnswerUsage, observer_for
 from gateway.request.attempts import AttemptResult
@@ -62,11 +63,12 @@ class ResponseRelay:
         "exchange", "conn", "done", "failure", "detail", "client_left", "status", "extra_headers",
         "response_started", "is_sse", "metering", "usage", "length_framed", "hold_retryable", "held_status",
         "retry_after", "provider_wide", "sent_at", "first_byte_at", "ended_at", "events", "answer_usage", "_result",
+        "hold_refusals", "held_head", "held_body", "refusal",
     )
 
     def __init__(
         self, exchange: Exchange, conn: UpstreamConnection, extra_headers: list[tuple[bytes, bytes]],
-        metering: bool | None, hold_retryable: bool = False,
+        metering: bool | None, hold_retryable: bool = False, hold_refusals: frozenset[str] | None = None,
     ) -> None:
         self.exchange = exchange
         self.conn = conn
@@ -94,6 +96,13 @@ class ResponseRelay:
         # The Responses or Messages API's usage observer (None on the chat path): it also sees error events.
         self.answer_usage: AnswerUsage | None = None
         self._result: AttemptResult | None = None
+        # A fallback chain that moves on a provider's refusal (docs/models.md): a 400 is held and its body
+        # read (bounded) for its error code; one of these codes ends the attempt as held (``refusal``),
+        # any other 400 is relayed as it came.
+        self.hold_refusals = hold_refusals
+        self.held_head: list[tuple[bytes, bytes]] | None = None
+        self.held_body: bytearray | None = None
+        self.refusal: str | None = None
 
     def result(self) -> AttemptResult:
         """What the attempt came to, built once: when it is over, or when its response ends the exchange
@@ -107,7 +116,7 @@ class ResponseRelay:
                 self.status, self.response_started, self.held_status != 0, self.failure, self.detail,
                 self.client_left, self.retry_after, self.usage, self.events,
                 self.first_byte_at - sent if self.first_byte_at else 0.0, ended - sent, self.provider_wide,
-                None if answer_usage is None else answer_usage.stream_error,
+                None if answer_usage is None else answer_usage.stream_error, self.refusal,
             )
         return result
 
@@ -126,6 +135,10 @@ class ResponseRelay:
                 self.conn.resume()  # its body is read and discarded, whatever the client's pace
                 self._finish()
                 return
+        elif status == 400 and self.hold_refusals:
+            self.held_status, self.held_head, self.held_body = 400, headers, bytearray()
+            self.conn.resume()  # read for its code, whatever the client's pace
+            return
         out = []
         metered = self.metering is not None
         admitted = self.exchange.admitted
@@ -175,6 +188,11 @@ class ResponseRelay:
 
     def upstream_data(self, data: bytes) -> None:
         if self.held_status:
+            body = self.held_body
+            if body is not None:  # a 400 read for its code; past the bound it is relayed as it came
+                body += data
+                if len(body) > MAX_REFUSAL_BYTES:
+                    self._release()
             return  # the body of a held answer is discarded
         usage = self.usage
         if usage is not None:
@@ -189,7 +207,15 @@ class ResponseRelay:
 
     def upstream_end(self) -> None:
         if self.held_status:
-            return
+            if self.held_body is None:
+                return
+            code = refusal_code(bytes(self.held_body), self.hold_refusals)  # type: ignore[arg-type]
+            if code is not None:
+                self.refusal = code
+                self.ended_at = _monotonic()
+                self._finish()
+                return
+            self._release()
         usage = self.usage
         if usage is not None:
             held = usage.flush()
@@ -203,7 +229,9 @@ class ResponseRelay:
 
     def upstream_failed(self, failure: Failure, detail: str) -> None:
         if self.held_status:
-            return  # the held answer counts; its body was being discarded
+            if self.held_body is None:
+                return  # the held answer counts; its body was being discarded
+            self._release()  # a 400 cut while read for its code: relayed as far as it came, then cut
         self.failure, self.detail = failure, detail
         self.ended_at = _monotonic()
         if self.response_started:
@@ -218,6 +246,15 @@ class ResponseRelay:
             else:
                 exchange.abort()
         self._finish()
+
+    def _release(self) -> None:
+        """A held 400 is not a refusal the chain moves on: relay it as it came (head, then the body so far)."""
+        head, body, first_byte_at = self.held_head, self.held_body, self.first_byte_at
+        self.held_status, self.held_head, self.held_body, self.hold_refusals = 0, None, None, None
+        self.upstream_head(400, head or [])
+        self.first_byte_at = first_byte_at
+        if body:
+            self.upstream_data(bytes(body))
 
     # -- from the client connection -------------------------------------------------------------
     def client_lost(self) -> None:

@@ -16,6 +16,7 @@ from gateway.config import Config
 from gateway.host_segment import MAX_PROVIDERS, PROVIDERS_REGION
 from gateway.metrics.catalogue import COUNTERS
 from gateway.metrics.writer import WorkerMetrics
+from gateway.models.aliases import fallback_edges
 from gateway.process_protocol import WorkerContext
 from gateway.quota.backend import create_client
 from gateway.quota.counters import configured_tenants
@@ -150,7 +151,8 @@ def _metrics_writer(ctx: WorkerContext, segment: Segment, row: WorkerRow) -> Wor
     clusters = ctx.metric_clusters or [cluster.name for cluster in config.clusters]
     tenants = ctx.metric_tenants or configured_tenants(config)
     table = MetricsTable(segment.region(ctx.metrics_region), segment.max_workers, COUNTERS)
-    return WorkerMetrics(table.row(row.index), clusters, tenants)
+    fallbacks = ctx.metric_fallbacks or fallback_edges(config.models)
+    return WorkerMetrics(table.row(row.index), clusters, tenants, fallbacks)
 
 
 def _affinity_table(ctx: WorkerContext, segment: Segment) -> AffinityTable | None:

@@ -53,6 +53,7 @@ BASE_CONFIG: dict[str, Any] = {
     "pricing": {"overrides": {"private-*": {"input": 1, "output": 2, "cached_input": 0.5, "cache_write": "1",
                                             "reasoning": 2}}},
     "cors": {"allowed_origins": ["https://app.example.com"]},
+    "models": {"fallbacks": {"m": {"chain": ["n"], "max_hops": 1}}},
 }
 
 BASE_SPEC: dict[str, Any] = {
