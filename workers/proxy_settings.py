@@ -22,6 +22,8 @@ class ProxySettings:
     # stable_hash picker: the request facts of its key ("tenant", "session", "request_id", or
     # ("header", lowercase name)); empty for other pickers.
     stable_hash_key: tuple[str | tuple[str, bytes], ...]
+    # Fraction of routed requests whose route evidence is computed for the access line (0 without one).
+    evidence_sample: float = 0.0
 
     @classmethod
     def from_config(cls, config: Config) -> ProxySettings:
@@ -43,6 +45,7 @@ class ProxySettings:
             first_byte_timeout=None if retry.first_byte_timeout is None else float(retry.first_byte_timeout),
             filters=bool(routing.models) or any(t.allowed_regions is not None for t in config.tenants),
             stable_hash_key=key,
+            evidence_sample=config.access_log.evidence_sample if config.access_log.enabled else 0.0,
         )
 
     def stable_hash_headers(self) -> list[str]:
