@@ -24,6 +24,8 @@ from workers.span_export import SpanExporter
 
 if TYPE_CHECKING:
     from gateway.request.attempts import AttemptResult
+    from gateway.routing import RouteDecision
+    from gateway.routing.evidence import RouteEvidence
     from workers.request_record import RequestRecord
 
 _time_ns = time.time_ns
@@ -70,25 +72,28 @@ class Tracer:
             trace_id, parent_id = trace_id_hex(self._bits(128) or 1), ""
         state = None if headers is None else headers.get(TRACESTATE)
         start_ns = _time_ns() - int((_perf() - t_start) * 1e9)  # the request's first byte, in epoch time
-        span = Span(trace_id, self._span_id(), parent_id, surface, SPAN_KIND_SERVER, start_ns)
-        return RequestTrace(self, span, OPERATIONS.get(surface, surface),
-                            None if state is None else state.decode("latin-1"))
+        span = Span(trace_id, self._span_id(), parent_id, surface, SPAN_KIND_SERVER, start_ns,
+                    trace_state="" if state is None else state.decode("latin-1"))
+        return RequestTrace(self, span, OPERATIONS.get(surface, surface))
 
     def _span_id(self) -> str:
         return span_id_hex(self._bits(64) or 1)
 
 
 class RequestTrace:
-    """A traced request's spans: its own, the attempt in progress, the attempts done."""
+    """A traced request's spans: its own, the attempt in progress, the attempts done.
 
-    __slots__ = ("tracer", "span", "operation", "tracestate", "attempt", "done")
+    The request path records ids, clock readings and the values the attributes come from (immutable, or
+    copied); the attribute lists themselves are made on the exporter's thread (``Span.deferred``)."""
 
-    def __init__(self, tracer: Tracer, span: Span, operation: str, tracestate: str | None) -> None:
+    __slots__ = ("tracer", "span", "operation", "attempt", "attempt_of", "done")
+
+    def __init__(self, tracer: Tracer, span: Span, operation: str) -> None:
         self.tracer = tracer
         self.span = span
         self.operation = operation
-        self.tracestate = tracestate
         self.attempt: Span | None = None
+        self.attempt_of: tuple[str, str, str, int] = ("", "", "", 0)  # model, cluster, endpoint, attempt number
         self.done: list[Span] = []
 
     @property
@@ -102,20 +107,13 @@ class RequestTrace:
         if self.attempt is not None:  # an attempt that ended without a word (defensive): close it
             self.attempt_ended(None)
         route = record.route
-        cluster = "" if route is None else route.cluster
         model = record.capability or ""
-        host, _, port = endpoint.address.rpartition(":")
-        span = self.attempt = Span(self.span.trace_id, self.tracer._span_id(), self.span.span_id,
-                                   f"{self.operation} {model}", SPAN_KIND_CLIENT, _time_ns())
-        span.attributes = [
-            ("gen_ai.operation.name", self.operation), ("gen_ai.request.model", model),
-            ("gen_ai.provider.name", cluster), ("server.address", host or endpoint.address),
-            ("gridgate.attempt", record.attempts),
-        ]
-        if port.isdigit():
-            span.attributes.append(("server.port", int(port)))
-        own = traceparent(span.trace_id, span.span_id)
-        return [*(h for h in headers if h[0] != TRACEPARENT), (TRACEPARENT, own)]
+        trace_id = self.span.trace_id
+        span = self.attempt = Span(trace_id, self.tracer._span_id(), self.span.span_id, f"{self.operation} {model}",
+                                   SPAN_KIND_CLIENT, _time_ns(), trace_state=self.span.trace_state)
+        self.attempt_of = (model, "" if route is None else route.cluster, endpoint.address, record.attempts)
+        own = (TRACEPARENT, traceparent(trace_id, span.span_id))
+        return [*[h for h in headers if h[0] != TRACEPARENT], own]
 
     def attempt_ended(self, result: AttemptResult | None, record: RequestRecord | None = None) -> None:
         """The attempt in progress is over (``result``: what it came to; None: nothing is known)."""
@@ -124,21 +122,21 @@ class RequestTrace:
             return
         self.attempt = None
         span.end_ns = _time_ns()
-        attributes = span.attributes
         if result is None:
             _fail(span, "no_result", "the attempt ended without a result")
+            span.deferred = (attempt_attributes, (self.operation, *self.attempt_of, 0, None, None, None))
         else:
-            if result.status:
-                attributes.append(("http.response.status_code", result.status))
-            if result.failure is not None:
-                _fail(span, result.failure.code, result.detail or result.failure.code)
-            elif result.status >= 500 or (result.held and result.status):
-                _fail(span, str(result.status), f"the provider answered {result.status}")
-            usage = result.usage
-            if usage is not None and record is not None:
-                _usage(attributes, usage.prompt_tokens, usage.completion_tokens)
-            if result.started and record is not None and record.route is not None:
-                attributes.append(("gen_ai.response.model", record.route.candidate.name))
+            status, failure = result.status, result.failure
+            if failure is not None:
+                _fail(span, failure.code, result.detail or failure.code)
+            elif status >= 500 or (result.held and status):
+                _fail(span, str(status), f"the provider answered {status}")
+            usage = result.usage if record is not None else None
+            usage_values = None if usage is None else (usage.prompt_tokens, usage.completion_tokens)
+            served = result.started and record is not None and record.route is not None
+            span.deferred = (attempt_attributes, (self.operation, *self.attempt_of, status, usage_values,
+                                                  record.route.candidate.name if served else None,  # type: ignore[union-attr]
+                                                  None))
         self.done.append(span)
 
     def end(self, record: RequestRecord, result: AttemptResult | None) -> None:
@@ -147,45 +145,75 @@ class RequestTrace:
             self.attempt_ended(result, record)
         span = self.span
         span.end_ns = _time_ns()
-        model = record.capability or ""
+        model = record.capability
         span.name = f"{self.operation} {model}" if model else self.operation
-        attributes: list[tuple[str, AttributeValue]] = [
-            ("gen_ai.operation.name", self.operation), ("gen_ai.request.model", model),
-            ("http.request.method", (record.method or b"").decode("latin-1")),
-            ("url.path", (record.target or b"").split(b"?", 1)[0].decode("latin-1")),
-            ("http.response.status_code", record.status), ("gridgate.attempts", record.attempts),
-        ]
-        if record.request_id is not None:
-            attributes.append(("gridgate.request_id", record.request_id.decode("latin-1")))
-        if record.tenant is not None:
-            attributes.append(("gridgate.tenant", record.tenant))
-        if self.tracestate:
-            attributes.append(("gridgate.client_tracestate", self.tracestate))
-        route = record.route
-        if route is not None:
-            attributes += [
-                ("gen_ai.provider.name", route.cluster), ("gridgate.route.stable_id", route.stable_id),
-                ("gridgate.route.selection_mode", route.mode), ("gridgate.route.affinity", route.affinity),
-                ("gridgate.route.overlay_revision", route.revision),
-            ]
-            if route.selection_group is not None:
-                attributes.append(("gridgate.route.selection_group", route.selection_group))
-            if result is not None and result.started:
-                attributes.append(("gen_ai.response.model", route.candidate.name))
-        _usage(attributes, record.tokens_prompt, record.tokens_completion)
-        evidence = record.evidence
-        if evidence is not None:
-            attributes += evidence_attributes(evidence)
-        if record.filtered:
-            attributes.append(("gridgate.route.filtered", record.filtered))
-        span.attributes = attributes
-        if record.status >= 500 or record.error is not None and record.status >= 400:
-            _fail(span, record.error or str(record.status), record.error or f"status {record.status}")
-        self.tracer.exporter.submit([*self.done, span])
+        status, error = record.status, record.error
+        if status >= 500 or (error is not None and status >= 400):
+            _fail(span, error or str(status), error or f"status {status}")
+        span.deferred = (request_attributes, (
+            self.operation, model, record.method, record.target, status, record.attempts, record.request_id,
+            record.tenant, record.route, result is not None and result.started,
+            record.tokens_prompt, record.tokens_completion, record.evidence, record.filtered,
+        ))
+        done = self.done
+        done.append(span)
+        self.tracer.exporter.submit(done)
         self.done = []
 
 
-def evidence_attributes(evidence: Any) -> list[tuple[str, AttributeValue]]:
+# -- attributes, made on the exporter's thread ---------------------------------------------------------
+def attempt_attributes(operation: str, model: str, cluster: str, address: str, attempt: int, status: int,
+                       usage: tuple[int | None, int | None] | None, response_model: str | None,
+                       _unused: None) -> list[tuple[str, AttributeValue]]:
+    host, _, port = address.rpartition(":")
+    attributes: list[tuple[str, AttributeValue]] = [
+        ("gen_ai.operation.name", operation), ("gen_ai.request.model", model), ("gen_ai.provider.name", cluster),
+        ("server.address", host or address), ("gridgate.attempt", attempt),
+    ]
+    if port.isdigit():
+        attributes.append(("server.port", int(port)))
+    if status:
+        attributes.append(("http.response.status_code", status))
+    if response_model is not None:
+        attributes.append(("gen_ai.response.model", response_model))
+    if usage is not None:
+        _usage(attributes, *usage)
+    return attributes
+
+
+def request_attributes(operation: str, model: str | None, method: bytes | None, target: bytes | None, status: int,
+                       attempts: int, request_id: bytes | None, tenant: str | None,
+                       route: RouteDecision | None, served: bool, prompt: int | None, completion: int | None,
+                       evidence: RouteEvidence | None, filtered: int) -> list[tuple[str, AttributeValue]]:
+    attributes: list[tuple[str, AttributeValue]] = [
+        ("gen_ai.operation.name", operation), ("gen_ai.request.model", model or ""),
+        ("http.request.method", (method or b"").decode("latin-1")),
+        ("url.path", (target or b"").split(b"?", 1)[0].decode("latin-1")),
+        ("http.response.status_code", status), ("gridgate.attempts", attempts),
+    ]
+    if request_id is not None:
+        attributes.append(("gridgate.request_id", request_id.decode("latin-1")))
+    if tenant is not None:
+        attributes.append(("gridgate.tenant", tenant))
+    if route is not None:
+        attributes += [
+            ("gen_ai.provider.name", route.cluster), ("gridgate.route.stable_id", route.stable_id),
+            ("gridgate.route.selection_mode", route.mode), ("gridgate.route.affinity", route.affinity),
+            ("gridgate.route.overlay_revision", route.revision),
+        ]
+        if route.selection_group is not None:
+            attributes.append(("gridgate.route.selection_group", route.selection_group))
+        if served:
+            attributes.append(("gen_ai.response.model", route.candidate.name))
+    _usage(attributes, prompt, completion)
+    if evidence is not None:
+        attributes += evidence_attributes(evidence)
+    if filtered:
+        attributes.append(("gridgate.route.filtered", filtered))
+    return attributes
+
+
+def evidence_attributes(evidence: RouteEvidence) -> list[tuple[str, AttributeValue]]:
     """The route evidence (gateway/routing/evidence.py) as span attributes."""
     attributes: list[tuple[str, AttributeValue]] = [
         ("gridgate.route.site", evidence.site), ("gridgate.route.admission_state", evidence.admission_state),

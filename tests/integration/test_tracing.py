@@ -114,7 +114,7 @@ def test_a_sampled_client_trace_gets_the_request_and_attempt_spans(gateway_facto
         "gen_ai.operation.name": "chat", "gen_ai.request.model": "m", "gen_ai.response.model": "m",
         "gen_ai.provider.name": "provider-a", "http.response.status_code": 200, "gridgate.request_id": "traced",
         "gridgate.route.site": "site-provider-a", "gridgate.route.candidates": 2}
-    assert request["gridgate.client_tracestate"] == "vendor=abc"
+    assert server["traceState"] == attempt["traceState"] == "vendor=abc"  # the client's, carried as it came
     call = attributes(attempt)
     assert (call["gen_ai.provider.name"], call["server.address"], call["server.port"]) == (
         "provider-a", "127.0.0.1", int(providers["provider-a"].address.rsplit(":", 1)[1]))
