@@ -14,9 +14,10 @@ The rule is the OpenTelemetry SDK's default, parent-based with a trace-id ratio 
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
-_HEX = frozenset(b"0123456789abcdef")
+_TRACEPARENT = re.compile(rb"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?", re.DOTALL).fullmatch
 _INVALID_TRACE = b"0" * 32
 _INVALID_SPAN = b"0" * 16
 SAMPLED = 0x01
@@ -32,22 +33,16 @@ class Parent(NamedTuple):
 
 
 def parse_traceparent(value: bytes | None) -> Parent | None:
-    """The client's parent, or None when the header is absent or not a valid version-00 (or later,
-    read as 00) traceparent: ``vv-<32 hex>-<16 hex>-ff``, ids not all zero."""
+    """The client's parent, or None when the header is absent or not a valid traceparent: version 00
+    exactly ``00-<32 hex>-<16 hex>-<2 hex>``; a later version (not ``ff``) may append ``-`` fields, read
+    as 00; lowercase hex, ids not all zero."""
     if value is None:
         return None
-    value = value.strip()
-    if len(value) < 55 or value[2:3] != b"-" or value[35:36] != b"-" or value[52:53] != b"-":
+    match = _TRACEPARENT(value.strip())
+    if match is None:
         return None
-    version = value[:2]
-    if not _HEX.issuperset(version) or version == b"ff" or (version == b"00" and len(value) != 55):
-        return None
-    if len(value) > 55 and value[55:56] != b"-":  # a later version may append fields after a dash
-        return None
-    trace_id, span_id, flags = value[3:35], value[36:52], value[53:55]
-    if not (_HEX.issuperset(trace_id) and _HEX.issuperset(span_id) and _HEX.issuperset(flags)):
-        return None
-    if trace_id == _INVALID_TRACE or span_id == _INVALID_SPAN:
+    version, trace_id, span_id, flags, rest = match.groups()
+    if version == b"ff" or (version == b"00" and rest) or trace_id == _INVALID_TRACE or span_id == _INVALID_SPAN:
         return None
     return Parent(trace_id.decode(), span_id.decode(), bool(int(flags, 16) & SAMPLED))
 
