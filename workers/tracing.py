@@ -129,7 +129,7 @@ class RequestTrace:
             status, failure = result.status, result.failure
             if failure is not None:
                 _fail(span, failure.code, result.detail or failure.code)
-            elif status >= 500 or (result.held and status):
+            elif status >= 400:  # a client span's 4xx is an error too (OpenTelemetry HTTP conventions)
                 _fail(span, str(status), f"the provider answered {status}")
             usage = result.usage if record is not None else None
             usage_values = None if usage is None else (usage.prompt_tokens, usage.completion_tokens)
@@ -148,8 +148,12 @@ class RequestTrace:
         model = record.capability
         span.name = f"{self.operation} {model}" if model else self.operation
         status, error = record.status, record.error
-        if status >= 500 or (error is not None and status >= 400):
+        # A server span's 4xx is the client's mistake, not the span's (OpenTelemetry HTTP conventions): its
+        # code is an attribute; a 5xx, or a response cut after its head, is an error.
+        if status >= 500 or (error is not None and status < 400):
             _fail(span, error or str(status), error or f"status {status}")
+        elif error is not None:
+            span.attributes.append(("error.type", error))
         span.deferred = (request_attributes, (
             self.operation, model, record.method, record.target, status, record.attempts, record.request_id,
             record.tenant, record.route, result is not None and result.started,

@@ -179,3 +179,26 @@ def test_tracing_off_sends_no_traceparent_of_its_own(gateway_factory, providers)
     response = chat(gateway.port, "m", headers=[("X-Mock-Echo", "1")])
     assert response.status == 200 and upstream_traceparent(response) is None
     assert metric_value(gateway.admin_port, "gridgate_trace_spans_dropped_total") == 0
+
+
+def test_a_gateway_refusal_is_traced_with_its_code_and_a_cut_stream_as_an_error(mock_provider, gateway_factory,
+                                                                                 receiver):
+    cut = mock_provider("cut", mid_reset_rate=1.0, tokens=40)
+    overlay = envelope([candidate("m", "cut")])
+    gateway = gateway_factory({"cut": [cut.address]}, overlay, extra={
+        "access_log": {"path": "access.log"},
+        "tracing": {"endpoint": f"http://127.0.0.1:{receiver.port}", "sample": 1.0, "flush_interval": "50ms"}})
+    log_path = os.path.join(gateway.directory, "access.log")
+    assert chat(gateway.port, "nope", headers=[("X-Request-Id", "unknown")]).status == 404
+    assert chat(gateway.port, "m", headers=[("X-Request-Id", "cut")], stream=True).status == 200
+    lines = {line["request_id"]: line for line in wait_lines(log_path, 2)}
+
+    (refused,) = receiver.trace(lines["unknown"]["trace_id"], 1)  # no provider was tried: no attempt span
+    assert refused["status"] == {}  # a 4xx is the client's error, not the span's
+    assert {key: attributes(refused)[key] for key in ("http.response.status_code", "error.type")} == {
+        "http.response.status_code": 404, "error.type": "model_not_found"}
+    spans = receiver.trace(lines["cut"]["trace_id"], 2)
+    server = next(s for s in spans if s["kind"] == 2)
+    attempt = next(s for s in spans if s["kind"] == 3)
+    assert server["status"]["code"] == 2 and attributes(server)["error.type"] == "upstream_reset"
+    assert attempt["status"]["code"] == 2 and attributes(attempt)["error.type"] == "upstream_reset"
