@@ -28,6 +28,7 @@ from gateway.config_routing import (  # noqa: F401 - the routing schema, re-expo
     TenantPolicy,
     is_header_name,
 )
+from gateway.config_tracing import Tracing  # noqa: F401 - re-exported: importers use gateway.config
 from gateway.net import parse_host_port
 from gateway.request.routes import parse_route_rule
 from gateway.yaml_config import (  # noqa: F401 - Seconds, read_text and convert_yaml are re-exported
@@ -233,12 +234,14 @@ class AccessLog(_Strict):
     enabled: bool = True
     path: str = "-"  # "-" = stdout; else a file, reopened on SIGUSR1 (resolve it with Config.file_path)
     sample: float = 1.0  # fraction of successful requests logged; errors always are
+    evidence_sample: float = 1.0  # fraction of routed requests whose line carries the route evidence
 
     def __post_init__(self) -> None:
         if not self.path.strip():
             raise ValueError("path: must be '-' (stdout) or a file path")
-        if not 0.0 <= self.sample <= 1.0:
-            raise ValueError("sample: must be between 0.0 and 1.0")
+        for name in ("sample", "evidence_sample"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}: must be between 0.0 and 1.0")
 
 
 class ApiKey(_Strict):
@@ -400,6 +403,7 @@ class Config(_Strict):
     pricing: Pricing = Pricing()  # prices of models, for spend (docs/pricing.md)
     cors: Cors | None = None  # browser clients (docs/cors.md); off when absent
     models: Models = Models()  # aliases and fallback chains across models (docs/models.md)
+    tracing: Tracing | None = None  # OpenTelemetry traces (docs/tracing.md); off when absent
     # Where the config file lives; relative paths (overlay_file) resolve against it.
     base_dir: str = "."
 

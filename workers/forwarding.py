@@ -192,6 +192,8 @@ class Forwarder:
         sent_at = relay.sent_at = _monotonic()
         first_byte = self.settings.first_byte_timeout
         head_by = deadline if first_byte is None else min(deadline, sent_at + first_byte)
+        if record.trace is not None:  # the attempt's span, and its traceparent upstream (docs/tracing.md)
+            upstream_headers = record.trace.attempt_started(record, endpoint, upstream_headers)
         conn.send_request(relay, exchange.method, exchange.target, endpoint.host_header, upstream_headers,
                           record.body, head_by)
         if exchange.client_paused:
@@ -203,6 +205,8 @@ class Forwarder:
         """An attempt that reached the provider and did not serve: what it cost goes to the record, what it
         said to the provider's state. Returns the held status (the answer may be the last word), or None."""
         record.attempt = None
+        if record.trace is not None:
+            record.trace.attempt_ended(result, record)
         self.outcomes.observe(route.provider, cluster.name, record.endpoint, result)
         if result.held:  # it answered (its body was discarded unread): 4xx nothing, 5xx the estimate
             record.owed += attempt_tokens(result.status, None, record.estimate)

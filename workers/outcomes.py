@@ -74,6 +74,8 @@ class Outcomes:
         admission = record.admission
         if admission is not None and self.quota is not None:
             self.quota.settle(admission, *self._charge(record, result, served))
+        if record.trace is not None:  # its spans end and go to the exporter's queue (docs/tracing.md)
+            record.trace.end(record, result)
         self.access_log.record(record)
 
     def _served(self, record: RequestRecord, result: AttemptResult) -> None:

@@ -9,6 +9,7 @@ needs is gathered on the request's ``RequestRecord`` (workers/request_record.py)
 
 from __future__ import annotations
 
+import random
 import time
 from urllib.parse import unquote_to_bytes
 
@@ -29,6 +30,7 @@ from gateway.request.routes import MCP, MODELS, AllowedRoute
 from gateway.routing import RouteDecision, Router
 from gateway.routing.decision import RouteRefusal
 from gateway.routing.eligibility import Needs
+from gateway.routing.evidence import route_evidence
 from gateway.routing.plan import model_not_found
 from gateway.routing.tenants import Policy, TenantPolicies, model_not_allowed
 from workers.clusters import ClusterManager
@@ -41,8 +43,10 @@ from workers.overlay_follower import OverlayFollower
 from workers.providers import ProviderStates
 from workers.proxy_settings import ProxySettings
 from workers.request_record import RequestRecord
+from workers.tracing import Tracer
 
 _monotonic = time.monotonic
+_random = random.random
 _FORM_URLENCODED = b"application/x-www-form-urlencoded"
 _JSON_HEADER = (b"content-type", b"application/json")
 _BODYLESS_METHODS = (b"GET", b"HEAD", b"DELETE", b"OPTIONS")
@@ -55,9 +59,10 @@ class Proxy:
     def __init__(
         self, *, settings: ProxySettings, tenants: TenantPolicies, overlay: OverlayFollower, router: Router,
         clusters: ClusterManager, providers: ProviderStates, quota: QuotaGate | None, metrics: WorkerMetrics,
-        outcomes: Outcomes,
+        outcomes: Outcomes, tracer: Tracer | None = None,
     ) -> None:
         self.settings = settings
+        self.tracer = tracer  # None: tracing is off (docs/tracing.md)
         self.tenants = tenants
         self.overlay = overlay
         self.router = router
@@ -79,6 +84,9 @@ class Proxy:
             raise RuntimeError("the server in front of the proxy runs no head gate (workers/head_gate.py)")
         record = exchange.record = RequestRecord(exchange=exchange, ends=self.outcomes,
                                                  request_id=admitted.request_id, tenant=admitted.tenant)
+        if self.tracer is not None:
+            record.trace = self.tracer.begin(record, admitted.headers.balance_keys, admitted.route.surface.name,
+                                             exchange.t_start)
         try:
             policy = self.tenants.get(admitted.tenant)
             if admitted.route.kind == MODELS:
@@ -160,9 +168,16 @@ class Proxy:
         if type(route) is RouteDecision or type(route) is RouteRefusal:
             # The filters' counts: evidence on the response and the access line (a 400/422 from them too).
             record.filtered, record.filtered_reasons = route.filtered, route.filtered_reasons
+        if type(route) is RouteDecision and (record.trace is not None or self.evidence_sampled()):
+            record.evidence = route_evidence(route, self.providers.view, needs, barred)
         if type(route) is not RouteDecision and barred is not None and not self.served_on(allowed, capability):
             return no_allowed_provider(record.exchange, allowed, capability.name)
         return route
+
+    def evidence_sampled(self) -> bool:
+        """Whether this request's access line carries the route evidence (``access_log.evidence_sample``)."""
+        sample = self.settings.evidence_sample
+        return sample >= 1.0 or (sample > 0.0 and _random() < sample)
 
     def models(self, record: RequestRecord, policy: Policy) -> None:
         """``GET /v1/models`` (the list the tenant may use) and ``GET /v1/models/{id}``, from the overlay."""

@@ -26,6 +26,8 @@ class ProxySettings:
     # Requested model name -> its alias target and fallback chain (docs/models.md); empty: no models block.
     models: dict[str, ModelRoute]
     model_header: bytes  # the capability header, lowercase (a model moved along a chain rewrites it)
+    # Fraction of routed requests whose route evidence is computed for the access line (0 without one).
+    evidence_sample: float = 0.0
 
     @classmethod
     def from_config(cls, config: Config) -> ProxySettings:
@@ -49,6 +51,7 @@ class ProxySettings:
             stable_hash_key=key,
             models=model_routes(config.models),
             model_header=routing.model_header.lower().encode(),
+            evidence_sample=config.access_log.evidence_sample if config.access_log.enabled else 0.0,
         )
 
     def stable_hash_headers(self) -> list[str]:

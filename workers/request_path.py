@@ -8,6 +8,7 @@ worker serves it on its socket; tests drive it in one process.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -43,6 +44,7 @@ from workers.providers import ProviderStates
 from workers.proxy import Proxy
 from workers.proxy_settings import ProxySettings
 from workers.server import ServerSettings, ServerState
+from workers.tracing import TRACE_HEADERS, Tracer
 
 log = logging.getLogger("gridgate.worker")
 
@@ -79,6 +81,7 @@ class RequestPath:
     head_gate: HeadGate
     outcomes: Outcomes
     proxy: Proxy
+    tracer: Tracer | None = None  # tracing configured (docs/tracing.md)
 
     @classmethod
     async def build(cls, ctx: WorkerContext, segment: Segment, row: WorkerRow) -> RequestPath:
@@ -111,10 +114,12 @@ class RequestPath:
         access_log = AccessLog.from_config(config)
         settings = ProxySettings.from_config(config)
         outcomes = Outcomes(quota, metrics, access_log, providers, settings.cooling, settings.route_headers)
+        tracer = Tracer.from_config(config)
         proxy = Proxy(settings=settings, tenants=TenantPolicies(config.tenants), overlay=overlay, router=router,
-                      clusters=clusters, providers=providers, quota=quota, metrics=metrics, outcomes=outcomes)
+                      clusters=clusters, providers=providers, quota=quota, metrics=metrics, outcomes=outcomes,
+                      tracer=tracer)
         return cls(config, metrics, overlay, clusters, providers, router, quota, access_log,
-                   _head_gate(config, clusters, settings, provider_index), outcomes, proxy)
+                   _head_gate(config, clusters, settings, provider_index), outcomes, proxy, tracer)
 
     def server_state(self) -> ServerState:
         """The per-worker server state that hands this path every request: the head gate decides on each
@@ -136,6 +141,8 @@ class RequestPath:
             metrics.publish_tenant_tokens(self.quota.tenant_tokens)
         metrics.publish_panic(self.clusters.panic_entries())
         metrics.publish_access_log(self.access_log.dropped)
+        if self.tracer is not None:
+            metrics.publish_trace_drops(self.tracer.exporter.dropped)
 
     async def close(self) -> None:
         """Pools, the quota gate (its queued settlements first) and the access log (its last lines)."""
@@ -143,6 +150,8 @@ class RequestPath:
         if self.quota is not None:
             await self.quota.close()
         await self.access_log.close()
+        if self.tracer is not None:  # its queued spans go out first (bounded by the export timeout)
+            await asyncio.get_running_loop().run_in_executor(None, self.tracer.exporter.close)
         self.publish_counters()  # the last settlements and log lines, before the row is retired
 
 
@@ -179,7 +188,9 @@ def _head_gate(config: Config, clusters: ClusterManager, settings: ProxySettings
         # Scanned for affinity, and for a stable_hash key that names the session (affinity on or not).
         session_header=routing.session_affinity.header if settings.session_fact else None,
         pin_header=routing.pin_header,
-        balance_key_headers=[*clusters.balance_key_headers(), *settings.stable_hash_headers()],
+        # With tracing on, the scan also captures the W3C trace headers (read there, forwarded as before).
+        balance_key_headers=[*clusters.balance_key_headers(), *settings.stable_hash_headers(),
+                             *(TRACE_HEADERS if config.tracing is not None else ())],
         credential_headers=[c.upstream_auth.header for c in config.clusters if c.upstream_auth is not None],
     )
     routes = RouteTable(routing.mcp_path, [(c.name, c.allowed_routes) for c in config.clusters], provider_index)

@@ -67,6 +67,8 @@ class RequestRecord(msgspec.Struct, gc=False):
     provider: str | None = None
     filtered: int = 0  # candidates the eligibility filters removed, and why (reason bits)
     filtered_reasons: int = 0
+    evidence: Any = None  # gateway.routing.evidence.RouteEvidence of a sampled request (the access line)
+    trace: Any = None  # workers.tracing.RequestTrace of a traced request
     # -- the access line's copy of the exchange, taken at close
     ended: float = 0.0
     t_start: float | None = None

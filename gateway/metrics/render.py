@@ -50,6 +50,7 @@ from gateway.metrics.catalogue import (
     STATUS_CLASSES,
     TOKEN_DIRECTIONS,
     fallback_cell,
+    TRACE_SPANS_DROPPED,
     latency_block,
     tenant_tokens_cell,
 )
@@ -208,6 +209,10 @@ def _process_families(totals: list[int]) -> Iterator:
     yield CounterMetricFamily(
         "gridgate_access_log_dropped", "Access-log lines dropped (buffer full or output failing), never blocking.",
         value=totals[ACCESS_LOG_DROPPED],
+    )
+    yield CounterMetricFamily(
+        "gridgate_trace_spans_dropped", "Trace spans dropped (export queue full or export failed), never blocking.",
+        value=totals[TRACE_SPANS_DROPPED],
     )
 
 

@@ -46,6 +46,7 @@ from gateway.metrics.catalogue import (
     TOKEN_DIRECTIONS,
     fallback_cell,
     fallback_edge_name,
+    TRACE_SPANS_DROPPED,
     gateway_error_cell,
     latency_block,
     overhead_cell,
@@ -183,3 +184,7 @@ class WorkerMetrics:
     def publish_access_log(self, dropped: int) -> None:
         """Access-log lines lost so far (buffer full or output failing)."""
         self.row[ACCESS_LOG_DROPPED] = dropped
+
+    def publish_trace_drops(self, dropped: int) -> None:
+        """Trace spans lost so far (export queue full, or their export failed: docs/tracing.md)."""
+        self.row[TRACE_SPANS_DROPPED] = dropped

@@ -60,7 +60,7 @@ class GroupPlan:
     """The options of one admitting selection group (or one ungrouped candidate) and its picker state."""
 
     __slots__ = ("number", "options", "mode", "turn", "_rng", "_current", "_cost", "_providers", "_prior",
-                 "_prior_epoch")
+                 "_prior_epoch", "last_choice")
 
     def __init__(self, number: int | None, options: tuple[Option, ...], mode: int, turn: int,
                  rng: random.Random, cost: Cost | None = None) -> None:
@@ -74,6 +74,8 @@ class GroupPlan:
         self._providers = tuple(dict.fromkeys(o.provider for o in options))  # least_loaded's prior is theirs
         self._prior = 0.0
         self._prior_epoch = -1
+        # least_loaded's latest comparison (option, score, option, score): route evidence reads it
+        self.last_choice: tuple[Option, float, Option, float] | None = None
 
     def pick(self, usable: Usable, key: bytes = b"") -> Option | None:
         options = self.options
@@ -149,7 +151,9 @@ class GroupPlan:
             self._prior = cost.prior_of(self._providers)
             self._prior_epoch = cost.epoch
         prior = self._prior
-        return first if cost(first.provider, prior) <= cost(second.provider, prior) else second
+        first_cost, second_cost = cost(first.provider, prior), cost(second.provider, prior)
+        self.last_choice = (first, first_cost, second, second_cost)
+        return first if first_cost <= second_cost else second
 
 
 class CapabilityPlan:
