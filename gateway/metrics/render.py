@@ -49,8 +49,8 @@ from gateway.metrics.catalogue import (
     ROUTE_FILTERED,
     STATUS_CLASSES,
     TOKEN_DIRECTIONS,
-    fallback_cell,
     TRACE_SPANS_DROPPED,
+    fallback_cell,
     latency_block,
     tenant_tokens_cell,
 )
