@@ -1,4 +1,5 @@
-"""Capability lookup: which ``(kind, name)`` a request asks for (CONTRACT §3, §4.4).
+"""Capability lookup: which ``(kind, name)`` a request asks for (docs/routing.md#the-steps,
+docs/overlay.md#session-affinity).
 
 Pure and fast: one msgspec decode of a JSON body into a small Struct that names only
 the fields the gateway uses; every other field is skipped by the decoder, not built.

@@ -6,16 +6,17 @@ environment. Two callers, one set of rules:
 - the supervisor, before it forks and on every reload: :func:`validate_deployment` raises for
   what would stop the gateway from serving;
 - ``gridgate check``: :func:`check_problems` also reports overlay candidates whose cluster this
-  gateway lacks (the gateway tolerates them and skips those candidates at run time, CONTRACT §3,
-  but a config under review should not carry them) and quota rules whose ``match.model`` glob matches
-  no model of the overlay it reads (the overlay changes while the gateway runs, so the gateway itself
-  never refuses a config for that), and can skip the environment for CI.
+  gateway lacks (the gateway tolerates them and skips those candidates at run time:
+  docs/routing.md#usable-providers; a config under review should not carry them) and quota rules whose
+  ``match.model`` glob matches no model of the overlay it reads (the overlay changes while the gateway
+  runs, so the gateway itself never refuses a config for that), and can skip the environment for CI.
 
 Imports stay on the pure floors (overlay, quota rules): nothing from the data plane.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import ssl
 from collections.abc import Mapping
@@ -42,6 +43,7 @@ def check_problems(config: Config, *, environ: Mapping[str, str] | None = os.env
     problems, snapshot = _problems_and_overlay(config, environ)
     if snapshot is not None:
         problems += unconfigured_cluster_problems(config, snapshot)
+        problems += model_problems(config, snapshot)
         if config.quota is not None:  # a model glob matching no model of this overlay (docs/limits.md)
             problems += model_glob_problems(rules_from_config(config.quota),
                                             [name for _, name in snapshot.capability_keys])
@@ -158,4 +160,31 @@ def unconfigured_cluster_problems(config: Config, snapshot: Snapshot) -> list[st
         more = f" (and {len(users) - 1} more candidates)" if len(users) > 1 else ""
         problems.append(f"{field}: {where}candidates[{users[0]}].cluster: {name!r} is not a configured "
                         f"cluster{more}; such candidates are never selected")
+    return problems
+
+
+def model_problems(config: Config, snapshot: Snapshot) -> list[str]:
+    """The ``models`` block against the overlay (docs/models.md): an alias must not shadow a model the
+    overlay serves (requests for that model would silently go elsewhere), and every model an alias or a
+    chain names must be served by the overlay (or, in a chain, be an alias). The gateway tolerates an
+    unserved one at run time (a chain skips it), like an unconfigured cluster, but a config under
+    review should not carry it."""
+    models = config.models
+    served = set(snapshot.model_names)
+    problems = []
+    for name in models.aliases:
+        field = f"models.aliases[{json.dumps(name)}]"
+        if name in served:
+            problems.append(f"{field}: shadows the model {name!r} the overlay serves; rename the alias")
+        target = models.target(name)
+        if target not in served:
+            problems.append(f"{field}: target {target!r} is not a model the overlay serves")
+    for model, fallback in models.fallbacks.items():
+        field = f"models.fallbacks[{json.dumps(model)}]"
+        if model not in served and model not in models.aliases:
+            problems.append(f"{field}: {model!r} is neither a model the overlay serves nor an alias")
+        for index, entry in enumerate(fallback.chain):
+            if entry not in served and entry not in models.aliases:
+                problems.append(f"{field}.chain[{index}]: unknown model {entry!r} (neither a model the overlay "
+                                "serves nor an alias)")
     return problems

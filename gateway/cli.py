@@ -1,4 +1,4 @@
-"""``gridgate`` command line (CONTRACT §1).
+"""``gridgate`` command line (docs/operations.md#commands-and-exit-codes).
 
 Exit codes: 0 success, 1 invalid input or config (the message names the field),
 2 usage error (argparse's own code). Expected failures print one line per problem

@@ -1,4 +1,4 @@
-"""The gateway configuration schema (CONTRACT §2) and its loader.
+"""The gateway configuration schema (docs/configuration.md) and its loader.
 
 msgspec Structs with ``forbid_unknown_fields`` give us unknown-key rejection and
 field paths for free; :mod:`gateway.yaml_config` turns msgspec's messages into one
@@ -12,6 +12,7 @@ import os
 from typing import ClassVar, Literal
 
 from gateway.config_cors import Cors  # noqa: F401 - re-exported: importers use gateway.config
+from gateway.config_models import Alias, Fallback, Models, restore_on_keys  # noqa: F401 - re-exported: importers use gateway.config
 from gateway.config_pricing import PriceOverride, Pricing  # noqa: F401 - re-exported: importers use gateway.config
 from gateway.config_quota import (  # noqa: F401 - the auth and quota schema, re-exported like routing's
     MAX_COUNT,
@@ -47,6 +48,7 @@ from gateway.config_routing import (  # noqa: F401 - the routing schema, re-expo
     TenantPolicy,
     is_header_name,
 )
+from gateway.config_tracing import Tracing  # noqa: F401 - re-exported: importers use gateway.config
 from gateway.net import parse_host_port
 from gateway.request.routes import parse_route_rule
 from gateway.yaml_config import (  # noqa: F401 - Seconds, read_text and convert_yaml are re-exported
@@ -245,17 +247,19 @@ class Cluster(_Strict):
 
 
 class AccessLog(_Strict):
-    """One JSON line per request (CONTRACT §14)."""
+    """One JSON line per request (docs/operations.md#access-log)."""
 
     enabled: bool = True
     path: str = "-"  # "-" = stdout; else a file, reopened on SIGUSR1 (resolve it with Config.file_path)
     sample: float = 1.0  # fraction of successful requests logged; errors always are
+    evidence_sample: float = 1.0  # fraction of routed requests whose line carries the route evidence
 
     def __post_init__(self) -> None:
         if not self.path.strip():
             raise ValueError("path: must be '-' (stdout) or a file path")
-        if not 0.0 <= self.sample <= 1.0:
-            raise ValueError("sample: must be between 0.0 and 1.0")
+        for name in ("sample", "evidence_sample"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}: must be between 0.0 and 1.0")
 
 
 class Config(_Strict):
@@ -273,6 +277,8 @@ class Config(_Strict):
     quota: Quota | None = None
     pricing: Pricing = Pricing()  # prices of models, for spend (docs/pricing.md)
     cors: Cors | None = None  # browser clients (docs/cors.md); off when absent
+    models: Models = Models()  # aliases and fallback chains across models (docs/models.md)
+    tracing: Tracing | None = None  # OpenTelemetry traces (docs/tracing.md); off when absent
     # Where the config file lives; relative paths (overlay_file) resolve against it.
     base_dir: str = "."
 
@@ -349,7 +355,7 @@ def _tenant_checks(config: Config) -> list[str]:
 
 def parse_config(text: str, base_dir: str = ".", source: str | None = None) -> Config:
     """Parse YAML text into a validated Config; raise ConfigError naming each bad field."""
-    config = convert_yaml(text, Config, {"base_dir": base_dir}, source)
+    config = convert_yaml(text, Config, {"base_dir": base_dir}, source, restore_on_keys)
     problems = _cross_checks(config)
     if problems:
         raise ConfigError(problems)

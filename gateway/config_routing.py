@@ -55,7 +55,8 @@ class Backoff(StrictStruct):
 
 
 class Retry(StrictStruct):
-    """Provider-level failover (CONTRACT §11): attempts and deadline for all providers together."""
+    """Provider-level failover (docs/routing.md#failover): attempts and deadline for all providers
+    together."""
 
     attempts: int = 3
     deadline: Seconds = Seconds(30)
@@ -124,7 +125,8 @@ class ModelMatch(StrictStruct):
 
 
 class ModelFacts(StrictStruct):
-    """Request-aware eligibility facts of the candidates it matches (CONTRACT §12)."""
+    """Request-aware eligibility facts of the candidates it matches
+    (docs/routing.md#request-aware-selection)."""
 
     match: ModelMatch
     context_window: int | None = None
@@ -143,7 +145,7 @@ class ModelFacts(StrictStruct):
 
 
 class OverlaySource(StrictStruct):
-    """``routing.overlay_source``: follow an overlay published in Valkey (CONTRACT §13, docs/fleet.md)."""
+    """``routing.overlay_source``: follow an overlay published in Valkey (docs/fleet.md)."""
 
     kind: Literal["valkey"]
     url: str  # as quota.backend.url: valkey://, valkeys:// (TLS), redis://, rediss://, unix://, user:password@
@@ -200,7 +202,8 @@ class Routing(StrictStruct):
 
 
 class TenantPolicy(StrictStruct):
-    """Routing policy of one tenant (CONTRACT §12); an omitted list means no restriction."""
+    """Routing policy of one tenant (docs/routing.md#request-aware-selection); an omitted list means no
+    restriction."""
 
     tenant: str
     allowed_capabilities: list[str] | None = None  # globs over capability names

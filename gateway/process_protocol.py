@@ -64,6 +64,9 @@ class WorkerContext:
     # The supervisor's tenant registry at fork time (the same rules as ``metric_clusters``): position =
     # the tenant's slot in the per-tenant token counters. Empty: a worker run alone uses its config's.
     metric_tenants: tuple[str, ...] = ()
+    # The supervisor's fallback-edge registry at fork time (same rules): position = the (from, to) edge's
+    # index in the fallback counters (docs/models.md). Empty: a worker run alone uses its config's.
+    metric_fallbacks: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------------------------------- status messages

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import msgspec
@@ -105,11 +105,13 @@ def read_text(path: str) -> str:
         raise ConfigError([f"(file): cannot read {path}: {exc.strerror}"]) from None
 
 
-def convert_yaml(text: str, kind: type[T], extra: dict[str, Any] | None = None, source: str | None = None) -> T:
+def convert_yaml(text: str, kind: type[T], extra: dict[str, Any] | None = None, source: str | None = None,
+                 prepare: Callable[[dict], None] | None = None) -> T:
     """YAML text -> a validated msgspec Struct of ``kind``; ConfigError naming the field otherwise.
 
     ``extra`` holds fields the loader sets (never the file); ``source`` (the file name) prefixes
-    YAML syntax errors as ``file:line:column``, the form editors jump to.
+    YAML syntax errors as ``file:line:column``, the form editors jump to. ``prepare`` may adjust the
+    loaded mapping first (YAML 1.1 reads a key ``on`` as ``true``: gateway/config_models.py).
     """
     try:
         raw = yaml.safe_load(text)
@@ -117,6 +119,8 @@ def convert_yaml(text: str, kind: type[T], extra: dict[str, Any] | None = None, 
         raise ConfigError([_yaml_problem(exc, source)]) from None
     if not isinstance(raw, dict):
         raise ConfigError(["(top level): the file must be a mapping"])
+    if prepare is not None:
+        prepare(raw)
     for key in extra or {}:
         if key in raw:
             raise ConfigError([f"{key}: unknown key"])
@@ -144,7 +148,8 @@ def _yaml_problem(exc: yaml.YAMLError, source: str | None) -> str:
 _AT_PATH = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
 _UNKNOWN = re.compile(r"Object contains unknown field `(?P<field>[^`]+)`")
 _MISSING = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
-_NAMED_FIELD = re.compile(r"^([A-Za-z_][\w\[\]\.]*): (.*)$", re.S)  # a __post_init__ check
+# A __post_init__ check: ``name: ...``, ``list[3]: ...`` or ``mapping["key"].name: ...``.
+_NAMED_FIELD = re.compile(r'^([A-Za-z_](?:[\w.]|\[\d+\]|\["(?:[^"\\]|\\.)*"\])*): (.*)$', re.S)
 _WRONG_TYPE = re.compile(r"^(Expected `[^`]+`, got `[^`]+`|Invalid enum value .*)$", re.S)
 _SEGMENT = re.compile(r"\.(?P<key>[^.\[]+)|\[(?P<index>\d+|\.\.\.)\]")
 

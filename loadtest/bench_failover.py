@@ -1,4 +1,4 @@
-"""What one failed provider attempt adds to a request's latency (failover, CONTRACT §11).
+"""What one failed provider attempt adds to a request's latency (failover, docs/routing.md#failover).
 
     .venv/bin/python -m loadtest.bench_failover [--duration 8]
 

@@ -1,4 +1,4 @@
-"""Stamp the semantic revision into Grid envelope-v1 overlay files (CONTRACT §4.3).
+"""Stamp the semantic revision into Grid envelope-v1 overlay files (docs/overlay.md#semantic-revision-digest).
 
     python -m loadtest.make_overlay deploy/demo/overlay.json [more.json ...]   # rewrite if stale
     python -m loadtest.make_overlay --check deploy/demo/overlay.json           # exit 1 if stale

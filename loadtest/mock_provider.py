@@ -107,6 +107,7 @@ class MockSettings:
     embedding_dim: int = 8
     fail_rate: float = 0.0
     fail_status: int = 503
+    fail_code: str | None = None  # the error code of injected failures (None: injected_<status>)
     fail_next: int = 0  # the next N inference requests fail (counts down), whatever fail_rate says
     retry_after: str | None = None  # Retry-After of injected errors (None: "1" on 429/503)
     reset_rate: float = 0.0
@@ -116,6 +117,7 @@ class MockSettings:
     kv_capacity_tokens: int = 65536
     kv_cache_utilization: float | None = None  # fixed override of the simulated value
     queue_depth: int | None = None  # fixed override of the measured in-flight count
+    cors_origin: str | None = None  # sent as Access-Control-Allow-Origin on every response (as some providers do)
 
 
 class SharedHealth:
@@ -154,6 +156,9 @@ class MockState:
     def refresh(self) -> None:
         """Recompute values derived from the settings (called after every settings change)."""
         self.provider_header = b"x-mock-provider: " + self.settings.name.encode("latin-1") + b"\r\n"
+        if self.settings.cors_origin:
+            self.provider_header += b"access-control-allow-origin: " + self.settings.cors_origin.encode("latin-1") + \
+                b"\r\n"
 
     def next_id(self) -> int:
         self.counter += 1
@@ -394,6 +399,8 @@ class Completion:
         self.status = self._injected_status()
         self.reset = self._injected_reset()
         self.cut_mid = self.reset in ("mid", "mid-close")
+        # A Responses or Messages stream ends half-way with the API's `error` event (the provider failed).
+        self.stream_error = "x-mock-stream-error" in self.fault_fields
         self.cut = CLOSE if self.reset == "mid-close" else ABORT  # how a mid-body cut ends the connection
         self.retry_after = None if self.status == 200 else retry_after_value(
             self.fault_fields.get("x-mock-retry-after", settings.retry_after), self.status)
@@ -486,7 +493,8 @@ class Completion:
             yield from self._json_steps(first_delay)
 
     def _error_bytes(self) -> bytes:
-        message, code = f"injected failure by {self.state.settings.name}", f"injected_{self.status}"
+        message = f"injected failure by {self.state.settings.name}"
+        code = self.state.settings.fail_code or f"injected_{self.status}"
         if self.shape is not None:
             payload = self.shape.error_payload(self.status, message, "mock_injected_error", code)
         else:
@@ -619,6 +627,9 @@ class Completion:
         pieces = token_pieces(state, self.tokens)
         middle = self.tokens // 2
         for index, piece in enumerate(pieces):
+            if index == middle and self.stream_error:
+                yield timing.per_token, shape.stream_error() + CHUNKED_END
+                return
             if index == middle and (self.cut_mid or timing.stall_mid > 0):
                 if self.cut_mid:
                     yield timing.stall_mid, self.cut
@@ -1069,6 +1080,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--embedding-dim", type=int, default=8)
     p.add_argument("--fail-rate", type=float, default=0.0, help="share of inference requests answered --fail-status")
     p.add_argument("--fail-status", type=int, default=503)
+    p.add_argument("--fail-code", default=None,
+                   help="error code of injected failures, e.g. context_length_exceeded (default: injected_<status>)")
     p.add_argument("--retry-after", default=None,
                    help="Retry-After of injected errors: seconds, an HTTP date, date+N or none (default: 1 on 429/503)")
     p.add_argument("--reset-rate", type=float, default=0.0, help="share reset before any response byte")
@@ -1078,6 +1091,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--health-status", type=int, default=200, help="initial GET /health status")
     p.add_argument("--kv-capacity-tokens", type=int, default=65536, help="simulated KV-cache size")
     p.add_argument("--kv-cache-utilization", type=float, default=None, help="fix the KV gauge to this value")
+    p.add_argument("--cors-origin", default=None, help="send Access-Control-Allow-Origin: <this> on every response")
     p.add_argument("--processes", type=int, default=1, help="SO_REUSEPORT processes")
     p.add_argument("--backlog", type=int, default=4096)
     p.add_argument("--seed", type=int, default=None, help="seed for the failure-rate dice")
@@ -1089,10 +1103,11 @@ def settings_from_args(args: argparse.Namespace) -> MockSettings:
         name=args.name, latency_ms=args.latency_ms, ttft_ms=args.ttft_ms, tokens_per_s=args.tokens_per_s,
         tokens=args.tokens, models=[m for m in args.models.split(",") if m] or ["mock-model"],
         embedding_dim=args.embedding_dim, fail_rate=args.fail_rate, fail_status=args.fail_status,
+        fail_code=args.fail_code,
         retry_after=args.retry_after,
         reset_rate=args.reset_rate, mid_reset_rate=args.mid_reset_rate, stall_rate=args.stall_rate,
         stall_ms=args.stall_ms, kv_capacity_tokens=args.kv_capacity_tokens,
-        kv_cache_utilization=args.kv_cache_utilization,
+        kv_cache_utilization=args.kv_cache_utilization, cors_origin=args.cors_origin,
     )
 
 

@@ -212,6 +212,11 @@ class ResponsesShape:
         return self._event("response.output_text.delta", {"item_id": self.item_id, "output_index": 0,
                                                           "content_index": 0, "delta": piece, "logprobs": []})
 
+    def stream_error(self) -> bytes:
+        """The event that ends a stream the provider failed mid-way (x-mock-stream-error)."""
+        return self._event("error", {"code": "server_error", "param": None,
+                                     "message": "The server had an error while processing your request."})
+
     def stream_closing(self, text: str) -> bytes:
         status = self._status()
         where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
@@ -311,6 +316,11 @@ class MessagesShape:
     def stream_token(piece: str) -> bytes:
         return sse_event("content_block_delta", {"type": "content_block_delta", "index": 0,
                                                  "delta": {"type": "text_delta", "text": piece}})
+
+    @staticmethod
+    def stream_error() -> bytes:
+        """The event that ends a stream the provider failed mid-way (x-mock-stream-error)."""
+        return sse_event("error", {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}})
 
     def stream_closing(self, text: str) -> bytes:
         return b"".join((

@@ -1,4 +1,4 @@
-"""Session-affinity table shared by every worker of a host (CONTRACT §4.4).
+"""Session-affinity table shared by every worker of a host (docs/overlay.md#session-affinity).
 
 The supervisor allocates an anonymous shared mapping *before* forking::
 

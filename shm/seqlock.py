@@ -73,8 +73,3 @@ def read_record(words: memoryview, offset: int, length: int, *, timeout_s: float
             elif now > deadline:
                 raise SeqlockBusy(f"seqlock at word {offset} stayed busy for {timeout_s}s")
             os.sched_yield()
-
-
-def sequence(words: memoryview, offset: int) -> int:
-    """The current sequence number (even when idle); a cheap 'did anything change' probe."""
-    return words[offset]

@@ -1,4 +1,4 @@
-"""Where the normative overlay-contract fixtures are (CONTRACT §4).
+"""Where the normative overlay-contract fixtures are (docs/overlay.md).
 
 The source of truth is ``../shared/contract/overlay-v1`` beside the repository; a copy is vendored in
 ``tests/fixtures/overlay-v1`` so a clone without ``shared/`` still runs the suite.

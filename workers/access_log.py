@@ -26,12 +26,14 @@ import msgspec
 from gateway.config import AccessLog as AccessLogConfig
 from gateway.config import Config
 from gateway.routing.eligibility import reason_names
+from gateway.routing.evidence import PickerInput
 from workers.line_writer import LineWriter
 from workers.request_record import RequestRecord
 
 _perf = time.perf_counter
 _time = time.time
 _random = random.random
+_astuple = msgspec.structs.astuple
 
 
 class AccessLine(msgspec.Struct, omit_defaults=True, gc=False):
@@ -63,11 +65,25 @@ class AccessLine(msgspec.Struct, omit_defaults=True, gc=False):
     error: str | None
     filtered: int = 0
     filtered_reasons: list[str] | None = None
+    # The route evidence of a sampled request (access_log.evidence_sample; gateway/routing/evidence.py).
+    site: str | None = None
+    admission_state: str | None = None
+    candidates: int | None = None
+    excluded: dict[str, int] | None = None
+    picker_inputs: list[PickerInput] | None = None
+    trace_id: str | None = None  # a traced request's trace (docs/tracing.md)
     shadow: tuple[str, ...] | None = None  # quota limits in shadow mode that would have refused it
-    shadow: tuple[str, ...] | None = None  # quota limits in shadow mode that would have refused it
+    # An alias or a fallback chain (docs/models.md): the name asked for (when an alias), the model that
+    # served (or was tried last), the moves along the chain and why, and chain models skipped.
+    requested_model: str | None = None
+    served_model: str | None = None
+    fallback_hops: int = 0
+    fallback_reasons: list[str] | None = None
+    fallback_skipped: int = 0
 
 
 _NO_ROUTE = (None, None, None, None, None, None)
+_NO_EVIDENCE = (None, None, None, None, None)
 _MAX_PATHS = 256
 
 
@@ -167,7 +183,7 @@ class AccessLog:
             else:
                 provider, stable_id, group = route.cluster, route.stable_id, route.selection_group
                 mode, affinity, revision = route.mode, route.affinity, route.revision
-            filtered = entry.filtered
+            filtered, evidence, trace = entry.filtered, entry.evidence, entry.trace
             line = AccessLine(
                 ts, None if request_id is None else request_id.decode("latin-1"), entry.tenant,
                 None if method is None else method.decode("latin-1"),
@@ -179,8 +195,14 @@ class AccessLog:
                 None if overhead_s is None else int(overhead_s * 1e6 + 0.5) / 1000,
                 int((t_first_byte - t_start) * 1e6 + 0.5) / 1000 if t_first_byte and t_start is not None else None,
                 None if t_start is None else int((ended - t_start) * 1e6 + 0.5) / 1000,
-                entry.error, filtered, reason_names(entry.filtered_reasons) if filtered else None, entry.shadow,
+                entry.error, filtered, reason_names(entry.filtered_reasons) if filtered else None,
+                *(_NO_EVIDENCE if evidence is None else _astuple(evidence)), None if trace is None else trace.trace_id,
+                entry.shadow,
             )
+            if entry.model_route is not None:
+                line.requested_model, line.served_model = entry.requested_model, entry.served
+                line.fallback_hops, line.fallback_reasons = entry.fallback_hops, entry.fallback_reasons
+                line.fallback_skipped = entry.fallback_skipped
             encode_into(line, buffer, -1)
             buffer.append(10)  # "\n"
         writer.trim(start)

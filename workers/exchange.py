@@ -15,14 +15,22 @@ import time
 from typing import Protocol
 
 from gateway.http import codec
-from gateway.http.errors import JSON_CONTENT_TYPE, ErrorReply, error_type_for, sse_error_event
+from gateway.http.errors import (
+    ANTHROPIC_SHAPE,
+    JSON_CONTENT_TYPE,
+    OPENAI_SHAPE,
+    ErrorReply,
+    error_type_for,
+    sse_error_event_in,
+)
 from gateway.http.media import is_event_stream
 
 log = logging.getLogger("gridgate.server")
 _perf = time.perf_counter
-_SHUTDOWN_EVENT = sse_error_event(
-    "gateway_shutdown", "the gateway shut down before this stream ended", error_type_for(503),
-)
+# By error shape (the request's API: gateway/request/surfaces.py).
+_SHUTDOWN_EVENTS = tuple(sse_error_event_in(
+    shape, "gateway_shutdown", "the gateway shut down before this stream ended", error_type_for(503),
+) for shape in (OPENAI_SHAPE, ANTHROPIC_SHAPE))
 
 
 class ExchangeListener(Protocol):
@@ -113,6 +121,9 @@ class Exchange:
         """
         self.started = True
         self.t_first_byte = _perf()
+        admitted = self.admitted
+        if admitted is not None and admitted.cors:  # an allowed origin's page may read it (docs/cors.md)
+            headers = [*headers, *admitted.cors]
         self.conn.queue_head(status, headers, content_length, self.close_after)
         self.response_headers = headers  # as sent, framing included (read only at shutdown)
 
@@ -161,15 +172,21 @@ class Exchange:
             self.write(body)
         self.end()
 
+    @property
+    def error_shape(self) -> int:
+        """The shape of the gateway's errors for this request's API (``route.surface.errors``)."""
+        admitted = self.admitted
+        return OPENAI_SHAPE if admitted is None else admitted.route.surface.errors
+
     def send_error(self, reply: ErrorReply, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
-        """Answer with an OpenAI-style error, or abort if the response already started."""
+        """Answer with an error in the shape of the request's API, or abort if the response already started."""
         if self.started:
             self.abort()
             return
         headers = [JSON_CONTENT_TYPE, *reply.headers, *(extra_headers or ())]
         if reply.close:
             self.close_after = True
-        self.respond(reply.status, headers, reply.body())
+        self.respond(reply.status, headers, reply.body(self.error_shape))
 
     def end_stream_for_shutdown(self) -> bool:
         """End an unfinished event stream with the ``gateway_shutdown`` error event and a proper last
@@ -187,7 +204,7 @@ class Exchange:
         self.close_after = True  # the connection closes after this last chunk
         if self.record is not None:
             self.record.error = "gateway_shutdown"  # the access line says why the stream ended here
-        self.write(_SHUTDOWN_EVENT)
+        self.write(_SHUTDOWN_EVENTS[self.error_shape])
         self.end()
         return True
 

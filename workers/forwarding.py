@@ -29,7 +29,7 @@ from gateway.request.failover import COOLING_STATUSES, Failover
 from gateway.request.headers import ask_identity_encoding
 from gateway.routing import RouteDecision, Router
 from workers.clusters import ClusterManager, EndpointLease, UpstreamCluster, UpstreamEndpoint
-from workers.outcomes import Outcomes, attempts_header
+from workers.outcomes import Outcomes, attempts_header, served_model_headers
 from workers.overlay_follower import OverlayFollower
 from workers.proxy_settings import ProxySettings
 from workers.relay import ResponseRelay
@@ -56,20 +56,26 @@ class Forwarder:
         self.providers = outcomes.providers
         self.rng = random.Random()
 
-    async def forward(self, record: RequestRecord, route: RouteDecision) -> ErrorReply | None:
+    async def forward(self, record: RequestRecord, route: RouteDecision, failover: Failover | None = None,
+                      onward: bool = False, refusals: frozenset[str] | None = None) -> ErrorReply | None:
         """Try providers until one answers (or the budget is spent). None: the request is over (answered,
-        or the client left); else the answer to give, about ``record.provider``."""
+        or the client left); else the answer to give, about ``record.provider``.
+
+        A fallback chain (workers/model_chain.py) passes its ``failover``, shared by all its models (one
+        deadline, one attempt budget), and ``onward`` when another model may still be tried: then a
+        retryable answer of this model's last provider is held back too, and so is a 400 whose error code
+        is one of ``refusals`` (the chain moves on at once: no other provider of this model is tried)."""
         if record.metering is not None:
             ask_identity_encoding(record.forward)  # the usage must be readable in the answer
         first = route
-        failover: Failover | None = None
-        deadline = _monotonic() + float(self.retry.deadline)
+        deadline = _monotonic() + float(self.retry.deadline) if failover is None else failover.deadline
         while True:
             cluster = self.clusters.by_provider[route.provider]  # the router only picks configured providers
             attempt = record.attempts = 1 if failover is None else failover.attempts + 1
             record.route = route
-            hold = self.retry.attempts > attempt and route.plan.provider_count > 1 and route.mode != "pinned"
-            reply = await self._try_provider(record, cluster, route, deadline, hold)
+            hold = (self.retry.attempts > attempt and (onward or route.plan.provider_count > 1)
+                    and route.mode != "pinned")
+            reply = await self._try_provider(record, cluster, route, deadline, hold, refusals if onward else None)
             if reply is None:
                 if record.session is not None and route.provider != first.provider:
                     self.router.rebind(record.session, route, _monotonic())  # the binding moves to who served
@@ -78,7 +84,7 @@ class Forwarder:
                 failover = Failover(self.retry, deadline, self.rng)
             failover.failed(route.provider, reply)
             if (not failover.may_try_another(_monotonic()) or record.exchange.client_gone
-                    or route.mode == "pinned"):
+                    or route.mode == "pinned" or reply.status == 400):
                 break
             following = self.router.failover(first, failover.tried, record.needs, record.key, record.barred)
             if following is None:
@@ -111,10 +117,13 @@ class Forwarder:
             headers += route.evidence
         if record.admission is not None:
             headers += record.admission.headers
+        if record.model_route is not None:  # an alias or a fallback chain: which model serves (docs/models.md)
+            headers += served_model_headers(record)
         return headers
 
     async def _try_provider(self, record: RequestRecord, cluster: UpstreamCluster, route: RouteDecision,
-                            deadline: float, hold_retryable: bool) -> ErrorReply | None:
+                            deadline: float, hold_retryable: bool,
+                            hold_refusals: frozenset[str] | None = None) -> ErrorReply | None:
         """One provider, its endpoints in turn. None: the request is over (answered, or the client left);
         else the answer to give if no other provider serves."""
         exchange = record.exchange
@@ -140,7 +149,7 @@ class Forwarder:
                     endpoint.pool.release(conn, reusable=True)
                     return None
                 relay = self._send(record, conn, endpoint, response_headers, upstream_headers, deadline,
-                                   hold_retryable)
+                                   hold_retryable, hold_refusals)
                 try:
                     result: AttemptResult = await relay.done
                 finally:
@@ -177,10 +186,10 @@ class Forwarder:
 
     def _send(self, record: RequestRecord, conn: UpstreamConnection, endpoint: UpstreamEndpoint,
               response_headers: list[tuple[bytes, bytes]], upstream_headers: list[tuple[bytes, bytes]],
-              deadline: float, hold_retryable: bool) -> ResponseRelay:
+              deadline: float, hold_retryable: bool, hold_refusals: frozenset[str] | None) -> ResponseRelay:
         """Write the request on ``conn``; the relay streams the answer and says what the attempt came to."""
         exchange = record.exchange
-        relay = ResponseRelay(exchange, conn, response_headers, record.metering, hold_retryable)
+        relay = ResponseRelay(exchange, conn, response_headers, record.metering, hold_retryable, hold_refusals)
         exchange.listener = relay
         record.attempt = relay
         record.endpoint = endpoint
@@ -190,6 +199,8 @@ class Forwarder:
         sent_at = relay.sent_at = _monotonic()
         first_byte = self.settings.first_byte_timeout
         head_by = deadline if first_byte is None else min(deadline, sent_at + first_byte)
+        if record.trace is not None:  # the attempt's span, and its traceparent upstream (docs/tracing.md)
+            upstream_headers = record.trace.attempt_started(record, endpoint, upstream_headers)
         conn.send_request(relay, exchange.method, exchange.target, endpoint.host_header, upstream_headers,
                           record.body, head_by)
         if exchange.client_paused:
@@ -201,6 +212,8 @@ class Forwarder:
         """An attempt that reached the provider and did not serve: what it cost goes to the record, what it
         said to the provider's state. Returns the held status (the answer may be the last word), or None."""
         record.attempt = None
+        if record.trace is not None:
+            record.trace.attempt_ended(result, record)
         self.outcomes.observe(route.provider, cluster.name, record.endpoint, result)
         if result.held:  # it answered (its body was discarded unread): 4xx nothing, 5xx the estimate
             record.reached = True
@@ -215,6 +228,8 @@ class Forwarder:
     def _held_reply(cluster: UpstreamCluster, result: AttemptResult) -> ErrorReply:
         """The client's answer if the provider's retryable status ends up being the last word."""
         status, retry_after = result.status, result.retry_after
+        if result.refusal is not None:  # a 400 a fallback chain moves on (docs/models.md)
+            return ErrorReply(400, result.refusal, f"{cluster.name}: answered 400 {result.refusal}")
         headers = []
         if retry_after is not None and status in COOLING_STATUSES:
             headers.append((b"retry-after", retry_after))

@@ -43,9 +43,10 @@ class GatedConnection(Protocol):
 
 class Admitted:
     """A request the gate let through: its route, tenant, scanned headers and request id, and its key
-    (None without auth)."""
+    (None without auth). ``cors``: the CORS headers of its answers (workers/cors_gate.py sets it; None:
+    CORS is off)."""
 
-    __slots__ = ("route", "tenant", "headers", "request_id", "key")
+    __slots__ = ("route", "tenant", "headers", "request_id", "key", "cors")
 
     def __init__(self, route: AllowedRoute, tenant: str, headers: RequestHeaders, request_id: bytes,
                  key: KeyIdentity | None = None) -> None:
@@ -54,6 +55,7 @@ class Admitted:
         self.headers = headers
         self.request_id = request_id
         self.key = key
+        self.cors: tuple[tuple[bytes, bytes], ...] | None = None
 
 
 class HeadRefusal(ErrorReply):

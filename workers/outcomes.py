@@ -34,6 +34,16 @@ def attempts_header(count: int) -> tuple[bytes, bytes]:
     return _ATTEMPTS[count] if count < len(_ATTEMPTS) else (b"x-gridgate-attempts", b"%d" % count)
 
 
+def served_model_headers(record: RequestRecord) -> list[tuple[bytes, bytes]]:
+    """A request whose model is an alias or has a fallback chain says which model served it and how many
+    models it moved along its chain (docs/models.md)."""
+    model = record.served
+    headers = [] if model is None else [(b"x-gridgate-model", header_value(model))]
+    if record.model_route is not None and record.model_route.hops:
+        headers.append((b"x-gridgate-fallback-hops", b"%d" % record.fallback_hops))
+    return headers
+
+
 class Outcomes:
     """One per worker: the end of every request the proxy handled, and the answers it makes itself."""
 
@@ -67,6 +77,8 @@ class Outcomes:
                 self.quota.settle(admission, *self._charge(record, result, served))
             else:  # it never reached a provider: nothing is charged, and its request slots go back too
                 self.quota.settle(admission, 0, reached=False)
+        if record.trace is not None:  # its spans end and go to the exporter's queue (docs/tracing.md)
+            record.trace.end(record, result)
         self.access_log.record(record)
 
     def _served(self, record: RequestRecord, result: AttemptResult) -> None:
@@ -78,6 +90,8 @@ class Outcomes:
         failure = result.failure
         if failure is not None:
             record.error = failure.code
+        elif result.stream_error is not None:
+            record.error = result.stream_error  # the provider ended the stream with an error event
         elif result.client_left:
             record.error = "client_closed"  # else None, or why the gateway ended the stream (a shutdown)
         usage = result.usage
@@ -125,6 +139,8 @@ class Outcomes:
         if self.route_headers and provider is not None:
             extra.append((b"x-gridgate-provider", header_value(provider)))
             extra.append(attempts_header(record.attempts))
+        if record.model_route is not None:
+            extra += served_model_headers(record)
         record.exchange.send_error(reply, extra)
 
     def rejected(self, reply: ErrorReply) -> None:

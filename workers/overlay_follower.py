@@ -13,6 +13,7 @@ from collections.abc import Callable
 import msgspec
 
 from gateway.config import Config
+from gateway.models.aliases import visible_aliases
 from gateway.overlay.contract import OverlayRejected
 from gateway.overlay.snapshot import Snapshot, snapshot_from_bytes
 from gateway.overlay.watch import OverlayWatcher, SnapshotHolder, load_inline_overlay
@@ -46,6 +47,9 @@ class OverlayFollower:
             self.watcher = OverlayWatcher(path, float(routing.reload_debounce))
             self._holder = self._open(path, scope, fallback)
         self._models: dict[str, bytes] = {}  # list bodies per tenant policy (allowed capabilities)
+        # Aliases (docs/models.md): the listed ones, and every alias's target (a hidden one answers by name).
+        self._listed_aliases = visible_aliases(config.models)
+        self._alias_targets = {name: config.models.target(name) for name in config.models.aliases}
 
     @staticmethod
     def _open(path: str, scope: object, fallback: bytes | None) -> SnapshotHolder:
@@ -94,13 +98,20 @@ class OverlayFollower:
         """``GET /v1/models``: the serving overlay's models this tenant may use (OpenAI list shape)."""
         body = self._models.get(policy.tenant)
         if body is None:
-            data = [_model_object(name) for name in self.snapshot.model_names if policy.allows(name)]
+            served = self.snapshot.model_names
+            aliases = self._alias_targets
+            data = [_model_object(name) for name in served if name not in aliases and policy.allows(name)]
+            # A listed alias appears when the tenant may use the model it names and the overlay serves it.
+            data += [_model_object(alias) for alias, target in self._listed_aliases
+                     if target in served and policy.allows(target)]
             body = self._models[policy.tenant] = msgspec.json.encode({"object": "list", "data": data})
         return body
 
     def model_body(self, model: str, policy: Policy) -> bytes | None:
-        """``GET /v1/models/{id}``: one model object, or None when it is not served (or not allowed)."""
-        if model not in self.snapshot.model_names or not policy.allows(model):
+        """``GET /v1/models/{id}``: one model object, or None when it is not served (or not allowed). An
+        alias, hidden or not, answers for the model it names (it resolves first: docs/models.md)."""
+        target = self._alias_targets.get(model, model)
+        if target not in self.snapshot.model_names or not policy.allows(target):
             return None
         return msgspec.json.encode(_model_object(model))
 

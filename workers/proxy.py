@@ -9,14 +9,15 @@ needs is gathered on the request's ``RequestRecord`` (workers/request_record.py)
 
 from __future__ import annotations
 
+import random
 import time
 from urllib.parse import unquote_to_bytes
 
 from gateway.capability import (
     MCP_SESSION_NAME,
     CapabilityRequest,
+    body_features,
     lookup_capability,
-    request_features,
     session_key,
 )
 from gateway.http.errors import ErrorReply
@@ -29,22 +30,27 @@ from gateway.request.routes import MCP, MODELS, AllowedRoute
 from gateway.routing import RouteDecision, Router
 from gateway.routing.decision import RouteRefusal
 from gateway.routing.eligibility import Needs
+from gateway.routing.evidence import route_evidence
 from gateway.routing.plan import model_not_found
 from gateway.routing.tenants import Policy, TenantPolicies, model_not_allowed
 from workers.clusters import ClusterManager
 from workers.exchange import Exchange
 from workers.forwarding import Forwarder
 from workers.head_gate import Admitted
+from workers.model_chain import ModelChain
 from workers.outcomes import Outcomes
 from workers.overlay_follower import OverlayFollower
 from workers.providers import ProviderStates
 from workers.proxy_settings import ProxySettings
 from workers.request_record import RequestRecord
+from workers.tracing import Tracer
 
 _monotonic = time.monotonic
+_random = random.random
 _FORM_URLENCODED = b"application/x-www-form-urlencoded"
 _JSON_HEADER = (b"content-type", b"application/json")
 _BODYLESS_METHODS = (b"GET", b"HEAD", b"DELETE", b"OPTIONS")
+INFERENCE_MODEL = "inference_model"
 
 
 class Proxy:
@@ -53,9 +59,10 @@ class Proxy:
     def __init__(
         self, *, settings: ProxySettings, tenants: TenantPolicies, overlay: OverlayFollower, router: Router,
         clusters: ClusterManager, providers: ProviderStates, quota: QuotaGate | None, metrics: WorkerMetrics,
-        outcomes: Outcomes,
+        outcomes: Outcomes, tracer: Tracer | None = None,
     ) -> None:
         self.settings = settings
+        self.tracer = tracer  # None: tracing is off (docs/tracing.md)
         self.tenants = tenants
         self.overlay = overlay
         self.router = router
@@ -65,6 +72,8 @@ class Proxy:
         self.outcomes = outcomes
         self.forwarder = Forwarder(settings=settings, overlay=overlay, router=router, clusters=clusters,
                                    outcomes=outcomes)
+        self.model_routes = settings.models
+        self.chain = ModelChain(self)
 
     async def handle(self, exchange: Exchange) -> None:
         """One request, from its admitted head to its end. Its record closes exactly once: as its answer
@@ -75,6 +84,9 @@ class Proxy:
             raise RuntimeError("the server in front of the proxy runs no head gate (workers/head_gate.py)")
         record = exchange.record = RequestRecord(exchange=exchange, ends=self.outcomes,
                                                  request_id=admitted.request_id, tenant=admitted.tenant)
+        if self.tracer is not None:
+            record.trace = self.tracer.begin(record, admitted.headers.balance_keys, admitted.route.surface.name,
+                                             exchange.t_start)
         try:
             policy = self.tenants.get(admitted.tenant)
             if admitted.route.kind == MODELS:
@@ -82,13 +94,20 @@ class Proxy:
             capability = self.capability(exchange, admitted.headers, admitted.route)
             if type(capability) is ErrorReply:
                 return self.outcomes.refuse(record, capability)
+            models = self.model_routes
+            if models:  # an alias resolves before policy, quota rules and prices (docs/models.md)
+                chosen = models.get(capability.name)
+                if chosen is not None and capability.kind == INFERENCE_MODEL:
+                    record.model_route = chosen
+                    capability = CapabilityRequest(INFERENCE_MODEL, chosen.target, capability.body)
             record.capability = capability.name
             record.batch = policy.batch
             pinned = self.permit(capability, admitted, policy)
             if type(pinned) is ErrorReply:
                 return self.outcomes.refuse(record, pinned)
             quota = self.quota
-            if quota is not None:
+            surface = admitted.route.surface
+            if quota is not None and surface.metered:  # count_tokens generates no tokens: never metered
                 # Reserve tokens before routing: a denial never reaches a provider (429/503 with headers).
                 fields = capability.body
                 admission = quota.admission(admitted.tenant, capability.name, len(exchange.body),
@@ -101,8 +120,15 @@ class Proxy:
                         return self.outcomes.refuse(record, refusal(admission))
                     record.admission = admission
             route = pinned or self.decide(record, capability, admitted, policy)
-            if type(route) is RouteDecision:
-                record.body, record.metering = upstream_body(capability, exchange.body, record.admission)
+            if record.model_route is not None:  # an alias, or a fallback chain
+                record.body, record.metering = upstream_body(capability, exchange.body, record.admission,
+                                                             surface.rewrites_stream)
+                record.forward = forwarded_headers(exchange, admitted.headers, record.request_id, record.body)
+                record.balance_keys = admitted.headers.balance_keys
+                route = await self.chain.walk(record, capability, admitted, policy, route, pinned is not None)
+            elif type(route) is RouteDecision:
+                record.body, record.metering = upstream_body(capability, exchange.body, record.admission,
+                                                             surface.rewrites_stream)
                 record.forward = forwarded_headers(exchange, admitted.headers, record.request_id, record.body)
                 record.balance_keys = admitted.headers.balance_keys
                 route = await self.forwarder.forward(record, route)
@@ -143,9 +169,16 @@ class Proxy:
         if type(route) is RouteDecision or type(route) is RouteRefusal:
             # The filters' counts: evidence on the response and the access line (a 400/422 from them too).
             record.filtered, record.filtered_reasons = route.filtered, route.filtered_reasons
+        if type(route) is RouteDecision and (record.trace is not None or self.evidence_sampled()):
+            record.evidence = route_evidence(route, self.providers.view, needs, barred)
         if type(route) is not RouteDecision and barred is not None and not self.served_on(allowed, capability):
             return no_allowed_provider(record.exchange, allowed, capability.name)
         return route
+
+    def evidence_sampled(self) -> bool:
+        """Whether this request's access line carries the route evidence (``access_log.evidence_sample``)."""
+        sample = self.settings.evidence_sample
+        return sample >= 1.0 or (sample > 0.0 and _random() < sample)
 
     def models(self, record: RequestRecord, policy: Policy) -> None:
         """``GET /v1/models`` (the list the tenant may use) and ``GET /v1/models/{id}``, from the overlay."""
@@ -196,8 +229,9 @@ class Proxy:
         completion = 0
         if fields is not None:
             completion = fields.completion_allowance or 0  # the allowance the quota reserves for
+        surface = exchange.admitted.route.surface  # type: ignore[attr-defined]
         return Needs(estimate_prompt_tokens(len(exchange.body)) + completion,
-                     request_features(fields, exchange.target), policy.regions)
+                     body_features(fields, surface.body), policy.regions)
 
     def hash_key(self, tenant: str, session: bytes | None, request_id: bytes, headers: RequestHeaders) -> bytes:
         """The stable_hash picker's key, from the configured request facts."""
@@ -241,16 +275,19 @@ def no_allowed_provider(exchange: Exchange, allowed: AllowedRoute, capability: s
                       f"{', '.join(sorted(allowed.clusters or ()))}, and no provider there serves {capability!r}.")
 
 
-def upstream_body(request: CapabilityRequest, body: bytes, admission: Admission | None) -> tuple[bytes, bool | None]:
+def upstream_body(request: CapabilityRequest, body: bytes, admission: Admission | None,
+                  rewrites_stream: bool = True) -> tuple[bytes, bool | None]:
     """The body to send and the metering mode (None: not metered; True: rewritten to ask for usage).
 
-    A metered stream whose client did not ask for a usage chunk is rewritten to ask for one; the relay's
-    usage filter then removes that chunk so the client sees exactly what it asked for.
+    A metered stream whose client did not ask for a usage chunk is rewritten to ask for one, on the
+    APIs that define that member (``route.surface.rewrites_stream``: the Responses and Messages APIs
+    refuse it, and report usage in every stream anyway); the relay's usage filter then removes that
+    chunk so the client sees exactly what it asked for.
     """
     if admission is None or not admission.metered:
         return body, None
     fields = request.body
-    if fields is not None and fields.stream and not fields.include_usage:
+    if rewrites_stream and fields is not None and fields.stream and not fields.include_usage:
         rewritten = rewrite_request_for_usage(body)
         if rewritten is not None:
             return rewritten, True

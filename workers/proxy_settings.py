@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.config import Config, Cooling, Retry
+from gateway.models.aliases import ModelRoute, model_routes
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +23,11 @@ class ProxySettings:
     # stable_hash picker: the request facts of its key ("tenant", "session", "request_id", or
     # ("header", lowercase name)); empty for other pickers.
     stable_hash_key: tuple[str | tuple[str, bytes], ...]
+    # Requested model name -> its alias target and fallback chain (docs/models.md); empty: no models block.
+    models: dict[str, ModelRoute]
+    model_header: bytes  # the capability header, lowercase (a model moved along a chain rewrites it)
+    # Fraction of routed requests whose route evidence is computed for the access line (0 without one).
+    evidence_sample: float = 0.0
 
     @classmethod
     def from_config(cls, config: Config) -> ProxySettings:
@@ -43,6 +49,9 @@ class ProxySettings:
             first_byte_timeout=None if retry.first_byte_timeout is None else float(retry.first_byte_timeout),
             filters=bool(routing.models) or any(t.allowed_regions is not None for t in config.tenants),
             stable_hash_key=key,
+            models=model_routes(config.models),
+            model_header=routing.model_header.lower().encode(),
+            evidence_sample=config.access_log.evidence_sample if config.access_log.enabled else 0.0,
         )
 
     def stable_hash_headers(self) -> list[str]:

@@ -20,13 +20,16 @@ from __future__ import annotations
 import asyncio
 import time
 
-from gateway.http.errors import sse_error_event
+from gateway.http.errors import sse_error_event_in
 from gateway.http.media import is_event_stream
+from gateway.models.fallbacks import MAX_REFUSAL_BYTES, refusal_code
 from gateway.quota.usage import UsageObserver, usage_observer
+from gateway.quota.usage_surfaces import AnswerUsage, observer_for
 from gateway.request.attempts import AttemptResult
 from gateway.request.failover import RETRYABLE_STATUSES
 from gateway.request.failures import Failure
 from gateway.request.headers import connection_tokens
+from gateway.request.surfaces import MESSAGES_USAGE, OPENAI_USAGE, RESPONSES_USAGE
 from gateway.routing.cooling import cooling_signals
 from workers.exchange import Exchange
 from workers.upstream import UpstreamConnection
@@ -38,6 +41,12 @@ _monotonic = time.monotonic
 _RESPONSE_DROP = frozenset(
     (b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"te", b"trailer", b"upgrade",
      b"x-request-id", b"content-length")
+)
+# With CORS on (docs/cors.md), CORS is the gateway's to answer: the provider's own are never relayed.
+_RESPONSE_DROP_CORS = _RESPONSE_DROP | frozenset(
+    (b"access-control-allow-origin", b"access-control-allow-credentials", b"access-control-allow-methods",
+     b"access-control-allow-headers", b"access-control-expose-headers", b"access-control-max-age",
+     b"access-control-allow-private-network")
 )
 # A metered response's token headers are the gateway's, not the provider's.
 _QUOTA_HEADERS = frozenset(
@@ -53,12 +62,13 @@ class ResponseRelay:
     __slots__ = (
         "exchange", "conn", "done", "failure", "detail", "client_left", "status", "extra_headers",
         "response_started", "is_sse", "metering", "usage", "length_framed", "hold_retryable", "held_status",
-        "retry_after", "provider_wide", "sent_at", "first_byte_at", "ended_at", "events", "_result",
+        "retry_after", "provider_wide", "sent_at", "first_byte_at", "ended_at", "events", "answer_usage", "_result",
+        "hold_refusals", "held_head", "held_body", "refusal",
     )
 
     def __init__(
         self, exchange: Exchange, conn: UpstreamConnection, extra_headers: list[tuple[bytes, bytes]],
-        metering: bool | None, hold_retryable: bool = False,
+        metering: bool | None, hold_retryable: bool = False, hold_refusals: frozenset[str] | None = None,
     ) -> None:
         self.exchange = exchange
         self.conn = conn
@@ -83,7 +93,16 @@ class ResponseRelay:
         self.ended_at = 0.0  # monotonic time the attempt was over
         # Data events relayed: counted for a metered event stream only (a hang-up's floor), else None.
         self.events: int | None = None
+        # The Responses or Messages API's usage observer (None on the chat path): it also sees error events.
+        self.answer_usage: AnswerUsage | None = None
         self._result: AttemptResult | None = None
+        # A fallback chain that moves on a provider's refusal (docs/models.md): a 400 is held and its body
+        # read (bounded) for its error code; one of these codes ends the attempt as held (``refusal``),
+        # any other 400 is relayed as it came.
+        self.hold_refusals = hold_refusals
+        self.held_head: list[tuple[bytes, bytes]] | None = None
+        self.held_body: bytearray | None = None
+        self.refusal: str | None = None
 
     def result(self) -> AttemptResult:
         """What the attempt came to, built once: when it is over, or when its response ends the exchange
@@ -92,10 +111,12 @@ class ResponseRelay:
         if result is None:
             ended = self.ended_at = self.ended_at or _monotonic()
             sent = self.sent_at
+            answer_usage = self.answer_usage
             result = self._result = AttemptResult(
                 self.status, self.response_started, self.held_status != 0, self.failure, self.detail,
                 self.client_left, self.retry_after, self.usage, self.events,
                 self.first_byte_at - sent if self.first_byte_at else 0.0, ended - sent, self.provider_wide,
+                None if answer_usage is None else answer_usage.stream_error, self.refusal,
             )
         return result
 
@@ -114,14 +135,20 @@ class ResponseRelay:
                 self.conn.resume()  # its body is read and discarded, whatever the client's pace
                 self._finish()
                 return
+        elif status == 400 and self.hold_refusals:
+            self.held_status, self.held_head, self.held_body = 400, headers, bytearray()
+            self.conn.resume()  # read for its code, whatever the client's pace
+            return
         out = []
         metered = self.metering is not None
+        admitted = self.exchange.admitted
+        drop = _RESPONSE_DROP if admitted is None or admitted.cors is None else _RESPONSE_DROP_CORS
         chunked = False
         content_length: int | None = None
         listed: set[bytes] | None = None
         content_type = None
         for name, value in headers:
-            if name in _RESPONSE_DROP:
+            if name in drop:
                 if name == b"content-length":
                     content_length = int(value)  # the codec accepted it, so it is digits
                 elif name == b"transfer-encoding":
@@ -135,10 +162,20 @@ class ResponseRelay:
                 continue
             out.append((name, value))
         self.is_sse = is_event_stream(content_type)
+        usage_kind = OPENAI_USAGE if admitted is None else admitted.route.surface.usage
         if metered:
-            self.usage = usage_observer(self.is_sse, bool(self.metering))
+            # The chat path's observer at once; the Responses and Messages APIs' by their surface.
+            if usage_kind == OPENAI_USAGE:
+                self.usage = usage_observer(self.is_sse, bool(self.metering))
+            else:
+                self.usage = self.answer_usage = observer_for(  # type: ignore[assignment]
+                    usage_kind, self.is_sse, bool(self.metering))
             if self.is_sse:
                 self.events = 0
+        elif usage_kind == RESPONSES_USAGE or usage_kind == MESSAGES_USAGE:
+            # Not metered, these answers are read all the same (they are never changed): the access line
+            # shows their tokens, and an error event in their stream is seen.
+            self.usage = self.answer_usage = observer_for(usage_kind, self.is_sse, False)  # type: ignore[assignment]
         # Re-frame as chunked when the provider did, or when the usage filter may shorten the body.
         if chunked or self.metering is True:
             content_length = None
@@ -151,6 +188,11 @@ class ResponseRelay:
 
     def upstream_data(self, data: bytes) -> None:
         if self.held_status:
+            body = self.held_body
+            if body is not None:  # a 400 read for its code; past the bound it is relayed as it came
+                body += data
+                if len(body) > MAX_REFUSAL_BYTES:
+                    self._release()
             return  # the body of a held answer is discarded
         usage = self.usage
         if usage is not None:
@@ -165,7 +207,15 @@ class ResponseRelay:
 
     def upstream_end(self) -> None:
         if self.held_status:
-            return
+            if self.held_body is None:
+                return
+            code = refusal_code(bytes(self.held_body), self.hold_refusals)  # type: ignore[arg-type]
+            if code is not None:
+                self.refusal = code
+                self.ended_at = _monotonic()
+                self._finish()
+                return
+            self._release()
         usage = self.usage
         if usage is not None:
             held = usage.flush()
@@ -179,7 +229,9 @@ class ResponseRelay:
 
     def upstream_failed(self, failure: Failure, detail: str) -> None:
         if self.held_status:
-            return  # the held answer counts; its body was being discarded
+            if self.held_body is None:
+                return  # the held answer counts; its body was being discarded
+            self._release()  # a 400 cut while read for its code: relayed as far as it came, then cut
         self.failure, self.detail = failure, detail
         self.ended_at = _monotonic()
         if self.response_started:
@@ -188,11 +240,21 @@ class ResponseRelay:
             exchange = self.exchange
             readable = not exchange.client_gone and failure != Failure.CLIENT_STALLED
             if self.is_sse and not self.length_framed and readable:
-                exchange.write(sse_error_event(failure.code, f"upstream stream failed: {detail}"))
+                exchange.write(sse_error_event_in(exchange.error_shape, failure.code,
+                                                  f"upstream stream failed: {detail}"))
                 exchange.end()
             else:
                 exchange.abort()
         self._finish()
+
+    def _release(self) -> None:
+        """A held 400 is not a refusal the chain moves on: relay it as it came (head, then the body so far)."""
+        head, body, first_byte_at = self.held_head, self.held_body, self.first_byte_at
+        self.held_status, self.held_head, self.held_body, self.hold_refusals = 0, None, None, None
+        self.upstream_head(400, head or [])
+        self.first_byte_at = first_byte_at
+        if body:
+            self.upstream_data(bytes(body))
 
     # -- from the client connection -------------------------------------------------------------
     def client_lost(self) -> None:

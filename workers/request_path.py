@@ -8,6 +8,7 @@ worker serves it on its socket; tests drive it in one process.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -16,11 +17,13 @@ from gateway.config import Config
 from gateway.host_segment import MAX_PROVIDERS, PROVIDERS_REGION
 from gateway.metrics.catalogue import COUNTERS
 from gateway.metrics.writer import WorkerMetrics
+from gateway.models.aliases import fallback_edges
 from gateway.process_protocol import WorkerContext
 from gateway.quota.backend import create_client
 from gateway.quota.counters import configured_tenants
 from gateway.quota.gate import QuotaGate
 from gateway.quota.ledger import QuotaLedger
+from gateway.request.cors import CorsPolicy
 from gateway.request.headers import HeaderPlan
 from gateway.request.routes import RouteTable
 from gateway.routing import Router
@@ -33,6 +36,7 @@ from shm.providers import EndpointCooling, ProviderCells
 from shm.segment import Segment
 from workers.access_log import AccessLog
 from workers.clusters import ClusterManager
+from workers.cors_gate import CorsGate
 from workers.head_gate import HeadGate
 from workers.outcomes import Outcomes
 from workers.overlay_follower import OverlayFollower
@@ -40,6 +44,7 @@ from workers.providers import ProviderStates
 from workers.proxy import Proxy
 from workers.proxy_settings import ProxySettings
 from workers.server import ServerSettings, ServerState
+from workers.tracing import TRACE_HEADERS, Tracer
 
 log = logging.getLogger("gridgate.worker")
 
@@ -76,6 +81,7 @@ class RequestPath:
     head_gate: HeadGate
     outcomes: Outcomes
     proxy: Proxy
+    tracer: Tracer | None = None  # tracing configured (docs/tracing.md)
 
     @classmethod
     async def build(cls, ctx: WorkerContext, segment: Segment, row: WorkerRow) -> RequestPath:
@@ -108,10 +114,12 @@ class RequestPath:
         access_log = AccessLog.from_config(config)
         settings = ProxySettings.from_config(config)
         outcomes = Outcomes(quota, metrics, access_log, providers, settings.cooling, settings.route_headers)
+        tracer = Tracer.from_config(config)
         proxy = Proxy(settings=settings, tenants=TenantPolicies(config.tenants), overlay=overlay, router=router,
-                      clusters=clusters, providers=providers, quota=quota, metrics=metrics, outcomes=outcomes)
+                      clusters=clusters, providers=providers, quota=quota, metrics=metrics, outcomes=outcomes,
+                      tracer=tracer)
         return cls(config, metrics, overlay, clusters, providers, router, quota, access_log,
-                   _head_gate(config, clusters, settings, provider_index), outcomes, proxy)
+                   _head_gate(config, clusters, settings, provider_index), outcomes, proxy, tracer)
 
     def server_state(self) -> ServerState:
         """The per-worker server state that hands this path every request: the head gate decides on each
@@ -119,6 +127,10 @@ class RequestPath:
         state = ServerState(ServerSettings(self.config), self.proxy.handle)
         state.on_reject = self.outcomes.rejected
         state.head_gate = self.head_gate  # key and route decided on the head, before any body is read
+        cors = CorsPolicy.from_config(self.config.cors)
+        if cors is not None:  # browser clients: preflights answered before the key is checked
+            state.head_gate = CorsGate(cors, self.head_gate, self.head_gate.ids.next)
+            state.cors = cors
         return state
 
     def publish_counters(self) -> None:
@@ -129,6 +141,8 @@ class RequestPath:
             metrics.publish_tenant_tokens(self.quota.tenant_tokens)
         metrics.publish_panic(self.clusters.panic_entries())
         metrics.publish_access_log(self.access_log.dropped)
+        if self.tracer is not None:
+            metrics.publish_trace_drops(self.tracer.exporter.dropped)
 
     async def close(self) -> None:
         """Pools, the quota gate (its queued settlements first) and the access log (its last lines)."""
@@ -136,6 +150,8 @@ class RequestPath:
         if self.quota is not None:
             await self.quota.close()
         await self.access_log.close()
+        if self.tracer is not None:  # its queued spans go out first (bounded by the export timeout)
+            await asyncio.get_running_loop().run_in_executor(None, self.tracer.exporter.close)
         self.publish_counters()  # the last settlements and log lines, before the row is retired
 
 
@@ -144,7 +160,8 @@ def _metrics_writer(ctx: WorkerContext, segment: Segment, row: WorkerRow) -> Wor
     clusters = ctx.metric_clusters or [cluster.name for cluster in config.clusters]
     tenants = ctx.metric_tenants or configured_tenants(config)
     table = MetricsTable(segment.region(ctx.metrics_region), segment.max_workers, COUNTERS)
-    return WorkerMetrics(table.row(row.index), clusters, tenants)
+    fallbacks = ctx.metric_fallbacks or fallback_edges(config.models)
+    return WorkerMetrics(table.row(row.index), clusters, tenants, fallbacks)
 
 
 def _affinity_table(ctx: WorkerContext, segment: Segment) -> AffinityTable | None:
@@ -171,7 +188,9 @@ def _head_gate(config: Config, clusters: ClusterManager, settings: ProxySettings
         # Scanned for affinity, and for a stable_hash key that names the session (affinity on or not).
         session_header=routing.session_affinity.header if settings.session_fact else None,
         pin_header=routing.pin_header,
-        balance_key_headers=[*clusters.balance_key_headers(), *settings.stable_hash_headers()],
+        # With tracing on, the scan also captures the W3C trace headers (read there, forwarded as before).
+        balance_key_headers=[*clusters.balance_key_headers(), *settings.stable_hash_headers(),
+                             *(TRACE_HEADERS if config.tracing is not None else ())],
         credential_headers=[c.upstream_auth.header for c in config.clusters if c.upstream_auth is not None],
     )
     routes = RouteTable(routing.mcp_path, [(c.name, c.allowed_routes) for c in config.clusters], provider_index)

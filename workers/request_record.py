@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 if TYPE_CHECKING:
+    from gateway.models.aliases import ModelRoute
     from gateway.quota.admission import Admission
     from gateway.routing import RouteDecision
     from gateway.routing.eligibility import Needs
@@ -36,7 +37,8 @@ class RequestRecord(msgspec.Struct, gc=False):
     request_id: bytes | None = None
     tenant: str | None = None
     batch: bool = False  # the tenant waits behind interactive ones for upstream connections
-    capability: str | None = None
+    capability: str | None = None  # the model the path routes (an alias's target: docs/models.md)
+    model_route: ModelRoute | None = None  # the requested name was an alias or has a fallback chain
     # -- decided before the first attempt
     admission: Admission | None = None  # the quota's, when it admitted the request
     session: bytes | None = None  # the session-affinity key whose binding follows the serving provider
@@ -55,6 +57,11 @@ class RequestRecord(msgspec.Struct, gc=False):
     owed: int = 0  # tokens the attempts that ended without serving cost (gateway/request/attempts.py)
     reached: bool = False  # one of those attempts reached its provider (its request slot is spent)
     overhead_s: float | None = None  # gateway time before the upstream request was written
+    # -- a fallback chain (docs/models.md): the model of the latest attempt, the moves and their reasons
+    served_model: str | None = None  # None: ``capability`` (no chain moved the request)
+    fallback_hops: int = 0
+    fallback_reasons: list[str] | None = None
+    fallback_skipped: int = 0  # chain models skipped: the tenant or key may not use them
     # -- the outcome: a gateway-made answer's status and code, and the cluster it is counted under
     status: int = 0
     error: str | None = None
@@ -62,6 +69,8 @@ class RequestRecord(msgspec.Struct, gc=False):
     filtered: int = 0  # candidates the eligibility filters removed, and why (reason bits)
     filtered_reasons: int = 0
     shadow: tuple[str, ...] | None = None  # quota limits in shadow mode that would have refused it
+    evidence: Any = None  # gateway.routing.evidence.RouteEvidence of a sampled request (the access line)
+    trace: Any = None  # workers.tracing.RequestTrace of a traced request
     # -- the access line's copy of the exchange, taken at close
     ended: float = 0.0
     t_start: float | None = None
@@ -81,6 +90,17 @@ class RequestRecord(msgspec.Struct, gc=False):
         client left before it was sent, no connection came, or only pooled connections the provider had
         closed took it (docs/limits.md, "Request limits")."""
         return self.reached or self.attempt is not None
+
+    @property
+    def served(self) -> str | None:
+        """The model that served (or was last tried): the one a request is priced at (docs/pricing.md)."""
+        return self.served_model or self.capability
+
+    @property
+    def requested_model(self) -> str | None:
+        """The name the client asked for, when it was an alias (else None: ``capability``)."""
+        route = self.model_route
+        return route.requested if route is not None and route.alias else None
 
     @property
     def estimate(self) -> int:

@@ -34,9 +34,10 @@ from collections.abc import Awaitable, Callable
 
 from gateway.config import Config
 from gateway.http import codec
-from gateway.http.errors import ErrorReply, GatewayError, error_headers
+from gateway.http.errors import ErrorReply, GatewayError
 from gateway.http.framing import ChunkedDecoder, RequestFraming, check_request_head
 from workers.exchange import Exchange
+from workers.raw_answers import CorsPolicy, raw_answer
 
 log = logging.getLogger("gridgate.server")
 
@@ -100,6 +101,7 @@ class ServerState:
         # refuses the request (answered at once, the body never read, the connection closed); anything
         # else admits it and travels to the handler as ``exchange.admitted``.
         self.head_gate: Callable[[ServerConnection, bytes, bytes, list[tuple[bytes, bytes]]], object] | None = None
+        self.cors: CorsPolicy | None = None  # the CORS policy (None: off) of the answers written here
 
     def close_idle(self, now: float) -> None:
         """Draining: close the connections that sat idle between requests for ``_DRAIN_IDLE_S``.
@@ -171,10 +173,9 @@ class ServerConnection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         server = self.server
         if len(server.connections) >= self.settings.max_connections:
-            reply = ErrorReply(503, "too_many_connections", "worker connection limit reached, retry")
-            body = reply.body()
-            headers = [*error_headers(body), (b"retry-after", b"1"), (b"connection", b"close")]
-            transport.write(codec.raw_response(503, headers, body))  # type: ignore[attr-defined]
+            reply = ErrorReply(503, "too_many_connections", "worker connection limit reached, retry",
+                               [(b"retry-after", b"1")])
+            transport.write(raw_answer(reply))  # type: ignore[attr-defined]
             self._linger_close()
             return
         server.connections.add(self)
@@ -272,6 +273,7 @@ class ServerConnection(asyncio.Protocol):
             self._reject(ErrorReply(error.status, code, f"malformed HTTP request: {error}", close=True))
 
     def _on_request_head(self, event: codec.RequestHead) -> None:
+        self._request = event  # first: a refusal of this head is answered in its API's error shape
         settings = self.settings
         headers = self._headers = codec.header_pairs(event.headers)
         framing = self._framing = check_request_head(
@@ -285,7 +287,6 @@ class ServerConnection(asyncio.Protocol):
             if isinstance(admitted, ErrorReply):
                 raise GatewayError(admitted)
             self.admitted = admitted
-        self._request = event
         if framing.content_length > 0:
             self._count_body(framing.content_length)  # counted whole before a byte of it is read
         self.state = _BODY
@@ -433,9 +434,9 @@ class ServerConnection(asyncio.Protocol):
             return
         if self.server.on_reject is not None:
             self.server.on_reject(reply)
-        body = reply.body()
-        headers = [*error_headers(body), *reply.headers, (b"connection", b"close")]
-        self.write(codec.raw_response(reply.status, headers, body))
+        request = self._request  # the request this answers, when its head was read (its API, its Origin)
+        target = None if request is None else request.target
+        self.write(raw_answer(reply, target, self._headers, self.server.cors))
         self._linger_close()
 
     def _linger_close(self) -> None:

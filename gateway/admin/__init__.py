@@ -1,4 +1,4 @@
-"""The admin listener (CONTRACT §6), run by the supervisor on its own loop.
+"""The admin listener (docs/operations.md#admin-listener), run by the supervisor on its own loop.
 
     pages    ``AdminApp``: pure routing of the pages, ``AdminSources`` (what the supervisor provides),
              ``MetricsExposition`` (the pluggable /metrics page)

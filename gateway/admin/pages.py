@@ -1,4 +1,5 @@
-"""The admin pages (CONTRACT §6) as pure routing: ``(method, target)`` in, ``AdminResponse`` out.
+"""The admin pages (docs/operations.md#admin-listener) as pure routing: ``(method, target)`` in,
+``AdminResponse`` out.
 
 No sockets here (``gateway.admin.server`` serves an ``AdminApp``), so the pages are easy to test.
 The data comes from ``AdminSources``, implemented by the supervisor; ``/metrics`` from a

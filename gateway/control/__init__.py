@@ -1,4 +1,4 @@
-"""The control plane (CONTRACT §8): render envelope-v1 overlays from a provider catalogue plus live
+"""The control plane (docs/control-plane.md): render envelope-v1 overlays from a provider catalogue plus live
 health and metrics, and publish them atomically when their semantic revision changes.
 
 spec (the YAML file) -> observe (probes, I/O) -> decide (pure) -> publish (atomic file), driven by runner.

@@ -2,7 +2,7 @@
 
 Input: the spec, one :class:`Observation` per provider (from :mod:`gateway.control.observe`),
 and the previous :class:`Hold` per provider (for ``stabilized`` admission). Output:
-a :class:`Decision` holding the overlay document (CONTRACT §4.1) and the new holds.
+a :class:`Decision` holding the overlay document (docs/overlay.md#formats) and the new holds.
 No clock, no I/O: the same inputs always give the same document, byte for byte
 once canonicalized, hence the same semantic revision.
 
@@ -46,7 +46,7 @@ The algorithm, per provider, then per capability:
    equal inputs always give one order. Groups are numbered 0, 1, ... in file
    order, so per capability every candidate is grouped, groups start at 0, are
    contiguous and non-decreasing, and each has one admission state: exactly the
-   CONTRACT §4.2 rules. The data plane walks the groups and spreads new sessions
+   rules of docs/overlay.md#selection-groups. The data plane walks the groups and spreads new sessions
    inside the first ``new_and_existing`` one by ``selectionPolicy.mode``; the
    score order inside it decides only who is first (``deterministic``) and stays
    visible in ``rank``, ``score`` and ``score_breakdown``.
@@ -55,7 +55,7 @@ Each candidate carries ``rank`` (its index in the capability), ``selection_group
 ``selection_tier`` (0 at ``scope.local_site``, 1 elsewhere), the default
 ``stable_id`` ``kind/model/site/cluster``, ``fresh``, ``score`` (lower is better) and
 ``score_breakdown``, plus the provider's credential reference when it has one. The document
-carries ``selection_policy`` only when the spec has a ``selectionPolicy`` (CONTRACT §8): an
+carries ``selection_policy`` only when the spec has a ``selectionPolicy`` (docs/control-plane.md): an
 omitted policy stays omitted, so the semantic revision is the one Grid would compute.
 """
 

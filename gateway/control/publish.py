@@ -1,6 +1,7 @@
 """Render the envelope v1 around an overlay document and publish it to a file atomically.
 
-Rules (CONTRACT §4.1, §4.3, §8), shared with the Valkey publisher (:mod:`gateway.control.valkey_publish`):
+Rules (docs/overlay.md#formats, docs/overlay.md#semantic-revision-digest, docs/control-plane.md),
+shared with the Valkey publisher (:mod:`gateway.control.valkey_publish`):
 
 - ``revision.value`` = ``content_digest.value`` = the semantic revision of the
   document; ``provenance.source_generation`` counts publishes and survives

@@ -1,9 +1,9 @@
 """The control-plane spec file (YAML), documented in ``docs/control-plane.md``.
 
-Same rules as the gateway config (CONTRACT §2): msgspec Structs reject unknown keys,
-durations are ``500ms``/``5s``/``2m``, and every problem is one ``field.path: message``
-line. The three ``*Policy`` blocks use Grid's camelCase names so they read like a Grid
-network spec; everything else is gridgate's snake_case.
+Same rules as the gateway config (docs/configuration.md#rules-that-apply-everywhere): msgspec
+Structs reject unknown keys, durations are ``500ms``/``5s``/``2m``, and every problem is one
+``field.path: message`` line. The three ``*Policy`` blocks use Grid's camelCase names so they read
+like a Grid network spec; everything else is gridgate's snake_case.
 
 Cross-checks go further than types: a spec that loads here renders overlays the data
 plane accepts (stable ids are visible ASCII, no two providers claim one candidate
@@ -160,7 +160,7 @@ class Provider(_Strict):
 
 
 class ValkeyTarget(_Strict):
-    """Publish to one Valkey key (CONTRACT §13); gateways follow it with ``routing.overlay_source``."""
+    """Publish to one Valkey key (docs/fleet.md); gateways follow it with ``routing.overlay_source``."""
 
     url: str  # as quota.backend.url: valkey://, valkeys:// (TLS), redis://, rediss://, unix://, user:password@
     key: str

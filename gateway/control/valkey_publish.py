@@ -1,6 +1,6 @@
 """Publish overlays to one Valkey key, holding a lease so that one control-plane instance publishes.
 
-CONTRACT §13: gateways with ``routing.overlay_source: {kind: valkey, url, key}`` read ``key`` and
+docs/fleet.md: gateways with ``routing.overlay_source: {kind: valkey, url, key}`` read ``key`` and
 re-read it when ``<key>:events`` carries a message. Each round the instance that holds the lease:
 
 1. renews the lease (``<key>:lease``, value = this instance's id, ``PX lease_ttl``); an instance
@@ -106,7 +106,7 @@ class ValkeyPublisher:
     async def publish(self, document: dict[str, Any], now: datetime) -> PublishResult | None:
         """One round; None when nothing was written (the key is current, or another instance leads).
 
-        Raises :class:`ValkeyUnavailable`, or :class:`~gateway.overlay.contract.OverlayRejected`
+        Raises :class:`ValkeyUnavailable`, or :class:`~gateway.overlay.reasons.OverlayRejected`
         when the render does not validate.
         """
         try:

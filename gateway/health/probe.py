@@ -3,7 +3,7 @@
 Used by the health process (endpoint checks) and by the control plane (provider health and metrics
 pages). One request per connection with ``Connection: close``; the deadline covers everything from
 connect to the last byte read. The HTTP is the data plane's own client codec
-(:class:`gateway.http.codec.ClientCodec`): one parser and one chunked decoder for every response the
+(:class:`gateway.http.client_codec.ClientCodec`): one parser and one chunked decoder for every response the
 gateway reads. A response is read to its end (bounded), or, when only the status matters, to its head.
 Failures raise :class:`ProbeError` with a short message fit for logs and observations.
 """

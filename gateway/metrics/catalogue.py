@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
+from gateway.config_models import FALLBACK_REASONS
 from gateway.routing.eligibility import REASONS
 
 MAX_CLUSTERS = 64
@@ -30,6 +31,11 @@ OVERLAY_RESULTS = ("applied", "unchanged", "rejected")
 # Why the eligibility filters removed candidates (the writer maps the router's reason bits to these).
 FILTER_REASONS = tuple(name for _bit, name in REASONS)  # gateway.routing.eligibility
 TOKEN_DIRECTIONS = ("in", "out")
+# Fallback chains (docs/models.md): per (from, to) edge of the supervisor's edge registry, one cell per
+# reason a request moved, then one for a model skipped (the tenant or key may not use it).
+MAX_FALLBACK_EDGES = 256
+FALLBACK_CELLS = (*FALLBACK_REASONS, "skipped")
+OTHER_FALLBACK_EDGE = MAX_FALLBACK_EDGES  # every edge past the registry
 
 # Cluster indexes: the registry's positions, then MAX_CLUSTERS for "answered by the gateway itself"
 # and MAX_CLUSTERS + 1 for a cluster the registry had no room left for. Per-cluster families have a
@@ -69,9 +75,11 @@ PROVIDER_COOLED = PROVIDER_FAILOVERS + CLUSTER_SLOTS  # per cluster index
 ENDPOINT_COOLED = PROVIDER_COOLED + CLUSTER_SLOTS  # per cluster index
 ROUTE_FILTERED = ENDPOINT_COOLED + CLUSTER_SLOTS  # per FILTER_REASONS entry
 ACCESS_LOG_DROPPED = ROUTE_FILTERED + len(FILTER_REASONS)
-TENANT_TOKENS = ACCESS_LOG_DROPPED + 1  # tenant slot t, direction d: TENANT_TOKENS + 2*t + d
+TRACE_SPANS_DROPPED = ACCESS_LOG_DROPPED + 1
+TENANT_TOKENS = TRACE_SPANS_DROPPED + 1  # tenant slot t, direction d: TENANT_TOKENS + 2*t + d
 UPSTREAM_LATENCY = TENANT_TOKENS + TENANT_SLOTS * len(TOKEN_DIRECTIONS)  # cluster c: + c*LATENCY_STRIDE
-COUNTERS = UPSTREAM_LATENCY + CLUSTER_SLOTS * LATENCY_STRIDE
+FALLBACKS = UPSTREAM_LATENCY + CLUSTER_SLOTS * LATENCY_STRIDE  # edge e, cell k: + e*len(FALLBACK_CELLS) + k
+COUNTERS = FALLBACKS + (MAX_FALLBACK_EDGES + 1) * len(FALLBACK_CELLS)
 
 _GATEWAY_STATUS_INDEX = {status: i for i, status in enumerate(GATEWAY_STATUSES)}
 
@@ -99,3 +107,12 @@ def latency_block(cluster_index: int) -> int:
 
 def tenant_tokens_cell(tenant_slot: int, direction: int) -> int:
     return TENANT_TOKENS + tenant_slot * len(TOKEN_DIRECTIONS) + direction
+
+
+def fallback_cell(edge_index: int, cell: int) -> int:
+    return FALLBACKS + edge_index * len(FALLBACK_CELLS) + cell
+
+
+def fallback_edge_name(source: str, target: str) -> str:
+    """The registry name of a (from, to) edge of the fallback metrics."""
+    return f"{source}\x00{target}"

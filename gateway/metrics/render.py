@@ -16,6 +16,7 @@ from gateway.metrics.catalogue import (
     DURATION_BUCKETS_S,
     DURATION_SUM_US,
     ENDPOINT_COOLED,
+    FALLBACK_CELLS,
     FILTER_REASONS,
     FIRST_BYTE_BUCKETS_S,
     FIRST_BYTE_SUM_US,
@@ -23,6 +24,7 @@ from gateway.metrics.catalogue import (
     GATEWAY_ERROR_LABELS,
     GATEWAY_ERRORS,
     MAX_CLUSTERS,
+    MAX_FALLBACK_EDGES,
     MAX_TENANTS,
     OTHER_CLUSTER,
     OTHER_TENANT,
@@ -48,6 +50,8 @@ from gateway.metrics.catalogue import (
     ROUTE_FILTERED,
     STATUS_CLASSES,
     TOKEN_DIRECTIONS,
+    TRACE_SPANS_DROPPED,
+    fallback_cell,
     latency_block,
     tenant_tokens_cell,
 )
@@ -211,16 +215,44 @@ def _process_families(totals: list[int]) -> Iterator:
         "gridgate_access_log_dropped", "Access-log lines dropped (buffer full or output failing), never blocking.",
         value=totals[ACCESS_LOG_DROPPED],
     )
+    yield CounterMetricFamily(
+        "gridgate_trace_spans_dropped", "Trace spans dropped (export queue full or export failed), never blocking.",
+        value=totals[TRACE_SPANS_DROPPED],
+    )
 
 
-def render_prometheus(totals: list[int], cluster_names: Sequence[str], tenant_names: Sequence[str] = ()) -> bytes:
-    """Prometheus text for the summed counters; ``cluster_names``/``tenant_names`` are the supervisor's
-    registries (position = index), the ones the workers index by."""
+def _fallback_families(totals: list[int], edge_names: Sequence[str]) -> Iterator:
+    """Fallback chains (docs/models.md): moves per (from, to, reason) and skipped models per (from, to);
+    only edges that counted something are shown (a chain of n models has n*(n-1)/2 possible edges)."""
+    moved = CounterMetricFamily("gridgate_fallbacks", "Requests moved to the next model of their fallback chain.",
+                                labels=["from", "to", "reason"])
+    skipped = CounterMetricFamily("gridgate_fallback_skipped", "Chain models skipped: the tenant or the key may "
+                                  "not use them.", labels=["from", "to"])
+    edges = [*((i, *name.split("\x00", 1)) for i, name in enumerate(edge_names[:MAX_FALLBACK_EDGES])),
+             (MAX_FALLBACK_EDGES, OTHER, OTHER)]
+    for index, source, target in edges:
+        for cell, reason in enumerate(FALLBACK_CELLS):
+            value = totals[fallback_cell(index, cell)]
+            if not value:
+                continue
+            if reason == "skipped":
+                skipped.add_metric([source, target], value)
+            else:
+                moved.add_metric([source, target, reason], value)
+    yield moved
+    yield skipped
+
+
+def render_prometheus(totals: list[int], cluster_names: Sequence[str], tenant_names: Sequence[str] = (),
+                      fallback_edges: Sequence[str] = ()) -> bytes:
+    """Prometheus text for the summed counters; ``cluster_names``/``tenant_names``/``fallback_edges`` are
+    the supervisor's registries (position = index), the ones the workers index by."""
     families = [
         *_request_families(totals, cluster_names),
         *_upstream_families(totals, cluster_names),
         *_quota_families(totals, tenant_names),
         *_process_families(totals),
+        *_fallback_families(totals, fallback_edges),
     ]
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_StaticCollector(families))

@@ -15,13 +15,16 @@ from gateway.metrics.catalogue import (
     DURATION_BUCKETS_S,
     DURATION_SUM_US,
     ENDPOINT_COOLED,
+    FALLBACK_CELLS,
     FILTER_REASONS,
     FIRST_BYTE_BUCKETS_S,
     FIRST_BYTE_SUM_US,
     GATEWAY_CLUSTER,
     MAX_CLUSTERS,
+    MAX_FALLBACK_EDGES,
     MAX_TENANTS,
     OTHER_CLUSTER,
+    OTHER_FALLBACK_EDGE,
     OTHER_TENANT,
     OVERHEAD_COUNT,
     OVERHEAD_SUM_US,
@@ -42,6 +45,9 @@ from gateway.metrics.catalogue import (
     TENANT_SLOTS,
     TENANT_TOKENS,
     TOKEN_DIRECTIONS,
+    TRACE_SPANS_DROPPED,
+    fallback_cell,
+    fallback_edge_name,
     gateway_error_cell,
     latency_block,
     overhead_cell,
@@ -53,20 +59,22 @@ from gateway.routing.eligibility import REASONS
 _FILTER_CELLS = tuple((bit, ROUTE_FILTERED + FILTER_REASONS.index(name)) for bit, name in REASONS)
 
 _AFFINITY_CELLS = {outcome: AFFINITY + i for i, outcome in enumerate(AFFINITY_OUTCOMES)}
+_FALLBACK_CELL = {name: i for i, name in enumerate(FALLBACK_CELLS)}
 
 
 class WorkerMetrics:
     """A worker's writer over its own row."""
 
-    __slots__ = ("row", "cluster_index", "tenant_index")
+    __slots__ = ("row", "cluster_index", "tenant_index", "fallback_index")
 
     def __init__(self, row: memoryview | list[int], cluster_names: Sequence[str],
-                 tenant_names: Sequence[str] = ()) -> None:
-        """``cluster_names``/``tenant_names``: the supervisor's registries (position = index), e.g.
-        ``WorkerContext.metric_clusters`` and ``metric_tenants``."""
+                 tenant_names: Sequence[str] = (), fallback_edges: Sequence[str] = ()) -> None:
+        """``cluster_names``/``tenant_names``/``fallback_edges``: the supervisor's registries (position =
+        index), e.g. ``WorkerContext.metric_clusters``, ``metric_tenants`` and ``metric_fallbacks``."""
         self.row = row
         self.cluster_index = {name: i for i, name in enumerate(cluster_names[:MAX_CLUSTERS])}
         self.tenant_index = {name: i for i, name in enumerate(tenant_names[:MAX_TENANTS])}
+        self.fallback_index = {name: i for i, name in enumerate(fallback_edges[:MAX_FALLBACK_EDGES])}
 
     # -- per request ----------------------------------------------------------------------------
     def request(self, cluster: str | None, status: int) -> None:
@@ -104,7 +112,8 @@ class WorkerMetrics:
         self.row[PROVIDER_FAILOVERS + self.cluster_index.get(cluster, OTHER_CLUSTER)] += 1
 
     def cooled(self, cluster: str) -> None:
-        """This cluster's provider answered 429/503 and is skipped for a while."""
+        """This cluster's provider was cooled (a 429/503 spoke for the whole provider, or left it no endpoint
+        that is not cooled) and is skipped for a while."""
         self.row[PROVIDER_COOLED + self.cluster_index.get(cluster, OTHER_CLUSTER)] += 1
 
     def endpoint_cooled(self, cluster: str) -> None:
@@ -118,12 +127,22 @@ class WorkerMetrics:
             if reasons & bit:
                 row[cell] += 1
 
+    def fallback(self, source: str, target: str, reason: str) -> None:
+        """A request moved along its fallback chain from model ``source`` to ``target`` for ``reason``."""
+        edge = self.fallback_index.get(fallback_edge_name(source, target), OTHER_FALLBACK_EDGE)
+        self.row[fallback_cell(edge, _FALLBACK_CELL[reason])] += 1
+
+    def fallback_skipped(self, source: str, target: str) -> None:
+        """A chain model was skipped after ``source``: the tenant or key may not use ``target``."""
+        edge = self.fallback_index.get(fallback_edge_name(source, target), OTHER_FALLBACK_EDGE)
+        self.row[fallback_cell(edge, _FALLBACK_CELL["skipped"])] += 1
+
     def overlay_reload(self, result: str) -> None:
         self.row[OVERLAY_RELOADS + OVERLAY_RESULTS.index(result)] += 1
 
     # -- published from the heartbeat (per-process monotonic counters, copied) --------------------
     def publish_quota(self, counters: Any) -> None:
-        """Copy the quota gate's monotonic per-worker counters (gateway.quota.gate.QuotaCounters)."""
+        """Copy the quota gate's monotonic per-worker counters (gateway.quota.counters.QuotaCounters)."""
         row = self.row
         row[QUOTA_DECISION] = counters.admitted
         row[QUOTA_DECISION + 1] = counters.denied + counters.denied_concurrency
@@ -167,3 +186,7 @@ class WorkerMetrics:
     def publish_access_log(self, dropped: int) -> None:
         """Access-log lines lost so far (buffer full or output failing)."""
         self.row[ACCESS_LOG_DROPPED] = dropped
+
+    def publish_trace_drops(self, dropped: int) -> None:
+        """Trace spans lost so far (export queue full, or their export failed: docs/tracing.md)."""
+        self.row[TRACE_SPANS_DROPPED] = dropped

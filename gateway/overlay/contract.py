@@ -1,4 +1,4 @@
-"""Overlay contract: parse and validate a routing overlay (CONTRACT §4.1).
+"""Overlay contract: parse and validate a routing overlay (docs/overlay.md#formats).
 
 Pure: takes bytes or an already-parsed JSON value, returns data or raises
 :class:`OverlayRejected`. No file access, no clock.
@@ -20,7 +20,7 @@ Validation order (the first failing step decides the reason):
 9. scope consistency (overlay vs scope, provenance.source_name vs scope.network)
    and the configured expected scope: ``scope_mismatch``.
 
-Selection-group rules (CONTRACT §4.2) are checked afterwards, when the snapshot
+Selection-group rules (docs/overlay.md#selection-groups) are checked afterwards, when the snapshot
 indexes the groups (see :mod:`gateway.overlay.snapshot`).
 """
 

@@ -1,4 +1,4 @@
-"""Semantic revision of an overlay document (CONTRACT §4.3).
+"""Semantic revision of an overlay document (docs/overlay.md#semantic-revision-digest).
 
 SHA-256 (lowercase hex) of the RFC 8785 (JCS) canonical JSON of
 ``{candidates, local_site, network, selection_policy?}`` taken from the overlay

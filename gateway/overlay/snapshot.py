@@ -1,7 +1,7 @@
 """Immutable routing snapshot: the validated overlay indexed for the request path.
 
 Built once per accepted overlay. Per capability ``(kind, name)`` it holds the ordered
-selection groups (CONTRACT §4.2, enforced here) and precomputes what a request needs,
+selection groups (docs/overlay.md#selection-groups, enforced here) and precomputes what a request needs,
 so routing is a dict lookup plus one picker step and never scans the candidate list.
 """
 
@@ -158,7 +158,8 @@ class Snapshot:
 
 
 def _groups_of(kind: str, name: str, members: tuple[Candidate, ...], prefix: str) -> tuple[Group, ...]:
-    """Check the §4.2 group rules for one capability; returns its groups, () when ungrouped."""
+    """Check the group rules (docs/overlay.md#selection-groups) for one capability; returns its groups,
+    () when ungrouped."""
     label = f"{kind}/{name}"
     numbers = [c.selection_group for c in members]
     if all(n is None for n in numbers):

@@ -1,4 +1,5 @@
-"""Overlay files at the edge: read, write atomically, watch, keep the last-known-good (CONTRACT §4.5).
+"""Overlay files at the edge: read, write atomically, watch, keep the last-known-good
+(docs/overlay.md#reload).
 
 - :func:`write_atomically` is how every overlay file is written (the control plane's
   output, the supervisor's cache of a Valkey-sourced overlay): readers see the old

@@ -30,8 +30,9 @@ class Admission(msgspec.Struct, gc=False):
     """The verdict the worker acts on.
 
     ``allowed`` False -> answer ``status`` (429 or 503) with ``headers``, send nothing upstream.
-    ``allowed`` True -> forward; add ``headers`` to the response; when the request ends call
-    ``QuotaGate.settle`` once with what it cost (settling an admission that reserved nothing is a no-op).
+    ``allowed`` True -> forward; add ``headers`` to the response. The request's record keeps it, and
+    closing the record settles it once with what the request cost (``workers/outcomes.py`` calls
+    ``QuotaGate.settle``; settling an admission that reserved nothing is a no-op).
     ``shadow``: the limits marked ``shadow`` that would have refused it (for the access log), or None.
 
     A ``msgspec.Struct``: one is built per metered request, and its constructor runs in C (half the

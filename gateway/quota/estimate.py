@@ -24,13 +24,6 @@ def estimate_prompt_tokens(body_len: int) -> int:
     return -(-max(body_len, 0) // PROMPT_BYTES_PER_TOKEN)
 
 
-def relayed_floor(body_len: int, relayed_bytes: int) -> int:
-    """The least a response that relayed ``relayed_bytes`` of body to the client cost, when the provider
-    reported no usage: the prompt estimate plus those bytes' tokens, by the prompt's rule (four bytes a
-    token; the JSON or SSE framing around the text makes it generous)."""
-    return estimate_prompt_tokens(body_len) + estimate_prompt_tokens(relayed_bytes)
-
-
 def completion_allowance(
     max_tokens: int | None, max_completion_tokens: int | None, max_output_tokens: int | None = None
 ) -> int | None:

@@ -100,9 +100,6 @@ class Allowance:
         """The room outside the block at the grant plus what the block has not committed."""
         return max(0, self.room - self.committed)
 
-    def remaining_header(self) -> tuple[bytes, bytes]:
-        return self.remaining_name, b"%d" % self.remaining
-
     def reset_header(self, now: float) -> tuple[bytes, bytes]:
         """The reset header in whole seconds (rounded up), made once per second."""
         if now > self._reset_until:

@@ -35,6 +35,12 @@ from gateway.request.surfaces import MESSAGES_USAGE, NO_USAGE, RESPONSES_USAGE
 
 MAX_HELD_BYTES = 8 * 1024 * 1024  # one whole answer, or one SSE event (the last repeats the output)
 _USAGE_KEY = b'"usage"'
+# An `error` event (both APIs end a stream that failed upstream with one). Looked for as the event's
+# name: a chunk holding these bytes is read event by event, and only a real `event:` line counts.
+_ERROR_NAME = b"event: error"
+_ERROR_LINES = (b"event: error", b"event:error")
+# The access line's error code of a stream the provider ended with an error event (docs/api-surfaces.md).
+STREAM_ERROR = "upstream_error_event"
 
 _Count = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -97,12 +103,12 @@ _DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 # --- the observers ----------------------------------------------------------------------------------
 
 
-class _AnswerUsage:
+class AnswerUsage:
     """Collects whole JSON documents from an answer (the body, or each SSE event's data that holds
     ``"usage"``) and hands them to ``_take``; never changes a byte."""
 
     __slots__ = ("total_tokens", "prompt_tokens", "completion_tokens", "cached_tokens", "cache_write_tokens",
-                 "reasoning_tokens", "_sse", "_held", "_held_bytes", "_done")
+                 "reasoning_tokens", "stream_error", "_sse", "_held", "_held_bytes", "_done")
 
     def __init__(self, is_event_stream: bool) -> None:
         self.total_tokens: int | None = None
@@ -111,6 +117,8 @@ class _AnswerUsage:
         self.cached_tokens: int | None = None
         self.cache_write_tokens: int | None = None
         self.reasoning_tokens: int | None = None
+        # ``STREAM_ERROR`` once the stream carried an `error` event: the provider failed mid-stream.
+        self.stream_error: str | None = None
         self._sse = is_event_stream
         self._held: list[bytes] = []  # the answer so far (JSON), or the incomplete event (SSE)
         self._held_bytes = 0
@@ -119,7 +127,7 @@ class _AnswerUsage:
     def feed(self, chunk: bytes) -> bytes:
         if self._sse:
             # The usual chunk: whole events, none with usage (every delta): nothing to hold or read.
-            if self._held or chunk[-2:] != b"\n\n" or _USAGE_KEY in chunk:
+            if self._held or chunk[-2:] != b"\n\n" or _USAGE_KEY in chunk or _ERROR_NAME in chunk:
                 self._feed_events(chunk)
         elif not self._done:
             if not self._held and chunk[:1] == b"{" and chunk[-1:] == b"}" and self._take_document(chunk):
@@ -133,6 +141,7 @@ class _AnswerUsage:
         if held:
             if self._sse:
                 self._take_event(held)  # a last event without its blank line
+                self._check_error(held)
             elif not self._done:
                 self._take_document(held)
         self._done = True
@@ -163,14 +172,24 @@ class _AnswerUsage:
             return
         if held:
             self._held, self._held_bytes = [], 0
-        if _USAGE_KEY in data:  # the common event holds no usage: nothing to decode
+        if _USAGE_KEY in data or _ERROR_NAME in data:  # the common event holds neither: nothing to decode
             complete = data[:end] if end < len(data) else data
-            if _USAGE_KEY in complete:
+            if _USAGE_KEY in complete or _ERROR_NAME in complete:
                 for event in _events(complete):
                     if _USAGE_KEY in event:
                         self._take_event(event)
+                    if _ERROR_NAME in event:
+                        self._check_error(event)
         if end < len(data):
             self._hold(data[end:])
+
+    def _check_error(self, event: bytes) -> None:
+        """An `error` event: the provider ended the stream with an error (its `event:` line says so;
+        the same bytes inside a JSON string would sit on a `data:` line)."""
+        for line in event.replace(b"\r\n", b"\n").split(b"\n"):
+            if line.rstrip() in _ERROR_LINES:
+                self.stream_error = STREAM_ERROR
+                return
 
     def _take_event(self, event: bytes) -> None:
         payload = _event_data(event)
@@ -182,7 +201,7 @@ class _AnswerUsage:
         raise NotImplementedError
 
 
-class ResponsesUsage(_AnswerUsage):
+class ResponsesUsage(AnswerUsage):
     """The usage of a Responses API answer (see the module docstring)."""
 
     __slots__ = ()
@@ -208,7 +227,7 @@ class ResponsesUsage(_AnswerUsage):
         return True
 
 
-class MessagesUsage(_AnswerUsage):
+class MessagesUsage(AnswerUsage):
     """The usage of an Anthropic Messages API answer (see the module docstring)."""
 
     __slots__ = ("_input", "_output", "_read", "_written")

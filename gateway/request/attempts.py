@@ -49,6 +49,9 @@ class AttemptResult(msgspec.Struct, gc=False):
     first_byte_s: float = 0.0  # request written -> response head
     duration_s: float = 0.0  # request written -> attempt over
     provider_wide: bool = False  # a 429/503 said the whole provider is limited (gateway/routing/cooling.py)
+    # The provider ended a Responses or Messages stream with an `error` event (the access line's error code).
+    stream_error: str | None = None
+    refusal: str | None = None  # a held 400's error code a fallback chain moves on (docs/models.md)
 
     @property
     def total_tokens(self) -> int | None:

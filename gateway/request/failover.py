@@ -42,31 +42,41 @@ def cooling_seconds(retry_after: float | None, cooling: Cooling) -> float:
 
 
 class Failover:
-    """Provider attempts of one request: which providers were tried, what the last one answered."""
+    """Provider attempts of one request: which providers of the current model were tried, what the last
+    one answered. A fallback chain (docs/models.md) keeps one ``Failover`` for all its models: one
+    deadline and one attempt budget; ``next_model`` starts a new model's list of providers tried."""
 
-    __slots__ = ("_policy", "deadline", "tried", "last_reply", "_rng")
+    __slots__ = ("_policy", "deadline", "tried", "last_reply", "_rng", "_spent", "replies")
 
     def __init__(self, policy: Retry, deadline: float, rng: random.Random) -> None:
         self._policy = policy
         self.deadline = deadline  # monotonic seconds: until the first response byte, all attempts together
-        self.tried: list[int] = []  # provider indexes, in order
+        self.tried: list[int] = []  # provider indexes of the current model, in order
         self.last_reply: ErrorReply | None = None  # the client's answer if no provider succeeds
         self._rng = rng
+        self._spent = 0  # attempts spent on earlier models of a fallback chain
+        self.replies: list[ErrorReply] = []  # what each provider of the current model failed with
 
     @property
     def attempts(self) -> int:
-        return len(self.tried)
+        return self._spent + len(self.tried)
 
     def failed(self, provider: int, reply: ErrorReply) -> None:
         self.tried.append(provider)
+        self.replies.append(reply)
         self.last_reply = reply
 
     def may_try_another(self, now: float) -> bool:
-        return len(self.tried) < self._policy.attempts and now < self.deadline
+        return self.attempts < self._policy.attempts and now < self.deadline
+
+    def next_model(self) -> None:
+        """The request moves to the next model of its chain: its providers are all untried."""
+        self._spent += len(self.tried)
+        self.tried = []
+        self.replies = []
 
     def backoff(self) -> float:
         """Exponential backoff with full jitter before the next provider (AWS architecture blog)."""
         backoff = self._policy.backoff
-        ceiling = min(float(backoff.max), float(backoff.base) * (2 ** (len(self.tried) - 1)))
+        ceiling = min(float(backoff.max), float(backoff.base) * (2 ** (max(self.attempts, 1) - 1)))
         return self._rng.uniform(0.0, ceiling)
-

@@ -1,5 +1,5 @@
-"""Request-aware eligibility (CONTRACT §12): what each candidate can do (facts from ``routing.models``)
-and what a request needs, and why a candidate cannot serve it. Pure.
+"""Request-aware eligibility (docs/routing.md#request-aware-selection): what each candidate can do
+(facts from ``routing.models``) and what a request needs, and why a candidate cannot serve it. Pure.
 
 Facts are resolved once per overlay revision (glob matching at plan build, never per request). A
 candidate no ``routing.models`` entry matches has no restriction: any context, every feature, no

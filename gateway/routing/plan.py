@@ -7,11 +7,12 @@ adopting a snapshot costs nothing up front and a capability costs O(its members)
 A group picks among the options a caller deems usable (``usable(option) -> bool``: configured,
 not cooled, has a routable endpoint, not tried yet, eligible for the request). The overlay's modes:
 ``deterministic`` (first usable in file order), ``roundRobin`` (rotation, skipping the unusable),
-``random`` (uniform over the usable). ``routing.picker`` may choose instead (CONTRACT §12):
-``weighted`` (smooth weighted round robin by ``traffic_weight``, exact over a cycle), ``stable_hash``
-(rendezvous hashing of the request's key: a key keeps its provider while the group is unchanged, and
-retries keep their exclusions), ``least_loaded`` (power of two choices on load x expected first-byte
-latency, an unmeasured or long-idle provider expected at the group's prior: gateway.routing.providers).
+``random`` (uniform over the usable). ``routing.picker`` may choose instead
+(docs/routing.md#which-picker-and-balancer-when): ``weighted`` (smooth weighted round robin by
+``traffic_weight``, exact over a cycle), ``stable_hash`` (rendezvous hashing of the request's key: a
+key keeps its provider while the group is unchanged, and retries keep their exclusions),
+``least_loaded`` (power of two choices on load x expected first-byte latency, an unmeasured or
+long-idle provider expected at the group's prior: gateway.routing.providers).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class GroupPlan:
     """The options of one admitting selection group (or one ungrouped candidate) and its picker state."""
 
     __slots__ = ("number", "options", "mode", "turn", "_rng", "_current", "_cost", "_providers", "_prior",
-                 "_prior_epoch")
+                 "_prior_epoch", "last_choice")
 
     def __init__(self, number: int | None, options: tuple[Option, ...], mode: int, turn: int,
                  rng: random.Random, cost: Cost | None = None) -> None:
@@ -73,6 +74,8 @@ class GroupPlan:
         self._providers = tuple(dict.fromkeys(o.provider for o in options))  # least_loaded's prior is theirs
         self._prior = 0.0
         self._prior_epoch = -1
+        # least_loaded's latest comparison (option, score, option, score): route evidence reads it
+        self.last_choice: tuple[Option, float, Option, float] | None = None
 
     def pick(self, usable: Usable, key: bytes = b"") -> Option | None:
         options = self.options
@@ -148,7 +151,9 @@ class GroupPlan:
             self._prior = cost.prior_of(self._providers)
             self._prior_epoch = cost.epoch
         prior = self._prior
-        return first if cost(first.provider, prior) <= cost(second.provider, prior) else second
+        first_cost, second_cost = cost(first.provider, prior), cost(second.provider, prior)
+        self.last_choice = (first, first_cost, second, second_cost)
+        return first if first_cost <= second_cost else second
 
 
 class CapabilityPlan:

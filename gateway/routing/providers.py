@@ -5,7 +5,7 @@ written by the health process) a few times a second and updates it at once for i
 decisions; selection only reads plain lists. Pure: no clocks of its own, no shared memory.
 
 A provider is *usable* for a new selection when it is configured on this gateway, not cooled and
-has at least one routable endpoint (CONTRACT §11).
+has at least one routable endpoint (docs/routing.md#usable-providers).
 
 ``least_loaded`` (docs/routing.md, "Which picker when") costs a provider (in flight + 1) x its
 expected first-byte latency. That expectation is honest about what is not known: a provider never

@@ -1,6 +1,6 @@
-"""Per-tenant routing policy (CONTRACT §12): which capabilities a tenant may use, which regions may
-serve it, whether it may pin a route. Pure; capability checks are memoised per tenant so globs are
-matched once per (tenant, capability), not per request.
+"""Per-tenant routing policy (docs/routing.md#request-aware-selection): which capabilities a tenant
+may use, which regions may serve it, whether it may pin a route. Pure; capability checks are memoised
+per tenant so globs are matched once per (tenant, capability), not per request.
 """
 
 from __future__ import annotations
@@ -51,10 +51,6 @@ class TenantPolicies:
 
     def get(self, tenant: str) -> Policy:
         return self._by_tenant.get(tenant, OPEN)
-
-    @property
-    def restrict_regions(self) -> bool:
-        return any(policy.regions is not None for policy in self._by_tenant.values())
 
 
 def model_not_allowed(tenant: str, capability: str) -> ErrorReply:

@@ -1,4 +1,4 @@
-"""The supervisor: owns the lifecycle of the worker processes (DESIGN "Process model").
+"""The supervisor: owns the lifecycle of the worker processes (docs/architecture.md#the-processes).
 
 Modelled on gunicorn's arbiter. Before forking it validates the config and the overlay, starts the
 embedded Valkey when configured, creates the shared-memory segment and binds the admin listener.

@@ -24,8 +24,9 @@ from gateway.admin.server import AdminServer
 from gateway.check import validate_deployment
 from gateway.config import Config, ConfigError
 from gateway.host_segment import AFFINITY_REGION, METRICS_REGION, create_segment, endpoint_ids
-from gateway.metrics.catalogue import MAX_CLUSTERS, MAX_TENANTS
+from gateway.metrics.catalogue import MAX_CLUSTERS, MAX_FALLBACK_EDGES, MAX_TENANTS
 from gateway.metrics.labels import LabelRegistry
+from gateway.models.aliases import fallback_edges
 from gateway.notify import Notifier
 from gateway.process_protocol import Draining, Heartbeat, OverlayRejected, Ready, StatusMessage, WorkerContext
 from gateway.quota.counters import configured_tenants
@@ -87,6 +88,7 @@ class Arbiter:
         # Stable metrics label indexes (shared-memory cells), for the life of the supervisor.
         self._clusters = LabelRegistry(MAX_CLUSTERS)
         self._tenants = LabelRegistry(MAX_TENANTS)
+        self._fallbacks = LabelRegistry(MAX_FALLBACK_EDGES)
         self._stopping = False
         self._fatal: str | None = None
         # Composed in _serve, once the segment and the loop exist.
@@ -161,7 +163,7 @@ class Arbiter:
         metrics.register(SupervisorCollector(self._workers, self._swap))
         metrics.register(self._overlay_feed)
         metrics.register_text(lambda: counters.render(self._workers.worker_slots(), self._clusters.names,
-                                                      self._tenants.names))
+                                                      self._tenants.names, self._fallbacks.names))
 
     async def _serve(self, admin_sock: socket.socket) -> int:
         self._loop = asyncio.get_running_loop()
@@ -259,12 +261,14 @@ class Arbiter:
         """The context a child of ``config`` is forked with."""
         _register_labels(self._clusters, "cluster", [cluster.name for cluster in config.clusters])
         _register_labels(self._tenants, "tenant", configured_tenants(config))
+        _register_labels(self._fallbacks, "fallback edge", fallback_edges(config.models))
         return WorkerContext(
             config=config, slot=slot, generation=generation, segment=self._segment, status_fd=status_fd,
             listen_fd=listen_fd,
             quota_url=quota_url_for(config, self._quota_backend),
             affinity_region=AFFINITY_REGION, affinity_capacity=self._affinity_capacity,
             metrics_region=METRICS_REGION, metric_clusters=self._clusters.names, metric_tenants=self._tenants.names,
+            metric_fallbacks=self._fallbacks.names,
             overlay_fallback=self._last_good_overlay.data,
         )
 

@@ -35,11 +35,13 @@ class WorkerCounters:
     def retire(self, slot: int) -> None:
         self.table.retire(slot, self.retired)
 
-    def render(self, slots: list[int], cluster_names: Sequence[str], tenant_names: Sequence[str]) -> bytes:
-        """``cluster_names``/``tenant_names``: the supervisor's registries, the ones the workers index by."""
+    def render(self, slots: list[int], cluster_names: Sequence[str], tenant_names: Sequence[str],
+               fallback_edges: Sequence[str] = ()) -> bytes:
+        """``cluster_names``/``tenant_names``/``fallback_edges``: the supervisor's registries, the ones the
+        workers index by."""
         live = self.table.sum_rows(slots)
         return render_prometheus([a + b for a, b in zip(live, self.retired, strict=True)], cluster_names,
-                                 tenant_names)
+                                 tenant_names, fallback_edges)
 
 
 class SupervisorAdminSources:

@@ -1,6 +1,6 @@
 """The overlay as the supervisor keeps it for the whole host: the Valkey source and the overlay's age.
 
-``routing.overlay_source`` (CONTRACT §13): the supervisor, not each worker, follows the key, so a host
+``routing.overlay_source`` (docs/fleet.md): the supervisor, not each worker, follows the key, so a host
 holds one subscription however many workers it runs (:mod:`gateway.overlay.valkey_source`). Every
 accepted document is written atomically to a cache file, and the workers get a config whose
 ``routing.overlay_file`` is that file: they follow it exactly as they follow an overlay file

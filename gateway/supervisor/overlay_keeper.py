@@ -2,7 +2,7 @@
 
 A worker that starts while the overlay file is invalid (a crash replacement, SIGTTIN) would otherwise
 fail its start-up check and crash-loop; with these bytes it serves the last-known-good revision the
-other workers serve (CONTRACT §4.5) and keeps watching the file like they do.
+other workers serve (docs/overlay.md#reload) and keeps watching the file like they do.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ STARTUP_FAILURE_LIMIT = 5  # consecutive boot failures before any worker was eve
 TICK = 0.25
 
 # The signal table: a handler only enqueues the action's name; the arbiter's loop then runs the
-# action (``Arbiter._actions``, arbiter.py), one at a time.
+# action (the ``actions`` table of ``Arbiter._serve``, arbiter.py), one at a time.
 SIGNAL_ACTIONS: dict[signal.Signals, str] = {
     signal.SIGHUP: "reload",
     signal.SIGTERM: "terminate",

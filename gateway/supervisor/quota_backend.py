@@ -95,9 +95,10 @@ def quota_url_for(config: Config, embedded: EmbeddedQuotaBackend) -> str | None:
 
 
 class ReservationSweeper:
-    """Settles a dead worker's open reservations (CONTRACT §7) from the supervisor's loop: frees their
-    concurrency slots now and charges their estimates (they may have reached a provider), through the
-    ledger script, so a worker's late settle of the same reservation is a no-op.
+    """Settles a dead worker's open reservations (docs/limits.md#worker-held-blocks) from the
+    supervisor's loop: frees their concurrency slots now and charges their estimates (they may have
+    reached a provider), through the ledger script, so a worker's late settle of the same reservation
+    is a no-op.
 
     Call ``worker_exited`` when a worker is reaped (every exit: one that drained has nothing left, and
     the sweep finds nothing). Exits that arrive while a sweep runs are coalesced into the next one (a

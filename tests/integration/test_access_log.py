@@ -1,4 +1,5 @@
-"""The access log (CONTRACT §14) through a real gateway: one JSON line per request, matching the traffic."""
+"""The access log (docs/operations.md#access-log) through a real gateway: one JSON line per request,
+matching the traffic."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ FIELDS = (
     "selection_group", "selection_mode", "affinity", "attempts", "endpoint", "overlay_revision", "bytes_in",
     "bytes_out", "tokens_prompt", "tokens_completion", "overhead_ms", "first_byte_ms", "duration_ms", "error",
 )
+# The route evidence, on the lines of routed requests (access_log.evidence_sample, 1.0 by default).
+EVIDENCE = ("site", "admission_state", "candidates", "excluded")
 KEY = "sk-access-log-secret"
 PROMPT = "a prompt the log must never hold"
 AUTH = [("Authorization", f"Bearer {KEY}")]
@@ -71,7 +74,7 @@ def test_lines_carry_every_field_and_match_the_traffic(gateway_factory, provider
     lines = wait_lines(path, 7)
     assert len(lines) == 7, lines
     for line in lines:
-        assert tuple(line) == FIELDS
+        assert tuple(line) == (FIELDS + EVIDENCE if line["provider"] is not None else FIELDS)
         assert datetime.fromisoformat(line["ts"].replace("Z", "+00:00")).tzinfo is not None
     by_id = {line["request_id"]: line for line in lines}
 
@@ -87,6 +90,8 @@ def test_lines_carry_every_field_and_match_the_traffic(gateway_factory, provider
         assert line["endpoint"] == providers[line["provider"]].address
         assert line["bytes_out"] == len(response.body) and line["bytes_in"] > len(PROMPT)
         assert 0 < line["overhead_ms"] <= line["first_byte_ms"] <= line["duration_ms"]
+        assert (line["site"], line["admission_state"]) == (f"site-{line['provider']}", "new_and_existing")
+        assert (line["candidates"], line["excluded"]) == (2, {})
     assert {by_id["ok-0"]["provider"], by_id["ok-1"]["provider"]} == {"provider-a", "provider-b"}
 
     upstream_error = by_id["upstream-500"]

@@ -1,4 +1,5 @@
-"""`gridgate control` against real mock providers: observe, publish on change only, atomically (CONTRACT §8).
+"""`gridgate control` against real mock providers: observe, publish on change only, atomically
+(docs/control-plane.md).
 
 Each test starts its own three mock providers (they are cheap) so it may break them freely.
 Every overlay read from disk is checked with the data plane's own validator.

@@ -1,4 +1,5 @@
-"""Drains and keep-alive recycling (CONTRACT §10, limits.max_requests_per_connection).
+"""Drains and keep-alive recycling (docs/operations.md#drains-and-listening-sockets,
+limits.max_requests_per_connection).
 
 A drain (shutdown, reload, SIGTTOU) answers the next request on each keep-alive connection with
 `Connection: close` and never cuts a client that is sending; streams still open at the graceful

@@ -1,4 +1,4 @@
-"""Provider failover (CONTRACT §11) through a real gateway and real mock providers.
+"""Provider failover (docs/routing.md#failover) through a real gateway and real mock providers.
 
 A provider's failure before any response byte moves the request to the next provider; the client
 sees one answer, with ``x-gridgate-attempts`` saying how many providers were tried.

@@ -1,6 +1,6 @@
-"""Fair upstream slots end to end (CONTRACT §12): a batch tenant's burst against a provider with two
-connection slots does not hold back an interactive tenant's request, nor another batch tenant's first
-request, by more than one slot's turn."""
+"""Fair upstream slots end to end (docs/configuration.md#tenants): a batch tenant's burst against a
+provider with two connection slots does not hold back an interactive tenant's request, nor another
+batch tenant's first request, by more than one slot's turn."""
 
 from __future__ import annotations
 

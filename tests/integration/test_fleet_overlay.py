@@ -1,4 +1,4 @@
-"""One overlay for a fleet through Valkey (CONTRACT §13): `gridgate control` publishing under a lease,
+"""One overlay for a fleet through Valkey (docs/fleet.md): `gridgate control` publishing under a lease,
 gateways following the key with one subscriber per host. Real processes and the bundled Valkey.
 
 Every test uses its own key, so they share the session's Valkey without seeing each other.

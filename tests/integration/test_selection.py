@@ -1,5 +1,5 @@
-"""Request-aware selection through a real gateway (CONTRACT §12): filters, tenant policy, pickers,
-the pinned route."""
+"""Request-aware selection through a real gateway (docs/routing.md#request-aware-selection): filters,
+tenant policy, pickers, the pinned route."""
 
 from __future__ import annotations
 

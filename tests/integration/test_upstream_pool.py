@@ -186,7 +186,7 @@ def test_try_acquire_only_returns_live_idle_connections():
     run(scenario)
 
 
-# -- fair slots (CONTRACT §12): interactive before batch, tenants in turn, bounded ---------------------
+# -- fair slots (docs/configuration.md#tenants): interactive before batch, tenants in turn, bounded ---
 
 
 async def _queue(pool: UpstreamPool, waiters: list[tuple[str, str, bool]]) -> dict[str, asyncio.Task]:

@@ -19,7 +19,7 @@ from gateway.cli import main
 from gateway.config import load_config
 from tests.contract_fixtures import OVERLAY_FIXTURES
 
-# The normative fixtures live next to the repository (CONTRACT §4: ../shared/contract/overlay-v1).
+# The normative fixtures live next to the repository (docs/overlay.md: ../shared/contract/overlay-v1).
 FIXTURES = OVERLAY_FIXTURES
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())["fixtures"]
 
@@ -286,7 +286,8 @@ def test_version(capsys):
 
 
 def test_the_cli_and_check_load_no_data_plane_module():
-    # Layers import downward only (DESIGN): `gridgate check` must work where the data plane cannot load.
+    # Layers import downward only (docs/architecture.md): `gridgate check` must work where the data
+    # plane cannot load.
     probe = ("import sys; from gateway.cli import main, cmd_check; import gateway.check; "
              "print(sorted(m for m in sys.modules if m.startswith(('workers', 'uvloop', 'h11'))))")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)

@@ -57,6 +57,8 @@ BASE_CONFIG: dict[str, Any] = {
     "pricing": {"overrides": {"private-*": {"input": 1, "output": 2, "cached_input": 0.5, "cache_write": "1",
                                             "reasoning": 2}}},
     "cors": {"allowed_origins": ["https://app.example.com"]},
+    "models": {"fallbacks": {"m": {"chain": ["n"], "max_hops": 1}}},
+    "tracing": {"endpoint": "http://127.0.0.1:4318"},
 }
 
 BASE_SPEC: dict[str, Any] = {
@@ -78,6 +80,8 @@ ZERO_MEANS_SOMETHING = {
     "routing.retry.backoff.base",  # no pause between attempts
     "quota.rules[0].estimate.default_max_tokens",  # estimate the prompt only
     "access_log.sample",  # log errors only
+    "access_log.evidence_sample",  # no route evidence
+    "tracing.sample",  # trace only requests whose client trace is sampled
     # a price of 0: the model is free
     "pricing.overrides.*.input",
     "pricing.overrides.*.output",

@@ -1,4 +1,5 @@
-"""The control plane's pure core: spec parsing, admission, stabilization, ordering, groups (CONTRACT §8).
+"""The control plane's pure core: spec parsing, admission, stabilization, ordering, groups
+(docs/control-plane.md).
 
 Every overlay rendered here is checked the way the data plane will check it: wrapped in an
 envelope and indexed by the real validator (``snapshot_from_object``).
@@ -340,7 +341,7 @@ def test_rendered_groups_always_satisfy_the_data_plane_rules() -> None:
             }
             decision = decide(spec, observations, holds)
             holds = decision.holds
-            snapshot = snapshot_of(spec, decision)  # raises on any §4.2 violation
+            snapshot = snapshot_of(spec, decision)  # raises on any selection-group rule violation
             for capability in snapshot.capabilities.values():
                 assert capability.grouped
                 numbers = [g.number for g in capability.groups]

@@ -1,4 +1,4 @@
-"""Selection-group rules and the snapshot index (CONTRACT §4.2)."""
+"""Selection-group rules and the snapshot index (docs/overlay.md#selection-groups)."""
 
 from __future__ import annotations
 

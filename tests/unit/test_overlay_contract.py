@@ -1,4 +1,4 @@
-"""Overlay contract validation (CONTRACT §4.1): fixtures, descriptor rules, envelope, scope."""
+"""Overlay contract validation (docs/overlay.md#formats): fixtures, descriptor rules, envelope, scope."""
 
 from __future__ import annotations
 

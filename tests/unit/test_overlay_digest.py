@@ -1,4 +1,5 @@
-"""Semantic revision (CONTRACT §4.3): RFC 8785 canonical JSON, SHA-256, floats exact."""
+"""Semantic revision (docs/overlay.md#semantic-revision-digest): RFC 8785 canonical JSON, SHA-256,
+floats exact."""
 
 from __future__ import annotations
 

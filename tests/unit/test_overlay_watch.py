@@ -1,4 +1,4 @@
-"""Overlay file loading, change detection and last-known-good retention (CONTRACT §4.5)."""
+"""Overlay file loading, change detection and last-known-good retention (docs/overlay.md#reload)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,6 @@ from gateway.quota.estimate import (
     completion_allowance,
     estimate_prompt_tokens,
     estimate_tokens,
-    relayed_floor,
 )
 from gateway.quota.rules import Budget, QuotaRule, RuleSet, validate_rules
 
@@ -104,11 +103,6 @@ def test_a_small_max_tokens_beside_a_large_allowance_reserves_the_large_one() ->
 def test_an_allowance_beyond_the_ledger_s_integers_is_capped_not_wrapped() -> None:
     assert completion_allowance(10**26, None) == MAX_ALLOWANCE
     assert completion_allowance(-(10**26), 7) == 7
-
-
-def test_relayed_floor_counts_prompt_and_relayed_bytes_four_to_a_token() -> None:
-    assert relayed_floor(400, 7200) == 100 + 1800
-    assert relayed_floor(0, 1) == 1
 
 
 @pytest.mark.parametrize("bad", [-5, True, 3.5, "10"])

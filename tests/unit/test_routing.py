@@ -1,4 +1,5 @@
-"""Selection (CONTRACT §4.2) and session affinity (§4.4) through the Router."""
+"""Selection (docs/overlay.md#selection-groups) and session affinity (docs/overlay.md#session-affinity)
+through the Router."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Provider selection beyond the overlay's modes: usability, failover walk, eligibility filters,
-pickers (weighted, stable_hash, least_loaded) and the pinned route (CONTRACT §11, §12). Pure."""
+pickers (weighted, stable_hash, least_loaded) and the pinned route (docs/routing.md#failover,
+docs/routing.md#which-picker-and-balancer-when, docs/routing.md#the-steps). Pure."""
 
 from __future__ import annotations
 

@@ -206,3 +206,39 @@ def test_the_chat_observers_report_no_cache_writes() -> None:
         observer.feed(chunk)
         observer.flush()
         assert observer.total_tokens == 7 and observer.cache_write_tokens is None
+
+
+# --- error events mid-stream (the access line's upstream_error_event) --------------------------------
+
+ANTHROPIC_ERROR = (b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error",'
+                   b'"message":"Overloaded"}}\n\n')
+RESPONSES_ERROR = (b'event: error\ndata: {"type":"error","sequence_number":9,"code":"server_error",'
+                   b'"message":"The server had an error","param":null}\n\n')
+
+
+def _first_events(stream: bytes, count: int) -> bytes:
+    """The first ``count`` events of a stream, as the provider sent them."""
+    end = 0
+    for _ in range(count):
+        end = stream.index(b"\n\n", end) + 2
+    return stream[:end]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_an_error_event_mid_stream_is_seen_wherever_the_chunks_split(seed: int) -> None:
+    messages = _first_events(fixture("messages_stream.sse"), 4) + ANTHROPIC_ERROR
+    observer = observe(MessagesUsage(True), splits(messages, seed))
+    assert observer.stream_error == usage_surfaces.STREAM_ERROR
+    assert observer.prompt_tokens is not None and observer.total_tokens is None  # charged like a cut stream
+    responses = _first_events(fixture("responses_stream.sse"), 5) + RESPONSES_ERROR
+    assert observe(ResponsesUsage(True), splits(responses, seed)).stream_error == usage_surfaces.STREAM_ERROR
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_model_text_that_reads_like_an_error_event_is_not_one(seed: int) -> None:
+    text = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,"delta":'
+            b'{"type":"text_delta","text":"\\nevent: error\\ndata: x"}}\n\n')
+    stream = _first_events(fixture("messages_stream.sse"), 3) + text
+    assert observe(MessagesUsage(True), splits(stream, seed)).stream_error is None
+    assert observe(MessagesUsage(True), splits(fixture("messages_stream.sse"), seed)).stream_error is None
+    assert observe(ResponsesUsage(True), splits(fixture("responses_stream.sse"), seed)).stream_error is None

@@ -1,0 +1,1 @@
+"""Models: aliases and fallback chains across models (docs/models.md). Pure: config in, tables out."""
