@@ -72,6 +72,7 @@ class AccessLine(msgspec.Struct, omit_defaults=True, gc=False):
     excluded: dict[str, int] | None = None
     picker_inputs: list[PickerInput] | None = None
     trace_id: str | None = None  # a traced request's trace (docs/tracing.md)
+    shadow: tuple[str, ...] | None = None  # quota limits in shadow mode that would have refused it
     # An alias or a fallback chain (docs/models.md): the name asked for (when an alias), the model that
     # served (or was tried last), the moves along the chain and why, and chain models skipped.
     requested_model: str | None = None
@@ -196,6 +197,7 @@ class AccessLog:
                 None if t_start is None else int((ended - t_start) * 1e6 + 0.5) / 1000,
                 entry.error, filtered, reason_names(entry.filtered_reasons) if filtered else None,
                 *(_NO_EVIDENCE if evidence is None else _astuple(evidence)), None if trace is None else trace.trace_id,
+                entry.shadow,
             )
             if entry.model_route is not None:
                 line.requested_model, line.served_model = entry.requested_model, entry.served

@@ -20,7 +20,7 @@ from __future__ import annotations
 from hmac import compare_digest
 from typing import Protocol
 
-from gateway.auth import Authenticator
+from gateway.auth import Authenticator, KeyIdentity
 from gateway.http.errors import ErrorReply
 from gateway.ids import CounterIds
 from gateway.request.headers import HeaderPlan, RequestHeaders
@@ -32,7 +32,7 @@ _WWW_AUTHENTICATE = (b"www-authenticate", b'Bearer realm="gridgate"')
 _MISSING_KEY = "missing API key: send Authorization: Bearer <key> or X-Api-Key"
 _INVALID_KEY = "invalid API key"
 
-AuthMemo = tuple[bytes, bytes, str]
+AuthMemo = tuple[bytes, bytes, KeyIdentity]
 
 
 class GatedConnection(Protocol):
@@ -42,16 +42,19 @@ class GatedConnection(Protocol):
 
 
 class Admitted:
-    """A request the gate let through: its route, tenant, scanned headers and request id. ``cors``: the
-    CORS headers of its answers (workers/cors_gate.py sets it; None: CORS is off)."""
+    """A request the gate let through: its route, tenant, scanned headers and request id, and its key
+    (None without auth). ``cors``: the CORS headers of its answers (workers/cors_gate.py sets it; None:
+    CORS is off)."""
 
-    __slots__ = ("route", "tenant", "headers", "request_id", "cors")
+    __slots__ = ("route", "tenant", "headers", "request_id", "key", "cors")
 
-    def __init__(self, route: AllowedRoute, tenant: str, headers: RequestHeaders, request_id: bytes) -> None:
+    def __init__(self, route: AllowedRoute, tenant: str, headers: RequestHeaders, request_id: bytes,
+                 key: KeyIdentity | None = None) -> None:
         self.route = route
         self.tenant = tenant
         self.headers = headers
         self.request_id = request_id
+        self.key = key
         self.cors: tuple[tuple[bytes, bytes], ...] | None = None
 
 
@@ -86,22 +89,23 @@ class HeadGate:
         scanned = self.header_plan.scan(headers)
         request_id = scanned.request_id or self.ids.next()
         auth = self.auth
-        tenant = ANONYMOUS_TENANT if auth is None else self.authenticate(conn, scanned, auth)
-        if tenant is None:
+        key = None if auth is None else self.authenticate(conn, scanned, auth)
+        if key is None and auth is not None:
             missing = scanned.authorization is None and scanned.api_key is None
             return HeadRefusal(401, "invalid_api_key", _MISSING_KEY if missing else _INVALID_KEY,
                                [_WWW_AUTHENTICATE, (b"x-request-id", request_id)],
                                request_id=request_id, method=method, target=target, tenant=None)
+        tenant = ANONYMOUS_TENANT if key is None else key.tenant
         route = self.routes.match(method, target)
         if route is None:
             return route_not_allowed(method, target, request_id, tenant)
-        return Admitted(route, tenant, scanned, request_id)
+        return Admitted(route, tenant, scanned, request_id, key)
 
-    def authenticate(self, conn: GatedConnection, headers: RequestHeaders, auth: Authenticator) -> str | None:
-        """The tenant of the presented key, or None (missing or unknown).
+    def authenticate(self, conn: GatedConnection, headers: RequestHeaders, auth: Authenticator) -> KeyIdentity | None:
+        """Who the presented key is, or None (missing or unknown).
 
         A keep-alive client sends the same key with every request: when both key headers equal those
-        its connection's last request was admitted with (compared in constant time), the tenant is that
+        its connection's last request was admitted with (compared in constant time), the key is that
         request's, without hashing again. The key stays with the connection, whose buffers hold it
         anyway, and goes with it; nothing keyed by a raw key outlives a connection.
         """
@@ -110,10 +114,10 @@ class HeadGate:
         memo = conn.auth_memo
         if memo is not None and compare_digest(memo[0], authorization) and compare_digest(memo[1], api_key):
             return memo[2]
-        tenant = auth.authenticate(headers.authorization, headers.api_key)
-        if tenant is not None:
-            conn.auth_memo = (authorization, api_key, tenant)
-        return tenant
+        key = auth.identify(headers.authorization, headers.api_key)
+        if key is not None:
+            conn.auth_memo = (authorization, api_key, key)
+        return key
 
 
 def route_not_allowed(method: bytes, target: bytes, request_id: bytes, tenant: str | None) -> HeadRefusal:

@@ -73,7 +73,10 @@ class Outcomes:
             self.metrics.request(record.provider, record.status)
         admission = record.admission
         if admission is not None and self.quota is not None:
-            self.quota.settle(admission, *self._charge(record, result, served))
+            if record.reached_provider:
+                self.quota.settle(admission, *self._charge(record, result, served))
+            else:  # it never reached a provider: nothing is charged, and its request slots go back too
+                self.quota.settle(admission, 0, reached=False)
         if record.trace is not None:  # its spans end and go to the exporter's queue (docs/tracing.md)
             record.trace.end(record, result)
         self.access_log.record(record)

@@ -55,6 +55,7 @@ class RequestRecord(msgspec.Struct, gc=False):
     endpoint: Any = None  # workers.clusters.UpstreamEndpoint the request was last sent to
     attempt: Any = None  # workers.relay.ResponseRelay of the attempt in progress, or of the one that served
     owed: int = 0  # tokens the attempts that ended without serving cost (gateway/request/attempts.py)
+    reached: bool = False  # one of those attempts reached its provider (its request slot is spent)
     overhead_s: float | None = None  # gateway time before the upstream request was written
     # -- a fallback chain (docs/models.md): the model of the latest attempt, the moves and their reasons
     served_model: str | None = None  # None: ``capability`` (no chain moved the request)
@@ -67,6 +68,7 @@ class RequestRecord(msgspec.Struct, gc=False):
     provider: str | None = None
     filtered: int = 0  # candidates the eligibility filters removed, and why (reason bits)
     filtered_reasons: int = 0
+    shadow: tuple[str, ...] | None = None  # quota limits in shadow mode that would have refused it
     evidence: Any = None  # gateway.routing.evidence.RouteEvidence of a sampled request (the access line)
     trace: Any = None  # workers.tracing.RequestTrace of a traced request
     # -- the access line's copy of the exchange, taken at close
@@ -80,6 +82,14 @@ class RequestRecord(msgspec.Struct, gc=False):
     tokens_prompt: int | None = None
     tokens_completion: int | None = None
     closed: bool = False
+
+    @property
+    def reached_provider(self) -> bool:
+        """Some attempt reached a provider: one that ended without serving (``reached``), or the one that
+        served or was in progress at the end (``attempt``). False: it was refused or not routable, the
+        client left before it was sent, no connection came, or only pooled connections the provider had
+        closed took it (docs/limits.md, "Request limits")."""
+        return self.reached or self.attempt is not None
 
     @property
     def served(self) -> str | None:

@@ -95,7 +95,7 @@ def quota_url_for(config: Config, embedded: EmbeddedQuotaBackend) -> str | None:
 
 
 class ReservationSweeper:
-    """Settles a dead worker's open reservations (docs/configuration.md#token-quota) from the
+    """Settles a dead worker's open reservations (docs/limits.md#worker-held-blocks) from the
     supervisor's loop: frees their concurrency slots now and charges their estimates (they may have
     reached a provider), through the ledger script, so a worker's late settle of the same reservation
     is a no-op.
