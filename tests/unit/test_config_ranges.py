@@ -44,6 +44,7 @@ BASE_CONFIG: dict[str, Any] = {
     "limits": {},
     "timeouts": {},
     "access_log": {},
+    "auth": {},
     "quota": {
         "rules": [{"name": "r", "budgets": [{"window": "1m", "tokens": 10}], "estimate": {}, "max_in_flight": 5}],
         "breaker": {},

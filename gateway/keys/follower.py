@@ -1,0 +1,226 @@
+"""Keeps a host's key table current from the store (docs/keys.md): the supervisor runs one.
+
+- **Load**: note the change log's newest entry, read every record, write the table, drop what is no
+  longer in the store. Changes made meanwhile are in the log after the noted entry, and re-applying a
+  record is idempotent, so nothing falls between the load and the follow.
+- **Follow**: ``XREAD BLOCK`` on the log from the last entry applied (a stream, not pub/sub: nothing
+  is lost across a reconnect); for each kid an entry names, read its record and write its secrets.
+  A change reaches the table one round trip after the admin call wrote it.
+- **Reload** everything when the log no longer reaches back to the last entry applied (trimmed past
+  it, or the store was reset: its newest entry is older than ours).
+- **Valkey unreachable**: the table keeps what it holds (known keys keep their last state); the
+  follower retries with backoff and resumes from the last entry applied.
+- **Housekeeping**, once a second: publish the current minute for the workers' use marks, end the
+  rotation graces that are over; once a minute, write the last uses of the minute that ended.
+
+Every error is logged without a key or digest; a kid is a public id and may be logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gateway.keys.record import KeyRecord
+from gateway.keys.store import KeyStore, LogEntry
+from gateway.keys.view import views_of
+from shm.keys import KeyTableFull, KeyTableWriter
+
+log = logging.getLogger("gridgate.keys")
+
+BLOCK_MS = 1000
+READ_COUNT = 512
+RECONNECT_BASE_S = 0.1
+RECONNECT_MAX_S = 2.0
+
+
+@dataclass(slots=True)
+class FollowerStats:
+    """What /metrics shows about the follower (counts only, never a key)."""
+
+    loads: int = 0
+    entries_applied: int = 0
+    table_full: int = 0
+    store_errors: int = 0
+    last_propagation_s: float = 0.0  # store write -> table write, for the last entry applied
+    connected: bool = False
+    loaded: bool = False
+
+
+def _id_tuple(entry_id: str) -> tuple[int, int]:
+    millis, _, seq = entry_id.partition("-")
+    return int(millis), int(seq or 0)
+
+
+class KeyFollower:
+    """Loads and follows the store into the table; the table's one writer."""
+
+    def __init__(self, store: KeyStore, stream_store: KeyStore, writer: KeyTableWriter, *,
+                 clock: Callable[[], float] = time.time, backend_errors: tuple[type[BaseException], ...] = ()) -> None:
+        """``store`` answers commands; ``stream_store`` is a second client for the blocking reads
+        (a blocked read would hold up every command behind it on one connection)."""
+        self._store = store
+        self._stream = stream_store
+        self._writer = writer
+        self._clock = clock
+        self._errors = backend_errors or (OSError, TimeoutError)
+        self._last_id: str | None = None  # None: a full load is due
+        self._digests_of: dict[str, tuple[bytes, ...]] = {}  # kid -> its secrets in the table
+        self._kid_at: dict[bytes, str] = {}  # digest -> kid
+        self._grace_ends: list[tuple[int, bytes, str]] = []  # (until, digest, kid), a heap
+        self._used_from_minute = int(clock() // 60)
+        self.stats = FollowerStats()
+        self.loaded = asyncio.Event()
+
+    # ------------------------------------------------------------------ running
+
+    async def run(self) -> None:
+        """Load, then follow until cancelled; reconnects by itself."""
+        delay = RECONNECT_BASE_S
+        while True:
+            try:
+                if self._last_id is None:
+                    await self.load()
+                elif not self.stats.connected:
+                    await self._check_log_reach()
+                self.stats.connected = True
+                delay = RECONNECT_BASE_S
+                await self.follow_once()
+            except asyncio.CancelledError:
+                raise
+            except self._errors as exc:
+                self._lost(exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RECONNECT_MAX_S)
+
+    async def housekeeping(self) -> None:
+        """Once a second until cancelled: the minute for use marks, graces, last uses."""
+        while True:
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except self._errors as exc:
+                self._lost(exc)
+            await asyncio.sleep(1.0)
+
+    async def tick(self) -> None:
+        now = self._clock()
+        minute = int(now // 60)
+        self._writer.set_minute(minute)
+        self.end_graces(now)
+        if minute > self._used_from_minute:
+            await self.flush_used(minute)
+
+    # ------------------------------------------------------------------ loading and following
+
+    async def load(self) -> None:
+        """Everything in the store into the table; what the store no longer has leaves it."""
+        started = time.monotonic()
+        _, newest = await self._store.log_bounds()
+        kids = await self._store.all_kids()
+        records = await self._store.records(kids)
+        now = self._clock()
+        present = set()
+        for kid, record in zip(kids, records, strict=True):
+            if record is not None:
+                self.apply(kid, record, now)
+                present.add(kid)
+        for kid in [kid for kid in self._digests_of if kid not in present]:
+            self.apply(kid, None, now)
+        self._last_id = newest or "0-0"
+        self.stats.loads += 1
+        self.stats.loaded = True
+        self.loaded.set()
+        log.info("keys: loaded %d managed keys (%d secrets) into the host table in %.2fs",
+                 len(present), len(self._writer), time.monotonic() - started)
+
+    async def follow_once(self) -> None:
+        """One blocking read of the log; applies what it returned."""
+        assert self._last_id is not None
+        entries = await self._stream.read_log(self._last_id, count=READ_COUNT, block_ms=BLOCK_MS)
+        if entries:
+            await self.apply_entries(entries)
+            if len(entries) == READ_COUNT:  # behind: make sure the log still reaches back to us
+                await self._check_log_reach()
+
+    async def apply_entries(self, entries: list[LogEntry]) -> None:
+        kids = list(dict.fromkeys(entry.kid for entry in entries))
+        records = await self._store.records(kids)
+        now = self._clock()
+        for kid, record in zip(kids, records, strict=True):
+            self.apply(kid, record, now)
+        self._last_id = entries[-1].id
+        self.stats.entries_applied += len(entries)
+        self.stats.last_propagation_s = max(0.0, now - _id_tuple(entries[-1].id)[0] / 1000)
+
+    async def _check_log_reach(self) -> None:
+        """Reload when the log no longer holds the entry after ours: trimmed past it, or reset."""
+        oldest, newest = await self._store.log_bounds()
+        last = _id_tuple(self._last_id or "0-0")
+        reset = newest is None and last != (0, 0) or newest is not None and _id_tuple(newest) < last
+        trimmed = oldest is not None and last != (0, 0) and _id_tuple(oldest) > last
+        if reset or trimmed:
+            log.warning("keys: the change log no longer reaches back to the last change this host applied "
+                        "(%s); reloading every key", "store reset" if reset else "trimmed")
+            await self.load()
+
+    # ------------------------------------------------------------------ the table
+
+    def apply(self, kid: str, record: KeyRecord | None, now: float) -> None:
+        """Make the table hold exactly the live secrets of ``record`` (none when it is None)."""
+        blobs = {} if record is None else views_of(record, now)
+        for digest in self._digests_of.get(kid, ()):
+            if digest not in blobs:
+                self._writer.remove(digest)
+                self._kid_at.pop(digest, None)
+        kept = []
+        for digest, blob in blobs.items():
+            try:
+                self._writer.put(digest, blob)
+            except KeyTableFull as exc:
+                self.stats.table_full += 1
+                log.error("keys: key %s is not in this host's table: %s", kid, exc)
+                continue
+            kept.append(digest)
+            self._kid_at[digest] = kid
+        if kept:
+            self._digests_of[kid] = tuple(kept)
+        else:
+            self._digests_of.pop(kid, None)
+        if record is not None:
+            for previous in record.previous:
+                if previous.until > now:
+                    heapq.heappush(self._grace_ends, (previous.until, bytes.fromhex(previous.digest), kid))
+
+    def end_graces(self, now: float) -> None:
+        """Take out the previous secrets whose rotation grace is over."""
+        ends = self._grace_ends
+        while ends and ends[0][0] <= now:
+            _, digest, kid = heapq.heappop(ends)
+            if self._kid_at.get(digest) == kid and self._writer.remove(digest):
+                del self._kid_at[digest]
+                self._digests_of[kid] = tuple(d for d in self._digests_of.get(kid, ()) if d != digest)
+
+    async def flush_used(self, minute: int) -> None:
+        """Write the last use of every key marked since the last flush, at minute resolution."""
+        since = self._used_from_minute
+        seconds_by_kid: dict[str, int] = {}
+        for slot, used in self._writer.table.used_since(since):
+            digest = self._writer.digest_at(slot)
+            kid = None if digest is None else self._kid_at.get(digest)
+            if kid is not None:
+                seconds_by_kid[kid] = max(seconds_by_kid.get(kid, 0), used * 60)
+        await self._store.mark_used(seconds_by_kid)
+        self._used_from_minute = minute - 1  # a mark racing the minute's end is caught next time
+
+    def _lost(self, exc: BaseException) -> None:
+        self.stats.store_errors += 1
+        if self.stats.connected:
+            log.warning("keys: the key store is unreachable (%s); known keys keep their last state",
+                        type(exc).__name__)
+        self.stats.connected = False

@@ -1,0 +1,79 @@
+"""What a host's key table holds per secret, and what a worker's lookup answers.
+
+The follower turns a ``KeyRecord`` into one ``KeyView`` per secret that opens the key (the current
+one, and those still in a rotation grace, each with its own ``expires_at``) and writes it to the
+table as a small msgpack blob. A worker decodes a blob once per change into a ``KeyEntry``, with its
+``models`` globs compiled into one regular expression, and keeps it (``lookup.KeyLookup``).
+"""
+
+from __future__ import annotations
+
+import re
+from fnmatch import translate
+
+import msgspec
+
+from gateway.keys.record import KeyLimits, KeyRecord, Status
+
+
+class KeyView(msgspec.Struct, array_like=True, frozen=True):
+    """The request path's part of a record, for one secret. No digest, no metadata."""
+
+    kid: str
+    tenant: str
+    alias: str | None
+    status: Status
+    models: list[str] | None
+    limits: KeyLimits
+    expires_at: int | None  # Unix seconds; for a previous secret, the end of its grace
+    allowed_origins: list[str] | None
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(KeyView).decode
+
+
+def views_of(record: KeyRecord, now: float) -> dict[bytes, bytes]:
+    """Table blobs by 32-byte digest, for every secret of ``record`` that still opens it."""
+    blobs: dict[bytes, bytes] = {}
+    for digest, expires_at in record.secrets(now):
+        view = KeyView(record.kid, record.tenant, record.alias, record.status, record.models, record.limits,
+                       expires_at, record.allowed_origins)
+        blobs[bytes.fromhex(digest)] = _encode(view)
+    return blobs
+
+
+class KeyEntry:
+    """A decoded table entry, as the request path sees a managed key (one per secret and version)."""
+
+    __slots__ = ("kid", "tenant", "alias", "status", "models", "limits", "expires_at", "allowed_origins",
+                 "slot", "_models")
+
+    def __init__(self, view: KeyView, slot: int) -> None:
+        self.kid = view.kid
+        self.tenant = view.tenant
+        self.alias = view.alias
+        self.status = view.status
+        self.models = view.models
+        self.limits = view.limits
+        self.expires_at = view.expires_at
+        self.allowed_origins = view.allowed_origins
+        self.slot = slot  # where the table keeps it (for marking it used)
+        self._models = None if view.models is None else _one_pattern(view.models)
+
+    def allows_model(self, model: str) -> bool:
+        """True when ``model`` matches one of the key's ``models`` globs (case-sensitive), or the key
+        has none (then the tenant's allowed_capabilities decide)."""
+        return self._models is None or self._models.match(model) is not None
+
+    def __repr__(self) -> str:  # the kid is public; nothing else worth showing
+        return f"KeyEntry(kid={self.kid!r}, tenant={self.tenant!r}, status={self.status!r})"
+
+
+def _one_pattern(globs: list[str]) -> re.Pattern[str]:
+    """The globs as one regular expression; no glob at all allows no model."""
+    return re.compile("|".join(map(translate, globs)) if globs else "(?!)")
+
+
+def decode_entry(blob: bytes, slot: int) -> KeyEntry:
+    return KeyEntry(_decode(blob), slot)
