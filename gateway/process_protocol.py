@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import msgspec
 
 from gateway.config import Config
+from shm.keys import KeyTable
 from shm.segment import Segment
 
 # ---------------------------------------------------------------------------------------- exit codes
@@ -64,6 +65,9 @@ class WorkerContext:
     # The supervisor's tenant registry at fork time (the same rules as ``metric_clusters``): position =
     # the tenant's slot in the per-tenant token counters. Empty: a worker run alone uses its config's.
     metric_tenants: tuple[str, ...] = ()
+    # The host's managed-key table (shm.keys), created before the first fork; None: managed keys are
+    # off (no store configured at start) or a worker runs on its own. Read it with gateway.keys.lookup.
+    key_table: KeyTable | None = None
 
 
 # ---------------------------------------------------------------------------------------- status messages

@@ -76,6 +76,17 @@ class KeyFollower:
         self.stats = FollowerStats()
         self.loaded = asyncio.Event()
 
+    def digests_of(self, kid: str) -> tuple[bytes, ...]:
+        """The secrets of ``kid`` this host's table holds (for the admin page's on_this_host)."""
+        return self._digests_of.get(kid, ())
+
+    async def close(self) -> None:
+        for store in (self._store, self._stream):
+            try:
+                await store.close()
+            except Exception:  # closing a broken connection: nothing left to do
+                pass
+
     # ------------------------------------------------------------------ running
 
     async def run(self) -> None:
@@ -220,7 +231,7 @@ class KeyFollower:
 
     def _lost(self, exc: BaseException) -> None:
         self.stats.store_errors += 1
-        if self.stats.connected:
+        if self.stats.connected or self.stats.store_errors == 1:
             log.warning("keys: the key store is unreachable (%s); known keys keep their last state",
                         type(exc).__name__)
         self.stats.connected = False
