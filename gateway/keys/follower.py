@@ -6,8 +6,10 @@
 - **Follow**: ``XREAD BLOCK`` on the log from the last entry applied (a stream, not pub/sub: nothing
   is lost across a reconnect); for each kid an entry names, read its record and write its secrets.
   A change reaches the table one round trip after the admin call wrote it.
-- **Reload** everything when the log no longer reaches back to the last entry applied (trimmed past
-  it, or the store was reset: its newest entry is older than ours).
+- **Reload** everything when the log no longer reaches back to the last entry applied: every entry
+  carries the store's sequence number ``n``, so a gap (entries trimmed before this host read them) or
+  a number that went back (the store was reset) is seen on the next read; after a reconnect the log's
+  newest entry is checked too (a reset store may have no entry yet).
 - **Valkey unreachable**: the table keeps what it holds (known keys keep their last state); the
   follower retries with backoff and resumes from the last entry applied.
 - **Housekeeping**, once a second: publish the current minute for the workers' use marks, end the
@@ -69,12 +71,14 @@ class KeyFollower:
         self._clock = clock
         self._errors = backend_errors or (OSError, TimeoutError)
         self._last_id: str | None = None  # None: a full load is due
+        self._last_n = 0  # the sequence number of the last entry applied
         self._digests_of: dict[str, tuple[bytes, ...]] = {}  # kid -> its secrets in the table
         self._kid_at: dict[bytes, str] = {}  # digest -> kid
         self._grace_ends: list[tuple[int, bytes, str]] = []  # (until, digest, kid), a heap
         self._used_from_minute = int(clock() // 60)
         self.stats = FollowerStats()
         self.loaded = asyncio.Event()
+        self.settled = asyncio.Event()  # the first load either succeeded or failed
 
     def digests_of(self, kid: str) -> tuple[bytes, ...]:
         """The secrets of ``kid`` this host's table holds (for the admin page's on_this_host)."""
@@ -132,7 +136,7 @@ class KeyFollower:
     async def load(self) -> None:
         """Everything in the store into the table; what the store no longer has leaves it."""
         started = time.monotonic()
-        _, newest = await self._store.log_bounds()
+        newest, last_n = await self._store.log_head()
         kids = await self._store.all_kids()
         records = await self._store.records(kids)
         now = self._clock()
@@ -143,10 +147,11 @@ class KeyFollower:
                 present.add(kid)
         for kid in [kid for kid in self._digests_of if kid not in present]:
             self.apply(kid, None, now)
-        self._last_id = newest or "0-0"
+        self._last_id, self._last_n = newest, last_n
         self.stats.loads += 1
         self.stats.loaded = True
         self.loaded.set()
+        self.settled.set()
         log.info("keys: loaded %d managed keys (%d secrets) into the host table in %.2fs",
                  len(present), len(self._writer), time.monotonic() - started)
 
@@ -156,28 +161,28 @@ class KeyFollower:
         entries = await self._stream.read_log(self._last_id, count=READ_COUNT, block_ms=BLOCK_MS)
         if entries:
             await self.apply_entries(entries)
-            if len(entries) == READ_COUNT:  # behind: make sure the log still reaches back to us
-                await self._check_log_reach()
 
     async def apply_entries(self, entries: list[LogEntry]) -> None:
+        if entries[0].n != self._last_n + 1:
+            log.warning("keys: change %d follows %d: %s; reloading every key", entries[0].n, self._last_n,
+                        "the store was reset" if entries[0].n <= self._last_n else "changes were trimmed from "
+                        "the log before this host read them")
+            await self.load()
+            return
         kids = list(dict.fromkeys(entry.kid for entry in entries))
         records = await self._store.records(kids)
         now = self._clock()
         for kid, record in zip(kids, records, strict=True):
             self.apply(kid, record, now)
-        self._last_id = entries[-1].id
+        self._last_id, self._last_n = entries[-1].id, entries[-1].n
         self.stats.entries_applied += len(entries)
         self.stats.last_propagation_s = max(0.0, now - _id_tuple(entries[-1].id)[0] / 1000)
 
     async def _check_log_reach(self) -> None:
-        """Reload when the log no longer holds the entry after ours: trimmed past it, or reset."""
-        oldest, newest = await self._store.log_bounds()
-        last = _id_tuple(self._last_id or "0-0")
-        reset = newest is None and last != (0, 0) or newest is not None and _id_tuple(newest) < last
-        trimmed = oldest is not None and last != (0, 0) and _id_tuple(oldest) > last
-        if reset or trimmed:
-            log.warning("keys: the change log no longer reaches back to the last change this host applied "
-                        "(%s); reloading every key", "store reset" if reset else "trimmed")
+        """After a reconnect: reload when the store went back (it was reset, or replaced by another)."""
+        newest, last_n = await self._store.log_head()
+        if last_n < self._last_n or _id_tuple(newest) < _id_tuple(self._last_id or "0-0"):
+            log.warning("keys: the key store is behind this host's table (reset or replaced); reloading every key")
             await self.load()
 
     # ------------------------------------------------------------------ the table
@@ -230,6 +235,7 @@ class KeyFollower:
         self._used_from_minute = minute - 1  # a mark racing the minute's end is caught next time
 
     def _lost(self, exc: BaseException) -> None:
+        self.settled.set()
         self.stats.store_errors += 1
         if self.stats.connected or self.stats.store_errors == 1:
             log.warning("keys: the key store is unreachable (%s); known keys keep their last state",

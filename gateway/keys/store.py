@@ -8,7 +8,9 @@ script call touches one Valkey Cluster slot)::
     gg:keys:v1:{gg-keys}:tenant:<tenant>     ZSET    the tenant's kids
     gg:keys:v1:{gg-keys}:alias:<alias>       ZSET    the kids with that alias
     gg:keys:v1:{gg-keys}:log                 STREAM  one entry per change: the hosts follow it, and it is the
-                                                     audit log (kid, action, actor, tenant, changed fields)
+                                                     audit log (n, kid, action, actor, tenant, changed fields)
+    gg:keys:v1:{gg-keys}:seq                 STRING  the number of the last entry (``n``): a follower that
+                                                     sees a gap in ``n`` missed entries and reloads
     gg:keys:v1:{gg-keys}:used                HASH    kid -> last use, Unix seconds at minute resolution
     gg:keys:v1:{<tenant>}:deny               SET     the tenant's blocked and revoked kids (the admission
                                                      call's deny set: same hash tag as the tenant's counters)
@@ -54,6 +56,7 @@ ALL = PREFIX + ":all"
 BY_TENANT = PREFIX + ":tenant:"
 BY_ALIAS = PREFIX + ":alias:"
 LOG = PREFIX + ":log"
+SEQ = PREFIX + ":seq"
 USED = PREFIX + ":used"
 LOG_MAX_ENTRIES = 100_000  # approximate (MAXLEN ~): the audit log's depth, and how far a host may lag
 _CAS_ATTEMPTS = 5
@@ -67,7 +70,7 @@ def deny_set_key(tenant: str) -> str:
     return f"gg:keys:v1:{{{escaped}}}:deny"
 
 
-# KEYS: 1 record, 2 log, 3.. the keys the ops name. ARGV: 1 expected version (0: must not exist),
+# KEYS: 1 record, 2 log, 3 seq, 4.. the keys the ops name. ARGV: 1 expected version (0: must not exist),
 # 2 record JSON, 3 log MAXLEN, 4 op count, then (op, key index, member) triples, then the log entry's
 # field/value pairs. Returns {1, entry id} or {0, the version found}.
 MUTATE_SCRIPT = """-- gridgate-keys v1: compare-and-set one record, its index entries and its log entry
@@ -86,9 +89,14 @@ for _ = 1, ops do
   elseif op == 'srem' then redis.call('SREM', key, member) end
   i = i + 3
 end
-local fields = {}
+local fields = {'n', redis.call('INCR', KEYS[3])}
 for j = i, #ARGV do fields[#fields + 1] = ARGV[j] end
 return {1, redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(fields))}
+"""
+
+# KEYS: 1 log, 2 seq. The newest entry's id and the sequence number, read together.
+HEAD_SCRIPT = """-- gridgate-keys v1: where the log ends
+return {redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1), redis.call('GET', KEYS[2])}
 """
 
 # KEYS: 1 the used hash. ARGV: kid, seconds pairs; a later use wins (hosts flush independently).
@@ -113,6 +121,7 @@ class LogEntry(msgspec.Struct, frozen=True):
     """One change as the stream holds it."""
 
     id: str
+    n: int  # the store's sequence number of the change: consecutive, so a gap shows a missed entry
     kid: str
     action: str
     actor: str
@@ -300,6 +309,11 @@ class KeyStore:
         newest = await self._client.execute_command("XREVRANGE", LOG, "+", "-", "COUNT", 1)
         return (_entries(oldest)[0].id if oldest else None, _entries(newest)[0].id if newest else None)
 
+    async def log_head(self) -> tuple[str, int]:
+        """(the newest entry's id, or 0-0; the last sequence number, or 0), read atomically."""
+        newest, seq = await self._client.execute_command("EVAL", HEAD_SCRIPT, 2, LOG, SEQ)
+        return (_entries(newest)[0].id if newest else "0-0"), int(seq or 0)
+
     async def read_log(self, after: str, *, count: int = 512, block_ms: int | None = None) -> list[LogEntry]:
         """Entries after ``after``, oldest first; with ``block_ms``, wait that long for the first one."""
         args: list[Any] = ["XREAD", "COUNT", count]
@@ -338,7 +352,7 @@ class KeyStore:
 
     async def _mutate(self, old: KeyRecord | None, new: KeyRecord, ops: list[tuple[str, str, str]],
                       action: str, actor: str, changed: dict[str, Any]) -> bool:
-        keys = [RECORD + new.kid, LOG]
+        keys = [RECORD + new.kid, LOG, SEQ]
         args: list[Any] = [0 if old is None else old.version, encode_record(new), self._log_max, len(ops)]
         for op, key, member in ops:
             if key not in keys:
@@ -371,7 +385,7 @@ def _entries(reply: Any) -> list[LogEntry]:
         if not isinstance(fields, dict):
             fields = dict(zip(fields[::2], fields[1::2], strict=True))
         text = {_text(k): _text(v) for k, v in fields.items()}
-        found.append(LogEntry(_text(entry_id), text.get("kid", ""), text.get("action", ""), text.get("actor", ""),
+        found.append(LogEntry(_text(entry_id), int(text.get("n") or 0), text.get("kid", ""), text.get("action", ""), text.get("actor", ""),
                               text.get("tenant", ""), json.loads(text.get("changed") or "{}")))
     return found
 

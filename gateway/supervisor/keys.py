@@ -82,17 +82,19 @@ class KeyService:
         self._url = url
 
     async def start(self) -> None:
-        """Run the follower; wait up to FIRST_LOAD_WAIT_S for its first load (a store that does not
-        answer delays nothing more: the follower keeps trying in the background)."""
+        """Run the follower; wait for its first load, up to FIRST_LOAD_WAIT_S. A store that fails
+        delays nothing: the workers start, and the follower keeps trying in the background."""
         if self._url is None:
             return
         self._start_follower(self._url)
         try:
             async with asyncio.timeout(FIRST_LOAD_WAIT_S):
-                await self._follower.loaded.wait()
+                await self._follower.settled.wait()
         except TimeoutError:
-            log.warning("keys: the key store did not answer within %.0fs; managed keys are refused until it "
-                        "does (YAML keys work)", FIRST_LOAD_WAIT_S)
+            pass
+        if not self._follower.loaded.is_set():
+            log.warning("keys: the key store has not answered yet; managed keys are refused until it does "
+                        "(keys in auth.keys work)")
 
     def reconfigure(self, config: Config) -> None:
         """After a reload: follow the new config's store."""
