@@ -188,8 +188,9 @@ class AdminApp:
             return response, None
         caller = tokens.caller(authorization)
         if caller is None:
-            self._throttle.failed(peer)
             missing = not authorization
+            if not missing:  # a wrong token counts towards the brake; none at all guesses nothing
+                self._throttle.failed(peer)
             response = error_response(401, "missing admin token: send Authorization: Bearer <token>" if missing
                                       else "invalid admin token", "invalid_admin_token")
             response.headers.append(_ADMIN_REALM)
