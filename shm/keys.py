@@ -7,7 +7,7 @@ Layout (little-endian int64 words unless said otherwise)::
 
     header    128 B             magic, version, capacity, slots, heap bytes, seq, count, minute
     digests   slots * 32 B      the digest in each slot; an empty slot is 32 zero bytes
-    meta      slots * 16 B      per slot: (heap offset | length << 32), version
+    meta      slots * 16 B      per slot: heap offset | length << 32 | chunks held << 48, version
     used      slots * 4 B       per slot: the Unix minute of its last use (int32, written by workers)
     heap      capacity * 512 B  record blobs, in 64-byte chunks (pages never written cost no memory)
 
@@ -160,7 +160,7 @@ class KeyTable:
             if not seq & 1:
                 packed, current = words[meta], words[meta + 1]
                 start = self.layout.heap + (packed & 0xFFFFFFFF)
-                data = self._map[start : start + (packed >> 32)]
+                data = self._map[start : start + (packed >> 32 & 0xFFFF)]
                 if words[H_SEQ] == seq:
                     return data if current == version else None
             deadline = _wait(deadline)
@@ -199,7 +199,9 @@ class KeyTable:
 
 
 class KeyTableWriter:
-    """The one writer: the supervisor's follower. Keeps where everything is in its own memory."""
+    """The one writer: the supervisor's follower. Holds no per-key state of its own: where a digest is,
+    and which heap chunks a slot holds, are read back from the table (a 100,000-key table costs the
+    supervisor no Python memory beyond the free-chunk list)."""
 
     def __init__(self, table: KeyTable) -> None:
         self.table = table
@@ -208,25 +210,40 @@ class KeyTableWriter:
         self._words = table._words
         self._map = table._map
         self._meta_word = table._meta_word
-        self._slot_of: dict[bytes, int] = {}
-        self._digest_at: dict[int, bytes] = {}
-        self._blocks: dict[int, tuple[int, int]] = {}  # slot -> (first heap chunk, chunks)
+        self._count = 0
         self._heap = _ChunkHeap(layout.heap_bytes // CHUNK_BYTES)
 
     def __contains__(self, digest: bytes) -> bool:
-        return digest in self._slot_of
+        return self.slot_of(digest) is not None
 
     def __len__(self) -> int:
-        return len(self._slot_of)
-
-    def digests(self) -> list[bytes]:
-        return list(self._slot_of)
+        return self._count
 
     def slot_of(self, digest: bytes) -> int | None:
-        return self._slot_of.get(digest)
+        for slot in candidate_slots(digest, self._layout.slots):
+            if self.digest_at(slot) == digest:
+                return slot
+        return None
 
     def digest_at(self, slot: int) -> bytes | None:
-        return self._digest_at.get(slot)
+        at = self._layout.digests + slot * DIGEST_BYTES
+        digest = self._map[at : at + DIGEST_BYTES]
+        return None if digest == _EMPTY else digest
+
+    def occupied(self) -> list[tuple[int, bytes]]:
+        """``(slot, digest)`` of every digest in the table (a scan: for full reloads)."""
+        data, size = self._map[self._layout.digests : self._layout.meta], DIGEST_BYTES
+        return [(slot, data[slot * size : slot * size + size]) for slot in range(self._layout.slots)
+                if data[slot * size : slot * size + size] != _EMPTY]
+
+    def blob_at(self, slot: int) -> bytes:
+        """The blob of ``slot`` (the writer reads its own writes: no seqlock needed)."""
+        offset, length, _ = self._block(slot)
+        start = self._layout.heap + offset * CHUNK_BYTES
+        return self._map[start : start + length]
+
+    def heap_used_bytes(self) -> int:
+        return self._layout.heap_bytes - self._heap.free_chunks() * CHUNK_BYTES
 
     def set_minute(self, minute: int) -> None:
         """Publish the current Unix minute: what workers store when they mark a key used."""
@@ -240,11 +257,13 @@ class KeyTableWriter:
         if len(blob) > MAX_BLOB_BYTES:
             raise KeyTableFull(f"record of {len(blob)} bytes exceeds {MAX_BLOB_BYTES}")
         chunks = max(1, -(-len(blob) // CHUNK_BYTES))
-        slot = self._slot_of.get(digest)
-        if slot is not None and chunks <= self._blocks[slot][1]:
-            self._rewrite_in_place(slot, blob)
-            return slot
-        if slot is None and len(self._slot_of) >= self._layout.capacity:
+        slot = self.slot_of(digest)
+        if slot is not None:
+            offset, _, held = self._block(slot)
+            if chunks <= held:
+                self._rewrite_in_place(slot, offset, held, blob)
+                return slot
+        elif self._count >= self._layout.capacity:
             raise KeyTableFull(f"the table holds its capacity of {self._layout.capacity} keys "
                                "(auth.key_table_capacity)")
         path = None
@@ -259,32 +278,31 @@ class KeyTableWriter:
         start = self._layout.heap + offset * CHUNK_BYTES
         self._map[start : start + len(blob)] = blob  # fresh space: nothing points at it yet
         if slot is not None:  # a bigger blob for a digest in place: point its slot at the new one
-            previous = self._blocks[slot]
-            self._set_meta(slot, offset, len(blob))
-            self._blocks[slot] = (offset, chunks)
-            self._heap.free(*previous)
+            previous, _, held = self._block(slot)
+            self._set_meta(slot, offset, len(blob), chunks)
+            self._heap.free(previous, held)
             return slot
         assert path is not None
         for source, target in zip(reversed(path[:-1]), reversed(path[1:]), strict=True):
             self._move(source, target)  # each move leaves every digest findable
         slot = path[0]
-        self._place(slot, digest, offset, len(blob))
-        self._blocks[slot] = (offset, chunks)
+        self._place(slot, digest, offset, len(blob), chunks)
         return slot
 
     def remove(self, digest: bytes) -> bool:
-        slot = self._slot_of.pop(digest, None)
+        slot = self.slot_of(digest)
         if slot is None:
             return False
-        del self._digest_at[slot]
+        offset, _, held = self._block(slot)
         words = self._words
+        self._count -= 1
         seq = _begin(words)
         self._write_digest(slot, _EMPTY)
-        words[H_COUNT] = len(self._slot_of)
+        words[H_COUNT] = self._count
         self._bump(slot)
         _end(words, seq)
         self.table._used[slot] = 0
-        self._heap.free(*self._blocks.pop(slot))
+        self._heap.free(offset, held)
         return True
 
     # ------------------------------------------------------------------ placement
@@ -293,16 +311,15 @@ class KeyTableWriter:
         """Slots ``[s0, s1, .., sk]``: s0 is a choice of ``digest``, each next one the other choice of
         the digest in the one before, sk free. Breadth-first, so the path (the moves) is shortest."""
         slots = self._layout.slots
-        starts = candidate_slots(digest, slots)
         parent: dict[int, int | None] = {}
         queue: deque[int] = deque()
-        for start in starts:
+        for start in candidate_slots(digest, slots):
             if start not in parent:
                 parent[start] = None
                 queue.append(start)
         while queue and len(parent) <= MAX_PLACEMENT_VISITS:
             slot = queue.popleft()
-            occupant = self._digest_at.get(slot)
+            occupant = self.digest_at(slot)
             if occupant is None:
                 path = [slot]
                 while (previous := parent[path[-1]]) is not None:
@@ -317,7 +334,8 @@ class KeyTableWriter:
 
     def _move(self, source: int, target: int) -> None:
         """Move the digest in ``source`` (with its blob pointer and last use) to the free ``target``."""
-        digest = self._digest_at.pop(source)
+        digest = self.digest_at(source)
+        assert digest is not None
         words, meta = self._words, self._meta_word
         used = self.table._used
         seq = _begin(words)
@@ -328,36 +346,36 @@ class KeyTableWriter:
         self._bump(source)
         _end(words, seq)
         used[target], used[source] = used[source], 0
-        self._digest_at[target] = digest
-        self._slot_of[digest] = target
-        self._blocks[target] = self._blocks.pop(source)
 
-    def _place(self, slot: int, digest: bytes, offset: int, length: int) -> None:
+    def _place(self, slot: int, digest: bytes, offset: int, length: int, chunks: int) -> None:
         words = self._words
         self.table._used[slot] = 0
+        self._count += 1
         seq = _begin(words)
-        words[self._meta_word + slot * META_WORDS] = offset * CHUNK_BYTES | length << 32
+        words[self._meta_word + slot * META_WORDS] = _pack(offset, length, chunks)
         self._write_digest(slot, digest)
-        self._slot_of[digest] = slot
-        self._digest_at[slot] = digest
-        words[H_COUNT] = len(self._slot_of)
+        words[H_COUNT] = self._count
         self._bump(slot)
         _end(words, seq)
 
-    def _set_meta(self, slot: int, offset: int, length: int) -> None:
+    def _block(self, slot: int) -> tuple[int, int, int]:
+        """(first heap chunk, blob length, chunks held) of ``slot``."""
+        packed = self._words[self._meta_word + slot * META_WORDS]
+        return (packed & 0xFFFFFFFF) // CHUNK_BYTES, packed >> 32 & 0xFFFF, packed >> 48
+
+    def _set_meta(self, slot: int, offset: int, length: int, chunks: int) -> None:
         words = self._words
         seq = _begin(words)
-        words[self._meta_word + slot * META_WORDS] = offset * CHUNK_BYTES | length << 32
+        words[self._meta_word + slot * META_WORDS] = _pack(offset, length, chunks)
         self._bump(slot)
         _end(words, seq)
 
-    def _rewrite_in_place(self, slot: int, blob: bytes) -> None:
-        offset, _ = self._blocks[slot]
+    def _rewrite_in_place(self, slot: int, offset: int, chunks: int, blob: bytes) -> None:
         start = self._layout.heap + offset * CHUNK_BYTES
         words = self._words
         seq = _begin(words)
         self._map[start : start + len(blob)] = blob
-        words[self._meta_word + slot * META_WORDS] = offset * CHUNK_BYTES | len(blob) << 32
+        words[self._meta_word + slot * META_WORDS] = _pack(offset, len(blob), chunks)
         self._bump(slot)
         _end(words, seq)
 
@@ -368,6 +386,11 @@ class KeyTableWriter:
     def _bump(self, slot: int) -> None:
         """A new version for ``slot`` (inside the odd phase); versions never go back, reuse included."""
         self._words[self._meta_word + slot * META_WORDS + 1] += 1
+
+
+def _pack(offset: int, length: int, chunks: int) -> int:
+    """A slot's meta word: heap byte offset (32 bits) | blob length (16) | chunks held (16)."""
+    return offset * CHUNK_BYTES | length << 32 | chunks << 48
 
 
 def _begin(words: memoryview) -> int:

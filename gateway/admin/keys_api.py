@@ -22,6 +22,7 @@ from gateway.keys.record import (
     NAME_PATTERN,
     BodyProblem,
     CreateKey,
+    KeyRecord,
     PatchKey,
     Rotate,
     decode_body,
@@ -46,8 +47,8 @@ class KeyHost(Protocol):
         """The running config's store; None when managed keys are off."""
         ...
 
-    def on_this_host(self, kid: str) -> dict[str, Any] | None:
-        """What this host's table holds for ``kid`` (its status, how many secrets), or None."""
+    def on_this_host(self, record: KeyRecord) -> dict[str, Any] | None:
+        """What this host's table holds for the key (its status, how many secrets), or None."""
         ...
 
     def backend_errors(self) -> tuple[type[BaseException], ...]: ...
@@ -128,7 +129,7 @@ class KeysApi:
             record = await store.get(kid)
             if record is None:
                 raise KeyNotFound(kid)
-            return json_response(200, {**await store.public(record, now), "on_this_host": self._host.on_this_host(kid)})
+            return json_response(200, {**await store.public(record, now), "on_this_host": self._host.on_this_host(record)})
         if action is None:  # PATCH
             changes = decode_body(body, PatchKey).changes()
             if not changes:

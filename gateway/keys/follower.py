@@ -29,13 +29,14 @@ from dataclasses import dataclass
 
 from gateway.keys.record import KeyRecord
 from gateway.keys.store import KeyStore, LogEntry
-from gateway.keys.view import views_of
+from gateway.keys.view import decode_entry, views_of
 from shm.keys import KeyTableFull, KeyTableWriter
 
 log = logging.getLogger("gridgate.keys")
 
 BLOCK_MS = 1000
 READ_COUNT = 512
+LOAD_BATCH = 1000
 RECONNECT_BASE_S = 0.1
 RECONNECT_MAX_S = 2.0
 
@@ -72,17 +73,11 @@ class KeyFollower:
         self._errors = backend_errors or (OSError, TimeoutError)
         self._last_id: str | None = None  # None: a full load is due
         self._last_n = 0  # the sequence number of the last entry applied
-        self._digests_of: dict[str, tuple[bytes, ...]] = {}  # kid -> its secrets in the table
-        self._kid_at: dict[bytes, str] = {}  # digest -> kid
-        self._grace_ends: list[tuple[int, bytes, str]] = []  # (until, digest, kid), a heap
+        self._grace_ends: list[tuple[int, bytes]] = []  # (until, digest): a heap of secrets to drop
         self._used_from_minute = int(clock() // 60)
         self.stats = FollowerStats()
         self.loaded = asyncio.Event()
         self.settled = asyncio.Event()  # the first load either succeeded or failed
-
-    def digests_of(self, kid: str) -> tuple[bytes, ...]:
-        """The secrets of ``kid`` this host's table holds (for the admin page's on_this_host)."""
-        return self._digests_of.get(kid, ())
 
     async def close(self) -> None:
         for store in (self._store, self._stream):
@@ -138,22 +133,23 @@ class KeyFollower:
         started = time.monotonic()
         newest, last_n = await self._store.log_head()
         kids = await self._store.all_kids()
-        records = await self._store.records(kids)
         now = self._clock()
-        present = set()
-        for kid, record in zip(kids, records, strict=True):
-            if record is not None:
-                self.apply(kid, record, now)
-                present.add(kid)
-        for kid in [kid for kid in self._digests_of if kid not in present]:
-            self.apply(kid, None, now)
+        kept: set[bytes] = set()
+        for start in range(0, len(kids), LOAD_BATCH):  # a batch at a time: records are not all held at once
+            batch = kids[start : start + LOAD_BATCH]
+            for kid, record in zip(batch, await self._store.records(batch), strict=True):
+                if record is not None:
+                    kept.update(self.apply(kid, record, now))
+        for _, digest in self._writer.occupied():  # what no record names any more
+            if digest not in kept:
+                self._writer.remove(digest)
         self._last_id, self._last_n = newest, last_n
         self.stats.loads += 1
         self.stats.loaded = True
         self.loaded.set()
         self.settled.set()
         log.info("keys: loaded %d managed keys (%d secrets) into the host table in %.2fs",
-                 len(present), len(self._writer), time.monotonic() - started)
+                 len(kids), len(self._writer), time.monotonic() - started)
 
     async def follow_once(self) -> None:
         """One blocking read of the log; applies what it returned."""
@@ -187,49 +183,42 @@ class KeyFollower:
 
     # ------------------------------------------------------------------ the table
 
-    def apply(self, kid: str, record: KeyRecord | None, now: float) -> None:
-        """Make the table hold exactly the live secrets of ``record`` (none when it is None)."""
-        blobs = {} if record is None else views_of(record, now)
-        for digest in self._digests_of.get(kid, ()):
-            if digest not in blobs:
-                self._writer.remove(digest)
-                self._kid_at.pop(digest, None)
-        kept = []
-        for digest, blob in blobs.items():
+    def apply(self, kid: str, record: KeyRecord | None, now: float) -> list[bytes]:
+        """Make the table hold the live secrets of ``record`` and drop the ones it names as ended; the
+        digests written. None (a kid whose record is gone) changes nothing: records are never deleted,
+        and a reset store is caught by the sequence numbers, which reload everything."""
+        if record is None:
+            return []
+        for ended in record.ended(now):
+            self._writer.remove(bytes.fromhex(ended))
+        written = []
+        for digest, blob in views_of(record, now).items():
             try:
                 self._writer.put(digest, blob)
             except KeyTableFull as exc:
                 self.stats.table_full += 1
                 log.error("keys: key %s is not in this host's table: %s", kid, exc)
                 continue
-            kept.append(digest)
-            self._kid_at[digest] = kid
-        if kept:
-            self._digests_of[kid] = tuple(kept)
-        else:
-            self._digests_of.pop(kid, None)
-        if record is not None:
-            for previous in record.previous:
-                if previous.until > now:
-                    heapq.heappush(self._grace_ends, (previous.until, bytes.fromhex(previous.digest), kid))
+            written.append(digest)
+        for previous in record.previous:
+            if previous.until > now:
+                heapq.heappush(self._grace_ends, (previous.until, bytes.fromhex(previous.digest)))
+        return written
 
     def end_graces(self, now: float) -> None:
-        """Take out the previous secrets whose rotation grace is over."""
+        """Take out the previous secrets whose rotation grace is over (a digest names one secret of
+        one key for ever, so it can go without looking at its record)."""
         ends = self._grace_ends
         while ends and ends[0][0] <= now:
-            _, digest, kid = heapq.heappop(ends)
-            if self._kid_at.get(digest) == kid and self._writer.remove(digest):
-                del self._kid_at[digest]
-                self._digests_of[kid] = tuple(d for d in self._digests_of.get(kid, ()) if d != digest)
+            self._writer.remove(heapq.heappop(ends)[1])
 
     async def flush_used(self, minute: int) -> None:
         """Write the last use of every key marked since the last flush, at minute resolution."""
         since = self._used_from_minute
         seconds_by_kid: dict[str, int] = {}
         for slot, used in self._writer.table.used_since(since):
-            digest = self._writer.digest_at(slot)
-            kid = None if digest is None else self._kid_at.get(digest)
-            if kid is not None:
+            if self._writer.digest_at(slot) is not None:
+                kid = decode_entry(self._writer.blob_at(slot), slot).kid
                 seconds_by_kid[kid] = max(seconds_by_kid.get(kid, 0), used * 60)
         await self._store.mark_used(seconds_by_kid)
         self._used_from_minute = minute - 1  # a mark racing the minute's end is caught next time

@@ -45,6 +45,8 @@ MAX_COUNT = 1_000_000_000
 MAX_TOKENS = 10**15
 MAX_USD = 1_000_000_000
 MAX_PREVIOUS_SECRETS = 4  # secrets still in their rotation grace, per key
+MAX_ENDED_SECRETS = 8  # ended ones a record still names (so every host drops them), per key
+ENDED_SECRET_RETENTION_S = 86_400
 _ORIGIN = re.compile(r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?|https?://\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?")
 
 
@@ -320,6 +322,10 @@ class KeyRecord(msgspec.Struct, frozen=True, kw_only=True):
     allowed_origins: list[str] | None = None
     metadata: dict[str, str] = {}
     previous: list[PreviousSecret] = []
+
+    def ended(self, now: float) -> list[str]:
+        """Digests (hex) of previous secrets whose grace is over: a host still holding one drops it."""
+        return [previous.digest for previous in self.previous if previous.until <= now]
 
     def secrets(self, now: float) -> list[tuple[str, int | None]]:
         """(digest hex, expires_at) of every secret that opens this key: the current one, then those

@@ -37,6 +37,8 @@ from gateway.keys.keyformat import is_kid, key_digest, new_key, new_kid
 from gateway.keys.record import (
     ACTIVE,
     BLOCKED,
+    ENDED_SECRET_RETENTION_S,
+    MAX_ENDED_SECRETS,
     MAX_PREVIOUS_SECRETS,
     REVOKED,
     CreateKey,
@@ -282,12 +284,16 @@ class KeyStore:
         async def change(record: KeyRecord) -> tuple[KeyRecord, list[tuple[str, str, str]], dict[str, Any]]:
             if record.status == REVOKED:
                 raise KeyConflict(f"key {kid} is revoked; a revoked key cannot be rotated")
-            previous = [p for p in record.previous if p.until > now]
-            if grace_s > 0:
-                previous.append(PreviousSecret(record.digest, int(now) + grace_s))
-            if len(previous) > MAX_PREVIOUS_SECRETS:
+            live = [p for p in record.previous if p.until > now]
+            if grace_s > 0 and len(live) >= MAX_PREVIOUS_SECRETS:
                 raise KeyConflict(f"key {kid} already has {MAX_PREVIOUS_SECRETS} previous secrets in their grace "
                                   "period; wait for one to end, or rotate with grace 0s")
+            # Ended secrets stay named for a day (at most MAX_ENDED_SECRETS), so every host drops them;
+            # one that rotates with no grace ends now.
+            ended = [p for p in record.previous if now - ENDED_SECRET_RETENTION_S < p.until <= now]
+            retired = PreviousSecret(record.digest, int(now) + max(0, grace_s))
+            (live if grace_s > 0 else ended).append(retired)
+            previous = ended[-MAX_ENDED_SECRETS:] + live
             key = holder["key"] = new_key(kid)
             updated = msgspec.structs.replace(record, digest=key_digest(key).hex(), previous=previous)
             until = None if grace_s <= 0 else format_time(int(now) + grace_s)

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -146,19 +147,20 @@ class KeyService:
             self._admin_url = url
         return self._admin_store
 
-    def on_this_host(self, kid: str) -> dict[str, Any] | None:
-        """What this host's table holds for ``kid``: its status and how many secrets, or None."""
-        if self._follower is None or self.table is None:
+    def on_this_host(self, record: Any) -> dict[str, Any] | None:
+        """What this host's table holds for ``record`` (a ``KeyRecord``): its status and how many of
+        its secrets, or None when it holds none."""
+        if self.table is None:
             return None
         from gateway.keys.view import decode_entry
 
-        digests = self._follower.digests_of(kid)
-        for digest in digests:
-            found = self.table.find(digest)
+        status, held = None, 0
+        for digest, _ in record.secrets(time.time()):
+            found = self.table.find(bytes.fromhex(digest))
             blob = None if found is None else self.table.blob(*found)
             if found is not None and blob is not None:
-                return {"status": decode_entry(blob, found[0]).status, "secrets": len(digests)}
-        return None
+                status, held = decode_entry(blob, found[0]).status, held + 1
+        return None if status is None else {"status": status, "secrets": held}
 
     # ------------------------------------------------------------------ metrics
 
@@ -227,8 +229,8 @@ class SupervisorKeyHost:
     def store(self) -> Any:
         return self._service.store_for(self._running_config())
 
-    def on_this_host(self, kid: str) -> dict[str, Any] | None:
-        return self._service.on_this_host(kid)
+    def on_this_host(self, record: Any) -> dict[str, Any] | None:
+        return self._service.on_this_host(record)
 
     def backend_errors(self) -> tuple[type[BaseException], ...]:
         from gateway.quota.backend import BACKEND_ERRORS

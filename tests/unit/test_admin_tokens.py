@@ -26,7 +26,7 @@ class NoStore:
     def store(self) -> None:
         return None
 
-    def on_this_host(self, kid: str) -> None:
+    def on_this_host(self, record: object) -> None:
         return None
 
     def backend_errors(self) -> tuple[type[BaseException], ...]:
