@@ -27,6 +27,7 @@ from gateway.keys.store import (
 from gateway.quota.backend import BACKEND_ERRORS, create_client
 from gateway.quota.embedded import EmbeddedValkey
 from shm.keys import KeyTable, KeyTableWriter
+from tests.integration.test_quota_cluster import cluster_url  # noqa: F401 - the 3-node cluster fixture
 
 
 @pytest.fixture(scope="module")
@@ -241,3 +242,34 @@ def test_uses_are_written_once_a_minute_at_minute_resolution(keys_valkey, direct
         await follower.close()
 
     run(with_store(keys_valkey, body))
+
+
+def test_the_store_and_a_follower_work_on_a_valkey_cluster(cluster_url):  # noqa: F811 - the fixture
+    # Every store key shares the {gg-keys} slot; each tenant's deny set lives in the tenant's slot, so it
+    # is written by a call of its own, and must still hold the kid when block returns.
+    async def body(store: KeyStore):
+        follower, table = await follower_on_cluster(cluster_url)
+        key, record = await store.create(create("team-cluster", alias="c"), "ops", Clock().now)
+        await store.set_status(record.kid, "block", "ops", Clock().now)
+        deny = create_client(cluster_url, timeout_s=2.0)
+        try:
+            assert await deny.execute_command("SISMEMBER", deny_set_key("team-cluster"), record.kid) == 1
+            await drain(follower)
+            assert KeyLookup(table)(key_digest(key)).status == "blocked"
+            await store.set_status(record.kid, "unblock", "ops", Clock().now)
+            assert await deny.execute_command("SISMEMBER", deny_set_key("team-cluster"), record.kid) == 0
+            page, _ = await store.page(tenant=None, alias="c", status=None, cursor=None, limit=10)
+            assert [r.kid for r in page] == [record.kid]
+        finally:
+            await deny.aclose()
+            await follower.close()
+
+    async def follower_on_cluster(url: str) -> tuple[KeyFollower, KeyTable]:
+        table = KeyTable.create(100)
+        follower = KeyFollower(KeyStore(create_client(url, timeout_s=2.0), cluster=True),
+                               KeyStore(create_client(url, timeout_s=5.0), cluster=True),
+                               KeyTableWriter(table), clock=Clock(), backend_errors=BACKEND_ERRORS)
+        await follower.load()
+        return follower, table
+
+    run(with_store(cluster_url, body, cluster=True))
