@@ -132,7 +132,7 @@ def propagation(trials: int) -> dict[str, Any]:
             _until(lambda kid=kid: _host_status(b, kid) == "active")
             status, _ = _call(a, "POST", f"/admin/keys/{kid}/revoke")
             returned = time.perf_counter()
-            denied += bool(direct.sismember(deny_set_key("measure"), kid))
+            denied += direct.hget(deny_set_key("measure"), kid) == b"revoked"
             _until(lambda kid=kid: _host_status(b, kid) == "revoked")
             seen.append(time.perf_counter() - returned)
             internal.append(_metric(b, "gridgate_keys_last_propagation_seconds"))

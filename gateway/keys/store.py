@@ -12,8 +12,9 @@ script call touches one Valkey Cluster slot)::
     gg:keys:v1:{gg-keys}:seq                 STRING  the number of the last entry (``n``): a follower that
                                                      sees a gap in ``n`` missed entries and reloads
     gg:keys:v1:{gg-keys}:used                HASH    kid -> last use, Unix seconds at minute resolution
-    gg:keys:v1:{<tenant>}:deny               SET     the tenant's blocked and revoked kids (the admission
-                                                     call's deny set: same hash tag as the tenant's counters)
+    gg:keys:v1:{<tenant>}:deny               HASH    the tenant's blocked and revoked kids -> ``blocked`` or
+                                                     ``revoked`` (the admission call's deny set: same hash tag
+                                                     as the tenant's counters)
 
 Every change is one compare-and-set script call: the record (its ``version`` must be the one read),
 its index entries and its stream entry are written together or not at all. On one node the deny set
@@ -73,8 +74,8 @@ def deny_set_key(tenant: str) -> str:
 
 
 # KEYS: 1 record, 2 log, 3 seq, 4.. the keys the ops name. ARGV: 1 expected version (0: must not exist),
-# 2 record JSON, 3 log MAXLEN, 4 op count, then (op, key index, member) triples, then the log entry's
-# field/value pairs. Returns {1, entry id} or {0, the version found}.
+# 2 record JSON, 3 log MAXLEN, 4 op count, then (op, key index, member, value) quads, then the log
+# entry's field/value pairs. Returns {1, entry id} or {0, the version found}.
 MUTATE_SCRIPT = """-- gridgate-keys v1: compare-and-set one record, its index entries and its log entry
 local current = redis.call('GET', KEYS[1])
 local found = 0
@@ -87,9 +88,9 @@ for _ = 1, ops do
   local op, key, member = ARGV[i], KEYS[tonumber(ARGV[i + 1])], ARGV[i + 2]
   if op == 'zadd' then redis.call('ZADD', key, 0, member)
   elseif op == 'zrem' then redis.call('ZREM', key, member)
-  elseif op == 'sadd' then redis.call('SADD', key, member)
-  elseif op == 'srem' then redis.call('SREM', key, member) end
-  i = i + 3
+  elseif op == 'hset' then redis.call('HSET', key, member, ARGV[i + 3])
+  elseif op == 'hdel' then redis.call('HDEL', key, member) end
+  i = i + 4
 end
 local fields = {'n', redis.call('INCR', KEYS[3])}
 for j = i, #ARGV do fields[#fields + 1] = ARGV[j] end
@@ -109,6 +110,9 @@ for i = 1, #ARGV, 2 do
 end
 return 1
 """
+
+
+Op = tuple[str, str, str, str]  # (zadd | zrem | hset | hdel, key, member, value) for the mutate script
 
 
 class KeyNotFound(Exception):
@@ -224,25 +228,25 @@ class KeyStore:
                                created_at=seconds, created_by=actor, updated_at=seconds, version=1,
                                alias=body.alias, models=body.models, limits=body.limits, expires_at=expires_at,
                                allowed_origins=body.allowed_origins, metadata=body.metadata)
-            ops = [("zadd", ALL, kid), ("zadd", BY_TENANT + record.tenant, kid)]
+            ops: list[Op] = [("zadd", ALL, kid, ""), ("zadd", BY_TENANT + record.tenant, kid, "")]
             if record.alias is not None:
-                ops.append(("zadd", BY_ALIAS + record.alias, kid))
+                ops.append(("zadd", BY_ALIAS + record.alias, kid, ""))
             changed = {name: value for name, value in _public_fields(record).items() if value not in (None, {}, [])}
             if await self._mutate(None, record, ops, "create", actor, changed):
                 return key, record
         raise KeyConflict("could not allocate a new kid; try again")  # 62**12 kids: never in practice
 
     async def patch(self, kid: str, changes: dict[str, Any], actor: str, now: float) -> KeyRecord:
-        async def change(record: KeyRecord) -> tuple[KeyRecord, list[tuple[str, str, str]], dict[str, Any]]:
+        async def change(record: KeyRecord) -> tuple[KeyRecord, list[Op], dict[str, Any]]:
             if record.status == REVOKED:
                 raise KeyConflict(f"key {kid} is revoked; a revoked key cannot change")
             updated = msgspec.structs.replace(record, **changes)
-            ops: list[tuple[str, str, str]] = []
+            ops: list[Op] = []
             if updated.alias != record.alias:
                 if record.alias is not None:
-                    ops.append(("zrem", BY_ALIAS + record.alias, kid))
+                    ops.append(("zrem", BY_ALIAS + record.alias, kid, ""))
                 if updated.alias is not None:
-                    ops.append(("zadd", BY_ALIAS + updated.alias, kid))
+                    ops.append(("zadd", BY_ALIAS + updated.alias, kid, ""))
             before, after = _public_fields(record), _public_fields(updated)
             return updated, ops, {name: after[name] for name in changes if after[name] != before[name]}
 
@@ -253,13 +257,13 @@ class KeyStore:
         """``block``, ``unblock`` or ``revoke`` (final). Repeating one is a no-op that still repairs the
         deny set, so an admin call retried after a 503 always leaves both in agreement."""
         target = {"block": BLOCKED, "unblock": ACTIVE, "revoke": REVOKED}[action]
-        deny = "srem" if action == "unblock" else "sadd"
+        deny = "hdel" if action == "unblock" else "hset"
 
-        async def change(record: KeyRecord) -> tuple[KeyRecord, list[tuple[str, str, str]], dict[str, Any]]:
+        async def change(record: KeyRecord) -> tuple[KeyRecord, list[Op], dict[str, Any]]:
             if record.status == REVOKED and action != "revoke":
                 raise KeyConflict(f"key {kid} is revoked; revoking is final")
-            return (msgspec.structs.replace(record, status=target), [(deny, deny_set_key(record.tenant), kid)],
-                    {"status": target})
+            return (msgspec.structs.replace(record, status=target),
+                    [(deny, deny_set_key(record.tenant), kid, target)], {"status": target})
 
         record = await self.get(kid)
         if record is None:
@@ -267,13 +271,13 @@ class KeyStore:
         if record.status == REVOKED and action != "revoke":
             raise KeyConflict(f"key {kid} is revoked; revoking is final")
         if record.status == target:
-            await self._deny(deny, record.tenant, kid)
+            await self._deny(deny, record.tenant, kid, target)
             return record
-        if self._cluster and deny == "sadd":
-            await self._deny(deny, record.tenant, kid)  # before the record: refused at admission from now on
+        if self._cluster and deny == "hset":
+            await self._deny(deny, record.tenant, kid, target)  # before the record: refused at admission now
         record, _ = await self._change(kid, action, actor, now, change)
-        if self._cluster and deny == "srem":
-            await self._deny(deny, record.tenant, kid)
+        if self._cluster and deny == "hdel":
+            await self._deny(deny, record.tenant, kid, target)
         return record
 
     async def rotate(self, kid: str, grace_s: int, actor: str, now: float) -> tuple[str, KeyRecord]:
@@ -281,7 +285,7 @@ class KeyStore:
         ``grace_s`` seconds (0: it stops now). Returns the new key, shown this once."""
         holder: dict[str, str] = {}
 
-        async def change(record: KeyRecord) -> tuple[KeyRecord, list[tuple[str, str, str]], dict[str, Any]]:
+        async def change(record: KeyRecord) -> tuple[KeyRecord, list[Op], dict[str, Any]]:
             if record.status == REVOKED:
                 raise KeyConflict(f"key {kid} is revoked; a revoked key cannot be rotated")
             live = [p for p in record.previous if p.until > now]
@@ -351,26 +355,29 @@ class KeyStore:
             updated, ops, changed = await change(record)
             updated = msgspec.structs.replace(updated, version=record.version + 1, updated_at=int(now))
             if self._cluster:
-                ops = [op for op in ops if op[0] not in ("sadd", "srem")]
+                ops = [op for op in ops if op[0] not in ("hset", "hdel")]
             if await self._mutate(record, updated, ops, action, actor, changed):
                 return updated, True
         raise KeyConflict(f"key {kid} is being changed by another admin call; try again")
 
-    async def _mutate(self, old: KeyRecord | None, new: KeyRecord, ops: list[tuple[str, str, str]],
+    async def _mutate(self, old: KeyRecord | None, new: KeyRecord, ops: list[Op],
                       action: str, actor: str, changed: dict[str, Any]) -> bool:
         keys = [RECORD + new.kid, LOG, SEQ]
         args: list[Any] = [0 if old is None else old.version, encode_record(new), self._log_max, len(ops)]
-        for op, key, member in ops:
+        for op, key, member, value in ops:
             if key not in keys:
                 keys.append(key)
-            args += [op, keys.index(key) + 1, member]
+            args += [op, keys.index(key) + 1, member, value]
         args += ["kid", new.kid, "action", action, "actor", actor, "tenant", new.tenant,
                  "changed", json.dumps(changed, separators=(",", ":"), sort_keys=True)]
         reply = await self._client.execute_command("EVAL", MUTATE_SCRIPT, len(keys), *keys, *args)
         return int(reply[0]) == 1
 
-    async def _deny(self, op: str, tenant: str, kid: str) -> None:
-        await self._client.execute_command("SADD" if op == "sadd" else "SREM", deny_set_key(tenant), kid)
+    async def _deny(self, op: str, tenant: str, kid: str, status: str) -> None:
+        if op == "hset":
+            await self._client.execute_command("HSET", deny_set_key(tenant), kid, status)
+        else:
+            await self._client.execute_command("HDEL", deny_set_key(tenant), kid)
 
 
 def _public_fields(record: KeyRecord) -> dict[str, Any]:
