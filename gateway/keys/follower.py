@@ -106,6 +106,10 @@ class KeyFollower:
                 self._lost(exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RECONNECT_MAX_S)
+            except Exception:  # a bug or a reply it cannot read: never stop following
+                log.exception("keys: following the key store failed; retrying")
+                self.stats.connected = False
+                await asyncio.sleep(RECONNECT_MAX_S)
 
     async def housekeeping(self) -> None:
         """Once a second until cancelled: the minute for use marks, graces, last uses."""
@@ -116,6 +120,8 @@ class KeyFollower:
                 raise
             except self._errors as exc:
                 self._lost(exc)
+            except Exception:
+                log.exception("keys: key table housekeeping failed")
             await asyncio.sleep(1.0)
 
     async def tick(self) -> None:

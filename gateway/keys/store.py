@@ -28,6 +28,7 @@ The stream never holds a digest or a key: a follower reads the record for each k
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -51,6 +52,8 @@ from gateway.keys.record import (
     parse_time,
     public_record,
 )
+
+log = logging.getLogger("gridgate.keys")
 
 STORE_TAG = "{gg-keys}"
 PREFIX = f"gg:keys:v1:{STORE_TAG}"
@@ -165,7 +168,7 @@ class KeyStore:
         for start in range(0, len(kids), 500):
             batch = kids[start : start + 500]
             replies = await self._client.execute_command("MGET", *(RECORD + kid for kid in batch))
-            found.extend(None if data is None else decode_record(data) for data in replies)
+            found.extend(_readable(kid, data) for kid, data in zip(batch, replies, strict=True))
         return found
 
     async def all_kids(self) -> list[str]:
@@ -378,6 +381,18 @@ class KeyStore:
             await self._client.execute_command("HSET", deny_set_key(tenant), kid, status)
         else:
             await self._client.execute_command("HDEL", deny_set_key(tenant), kid)
+
+
+def _readable(kid: str, data: bytes | None) -> KeyRecord | None:
+    """The record, or None when there is none or it cannot be read (logged: one bad record must not
+    stop a host from loading the others)."""
+    if data is None:
+        return None
+    try:
+        return decode_record(data)
+    except msgspec.DecodeError as exc:
+        log.error("keys: the record of key %s cannot be read (%s); skipped", kid, exc)
+        return None
 
 
 def _public_fields(record: KeyRecord) -> dict[str, Any]:

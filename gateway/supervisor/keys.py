@@ -110,6 +110,10 @@ class KeyService:
                             "the workers see them only after a restart")
                 self._warned_restart = True
             return
+        if (self.table is not None and config.auth is not None
+                and config.auth.key_table_capacity != self.table.layout.capacity):
+            log.warning("keys: auth.key_table_capacity changed to %d; the table keeps %d until a restart",
+                        config.auth.key_table_capacity, self.table.layout.capacity)
         if url != self._url and self.table is not None:
             self._stop_follower()
             self._url = url

@@ -273,3 +273,15 @@ def test_the_store_and_a_follower_work_on_a_valkey_cluster(cluster_url):  # noqa
         return follower, table
 
     run(with_store(cluster_url, body, cluster=True))
+
+
+def test_a_record_that_cannot_be_read_is_skipped_and_the_others_load(keys_valkey, direct):
+    async def body(store: KeyStore):
+        key, _ = await store.create(create(), "ops", Clock().now)
+        direct.set(RECORD + "BrokenRecord", b'{"kid": "BrokenRecord", "tenant": 7')
+        direct.zadd(ALL, {"BrokenRecord": 0})
+        follower, table = await follower_on(keys_valkey)
+        assert KeyLookup(table)(key_digest(key)) is not None and len(table) == 1
+        await follower.close()
+
+    run(with_store(keys_valkey, body))
