@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from gateway.admin.pages import AdminResponse, error_response, json_response
 from gateway.admin.tokens import Caller
-from gateway.keys.keyformat import is_kid
+from gateway.keys.keyformat import is_kid, redact
 from gateway.keys.record import (
     NAME_PATTERN,
     BodyProblem,
@@ -94,9 +94,10 @@ class KeysApi:
         try:
             return await self._route(store, method, path, query, body, caller)
         except (BodyProblem, QueryProblem) as exc:
-            return error_response(400, str(exc), "invalid_request")
+            return error_response(400, redact(str(exc)), "invalid_request")
         except KeyNotFound as exc:
-            return error_response(404, f"no key with kid {exc}", "key_not_found")
+            return error_response(404, f"no key with kid {exc}" if is_kid(str(exc)) else
+                                  "no key with that kid (a kid is 12 characters of A-Z a-z 0-9)", "key_not_found")
         except KeyConflict as exc:
             return error_response(409, str(exc), "conflict")
         except self._host.backend_errors() as exc:
@@ -123,7 +124,7 @@ class KeysApi:
         assert match is not None  # allowed_methods() checked the path
         kid, action = match.group(1), match.group(2)
         if not is_kid(kid):
-            raise KeyNotFound(kid[:40])
+            raise KeyNotFound(kid)
         _no_query(query)
         if action is None and method in ("GET", "HEAD"):
             record = await store.get(kid)

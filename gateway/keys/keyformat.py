@@ -18,6 +18,7 @@ SECRET_BYTES = 32
 SECRET_LENGTH = 43  # 62**43 > 2**256 > 62**42
 KID_PATTERN = re.compile(r"[0-9A-Za-z]{12}")
 KEY_PATTERN = re.compile(r"gg-([0-9A-Za-z]{12})-([0-9A-Za-z]{43})")
+_KEY_LIKE = re.compile(r"gg-([0-9A-Za-z]{12})-[0-9A-Za-z]{8,}")
 
 
 def base62(number: int, width: int) -> str:
@@ -50,3 +51,9 @@ def is_kid(text: str) -> bool:
 
 def is_managed_key(key: str) -> bool:
     return KEY_PATTERN.fullmatch(key) is not None
+
+
+def redact(text: str) -> str:
+    """``text`` with anything shaped like a managed key cut to its kid (``gg-<kid>-***``): for messages
+    that quote what a caller sent, in case a key was pasted into the wrong place."""
+    return _KEY_LIKE.sub(r"gg-\1-***", text)

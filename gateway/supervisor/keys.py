@@ -122,11 +122,14 @@ class KeyService:
                 self._start_follower(url)
 
     async def close(self) -> None:
-        self._stop_follower()
+        follower = self._follower
+        self._stop_follower(close=False)
         for task in self._tasks:
             with contextlib.suppress(BaseException):
                 await task
         self._tasks = []
+        if follower is not None:
+            await follower.close()
         if self._admin_store is not None:
             await _close_quietly(self._admin_store)
             self._admin_store = None
@@ -209,12 +212,13 @@ class KeyService:
         loop = asyncio.get_running_loop()
         self._tasks += [loop.create_task(self._follower.run()), loop.create_task(self._follower.housekeeping())]
 
-    def _stop_follower(self) -> None:
+    def _stop_follower(self, close: bool = True) -> None:
+        """Cancel the follower's tasks; ``close``: also close its connections, in the background."""
         for task in self._tasks:
             task.cancel()
         if self._follower is not None:
             follower, self._follower = self._follower, None
-            with contextlib.suppress(RuntimeError):
+            if close:
                 asyncio.get_running_loop().create_task(follower.close())
 
 

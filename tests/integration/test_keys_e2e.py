@@ -130,6 +130,13 @@ def test_bad_admin_input_gets_a_clear_answer(gateway_factory, providers):
     for method, path, body, status, message in cases:
         got, answer = admin(gateway, method, path, body)
         assert (got, answer["error"]["message"][:len(message)]) == (status, message), (method, path, answer)
+    # A key pasted into the wrong place is never echoed back.
+    _, created = admin(gateway, "POST", "/admin/keys", {"tenant": "team-a"})
+    key, kid = created["key"], created["record"]["kid"]
+    for method, path, body in (("PATCH", f"/admin/keys/{kid}", {"limits": key}), ("GET", f"/admin/keys/{key}", None),
+                               ("POST", "/admin/keys", {"tenant": "t", "metadata": key})):
+        status, answer = admin(gateway, method, path, body)
+        assert status in (400, 404) and key[16:] not in json.dumps(answer), answer
     assert admin(gateway, "GET", "/admin/keys", token=None)[0] == 401
     assert admin(gateway, "POST", "/admin/keys", {"tenant": "t"}, token=VIEWER)[0] == 403
     for _ in range(10):
