@@ -23,6 +23,10 @@ Rules, in order:
 3. Else the body's ``"model"`` string (1..256 bytes, not blank, else 400 ``invalid_model``).
 4. Else 400 ``missing_capability``.
 
+Which body fields the features come from depends on the API (``gateway.request.surfaces``,
+docs/api-surfaces.md): chat's ``messages`` parts and ``response_format``; the Responses API's
+``input`` items and ``text.format``; Anthropic's ``messages`` blocks; ``tools`` on all three.
+
 A body is decoded when it is non-empty and its content type is JSON (``application/json``
 or ``*+json``) or absent. Undecodable JSON (invalid UTF-8, nested too deeply for the decoder)
 is 400 ``invalid_json``; a known field of the wrong type (``"stream": "yes"``) or out of range
@@ -31,12 +35,21 @@ is 400 ``invalid_json``; a known field of the wrong type (``"stream": "yes"``) o
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 
 from gateway.http.errors import ErrorReply
 from gateway.http.media import is_json_content_type
 from gateway.quota.estimate import completion_allowance
 from gateway.request.headers import VISIBLE_ASCII
+from gateway.request.surfaces import (
+    API_SURFACES,
+    EMBEDDINGS_BODY,
+    MESSAGES_BODY,
+    OTHER_BODY,
+    RESPONSES_BODY,
+)
 from gateway.routing.eligibility import AUDIO, EMBEDDINGS, JSON_SCHEMA, TOOLS, VISION
 
 MAX_NAME_BYTES = 256
@@ -97,13 +110,26 @@ class FactFields(BodyFields):
     messages: list[MessageContent] | None = None
     input: msgspec.Raw = _ABSENT  # the Responses API's input (a string or a list of items)
     modalities: list[str] | None = None
+    text: msgspec.Raw = _ABSENT  # the Responses API's output config; kept raw: other APIs may use the name
 
+
+class _TextConfig(msgspec.Struct):
+    format: ResponseFormat | None = None
+
+
+_text_config = msgspec.json.Decoder(_TextConfig)
 
 # Content-part types in a JSON body. A raw `"` cannot occur inside a JSON string (it is escaped), so
 # finding the quoted type name finds a real part type, never user text.
 _IMAGE_PARTS = (b'"image_url"', b'"input_image"')
 _AUDIO_PARTS = (b'"input_audio"',)
 _EMPTY = (b"", b"[]", b"null", b'"none"')
+# An Anthropic image block: `"image"` alone could be a text's whole value; as the value of a `"type"`
+# key (a quoted string followed by `:` is always a key) it is a block type.
+_ANTHROPIC_IMAGE = b'"image"'
+_ANTHROPIC_IMAGE_BLOCK = re.compile(rb'"type"\s*:\s*"image"')
+
+_BODY_BY_PATH = {surface.path.encode(): surface.body for surface in API_SURFACES}  # type: ignore[union-attr]
 
 
 def _has_part(raw: bytes, kinds: tuple[bytes, ...]) -> bool:
@@ -111,16 +137,28 @@ def _has_part(raw: bytes, kinds: tuple[bytes, ...]) -> bool:
 
 
 def request_features(fields: BodyFields | None, target: bytes) -> int:
+    """``body_features`` for the API at ``target``'s path (a caller holding the request's route should
+    pass ``route.surface.body`` to ``body_features`` instead: no lookup)."""
+    query = target.find(b"?")
+    return body_features(fields, _BODY_BY_PATH.get(target if query < 0 else target[:query], OTHER_BODY))
+
+
+def body_features(fields: BodyFields | None, body: int) -> int:
     """The features a request uses (``gateway.routing.eligibility`` bits): tools, image parts, JSON
-    schema output, audio, embeddings."""
-    features = EMBEDDINGS if target.startswith(b"/v1/embeddings") else 0
+    schema output, audio, embeddings; read where the API (``body``: a ``gateway.request.surfaces``
+    family) puts them."""
+    features = EMBEDDINGS if body == EMBEDDINGS_BODY else 0
     if type(fields) is not FactFields:
         return features
+    if body == MESSAGES_BODY:
+        return features | _messages_features(fields)
     for raw in (fields.tools, fields.tool_choice, fields.functions):
         if bytes(raw).strip() not in _EMPTY:
             features |= TOOLS
             break
     if fields.response_format is not None and fields.response_format.type == "json_schema":
+        features |= JSON_SCHEMA
+    elif body == RESPONSES_BODY and _text_format(bytes(fields.text)) == "json_schema":
         features |= JSON_SCHEMA
     if fields.modalities and "audio" in fields.modalities:
         features |= AUDIO
@@ -132,6 +170,28 @@ def request_features(fields: BodyFields | None, target: bytes) -> int:
         if _has_part(raw, _AUDIO_PARTS):
             features |= AUDIO
     return features
+
+
+def _messages_features(fields: FactFields) -> int:
+    """Anthropic Messages: ``tools`` (``tool_choice`` needs them), image blocks in ``messages`` (also
+    inside a ``tool_result``'s content)."""
+    features = TOOLS if bytes(fields.tools).strip() not in _EMPTY else 0
+    for message in fields.messages or ():
+        raw = bytes(message.content)
+        if raw[:1] == b"[" and _ANTHROPIC_IMAGE in raw and _ANTHROPIC_IMAGE_BLOCK.search(raw):
+            return features | VISION
+    return features
+
+
+def _text_format(raw: bytes) -> str | None:
+    """The Responses API's ``text.format.type`` (None when absent or not that shape)."""
+    if raw[:1] != b"{":
+        return None
+    try:
+        config = _text_config.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
+    return None if config.format is None else config.format.type
 
 
 class CapabilityRequest(msgspec.Struct, frozen=True):

@@ -12,6 +12,7 @@ import os
 from typing import ClassVar, Literal
 
 from gateway.auth import is_key_digest
+from gateway.config_cors import Cors  # noqa: F401 - re-exported: importers use gateway.config
 from gateway.config_keys import AdminToken, KeyStoreBackend, keys_checks, managed_keys_enabled
 from gateway.config_pricing import PriceOverride, Pricing  # noqa: F401 - re-exported: importers use gateway.config
 from gateway.config_routing import (  # noqa: F401 - the routing schema, re-exported: importers use gateway.config
@@ -405,6 +406,7 @@ class Config(_Strict):
     auth: Auth | None = None
     quota: Quota | None = None
     pricing: Pricing = Pricing()  # prices of models, for spend (docs/pricing.md)
+    cors: Cors | None = None  # browser clients (docs/cors.md); off when absent
     # Where the config file lives; relative paths (overlay_file) resolve against it.
     base_dir: str = "."
 

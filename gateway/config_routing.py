@@ -86,6 +86,19 @@ class Cooling(StrictStruct):
             raise ValueError("max: must be >= default")
 
 
+class LeastLoaded(StrictStruct):
+    """The ``least_loaded`` picker's expectation of a provider it has no recent measurement of
+    (gateway.routing.providers, docs/routing.md)."""
+
+    latency_prior: Seconds | None = None  # an unmeasured provider's first-byte latency; None: the group's median
+    latency_half_life: Seconds = Seconds(30)  # a measurement counts half after this long without a new one
+
+    _RANGES: ClassVar[dict[str, Range]] = {"latency_prior": (0.001, HOUR), "latency_half_life": (0.1, DAY)}
+
+    def __post_init__(self) -> None:
+        check_ranges(self, self._RANGES)
+
+
 _STABLE_HASH_FACTS = ("tenant", "session", "request_id")
 
 
@@ -166,6 +179,7 @@ class Routing(StrictStruct):
     retry: Retry = Retry()
     cooling: Cooling = Cooling()
     picker: Literal["overlay", "weighted", "stable_hash", "least_loaded"] = "overlay"
+    least_loaded: LeastLoaded = LeastLoaded()
     stable_hash_key: list[str] = msgspec.field(default_factory=lambda: ["tenant", "session"])
     models: list[ModelFacts] = []
     pin_header: str = "X-Gridgate-Pin"

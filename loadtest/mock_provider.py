@@ -1,7 +1,10 @@
 """A fast OpenAI-compatible mock provider for tests, demos and benchmarks.
 
 It answers `POST /v1/chat/completions`, `/v1/completions`, `/v1/embeddings` and `GET /v1/models`
-(plain JSON or SSE), plus `GET /health`, `GET /metrics`, `/debug/echo` and `/admin/*`.
+(plain JSON or SSE), the OpenAI Responses API (`POST /v1/responses`) and the Anthropic Messages API
+(`POST /v1/messages`, `/v1/messages/count_tokens`) as the real ones do, refusals of members they do not
+define included (loadtest/mock_surfaces.py), plus `GET /health`, `GET /metrics`, `/debug/echo` and
+`/admin/*`.
 
 Speed matters more than generality: it is the far end of every gateway benchmark and must never be
 the bottleneck. Hence uvloop, a bare `asyncio.Protocol` with a hand-written HTTP/1.1 parser, and a
@@ -24,12 +27,16 @@ Failure injection, per request (headers win over flags):
   X-Mock-Tokens: 20             number of output tokens (still capped by max_tokens)
   X-Mock-Latency-Ms / X-Mock-TTFT-Ms / X-Mock-Tokens-Per-S: per-request timing overrides
   X-Mock-Echo: 1                add the received method/path/headers to a JSON completion body
+  X-Mock-Cached-Tokens / X-Mock-Cache-Write-Tokens / X-Mock-Reasoning-Tokens: N
+                                report that many cached prompt, cache-written prompt and reasoning
+                                tokens in the usage (where the API has the field)
 
 Admin: `POST /admin/health {"status": 503}` switches /health (shared by all --processes);
 `POST /admin/config {...}` changes timing, failure rates, `retry_after` (same forms as the header;
 null = the default), `fail_next` (the next N inference requests answer `fail_status`) and the metric
 overrides (`kv_cache_utilization`, `queue_depth`; null clears) of the process that receives it, as do
-the counters on /metrics: with --processes N, each process keeps its own.
+the counters on /metrics: with --processes N, each process keeps its own. `GET /admin/received` lists
+the last inference requests this process received (method, path, headers, body): what a gateway sent.
 
 Run `python -m loadtest.mock_provider -h` for the flags.
 """
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import email.utils
 import mmap
@@ -56,8 +64,11 @@ from typing import Any
 
 import msgspec
 
+from loadtest.mock_surfaces import ANTHROPIC_ENDPOINTS, SHAPES, MessagesShape, SurfaceError
+
 MAX_HEAD_BYTES = 65536
 MAX_BODY_BYTES = 64 * 1024 * 1024
+RECEIVED_KEPT = 32  # inference requests GET /admin/received lists
 # While a timed response runs, pipelined bytes pile up; stop reading past this much.
 READ_PAUSE_BYTES = 1024 * 1024
 
@@ -135,6 +146,7 @@ class MockState:
         self.faults: dict[str, int] = {"status": 0, "reset_before": 0, "reset_mid": 0, "reset_mid_close": 0,
                                        "stall": 0}
         self.counter = 0
+        self.received: collections.deque[Request] = collections.deque(maxlen=RECEIVED_KEPT)
         self.provider_header = b""
         self.rng = random.Random()
         self.refresh()
@@ -166,9 +178,13 @@ class MockState:
 
 
 class BadRequest(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    """A refused request; ``payload`` is the whole error body when the API has its own (else the
+    OpenAI shape, or Anthropic's on its endpoints, is built from the message)."""
+
+    def __init__(self, status: int, message: str, payload: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.payload = payload
 
 
 class Request:
@@ -269,6 +285,15 @@ def error_payload(message: str, err_type: str, code: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": err_type, "code": code}}
 
 
+def refusal_payload(endpoint: str | None, exc: BadRequest) -> dict[str, Any]:
+    """The body of a refused request, in the shape of the API it was sent to."""
+    if exc.payload is not None:
+        return exc.payload
+    if endpoint in ANTHROPIC_ENDPOINTS:
+        return MessagesShape.error_payload(exc.status, str(exc), "invalid_request_error", "bad_request")
+    return error_payload(str(exc), "invalid_request_error", "bad_request")
+
+
 def sse_chunk(payload: Any) -> bytes:
     """One SSE event as one HTTP chunk."""
     event = b"data: " + (payload if isinstance(payload, bytes) else _json_encode(payload)) + b"\n\n"
@@ -335,12 +360,22 @@ class Completion:
             raise BadRequest(400, "request body is not valid JSON") from None
         if not isinstance(self.body, dict):
             raise BadRequest(400, "request body must be a JSON object")
+        shape_class = SHAPES.get(endpoint)
+        if shape_class is not None:
+            try:
+                shape_class.check(req, self.body)
+            except SurfaceError as exc:
+                raise BadRequest(exc.status, str(exc), exc.payload) from None
         self.model = str(self.body.get("model") or settings.models[0])
-        self.stream = self.body.get("stream") is True
+        self.stream = self.body.get("stream") is True and (shape_class is None or shape_class.streams)
         options = self.body.get("stream_options")
         self.include_usage = isinstance(options, dict) and options.get("include_usage") is True
-        self.tokens, self.truncated = self._output_tokens()
-        self.prompt_tokens = self._prompt_tokens()
+        self.tokens, self.truncated = self._output_tokens(shape_class)
+        self.prompt_tokens = self._prompt_tokens(shape_class)
+        try:  # the Responses or Messages answer (None: the OpenAI APIs built here)
+            self.shape = None if shape_class is None else shape_class(self)
+        except ValueError as exc:
+            raise BadRequest(400, str(exc)) from None
         # The failure-injection headers, or none when X-Mock-Fault-For names other mocks.
         self.fault_fields = req.fields if self._fault_headers_apply() else {}
         stall = header_float(self.fault_fields, "x-mock-stall-ms", -1.0)
@@ -368,19 +403,26 @@ class Completion:
     def _roll(self, rate: float) -> bool:
         return rate > 0 and self.state.rng.random() < rate
 
-    def _output_tokens(self) -> tuple[int, bool]:
+    def _output_tokens(self, shape_class: Any) -> tuple[int, bool]:
+        if shape_class is not None and not shape_class.streams:
+            return 0, False  # counting a prompt generates nothing
         raw = self.req.fields.get("x-mock-tokens")
         try:
             wanted = int(raw) if raw is not None else self.state.settings.tokens
         except ValueError:
             raise BadRequest(400, "x-mock-tokens must be an integer") from None
         wanted = max(0, wanted)
-        limit = self.body.get("max_completion_tokens", self.body.get("max_tokens"))
+        if shape_class is not None:
+            limit = shape_class.output_limit(self.body)
+        else:
+            limit = self.body.get("max_completion_tokens", self.body.get("max_tokens"))
         if isinstance(limit, int) and not isinstance(limit, bool) and 0 <= limit < wanted:
             return limit, True
         return wanted, False
 
-    def _prompt_tokens(self) -> int:
+    def _prompt_tokens(self, shape_class: Any) -> int:
+        if shape_class is not None:
+            return shape_class.prompt_tokens(self.body)
         if self.endpoint == "chat":
             return max(1, estimate_tokens(self.body.get("messages", [])))
         if self.endpoint == "embeddings":
@@ -436,21 +478,36 @@ class Completion:
             yield first_delay, ABORT
         elif self.status != 200:
             yield first_delay, self._error_bytes()
+        elif self.stream and self.shape is not None:
+            yield from self._event_stream_steps(first_delay)
         elif self.stream and self.endpoint != "embeddings":
             yield from self._stream_steps(first_delay)
         else:
             yield from self._json_steps(first_delay)
 
     def _error_bytes(self) -> bytes:
-        payload = error_payload(f"injected failure by {self.state.settings.name}", "mock_injected_error",
-                                f"injected_{self.status}")
+        message, code = f"injected failure by {self.state.settings.name}", f"injected_{self.status}"
+        if self.shape is not None:
+            payload = self.shape.error_payload(self.status, message, "mock_injected_error", code)
+        else:
+            payload = error_payload(message, "mock_injected_error", code)
         extra = [("retry-after", self.retry_after)] if self.retry_after else None
         return json_response(self.state, self.status, payload, self.req.keep_alive, extra)
 
-    def _usage(self) -> dict[str, int]:
+    def _usage(self) -> dict[str, Any]:
         completion = 0 if self.endpoint == "embeddings" else self.tokens
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion}
+        usage: dict[str, Any] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                                 "total_tokens": self.prompt_tokens + completion}
+        fields = self.req.fields
+        if "x-mock-cached-tokens" in fields or "x-mock-reasoning-tokens" in fields:
+            try:
+                cached = int(fields.get("x-mock-cached-tokens", "0"))
+                reasoning = int(fields.get("x-mock-reasoning-tokens", "0"))
+            except ValueError:
+                cached = reasoning = 0
+            usage["prompt_tokens_details"] = {"cached_tokens": min(max(0, cached), self.prompt_tokens)}
+            usage["completion_tokens_details"] = {"reasoning_tokens": min(max(0, reasoning), completion)}
+        return usage
 
     def _json_payload(self) -> dict[str, Any]:
         state = self.state
@@ -466,7 +523,9 @@ class Completion:
             return {"object": "list", "data": data, "model": self.model,
                     "usage": {"prompt_tokens": self.prompt_tokens, "total_tokens": self.prompt_tokens}}
         text = "".join(token_pieces(state, self.tokens))
-        if self.endpoint == "chat":
+        if self.shape is not None:
+            payload = self.shape.json_payload(text)
+        elif self.endpoint == "chat":
             payload: dict[str, Any] = {
                 "id": f"chatcmpl-mock-{state.next_id()}", "object": "chat.completion", "created": created,
                 "model": self.model, "system_fingerprint": "fp_mock",
@@ -481,13 +540,14 @@ class Completion:
                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
                 "usage": self._usage(),
             }
-        if "x-mock-echo" in self.req.fields:
+        if "x-mock-echo" in self.req.fields and self.endpoint != "count_tokens":
             payload["mock_echo"] = echo_payload(self.req, include_body=False)
         return payload
 
     def _json_steps(self, first_delay: float) -> Iterator[Step]:
         timing = self.timing
-        generation = 0.0 if self.endpoint == "embeddings" else timing.ttft + self.tokens * timing.per_token
+        generation = 0.0 if self.endpoint in ("embeddings", "count_tokens") else \
+            timing.ttft + self.tokens * timing.per_token
         response = json_response(self.state, 200, self._json_payload(), self.req.keep_alive)
         if self.cut_mid or timing.stall_mid > 0:
             # Headers first, then half of the body after the mid stall; a mid reset ends there.
@@ -546,6 +606,29 @@ class Completion:
             tail.append(sse_chunk(usage_chunk))
         tail += [SSE_DONE, CHUNKED_END]
         yield (timing.ttft if self.tokens == 0 else 0.0), b"".join(tail)
+
+
+    def _event_stream_steps(self, first_delay: float) -> Iterator[Step]:
+        """A Responses or Messages stream: named events, usage where that API puts it, no [DONE]."""
+        state, timing, shape = self.state, self.timing, self.shape
+        assert shape is not None
+        head = head_bytes(state, 200, [("content-type", "text/event-stream; charset=utf-8"),
+                                       ("cache-control", "no-cache"), ("transfer-encoding", "chunked")],
+                          self.req.keep_alive)
+        yield first_delay, head + shape.stream_opening()
+        pieces = token_pieces(state, self.tokens)
+        middle = self.tokens // 2
+        for index, piece in enumerate(pieces):
+            if index == middle and (self.cut_mid or timing.stall_mid > 0):
+                if self.cut_mid:
+                    yield timing.stall_mid, self.cut
+                    return
+                yield timing.stall_mid, b""
+            yield (timing.ttft if index == 0 else timing.per_token), shape.stream_token(piece)
+        if self.cut_mid and self.tokens == 0:
+            yield timing.stall_mid, self.cut
+            return
+        yield (timing.ttft if self.tokens == 0 else 0.0), shape.stream_closing("".join(pieces)) + CHUNKED_END
 
 
 def retry_after_value(spec: str | None, status: int) -> str | None:
@@ -656,7 +739,9 @@ def settings_view(state: MockState) -> dict[str, Any]:
 # The protocol
 
 
-INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings"}
+INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings",
+                   "/v1/responses": "responses", "/v1/messages": "messages",
+                   "/v1/messages/count_tokens": "count_tokens"}
 
 
 class MockHTTPProtocol(asyncio.Protocol):
@@ -791,11 +876,11 @@ class MockHTTPProtocol(asyncio.Protocol):
             self.finish(req.keep_alive)
             return
         state.count_served(endpoint)
+        state.received.append(req)
         try:
             completion = Completion(state, req, endpoint)
         except BadRequest as exc:
-            self.write(json_response(state, exc.status, error_payload(str(exc), "invalid_request_error",
-                                                                      "bad_request"), req.keep_alive))
+            self.write(json_response(state, exc.status, refusal_payload(endpoint, exc), req.keep_alive))
             self.finish(req.keep_alive)
             return
         steps = completion.steps()
@@ -898,6 +983,8 @@ class MockHTTPProtocol(asyncio.Protocol):
             return json_response(state, 200, apply_admin_config(state, req.body), keep)
         if path == "/admin/config" and method == "GET":
             return json_response(state, 200, settings_view(state), keep)
+        if path == "/admin/received" and method == "GET":
+            return json_response(state, 200, {"requests": [echo_payload(r) for r in state.received]}, keep)
         if path in INFERENCE_PATHS or path in ("/health", "/metrics", "/v1/models", "/debug/echo"):
             return json_response(state, 405, error_payload("method not allowed", "invalid_request_error",
                                                            "method_not_allowed"), keep)

@@ -4,7 +4,9 @@ Worker row (writer: that worker; reset by the supervisor once it is dead)::
 
     header line   0 heartbeat_ns | 1 status | 2 pid | 3..7 reserved
     slot line s   0 in_flight | 1 requests | 2 connect | 3 reset | 4 timeout | 5 http_5xx
-                  6 consecutive_failures (since this worker's last success) | 7 reserved
+                  6 consecutive_failures (since this worker's last success)
+                  7 cooled_until_ns (monotonic ns until which this worker saw the endpoint cooled by a
+                    429/503: shm.providers.EndpointCooling; 0 never)
 
 One cache line per (worker, slot) keeps a request's increments on one line and keeps workers off
 each other's lines. Readers sum the rows; nobody but the owner writes a row, so no locks.
@@ -17,7 +19,9 @@ Health record per slot (writer: the health process; seqlocked)::
 
 All-zero means healthy, closed, full weight: a fresh segment starts every endpoint healthy. The health
 header line holds ``generation`` (bumped after every published change, so readers poll one word),
-the writer's pid and heartbeat.
+the writer's pid and heartbeat (writer: the health process), and ``verdicts_stale`` (writer: the
+supervisor, which watches that heartbeat: 1 while the verdicts are too old to trust, and readers then
+treat every endpoint as unknown, that is routable, as without checks; gateway.health.watch).
 """
 
 from __future__ import annotations
@@ -29,11 +33,11 @@ from shm.segment import HEALTH_RECORD_WORDS, SLOT_LINE_WORDS, Segment
 from shm.seqlock import read_record, write_record
 
 # Slot-line word offsets.
-INFLIGHT, REQUESTS, FAIL_CONNECT, FAIL_RESET, FAIL_TIMEOUT, FAIL_5XX, CONSECUTIVE = 0, 1, 2, 3, 4, 5, 6
+INFLIGHT, REQUESTS, FAIL_CONNECT, FAIL_RESET, FAIL_TIMEOUT, FAIL_5XX, CONSECUTIVE, COOLED_UNTIL = range(8)
 # Row-header word offsets.
 HEARTBEAT, STATUS, PID = 0, 1, 2
 # Health header word offsets.
-HEALTH_GENERATION, WRITER_PID, WRITER_HEARTBEAT = 0, 1, 2
+HEALTH_GENERATION, WRITER_PID, WRITER_HEARTBEAT, VERDICTS_STALE = 0, 1, 2, 3
 
 
 class WorkerStatus(IntEnum):
@@ -76,7 +80,7 @@ class WorkerRow:
             q[base + CONSECUTIVE] = 0
 
     def counters(self, slot: int) -> list[int]:
-        """The slot line: [in_flight, requests, connect, reset, timeout, 5xx, consecutive, reserved]."""
+        """The slot line: [in_flight, requests, connect, reset, timeout, 5xx, consecutive, cooled_until_ns]."""
         base = slot << 3
         return self._q[base : base + SLOT_LINE_WORDS].tolist()
 
@@ -119,7 +123,8 @@ class RowsReader:
         return self._words[first : first + self._layout.max_endpoints * SLOT_LINE_WORDS].tolist()
 
     def totals(self, slot: int) -> list[int]:
-        """The slot line summed over every row in use (consecutive is summed too)."""
+        """The slot line summed over every row in use (consecutive is summed too; cooled_until is not a
+        count: read it with shm.providers.EndpointCooling)."""
         acc = [0] * SLOT_LINE_WORDS
         for r in range(self.rows_in_use()):
             start = self._layout.slot_line_word(r, slot)
@@ -182,6 +187,18 @@ class HealthTable:
     def writer(self) -> tuple[int, int]:
         """(pid, heartbeat_ns) of the health process, zeros if none ever ran."""
         return self._words[self._header + WRITER_PID], self._words[self._header + WRITER_HEARTBEAT]
+
+    def stale(self) -> bool:
+        """The supervisor judged the verdicts too old to trust (the health process stopped beating)."""
+        return bool(self._words[self._header + VERDICTS_STALE])
+
+    def mark_stale(self, stale: bool) -> None:
+        """Supervisor only: the verdicts are (no longer) too old to trust."""
+        self._words[self._header + VERDICTS_STALE] = int(stale)
+
+    def stale_word(self) -> int:
+        """Index of the stale flag in the segment's words (readers fold it into their generation)."""
+        return self._header + VERDICTS_STALE
 
 
 def _encode(record: HealthRecord) -> HealthRecord:

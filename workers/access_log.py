@@ -1,13 +1,16 @@
-"""The access log (CONTRACT §14): one JSON object per request, written off the request path.
+"""The access log (docs/operations.md, "Access log"): one JSON object per request, written off the
+request path.
 
-``AccessLog.record`` runs once when a request ends. It keeps what the line needs (clock readings, the
-exchange's fields, the route decision, the outcome) as one tuple and returns. Before each write-out
+``AccessLog.record`` runs once when a request ends, with its closed ``RequestRecord``
+(workers/request_record.py), which holds what the line needs (clock readings, the exchange's fields, the
+route decision, the outcome): it keeps the record and returns. Before each write-out
 (every ``flush_delay_s``, at reopen and at close) the ``LineWriter`` asks for the lines: the pending
-tuples are formatted and encoded with msgspec straight into its bounded buffer, in one tight loop.
+records are formatted and encoded with msgspec straight into its bounded buffer, in one tight loop.
 The work is the same, but a batch runs with warm caches, where one line at the end of each request
 ran cold: a third of the CPU per line on the request path.
-Never keys, prompts or bodies: the record has no field that could hold them, and ``path`` stops
-before the query string (some APIs take keys there).
+Never keys, prompts or bodies: a closed record holds none (it lets go of the body and headers when it
+closes), the line has no field that could, and ``path`` stops before the query string (some APIs take
+keys there).
 
 Successful requests are sampled (``access_log.sample``); errors (status >= 400, or an ``error`` code
 such as a stream that failed after its head) are always logged.
@@ -17,16 +20,14 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Any
 
 import msgspec
 
 from gateway.config import AccessLog as AccessLogConfig
 from gateway.config import Config
-from gateway.routing import RouteDecision
 from gateway.routing.eligibility import reason_names
-from workers.exchange import Exchange
 from workers.line_writer import LineWriter
+from workers.request_record import RequestRecord
 
 _perf = time.perf_counter
 _time = time.time
@@ -75,7 +76,7 @@ class AccessLog:
         self.writer = writer  # None: the access log is off
         self.sample = sample
         self._encode_into = msgspec.json.Encoder().encode_into
-        self._pending: list[tuple[Any, ...]] = []  # what `record` keeps until `_fill`
+        self._pending: list[RequestRecord] = []  # what `record` keeps until `_fill`
         self._second = -1
         self._second_text = ""
         # Lines waiting for a write-out, at most: about what the writer's buffer holds.
@@ -107,37 +108,29 @@ class AccessLog:
             self._second_text = time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(second))
         return f"{self._second_text}{fraction:03d}Z"
 
-    def record(
-        self, exchange: Exchange, request_id: bytes | None, status: int, tenant: str | None = None,
-        capability: str | None = None, route: RouteDecision | None = None, attempts: int = 0,
-        endpoint: str | None = None, overhead_s: float | None = None, tokens_prompt: int | None = None,
-        tokens_completion: int | None = None, error: str | None = None, filtered: int = 0,
-        reasons: int = 0,
-    ) -> None:
-        """One request ended: ``status`` as answered (499 when the client left before any answer). The
-        relayed-response path passes every argument by position (a dozen keywords cost a call more)."""
+    def record(self, record: RequestRecord) -> None:
+        """One request ended (a closed record: ``status`` as answered, 499 when the client left before
+        any answer). The record itself is kept until the next write-out: it holds what its line says."""
         writer = self.writer
         if writer is None:
             return
-        if status < 400 and error is None:
+        if record.status < 400 and record.error is None:
             sample = self.sample
             if sample < 1.0 and (sample <= 0.0 or _random() >= sample):
                 return
-        self._keep(writer, (  # one clock reading: the wall time is derived from it at write-out
-            _perf(), exchange.t_start, exchange.t_first_byte, exchange.method, exchange.target, request_id, status,
-            tenant, capability, route, attempts, endpoint, overhead_s, len(exchange.body), exchange.bytes_out,
-            tokens_prompt, tokens_completion, error, filtered, reasons,
-        ))
+        self._keep(writer, record)
 
     def rejected(self, status: int, error: str, request_id: bytes | None = None, method: bytes | None = None,
                  target: bytes | None = None, tenant: str | None = None) -> None:
         """A request refused before it reached the handler (malformed HTTP, limits, timeouts; or refused on
         its head by the head gate, which knows the request's id, method, path and maybe tenant)."""
         if self.writer is not None:
-            self._keep(self.writer, (_perf(), None, 0.0, method, target, request_id, status, tenant, None, None, 0,
-                                     None, None, 0, 0, None, None, error, 0, 0))
+            self._keep(self.writer, RequestRecord(
+                request_id=request_id, tenant=tenant, status=status, error=error, ended=_perf(), method=method,
+                target=target, closed=True,
+            ))
 
-    def _keep(self, writer: LineWriter, entry: tuple[Any, ...]) -> None:
+    def _keep(self, writer: LineWriter, entry: RequestRecord) -> None:
         """Hold a line's values for the next write-out (dropped and counted past the bound). The first
         line after a write-out asks for the next one; the others find it coming (``_fill`` empties the list)."""
         pending = self._pending
@@ -161,27 +154,30 @@ class AccessLog:
         start = len(buffer)
         wall_offset = _time() - _perf()  # perf_counter -> epoch seconds, for the lines' timestamps
         millis_done, ts = -1, ""  # lines ending in the same millisecond share one timestamp
-        for (ended, t_start, t_first_byte, method, target, request_id, status, tenant, capability, route, attempts,
-             endpoint, overhead_s, bytes_in, bytes_out, tokens_prompt, tokens_completion, error, filtered,
-             reasons) in pending:
+        for entry in pending:
+            ended, t_start, t_first_byte, target = entry.ended, entry.t_start, entry.t_first_byte, entry.target
             millis = int((ended + wall_offset) * 1000)
             if millis != millis_done:
                 millis_done, ts = millis, self._timestamp(millis)
+            route, request_id, method, overhead_s = entry.route, entry.request_id, entry.method, entry.overhead_s
             if route is None:
                 provider, stable_id, group, mode, affinity, revision = _NO_ROUTE
             else:
                 provider, stable_id, group = route.cluster, route.stable_id, route.selection_group
                 mode, affinity, revision = route.mode, route.affinity, route.revision
+            filtered = entry.filtered
             line = AccessLine(
-                ts, None if request_id is None else request_id.decode("latin-1"), tenant,
+                ts, None if request_id is None else request_id.decode("latin-1"), entry.tenant,
                 None if method is None else method.decode("latin-1"),
-                None if target is None else paths.get(target) or self._path(target), status, capability, provider,
-                stable_id, group, mode, affinity, attempts, endpoint, revision, bytes_in, bytes_out, tokens_prompt,
+                None if target is None else paths.get(target) or self._path(target), entry.status, entry.capability,
+                provider, stable_id, group, mode, affinity, entry.attempts,
+                None if entry.endpoint is None else entry.endpoint.address, revision, entry.bytes_in,
+                entry.bytes_out, entry.tokens_prompt, entry.tokens_completion,
                 # Milliseconds with three decimals: whole microseconds, a quarter of the cost of round().
-                tokens_completion, None if overhead_s is None else int(overhead_s * 1e6 + 0.5) / 1000,
-                int((t_first_byte - t_start) * 1e6 + 0.5) / 1000 if t_first_byte else None,
+                None if overhead_s is None else int(overhead_s * 1e6 + 0.5) / 1000,
+                int((t_first_byte - t_start) * 1e6 + 0.5) / 1000 if t_first_byte and t_start is not None else None,
                 None if t_start is None else int((ended - t_start) * 1e6 + 0.5) / 1000,
-                error, filtered, reason_names(reasons) if filtered else None,
+                entry.error, filtered, reason_names(entry.filtered_reasons) if filtered else None,
             )
             encode_into(line, buffer, -1)
             buffer.append(10)  # "\n"

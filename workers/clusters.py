@@ -2,8 +2,9 @@
 shared-memory balancer that picks among them, and the passive-health and in-flight bookkeeping.
 
 Built once per worker from the config; the request path finds the routed provider's cluster in
-``ClusterManager.by_provider`` and then calls ``pick``, ``begin``/``end`` around an attempt and
-``record_success``/``record_failure`` on it; provider selection asks ``routable`` and ``inflight`` by
+``ClusterManager.by_provider``, calls ``pick`` and holds an ``EndpointLease`` on the endpoint for the
+attempt (``with cluster.lease(endpoint) as lease``): in flight while held, and what the attempt told
+it feeds outlier detection when it ends. Provider selection asks ``routable`` and ``inflight`` by
 provider index.
 """
 
@@ -37,6 +38,39 @@ _OUTCOME_OF = {
 
 def _no_counts() -> list[int]:
     return []
+
+
+class EndpointLease:
+    """One attempt's hold on an endpoint: counted in flight from the pick until the attempt is over
+    (a hanging connect attracts no more picks), and its outcome (``answered``/``failed``) recorded for
+    outlier detection when it ends. A context manager without generator overhead: two method calls."""
+
+    __slots__ = ("_row", "_slot", "outcome")
+
+    def __init__(self, row: WorkerRow, slot: int) -> None:
+        self._row = row
+        self._slot = slot
+        self.outcome: Outcome | None = None  # None: the attempt says nothing about the endpoint
+
+    def __enter__(self) -> EndpointLease:
+        self._row.inc_inflight(self._slot)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        row = self._row
+        row.dec_inflight(self._slot)
+        if self.outcome is not None:
+            row.record(self._slot, self.outcome)
+
+    def answered(self, status: int) -> None:
+        """A response arrived: a 5xx counts against the endpoint, anything else for it (a 429 is a
+        cooling signal, not a failure)."""
+        self.outcome = Outcome.HTTP_5XX if status >= 500 else Outcome.OK
+
+    def failed(self, failure: Failure) -> None:
+        """No response: a connect failure, a reset, a timeout count against the endpoint (a busy pool
+        or a stalled client says nothing about it)."""
+        self.outcome = _OUTCOME_OF.get(failure)
 
 
 class UpstreamEndpoint:
@@ -113,20 +147,9 @@ class UpstreamCluster:
             self._reader_generation = generation
         return sum(self._reader())
 
-    def begin(self, endpoint: UpstreamEndpoint) -> None:
-        self._row.inc_inflight(endpoint.slot)
-
-    def end(self, endpoint: UpstreamEndpoint) -> None:
-        self._row.dec_inflight(endpoint.slot)
-
-    def record_success(self, endpoint: UpstreamEndpoint, status: int) -> None:
-        """A response arrived: 5xx counts against the endpoint, anything else for it."""
-        self._row.record(endpoint.slot, Outcome.HTTP_5XX if status >= 500 else Outcome.OK)
-
-    def record_failure(self, endpoint: UpstreamEndpoint, failure: Failure) -> None:
-        outcome = _OUTCOME_OF.get(failure)
-        if outcome is not None:
-            self._row.record(endpoint.slot, outcome)
+    def lease(self, endpoint: UpstreamEndpoint) -> EndpointLease:
+        """Hold ``endpoint`` for one attempt (``with cluster.lease(endpoint) as lease: ...``)."""
+        return EndpointLease(self._row, endpoint.slot)
 
     def close(self) -> None:
         for endpoint in self.endpoints:

@@ -1,18 +1,24 @@
 """One request and the means to answer it: the interface between the client connection
-(workers/server.py) and whoever answers (the proxy)."""
+(workers/server.py) and whoever answers (the proxy).
+
+The exchange talks to its connection through a few methods (``ExchangeConnection``): queue the
+response's head, data and end (framed by the connection's codec), flush, and hand the connection back
+when the exchange is over. The response's end (``end`` or ``abort``) closes the request's record first
+(``record``: workers/request_record.py), so the request's metrics and settlement are done before the
+client can read its last byte.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from gateway.http import codec
 from gateway.http.errors import JSON_CONTENT_TYPE, ErrorReply, error_type_for, sse_error_event
 from gateway.http.media import is_event_stream
 
-if TYPE_CHECKING:
-    from workers.server import ServerConnection
-
+log = logging.getLogger("gridgate.server")
 _perf = time.perf_counter
 _SHUTDOWN_EVENT = sse_error_event(
     "gateway_shutdown", "the gateway shut down before this stream ended", error_type_for(503),
@@ -27,22 +33,52 @@ class ExchangeListener(Protocol):
     def resume_writing(self) -> None: ...
 
 
+class RequestEnd(Protocol):
+    """The request's record: closed once, when the response ends (or by its handler, for other exits)."""
+
+    error: str | None  # why the response ended early, when the exchange itself ended it
+
+    def close(self) -> None: ...
+
+
+class ExchangeConnection(Protocol):
+    """What an exchange needs from the client connection it answers on (workers/server.py)."""
+
+    peer: bytes  # the client's address
+
+    @property
+    def closed(self) -> bool: ...  # the client is gone
+
+    @property
+    def writing_paused(self) -> bool: ...  # its socket buffer is above the high-water mark
+
+    # Queue response bytes, framed by the connection's codec (``codec.FramingError`` when the body breaks
+    # the declared framing); nothing leaves before ``flush``. ``close_requested``: the last response.
+    def queue_head(self, status: int, headers: list[tuple[bytes, bytes]], content_length: int | None,
+                   close_requested: bool) -> None: ...
+    def queue_data(self, data: bytes) -> None: ...
+    def queue_end(self) -> None: ...
+    def flush(self) -> None: ...
+    def finish_exchange(self, exchange: Exchange, aborted: bool = False) -> None: ...
+
+
 class Exchange:
     """One request and the means to answer it. The handler owns it until ``end``/``abort``.
 
     A handler may set ``listener`` (an ``ExchangeListener``) to learn that the client went away
-    mid-exchange, or reads slower than we write.
+    mid-exchange, or reads slower than we write, and ``record`` (a ``RequestEnd``), closed when the
+    response ends, before its last bytes are flushed.
     """
 
     __slots__ = (
         "conn", "method", "target", "version", "headers", "body", "t_start", "started", "finished",
-        "close_after", "listener", "peer", "t_first_byte",
-        "bytes_out", "response_headers", "admitted",
+        "close_after", "listener", "peer", "t_first_byte", "bytes_out", "response_headers", "admitted",
+        "record",
     )
 
     def __init__(
-        self, conn: ServerConnection, method: bytes, target: bytes, version: bytes,
-        headers: list[tuple[bytes, bytes]], body: bytes, t_start: float,
+        self, conn: ExchangeConnection, method: bytes, target: bytes, version: bytes,
+        headers: list[tuple[bytes, bytes]], body: bytes, t_start: float, admitted: object = None,
     ) -> None:
         self.conn = conn
         self.method = method
@@ -56,12 +92,10 @@ class Exchange:
         self.close_after = False
         self.listener: ExchangeListener | None = None
         self.peer = conn.peer
-        # The head gate's verdict (workers/head_gate.py; None without a gate), taken off the connection so
-        # an idle keep-alive connection holds nothing of its last request.
-        self.admitted = conn.admitted
-        conn.admitted = None
+        self.admitted = admitted  # the head gate's verdict (workers/head_gate.py; None without a gate)
         self.t_first_byte = 0.0  # when the response head was queued (the access log's first_byte_ms)
         self.bytes_out = 0  # response body bytes written
+        self.record: RequestEnd | None = None
 
     @property
     def client_gone(self) -> bool:
@@ -79,18 +113,14 @@ class Exchange:
         """
         self.started = True
         self.t_first_byte = _perf()
-        conn = self.conn
-        # The last response of a connection: asked for, draining, or the per-connection request cap.
-        close = self.close_after or conn.server.draining or conn.served + 1 >= conn.settings.max_requests
-        conn.pending.append(conn.codec.response_head(status, headers, content_length, close))
+        self.conn.queue_head(status, headers, content_length, self.close_after)
         self.response_headers = headers  # as sent, framing included (read only at shutdown)
 
     def write(self, data: bytes) -> None:
         if data and not self.finished:
             self.bytes_out += len(data)
-            conn = self.conn
             try:
-                conn.pending.append(conn.codec.response_data(data))
+                self.conn.queue_data(data)
             except codec.FramingError:
                 # More bytes than the declared Content-Length: the framing we promised cannot be
                 # kept, so the client must see a cut, not a false end.
@@ -104,15 +134,26 @@ class Exchange:
             return
         conn = self.conn
         try:
-            end_bytes = conn.codec.response_end()
+            conn.queue_end()
         except codec.FramingError:
             self.abort()  # fewer bytes than the declared Content-Length: cut, never a false end
             return
         self.finished = True
-        if end_bytes:
-            conn.pending.append(end_bytes)
-        conn.flush()
-        conn.finish_exchange(self)
+        self._over(conn, False)
+
+    def _over(self, conn: ExchangeConnection, aborted: bool) -> None:
+        """The response is complete or cut: close the request's record, then let the bytes go. A failure
+        to account for the request never keeps its answer (or the relay that ends it) from finishing."""
+        record = self.record
+        try:
+            if record is not None:
+                self.record = None
+                record.close()
+        except Exception:
+            log.exception("closing a request's record failed")
+        finally:
+            conn.flush()
+            conn.finish_exchange(self, aborted)
 
     def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         self.start(status, headers, len(body))
@@ -144,6 +185,8 @@ class Exchange:
         if not is_event_stream(content_type):
             return False
         self.close_after = True  # the connection closes after this last chunk
+        if self.record is not None:
+            self.record.error = "gateway_shutdown"  # the access line says why the stream ended here
         self.write(_SHUTDOWN_EVENT)
         self.end()
         return True
@@ -152,5 +195,4 @@ class Exchange:
         """Drop the connection mid-response: the client sees truncated framing, never a false end."""
         if not self.finished:
             self.finished = True
-            self.conn.flush()
-            self.conn.finish_exchange(self, aborted=True)
+            self._over(self.conn, True)

@@ -1,18 +1,33 @@
-"""How a request ends, in one place: the quota settlement, the gateway-made error answer, the metrics
-and the access-log line."""
+"""How a request ends, in one place: ``Outcomes.close`` takes a closed ``RequestRecord``
+(workers/request_record.py) and settles its quota reservation (one ``settle`` call, with what its
+attempts cost: docs/configuration.md, "What a request is charged"), counts its metrics and writes its
+access line. ``refuse`` answers with a gateway-made error (the record closes as the answer ends);
+``observe`` is what an attempt that got a head tells about its provider (first-byte latency, cooling).
+Requests refused before the proxy (malformed, or on their head) end in ``rejected``.
+"""
 
 from __future__ import annotations
 
+import time
+
+from gateway.config import Cooling
 from gateway.http.errors import ErrorReply
 from gateway.metrics.writer import WorkerMetrics
-from gateway.quota.gate import Admission, QuotaGate
-from gateway.request.attempts import Settlement
-from gateway.routing import RouteDecision
+from gateway.quota.gate import QuotaGate
+from gateway.request.attempts import AttemptResult, attempt_tokens, served_tokens, usage_split
+from gateway.request.failover import COOLING_STATUSES
 from gateway.routing.decision import header_value
 from workers.access_log import AccessLog
-from workers.exchange import Exchange
+from workers.cooling import cool_for_answer
+from workers.head_gate import HeadRefusal
+from workers.providers import Endpoint, ProviderStates
+from workers.request_record import RequestRecord
 
+_monotonic = time.monotonic
 _ATTEMPTS = tuple((b"x-gridgate-attempts", b"%d" % n) for n in range(64))
+# The status of a request that ended with no answer: the client left (never counted in the metrics:
+# nothing was answered), or the handler failed (the server answers 500).
+CLIENT_CLOSED = 499
 
 
 def attempts_header(count: int) -> tuple[bytes, bytes]:
@@ -20,35 +35,101 @@ def attempts_header(count: int) -> tuple[bytes, bytes]:
 
 
 class Outcomes:
-    __slots__ = ("quota", "metrics", "access_log", "route_headers")
+    """One per worker: the end of every request the proxy handled, and the answers it makes itself."""
+
+    __slots__ = ("quota", "metrics", "access_log", "providers", "cooling", "route_headers")
 
     def __init__(self, quota: QuotaGate | None, metrics: WorkerMetrics, access_log: AccessLog,
-                 route_headers: bool) -> None:
+                 providers: ProviderStates, cooling: Cooling, route_headers: bool) -> None:
         self.quota = quota
         self.metrics = metrics
         self.access_log = access_log
+        self.providers = providers
+        self.cooling = cooling
         self.route_headers = route_headers
 
-    def settle(self, admission: Admission | None, settlement: Settlement, tokens: int | None = None,
-               prompt_tokens: int | None = None, completion_tokens: int | None = None) -> None:
-        """Reconcile a reservation off the response path (never blocks)."""
-        gate = self.quota
-        if admission is None or gate is None:
-            return
-        if settlement == Settlement.CHARGE_USAGE and tokens is not None:
-            gate.settle(admission, tokens, prompt_tokens, completion_tokens)
-        else:
-            gate.settle(admission, 0 if settlement == Settlement.RELEASE else None)
+    def close(self, record: RequestRecord) -> None:
+        """The record's request is over (``RequestRecord.close``: once). Runs before the response's last
+        bytes leave, so a client that reads the metrics after its answer finds its request counted."""
+        relay = record.attempt
+        result = None if relay is None else relay.result()
+        served = result is not None and result.started
+        if served:
+            self._served(record, result)  # type: ignore[arg-type]
+        elif record.status == 0:  # no answer was given: the client left, or the handler failed
+            gone = record.exchange is None or record.exchange.client_gone
+            record.status, record.error = (CLIENT_CLOSED, "client_closed") if gone else (500, "internal_error")
+        if record.status != CLIENT_CLOSED:
+            self.metrics.request(record.provider, record.status)
+        admission = record.admission
+        if admission is not None and self.quota is not None:
+            self.quota.settle(admission, *self._charge(record, result, served))
+        self.access_log.record(record)
 
-    def refuse(self, exchange: Exchange, reply: ErrorReply, request_id: bytes, provider: str | None = None,
-               attempts: int = 0, *, tenant: str | None = None, capability: str | None = None,
-               route: RouteDecision | None = None, filtered: int = 0, reasons: int = 0) -> None:
-        """Answer with a gateway-made error; errors about a provider name it and count under its cluster."""
-        self.metrics.request(provider, reply.status)
-        extra = [(b"x-request-id", request_id)]
+    def _served(self, record: RequestRecord, result: AttemptResult) -> None:
+        """A provider's response was relayed (completely, or cut after it started)."""
+        route = record.route
+        assert route is not None
+        cluster = record.provider = route.cluster
+        record.status = result.status
+        failure = result.failure
+        if failure is not None:
+            record.error = failure.code
+        elif result.client_left:
+            record.error = "client_closed"  # else None, or why the gateway ended the stream (a shutdown)
+        usage = result.usage
+        if usage is not None:
+            record.tokens_prompt, record.tokens_completion = usage.prompt_tokens, usage.completion_tokens
+        metrics = self.metrics
+        metrics.overhead(record.overhead_s or 0.0)
+        metrics.upstream_latency(cluster, result.first_byte_s, result.duration_s)
+        self.observe(route.provider, cluster, record.endpoint, result)
+
+    @staticmethod
+    def _charge(record: RequestRecord, result: AttemptResult | None,
+                served: bool) -> tuple[int, int | None, int | None]:
+        """The tokens the request's attempts cost (docs/configuration.md, "What a request is charged"),
+        and the tenant's tokens in/out of the usage that served it."""
+        owed = record.owed
+        if result is None:
+            return owed, None, None
+        if not served:  # sent, and no answer came: the provider may be working on it
+            return owed + attempt_tokens(0, None, record.estimate), None, None
+        charged = owed + served_tokens(result, record.estimate, record.bytes_in, record.bytes_out)
+        prompt, completion = record.tokens_prompt, record.tokens_completion
+        tokens = result.total_tokens
+        if owed and tokens is not None:  # the tenant's tokens in/out split this usage, not the other attempts'
+            prompt, completion = usage_split(tokens, prompt, completion)
+        return charged, prompt, completion
+
+    def observe(self, provider: int, cluster: str, endpoint: Endpoint, result: AttemptResult) -> None:
+        """What an answer says about its provider: its first-byte latency (least_loaded), and a 429/503
+        cools it in every worker of the host (Retry-After wins, capped: docs/routing.md)."""
+        status = result.status
+        if status:
+            self.providers.observe_first_byte(provider, result.first_byte_s)
+            if status in COOLING_STATUSES:
+                cool_for_answer(self.providers, self.metrics, cluster, provider, endpoint, result.retry_after,
+                                result.provider_wide, self.cooling, _monotonic(), time.time())
+
+    def refuse(self, record: RequestRecord, reply: ErrorReply) -> None:
+        """Answer with a gateway-made error; one about a provider (``record.provider``) names it and its
+        attempts, and counts under its cluster. The record closes as the answer ends."""
+        record.status = reply.status
+        record.error = reply.code
+        extra = [(b"x-request-id", record.request_id)]
+        provider = record.provider
         if self.route_headers and provider is not None:
             extra.append((b"x-gridgate-provider", header_value(provider)))
-            extra.append(attempts_header(attempts))
-        exchange.send_error(reply, extra)
-        self.access_log.record(exchange, request_id, reply.status, tenant=tenant, capability=capability, route=route,
-                               attempts=attempts, error=reply.code, filtered=filtered, reasons=reasons)
+            extra.append(attempts_header(record.attempts))
+        record.exchange.send_error(reply, extra)
+
+    def rejected(self, reply: ErrorReply) -> None:
+        """A request refused before the proxy: malformed, over a limit, timed out (the server answered
+        it), or refused on its head by the head gate, whose refusal names the request."""
+        self.metrics.request(None, reply.status)
+        if type(reply) is HeadRefusal:
+            self.access_log.rejected(reply.status, reply.code, reply.request_id, reply.method, reply.target,
+                                     reply.tenant)
+        else:
+            self.access_log.rejected(reply.status, reply.code)

@@ -1,8 +1,10 @@
 """The request lifecycle, top to bottom: admitted on its head (workers/head_gate.py: key, allowed
-route, header scan) -> tenant policy -> capability -> pin -> admit (quota) -> route -> forward
-(workers/forwarding.py: providers, endpoints, relay) -> settle the reservation.
+route, header scan) -> capability -> tenant policy -> pin -> route -> admit (quota) -> forward
+(workers/forwarding.py: providers, endpoints, relay) -> the record closes (workers/outcomes.py: settle
+the reservation, metrics, access line).
 
-Each step returns its result or an ``ErrorReply``; the first reply ends the request.
+Each step returns its result or an ``ErrorReply``; the first reply ends the request. What the end
+needs is gathered on the request's ``RequestRecord`` (workers/request_record.py).
 """
 
 from __future__ import annotations
@@ -22,22 +24,22 @@ from gateway.metrics.writer import WorkerMetrics
 from gateway.quota.estimate import estimate_prompt_tokens
 from gateway.quota.gate import Admission, QuotaGate
 from gateway.quota.usage import rewrite_request_for_usage
-from gateway.request.attempts import Settlement
 from gateway.request.headers import ACCEPT_ENCODING, RequestHeaders
 from gateway.request.routes import MCP, MODELS, AllowedRoute
 from gateway.routing import RouteDecision, Router
+from gateway.routing.decision import RouteRefusal
 from gateway.routing.eligibility import Needs
 from gateway.routing.plan import model_not_found
 from gateway.routing.tenants import Policy, TenantPolicies, model_not_allowed
-from workers.access_log import AccessLog
 from workers.clusters import ClusterManager
 from workers.exchange import Exchange
-from workers.forwarding import Forwarder, ProxyRequest
+from workers.forwarding import Forwarder
 from workers.head_gate import Admitted
 from workers.outcomes import Outcomes
 from workers.overlay_follower import OverlayFollower
 from workers.providers import ProviderStates
 from workers.proxy_settings import ProxySettings
+from workers.request_record import RequestRecord
 
 _monotonic = time.monotonic
 _FORM_URLENCODED = b"application/x-www-form-urlencoded"
@@ -51,7 +53,7 @@ class Proxy:
     def __init__(
         self, *, settings: ProxySettings, tenants: TenantPolicies, overlay: OverlayFollower, router: Router,
         clusters: ClusterManager, providers: ProviderStates, quota: QuotaGate | None, metrics: WorkerMetrics,
-        access_log: AccessLog,
+        outcomes: Outcomes,
     ) -> None:
         self.settings = settings
         self.tenants = tenants
@@ -60,83 +62,93 @@ class Proxy:
         self.providers = providers
         self.quota = quota
         self.metrics = metrics
-        self.access_log = access_log
-        self.outcomes = Outcomes(quota, metrics, access_log, settings.route_headers)
+        self.outcomes = outcomes
         self.forwarder = Forwarder(settings=settings, overlay=overlay, router=router, clusters=clusters,
-                                   providers=providers, outcomes=self.outcomes)
+                                   outcomes=outcomes)
 
     async def handle(self, exchange: Exchange) -> None:
+        """One request, from its admitted head to its end. Its record closes exactly once: as its answer
+        ends (the exchange closes it), or here when the request ends without one (the client left, an
+        exception: the server answers 500)."""
         admitted: Admitted | None = exchange.admitted  # key, route and headers, decided on the head
         if admitted is None:  # fail closed: nothing is forwarded unless the head gate admitted it
             raise RuntimeError("the server in front of the proxy runs no head gate (workers/head_gate.py)")
-        headers = admitted.headers
-        request_id = admitted.request_id
-        tenant = admitted.tenant
-        allowed = admitted.route
-        refuse = self.outcomes.refuse
-        policy = self.tenants.get(tenant)
-        if allowed.kind == MODELS:
-            return self.models(exchange, policy, request_id, tenant)
-        capability = self.capability(exchange, headers, allowed)
-        if type(capability) is ErrorReply:
-            return refuse(exchange, capability, request_id, tenant=tenant)
-        name = capability.name
-        if not policy.allows(name):
-            return refuse(exchange, model_not_allowed(tenant, name), request_id, tenant=tenant, capability=name)
-        barred = allowed.barred or None  # the route is allowed only on some clusters: never the others
-        pinned = None
-        if headers.pin is not None:
-            pinned = self.pin(capability, headers.pin, policy, allowed)
+        record = exchange.record = RequestRecord(exchange=exchange, ends=self.outcomes,
+                                                 request_id=admitted.request_id, tenant=admitted.tenant)
+        try:
+            policy = self.tenants.get(admitted.tenant)
+            if admitted.route.kind == MODELS:
+                return self.models(record, policy)
+            capability = self.capability(exchange, admitted.headers, admitted.route)
+            if type(capability) is ErrorReply:
+                return self.outcomes.refuse(record, capability)
+            record.capability = capability.name
+            record.batch = policy.batch
+            pinned = self.permit(capability, admitted, policy)
             if type(pinned) is ErrorReply:
-                return refuse(exchange, pinned, request_id, tenant=tenant, capability=name)
-        admission = None
-        quota = self.quota
-        if quota is not None:
-            # Reserve tokens before routing: a denial never reaches a provider (429/503 with headers).
-            fields = capability.body
-            admission = quota.admission(tenant, name, len(exchange.body),
-                                        fields.completion_allowance if fields is not None else None)
-            if admission is not None:
-                if admission.__class__ is not Admission:  # the ledger decides: await this tick's batch
-                    admission = await admission
-                if not admission.allowed:
-                    return refuse(exchange, refusal(admission), request_id, tenant=tenant, capability=name)
+                return self.outcomes.refuse(record, pinned)
+            quota = self.quota
+            if quota is not None:
+                # Reserve tokens before routing: a denial never reaches a provider (429/503 with headers).
+                fields = capability.body
+                admission = quota.admission(admitted.tenant, capability.name, len(exchange.body),
+                                            fields.completion_allowance if fields is not None else None)
+                if admission is not None:
+                    if admission.__class__ is not Admission:  # the ledger decides: await this tick's batch
+                        admission = await admission
+                    if not admission.allowed:
+                        return self.outcomes.refuse(record, refusal(admission))
+                    record.admission = admission
+            route = pinned or self.decide(record, capability, admitted, policy)
+            if type(route) is RouteDecision:
+                record.body, record.metering = upstream_body(capability, exchange.body, record.admission)
+                record.forward = forwarded_headers(exchange, admitted.headers, record.request_id, record.body)
+                record.balance_keys = admitted.headers.balance_keys
+                route = await self.forwarder.forward(record, route)
+            if route is not None and not exchange.client_gone:
+                self.outcomes.refuse(record, route)
+        finally:
+            record.close()
+
+    # -- steps ------------------------------------------------------------------------------------
+    def permit(self, capability: CapabilityRequest, admitted: Admitted,
+               policy: Policy) -> RouteDecision | ErrorReply | None:
+        """The tenant's policy for the capability, and its pin: None (route it), the pinned route, or the
+        refusal."""
+        if not policy.allows(capability.name):
+            return model_not_allowed(admitted.tenant, capability.name)
+        pin = admitted.headers.pin
+        return None if pin is None else self.pin(capability, pin, policy, admitted.route)
+
+    def decide(self, record: RequestRecord, capability: CapabilityRequest, admitted: Admitted,
+               policy: Policy) -> RouteDecision | ErrorReply:
+        """The route: session, filters and stable_hash key first (they go to the record for failover)."""
+        allowed = admitted.route
+        headers = admitted.headers
+        barred = allowed.barred or None  # the route is allowed only on some clusters: never the others
         settings = self.settings
         # The session fact: for affinity, and for a stable_hash key that names it (affinity on or not).
         session = None
         if settings.session_fact:
             session = session_key(headers.session, headers.cookie, settings.affinity_cookie)
-        needs = self.needs(exchange, capability, policy) if settings.filters else None
-        key = self.hash_key(tenant, session, request_id, headers) if settings.stable_hash_key else b""
+        needs = record.needs = self.needs(record.exchange, capability, policy) if settings.filters else None
+        key = record.key = (self.hash_key(admitted.tenant, session, record.request_id, headers)
+                            if settings.stable_hash_key else b"")
         if not settings.affinity_enabled:
             session = None
-        rebinds = session if barred is None else None  # a barred request never moves a session's binding
-        route = pinned or self.route(capability, session, needs, key, barred)
-        if type(route) is ErrorReply:
-            self.outcomes.settle(admission, Settlement.RELEASE)
-            if barred is not None and not self.served_on(allowed, capability):
-                route = no_allowed_provider(exchange, allowed, name)
-            router = self.router  # a 400/422 from the filters: the access line says what they removed
-            return refuse(exchange, route, request_id, tenant=tenant, capability=name, filtered=router.filtered,
-                          reasons=router.filtered_reasons)
-        filtered = self.router.filtered if pinned is None else 0
-        body, metering = upstream_body(capability, exchange.body, admission)
-        request = ProxyRequest(
-            exchange, request_id, tenant, policy.batch, name, admission, rebinds, needs, key, filtered,
-            self.router.filtered_reasons if filtered else 0,
-            headers.balance_keys, body, metering, forwarded_headers(exchange, headers, request_id, body),
-            [(b"x-gridgate-filtered", b"%d" % filtered)] if filtered and self.settings.route_headers else [],
-            barred,
-        )
-        try:
-            await self.forwarder.forward(request, route)
-        except BaseException:
-            self.outcomes.settle(admission, Settlement.CHARGE_ESTIMATE)  # a provider may have worked on it
-            raise
+        record.barred = barred
+        record.session = session if barred is None else None  # a barred request never moves a binding
+        route = self.route(capability, session, needs, key, barred)
+        if type(route) is RouteDecision or type(route) is RouteRefusal:
+            # The filters' counts: evidence on the response and the access line (a 400/422 from them too).
+            record.filtered, record.filtered_reasons = route.filtered, route.filtered_reasons
+        if type(route) is not RouteDecision and barred is not None and not self.served_on(allowed, capability):
+            return no_allowed_provider(record.exchange, allowed, capability.name)
+        return route
 
-    # -- steps ------------------------------------------------------------------------------------
-    def models(self, exchange: Exchange, policy: Policy, request_id: bytes, tenant: str) -> None:
+    def models(self, record: RequestRecord, policy: Policy) -> None:
         """``GET /v1/models`` (the list the tenant may use) and ``GET /v1/models/{id}``, from the overlay."""
+        exchange = record.exchange
         target = exchange.target.split(b"?", 1)[0]
         if target == b"/v1/models":
             body = self.overlay.models_body(policy)
@@ -144,11 +156,9 @@ class Proxy:
             model = unquote_to_bytes(target[len(b"/v1/models/"):]).decode("utf-8", "replace")
             body = self.overlay.model_body(model, policy) if target.startswith(b"/v1/models/") else None
             if body is None:
-                return self.outcomes.refuse(exchange, model_not_found("inference_model", model), request_id,
-                                            tenant=tenant)
-        exchange.respond(200, [_JSON_HEADER, (b"x-request-id", request_id)], body)
-        self.metrics.request(None, 200)
-        self.access_log.record(exchange, request_id, 200, tenant=tenant)
+                return self.outcomes.refuse(record, model_not_found("inference_model", model))
+        record.status = 200
+        exchange.respond(200, [_JSON_HEADER, (b"x-request-id", record.request_id)], body)
 
     def capability(self, exchange: Exchange, headers: RequestHeaders,
                    allowed: AllowedRoute) -> CapabilityRequest | ErrorReply:
@@ -212,13 +222,14 @@ class Proxy:
               key: bytes, barred: frozenset[int] | None) -> RouteDecision | ErrorReply:
         now = _monotonic()
         self.providers.maybe_refresh(now)
-        router = self.router
-        decision = router.route(self.overlay.snapshot, request.kind, request.name, session, now, needs, key,
-                                barred)
-        if router.filtered:
-            self.metrics.route_filtered(router.filtered_reasons)
-        if type(decision) is not ErrorReply:
+        decision = self.router.route(self.overlay.snapshot, request.kind, request.name, session, now, needs, key,
+                                     barred)
+        if type(decision) is RouteDecision:
+            if decision.filtered:
+                self.metrics.route_filtered(decision.filtered_reasons)
             self.metrics.affinity(decision.affinity)
+        elif type(decision) is RouteRefusal:
+            self.metrics.route_filtered(decision.filtered_reasons)
         return decision
 
 

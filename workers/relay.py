@@ -1,12 +1,18 @@
-"""The sink of one upstream attempt: relays the provider's response to the client as it arrives.
+"""The sink of one upstream attempt: relays the provider's response to the client as it arrives, and
+says what the attempt came to (``result``: an ``AttemptResult``).
 
 The upstream connection calls ``upstream_head``/``_data``/``_flush``/``_end``/``_failed``; the client
-connection calls ``client_lost`` and the flow-control pair (it is the exchange's listener). ``done`` resolves once, when the attempt is
-over: failed before the head (the proxy may try again), ended, failed mid-response, or abandoned.
+connection calls ``client_lost`` and the flow-control pair (it is the exchange's listener). ``done``
+resolves once, with the attempt's result, when the attempt is over: failed before the head (the proxy
+may try again), ended, failed mid-response, or abandoned.
+
+The response's end goes through the exchange (``end`` or ``abort``), which closes the request's record
+(workers/request_record.py) before the last bytes leave: so everything ``result`` reports (status,
+failure, usage, events, timings) is set before the relay ends the exchange.
 
 With ``hold_retryable`` set (another provider may still be tried), a 429/502/503/504 head is *held*:
-nothing reaches the client, ``held_status``/``retry_after`` record the answer, ``done`` resolves at
-once, and the rest of that response is read and discarded so the connection can be reused.
+nothing reaches the client, the result says so (``held``, ``retry_after``), ``done`` resolves at once,
+and the rest of that response is read and discarded so the connection can be reused.
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ import time
 from gateway.http.errors import sse_error_event
 from gateway.http.media import is_event_stream
 from gateway.quota.usage import UsageObserver, usage_observer
+from gateway.request.attempts import AttemptResult
 from gateway.request.failover import RETRYABLE_STATUSES
 from gateway.request.failures import Failure
 from gateway.request.headers import connection_tokens
+from gateway.routing.cooling import cooling_signals
 from workers.exchange import Exchange
 from workers.upstream import UpstreamConnection
 
@@ -35,13 +43,17 @@ _RESPONSE_DROP = frozenset(
 _QUOTA_HEADERS = frozenset(
     (b"x-ratelimit-limit-tokens", b"x-ratelimit-remaining-tokens", b"x-ratelimit-reset-tokens")
 )
+# A data event's field name. Counted after a line feed: inside an event's JSON a line feed is escaped,
+# so the bytes ``\ndata:`` only ever start a field (plus one for a chunk that starts with an event).
+_DATA_FIELD = b"\ndata:"
+_DATA_START = b"data:"
 
 
 class ResponseRelay:
     __slots__ = (
         "exchange", "conn", "done", "failure", "detail", "client_left", "status", "extra_headers",
         "response_started", "is_sse", "metering", "usage", "length_framed", "hold_retryable", "held_status",
-        "retry_after", "first_byte_at", "ended_at",
+        "retry_after", "provider_wide", "sent_at", "first_byte_at", "ended_at", "events", "_result",
     )
 
     def __init__(
@@ -50,7 +62,7 @@ class ResponseRelay:
     ) -> None:
         self.exchange = exchange
         self.conn = conn
-        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.done: asyncio.Future[AttemptResult] = asyncio.get_running_loop().create_future()
         self.failure: Failure | None = None
         self.detail = ""
         self.client_left = False
@@ -65,24 +77,38 @@ class ResponseRelay:
         self.hold_retryable = hold_retryable
         self.held_status = 0  # a retryable status held back from the client (0: none)
         self.retry_after: bytes | None = None  # the provider's Retry-After, when it sent one
+        self.provider_wide = False  # a retryable answer said the whole provider is limited
+        self.sent_at = 0.0  # monotonic time the request was written (set by the sender)
         self.first_byte_at = 0.0  # monotonic time the response head arrived
-        self.ended_at = 0.0  # monotonic time the attempt was over (``done`` resolved)
+        self.ended_at = 0.0  # monotonic time the attempt was over
+        # Data events relayed: counted for a metered event stream only (a hang-up's floor), else None.
+        self.events: int | None = None
+        self._result: AttemptResult | None = None
 
-    @property
-    def total_tokens(self) -> int | None:
-        return None if self.usage is None else self.usage.total_tokens
+    def result(self) -> AttemptResult:
+        """What the attempt came to, built once: when it is over, or when its response ends the exchange
+        (whichever asks first; the relay has set every field by then)."""
+        result = self._result
+        if result is None:
+            ended = self.ended_at = self.ended_at or _monotonic()
+            sent = self.sent_at
+            result = self._result = AttemptResult(
+                self.status, self.response_started, self.held_status != 0, self.failure, self.detail,
+                self.client_left, self.retry_after, self.usage, self.events,
+                self.first_byte_at - sent if self.first_byte_at else 0.0, ended - sent, self.provider_wide,
+            )
+        return result
 
     def _finish(self) -> None:
         if not self.done.done():
-            self.ended_at = _monotonic()
-            self.done.set_result(None)
+            self.done.set_result(self.result())
 
     # -- from the upstream connection -----------------------------------------------------------
     def upstream_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.status = status
         self.first_byte_at = _monotonic()
         if status in RETRYABLE_STATUSES:
-            self.retry_after = next((v for n, v in headers if n == b"retry-after"), None)
+            self.retry_after, self.provider_wide = cooling_signals(headers)
             if self.hold_retryable:
                 self.held_status = status
                 self.conn.resume()  # its body is read and discarded, whatever the client's pace
@@ -111,6 +137,8 @@ class ResponseRelay:
         self.is_sse = is_event_stream(content_type)
         if metered:
             self.usage = usage_observer(self.is_sse, bool(self.metering))
+            if self.is_sse:
+                self.events = 0
         # Re-frame as chunked when the provider did, or when the usage filter may shorten the body.
         if chunked or self.metering is True:
             content_length = None
@@ -127,6 +155,8 @@ class ResponseRelay:
         usage = self.usage
         if usage is not None:
             data = usage.feed(data)
+            if self.events is not None:  # two scans in C, only for a metered event stream
+                self.events += data.count(_DATA_FIELD) + data.startswith(_DATA_START)
         self.exchange.write(data)
 
     def upstream_flush(self) -> None:
@@ -140,14 +170,18 @@ class ResponseRelay:
         if usage is not None:
             held = usage.flush()
             if held:
+                if self.events is not None:
+                    self.events += held.count(_DATA_FIELD) + held.startswith(_DATA_START)
                 self.exchange.write(held)
-        self.exchange.end()
+        self.ended_at = _monotonic()
+        self.exchange.end()  # closes the request's record, then the last bytes leave
         self._finish()
 
     def upstream_failed(self, failure: Failure, detail: str) -> None:
         if self.held_status:
             return  # the held answer counts; its body was being discarded
         self.failure, self.detail = failure, detail
+        self.ended_at = _monotonic()
         if self.response_started:
             # After the first byte the attempt cannot be retried: end it visibly, never silently (a client
             # that stopped reading would never read an error event: it is cut).

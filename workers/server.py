@@ -6,11 +6,12 @@ keep-alive, pipelining (answered in order) and HTTP/1.0 close semantics live in 
 framing of a request is in doubt the answer is written raw and the connection is closed: nothing
 else is read from it.
 
-Keep-alive ends on purpose in two cases (CONTRACT §10): the response that reaches
-``limits.max_requests_per_connection`` says ``Connection: close`` (so clients reconnect and spread onto
-replaced or added workers), and so does every response of a draining worker. A drain closes a
-connection only after such a response or once it sat idle for ``_DRAIN_IDLE_S``: a client that is
-sending a request is never cut. Streams still open at the graceful deadline end with an SSE error event.
+Keep-alive ends on purpose in two cases (docs/operations.md, "Drains and listening sockets"): the
+response that reaches ``limits.max_requests_per_connection`` says ``Connection: close`` (so clients
+reconnect and spread onto replaced or added workers), and so does every response of a draining
+worker. A drain closes a connection only after such a response or once it sat idle for
+``_DRAIN_IDLE_S``: a client that is sending a request is never cut. Streams still open at the graceful
+deadline end with an SSE error event.
 
 Deadlines: one timer per connection, re-armed only when it fires. A connection keeps a deadline
 (header block, whole body, keep-alive idle, answers left unread) in a field; the timer never sleeps
@@ -304,8 +305,9 @@ class ServerConnection(asyncio.Protocol):
         body = self._body
         exchange = Exchange(
             self, event.method, framing.target, event.http_version, self._headers,
-            bytes(body[0]) if len(body) == 1 else b"".join(body), self._t_head,
+            bytes(body[0]) if len(body) == 1 else b"".join(body), self._t_head, self.admitted,
         )
+        self.admitted = None  # an idle keep-alive connection holds nothing of its last request
         self.codec.expect_response(event.method, event.http_version == b"1.1", framing.keep_alive)
         self._body = []
         self._body_len = 0
@@ -358,6 +360,21 @@ class ServerConnection(asyncio.Protocol):
     def write(self, data: bytes) -> None:
         if self.state != _CLOSED:
             self.transport.write(data)
+
+    # The exchange's side (workers/exchange.py ExchangeConnection): framed, queued, written by ``flush``.
+    def queue_head(self, status: int, headers: list[tuple[bytes, bytes]], content_length: int | None,
+                   close_requested: bool) -> None:
+        # The last response of a connection: asked for, draining, or the per-connection request cap.
+        close = close_requested or self.server.draining or self.served + 1 >= self.settings.max_requests
+        self.pending.append(self.codec.response_head(status, headers, content_length, close))
+
+    def queue_data(self, data: bytes) -> None:
+        self.pending.append(self.codec.response_data(data))
+
+    def queue_end(self) -> None:
+        end = self.codec.response_end()
+        if end:
+            self.pending.append(end)
 
     def flush(self) -> None:
         pending = self.pending

@@ -22,6 +22,7 @@ from shm.counters import (
     HealthTable,
     RowsReader,
 )
+from shm.providers import EndpointCooling
 from shm.segment import Segment
 from shm.seqlock import SeqlockBusy
 
@@ -48,6 +49,7 @@ def endpoints_report(segment: Segment, clusters: Sequence[ClusterSpec], *, wall_
     rows = RowsReader(segment)
     slot_map = segment.directory.slot_map()
     writer_pid, writer_beat = health.writer()
+    cooling = EndpointCooling(segment, 0)  # read only: the latest cooling any worker wrote
     report_clusters = []
     for cluster in clusters:
         endpoints = []
@@ -66,6 +68,7 @@ def endpoints_report(segment: Segment, clusters: Sequence[ClusterSpec], *, wall_
             routable += is_routable(record)
             totals = rows.totals(slot)
             state = OutlierState(record.outlier_state)
+            cooled_ns = cooling.cooled_until(slot)  # a 429/503 from it (docs/routing.md#cooling)
             until = None
             if state != OutlierState.CLOSED and record.ejected_until_ns:
                 until = _iso(now_wall + (record.ejected_until_ns - now_ns) / 1e9)
@@ -81,6 +84,7 @@ def endpoints_report(segment: Segment, clusters: Sequence[ClusterSpec], *, wall_
                 "weight_permille": record.ramp_permille or FULL_PERMILLE,
                 "ejection": {"state": state.name.lower(), "until": until, "multiplier": record.ejections,
                              "total": record.total_ejections},
+                "cooled_until": _iso(now_wall + (cooled_ns - now_ns) / 1e9) if cooled_ns > now_ns else None,
             })
             endpoints.append(entry)
         report_clusters.append({
@@ -89,6 +93,7 @@ def endpoints_report(segment: Segment, clusters: Sequence[ClusterSpec], *, wall_
         })
     return {
         "health_process": None if not writer_pid else
-        {"pid": writer_pid, "heartbeat_age_s": round((now_ns - writer_beat) / 1e9, 3)},
+        {"pid": writer_pid, "heartbeat_age_s": round((now_ns - writer_beat) / 1e9, 3),
+         "verdicts_stale": health.stale()},  # too old: workers read every endpoint as unknown (routable)
         "clusters": report_clusters,
     }

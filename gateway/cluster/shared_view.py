@@ -24,8 +24,10 @@ def is_routable(record: HealthRecord) -> bool:
 class SharedEndpointState:
     """The balancers' StateView over shared memory, one per worker process.
 
-    ``generation`` combines the health writer's generation word with the rows-in-use mark, so a
-    balancer rebuilds its cached candidates and in-flight readers exactly when either changes.
+    ``generation`` combines the health writer's generation word, the verdicts-stale flag and the
+    rows-in-use mark, so a balancer rebuilds its cached candidates and in-flight readers exactly when
+    one changes. While the flag is up (the health process stopped beating, gateway.health.watch)
+    every slot reads routable at full weight: unknown, as without checks.
     Half-open probes: a slot reads PROBE only for the worker the health process named in the record
     (or for every worker once, if it named none) and only until this worker hands that probe out.
     """
@@ -36,6 +38,7 @@ class SharedEndpointState:
         self._segment = segment
         self._health = HealthTable(segment)
         self._generation_word = self._layout.health_header_word()
+        self._stale_word = self._health.stale_word()
         self._worker = worker
         self._offered: dict[int, int] = {}
         self._probed: dict[int, int] = {}
@@ -43,9 +46,11 @@ class SharedEndpointState:
 
     def generation(self) -> int:
         w = self._words
-        return (w[self._generation_word] << 11) | w[H_ROWS_IN_USE]
+        return (((w[self._generation_word] << 1) | w[self._stale_word]) << 11) | w[H_ROWS_IN_USE]
 
     def slot_health(self, slot: int) -> tuple[int, int]:
+        if self._words[self._stale_word]:
+            return ROUTABLE, FULL_PERMILLE
         try:
             record = self._health.read(slot)
         except SeqlockBusy:

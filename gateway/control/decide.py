@@ -11,7 +11,8 @@ The algorithm, per provider, then per capability:
 1. **Assess** the observation into what gets published (:class:`Assessment`):
 
    - unreachable or health not 2xx -> admission ``none``, ``fresh: false``,
-     ``score: null``;
+     ``score: null``; likewise a metrics page that counts 0 ready endpoints (llm-d's
+     EPP: the pool behind a healthy picker has nothing to serve with);
    - ``noMetrics``: healthy -> ``new_and_existing``, score 0;
    - ``queueDepth`` / ``kvCachePressure``: a metric above its threshold (queue depth >
      ``queueDepthThreshold``, KV-cache > ``kvCacheThreshold``) -> ``existing_only``:
@@ -76,13 +77,16 @@ _EPSILON = 1e-9  # 0.45 / 0.9 is 0.49999999999999994 in binary; a band edge must
 class Observation:
     """What one probe round saw of one provider (made by :mod:`gateway.control.observe`).
 
-    ``None`` metrics were not measured; ``error`` says why something is missing or unhealthy.
+    ``None`` metrics were not measured; ``error`` says why something is missing or unhealthy, and
+    ``missing`` names the signals the page lacked (gateway.control.signals names).
     """
 
     healthy: bool
     queue_depth: float | None = None
     kv_cache_utilization: float | None = None
     error: str | None = None
+    ready_endpoints: float | None = None
+    missing: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +144,8 @@ def assess(spec: ControlSpec, observation: Observation | None) -> Assessment:
         return Assessment(ADMISSION_NONE, unmeasured, None, (), False, observation.error or "unhealthy")
     if scoring.strategy == NO_METRICS:
         return Assessment(NEW_AND_EXISTING, 0, 0.0, (), True, "healthy")
+    if observation.ready_endpoints is not None and observation.ready_endpoints < 1:
+        return Assessment(ADMISSION_NONE, unmeasured, None, (), False, "0 ready endpoints")
 
     checks = (
         ("queue_depth", observation.queue_depth, scoring.effective_queue_depth_threshold()),

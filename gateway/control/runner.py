@@ -29,9 +29,10 @@ from typing import Any, TypeVar
 
 from gateway.config import ConfigError
 from gateway.control.decide import Assessment, Hold, Observation, decide, describe_changes
-from gateway.control.observe import observe_all
+from gateway.control.observe import observe_all, signal_plans
 from gateway.control.publish import Publisher, PublishResult
 from gateway.control.spec import ControlSpec, check_spec, load_spec
+from gateway.control.telemetry import ControlTelemetry
 from gateway.control.valkey_publish import ValkeyPublisher, ValkeyUnavailable
 from gateway.overlay.contract import OverlayRejected
 
@@ -59,12 +60,15 @@ class ControlLoop:
         # Per destination: state changes not published there yet (a publish failed), for the next publish's log.
         self.unpublished: dict[str, list[str]] = {"file": [], "valkey": []}
         self._leading = False  # the Valkey lease was held at the last round
+        self.plans = signal_plans(spec)  # where each provider's signals are on its metrics page
+        self.telemetry = ControlTelemetry(self.plans)
 
     async def observe(self) -> dict[str, Observation]:
-        return await observe_all(self.spec.providers, self.spec.probe_timeout, self.spec.scoring_policy.uses_metrics())
+        return await observe_all(self.spec.providers, self.spec.probe_timeout, self.plans)
 
     async def apply(self, observations: dict[str, Observation]) -> None:
         """Decide from one round's observations and publish to every destination."""
+        self.telemetry.observed(observations)
         decision = decide(self.spec, observations, self.holds)
         first_round = not self.published
         changes = describe_changes(self.published, decision.published)
@@ -107,6 +111,7 @@ class ControlLoop:
         self.unpublished[destination] = []
 
     async def close(self) -> None:
+        self.telemetry.close()
         if self.valkey is not None:
             await self.valkey.close()
 
@@ -141,12 +146,20 @@ async def run_control(spec_path: str, stop_event: asyncio.Event, *, clock: Clock
     """Run rounds every ``interval`` until ``stop_event`` is set. Raises ConfigError for a bad spec."""
     spec = load_spec(spec_path)
     loop = ControlLoop(spec, clock)
+    if spec.metrics_listen is not None:
+        try:
+            loop.telemetry.serve(spec.metrics_listen)
+        except OSError as exc:
+            await loop.close()
+            raise ConfigError([f"metrics_listen: cannot listen on {spec.metrics_listen}: {exc.strerror or exc}"]) from exc
     destinations = []
     if loop.publisher is not None:
         destinations.append(f"output {spec.output} (on disk: generation {loop.publisher.generation}, "
                             f"revision {loop.publisher.revision or 'none'})")
     if loop.valkey is not None:
         destinations.append(f"{loop.valkey.where} (lease {loop.valkey.lease.key} as {loop.valkey.lease.owner})")
+    if spec.metrics_listen is not None:
+        destinations.append(f"metrics on http://{spec.metrics_listen}/metrics")
     log.info("control plane started: %d providers, interval %gs, %s/%s/%s admission, %s", len(spec.providers),
              spec.interval, spec.routing_policy, spec.scoring_policy.strategy, spec.admission.mode,
              "; ".join(destinations))

@@ -21,6 +21,10 @@ import msgspec
 
 # One error builder and one strict base for every YAML file gridgate reads: the config's.
 from gateway.config import ConfigError, Seconds, convert_yaml, quota_url_problem, read_text
+from gateway.control import signals as sig
+from gateway.control.metrics_spec import MetricsSource, resolve_signals
+from gateway.control.signals import SignalPlan
+from gateway.net import parse_host_port
 from gateway.overlay.contract import MAX_CANDIDATES, MAX_TEXT_BYTES
 from gateway.yaml_config import DAY, HOUR, MINUTE, Range, check_ranges
 from gateway.yaml_config import StrictStruct as _Strict
@@ -75,6 +79,7 @@ class ScoringPolicy(_Strict):
     # Scores are quantized into this many bands below the threshold, so metric jitter inside a band
     # changes neither the groups nor the semantic revision.
     score_bands: int = msgspec.field(name="scoreBands", default=4)
+    metrics: MetricsSource = msgspec.field(default_factory=MetricsSource)
 
     # Thresholds above 0 (a queue depth, a utilisation up to 1).
     _RANGES: ClassVar[dict[str, Range]] = {"queue_depth_threshold": (1e-9, 1e6), "kv_cache_threshold": (1e-9, 1.0),
@@ -144,6 +149,7 @@ class Provider(_Strict):
     cluster: str | None = None  # the gateway cluster name; default: name
     kind: Literal["inference_model", "mcp_tool"] = "inference_model"
     credential: CredentialRef | None = None
+    metrics: MetricsSource | None = None  # overrides scoringPolicy.metrics for this provider
 
     @property
     def cluster_name(self) -> str:
@@ -187,6 +193,8 @@ class ControlSpec(_Strict):
     # None: the published document has no selection_policy (gateways then select deterministically).
     selection_policy: SelectionPolicy | None = msgspec.field(name="selectionPolicy", default=None)
     admission: Admission = msgspec.field(default_factory=Admission)
+    # Serve the control plane's own Prometheus metrics (GET /metrics) on host:port; None: not served.
+    metrics_listen: str | None = None
 
     _RANGES: ClassVar[dict[str, Range]] = {"refresh": (0.1, 30 * DAY), "interval": (0.1, HOUR),
                                            "probe_timeout": (0.01, MINUTE)}
@@ -198,10 +206,42 @@ class ControlSpec(_Strict):
     def source_uid(self) -> str:
         return self.producer.source_uid or f"gridgate-control/{self.scope.network}"
 
+    def signal_plan(self, provider: Provider) -> SignalPlan:
+        """What to read on ``provider``'s metrics page (the spec was validated: no problems left)."""
+        plan, _ = resolve_signals(self.scoring_policy.metrics, provider.metrics,
+                                  _needed_signals(self.scoring_policy))
+        return plan
+
     @property
     def lease_ttl(self) -> float:
         target = self.publish.valkey
         return float(target.lease_ttl) if target is not None and target.lease_ttl is not None else 3 * self.interval
+
+
+# --------------------------------------------------------------------------- metric signals
+
+
+def _needed_signals(scoring: ScoringPolicy) -> list[str]:
+    """The signals an assessment uses: each metric with a threshold, and ready endpoints (a guard)."""
+    needed = []
+    if scoring.effective_queue_depth_threshold() is not None:
+        needed.append(sig.QUEUE_DEPTH)
+    if scoring.effective_kv_cache_threshold() is not None:
+        needed.append(sig.KV_CACHE)
+    return [*needed, sig.READY_ENDPOINTS]
+
+
+def _signal_problems(spec: ControlSpec) -> list[str]:
+    """Every provider's plan must resolve; each problem once, under the block that caused it."""
+    scoring = spec.scoring_policy
+    if not scoring.uses_metrics():
+        return []
+    problems: dict[str, None] = {}
+    for index, provider in enumerate(spec.providers):
+        _, found = resolve_signals(scoring.metrics, provider.metrics, _needed_signals(scoring),
+                                   f"providers[{index}].metrics")
+        problems.update(dict.fromkeys(found))
+    return list(problems)
 
 
 # --------------------------------------------------------------------------- cross-checks
@@ -296,7 +336,12 @@ def _cross_checks(spec: ControlSpec) -> list[str]:
         problems.append(f"output: directory {os.path.dirname(spec.output)} does not exist")
     if spec.refresh is not None and spec.refresh < spec.interval:
         problems.append("refresh: must be at least interval")
-    return problems + _publish_problems(spec) + _provider_problems(spec)
+    if spec.metrics_listen is not None:
+        try:
+            parse_host_port(spec.metrics_listen)
+        except ValueError as exc:
+            problems.append(f"metrics_listen: {exc}")
+    return problems + _publish_problems(spec) + _provider_problems(spec) + _signal_problems(spec)
 
 
 def _publish_problems(spec: ControlSpec) -> list[str]:

@@ -15,6 +15,7 @@ from gateway.metrics.catalogue import (
     DURATION,
     DURATION_BUCKETS_S,
     DURATION_SUM_US,
+    ENDPOINT_COOLED,
     FILTER_REASONS,
     FIRST_BYTE_BUCKETS_S,
     FIRST_BYTE_SUM_US,
@@ -130,7 +131,9 @@ def _upstream_families(totals: list[int], cluster_names: Sequence[str]) -> Itera
     for name, cell, documentation in (
         ("gridgate_provider_failovers", PROVIDER_FAILOVERS,
          "Requests moved away from this provider to another one before any response byte reached the client."),
-        ("gridgate_provider_cooled", PROVIDER_COOLED, "Times this provider answered 429/503 and was cooled."),
+        ("gridgate_provider_cooled", PROVIDER_COOLED,
+         "Times this provider was cooled: a 429/503 that spoke for the whole provider, or left no endpoint."),
+        ("gridgate_endpoint_cooled", ENDPOINT_COOLED, "Times an endpoint of this cluster answered 429/503 and was cooled."),
     ):
         family = CounterMetricFamily(name, documentation, labels=["cluster"])
         for c_index, label in _clusters(cluster_names):

@@ -14,6 +14,7 @@ from gateway.metrics.catalogue import (
     DURATION,
     DURATION_BUCKETS_S,
     DURATION_SUM_US,
+    ENDPOINT_COOLED,
     FILTER_REASONS,
     FIRST_BYTE_BUCKETS_S,
     FIRST_BYTE_SUM_US,
@@ -104,6 +105,10 @@ class WorkerMetrics:
     def cooled(self, cluster: str) -> None:
         """This cluster's provider answered 429/503 and is skipped for a while."""
         self.row[PROVIDER_COOLED + self.cluster_index.get(cluster, OTHER_CLUSTER)] += 1
+
+    def endpoint_cooled(self, cluster: str) -> None:
+        """An endpoint of this cluster answered 429/503 and is left out for a while."""
+        self.row[ENDPOINT_COOLED + self.cluster_index.get(cluster, OTHER_CLUSTER)] += 1
 
     def route_filtered(self, reasons: int) -> None:
         """The eligibility filters removed candidates of one request; ``reasons``: the router's bits."""

@@ -12,8 +12,12 @@ what is held back; ``total_tokens`` is the last ``usage.total_tokens`` seen (Non
 ``prompt_tokens``/``completion_tokens`` the last counts of each side. ``cached_tokens`` (of the
 prompt, ``prompt_tokens_details.cached_tokens``) and ``reasoning_tokens`` (of the completion,
 ``completion_tokens_details.reasoning_tokens``) are the parts priced apart (gateway/pricing/cost.py);
-None when the provider did not report them. Chunk boundaries may fall anywhere, including inside
-``"total_tokens"`` or its number.
+None when the provider did not report them; ``cache_write_tokens`` is always None here (OpenAI-style
+usage does not report cache writes; Anthropic's does: gateway/quota/usage_surfaces.py). Chunk
+boundaries may fall anywhere, including inside ``"total_tokens"`` or its number.
+
+This module serves the APIs whose usage lives where OpenAI's chat completions put it; the Responses
+and Messages APIs have their own observers (gateway/quota/usage_surfaces.py, ``observer_for``).
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ class UsageObserver(Protocol):
     prompt_tokens: int | None
     completion_tokens: int | None
     cached_tokens: int | None
+    cache_write_tokens: int | None
     reasoning_tokens: int | None
 
     def feed(self, chunk: bytes) -> bytes: ...
@@ -154,6 +159,7 @@ class UsageScanner(msgspec.Struct, gc=False):
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     reasoning_tokens: int | None = None
+    cache_write_tokens: int | None = None  # never reported in this shape
     _held: bytes = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -243,7 +249,7 @@ class SseUsageFilter:
     """
 
     __slots__ = ("total_tokens", "prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens",
-                 "_pending", "_scanner")
+                 "cache_write_tokens", "_pending", "_scanner")
 
     def __init__(self) -> None:
         self.total_tokens: int | None = None
@@ -251,6 +257,7 @@ class SseUsageFilter:
         self.completion_tokens: int | None = None
         self.cached_tokens: int | None = None
         self.reasoning_tokens: int | None = None
+        self.cache_write_tokens: int | None = None  # never reported in this shape
         self._pending = b""
         self._scanner: UsageScanner | None = None  # set when the stream turned out not to be SSE
 

@@ -2,7 +2,8 @@
 
 The proxy does the I/O; this decides: after a failed attempt, what next (another endpoint, the same
 endpoint on a fresh connection, or stop); which error the client finally sees; and what each attempt
-costs the tenant's token reservation (``attempt_tokens``, ``unanswered_tokens``).
+costs the tenant's token reservation (``attempt_tokens``, ``unanswered_tokens``, ``served_tokens``).
+An attempt's outcome is an ``AttemptResult``, what the relay answers when the attempt is over.
 """
 
 from __future__ import annotations
@@ -10,7 +11,11 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import Generic, TypeVar
 
+import msgspec
+
 from gateway.http.errors import ErrorReply
+from gateway.quota.estimate import estimate_prompt_tokens
+from gateway.quota.usage import UsageObserver
 from gateway.request.failures import Failure
 
 E = TypeVar("E")
@@ -26,12 +31,29 @@ class Next(IntEnum):
     FRESH_CONNECTION = 2  # pick again on a newly opened connection (a pooled one was stale)
 
 
-class Settlement(IntEnum):
-    """How a token reservation is settled when the request ends."""
+class AttemptResult(msgspec.Struct, gc=False):
+    """What one upstream attempt came to: the relay's answer once the attempt is over (or, for the
+    attempt that is serving the client, once its response ends). Built in C, never in a cycle."""
 
-    RELEASE = 0  # nothing reached a provider: give the whole reservation back
-    CHARGE_ESTIMATE = 1  # a provider may have done work and the outcome is unknown (the handler failed)
-    CHARGE_USAGE = 2  # charge the tokens given: what the request's attempts cost (``attempt_tokens``)
+    status: int = 0  # the provider's status; 0: no response head arrived
+    started: bool = False  # the response began reaching the client: it served the request (no retry)
+    held: bool = False  # a retryable status held back from the client (its body discarded)
+    failure: Failure | None = None  # why it failed (before or after its head), None otherwise
+    detail: str = ""  # the failure in plain words
+    client_left: bool = False  # the client went away during the attempt
+    retry_after: bytes | None = None  # the provider's Retry-After, when it sent one
+    # What read the usage the provider reported (its ``total_tokens``, ``prompt_tokens``, ... are None
+    # where it reported none); None when the attempt was not metered.
+    usage: UsageObserver | None = None
+    events: int | None = None  # data events relayed to the client (a metered event stream only)
+    first_byte_s: float = 0.0  # request written -> response head
+    duration_s: float = 0.0  # request written -> attempt over
+    provider_wide: bool = False  # a 429/503 said the whole provider is limited (gateway/routing/cooling.py)
+
+    @property
+    def total_tokens(self) -> int | None:
+        usage = self.usage
+        return None if usage is None else usage.total_tokens
 
 
 # What each attempt of a request costs (docs/configuration.md, "What a request is charged"); the request
@@ -45,7 +67,7 @@ def attempt_tokens(status: int, total_tokens: int | None, estimate: int, floor: 
       left after the usage arrived included).
     - Else a 4xx (429 included): the provider refused the work, it costs nothing.
     - Else it may have worked (a 5xx, a 2xx without usage, a stream cut by either side, no response
-      head at all: ``status`` 0): the estimate, or ``floor`` when more (``estimate.relayed_floor``: the
+      head at all: ``status`` 0): the estimate, or ``floor`` when more (``served_floor``: the
       prompt plus what was relayed to the client, which the provider certainly generated).
     """
     if total_tokens is not None:
@@ -53,6 +75,34 @@ def attempt_tokens(status: int, total_tokens: int | None, estimate: int, floor: 
     if 400 <= status < 500:
         return 0
     return floor if floor > estimate else estimate
+
+
+def served_floor(body_len: int, bytes_out: int, events: int | None) -> int:
+    """The least a served attempt without usage cost: the prompt estimate plus what reached the client,
+    which the provider certainly generated. An event stream counts one token per data event relayed (its
+    framing is some 200 bytes a token: four bytes a token would charge about fifty times the tokens);
+    any other body four bytes a token, like the prompt (its JSON makes that generous)."""
+    relayed = events if events is not None else estimate_prompt_tokens(bytes_out)
+    return estimate_prompt_tokens(body_len) + relayed
+
+
+def served_tokens(result: AttemptResult, estimate: int, body_len: int, bytes_out: int) -> int:
+    """What the attempt that served the request costs (``attempt_tokens``): its usage, else by its status,
+    with what was relayed (``served_floor``) as the floor."""
+    tokens = result.total_tokens
+    if tokens is not None:
+        return tokens
+    return attempt_tokens(result.status, None, estimate, served_floor(body_len, bytes_out, result.events))
+
+
+def usage_split(total: int, prompt: int | None, completion: int | None) -> tuple[int | None, int | None]:
+    """The tenant's tokens in/out of a usage: both sides as reported, or, when it reported its total and
+    only one side, the other side from the total (None, None: it reported neither)."""
+    if (prompt is None) == (completion is None):
+        return prompt, completion
+    if prompt is None:
+        return max(0, total - (completion or 0)), completion
+    return prompt, max(0, total - prompt)
 
 
 def unanswered_tokens(failure: Failure, reused: bool, estimate: int) -> int:

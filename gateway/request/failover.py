@@ -1,5 +1,5 @@
-"""Sans-IO provider failover for one request (CONTRACT §11): the attempt budget, the one deadline,
-backoff with full jitter, which statuses move a request on, and Retry-After.
+"""Sans-IO provider failover for one request (docs/routing.md, "Failover"): the attempt budget, the
+one deadline, backoff with full jitter, which statuses move a request on, and Retry-After.
 
 The proxy asks ``may_try_another`` after a provider failed before any response byte reached the
 client, sleeps ``backoff()``, and asks the router for the next provider excluding ``tried``.

@@ -13,7 +13,6 @@ class Failure(IntEnum):
     RESET = 3  # the provider closed or reset the connection
     TIMEOUT = 4  # no response bytes within the read (or first-byte) deadline
     MALFORMED = 5  # the response was not valid HTTP/1.1
-    BUSY = 6  # every connection to the endpoint was in use past the wait deadline
     CLIENT_STALLED = 7  # the client read nothing of the response for timeouts.client_stall
 
     @property

@@ -1,4 +1,5 @@
-"""The order in which requests waiting for a scarce slot are served (CONTRACT §12, fair upstream slots).
+"""The order in which requests waiting for a scarce slot are served (docs/configuration.md,
+``tenants[].priority``).
 
 Two classes: every interactive waiter goes before any batch waiter. Inside a class tenants take turns:
 each waiting tenant has its own FIFO, and a ring of turns rotates over the tenants that are waiting. A

@@ -4,7 +4,8 @@ A request is admitted to one of four route kinds, or to none (then it is 404 ``r
 and never reaches a provider, which would receive it with the provider's credential):
 
 - ``MODELS``: ``GET /v1/models`` and ``GET /v1/models/{id}``, answered by the gateway itself;
-- ``API``: the API routes the gateway knows (``API_ROUTES``), sent to any cluster;
+- ``API``: the API routes the gateway knows (``API_ROUTES``: one per row of
+  ``gateway.request.surfaces.API_SURFACES``), sent to any cluster;
 - ``MCP``: the MCP endpoint (``routing.mcp_path``, streamable HTTP: POST, GET and DELETE), any cluster;
 - ``EXTRA``: what clusters list in ``clusters[].allowed_routes``, sent only to those clusters.
 
@@ -18,6 +19,10 @@ Matching rules (the whole normalisation, so nothing can widen the set):
   ``%2e%2e`` or ``%2f`` cannot hide a dot segment or a slash). A clean path is then matched against
   the globs: ``*`` matches within one segment, a ``**`` segment matches one or more whole segments.
   What passes is forwarded exactly as the client sent it, so the provider sees the path we matched.
+
+Each admitted route carries its API surface (``AllowedRoute.surface``: which body fields the gateway
+reads, whether a stream may be rewritten for usage, where the usage lives, which error shape), so
+the request path learns it from the lookup it makes anyway (docs/api-surfaces.md).
 """
 
 from __future__ import annotations
@@ -25,12 +30,12 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
+from gateway.request import surfaces
+from gateway.request.surfaces import Surface
+
 MODELS, API, MCP, EXTRA = range(4)
 
-API_ROUTES = (
-    "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/messages",
-    "/v1/messages/count_tokens",
-)
+API_ROUTES: tuple[str, ...] = tuple(surface.path for surface in surfaces.API_SURFACES)  # type: ignore[misc]
 MODELS_PATH = "/v1/models"
 MCP_METHODS = ("POST", "GET", "DELETE")  # streamable HTTP: messages, the server's event stream, session end
 
@@ -47,19 +52,21 @@ class AllowedRoute:
     """The route a request was admitted to.
 
     ``barred``: provider indexes that may not serve it (empty for routes every cluster serves);
-    ``clusters``: the names of the clusters that may (None: every cluster).
+    ``clusters``: the names of the clusters that may (None: every cluster); ``surface``: its API.
     """
 
-    __slots__ = ("kind", "barred", "clusters")
+    __slots__ = ("kind", "barred", "clusters", "surface")
 
     def __init__(self, kind: int, barred: frozenset[int] = frozenset(),
-                 clusters: frozenset[str] | None = None) -> None:
+                 clusters: frozenset[str] | None = None, surface: Surface = surfaces.OTHER) -> None:
         self.kind = kind
         self.barred = barred
         self.clusters = clusters
+        self.surface = surface
 
     def __repr__(self) -> str:
-        return f"AllowedRoute({self.kind}, clusters={sorted(self.clusters) if self.clusters else None})"
+        clusters = sorted(self.clusters) if self.clusters else None
+        return f"AllowedRoute({self.kind}, {self.surface.name}, clusters={clusters})"
 
 
 class RouteRule:
@@ -174,12 +181,14 @@ class RouteTable:
     def __init__(self, mcp_path: str | None = "/mcp",
                  cluster_rules: Iterable[tuple[str, Iterable[str]]] = (),
                  provider_index: Mapping[str, int] | None = None) -> None:
-        self._models = AllowedRoute(MODELS)
-        api = AllowedRoute(API)
-        fixed: dict[bytes, dict[bytes, AllowedRoute]] = {path.encode(): {b"POST": api} for path in API_ROUTES}
+        self._models = AllowedRoute(MODELS, surface=surfaces.MODELS)
+        fixed: dict[bytes, dict[bytes, AllowedRoute]] = {
+            surface.path.encode(): {b"POST": AllowedRoute(API, surface=surface)}  # type: ignore[union-attr]
+            for surface in surfaces.API_SURFACES
+        }
         fixed[_MODELS] = {_GET: self._models}
         if mcp_path is not None:
-            mcp = AllowedRoute(MCP)
+            mcp = AllowedRoute(MCP, surface=surfaces.MCP)
             fixed[mcp_path.encode()] = {method.encode(): mcp for method in MCP_METHODS}
         self._fixed = fixed
         self._provider_index = dict(provider_index or {})

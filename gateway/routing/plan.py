@@ -10,7 +10,8 @@ not cooled, has a routable endpoint, not tried yet, eligible for the request). T
 ``random`` (uniform over the usable). ``routing.picker`` may choose instead (CONTRACT §12):
 ``weighted`` (smooth weighted round robin by ``traffic_weight``, exact over a cycle), ``stable_hash``
 (rendezvous hashing of the request's key: a key keeps its provider while the group is unchanged, and
-retries keep their exclusions), ``least_loaded`` (power of two choices on load x first-byte latency).
+retries keep their exclusions), ``least_loaded`` (power of two choices on load x expected first-byte
+latency, an unmeasured or long-idle provider expected at the group's prior: gateway.routing.providers).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from gateway.overlay.contract import NEW_AND_EXISTING, Candidate
 from gateway.overlay.snapshot import Capability, Snapshot
 from gateway.routing.decision import AFFINITY_OUTCOMES, RouteDecision, route_decision
 from gateway.routing.eligibility import UNRESTRICTED, Facts, FactsTable
+from gateway.routing.providers import LoadCost
 
 DETERMINISTIC, ROUND_ROBIN, RANDOM, WEIGHTED, STABLE_HASH, LEAST_LOADED = range(6)
 MODES = {"deterministic": DETERMINISTIC, "roundRobin": ROUND_ROBIN, "random": RANDOM, "weighted": WEIGHTED,
@@ -50,13 +52,14 @@ class Option:
 
 
 Usable = Callable[[Option], bool]
-Cost = Callable[[int], float]  # provider -> load x latency (least_loaded)
+Cost = LoadCost  # least_loaded: (provider, the group's prior) -> load x expected latency
 
 
 class GroupPlan:
     """The options of one admitting selection group (or one ungrouped candidate) and its picker state."""
 
-    __slots__ = ("number", "options", "mode", "turn", "_rng", "_current", "_cost")
+    __slots__ = ("number", "options", "mode", "turn", "_rng", "_current", "_cost", "_providers", "_prior",
+                 "_prior_epoch")
 
     def __init__(self, number: int | None, options: tuple[Option, ...], mode: int, turn: int,
                  rng: random.Random, cost: Cost | None = None) -> None:
@@ -67,6 +70,9 @@ class GroupPlan:
         self._rng = rng
         self._current = [0] * len(options)  # smooth weighted round robin
         self._cost = cost
+        self._providers = tuple(dict.fromkeys(o.provider for o in options))  # least_loaded's prior is theirs
+        self._prior = 0.0
+        self._prior_epoch = -1
 
     def pick(self, usable: Usable, key: bytes = b"") -> Option | None:
         options = self.options
@@ -129,7 +135,8 @@ class GroupPlan:
         return best
 
     def _two_choices(self, usable: Usable) -> Option | None:
-        """Power of two choices on cost; an unmeasured provider costs 0, so it gets tried."""
+        """Power of two choices on cost. An unmeasured provider is expected at the group's prior (its
+        median measured member), so it gets its share of new requests, not all of them."""
         candidates = [option for option in self.options if usable(option)]
         if len(candidates) <= 1:
             return candidates[0] if candidates else None
@@ -137,7 +144,11 @@ class GroupPlan:
         cost = self._cost
         if cost is None:
             return first
-        return first if cost(first.provider) <= cost(second.provider) else second
+        if self._prior_epoch != cost.epoch:  # the view was refreshed: at most a few times a second
+            self._prior = cost.prior_of(self._providers)
+            self._prior_epoch = cost.epoch
+        prior = self._prior
+        return first if cost(first.provider, prior) <= cost(second.provider, prior) else second
 
 
 class CapabilityPlan:

@@ -1,5 +1,5 @@
 """The intelligent route: affinity -> selection groups -> picker, and failover to the next provider
-(CONTRACT §4.2, §4.4, §11).
+(docs/overlay.md, "Selecting a provider" and "Session affinity"; docs/routing.md, "Failover").
 
 One ``Router`` per worker process, pure apart from the affinity table it is given (shared memory) and
 the random source; clocks come in as arguments. A selection walks the capability's admitting groups
@@ -17,13 +17,25 @@ from typing import TYPE_CHECKING
 
 from gateway.http.errors import ErrorReply
 from gateway.overlay.snapshot import Capability, Snapshot
-from gateway.routing.decision import FAILOVER, NEW, NONE, REUSED, RouteDecision, route_decision
+from gateway.routing.decision import (
+    FAILOVER,
+    NEW,
+    NONE,
+    REUSED,
+    RouteDecision,
+    RouteRefusal,
+    route_decision,
+    with_filtered,
+)
 from gateway.routing.eligibility import Facts, FactsTable, Needs, no_eligible_provider
 from gateway.routing.plan import CapabilityPlan, Option, model_not_found
 from gateway.routing.providers import ProviderView
 
 if TYPE_CHECKING:
     from shm.affinity import AffinityTable
+
+# The options a request's filters rule out, and why (or-ed reason bits).
+_Blocked = tuple[set[Option], int]
 
 
 class Router:
@@ -36,7 +48,7 @@ class Router:
     """
 
     __slots__ = ("_worker_index", "_rng", "_affinity", "_ttl", "_revision", "_plans", "_provider_index",
-                 "providers", "_usable_any", "_picker", "_facts", "filtered", "filtered_reasons")
+                 "providers", "_usable_any", "_picker", "_facts")
 
     def __init__(
         self,
@@ -61,8 +73,6 @@ class Router:
         self._usable_any = lambda option: option.provider >= 0 and usable[option.provider]
         self._picker = picker
         self._facts = facts
-        self.filtered = 0  # candidates the last route() filtered out for the request (evidence)
-        self.filtered_reasons = 0  # why (eligibility reason bits, or-ed); meaningful while filtered > 0
 
     @property
     def revision(self) -> str | None:
@@ -136,8 +146,9 @@ class Router:
                 best = option
         return None if best is None else best.decisions[outcome]
 
-    def _blocked(self, plan: CapabilityPlan, needs: Needs | None) -> set[Option] | ErrorReply | None:
-        """The options the request's needs rule out (None: none); an ErrorReply when none is left."""
+    def _blocked(self, plan: CapabilityPlan, needs: Needs | None) -> _Blocked | RouteRefusal | None:
+        """The options the request's needs rule out, how many and why (None: none are); a ``RouteRefusal``
+        when none is left."""
         if needs is None or not (plan.restricts or needs.regions is not None) or not plan.options:
             return None
         blocked: set[Option] = set()
@@ -149,11 +160,11 @@ class Router:
                 blocked.add(option)
                 filtered.append((reasons, option.facts))
                 why |= reasons
-        self.filtered = len(filtered)
-        self.filtered_reasons = why
+        if not blocked:
+            return None
         if len(blocked) == len(plan.options):
-            return no_eligible_provider(plan.label, needs, filtered)
-        return blocked or None
+            return RouteRefusal(no_eligible_provider(plan.label, needs, filtered), len(filtered), why)
+        return blocked, why
 
     def route(
         self,
@@ -170,22 +181,34 @@ class Router:
 
         ``session_key`` is the affinity key (see ``gateway.capability.session_key``) and ``now`` the
         shared clock (``time.monotonic()`` is system-wide on Linux, so every worker agrees on expiries).
-        ``needs`` (request facts and tenant regions) filters candidates; ``key`` feeds the stable_hash
-        picker. ``filtered`` tells how many candidates the filters removed. ``barred``: providers that
-        may not serve the request at all (its route is allowed only on other clusters, docs/security.md).
+        ``needs`` (request facts and tenant regions) filters candidates; the decision says how many it
+        removed and why (``RouteDecision.filtered``), and so does the ``RouteRefusal`` when none is left.
+        ``key`` feeds the stable_hash picker. ``barred``: providers that may not serve the request at
+        all (its route is allowed only on other clusters, docs/security.md).
         """
-        self.filtered = 0
         plan = self._plan_for(snapshot, kind, name)
         if type(plan) is ErrorReply:
             return plan
         blocked = self._blocked(plan, needs)
-        if type(blocked) is ErrorReply:
-            return blocked
+        options = None
+        if blocked is not None:
+            if type(blocked) is RouteRefusal:
+                return blocked
+            options = blocked[0]  # type: ignore[index]
         table = self._affinity
-        excluded = barred or None
         if session_key is None or table is None:
-            return self._select(plan, NONE, excluded, blocked, key) or plan.unavailable  # type: ignore[arg-type]
+            decision = self._select(plan, NONE, barred or None, options, key) or plan.unavailable
+        else:
+            decision = self._affine(table, plan, session_key, now, needs, key, barred or None, options)
+        if options is not None and type(decision) is RouteDecision:
+            decision = with_filtered(decision, len(options), blocked[1])  # type: ignore[index]
+        return decision
 
+    def _affine(self, table: AffinityTable, plan: CapabilityPlan, session_key: bytes, now: float,
+                needs: Needs | None, key: bytes, excluded: frozenset[int] | None,
+                blocked: set[Option] | None) -> RouteDecision | ErrorReply:
+        """The session's bound candidate while it is usable (docs/routing.md), else a selection that
+        (re)binds the session."""
         bound = table.lookup(session_key, now)
         outcome = NEW
         if bound is not None:
@@ -197,7 +220,7 @@ class Router:
                         and (excluded is None or option.provider not in excluded)):
                     return option.decisions[REUSED]
             outcome = FAILOVER
-        decision = self._select(plan, outcome, excluded, blocked, key)  # type: ignore[arg-type]
+        decision = self._select(plan, outcome, excluded, blocked, key)
         if decision is None:
             return plan.unavailable
         if excluded is None or outcome == NEW:  # a barred request never moves a session's binding
@@ -210,14 +233,18 @@ class Router:
         groups in order, with the same filters and bars. None when no other provider is left."""
         outcome = NONE if first.outcome == NONE else FAILOVER
         blocked = self._blocked(first.plan, needs)
-        if type(blocked) is ErrorReply:
+        if type(blocked) is RouteRefusal:
             return None
         excluded = barred.union(tried) if barred else tried
-        return self._select(first.plan, outcome, excluded, blocked, key)  # type: ignore[arg-type]
+        if blocked is None:
+            return self._select(first.plan, outcome, excluded, None, key)
+        options, why = blocked  # type: ignore[misc]
+        decision = self._select(first.plan, outcome, excluded, options, key)
+        return None if decision is None else with_filtered(decision, len(options), why)
 
     def pinned(self, snapshot: Snapshot, kind: str, name: str, pin: str) -> RouteDecision | ErrorReply:
         """A pinned route (diagnosis, rollback): the candidate named by cluster or stable id, whatever its
-        group, with any admission but none, no failover (CONTRACT §12)."""
+        group, with any admission but none, no failover (docs/routing.md, "Request-aware selection")."""
         plan = self._plan_for(snapshot, kind, name)
         if type(plan) is ErrorReply:
             return plan

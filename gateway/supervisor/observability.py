@@ -102,3 +102,13 @@ class SupervisorCollector:
         ages = [c.heartbeat_age(now) for c in serving if c.ready]
         yield GaugeMetricFamily("gridgate_worker_heartbeat_age_max_seconds",
                                 "Oldest heartbeat among serving workers", max(ages, default=0.0))
+        watch = workers.health_watch
+        age = watch.age(time.monotonic_ns())
+        if age is not None:  # a health process ran (the config has health checks or outlier detection)
+            yield GaugeMetricFamily("gridgate_health_verdict_age_seconds",
+                                    "Seconds since the health process last beat (its verdicts are that old)", age)
+            yield GaugeMetricFamily("gridgate_health_verdicts_stale",
+                                    "1 while the health verdicts are too old to trust (read as unknown)",
+                                    int(watch.stale()))
+        yield CounterMetricFamily("gridgate_health_process_hangs", "Health processes killed for sending no heartbeat",
+                                  watch.hangs_total)

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 
 from gateway.config import Config
+from gateway.health.watch import HealthWatch
 from gateway.process_protocol import StatusMessage, WorkerContext
 from gateway.supervisor.children import describe_exit, fork_child, needs_health_process
 from gateway.supervisor.lifecycle import Child, CrashBackoff, SlotPool, StartupGuard
@@ -70,6 +71,7 @@ class WorkerSet:
         self._startup = StartupGuard()
         self._next_worker_spawn = 0.0
         self._next_health_spawn = 0.0
+        self.health_watch = HealthWatch(segment)  # the prober's heartbeat in shared memory
 
     # ------------------------------------------------------------------ views
 
@@ -253,12 +255,26 @@ class WorkerSet:
             elif child.ready and child.heartbeat_age(now) > HUNG_AFTER:
                 log.error("worker pid %d sent no heartbeat for %.0fs; killing it", child.pid, HUNG_AFTER)
                 _signal(child, signal.SIGKILL)
+        self._watch_health()
         # One writer of the health records: a replacement starts only once the old prober is reaped.
         prober_alive = any(c.role == "health" for c in self._children.values())
         if needs_health_process(config) and not prober_alive and now >= self._next_health_spawn:
             self._spawn("health", self._health_entry, config, self.generation)
         # A crashed worker's socket waits for its replacement only when that starts at once.
         self._release_listeners()
+
+    def _watch_health(self) -> None:
+        """Keep the verdicts-stale flag in step with the prober's heartbeat; kill a prober that stopped
+        beating (gateway.health.watch): it is replaced like a dead one once reaped."""
+        prober = next((c for c in self.health()), None)
+        verdict = self.health_watch.check(time.monotonic_ns(), prober.pid if prober else None,
+                                          int(prober.started_at * 1e9) if prober else 0)
+        if verdict.hung and prober is not None:
+            own_beat = prober.pid == self.health_watch.writer_pid()
+            silence = f"no heartbeat for {verdict.age_s:.1f}s" if own_beat else "no heartbeat since it started"
+            log.error("health pid %d sent %s; killing it (its verdicts count as unknown until a new one beats)",
+                      prober.pid, silence)
+            _signal(prober, signal.SIGKILL)
 
     # ------------------------------------------------------------------ generations
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -283,6 +284,20 @@ def test_spec_error_at_start_is_exit_1_with_field_lines(tmp_path: Path, capsys: 
     assert not (tmp_path / "overlay.json").exists()
 
 
+def test_a_metrics_listen_port_in_use_is_one_line_and_exit_1(tmp_path: Path, trio: dict[str, MockProviderHandle],
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert control_main(trio_spec(tmp_path, trio, metrics_listen=f"127.0.0.1:{port}")) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"metrics_listen: cannot listen on 127.0.0.1:{port}: Address already in use"]
+    assert not (tmp_path / "overlay.json").exists()
+
+
 # --------------------------------------------------------------------------- the loop in-process
 
 
@@ -392,16 +407,18 @@ def test_observe_reads_health_and_gauges_of_a_real_provider(
     tmp_path: Path, mock_provider: Callable[..., MockProviderHandle]
 ) -> None:
     handle = mock_provider("observed")
-    entry = load_spec(write_spec(tmp_path, [provider_entry(handle, "east")])).providers[0]
+    spec = load_spec(write_spec(tmp_path, [provider_entry(handle, "east")],
+                                scoringPolicy={"strategy": "kvCachePressure", "queueDepthThreshold": 64}))
+    entry, plan = spec.providers[0], spec.signal_plan(spec.providers[0])
     admin(handle, "/admin/config", {"queue_depth": 7, "kv_cache_utilization": 0.5})
-    observation = asyncio.run(observe_provider(entry, 2.0, with_metrics=True))
+    observation = asyncio.run(observe_provider(entry, 2.0, plan))
     assert (observation.healthy, observation.queue_depth, observation.kv_cache_utilization, observation.error) == (
         True, 7.0, 0.5, None)
     admin(handle, "/admin/health", {"status": 503})
-    observation = asyncio.run(observe_provider(entry, 2.0, with_metrics=True))
+    observation = asyncio.run(observe_provider(entry, 2.0, plan))
     assert (observation.healthy, observation.error) == (False, "health: HTTP 503")
     handle.stop()
-    observation = asyncio.run(observe_provider(entry, 2.0, with_metrics=True))
+    observation = asyncio.run(observe_provider(entry, 2.0, plan))
     assert (observation.healthy, observation.error) == (False, "health: connection refused")
 
 
@@ -490,3 +507,79 @@ def test_refresh_republishes_an_unchanged_revision_once_it_is_that_old(tmp_path:
     assert again is not None and (again.generation, again.revision, again.previous_revision) == (
         2, first.revision, first.revision)
     assert load(spec.output)[0]["provenance"]["rendered_at"] == "2026-01-01T00:01:01.000Z"
+
+
+# --------------------------------------------------------------------------- metric presets, end to end
+
+
+class RecordedProvider:
+    """An HTTP server answering /health 200 and /metrics with a recorded page (tests/fixtures/metrics)."""
+
+    def __init__(self, page: str) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.page = page
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+                body = owner.page.encode() if self.path == "/metrics" else b"ok"
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_an_llm_d_epp_page_is_scored_and_a_page_lacking_the_gauge_is_reported(
+    tmp_path: Path, control_threads: Callable[[str], ControlThread], caplog: pytest.LogCaptureFixture,
+) -> None:
+    recorded = (Path(ROOT) / "tests" / "fixtures" / "metrics" / "llm-d-epp.prom").read_text()
+    epp = RecordedProvider(recorded)
+    metrics_port = free_port()
+    providers = [
+        {"name": "epp-site", "site": "east", "models": ["m1"], "health_url": f"{epp.url}/health",
+         "metrics_url": f"{epp.url}/metrics", "metrics": {"pool": "qwen3-pool"}},
+        # The same EPP read as if it were a vLLM server: its page has none of vLLM's gauges.
+        {"name": "misread", "site": "east", "models": ["m1"], "health_url": f"{epp.url}/health",
+         "metrics_url": f"{epp.url}/metrics", "metrics": {"preset": "vllm"}},
+    ]
+    output = str(tmp_path / "overlay.json")
+    caplog.set_level(logging.INFO, logger="gridgate.control")
+    control = control_threads(write_spec(
+        tmp_path, providers, metrics_listen=f"127.0.0.1:{metrics_port}",
+        scoringPolicy={"strategy": "queueDepth", "queueDepthThreshold": 18, "metrics": {"preset": "llm-d-epp"}}))
+    try:
+        wait_for(lambda: os.path.exists(output), what="the first publish")
+        candidates = {c["cluster"]: c for c in load(output)[0]["overlay"]["candidates"]}
+        # Queue 4.5 of 18: a quarter of the way, so the first band; the page is fresh.
+        assert (candidates["epp-site"]["fresh"], candidates["epp-site"]["score"]) == (True, 0.25)
+        assert (candidates["misread"]["fresh"], candidates["misread"]["score"]) == (False, None)
+
+        def scraped() -> str:
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
+                return response.read().decode()
+
+        page = wait_for(lambda: (text := scraped()) and "gridgate_control_rounds_total" in text and text,
+                        what="the control plane's metrics")
+        assert 'gridgate_control_metric_missing{provider="misread",signal="queue depth"} 1.0' in page
+        assert 'gridgate_control_metric_missing{provider="epp-site",signal="queue depth"} 0.0' in page
+        assert any("misread: the metrics page lacks its queue depth gauge (preset vllm)" in r.getMessage()
+                   for r in caplog.records)
+        # The pool loses its last ready endpoint: the healthy picker in front of it is taken out.
+        epp.page = recorded.replace('llm_d_epp_ready_endpoints{name="qwen3-pool"} 4',
+                                    'llm_d_epp_ready_endpoints{name="qwen3-pool"} 0')
+        wait_for(lambda: admissions(output)["epp-site"] == "none", what="epp-site taken out")
+    finally:
+        control.stop()
+        epp.close()

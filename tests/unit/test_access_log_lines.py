@@ -11,23 +11,28 @@ from types import SimpleNamespace
 
 from workers.access_log import AccessLog
 from workers.line_writer import LineWriter
+from workers.request_record import RequestRecord
 
 
 def _exchange(ended_ms_ago: float, took_ms: float) -> SimpleNamespace:
-    """The fields AccessLog.record reads, for a request that started `took_ms` before it ended."""
+    """The fields a record copies from its exchange when it closes, for a request that started `took_ms`
+    before it ended."""
     t_start = time.perf_counter() - (took_ms + ended_ms_ago) / 1000
     return SimpleNamespace(t_start=t_start, t_first_byte=t_start + 0.002, method=b"POST",
-                           target=b"/v1/chat/completions?key=secret", body=b"x" * 40, bytes_out=123)
+                           target=b"/v1/chat/completions?key=secret", body=b"x" * 40, bytes_out=123, record=None)
 
 
 def test_a_line_written_later_keeps_the_times_and_values_of_when_it_was_recorded(tmp_path: Path) -> None:
     async def write() -> list[dict]:
         access_log = AccessLog(LineWriter(str(tmp_path / "access.log"), flush_delay_s=10.0))
         exchange = _exchange(ended_ms_ago=0, took_ms=10)
-        access_log.record(exchange, b"req-1", 200, tenant="team-a", capability="m", overhead_s=0.0004567,  # type: ignore[arg-type]
-                          tokens_prompt=7, tokens_completion=16)
+        record = RequestRecord(exchange=exchange, ends=SimpleNamespace(close=access_log.record), request_id=b"req-1",
+                               tenant="team-a", capability="m", overhead_s=0.0004567, status=200,
+                               tokens_prompt=7, tokens_completion=16, body=b"upstream body")
+        record.close()
         recorded_at = time.time()
         exchange.bytes_out = 999  # changes after the end are not the line's
+        assert record.exchange is None and record.body == b""  # a kept line holds no exchange, no body
         access_log.rejected(431, "header_too_large")
         await asyncio.sleep(0.2)  # the line is formatted at close, well after the request ended
         await access_log.close()

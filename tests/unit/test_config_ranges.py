@@ -38,6 +38,7 @@ BASE_CONFIG: dict[str, Any] = {
         "overlay_max_age": "1h",
         "retry": {"first_byte_timeout": "1s", "backoff": {}},
         "cooling": {},
+        "least_loaded": {"latency_prior": "100ms"},
         "session_affinity": {},
         "models": [{"match": {"capability": "*"}, "context_window": 1000, "traffic_weight": 1}],
     },
@@ -52,6 +53,7 @@ BASE_CONFIG: dict[str, Any] = {
     },
     "pricing": {"overrides": {"private-*": {"input": 1, "output": 2, "cached_input": 0.5, "cache_write": "1",
                                             "reasoning": 2}}},
+    "cors": {"allowed_origins": ["https://app.example.com"]},
 }
 
 BASE_SPEC: dict[str, Any] = {
@@ -79,6 +81,7 @@ ZERO_MEANS_SOMETHING = {
     "pricing.overrides.*.cached_input",
     "pricing.overrides.*.cache_write",
     "pricing.overrides.*.reasoning",
+    "cors.max_age",  # ask before every request
 }
 
 

@@ -15,7 +15,6 @@ import yaml
 
 from gateway.config import ConfigError
 from gateway.control.decide import Decision, Hold, Observation, assess, decide, describe_changes, stabilize
-from gateway.control.observe import kv_cache_from, parse_gauges, queue_depth_from
 from gateway.control.publish import render_envelope
 from gateway.control.spec import ControlSpec, check_spec, parse_spec
 from gateway.overlay.digest import semantic_revision
@@ -362,44 +361,6 @@ def test_describe_changes_names_each_changed_provider() -> None:
     assert describe_changes(before, after) == [
         "b: new_and_existing score=0 -> none score=null stale (health: HTTP 503)"
     ]
-
-
-# --------------------------------------------------------------------------- metrics parsing (pure)
-
-
-def test_metrics_parser_reads_vllm_gauges_across_series() -> None:
-    page = "\n".join([
-        "# HELP vllm:num_requests_running Number of requests running.",
-        "# TYPE vllm:num_requests_running gauge",
-        'vllm:num_requests_running{model_name="a"} 3.0',
-        'vllm:num_requests_running{model_name="b {x}"} 1.0',
-        'vllm:num_requests_waiting{model_name="a",path="q\\"uote}"} 4 1700000000000',
-        'vllm:gpu_cache_usage_perc{model_name="a"} 0.25',
-        'vllm:gpu_cache_usage_perc{model_name="b"} 0.5',
-        "vllm:gpu_cache_usage_perc_other 0.99",
-        "garbage line without value {",
-    ])
-    gauges = parse_gauges(page)
-    assert queue_depth_from(gauges) == 8.0
-    assert kv_cache_from(gauges) == 0.5
-
-
-def test_metrics_parser_skips_a_garbled_sample_and_keeps_the_rest_of_the_page() -> None:
-    page = "\n".join([
-        'mock_queue_depth{provider="p" 3',  # unterminated label set: this line alone is dropped
-        'mock_queue_depth{provider="q",note="a\\nb"} 2',
-        "mock_queue_depth_total 99",  # another metric sharing the prefix
-        'mock_kv_cache_utilization{provider="q"} 0.25 1700000000000',
-    ])
-    gauges = parse_gauges(page)
-    assert gauges == {"mock_queue_depth": [2.0], "mock_kv_cache_utilization": [0.25]}
-
-
-def test_metrics_parser_prefers_mock_names_and_skips_non_finite_values() -> None:
-    gauges = parse_gauges('mock_queue_depth{provider="p"} 2\nvllm:num_requests_running 9\n'
-                          "mock_kv_cache_utilization NaN\n")
-    assert queue_depth_from(gauges) == 2.0
-    assert kv_cache_from(gauges) is None
 
 
 # --------------------------------------------------------------------------- spec

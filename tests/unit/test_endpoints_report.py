@@ -65,7 +65,7 @@ def test_ejection_state_deadline_and_panic_are_reported() -> None:
     assert b["endpoints"][0]["health"] == "slow_start" and b["endpoints"][0]["weight_permille"] == 250
     assert b["endpoints"][0]["active_check"] == "disabled"
     assert not b["panic"] and b["strategy"] == "maglev" and b["hash_header"] == "X-User-Id"
-    assert report["health_process"] == {"pid": 4242, "heartbeat_age_s": 0.25}
+    assert report["health_process"] == {"pid": 4242, "heartbeat_age_s": 0.25, "verdicts_stale": False}
 
 
 def test_an_endpoint_without_a_slot_is_unknown_and_no_writer_is_none() -> None:
@@ -74,3 +74,14 @@ def test_an_endpoint_without_a_slot_is_unknown_and_no_writer_is_none() -> None:
     report = _report(segment, [*clusters, added])
     assert report["clusters"][2]["endpoints"] == [{"address": "h:9", "weight": 1, "slot": None, "health": "unknown"}]
     assert report["health_process"] is None
+
+
+def test_an_endpoint_cooled_by_a_429_shows_until_when() -> None:
+    from shm.providers import EndpointCooling
+
+    segment, clusters, slots = _setup()
+    segment.claim_worker_row(0)
+    segment.claim_worker_row(1)
+    EndpointCooling(segment, 1).cool(slots["a/h:2"], MONO_NS + 2_000_000_000)
+    a, _ = _report(segment, clusters)["clusters"]
+    assert [e["cooled_until"] for e in a["endpoints"]] == [None, "2023-11-14T22:13:22.000Z"]

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.request.attempts import Next, ProviderAttempts, attempt_tokens, unanswered_tokens
+from gateway.quota.usage import UsageScanner
+from gateway.request.attempts import (
+    AttemptResult,
+    Next,
+    ProviderAttempts,
+    attempt_tokens,
+    served_floor,
+    served_tokens,
+    unanswered_tokens,
+    usage_split,
+)
 from gateway.request.failures import Failure
 
 
@@ -89,3 +99,35 @@ def test_a_request_that_failed_over_pays_for_each_attempt_by_the_same_rules():
     # A 503 (may have worked), then a stale pooled connection, then a 200 reporting 40 tokens.
     owed = attempt_tokens(503, None, ESTIMATE) + unanswered_tokens(Failure.RESET, True, ESTIMATE)
     assert owed + attempt_tokens(200, 40, ESTIMATE) == ESTIMATE + 40
+
+
+# -- the attempt that served the request --------------------------------------------------------------
+
+def test_a_hang_up_of_an_event_stream_pays_one_token_per_data_event_relayed():
+    # 500 events of some 200 bytes each reached the client, no usage: the prompt (100 bytes: 25) + 500,
+    # not the 25,000 tokens the bytes would make at four bytes a token.
+    cut = AttemptResult(status=200, started=True, client_left=True, events=500)
+    assert served_floor(100, 100_000, 500) == 525
+    assert served_tokens(cut, estimate=1_024, body_len=100, bytes_out=100_000) == 1_024  # the estimate is more
+    assert served_tokens(cut, estimate=300, body_len=100, bytes_out=100_000) == 525
+
+
+def test_a_hang_up_of_any_other_body_pays_four_bytes_a_token():
+    cut = AttemptResult(status=200, started=True, client_left=True)  # not an event stream: no events counted
+    assert served_tokens(cut, estimate=300, body_len=100, bytes_out=8_000) == 25 + 2_000
+
+
+def test_a_served_attempt_with_usage_pays_its_usage_and_a_4xx_without_usage_nothing():
+    assert served_tokens(AttemptResult(status=500, started=True, usage=UsageScanner(total_tokens=42), events=9), 300, 100, 10) == 42
+    assert served_tokens(AttemptResult(status=404, started=True), 300, 100, 10_000) == 0
+
+
+@pytest.mark.parametrize(("total", "prompt", "completion", "expected"), [
+    (30, 20, 10, (20, 10)),
+    (30, 20, None, (20, 10)),
+    (30, None, 12, (18, 12)),
+    (30, None, None, (None, None)),
+    (5, 20, None, (20, 0)),
+])
+def test_the_tenant_s_tokens_in_and_out_of_a_usage(total, prompt, completion, expected):
+    assert usage_split(total, prompt, completion) == expected

@@ -13,7 +13,7 @@ from gateway.config import ModelFacts, ModelMatch
 from gateway.http.errors import ErrorReply
 from gateway.overlay.snapshot import Snapshot, snapshot_from_object
 from gateway.routing import ProviderView, RouteDecision, Router
-from gateway.routing.eligibility import TOOLS, VISION, FactsTable, Needs
+from gateway.routing.eligibility import TOO_SMALL, TOOLS, VISION, FactsTable, Needs
 
 MODEL = "inference_model"
 
@@ -102,10 +102,14 @@ def test_context_window_keeps_only_the_providers_it_fits() -> None:
     table = facts({"match": {"capability": "m", "cluster": "small"}, "context_window": 2000},
                   {"match": {"capability": "*", "cluster": "big"}, "context_window": 100_000})
     router = router_for("small", "big", facts=table)
-    picks = {route(router, snapshot, needs=Needs(tokens=50_000)).cluster for _ in range(4)}
-    assert picks == {"big"} and router.filtered == 1
+    decisions = [route(router, snapshot, needs=Needs(tokens=50_000)) for _ in range(4)]
+    assert {d.cluster for d in decisions} == {"big"}
+    assert {(d.filtered, d.filtered_reasons) for d in decisions} == {(1, TOO_SMALL)}
+    assert decisions[0].evidence[-1] == (b"x-gridgate-filtered", b"1")
+    assert route(router, snapshot, needs=Needs(tokens=500)).filtered == 0
     too_big = router.route(snapshot, MODEL, "m", needs=Needs(tokens=500_000))
     assert isinstance(too_big, ErrorReply) and (too_big.status, too_big.code) == (400, "context_length_exceeded")
+    assert (too_big.filtered, too_big.filtered_reasons) == (2, TOO_SMALL)  # the access line says what they removed
     assert "100000" in too_big.message
 
 
@@ -170,18 +174,60 @@ def test_stable_hash_keeps_each_key_and_spreads_keys() -> None:
         assert moved == owner or owner == "a"
 
 
-def test_least_loaded_prefers_the_faster_and_tries_the_unmeasured() -> None:
+def test_least_loaded_prefers_the_faster_and_counts_the_load() -> None:
     snapshot = snap("fast", "slow")
     inflight = {0: 0, 1: 0}
     view = ProviderView(2, inflight=lambda p: inflight[p])
     router = Router(provider_index={"fast": 0, "slow": 1}, providers=view, picker="least_loaded",
                     rng=random.Random(1))
-    view.latency[0] = 0.1
-    assert {route(router, snapshot).cluster for _ in range(5)} == {"slow"}  # unmeasured: cost 0
-    view.latency[1] = 0.5
+    view.measured(0, 0.1, 1.0)
+    view.measured(1, 0.5, 1.0)
     assert Counter(route(router, snapshot).cluster for _ in range(50)) == {"fast": 50}
     inflight[0] = 9  # (9 + 1) x 0.1 > (0 + 1) x 0.5: the load counts too
     assert Counter(route(router, snapshot).cluster for _ in range(50)) == {"slow": 50}
+
+
+def loaded_shares(view: ProviderView, picks: int, seed: int = 5) -> Counter[str]:
+    """Route ``picks`` requests that all stay in flight (a busy group): who got how many."""
+    clusters = ("a", "b", "new")
+    inflight = dict.fromkeys(range(3), 0)
+    view.inflight = lambda p: inflight[p]
+    router = Router(provider_index={c: i for i, c in enumerate(clusters)}, providers=view, picker="least_loaded",
+                    rng=random.Random(seed))
+    shares: Counter[str] = Counter()
+    for _ in range(picks):
+        decision = route(router, snap(*clusters))
+        inflight[decision.provider] += 1
+        shares[decision.cluster] += 1
+    return shares
+
+
+def test_an_unmeasured_provider_joining_a_busy_group_gets_its_fair_share_not_all_new_requests() -> None:
+    view = ProviderView(3)
+    view.measured(0, 0.2, 1.0)
+    view.measured(1, 0.2, 1.0)
+    shares = loaded_shares(view, 300)
+    # Expected at the group's median (0.2 s), the newcomer balances in flight with the others: a third.
+    # (Costed 0 until its first answer, it took every pick it was drawn for: two thirds.)
+    assert 85 <= shares["new"] <= 115, shares
+
+
+def test_an_explicit_latency_prior_is_what_an_unmeasured_provider_is_expected_to_take() -> None:
+    view = ProviderView(3, latency_prior=0.6)  # three times the measured members' 0.2 s
+    view.measured(0, 0.2, 1.0)
+    view.measured(1, 0.2, 1.0)
+    shares = loaded_shares(view, 300)
+    assert 20 <= shares["new"] <= 60, shares  # in flight x 3 balances: about a seventh
+
+
+def test_a_measurement_fades_toward_the_prior_as_it_ages() -> None:
+    view = ProviderView(3)
+    view.measured(0, 0.2, 1.0)
+    view.measured(1, 0.2, 1.0)
+    view.measured(2, 2.0, 1.0)  # "new" was slow when last measured ...
+    assert loaded_shares(view, 300)["new"] <= 20
+    view.measured(2, 2.0, 2.0 ** -10)  # ... ten half-lives ago: now it is expected at the median again
+    assert 85 <= loaded_shares(view, 300)["new"] <= 115
 
 
 # --------------------------------------------------------------------------- pinned route

@@ -1,0 +1,180 @@
+"""A worker's request path, built once and in one place: ``RequestPath.build`` makes every part a
+request goes through (metrics writer, overlay follower, clusters and their pools, provider states,
+router, quota gate, access log, head gate, outcomes, proxy) from the worker's context, on the running
+event loop (pools, the quota client and the log writer belong to it). Nothing is optional once built,
+and nothing calls back into the worker. ``server_state`` wires it under a client-facing server: the
+worker serves it on its socket; tests drive it in one process.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from gateway.auth import Authenticator
+from gateway.config import Config
+from gateway.host_segment import MAX_PROVIDERS, PROVIDERS_REGION
+from gateway.metrics.catalogue import COUNTERS
+from gateway.metrics.writer import WorkerMetrics
+from gateway.process_protocol import WorkerContext
+from gateway.quota.backend import create_client
+from gateway.quota.counters import configured_tenants
+from gateway.quota.gate import QuotaGate
+from gateway.quota.ledger import QuotaLedger
+from gateway.request.headers import HeaderPlan
+from gateway.request.routes import RouteTable
+from gateway.routing import Router
+from gateway.routing.eligibility import FactsTable
+from gateway.routing.tenants import TenantPolicies
+from shm.affinity import AffinityTable
+from shm.counters import WorkerRow
+from shm.metrics import MetricsTable
+from shm.providers import EndpointCooling, ProviderCells
+from shm.segment import Segment
+from workers.access_log import AccessLog
+from workers.clusters import ClusterManager
+from workers.head_gate import HeadGate
+from workers.outcomes import Outcomes
+from workers.overlay_follower import OverlayFollower
+from workers.providers import ProviderStates
+from workers.proxy import Proxy
+from workers.proxy_settings import ProxySettings
+from workers.server import ServerSettings, ServerState
+
+log = logging.getLogger("gridgate.worker")
+
+
+def provider_indexes(registry: tuple[str, ...], configured: list[str]) -> dict[str, int]:
+    """Each configured cluster's provider index: its stable registry index (shared-memory cells keep their
+    meaning across reloads), or, past the registry's capacity, a local index beyond the shared cells."""
+    index = {name: position for position, name in enumerate(registry) if name in configured}
+    extra = MAX_PROVIDERS
+    for name in configured:
+        if name not in index:
+            index[name] = extra
+            extra += 1
+    return index
+
+
+def report_unconfigured(clusters: list[str]) -> None:
+    if clusters:
+        log.warning("overlay names clusters this gateway does not have (never selected): %s", ", ".join(clusters))
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPath:
+    """Every part of one worker's request path."""
+
+    config: Config
+    metrics: WorkerMetrics
+    overlay: OverlayFollower
+    clusters: ClusterManager
+    providers: ProviderStates
+    router: Router
+    quota: QuotaGate | None
+    access_log: AccessLog
+    head_gate: HeadGate
+    outcomes: Outcomes
+    proxy: Proxy
+
+    @classmethod
+    async def build(cls, ctx: WorkerContext, segment: Segment, row: WorkerRow) -> RequestPath:
+        """The request path of the worker ``ctx`` describes, over its shared-memory ``row``. Raises
+        OSError when the access log cannot be opened."""
+        config = ctx.config
+        metrics = _metrics_writer(ctx, segment, row)
+        overlay = OverlayFollower(config, ctx.overlay_fallback)
+        configured = [cluster.name for cluster in config.clusters]
+        provider_index = provider_indexes(ctx.metric_clusters or tuple(configured), configured)
+        clusters = ClusterManager(config, segment, row, provider_index)
+        routing = config.routing
+        least_loaded = routing.least_loaded
+        providers = ProviderStates(
+            ProviderCells(segment.region(PROVIDERS_REGION), segment.max_workers, MAX_PROVIDERS),
+            row.index, segment.rows_in_use, max(provider_index.values(), default=-1) + 1,
+            clusters.routable, clusters.inflight, half_life=float(least_loaded.latency_half_life),
+            latency_prior=None if least_loaded.latency_prior is None else float(least_loaded.latency_prior),
+            endpoint_cooling=EndpointCooling(segment, row.index),
+        )
+        for cluster in clusters.by_provider.values():  # 429/503 cool these first (workers/providers.py)
+            providers.set_endpoints(cluster.provider, cluster.endpoints)
+        router = Router(
+            max(ctx.slot, 0), affinity=_affinity_table(ctx, segment),
+            affinity_ttl_s=float(routing.session_affinity.ttl), provider_index=provider_index,
+            providers=providers.view, picker=routing.picker, facts=FactsTable(routing.models),
+        )
+        report_unconfigured(router.prepare(overlay.snapshot))
+        quota = await _quota_gate(ctx)
+        access_log = AccessLog.from_config(config)
+        settings = ProxySettings.from_config(config)
+        outcomes = Outcomes(quota, metrics, access_log, providers, settings.cooling, settings.route_headers)
+        proxy = Proxy(settings=settings, tenants=TenantPolicies(config.tenants), overlay=overlay, router=router,
+                      clusters=clusters, providers=providers, quota=quota, metrics=metrics, outcomes=outcomes)
+        return cls(config, metrics, overlay, clusters, providers, router, quota, access_log,
+                   _head_gate(config, clusters, settings, provider_index), outcomes, proxy)
+
+    def server_state(self) -> ServerState:
+        """The per-worker server state that hands this path every request: the head gate decides on each
+        head, the proxy answers, and requests refused before it end in ``Outcomes.rejected``."""
+        state = ServerState(ServerSettings(self.config), self.proxy.handle)
+        state.on_reject = self.outcomes.rejected
+        state.head_gate = self.head_gate  # key and route decided on the head, before any body is read
+        return state
+
+    def publish_counters(self) -> None:
+        """Copy the per-process counters (quota, tenant tokens, panic, access-log drops) into the row."""
+        metrics = self.metrics
+        if self.quota is not None:
+            metrics.publish_quota(self.quota.counters)
+            metrics.publish_tenant_tokens(self.quota.tenant_tokens)
+        metrics.publish_panic(self.clusters.panic_entries())
+        metrics.publish_access_log(self.access_log.dropped)
+
+    async def close(self) -> None:
+        """Pools, the quota gate (its queued settlements first) and the access log (its last lines)."""
+        self.clusters.close()
+        if self.quota is not None:
+            await self.quota.close()
+        await self.access_log.close()
+        self.publish_counters()  # the last settlements and log lines, before the row is retired
+
+
+def _metrics_writer(ctx: WorkerContext, segment: Segment, row: WorkerRow) -> WorkerMetrics:
+    config = ctx.config
+    clusters = ctx.metric_clusters or [cluster.name for cluster in config.clusters]
+    tenants = ctx.metric_tenants or configured_tenants(config)
+    table = MetricsTable(segment.region(ctx.metrics_region), segment.max_workers, COUNTERS)
+    return WorkerMetrics(table.row(row.index), clusters, tenants)
+
+
+def _affinity_table(ctx: WorkerContext, segment: Segment) -> AffinityTable | None:
+    if not ctx.config.routing.session_affinity.enabled:
+        return None
+    return AffinityTable(segment.region(ctx.affinity_region), ctx.affinity_capacity)
+
+
+async def _quota_gate(ctx: WorkerContext) -> QuotaGate | None:
+    quota = ctx.config.quota
+    if quota is None or not ctx.quota_url:
+        return None
+    ledger = QuotaLedger(create_client(ctx.quota_url), reservation_timeout_s=float(quota.reservation_timeout))
+    gate = QuotaGate.from_config(ledger, ctx.config, generation=ctx.generation, slot=ctx.slot)
+    await gate.start()
+    return gate
+
+
+def _head_gate(config: Config, clusters: ClusterManager, settings: ProxySettings,
+               provider_index: dict[str, int]) -> HeadGate:
+    routing = config.routing
+    header_plan = HeaderPlan(
+        routing.model_header,
+        # Scanned for affinity, and for a stable_hash key that names the session (affinity on or not).
+        session_header=routing.session_affinity.header if settings.session_fact else None,
+        pin_header=routing.pin_header,
+        balance_key_headers=[*clusters.balance_key_headers(), *settings.stable_hash_headers()],
+        credential_headers=[c.upstream_auth.header for c in config.clusters if c.upstream_auth is not None],
+    )
+    routes = RouteTable(routing.mcp_path, [(c.name, c.allowed_routes) for c in config.clusters], provider_index)
+    auth = config.auth
+    authenticator = Authenticator([(key.tenant, key.key) for key in auth.keys]) if auth is not None else None
+    return HeadGate(routes, authenticator, header_plan)
