@@ -87,6 +87,23 @@ class Authenticator:
         # The dict matched on the digest; confirm with an explicitly constant-time comparison.
         return tenant if hmac.compare_digest(stored, digest) else None
 
+    def tenant_of_digest(self, digest: bytes) -> str | None:
+        """The tenant of a presented key's SHA-256 (``presented_digest``), or None. The head gate's
+        entry point when managed keys are on: the same digest then probes the host's key table, so a
+        presented key is hashed once whichever table knows it (docs/keys.md)."""
+        entry = self._tenant_by_digest.get(digest)
+        if entry is None:
+            return None
+        tenant, stored = entry
+        return tenant if hmac.compare_digest(stored, digest) else None
+
+
+def presented_digest(authorization: bytes | None, x_api_key: bytes | None) -> bytes | None:
+    """The SHA-256 of the presented key (``Authenticator.authenticate``'s header rules), or None when no
+    key was presented."""
+    key = _presented_key(authorization, x_api_key)
+    return hashlib.sha256(key).digest() if key else None
+
 
 def _presented_key(authorization: bytes | None, x_api_key: bytes | None) -> bytes | None:
     if authorization:

@@ -35,6 +35,7 @@ from workers.clusters import ClusterManager
 from workers.exchange import Exchange
 from workers.forwarding import Forwarder
 from workers.head_gate import Admitted
+from workers.key_gate import key_answer, model_not_allowed_for_key
 from workers.outcomes import Outcomes
 from workers.overlay_follower import OverlayFollower
 from workers.providers import ProviderStates
@@ -53,9 +54,10 @@ class Proxy:
     def __init__(
         self, *, settings: ProxySettings, tenants: TenantPolicies, overlay: OverlayFollower, router: Router,
         clusters: ClusterManager, providers: ProviderStates, quota: QuotaGate | None, metrics: WorkerMetrics,
-        outcomes: Outcomes,
+        outcomes: Outcomes, authenticated: bool = True,
     ) -> None:
         self.settings = settings
+        self.authenticated = authenticated  # auth is configured: every request carries a key
         self.tenants = tenants
         self.overlay = overlay
         self.router = router
@@ -77,8 +79,8 @@ class Proxy:
                                                  request_id=admitted.request_id, tenant=admitted.tenant)
         try:
             policy = self.tenants.get(admitted.tenant)
-            if admitted.route.kind == MODELS:
-                return self.models(record, policy)
+            if admitted.route.kind <= MODELS:  # answered by the gateway: the model list, or the key
+                return self.models(record, policy) if admitted.route.kind == MODELS else self.key(record, admitted)
             capability = self.capability(exchange, admitted.headers, admitted.route)
             if type(capability) is ErrorReply:
                 return self.outcomes.refuse(record, capability)
@@ -117,6 +119,11 @@ class Proxy:
         refusal."""
         if not policy.allows(capability.name):
             return model_not_allowed(admitted.tenant, capability.name)
+        managed = admitted.managed
+        if managed is not None and managed.models is not None:  # the key's own models globs
+            refused = model_not_allowed_for_key(managed, capability.name)
+            if refused is not None:
+                return refused
         pin = admitted.headers.pin
         return None if pin is None else self.pin(capability, pin, policy, admitted.route)
 
@@ -159,6 +166,15 @@ class Proxy:
                 return self.outcomes.refuse(record, model_not_found("inference_model", model))
         record.status = 200
         exchange.respond(200, [_JSON_HEADER, (b"x-request-id", record.request_id)], body)
+
+    def key(self, record: RequestRecord, admitted: Admitted) -> None:
+        """``GET /v1/gridgate/key``: the caller's own key (docs/keys.md); 401 without one."""
+        if not self.authenticated:
+            return self.outcomes.refuse(record, ErrorReply(401, "invalid_api_key", "GET /v1/gridgate/key "
+                                                           "needs an API key: auth is not configured"))
+        record.status = 200
+        record.exchange.respond(200, [_JSON_HEADER, (b"x-request-id", record.request_id)],
+                                key_answer(admitted.tenant, admitted.managed))
 
     def capability(self, exchange: Exchange, headers: RequestHeaders,
                    allowed: AllowedRoute) -> CapabilityRequest | ErrorReply:

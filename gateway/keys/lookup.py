@@ -1,8 +1,9 @@
 """A worker's lookup of managed keys in the host table: digest -> ``KeyEntry`` (docs/keys.md).
 
-The request path's one call (the head gate makes it after the YAML keys missed)::
+The request path's one call (the head gate makes it after the YAML keys missed, with the digest
+those were probed with: ``gateway.auth.presented_digest``)::
 
-    entry = lookup(hashlib.sha256(presented_key).digest())
+    entry = lookup(digest)
 
 One ``find`` in shared memory (``shm.keys``), then the entry this worker decoded for that slot's
 current version: a blob is copied and decoded only the first time a worker sees it after a change.
@@ -31,21 +32,22 @@ class KeyLookup:
     def __call__(self, digest: bytes) -> KeyEntry | None:
         """The entry for a presented key's 32-byte SHA-256, or None (not a managed key this host knows).
 
-        An entry whose status is ``active`` is marked used for this minute (``last_used_at``); the
-        caller still checks its status and expiry (``answers.refusal``)."""
-        table = self._table
+        The caller checks its status and expiry (``answers.refusal``) and marks an admitted use
+        (``mark_used``)."""
         try:
-            found = table.find(digest)
+            found = self._table.find(digest)
             if found is None:
                 return None
             slot, version = found
             cached = self._cache.get(slot)
-            entry = cached[1] if cached is not None and cached[0] == version else self._decode(digest, slot, version)
+            return cached[1] if cached is not None and cached[0] == version else self._decode(digest, slot, version)
         except TimeoutError:
             return None
-        if entry is not None and entry.status == "active":
-            table.mark_used(entry.slot)
-        return entry
+
+    def mark_used(self, entry: KeyEntry) -> None:
+        """Mark ``entry``'s key used this minute (one 4-byte store; the supervisor writes
+        ``last_used_at`` from the marks once a minute)."""
+        self._table.mark_used(entry.slot)
 
     def _decode(self, digest: bytes, slot: int, version: int) -> KeyEntry | None:
         """Copy and decode the blob of ``(slot, version)``; if the writer changed the slot meanwhile,

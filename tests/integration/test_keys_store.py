@@ -235,7 +235,8 @@ def test_uses_are_written_once_a_minute_at_minute_resolution(keys_valkey, direct
         _, other = await store.create(create(), "ops", clock.now)
         follower, table = await follower_on(keys_valkey, clock=clock)
         await follower.tick()  # publishes the minute
-        KeyLookup(table)(key_digest(key))
+        lookup = KeyLookup(table)
+        lookup.mark_used(lookup(key_digest(key)))
         clock.now += 60
         await follower.tick()
         assert await store.last_used([record.kid, other.kid]) == [1_800_000_000, None]
