@@ -28,6 +28,7 @@ from gateway.quota.backend import BACKEND_ERRORS, create_client
 from gateway.quota.embedded import EmbeddedValkey
 from shm.keys import KeyTable, KeyTableWriter
 from tests.integration.test_quota_cluster import cluster_url  # noqa: F401 - the 3-node cluster fixture
+from workers.key_gate import ManagedKeyGate
 
 
 @pytest.fixture(scope="module")
@@ -235,8 +236,7 @@ def test_uses_are_written_once_a_minute_at_minute_resolution(keys_valkey, direct
         _, other = await store.create(create(), "ops", clock.now)
         follower, table = await follower_on(keys_valkey, clock=clock)
         await follower.tick()  # publishes the minute
-        lookup = KeyLookup(table)
-        lookup.mark_used(lookup(key_digest(key)))
+        assert ManagedKeyGate(KeyLookup(table)).admit(key_digest(key)) is not None  # the request path's mark
         clock.now += 60
         await follower.tick()
         assert await store.last_used([record.kid, other.kid]) == [1_800_000_000, None]
