@@ -12,6 +12,10 @@ steer the search byte by byte the way they could against a plaintext ``==``. We 
 with ``hmac.compare_digest`` so the one comparison that matters is explicitly constant-time.
 
 The key itself is never stored, logged or put in an exception message.
+
+What a key proves is a ``KeyIdentity``: its tenant, its name (the YAML key's ``alias``; a managed key's
+``kid`` once those exist) and its own limits (docs/limits.md). One is made per key when the table is
+built, so a request carries a reference, never a new object.
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ import hashlib
 import hmac
 import re
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gateway.quota.limits import Limits
 
 KEY_DIGEST_PREFIX = "sha256:"
 _DIGEST_FORM = re.compile(r"sha256:[0-9a-f]{64}")
@@ -45,33 +53,75 @@ def is_key_digest(value: str) -> bool:
     return _DIGEST_FORM.fullmatch(value) is not None
 
 
-class Authenticator:
-    """Maps presented API keys to tenants.
+class KeyIdentity:
+    """Who a request is: the tenant its key belongs to, the key's name and its own limits.
 
-    Built once per config load; ``authenticate`` is the per-request call (a few µs).
+    ``kid`` is a managed key's public id (none for YAML keys), ``alias`` its configured name; quota rules
+    match either (``match.key``), and the key's own limits count under ``name`` (kid, else alias).
+    ``limits`` is None when the key has none. Compared and hashed by identity: one object per key.
     """
 
-    __slots__ = ("_tenant_by_digest",)
+    __slots__ = ("tenant", "kid", "alias", "limits")
 
-    def __init__(self, keys: Iterable[tuple[str, str]]) -> None:
-        """``keys``: ``(tenant, "sha256:<hex>")`` pairs. Several keys may map to one tenant."""
-        table: dict[bytes, tuple[str, bytes]] = {}
-        for tenant, digest in keys:
+    def __init__(self, tenant: str, alias: str | None = None, kid: str | None = None,
+                 limits: Limits | None = None) -> None:
+        self.tenant = tenant
+        self.alias = alias
+        self.kid = kid
+        self.limits = limits
+
+    @property
+    def name(self) -> str | None:
+        return self.kid if self.kid is not None else self.alias
+
+    def __repr__(self) -> str:
+        return f"KeyIdentity({self.tenant!r}, name={self.name!r})"
+
+
+class Authenticator:
+    """Maps presented API keys to who they are.
+
+    Built once per config load; ``identify`` is the per-request call (a few µs).
+    """
+
+    __slots__ = ("_by_digest",)
+
+    def __init__(self, keys: Iterable[tuple[str, str] | tuple[str, str, KeyIdentity]]) -> None:
+        """``keys``: ``(tenant, "sha256:<hex>")`` pairs, or triples with the key's ``KeyIdentity``. Several
+        keys may map to one tenant."""
+        table: dict[bytes, tuple[KeyIdentity, bytes]] = {}
+        for tenant, digest, *identity in keys:
             if not is_key_digest(digest):
                 # Never echo the value: if someone pasted a plaintext key here it must not be logged.
                 raise ValueError(f"auth key for tenant {tenant!r} is not of the form sha256:<64 hex>")
             raw = bytes.fromhex(digest[len(KEY_DIGEST_PREFIX) :])
             other = table.get(raw)
-            if other is not None and other[0] != tenant:
-                raise ValueError(f"the same auth key is configured for tenants {other[0]!r} and {tenant!r}")
-            table[raw] = (tenant, raw)
-        self._tenant_by_digest = table
+            if other is not None and other[0].tenant != tenant:
+                raise ValueError(f"the same auth key is configured for tenants {other[0].tenant!r} and {tenant!r}")
+            table[raw] = (identity[0] if identity else KeyIdentity(tenant), raw)
+        self._by_digest = table
+
+    @classmethod
+    def from_config(cls, auth: Any) -> Authenticator:
+        """The config's ``auth.keys`` (gateway.config structs, duck-typed), aliases and limits included."""
+        from gateway.quota.limits import limits_from_config  # pure; only a key with limits needs it
+
+        entries: list[tuple[str, str, KeyIdentity]] = []
+        for key in auth.keys:
+            limits = key.limits
+            own = None if limits is None else limits_from_config(limits.requests, limits.budgets, limits.max_in_flight)
+            entries.append((key.tenant, key.key, KeyIdentity(key.tenant, key.alias, None, own)))
+        return cls(entries)
 
     def __len__(self) -> int:
-        return len(self._tenant_by_digest)
+        return len(self._by_digest)
 
-    def authenticate(self, authorization: bytes | None, x_api_key: bytes | None) -> str | None:
-        """Return the tenant for the presented key, or None (missing, malformed or unknown -> 401).
+    def identities(self) -> list[KeyIdentity]:
+        """Every key's identity, in the order configured."""
+        return [identity for identity, _ in self._by_digest.values()]
+
+    def identify(self, authorization: bytes | None, x_api_key: bytes | None) -> KeyIdentity | None:
+        """Who the presented key is, or None (missing, malformed or unknown -> 401).
 
         ``Authorization: Bearer <key>`` wins over ``X-Api-Key`` when both are present. Header values
         are the raw bytes h11 hands over; the key is compared as bytes (no decoding).
@@ -80,26 +130,31 @@ class Authenticator:
         if not key:
             return None
         digest = hashlib.sha256(key).digest()
-        entry = self._tenant_by_digest.get(digest)
+        entry = self._by_digest.get(digest)
         if entry is None:
             return None
-        tenant, stored = entry
+        identity, stored = entry
         # The dict matched on the digest; confirm with an explicitly constant-time comparison.
-        return tenant if hmac.compare_digest(stored, digest) else None
+        return identity if hmac.compare_digest(stored, digest) else None
 
-    def tenant_of_digest(self, digest: bytes) -> str | None:
-        """The tenant of a presented key's SHA-256 (``presented_digest``), or None. The head gate's
-        entry point when managed keys are on: the same digest then probes the host's key table, so a
+    def authenticate(self, authorization: bytes | None, x_api_key: bytes | None) -> str | None:
+        """The tenant of the presented key, or None (``identify``)."""
+        identity = self.identify(authorization, x_api_key)
+        return None if identity is None else identity.tenant
+
+    def identity_of_digest(self, digest: bytes) -> KeyIdentity | None:
+        """Who a presented key is, by its SHA-256 (``presented_digest``), or None. The head gate's entry
+        point when managed keys are on: the same digest then probes the host's key table, so a
         presented key is hashed once whichever table knows it (docs/keys.md)."""
-        entry = self._tenant_by_digest.get(digest)
+        entry = self._by_digest.get(digest)
         if entry is None:
             return None
-        tenant, stored = entry
-        return tenant if hmac.compare_digest(stored, digest) else None
+        identity, stored = entry
+        return identity if hmac.compare_digest(stored, digest) else None
 
 
 def presented_digest(authorization: bytes | None, x_api_key: bytes | None) -> bytes | None:
-    """The SHA-256 of the presented key (``Authenticator.authenticate``'s header rules), or None when no
+    """The SHA-256 of the presented key (``Authenticator.identify``'s header rules), or None when no
     key was presented."""
     key = _presented_key(authorization, x_api_key)
     return hashlib.sha256(key).digest() if key else None

@@ -7,7 +7,9 @@ environment. Two callers, one set of rules:
   what would stop the gateway from serving;
 - ``gridgate check``: :func:`check_problems` also reports overlay candidates whose cluster this
   gateway lacks (the gateway tolerates them and skips those candidates at run time, CONTRACT §3,
-  but a config under review should not carry them), and can skip the environment for CI.
+  but a config under review should not carry them) and quota rules whose ``match.model`` glob matches
+  no model of the overlay it reads (the overlay changes while the gateway runs, so the gateway itself
+  never refuses a config for that), and can skip the environment for CI.
 
 Imports stay on the pure floors (overlay, quota rules): nothing from the data plane.
 """
@@ -25,7 +27,7 @@ from gateway.overlay.contract import OverlayRejected
 from gateway.overlay.snapshot import Snapshot
 from gateway.overlay.valkey_source import source_problems
 from gateway.overlay.watch import load_inline_overlay, load_overlay_file
-from gateway.quota.rules import rules_from_config, validate_rules
+from gateway.quota.rules import model_glob_problems, rules_from_config, validate_rules
 
 
 def validate_deployment(config: Config) -> None:
@@ -40,6 +42,9 @@ def check_problems(config: Config, *, environ: Mapping[str, str] | None = os.env
     problems, snapshot = _problems_and_overlay(config, environ)
     if snapshot is not None:
         problems += unconfigured_cluster_problems(config, snapshot)
+        if config.quota is not None:  # a model glob matching no model of this overlay (docs/limits.md)
+            problems += model_glob_problems(rules_from_config(config.quota),
+                                            [name for _, name in snapshot.capability_keys])
     return problems
 
 

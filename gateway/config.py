@@ -11,10 +11,35 @@ from __future__ import annotations
 import os
 from typing import ClassVar, Literal
 
-from gateway.auth import is_key_digest
 from gateway.config_cors import Cors  # noqa: F401 - re-exported: importers use gateway.config
-from gateway.config_keys import AdminToken, KeyStoreBackend, keys_checks, managed_keys_enabled
+from gateway.config_keys import (  # noqa: F401 - re-exported: importers use gateway.config
+    AdminToken,
+    KeyStoreBackend,
+    keys_checks,
+    managed_keys_enabled,
+)
 from gateway.config_pricing import PriceOverride, Pricing  # noqa: F401 - re-exported: importers use gateway.config
+from gateway.config_quota import (  # noqa: F401 - the auth and quota schema, re-exported like routing's
+    MAX_COUNT,
+    MAX_TOKENS,
+    QUOTA_CLUSTER_SCHEMES,
+    QUOTA_NODE_SCHEMES,
+    ApiKey,
+    Auth,
+    Budget,
+    Estimate,
+    KeyLimits,
+    Quota,
+    QuotaBackend,
+    QuotaBreaker,
+    QuotaLease,
+    QuotaMatch,
+    QuotaRule,
+    RequestRate,
+    quota_checks,
+    quota_url_problem,
+    single_node_url,
+)
 from gateway.config_routing import (  # noqa: F401 - the routing schema, re-exported: importers use gateway.config
     Backoff,
     Cooling,
@@ -46,8 +71,6 @@ from gateway.yaml_config import (  # noqa: F401 - Seconds, read_text and convert
 # Every numeric key has a range, checked in its Struct's __post_init__ with check_ranges (a test feeds
 # each one 0, -1 and a huge value). Durations are in seconds; the bounds keep values sane and keep
 # timers and counters far from overflow.
-MAX_COUNT = 1_000_000_000  # counts of requests and tokens per request
-MAX_TOKENS = 10**15  # tokens of a budget or a lease block
 MAX_WORKERS = 1024
 
 _Strict = StrictStruct  # the one base of every YAML schema (the control plane's spec too)
@@ -242,156 +265,6 @@ class AccessLog(_Strict):
             raise ValueError("sample: must be between 0.0 and 1.0")
 
 
-class ApiKey(_Strict):
-    tenant: str
-    key: str
-
-    def __post_init__(self) -> None:
-        if not is_key_digest(self.key):
-            raise ValueError("key: must be 'sha256:<64 lowercase hex>' (see `gridgate keys hash`)")
-
-
-class Auth(_Strict):
-    keys: list[ApiKey] = []
-    store: KeyStoreBackend | None = None  # managed keys' Valkey when there is no quota block
-    key_table_capacity: int = 100_000  # managed-key secrets one host's table holds (docs/keys.md)
-
-    _RANGES: ClassVar[dict[str, Range]] = {"key_table_capacity": (1, 10_000_000)}
-
-    def __post_init__(self) -> None:
-        check_ranges(self, self._RANGES)
-
-
-# Quota backend URL schemes: one node, or a seed node of a Valkey Cluster (the topology is discovered).
-QUOTA_NODE_SCHEMES = ("valkey", "valkeys", "redis", "rediss", "unix")
-QUOTA_CLUSTER_SCHEMES = ("valkey+cluster", "valkeys+cluster")
-
-
-def quota_url_problem(url: str) -> str | None:
-    """None if ``url`` is a backend URL the quota ledger can use, else why not."""
-    scheme, sep, rest = url.partition("://")
-    scheme = scheme.lower()
-    if not sep:
-        return "expected a URL such as valkey://host:6379/0"
-    if scheme not in QUOTA_NODE_SCHEMES + QUOTA_CLUSTER_SCHEMES:
-        allowed = ", ".join(f"{s}://" for s in QUOTA_NODE_SCHEMES + QUOTA_CLUSTER_SCHEMES)
-        return f"unsupported scheme {scheme}:// (use one of {allowed})"
-    if scheme in QUOTA_CLUSTER_SCHEMES and ":" not in rest.rsplit("@", 1)[-1].split("/", 1)[0]:
-        return f"{scheme}:// needs host:port of one cluster node"
-    return None
-
-
-def single_node_url(url: str) -> str:
-    """``url`` for its node alone: a ``valkey+cluster://`` / ``valkeys+cluster://`` seed becomes
-    ``valkey://`` / ``valkeys://``; other URLs stay as they are."""
-    scheme, sep, rest = url.partition("://")
-    if scheme.lower() in QUOTA_CLUSTER_SCHEMES:
-        return f"{scheme.lower().removesuffix('+cluster')}{sep}{rest}"
-    return url
-
-
-class QuotaBackend(_Strict):
-    kind: Literal["embedded", "valkey"] = "embedded"
-    url: str | None = None
-    # embedded only: where the bundled Valkey keeps its append-only file, so budgets survive restarts.
-    # Default: $STATE_DIRECTORY/valkey under systemd, else a temporary directory (not persistent).
-    data_dir: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind == "valkey":
-            if not self.url:
-                raise ValueError("url: must be set with kind valkey (e.g. valkey://host:6379/0)")
-            problem = quota_url_problem(self.url)
-            if problem:
-                raise ValueError(f"url: {problem}")
-
-
-class QuotaBreaker(_Strict):
-    """How the quota backend's circuit breaker reacts to a failing Valkey (gateway/quota/gate.py)."""
-
-    # Consecutive failed backend round trips that open the breaker: from then on admissions get the
-    # on_backend_error answer at once, without touching the backend.
-    failures: int = 3
-    # While open, each worker probes the backend this often (one PING); the first answer closes it.
-    probe_interval: Seconds = Seconds(0.1)
-
-    _RANGES: ClassVar[dict[str, Range]] = {"failures": (1, 1000), "probe_interval": (0.01, 10)}
-
-    def __post_init__(self) -> None:
-        check_ranges(self, self._RANGES)
-
-
-class Budget(_Strict):
-    window: Seconds
-    tokens: int
-
-    _RANGES: ClassVar[dict[str, Range]] = {"window": (1, 366 * DAY), "tokens": (1, MAX_TOKENS)}
-
-    def __post_init__(self) -> None:
-        check_ranges(self, self._RANGES)
-
-
-class QuotaMatch(_Strict):
-    tenant: str | None = None
-    model: str | None = None
-
-
-class Estimate(_Strict):
-    default_max_tokens: int = 1024
-
-    _RANGES: ClassVar[dict[str, Range]] = {"default_max_tokens": (0, 100_000_000)}
-
-    def __post_init__(self) -> None:
-        check_ranges(self, self._RANGES)
-
-
-class QuotaRule(_Strict):
-    name: str
-    budgets: list[Budget]
-    match: QuotaMatch | None = None
-    estimate: Estimate = Estimate()
-    max_in_flight: int | None = None  # None: no limit (0 is refused rather than read as "unlimited")
-
-    _RANGES: ClassVar[dict[str, Range]] = {"max_in_flight": (1, 1_000_000)}
-
-    def __post_init__(self) -> None:
-        if self.max_in_flight is not None and self.max_in_flight < 1:
-            raise ValueError("max_in_flight: must be >= 1 (omit the key for no limit)")
-        check_ranges(self, self._RANGES)
-
-
-class QuotaLease(_Strict):
-    """Worker-held token blocks (gateway/quota/lease.py): admit without a Valkey round trip per request."""
-
-    # One block: what a worker reserves at once for one (rule, tenant) and then admits against locally.
-    tokens: int
-    # A block stops admitting after this long (and at the end of a window); its unused tokens go back.
-    ttl: Seconds = Seconds(1)
-    # Blocks only while the tightest budget still has room for this many blocks: near the limit every
-    # request reserves in Valkey, exactly as without leases.
-    headroom: int = 10
-
-    _RANGES: ClassVar[dict[str, Range]] = {"tokens": (1, MAX_TOKENS), "ttl": (0.01, MINUTE),
-                                           "headroom": (1, 1_000_000)}
-
-    def __post_init__(self) -> None:
-        check_ranges(self, self._RANGES)
-
-
-class Quota(_Strict):
-    rules: list[QuotaRule]
-    backend: QuotaBackend = QuotaBackend()
-    on_backend_error: Literal["reject", "allow"] = "reject"
-    reservation_timeout: Seconds = Seconds(120)
-    breaker: QuotaBreaker = QuotaBreaker()
-    lease: QuotaLease | None = None
-
-    _RANGES: ClassVar[dict[str, Range]] = {"reservation_timeout": (1, DAY)}
-
-    def __post_init__(self) -> None:
-        check_ranges(self, self._RANGES)
-
-
 class Config(_Strict):
     clusters: list[Cluster]
     routing: Routing
@@ -445,7 +318,8 @@ def _cross_checks(config: Config) -> list[str]:
     for index, cluster in enumerate(config.clusters):
         if cluster.upstream_auth is not None and not is_header_name(cluster.upstream_auth.header):
             problems.append(f"clusters[{index}].upstream_auth.header: not a valid header name")
-    return problems + _routing_checks(config, set(names)) + _tenant_checks(config) + keys_checks(config)
+    return (problems + _routing_checks(config, set(names)) + _tenant_checks(config) + quota_checks(config)
+            + keys_checks(config))
 
 
 def _routing_checks(config: Config, cluster_names: set[str]) -> list[str]:

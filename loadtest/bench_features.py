@@ -5,8 +5,11 @@
 
 Gateway workers pinned to core 0; wrk, the mock providers and the embedded Valkey on core 1. Variants
 of loadtest/configs/bench.yaml (`VARIANTS`): the routing core only (the access log off too), + health
-checks and outlier detection, + session affinity, + auth and token quota (embedded Valkey), + the access
-log (to a file), everything, and everything with quota leases (`QUOTA_LEASE`). For each: the worker's CPU time per request and "vs core" = core's CPU per
+checks and outlier detection, + session affinity, + auth and token quota with every request decided in
+Valkey (embedded Valkey, `quota.lease: null`), + the access log (to a file), everything that way, everything
+with the default worker-held blocks, and the production config of docs/limits.md (auth, a request limit
+and token budgets, the access log to a file, session affinity; defaults otherwise). For each: the
+worker's CPU time per request and "vs core" = core's CPU per
 request / the variant's; req/s (32 connections); the gateway overhead p50/p99 at one connection
 (``x-gridgate-overhead-ms``). CPU per request, not req/s: with quota on, the load core also runs
 Valkey's Lua ledger for every request and saturates first, which says nothing about the gateway.
@@ -83,8 +86,11 @@ METHODS = ("paired", "sequential")
 PARTNER_PORT_OFFSETS = (100, 10)
 
 FAST_HEALTH = {"type": "http", "path": "/health", "interval": "1s", "timeout": "500ms"}
-# Worker-held token blocks for the "everything, quota leases" variant (issue 13, target 2).
-QUOTA_LEASE = {"tokens": 100_000, "ttl": "1s"}
+# Every metered request decided in Valkey (worker-held blocks off): the exact path's cost.
+QUOTA_EXACT = None
+# The production variant's request limit: far above what the bench sends, so it never refuses, but checked
+# and taken (in blocks) like any other.
+PRODUCTION_REQUESTS = {"window": "1m", "count": 50_000_000}
 
 Address = tuple[str, int]
 
@@ -107,7 +113,7 @@ def _affinity(config: dict[str, Any], _work_dir: str) -> None:
 
 
 def _quota(config: dict[str, Any], work_dir: str) -> None:
-    config["auth"] = {"keys": [{"tenant": "bench", "key": hash_api_key(BENCH_KEY)}]}
+    config["auth"] = {"keys": [{"tenant": "bench", "key": hash_api_key(BENCH_KEY), "alias": "bench"}]}
     config["quota"] = {
         "backend": {"kind": "embedded", "data_dir": os.path.join(work_dir, "valkey")},
         "rules": [{"name": "bench", "match": {"tenant": "bench"},
@@ -115,8 +121,12 @@ def _quota(config: dict[str, Any], work_dir: str) -> None:
     }
 
 
-def _lease(config: dict[str, Any], _work_dir: str) -> None:
-    config["quota"]["lease"] = dict(QUOTA_LEASE)
+def _exact(config: dict[str, Any], _work_dir: str) -> None:
+    config["quota"]["lease"] = QUOTA_EXACT
+
+
+def _request_limit(config: dict[str, Any], _work_dir: str) -> None:
+    config["quota"]["rules"][0]["requests"] = [dict(PRODUCTION_REQUESTS)]
 
 
 def _access_log(config: dict[str, Any], work_dir: str) -> None:
@@ -134,10 +144,13 @@ VARIANTS: tuple[tuple[str, tuple[Feature, ...]], ...] = (
     ("core (auth, quota, health, access log off)", ()),
     ("+ health checks + outlier detection", (_health,)),
     ("+ session affinity", (_affinity,)),
-    ("+ auth + token quota", (_quota,)),
+    ("+ auth + token quota, exact (a Valkey call per request)", (_quota, _exact)),
     ("+ access log", (_access_log,)),
-    ("everything", (_health, _affinity, _quota, _access_log)),
-    ("everything, quota leases", (_health, _affinity, _quota, _access_log, _lease)),
+    ("everything, exact quota", (_health, _affinity, _quota, _exact, _access_log)),
+    ("everything, quota leases (the default)", (_health, _affinity, _quota, _access_log)),
+    # docs/limits.md's production config: the defaults, with a request limit beside the token budgets.
+    ("production: auth + request limit + token budgets + access log + sessions, defaults",
+     (_affinity, _quota, _request_limit, _access_log)),
 )
 VARIANT_NAMES = tuple(name for name, _ in VARIANTS)
 
@@ -377,7 +390,8 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "method": args.method,
                                "rounds": args.rounds, "duration_s": args.duration, "warm_up_s": WARM_UP_S,
                                "connections": args.connections, "gateway_cpus": sorted(gateway_cpus or []),
-                               "load_cpus": sorted(load_cpus or []), "quota_lease": QUOTA_LEASE, "variants": []}
+                               "load_cpus": sorted(load_cpus or []), "quota_lease": "default",
+                               "production_requests": PRODUCTION_REQUESTS, "variants": []}
     work_dir = tempfile.mkdtemp(prefix="gridgate-bench-")
     try:
         configs = variant_configs(args.variants, args.method, work_dir)

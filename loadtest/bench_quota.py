@@ -1,11 +1,13 @@
 """Micro-benchmark of the quota path against the real embedded Valkey.
 
-    .venv/bin/python -m loadtest.bench_quota [--n 20000] [--concurrency 64] [--tcp]
+    .venv/bin/python -m loadtest.bench_quota [--n 20000] [--concurrency 64] [--tcp] [--limits]
 
 Prints µs per operation: authenticate, admit (one Lua round trip; sequential latency, and concurrent
 throughput, the admits of one loop tick pipelined into one round trip; wall time and this process's
 CPU), settle (reconciliation, pipelined off the request path), and the pure helpers a worker runs
-per request (estimate, request rewrite, usage scanning/filtering per SSE chunk).
+per request (estimate, request rewrite, usage scanning/filtering per SSE chunk). Every admit is decided
+in Valkey (no worker-held blocks). ``--limits``: each admit also takes a slot of the rule's request limit
+and of its key's own (docs/limits.md): what the one atomic call costs with every kind of limit in it.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ from collections.abc import Callable
 
 import uvloop
 
-from gateway.auth import Authenticator, hash_api_key
+from gateway.auth import Authenticator, KeyIdentity, hash_api_key
 from gateway.quota.backend import create_client
 from gateway.quota.embedded import EmbeddedValkey
 from gateway.quota.estimate import estimate_tokens
 from gateway.quota.gate import Admission, QuotaGate
 from gateway.quota.ledger import QuotaLedger
+from gateway.quota.limits import Limits, RequestLimit
 from gateway.quota.rules import Budget, QuotaRule
 from gateway.quota.usage import SseUsageFilter, UsageScanner, rewrite_request_for_usage
 
@@ -42,16 +45,22 @@ def per_call_us(fn: Callable[[], object], n: int) -> float:
     return (time.perf_counter() - start) / n * 1e6
 
 
+KEYS: dict[str, KeyIdentity] = {}  # --limits: each tenant's key, with a request limit of its own
+
+
 async def admit(gate: QuotaGate, tenant: str) -> Admission:
     """One admission as a worker makes it: decided at once, or awaited from this tick's batch."""
-    admission = gate.admission(tenant, "m", 2048, 256)
+    admission = gate.admission(tenant, "m", 2048, 256, KEYS.get(tenant))
     assert admission is not None
     return admission if admission.__class__ is Admission else await admission  # type: ignore[misc,return-value]
 
 
-async def bench_gate(url: str, n: int, concurrency: int) -> dict[str, float]:
+async def bench_gate(url: str, n: int, concurrency: int, limits: bool = False) -> dict[str, float]:
     tenants = [f"bench-{i}" for i in range(16)]
-    rules = [QuotaRule("bench", (Budget(60, 10**15), Budget(86400, 10**15)), 1024)]
+    requests = (RequestLimit(60, 50_000_000, 50_000_000),) if limits else ()
+    rules = [QuotaRule("bench", (Budget(60, 10**15), Budget(86400, 10**15)), 1024, requests=requests)]
+    if limits:
+        KEYS.update({tenant: KeyIdentity(tenant, f"key-{tenant}", None, Limits(requests=requests)) for tenant in tenants})
     gate = QuotaGate(
         QuotaLedger(create_client(url), reservation_timeout_s=120), rules, reconcile_queue_size=n * 2
     )
@@ -123,6 +132,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=20000)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--tcp", action="store_true", help="loopback TCP instead of the unix socket")
+    parser.add_argument("--limits", action="store_true", help="a request limit on the rule and on each key too")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="gg-bench-") as data_dir:
@@ -130,11 +140,12 @@ def main() -> None:
         url = server.start()
         try:
             results = bench_pure(args.n)
-            results |= uvloop.run(bench_gate(url, args.n, args.concurrency))
+            results |= uvloop.run(bench_gate(url, args.n, args.concurrency, args.limits))
         finally:
             server.stop()
     transport = "tcp loopback" if args.tcp else "unix socket"
-    print(f"quota path, embedded valkey over {transport}, n={args.n}, uvloop")
+    limits = ", a request limit on the rule and the key" if args.limits else ""
+    print(f"quota path, embedded valkey over {transport}, n={args.n}, uvloop{limits}")
     for name, us in results.items():
         print(f"  {name:<48} {us:9.2f} µs")
 

@@ -63,6 +63,8 @@ class AccessLine(msgspec.Struct, omit_defaults=True, gc=False):
     error: str | None
     filtered: int = 0
     filtered_reasons: list[str] | None = None
+    shadow: tuple[str, ...] | None = None  # quota limits in shadow mode that would have refused it
+    shadow: tuple[str, ...] | None = None  # quota limits in shadow mode that would have refused it
 
 
 _NO_ROUTE = (None, None, None, None, None, None)
@@ -177,7 +179,7 @@ class AccessLog:
                 None if overhead_s is None else int(overhead_s * 1e6 + 0.5) / 1000,
                 int((t_first_byte - t_start) * 1e6 + 0.5) / 1000 if t_first_byte and t_start is not None else None,
                 None if t_start is None else int((ended - t_start) * 1e6 + 0.5) / 1000,
-                entry.error, filtered, reason_names(entry.filtered_reasons) if filtered else None,
+                entry.error, filtered, reason_names(entry.filtered_reasons) if filtered else None, entry.shadow,
             )
             encode_into(line, buffer, -1)
             buffer.append(10)  # "\n"

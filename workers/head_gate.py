@@ -22,7 +22,7 @@ from __future__ import annotations
 from hmac import compare_digest
 from typing import Protocol
 
-from gateway.auth import Authenticator
+from gateway.auth import Authenticator, KeyIdentity
 from gateway.http.errors import ErrorReply
 from gateway.ids import CounterIds
 from gateway.keys.view import KeyEntry
@@ -36,8 +36,8 @@ _WWW_AUTHENTICATE = (b"www-authenticate", b'Bearer realm="gridgate"')
 _MISSING_KEY = "missing API key: send Authorization: Bearer <key> or X-Api-Key"
 _INVALID_KEY = "invalid API key"
 
-# (authorization, x-api-key, the tenant; with managed keys, a managed key's digest instead)
-AuthMemo = tuple[bytes, bytes, str | bytes]
+# (authorization, x-api-key, the YAML key's identity; with managed keys, a managed key's digest instead)
+AuthMemo = tuple[bytes, bytes, KeyIdentity | bytes]
 
 
 class GatedConnection(Protocol):
@@ -47,17 +47,18 @@ class GatedConnection(Protocol):
 
 
 class Admitted:
-    """A request the gate let through: its route, tenant, scanned headers and request id, and the
-    managed key's entry (None for a YAML key or without auth)."""
+    """A request the gate let through: its route, tenant, scanned headers and request id, its key
+    (None without auth) and, for a managed key, its table entry (None for a YAML key)."""
 
-    __slots__ = ("route", "tenant", "headers", "request_id", "managed")
+    __slots__ = ("route", "tenant", "headers", "request_id", "key", "managed")
 
     def __init__(self, route: AllowedRoute, tenant: str, headers: RequestHeaders, request_id: bytes,
-                 managed: KeyEntry | None = None) -> None:
+                 key: KeyIdentity | None = None, managed: KeyEntry | None = None) -> None:
         self.route = route
         self.tenant = tenant
         self.headers = headers
         self.request_id = request_id
+        self.key = key
         self.managed = managed
 
 
@@ -96,33 +97,34 @@ class HeadGate:
         keys = self.keys
         managed = None
         if keys is None:
-            tenant = ANONYMOUS_TENANT if auth is None else self.authenticate(conn, scanned, auth)
+            key = None if auth is None else self.authenticate(conn, scanned, auth)
         else:
             found = keys.authenticate(conn, scanned, auth)  # type: ignore[arg-type]
             if found.__class__ is KeyEntry:
                 managed = found
-                tenant = found.tenant  # type: ignore[union-attr]
+                key = found.identity  # type: ignore[union-attr]
             elif found.__class__ is tuple:  # a key the table knows but refuses
                 code, message = found  # type: ignore[misc]
                 return HeadRefusal(401, code, message, [_WWW_AUTHENTICATE, (b"x-request-id", request_id)],
                                    request_id=request_id, method=method, target=target, tenant=None)
             else:
-                tenant = found  # type: ignore[assignment]
-        if tenant is None:
+                key = found  # type: ignore[assignment]
+        if key is None and auth is not None:
             missing = scanned.authorization is None and scanned.api_key is None
             return HeadRefusal(401, "invalid_api_key", _MISSING_KEY if missing else _INVALID_KEY,
                                [_WWW_AUTHENTICATE, (b"x-request-id", request_id)],
                                request_id=request_id, method=method, target=target, tenant=None)
+        tenant = ANONYMOUS_TENANT if key is None else key.tenant
         route = self.routes.match(method, target)
         if route is None:
             return route_not_allowed(method, target, request_id, tenant)
-        return Admitted(route, tenant, scanned, request_id, managed)
+        return Admitted(route, tenant, scanned, request_id, key, managed)
 
-    def authenticate(self, conn: GatedConnection, headers: RequestHeaders, auth: Authenticator) -> str | None:
-        """The tenant of the presented key, or None (missing or unknown).
+    def authenticate(self, conn: GatedConnection, headers: RequestHeaders, auth: Authenticator) -> KeyIdentity | None:
+        """Who the presented key is, or None (missing or unknown).
 
         A keep-alive client sends the same key with every request: when both key headers equal those
-        its connection's last request was admitted with (compared in constant time), the tenant is that
+        its connection's last request was admitted with (compared in constant time), the key is that
         request's, without hashing again. The key stays with the connection, whose buffers hold it
         anyway, and goes with it; nothing keyed by a raw key outlives a connection.
         """
@@ -130,11 +132,11 @@ class HeadGate:
         api_key = headers.api_key or b""
         memo = conn.auth_memo
         if memo is not None and compare_digest(memo[0], authorization) and compare_digest(memo[1], api_key):
-            return memo[2]  # type: ignore[return-value]  # a tenant: this path memoises only YAML keys
-        tenant = auth.authenticate(headers.authorization, headers.api_key)
-        if tenant is not None:
-            conn.auth_memo = (authorization, api_key, tenant)
-        return tenant
+            return memo[2]  # type: ignore[return-value]  # an identity: this path memoises only YAML keys
+        key = auth.identify(headers.authorization, headers.api_key)
+        if key is not None:
+            conn.auth_memo = (authorization, api_key, key)
+        return key
 
 
 def route_not_allowed(method: bytes, target: bytes, request_id: bytes, tenant: str | None) -> HeadRefusal:

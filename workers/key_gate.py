@@ -6,7 +6,7 @@ the YAML keys (a dict) and, on a miss, the host's key table (``gateway.keys.look
 shared memory, a decode once per change). A key the table knows but refuses is answered 401 with its
 reason (``key_blocked``, ``key_revoked``, ``key_expired``).
 
-A keep-alive connection's memo (workers/head_gate.py) holds a YAML key's tenant, but only a managed
+A keep-alive connection's memo (workers/head_gate.py) holds a YAML key's identity, but only a managed
 key's digest: every request on the connection probes the table again, so a block reaches a connection
 that is already open within the table's propagation, not at its end.
 
@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from gateway.auth import Authenticator, presented_digest
+from gateway.auth import Authenticator, KeyIdentity, presented_digest
 from gateway.http.errors import ErrorReply
 from gateway.keys.answers import key_report, model_refusal, refusal
 from gateway.keys.lookup import KeyLookup
@@ -36,8 +36,8 @@ _encode = msgspec.json.Encoder().encode
 
 
 class MemoConnection(Protocol):
-    # (authorization, x-api-key, the YAML key's tenant or the managed key's digest)
-    auth_memo: tuple[bytes, bytes, str | bytes] | None
+    # (authorization, x-api-key, the YAML key's identity or the managed key's digest)
+    auth_memo: tuple[bytes, bytes, KeyIdentity | bytes] | None
 
 
 class ManagedKeyGate:
@@ -49,24 +49,24 @@ class ManagedKeyGate:
         self.lookup = lookup
 
     def authenticate(self, conn: MemoConnection, headers: RequestHeaders,
-                     auth: Authenticator) -> str | KeyEntry | KeyRefusal | None:
-        """A YAML key's tenant, a managed key's entry (active, unexpired, marked used), the refusal of
+                     auth: Authenticator) -> KeyIdentity | KeyEntry | KeyRefusal | None:
+        """A YAML key's identity, a managed key's entry (active, unexpired, marked used), the refusal of
         a managed key the table refuses, or None (missing or unknown: 401 ``invalid_api_key``)."""
         authorization = headers.authorization or b""
         api_key = headers.api_key or b""
         memo = conn.auth_memo
         if memo is not None and compare_digest(memo[0], authorization) and compare_digest(memo[1], api_key):
             known = memo[2]
-            if known.__class__ is str:
+            if known.__class__ is KeyIdentity:
                 return known  # type: ignore[return-value]
             return self.admit(known)  # type: ignore[arg-type]
         digest = presented_digest(headers.authorization, headers.api_key)
         if digest is None:
             return None
-        tenant = auth.tenant_of_digest(digest)
-        if tenant is not None:
-            conn.auth_memo = (authorization, api_key, tenant)
-            return tenant
+        identity = auth.identity_of_digest(digest)
+        if identity is not None:
+            conn.auth_memo = (authorization, api_key, identity)
+            return identity
         found = self.admit(digest)
         if found.__class__ is KeyEntry:
             conn.auth_memo = (authorization, api_key, digest)

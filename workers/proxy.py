@@ -94,10 +94,11 @@ class Proxy:
                 # Reserve tokens before routing: a denial never reaches a provider (429/503 with headers).
                 fields = capability.body
                 admission = quota.admission(admitted.tenant, capability.name, len(exchange.body),
-                                            fields.completion_allowance if fields is not None else None)
+                                            fields.completion_allowance if fields is not None else None, admitted.key)
                 if admission is not None:
                     if admission.__class__ is not Admission:  # the ledger decides: await this tick's batch
                         admission = await admission
+                    record.shadow = admission.shadow  # limits in shadow mode that would have refused it
                     if not admission.allowed:
                         return self.outcomes.refuse(record, refusal(admission))
                     record.admission = admission

@@ -180,7 +180,7 @@ def _head_gate(config: Config, clusters: ClusterManager, settings: ProxySettings
     )
     routes = RouteTable(routing.mcp_path, [(c.name, c.allowed_routes) for c in config.clusters], provider_index)
     auth = config.auth
-    authenticator = Authenticator([(key.tenant, key.key) for key in auth.keys]) if auth is not None else None
+    authenticator = Authenticator.from_config(auth) if auth is not None else None
     # Managed keys (docs/keys.md): the table the supervisor created before fork; None without a store.
     keys = ManagedKeyGate(KeyLookup(key_table)) if key_table is not None and authenticator is not None else None
     return HeadGate(routes, authenticator, header_plan, keys=keys)

@@ -60,6 +60,7 @@ class RequestRecord(msgspec.Struct, gc=False):
     provider: str | None = None
     filtered: int = 0  # candidates the eligibility filters removed, and why (reason bits)
     filtered_reasons: int = 0
+    shadow: tuple[str, ...] | None = None  # quota limits in shadow mode that would have refused it
     # -- the access line's copy of the exchange, taken at close
     ended: float = 0.0
     t_start: float | None = None
@@ -71,6 +72,12 @@ class RequestRecord(msgspec.Struct, gc=False):
     tokens_prompt: int | None = None
     tokens_completion: int | None = None
     closed: bool = False
+
+    @property
+    def reached(self) -> bool:
+        """Some attempt was written to a provider (``endpoint`` is set as an attempt is sent). False: it was
+        refused or not routable, the client left before it was sent, or no connection came."""
+        return self.endpoint is not None
 
     @property
     def estimate(self) -> int:

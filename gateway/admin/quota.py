@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gateway.admin.pages import ReportUnavailable
-from gateway.config import Quota
+from gateway.config import Auth, Quota
+from gateway.quota.limits import Scope
 from gateway.quota.rules import RuleSet, rules_from_config
 
 if TYPE_CHECKING:
@@ -16,25 +17,27 @@ class QuotaReporter:
     """Reads the ledger from the supervisor's loop; reconnects when the backend URL or the rules change."""
 
     def __init__(self) -> None:
-        self._key: tuple[str, Quota] | None = None
+        self._key: tuple[str, Quota, Auth | None] | None = None
         self._ledger: QuotaLedger | None = None
         self._rules: RuleSet | None = None
+        self._key_scopes: dict[str, tuple[Scope, ...]] = {}
 
-    async def report(self, url: str, quota: Quota, tenant: str) -> dict[str, Any]:
+    async def report(self, url: str, quota: Quota, tenant: str, auth: Auth | None = None) -> dict[str, Any]:
         # Imported here: the quota client (valkey) is loaded only once somebody asks for this page.
         from gateway.quota.backend import create_client
         from gateway.quota.ledger import QuotaLedger
-        from gateway.quota.report import QuotaBackendUnavailable, quota_report
+        from gateway.quota.report import QuotaBackendUnavailable, key_scopes_by_tenant, quota_report
 
-        if self._key != (url, quota):
+        if self._key != (url, quota, auth):
             await self.close()
         if self._ledger is None or self._rules is None:  # made lazily: the client belongs to the running loop
             self._ledger = QuotaLedger(create_client(url, timeout_s=1.0),
                                        reservation_timeout_s=float(quota.reservation_timeout))
             self._rules = RuleSet(rules_from_config(quota))
-            self._key = (url, quota)
+            self._key_scopes = key_scopes_by_tenant(auth)
+            self._key = (url, quota, auth)
         try:
-            return await quota_report(self._ledger, self._rules, tenant)
+            return await quota_report(self._ledger, self._rules, tenant, key_scopes=self._key_scopes.get(tenant, ()))
         except QuotaBackendUnavailable as exc:
             raise ReportUnavailable(f"quota backend unavailable: {exc}") from None
 

@@ -13,7 +13,10 @@ from fnmatch import translate
 
 import msgspec
 
+from gateway.auth import KeyIdentity
 from gateway.keys.record import KeyLimits, KeyRecord, Status
+from gateway.quota.limits import Budget, Limits, RequestLimit
+from gateway.yaml_config import parse_duration
 
 
 class KeyView(msgspec.Struct, array_like=True, frozen=True):
@@ -47,7 +50,7 @@ class KeyEntry:
     """A decoded table entry, as the request path sees a managed key (one per secret and version)."""
 
     __slots__ = ("kid", "tenant", "alias", "status", "models", "limits", "expires_at", "allowed_origins",
-                 "slot", "_models")
+                 "slot", "identity", "_models")
 
     def __init__(self, view: KeyView, slot: int) -> None:
         self.kid = view.kid
@@ -59,6 +62,9 @@ class KeyEntry:
         self.expires_at = view.expires_at
         self.allowed_origins = view.allowed_origins
         self.slot = slot  # where the table keeps it (for marking it used)
+        # Who the request is, for the quota (docs/limits.md): made once per decoded version, so the
+        # quota's memo of (tenant, model, key) sees one object per key version, as for a YAML key.
+        self.identity = KeyIdentity(view.tenant, view.alias, view.kid, quota_limits(view.limits))
         self._models = None if view.models is None else _one_pattern(view.models)
 
     def allows_model(self, model: str) -> bool:
@@ -68,6 +74,17 @@ class KeyEntry:
 
     def __repr__(self) -> str:  # the kid is public; nothing else worth showing
         return f"KeyEntry(kid={self.kid!r}, tenant={self.tenant!r}, status={self.status!r})"
+
+
+def quota_limits(limits: KeyLimits) -> Limits | None:
+    """A record's ``limits`` as the quota counts them (``spend`` is not the quota's); None when none."""
+    converted = Limits(
+        requests=tuple(RequestLimit(int(parse_duration(r.window)), r.count, r.count if r.burst is None else r.burst,
+                                    r.shadow) for r in limits.requests),
+        budgets=tuple(Budget(int(parse_duration(b.window)), b.tokens, b.shadow) for b in limits.budgets),
+        max_in_flight=limits.max_in_flight or 0,
+    )
+    return None if converted.empty else converted
 
 
 def _one_pattern(globs: list[str]) -> re.Pattern[str]:

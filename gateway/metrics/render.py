@@ -40,6 +40,7 @@ from gateway.metrics.catalogue import (
     QUOTA_DECISIONS,
     QUOTA_LEASES,
     QUOTA_RECONCILE_DROPS,
+    QUOTA_SHADOW,
     QUOTA_TOKEN_KINDS,
     QUOTA_TOKENS,
     REQUESTS,
@@ -194,6 +195,10 @@ def _quota_families(totals: list[int], tenant_names: Sequence[str]) -> Iterator:
     leases.add_metric(["granted"], totals[QUOTA_LEASES])
     leases.add_metric(["admitted"], totals[QUOTA_LEASES + 1])
     yield leases
+    yield CounterMetricFamily(
+        "gridgate_quota_shadow_refusals", "Limits marked shadow that would have refused a request (docs/limits.md).",
+        value=totals[QUOTA_SHADOW],
+    )
 
 
 def _process_families(totals: list[int]) -> Iterator:

@@ -35,6 +35,7 @@ from gateway.metrics.catalogue import (
     QUOTA_DECISION,
     QUOTA_LEASES,
     QUOTA_RECONCILE_DROPS,
+    QUOTA_SHADOW,
     QUOTA_TOKENS,
     RETRIES,
     ROUTE_FILTERED,
@@ -138,6 +139,7 @@ class WorkerMetrics:
         row[QUOTA_BREAKER + 1] = counters.breaker_closed
         row[QUOTA_LEASES] = counters.leases_granted
         row[QUOTA_LEASES + 1] = counters.leased
+        row[QUOTA_SHADOW] = counters.shadow_refusals
 
     def publish_tenant_tokens(self, tokens: Any) -> None:
         """Copy the quota gate's per-tenant tokens (gateway.quota.counters.TenantTokens) into the

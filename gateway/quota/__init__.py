@@ -1,18 +1,21 @@
-"""Token quota: rules and estimates (pure), usage extraction (pure), the Valkey ledger, and the gate in parts.
+"""Quota: limits, rules and estimates (pure), usage extraction (pure), the Valkey ledger, and the gate in parts.
 
 Import the submodules directly; this package imports nothing so the pure rooms stay I/O-free.
 
-    rules      QuotaRule, Budget, RuleSet             which budgets apply (first match wins)
+    limits     RequestLimit, Budget, Limits, Scope    what can limit a request, and whose (a rule's, a key's)
+    rules      QuotaRule, RuleSet                     which rule applies (first match wins; model, key globs)
     estimate   estimate_tokens                        the reservation size
     usage      rewrite_request_for_usage, usage_observer   actual usage from responses
     owner      owner_tag                              the worker identity in every reservation id
     admission  Admission                              a verdict with its headers and error text
+    verdict    refused, rate_headers                  an admit's reply as the request's Admission
     counters   QuotaCounters, TenantTokens, configured_tenants   per-worker counters for the metrics
-    lease      Lease, Allowance, LeaseSpec            a worker-held block (quota.lease): the arithmetic
+    lease      Lease, Allowance, LeaseSpec            a worker-held block (quota.lease): the arithmetic, sizes
 
   The ledger, and how it reaches Valkey:
     ledger_script                                     the one Lua script, versioned, and its key prefix
-    ledger     QuotaLedger, Account, Reservation      the key layout, the script's calls, their replies
+    ledger     QuotaLedger, Account, Reservation      the script's calls and their replies; an Account is what
+                                                      meters a (tenant, rule, key)
     transport  LedgerTransport                        the protocol the ledger speaks to Valkey through
     resp_transport     RespTransport                  ... one node, over the lean pipelined RespClient
     cluster_transport  ClusterTransport               ... Valkey Cluster, over valkey-py's ValkeyCluster

@@ -7,15 +7,23 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from gateway.quota.ledger import Reservation
+from gateway.quota.limits import LimitRef, window_text
 from gateway.quota.rules import QuotaRule
 
 if TYPE_CHECKING:
     from gateway.quota.lease import Lease
 
+__all__ = ["ALLOWED_UNMETERED", "REJECTED", "Admission", "duration_text", "refusal_message", "window_text"]
+
 H_RETRY_AFTER = b"retry-after"
 H_LIMIT = b"x-ratelimit-limit-tokens"
 H_REMAINING = b"x-ratelimit-remaining-tokens"
 H_RESET = b"x-ratelimit-reset-tokens"
+H_LIMIT_REQUESTS = b"x-ratelimit-limit-requests"
+H_REMAINING_REQUESTS = b"x-ratelimit-remaining-requests"
+H_RESET_REQUESTS = b"x-ratelimit-reset-requests"
+TOKEN_HEADERS = (H_LIMIT, H_REMAINING, H_RESET)
+REQUEST_HEADERS = (H_LIMIT_REQUESTS, H_REMAINING_REQUESTS, H_RESET_REQUESTS)
 
 
 class Admission(msgspec.Struct, gc=False):
@@ -24,29 +32,32 @@ class Admission(msgspec.Struct, gc=False):
     ``allowed`` False -> answer ``status`` (429 or 503) with ``headers``, send nothing upstream.
     ``allowed`` True -> forward; add ``headers`` to the response; when the request ends call
     ``QuotaGate.settle`` once with what it cost (settling an admission that reserved nothing is a no-op).
+    ``shadow``: the limits marked ``shadow`` that would have refused it (for the access log), or None.
 
     A ``msgspec.Struct``: one is built per metered request, and its constructor runs in C (half the
     cost of an ``__init__``). Not tracked by the GC: it holds no reference back to itself.
     """
 
     allowed: bool
-    reason: str  # admitted|denied|denied_never_fits|denied_concurrency|backend_error_*
+    reason: str  # admitted|denied|denied_never_fits|denied_requests|denied_concurrency|backend_error_*
     status: int | None
     headers: tuple[tuple[bytes, bytes], ...]
     reservation: Reservation | None = None
     estimate: int = 0
     tenant_slot: int = -1  # TenantTokens slot (admitted only)
-    message: str | None = None  # the never-fits explanation
+    message: str | None = None  # what refused, in words (denied only)
     lease: Lease | None = None  # the worker-held block it was admitted from (then ``reservation`` is None)
     # Admitted against a budget (a reservation or a block's share): the response's usage settles it.
     # A field, not derived from the two above: settling clears them, and it is read on every request.
     metered: bool = False
+    shadow: tuple[str, ...] | None = None
+    error_type: str = "tokens"  # the error body's type: tokens, requests
 
     @property
     def error(self) -> tuple[str, str, str] | None:
         """(message, type, code) for the worker's OpenAI-style error body when not allowed."""
         if self.message is not None:
-            return self.message, "tokens", "rate_limit_exceeded"
+            return self.message, self.error_type, "rate_limit_exceeded"
         return _ERRORS.get(self.reason)
 
     def __repr__(self) -> str:
@@ -54,18 +65,8 @@ class Admission(msgspec.Struct, gc=False):
 
 
 _ERRORS = {
-    "denied": (
-        "Token quota exceeded for this API key; retry after the Retry-After delay.",
-        "tokens",
-        "rate_limit_exceeded",
-    ),
-    "denied_concurrency": (
-        "Too many concurrent requests for this API key.",
-        "requests",
-        "rate_limit_exceeded",
-    ),
     "backend_error_rejected": (
-        "The token quota service is unavailable; retry shortly.",
+        "The quota service is unavailable; retry shortly.",
         "server_error",
         "quota_unavailable",
     ),
@@ -77,9 +78,25 @@ ALLOWED_UNMETERED = Admission(True, "backend_error_allowed", None, ())
 REJECTED = Admission(False, "backend_error_rejected", 503, ((H_RETRY_AFTER, b"1"),))
 
 
-def never_fits_message(rule: QuotaRule, estimate: int, limit: int) -> str:
+def refusal_message(ref: LimitRef, retry_s: int | None) -> str:
+    """The 429 text: which limit refused (``rule team-a tokens 30000/1m``) and when to retry."""
+    if ref.kind == "in_flight":
+        return f"Too many concurrent requests: {ref.text}; retry after {retry_s} s."
+    return f"Rate limit exceeded: {ref.text}; retry after {retry_s} s."
+
+
+def never_fits_message(rule: QuotaRule | LimitRef, estimate: int, limit: int) -> str:
     """The 429 text for a request larger than a whole window of a budget: names the limit and the
     request, and says that retrying cannot help (the answer carries no Retry-After)."""
+    if isinstance(rule, LimitRef):
+        owner = f"{rule.scope.label()} tokens {rule.limit.text}" if rule.limit is not None else rule.text
+        window = getattr(rule.limit, "window_s", None)
+        per = f" per {window_text(window)}" if window is not None else ""
+        return (
+            f"Request too large for the token budget {owner}: its estimate is {estimate} tokens "
+            f"(prompt + max_tokens), the budget is {limit} tokens{per}. It can never be admitted, so "
+            f"retrying will not help: lower max_tokens or shorten the prompt."
+        )
     window = next((b.window_s for b in rule.budgets if b.tokens == limit), None)
     per = f" per {window_text(window)}" if window is not None else ""
     return (
@@ -89,16 +106,8 @@ def never_fits_message(rule: QuotaRule, estimate: int, limit: int) -> str:
     )
 
 
-def window_text(seconds: int) -> str:
-    """``60`` -> ``1m``, ``86400`` -> ``1d``, ``90`` -> ``90s`` (the config's own duration form)."""
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds % size == 0:
-            return f"{seconds // size}{unit}"
-    return f"{seconds}s"
-
-
 def duration_text(ms: int) -> bytes:
-    """``x-ratelimit-reset-tokens`` in the duration form OpenAI uses (``250ms``, ``17.5s``, ``6m0s``,
+    """``x-ratelimit-reset-*`` in the duration form OpenAI uses (``250ms``, ``17.5s``, ``6m0s``,
     ``1h2m3s``), so clients that already parse OpenAI's headers parse ours."""
     ms = max(0, ms)
     if ms < 1000:

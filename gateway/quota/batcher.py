@@ -7,7 +7,8 @@ and no timer per request; the client's progress watchdog bounds the wait). A det
 block asked for by ``lease_book``) has no future: its callback takes the reply, whatever it is.
 
 Failures resolve every waiting request with the breaker's policy (``BackendBreaker.unavailable``) and are
-reported to the breaker: a batch whose send failed, or a command answered with an error. Commands answered
+reported to the breaker: a batch whose send failed, a command answered with an error, or a reply the
+script cannot have written (a server that is not the Valkey the ledger expects). Commands answered
 NOSCRIPT did not run (a restarted server lost the script): they are sent again after a reload. What a
 lost reply may have left behind is undone off the request path: an admit whose request stopped waiting is
 released when its reply arrives, and the admits of a failed batch are cancelled once the backend answers
@@ -17,6 +18,7 @@ released when its reply arrives, and the admits of a failed batch are cancelled 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Coroutine, Sequence
 from functools import partial
 from typing import Any, Generic, TypeVar
@@ -145,11 +147,18 @@ class AdmitBatcher(Generic[Context]):
                 errors += 1
                 if not future.cancelled():
                     future.set_result(self._breaker.unavailable())
-            elif future.cancelled():  # the request gave up waiting: free what the admit reserved
+            elif future.cancelled():  # the request gave up waiting: undo what the admit took
                 if reply.startswith(b"1 "):  # type: ignore[union-attr]
-                    self._reconciler.enqueue(QuotaLedger.decision(command, reply).reservation, 0)  # type: ignore[arg-type]
+                    with contextlib.suppress(ValueError):
+                        reservation = QuotaLedger.read(command, reply).reservation  # type: ignore[arg-type]
+                        self._reconciler.enqueue(reservation, 0, command.slots)  # type: ignore[arg-type]
             else:
-                future.set_result(decide(command, reply, context))  # type: ignore[arg-type]
+                try:
+                    admission = decide(command, reply, context)  # type: ignore[arg-type]
+                except (ValueError, IndexError):  # a reply the script cannot have written: a backend error
+                    errors += 1
+                    admission = self._breaker.unavailable()
+                future.set_result(admission)
         if errors:
             self._breaker.failed(f"{errors} admit(s) answered with errors")
         else:

@@ -19,9 +19,11 @@ class QuotaCounters:
     admitted: int = 0
     leased: int = 0  # admitted from a worker-held block (quota.lease), included in admitted
     leases_granted: int = 0  # blocks the ledger granted this worker
-    denied: int = 0  # over budget, never-fits included
+    denied: int = 0  # over a token budget or a request limit, never-fits included
+    denied_requests: int = 0  # of those, by a request limit
     denied_never_fits: int = 0  # the estimate exceeds a whole window: not retryable
     denied_concurrency: int = 0
+    shadow_refusals: int = 0  # limits marked shadow that would have refused a request (one per limit)
     backend_error_rejected: int = 0
     backend_error_allowed: int = 0
     unmetered: int = 0  # no rule matched (no default rule)

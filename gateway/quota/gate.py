@@ -1,10 +1,14 @@
 """The quota as a worker sees it: ``admission`` before routing, ``settle`` when the request ends.
 
-Request path: which rule meters the (tenant, model) (memoised) -> the estimate -> an open worker-held
-block of the (rule, tenant) admits at once, with no await (``lease_book.py``, opt-in ``quota.lease``)
--> else, the breaker closed, the admit joins this loop tick's batch (``batcher.py``: one pipelined write
-for every admit of the tick) and the request awaits its own Admission. ``admission`` returns None when
-no rule applies, so unmetered requests pay no coroutine either.
+Request path: what meters the (tenant, model, key) (memoised: its rule, the key's own limits, their admit
+call) -> the estimate -> an open worker-held block admits at once, with no await (``lease_book.py``,
+``quota.lease``) -> else, the breaker closed, the admit joins this loop tick's batch (``batcher.py``: one
+pipelined write for every admit of the tick) and the request awaits its own Admission (``verdict.py``).
+``admission`` returns None when nothing meters the request, so unmetered requests pay no coroutine either.
+
+Every limit that applies (the key's and the rule's request rates, token budgets and in-flight caps) is
+checked and taken by that one call, all or nothing, so it holds across every worker and every gateway
+sharing the Valkey (``ledger.py``, ``ledger_script.py``).
 
 Settling never waits: ``settle`` hands the reservation to the reconciler (``reconcile.py``), which
 settles in pipelined batches with retries; a block's share is counted into its block, settled with it.
@@ -16,12 +20,9 @@ and the ``on_backend_error`` policy (``breaker.py``), the reconciler, and the re
 (``keeper.py``: a request that outlives the reservation timeout keeps its reservation live). The
 reservations of a worker that dies are settled by the supervisor's sweep (``owner.py``).
 
-Concurrency cap: ``QuotaRule.max_in_flight`` is enforced by the same script call, counting the live
-reservations of the (rule, tenant), so it holds across every worker and every gateway sharing the Valkey.
-
-Where further limits go (request rates, per-key limits, spend): into what a (tenant, model) is metered by
-(``Metered``, memoised here), the arguments and reply of the one admit call (``ledger.py``), and further
-allowances of a block (``lease.Allowance``). The batcher, the breaker and the transports carry any admit.
+Where further limits go (spend): a kind of ``limits.Limits`` with its arguments and reply fields in the
+one admit call (``ledger.py``), a header or message in ``verdict.py``, and an allowance of a block
+(``lease.Allowance``). The batcher, the breaker and the transports carry any admit.
 """
 
 from __future__ import annotations
@@ -32,15 +33,7 @@ from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gateway.ids import CounterIds
-from gateway.quota.admission import (
-    H_LIMIT,
-    H_REMAINING,
-    H_RESET,
-    H_RETRY_AFTER,
-    Admission,
-    duration_text,
-    never_fits_message,
-)
+from gateway.quota.admission import Admission
 from gateway.quota.backend import BACKEND_ERRORS, describe_error
 from gateway.quota.batcher import AdmitBatcher
 from gateway.quota.breaker import BackendBreaker, BackendPolicy
@@ -49,21 +42,24 @@ from gateway.quota.estimate import PROMPT_BYTES_PER_TOKEN
 from gateway.quota.keeper import ReservationKeeper
 from gateway.quota.lease import Lease, LeaseSpec
 from gateway.quota.lease_book import LeaseBook
-from gateway.quota.ledger import ADMITTED, DENIED_BUDGET, Account, AdmitCommand, QuotaLedger
+from gateway.quota.ledger import F_RQ_REMAINING, F_SHADOW, F_TK_REMAINING, Account, AdmitCommand, QuotaLedger
+from gateway.quota.limits import Scope
 from gateway.quota.owner import owner_tag
 from gateway.quota.reconcile import Reconciler
-from gateway.quota.report import quota_report
+from gateway.quota.report import key_scopes_by_tenant, quota_report
 from gateway.quota.rules import QuotaRule, RuleSet, rules_from_config
+from gateway.quota.verdict import rate_headers, refused, shadow_names
 
 if TYPE_CHECKING:
+    from gateway.auth import KeyIdentity
     from gateway.config import Config
 
 __all__ = ["Admission", "QuotaGate"]
 
-# What meters a (tenant, model): its rule's account in the ledger and the tenant's TenantTokens slot.
+# What meters a (tenant, model, key): its account in the ledger and the tenant's TenantTokens slot.
 Metered = tuple[Account, int]
 
-_MAX_METERED = 4096  # (tenant, model) pairs remembered; hostile model names cannot grow it further
+_MAX_METERED = 4096  # (tenant, model, key) remembered; hostile model names cannot grow it further
 
 
 class QuotaGate:
@@ -108,14 +104,15 @@ class QuotaGate:
                                                             self._keeper, self._reconciler, counters, self._ids)
         # The open blocks (always empty without leases): one truth test per request when there are none.
         self._open_leases = {} if self._leases is None else self._leases.open
-        self._metered: dict[tuple[str, str | None], Metered | None] = {}
+        self._metered: dict[tuple[str, str | None, object], Metered | None] = {}
+        self.key_scopes: dict[str, tuple[Scope, ...]] = {}  # the configured keys' limits (the report)
 
     @classmethod
     def from_config(cls, ledger: QuotaLedger, config: Config, *, generation: int, slot: int) -> QuotaGate:
         """The gate of the worker (``generation``, ``slot``) of this process, as ``config.quota`` says."""
         quota = config.quota
         assert quota is not None
-        return cls(
+        gate = cls(
             ledger,
             rules_from_config(quota),
             on_backend_error=quota.on_backend_error,
@@ -123,9 +120,10 @@ class QuotaGate:
             probe_interval_s=float(quota.breaker.probe_interval),
             owner=owner_tag(generation, slot, os.getpid()),
             tenants=configured_tenants(config),
-            lease=None if quota.lease is None else LeaseSpec(quota.lease.tokens, float(quota.lease.ttl),
-                                                             quota.lease.headroom),
+            lease=lease_spec(quota),
         )
+        gate.key_scopes = key_scopes_by_tenant(config.auth)
+        return gate
 
     @property
     def breaker(self) -> BackendBreaker:
@@ -162,20 +160,22 @@ class QuotaGate:
 
     async def quota_report(self, tenant: str) -> dict[str, Any]:
         """What the ledger holds for ``tenant`` (``report.quota_report``), through this gate's client."""
-        return await quota_report(self._ledger, self._rules, tenant, max(self._timeout_s, 1.0))
+        return await quota_report(self._ledger, self._rules, tenant, max(self._timeout_s, 1.0),
+                                  self.key_scopes.get(tenant, ()))
 
     # -- the two verbs of the request path
 
-    def admission(self, tenant: str, model: str | None, body_len: int,
-                  completion_allowance: int | None) -> Admission | Awaitable[Admission] | None:
-        """None when no rule applies (unmetered: nothing to settle); an ``Admission`` decided here (from
-        a worker-held block, or by the breaker's policy) with no await; else the awaitable of the ledger's
-        decision (this loop tick's batch). ``completion_allowance``: the largest the body names
-        (``estimate.completion_allowance``), None for the rule's default."""
+    def admission(self, tenant: str, model: str | None, body_len: int, completion_allowance: int | None,
+                  key: KeyIdentity | None = None) -> Admission | Awaitable[Admission] | None:
+        """None when nothing meters the request (no rule applies and its key has no limits: nothing to
+        settle); an ``Admission`` decided here (from a worker-held block, or by the breaker's policy)
+        with no await; else the awaitable of the ledger's decision (this loop tick's batch).
+        ``completion_allowance``: the largest the body names (``estimate.completion_allowance``), None for
+        the rule's default. ``key``: who the request is (``gateway.auth.KeyIdentity``; None without auth)."""
         try:
-            metered = self._metered[(tenant, model)]
+            metered = self._metered[(tenant, model, key)]
         except KeyError:
-            metered = self._meter(tenant, model)
+            metered = self._meter(tenant, model, key)
         if metered is None:
             self.counters.unmetered += 1
             return None
@@ -183,7 +183,7 @@ class QuotaGate:
         # ``estimate.estimate_prompt_tokens`` written out (two calls fewer per request): ``body_len`` is a
         # body's length, never negative.
         estimate = -(-body_len // PROMPT_BYTES_PER_TOKEN) + (
-            account.rule.default_max_tokens if completion_allowance is None else completion_allowance)
+            account.default_max_tokens if completion_allowance is None else completion_allowance)
         if self._open_leases:
             admission = self._leases.take(account, metered[1], estimate)  # type: ignore[union-attr]
             if admission is not None:
@@ -193,63 +193,64 @@ class QuotaGate:
         return self._batcher.submit(self._ledger.admit_command(account, estimate, self._ids.next()), metered)
 
     def settle(self, admission: Admission, actual_tokens: int | None, prompt_tokens: int | None = None,
-               completion_tokens: int | None = None) -> None:
-        """The request ended: charge ``actual_tokens`` (0: nothing reached a provider, release it; None:
-        charge its estimate) and, when the provider reported them, count the tenant's tokens in/out. Never
-        blocks; settles once, however often it is called; an unmetered admission settles nothing."""
+               completion_tokens: int | None = None, *, reached: bool = True) -> None:
+        """The request ended: charge ``actual_tokens`` (0: release it; None: charge its estimate) and, when
+        the provider reported them, count the tenant's tokens in/out. ``reached`` False: it never reached
+        a provider, so its request slots go back too. Never blocks; settles once, however often it is
+        called; an unmetered admission settles nothing."""
         lease: Lease | None = admission.lease
         if lease is not None:  # a block's share: counted here, settled with the block
             admission.lease = None
-            self._leases.end(lease, admission.estimate, actual_tokens)  # type: ignore[union-attr]
+            self._leases.end(lease, admission.estimate, actual_tokens, reached)  # type: ignore[union-attr]
         else:
             reservation = admission.reservation
             if reservation is None:
                 return
             admission.reservation = None
             self._keeper.discard(reservation)
-            self._reconciler.enqueue(reservation, reservation.estimate if actual_tokens is None else actual_tokens)
+            self._reconciler.enqueue(reservation, reservation.estimate if actual_tokens is None else actual_tokens,
+                                     0 if reached else reservation.slots)
         if prompt_tokens is not None or completion_tokens is not None:
             self.tenant_tokens.add(admission.tenant_slot, prompt_tokens, completion_tokens, actual_tokens)
 
     # --
 
-    def _meter(self, tenant: str, model: str | None) -> Metered | None:
-        rule = self._rules.match(tenant, model)
-        metered = None if rule is None else (self._ledger.account(rule, tenant), self.tenant_tokens.slot(tenant))
+    def _meter(self, tenant: str, model: str | None, key: KeyIdentity | None) -> Metered | None:
+        rule = self._rules.match(tenant, model, key)
+        account = self._ledger.account(tenant, rule, key)
+        metered = None if account is None else (account, self.tenant_tokens.slot(tenant))
         if len(self._metered) >= _MAX_METERED:
             self._metered.clear()
-        self._metered[(tenant, model)] = metered
+        self._metered[(tenant, model, key)] = metered
         return metered
 
     def _decide(self, command: AdmitCommand, reply: bytes, metered: Metered) -> Admission:
-        """A request's Admission from its admit's reply (the batcher's ``decide``)."""
-        decision = QuotaLedger.decision(command, reply)
+        """A request's Admission from its admit's reply (the batcher's ``decide``; a reply the script
+        cannot have written raises ValueError, which the batcher answers as a backend error)."""
+        answer = QuotaLedger.read(command, reply)
+        account = metered[0]
         estimate = command.estimate
         counters = self.counters
-        limit = (H_LIMIT, b"%d" % decision.limit)
-        remaining = (H_REMAINING, b"%d" % max(0, decision.remaining))
-        reset = (H_RESET, duration_text(decision.reset_ms))
-        if decision.verdict == ADMITTED:
-            counters.admitted += 1
-            counters.tokens_estimated += estimate
-            if self._leases is not None:
-                self._leases.want(metered[0], metered[1], decision.remaining)
-            self._keeper.add(decision.reservation)  # type: ignore[arg-type]
-            return Admission(True, "admitted", None, (limit, remaining, reset), decision.reservation, estimate,
-                             metered[1], metered=True)
-        if decision.verdict == DENIED_BUDGET:
-            counters.denied += 1
-            if estimate > decision.limit:  # the ledger reports a budget smaller than the estimate
-                counters.denied_never_fits += 1
-                message = never_fits_message(metered[0].rule, estimate, decision.limit)
-                return Admission(False, "denied_never_fits", 429, (limit, remaining, reset), None, estimate,
-                                 message=message)
-            # The retry is the end of the blocking window.
-            reason, retry_after = "denied", max(1, -(-decision.reset_ms // 1000))
-        else:
-            # The concurrency cap: a guess (one second), since we cannot know when a request in
-            # flight will finish.
-            counters.denied_concurrency += 1
-            reason, retry_after = "denied_concurrency", 1
-        headers = ((H_RETRY_AFTER, b"%d" % retry_after), limit, remaining, reset)
-        return Admission(False, reason, 429, headers, None, estimate)
+        if not answer.admitted:
+            return refused(account, answer, estimate, counters)
+        fields = answer.fields
+        counters.admitted += 1
+        counters.tokens_estimated += estimate
+        shadow = None
+        if fields[F_SHADOW] != b"-":
+            shadow = shadow_names(account, fields)
+            counters.shadow_refusals += len(shadow)  # type: ignore[arg-type]
+        if self._leases is not None and account.leasable:
+            self._leases.want(account, metered[1], estimate, int(fields[F_TK_REMAINING]), int(fields[F_RQ_REMAINING]))
+        reservation = answer.reservation
+        self._keeper.add(reservation)  # type: ignore[arg-type]
+        return Admission(True, "admitted", None, rate_headers(account, fields), reservation, estimate, metered[1],
+                         None, None, True, shadow)
+
+
+def lease_spec(quota: Any) -> LeaseSpec | None:
+    """``quota.lease`` (gateway.config, duck-typed): None when blocks are off (``null``, ``enabled: false``)."""
+    lease = quota.lease
+    if lease is None or not lease.enabled:
+        return None
+    return LeaseSpec(float(lease.ttl), lease.headroom, lease.tokens, lease.requests)

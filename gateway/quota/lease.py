@@ -1,20 +1,26 @@
-"""Worker-held token leases (``quota.lease``, opt-in): one block of a budget, admitted against locally. Pure.
+"""Worker-held blocks (``quota.lease``, on by default): a share of every limit, admitted against locally. Pure.
 
-Without leases every metered request reserves its estimate in Valkey: exact, and one round trip plus
-a suspended coroutine per request. With leases a worker reserves a block of ``tokens`` for one
-(rule, tenant) with the same ledger call a request uses (to Valkey the block is one reservation), then
-admits requests of that pair against the block in memory, with no await. When the block is closed
-(its ``ttl`` passed, the next request does not fit, or a window of the rule ends) and its last request
-has ended, the worker settles the block's reservation with the tokens its requests were charged: the
-unused part goes back to the budget. The same design as Envoy's rate-limit quota service: the data
-plane spends an assignment locally and reports what it used. The gate asks for a used block's successor
-shortly before its ``ttl`` ends (``LeaseBook``), so steady traffic never waits between blocks.
+Without blocks every metered request is decided in Valkey: exact, and one round trip plus a suspended
+coroutine per request. With blocks a worker takes, for one (tenant, rule, key), ``slots`` request slots
+of every request limit and ``tokens`` of every token budget at once, with the same ledger call a
+request uses (to Valkey a block is one reservation that took ``slots`` slots), then admits requests of
+that (tenant, rule, key) against the block in memory, with no await. When the block is closed (its
+``ttl`` passed, the next request does not fit, or a token window ended) and its last request has ended,
+the worker settles the block's reservation with the tokens its requests were charged and gives back
+the slots they did not use (nor used for work that never reached a provider). The same design as
+Envoy's rate-limit quota service: the data plane spends an assignment locally and reports what it used.
 
-What that trades: tokens another worker holds in an open block are reserved in Valkey, so a budget
-near its limit could refuse a request while a block somewhere still has room. Blocks are therefore
-taken only while the budget's room is at least ``headroom`` blocks, and closed after ``ttl``: near the
-limit every request reserves in Valkey again, exactly as without leases. Rules with ``max_in_flight``
-never lease (a concurrency cap must count every request in Valkey).
+Sizes follow use: the first block of a (tenant, rule, key) holds ``MIN_BLOCK_REQUESTS`` requests; a block
+that filled up is followed by one twice its size, one that lived out its ``ttl`` by one and a half times
+what it used (``next_sizes``). A fixed ``quota.lease.tokens`` / ``requests`` overrides that.
+
+What that trades: what a block holds is taken in Valkey, so near a limit another worker's request could
+be refused while a block somewhere still has room. Blocks are therefore taken only while the tightest
+limit of each kind has room for ``headroom`` blocks (a block shrinks to fit, down to its floor, else
+none is taken), and closed after ``ttl``: near the limit every request is decided in Valkey, exactly as
+without blocks. No limit is ever exceeded: a block is a reservation like any other. Scopes with
+``max_in_flight`` or a shadow limit never lease (a concurrency cap must count every request in Valkey,
+and a shadow limit must see every request to say which it would have refused).
 """
 
 from __future__ import annotations
@@ -22,22 +28,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gateway.quota.admission import H_LIMIT, H_REMAINING, H_RESET, duration_text
-from gateway.quota.ledger import Reservation
-from gateway.quota.rules import QuotaRule
+from gateway.quota.admission import REQUEST_HEADERS, TOKEN_HEADERS, duration_text
+from gateway.quota.ledger import Account, Reservation
+
+MIN_BLOCK_REQUESTS = 4  # the floor of a block: fewer is not worth a round trip
+GROWTH_WHEN_FULL = 2.0
+GROWTH_WHEN_USED = 1.5
 
 
 @dataclass(frozen=True, slots=True)
 class LeaseSpec:
-    """``quota.lease``: the block size, how long a block admits, and the room a budget must have."""
+    """``quota.lease``: how long a block admits, the room a limit must have, fixed sizes (None: by use)."""
 
-    tokens: int
     ttl_s: float
     headroom: int
-
-    def wanted(self, room: int) -> bool:
-        """Whether a budget with ``room`` tokens left (after the request just decided) may lease a block."""
-        return room >= self.headroom * self.tokens
+    tokens: int | None = None
+    requests: int | None = None
 
 
 class LeaseReservation(Reservation, frozen=True, gc=False):
@@ -46,35 +52,44 @@ class LeaseReservation(Reservation, frozen=True, gc=False):
     request, when each one settles)."""
 
 
-def leasable(rule: QuotaRule) -> bool:
-    """A concurrency cap needs every request counted in Valkey: such rules never lease."""
-    return rule.max_in_flight == 0
+def ms_to_window_end(account: Account, server_now_ms: int) -> int | None:
+    """Milliseconds until the first of the account's token windows ends (windows are aligned to the
+    epoch, and ``server_now_ms`` is the ledger's clock): a block must not admit into the next window,
+    since its reservation was made in this one. None: no token window (request limits have no ends)."""
+    windows = [b.window_s * 1000 for scope in account.scopes for b in scope.limits.budgets]
+    if not windows:
+        return None
+    return min(w - server_now_ms % w for w in windows)
 
 
-def ms_to_window_end(rule: QuotaRule, server_now_ms: int) -> int:
-    """Milliseconds until the first of the rule's windows ends (windows are aligned to the epoch, and
-    ``server_now_ms`` is the ledger's clock): a block must not admit into the next window, since its
-    reservation was made in this one."""
-    return min(b.window_s * 1000 - server_now_ms % (b.window_s * 1000) for b in rule.budgets)
+def fit(size: int, room: int, headroom: int, floor: int, fixed: bool) -> int:
+    """A block size the room allows (``room >= headroom * size``), shrunk if need be (not a fixed one)
+    down to ``floor``; 0: no block."""
+    if room >= headroom * size:
+        return size
+    if fixed:
+        return 0
+    size = room // headroom
+    return size if size >= floor else 0
 
 
 class Allowance:
-    """One kind of budget a block holds: its ``capacity``, what the block's requests ``committed`` of it
-    (the estimates of those in flight + what the ended ones were charged), and its rate-limit headers as
-    this worker knows them. A block holds tokens today; request slots (``x-ratelimit-*-requests``) and
-    nano-USD are further allowances of the same shape, and a request is admitted when every one fits."""
+    """One kind of limit a block holds: its ``capacity``, what the block's requests ``committed`` of it
+    (tokens: the estimates of those in flight + what the ended ones were charged; slots: one per request
+    that may have reached a provider), and its rate-limit headers as this worker knows them."""
 
-    __slots__ = ("capacity", "committed", "room", "resets_at", "limit_header", "remaining_name", "_reset_name",
-                 "_reset_until", "_reset_header")
+    __slots__ = ("capacity", "committed", "filled", "room", "resets_at", "limit_header", "remaining_name",
+                 "_reset_name", "_reset_until", "_reset_header")
 
     def __init__(self, capacity: int, limit: int, room_beyond: int, resets_at: float,
-                 names: tuple[bytes, bytes, bytes] = (H_LIMIT, H_REMAINING, H_RESET)) -> None:
+                 names: tuple[bytes, bytes, bytes] = TOKEN_HEADERS) -> None:
         self.capacity = capacity
         self.committed = 0
+        self.filled = False  # a request did not fit: the next block may be larger
         self.room = room_beyond + capacity  # the room this worker knows of, before anything is committed
-        self.resets_at = resets_at  # monotonic seconds at which the tightest budget's window ends
+        self.resets_at = resets_at  # monotonic seconds at which the tightest limit resets
         limit_name, self.remaining_name, self._reset_name = names
-        self.limit_header = (limit_name, b"%d" % limit)  # the tightest budget's limit, from the grant
+        self.limit_header = (limit_name, b"%d" % limit)  # the tightest limit, from the grant
         # The reset header, and until when (monotonic) it says the right whole second: the block's requests
         # share one rather than compute a duration each.
         self._reset_until = -math.inf
@@ -98,43 +113,70 @@ class Allowance:
         return self._reset_header
 
 
+def request_allowance(slots: int, limit: int, room_beyond: int, resets_at: float) -> Allowance:
+    return Allowance(slots, limit, room_beyond, resets_at, REQUEST_HEADERS)
+
+
 class Lease:
-    """One block: admits while open and the request fits every allowance; once closed it only waits for
-    its requests to end, then it is settled (``end``/``close`` say when)."""
+    """One block: admits while open and the request fits every allowance it holds; once closed it only
+    waits for its requests to end, then it is settled (``end``/``close`` say when)."""
 
-    __slots__ = ("reservation", "tokens", "in_flight", "closes_at", "closed", "tenant_slot")
+    __slots__ = ("reservation", "tokens", "slots", "in_flight", "taken", "closes_at", "closed", "tenant_slot")
 
-    def __init__(self, reservation: Reservation, tokens: Allowance, closes_at: float, tenant_slot: int = -1) -> None:
+    def __init__(self, reservation: Reservation, tokens: Allowance | None, closes_at: float, tenant_slot: int = -1,
+                 slots: Allowance | None = None) -> None:
         self.reservation = reservation
-        self.tokens = tokens
+        self.tokens = tokens  # None: no token budget applies
+        self.slots = slots  # None: no request limit applies
         self.in_flight = 0
+        self.taken = 0  # requests admitted from it
         self.closes_at = closes_at  # monotonic seconds
         self.closed = False
         self.tenant_slot = tenant_slot  # the tenant's TenantTokens slot: one tenant per block
 
     def take(self, estimate: int, now: float) -> tuple[tuple[bytes, bytes], ...] | None:
         """Admit a request of ``estimate`` tokens if the block is open and has room: its rate-limit
-        headers (limit, remaining, reset), else None. A block that has no room left for it is closed
-        (requests go to Valkey until the next block); a request larger than any block goes to Valkey and
-        leaves the block open."""
-        tokens = self.tokens
-        if self.closed or estimate > tokens.capacity:
+        headers (limit, remaining, reset of each kind), else None. A block that has no room left for
+        it is closed (requests go to Valkey until the next block); a request larger than the block's
+        tokens goes to Valkey and leaves the block open."""
+        if self.closed:
             return None
-        committed = tokens.committed + estimate
-        if now >= self.closes_at or committed > tokens.capacity:
+        tokens, slots = self.tokens, self.slots
+        if tokens is not None and estimate > tokens.capacity:
+            return None
+        if now >= self.closes_at:
             self.closed = True
             return None
-        tokens.committed = committed
+        if slots is not None and slots.committed >= slots.capacity:
+            slots.filled = self.closed = True
+            return None
+        if tokens is not None:
+            committed = tokens.committed + estimate
+            if committed > tokens.capacity:
+                tokens.filled = self.closed = True
+                return None
+            tokens.committed = committed
+            # ``remaining`` without its max(): committed <= capacity here, so it cannot be negative.
+            headers = (tokens.limit_header, (tokens.remaining_name, b"%d" % (tokens.room - committed)),
+                       tokens.reset_header(now))
+        else:
+            headers = ()
+        if slots is not None:
+            slots.committed += 1
+            headers += (slots.limit_header, (slots.remaining_name, b"%d" % (slots.room - slots.committed)),
+                        slots.reset_header(now))
         self.in_flight += 1
-        # ``remaining`` without its max(): committed <= capacity here, so it cannot be negative.
-        return (tokens.limit_header, (tokens.remaining_name, b"%d" % (tokens.room - committed)),
-                tokens.reset_header(now))
+        self.taken += 1
+        return headers
 
-    def end(self, estimate: int, charged: int) -> bool:
+    def end(self, estimate: int, charged: int, reached: bool = True) -> bool:
         """A request of this block ended and was charged ``charged`` tokens (its estimate, the
-        provider's usage, or 0 when nothing reached a provider). True when the block is now closed
-        and idle: settle it."""
-        self.tokens.committed += charged - estimate
+        provider's usage, or 0); ``reached`` False: it never reached a provider, its slot goes back with
+        the block. True when the block is now closed and idle: settle it."""
+        if self.tokens is not None:
+            self.tokens.committed += charged - estimate
+        if not reached and self.slots is not None:
+            self.slots.committed -= 1
         self.in_flight -= 1
         return self.closed and self.in_flight == 0
 
@@ -142,3 +184,28 @@ class Lease:
         """Stop admitting. True when nothing is in flight: settle it now."""
         self.closed = True
         return self.in_flight == 0
+
+    @property
+    def tokens_charged(self) -> int:
+        return 0 if self.tokens is None else self.tokens.committed
+
+    @property
+    def slots_unused(self) -> int:
+        return 0 if self.slots is None else self.slots.capacity - self.slots.committed
+
+
+def _grown(allowance: Allowance | None, floor: int) -> int:
+    if allowance is None:
+        return floor
+    if allowance.filled:
+        return int(allowance.capacity * GROWTH_WHEN_FULL)
+    return max(floor, math.ceil(allowance.committed * GROWTH_WHEN_USED))
+
+
+def next_sizes(spec: LeaseSpec, previous: Lease | None, estimate: int) -> tuple[int, int]:
+    """(tokens, slots) of the next block of a (tenant, rule, key): the fixed sizes when configured, else
+    the floor for a first block, twice a block that filled up, one and a half times what a block used."""
+    token_floor = MIN_BLOCK_REQUESTS * max(1, estimate)
+    tokens = spec.tokens or (token_floor if previous is None else _grown(previous.tokens, token_floor))
+    slots = spec.requests or (MIN_BLOCK_REQUESTS if previous is None else _grown(previous.slots, MIN_BLOCK_REQUESTS))
+    return tokens, slots

@@ -2,19 +2,20 @@
 their life: asked for, granted, taken from, renewed, expired, returned. The arithmetic of one block is
 ``lease.py``; why blocks exist, and what they trade, is said there.
 
-- **Ask**: after an exact admit that left the budget ``headroom`` blocks of room, a block of the pair is
-  asked for, unless one is open or asked for already. The ask is an admit of the block's size in the same
-  tick's batch (``AdmitBatcher.submit_detached``): to the ledger a block is one reservation.
-- **Grant**: the block opens for ``ttl`` (never past the end of the rule's first window: its reservation
-  counts in this window) and is kept alive like a request's reservation (``keeper.py``).
-- **Take**: a request of the pair that fits is admitted from the block in memory, with no await.
+- **Ask**: after an exact admit that left every limit ``headroom`` blocks of room, a block of the
+  (tenant, rule, key) is asked for, unless one is open or asked for already. The ask is an admit of the
+  block's size (``slots`` requests, ``tokens`` tokens) in the same tick's batch
+  (``AdmitBatcher.submit_detached``): to the ledger a block is one reservation.
+- **Grant**: the block opens for ``ttl`` (never past the end of a token window of its limits: its
+  reservation counts in this window) and is kept alive like a request's reservation (``keeper.py``).
+- **Take**: a request that fits is admitted from the block in memory, with no await.
 - **Renew**: shortly before a used block expires its successor is asked for, so steady traffic never
-  waits on a round trip between blocks; an idle pair lets its block expire and holds nothing.
+  waits on a round trip between blocks; an idle (tenant, rule, key) lets its block expire and holds nothing.
 - **Return**: a block that is closed (expired, full, replaced) and has no request in flight is settled
-  with what its requests were charged; the unused part goes back to the budget.
+  with what its requests were charged, and the slots they did not use go back.
 
-Keys are (rule name, tenant) today; the next limits (request slots per key, nano-USD) add allowances to a
-block (``lease.Allowance``) rather than new books.
+The last block of each (tenant, rule, key) is remembered: the next one is sized from what it used
+(``lease.next_sizes``).
 """
 
 from __future__ import annotations
@@ -29,29 +30,40 @@ from gateway.quota.batcher import AdmitBatcher
 from gateway.quota.breaker import Breaker
 from gateway.quota.counters import QuotaCounters
 from gateway.quota.keeper import ReservationKeeper
-from gateway.quota.lease import Allowance, Lease, LeaseReservation, LeaseSpec, leasable, ms_to_window_end
-from gateway.quota.ledger import ADMITTED, Account, AdmitCommand, QuotaLedger
+from gateway.quota.lease import (
+    MIN_BLOCK_REQUESTS,
+    Allowance,
+    Lease,
+    LeaseReservation,
+    LeaseSpec,
+    fit,
+    ms_to_window_end,
+    next_sizes,
+    request_allowance,
+)
+from gateway.quota.ledger import F_RQ_LIMIT, F_TK_LIMIT, Account, AdmitCommand, QuotaLedger
 from gateway.quota.reconcile import Reconciler
 from gateway.quota.transport import Reply
 
 _monotonic = time.monotonic
 
-LeaseKey = tuple[str, str]  # (rule name, tenant)
+LeaseKey = tuple[str, str, str]  # (tenant, rule, key): ``Account.lease_key``
 
 # A block's successor is asked for this long before the block expires (at most a quarter of its life).
 RENEW_LEAD_S = 0.1
 
 
 class LeaseBook:
-    __slots__ = ("spec", "open", "_asked", "_held", "_ledger", "_batcher", "_breaker", "_keeper", "_reconciler",
-                 "_counters", "_ids", "_closing")
+    __slots__ = ("spec", "open", "_asked", "_held", "_last", "_ledger", "_batcher", "_breaker", "_keeper",
+                 "_reconciler", "_counters", "_ids", "_closing")
 
     def __init__(self, spec: LeaseSpec, ledger: QuotaLedger, batcher: AdmitBatcher, breaker: Breaker,
                  keeper: ReservationKeeper, reconciler: Reconciler, counters: QuotaCounters, ids: CounterIds) -> None:
         self.spec = spec
-        self.open: dict[LeaseKey, Lease] = {}  # the open block of each pair (read by the gate: empty = no take)
+        self.open: dict[LeaseKey, Lease] = {}  # the open block of each key (read by the gate: empty = no take)
         self._asked: set[LeaseKey] = set()  # blocks asked for, not granted yet
         self._held: set[Lease] = set()  # every block not settled yet (open, or closed with requests)
+        self._last: dict[LeaseKey, Lease] = {}  # the latest block of each key: the next one's size
         self._ledger = ledger
         self._batcher = batcher
         self._breaker = breaker
@@ -64,9 +76,9 @@ class LeaseBook:
     # -- request path
 
     def take(self, account: Account, tenant_slot: int, estimate: int) -> Admission | None:
-        """The request's Admission from the pair's open block, or None (no block, or it does not fit: the
+        """The request's Admission from its open block, or None (no block, or it does not fit: the
         request goes to the ledger; a block with no room left is closed, and its successor asked for)."""
-        key = (account.rule.name, account.tenant)
+        key = account.lease_key
         lease = self.open.get(key)
         if lease is None:
             return None
@@ -81,28 +93,43 @@ class LeaseBook:
             del self.open[key]  # its requests still end and settle into it
             if lease.in_flight == 0:
                 self._return(lease)
-            self.want(account, tenant_slot, lease.tokens.remaining)
+            self.want(account, tenant_slot, estimate,
+                      lease.tokens.remaining if lease.tokens is not None else 0,
+                      lease.slots.remaining if lease.slots is not None else 0)
         return None
 
-    def want(self, account: Account, tenant_slot: int, room: int, renewing: bool = False) -> None:
-        """Ask for a block of the pair if the rule may lease, the budget has the headroom, the backend is
-        not known down, and no block of the pair is asked for, nor open (unless ``renewing``: the open
-        one is about to expire)."""
-        spec = self.spec
-        if not spec.wanted(room) or not leasable(account.rule) or self._breaker.is_open or self._closing:
+    def want(self, account: Account, tenant_slot: int, estimate: int, tokens_room: int, slots_room: int,
+             renewing: bool = False) -> None:
+        """Ask for a block of the account if it may lease, every limit has the headroom, the backend is
+        not known down, and no block of it is asked for, nor open (unless ``renewing``: the open one is
+        about to expire). ``tokens_room``/``slots_room``: what the tightest limit of each kind has left."""
+        if not account.leasable or self._breaker.is_open or self._closing:
             return
-        key = (account.rule.name, account.tenant)
+        key = account.lease_key
         if (key in self.open and not renewing) or key in self._asked:
             return
+        spec = self.spec
+        tokens, slots = next_sizes(spec, self._last.get(key), estimate)
+        if account.has_budgets:
+            tokens = fit(tokens, tokens_room, spec.headroom, MIN_BLOCK_REQUESTS * max(1, estimate),
+                         spec.tokens is not None)
+            if not tokens:
+                return
+        else:
+            tokens = 0
+        if account.has_requests:
+            slots = fit(slots, slots_room, spec.headroom, MIN_BLOCK_REQUESTS, spec.requests is not None)
+            if not slots:
+                return
         self._asked.add(key)
-        command = self._ledger.admit_command(account, spec.tokens, self._ids.next())
+        command = self._ledger.admit_command(account, tokens, self._ids.next(), slots)
         self._batcher.submit_detached(command, partial(self._granted, tenant_slot))
 
-    def end(self, lease: Lease, estimate: int, actual_tokens: int | None) -> None:
+    def end(self, lease: Lease, estimate: int, actual_tokens: int | None, reached: bool = True) -> None:
         """A request admitted from ``lease`` ended: count its charge into the block (settled with it)."""
         charged = estimate if actual_tokens is None else actual_tokens if actual_tokens > 0 else 0
         self._counters.count_settled(estimate, charged)
-        if lease.end(estimate, charged):
+        if lease.end(estimate, charged, reached):
             self._return(lease)
 
     def close(self) -> None:
@@ -117,26 +144,38 @@ class LeaseBook:
 
     def _granted(self, tenant_slot: int, command: AdmitCommand, reply: Reply | BaseException) -> None:
         account = command.account
-        key = (account.rule.name, account.tenant)
+        key = account.lease_key
         self._asked.discard(key)
         if reply.__class__ is not bytes:
             return  # the batch failed: counted there; requests go to the ledger one by one
-        decision = QuotaLedger.decision(command, reply)  # type: ignore[arg-type]
-        reservation = decision.reservation
-        if decision.verdict != ADMITTED or reservation is None:
+        try:
+            answer = QuotaLedger.read(command, reply)  # type: ignore[arg-type]
+        except ValueError:
+            self._breaker.failed("an admit reply the ledger cannot have written")
+            return
+        reservation = answer.reservation
+        if reservation is None:
             return  # no room for a block: requests go to the ledger one by one
-        block = LeaseReservation(reservation.zkey, reservation.prefix, reservation.member, reservation.estimate)
+        block = LeaseReservation(reservation.zkey, reservation.prefix, reservation.member, reservation.estimate,
+                                 reservation.slots)
         if self._closing:  # granted while the gate shuts down: give it straight back
-            self._reconciler.enqueue(block, 0)
+            self._reconciler.enqueue(block, 0, block.slots)
             return
         spec = self.spec
         now = _monotonic()
-        window_end_s = ms_to_window_end(account.rule, decision.now_ms) / 1000
+        to_window_end = ms_to_window_end(account, answer.now_ms)
+        window_end_s = spec.ttl_s + 1 if to_window_end is None else to_window_end / 1000
         life_s = min(spec.ttl_s, window_end_s)
-        tokens = Allowance(spec.tokens, decision.limit, decision.remaining, now + decision.reset_ms / 1000)
-        lease = Lease(block, tokens, now + life_s, tenant_slot)
+        tokens = slots = None
+        if account.has_budgets:
+            limit, remaining, reset_ms = answer.triple(F_TK_LIMIT)
+            tokens = Allowance(command.estimate, limit, remaining, now + reset_ms / 1000)
+        if account.has_requests:
+            limit, remaining, reset_ms = answer.triple(F_RQ_LIMIT)
+            slots = request_allowance(command.slots, limit, remaining, now + reset_ms / 1000)
+        lease = Lease(block, tokens, now + life_s, tenant_slot, slots)
         replaced = self.open.get(key)
-        self.open[key] = lease
+        self.open[key] = self._last[key] = lease
         self._held.add(lease)
         self._keeper.add(block)
         self._counters.leases_granted += 1
@@ -151,8 +190,11 @@ class LeaseBook:
 
     def _renew(self, account: Account, key: LeaseKey, lease: Lease) -> None:
         """Ask for the successor of a block that is still open and was used."""
-        if self.open.get(key) is lease and not lease.closed and lease.tokens.committed:
-            self.want(account, lease.tenant_slot, lease.tokens.remaining, renewing=True)
+        if self.open.get(key) is lease and not lease.closed and lease.taken:
+            tokens, slots = lease.tokens, lease.slots
+            estimate = -(-tokens.committed // lease.taken) if tokens is not None else 0
+            self.want(account, lease.tenant_slot, estimate, tokens.remaining if tokens is not None else 0,
+                      slots.remaining if slots is not None else 0, renewing=True)
 
     def _expired(self, key: LeaseKey, lease: Lease) -> None:
         if self.open.get(key) is lease:
@@ -161,8 +203,9 @@ class LeaseBook:
                 self._return(lease)
 
     def _return(self, lease: Lease) -> None:
-        """Settle a block with what its requests were charged (once: the block leaves ``_held``)."""
+        """Settle a block with what its requests were charged and the slots they did not use (once: the
+        block leaves ``_held``)."""
         if lease in self._held:
             self._held.discard(lease)
             self._keeper.discard(lease.reservation)
-            self._reconciler.enqueue(lease.reservation, lease.tokens.committed)
+            self._reconciler.enqueue(lease.reservation, lease.tokens_charged, lease.slots_unused)

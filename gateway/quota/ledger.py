@@ -1,100 +1,115 @@
-"""The shared token ledger in Valkey: one server-side Lua script (``ledger_script``), one round trip per decision.
+"""The shared ledger in Valkey: one server-side Lua script (``ledger_script``), one round trip per decision.
 
-Key layout (version ``v1``; every key of one (rule, tenant) shares the hash tag, so one script call
-touches one Valkey Cluster slot):
+The key layout, the member format and what each mode does are described in ``ledger_script``: every
+counter of one tenant (its rules' and its keys' request clocks, token windows and in-flight sets, and
+the set of its open reservations) shares the hash tag ``{<tenant>}``, so one call checks and takes every
+limit of a request atomically, on one Valkey node or one Cluster slot. Windows of token budgets are fixed
+and aligned to the epoch; request limits are GCRA; both on Valkey's clock (``TIME`` inside the script).
 
-    gg:q:v1:{<rule>:<tenant>}:r                 ZSET  reservation member -> deadline (ms, server clock)
-    gg:q:v1:{<rule>:<tenant>}:w:<win_s>:<idx>   HASH  u = tokens charged, r = tokens reserved (in flight)
+An admit takes every limit that applies, all or nothing: a refused request changes no counter. A
+reservation records what it took, so settling it (the usage, and the request slots of work that never
+reached a provider), expiring it (lazily, by the next call of its tenant: charged at its estimate),
+cancelling it (an admit whose reply was lost) or sweeping it (a worker that died) undoes exactly that.
+Every key carries a TTL. A request that runs longer than the timeout has its deadline moved on while it
+runs (``extend_many``, driven by ``gateway.quota.keeper``), so only a reservation the gateway lost track
+of expires. An ``<id>`` starts with its worker's owner tag (``gateway.quota.owner``).
 
-``<rule>`` and ``<tenant>`` are percent-escaped (``%``, ``:``, ``{``, ``}``) so distinct pairs can never
-share a key or split the hash tag. Windows are fixed and aligned to the epoch: ``idx = floor(now /
-window)`` with ``now`` from Valkey ``TIME`` inside the script, so every gateway agrees on the clock and
-window boundaries. A reservation member is ``<id>|<estimate>|<win_s>:<idx>,...``: it records exactly
-which windows it was admitted into, so settling (or expiring) it adjusts those windows even after a
-config change, and removing the member is the idempotency check (settling twice charges once).
-An ``<id>`` starts with its worker's owner tag (``gateway.quota.owner``), so the reservations of a
-worker that died can be found and settled (``sweep``) without waiting for their deadline.
-
-Tokens are attributed to the windows the request was admitted in (refunds and overage included).
-A denied request changes nothing (all budgets or none). Every key carries a TTL: a window lives
-until its end + the reservation timeout + 60 s of slack, the reservation set until its last deadline
-+ at least 30 s; an expired window is never recreated by a late settle. Reservations past their
-deadline are expired lazily by the next call on that (rule, tenant): charged at their estimate. A
-request that runs longer than the timeout has its deadline moved on while it runs (``extend_many``,
-driven by ``gateway.quota.keeper``), so only a reservation the gateway lost track of expires.
-
-The script carries its version in its text (see ``ledger_script`` for rolling upgrades).
+``Account``: what meters one (tenant, rule, key): its scopes, their limits in the call's order
+(``limits.LimitRef``), and its admit call prepared once by the transport.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from gateway.quota.ledger_script import KEY_PREFIX
+from gateway.quota.limits import LimitRef, Scope, limit_refs
 from gateway.quota.rules import QuotaRule
-from gateway.quota.transport import SLOT, LedgerTransport, Reply, Template, Wire
+from gateway.quota.transport import SLOT, LedgerTransport, Reply, Template, UnexpectedReply, Wire
+
+if TYPE_CHECKING:
+    from gateway.auth import KeyIdentity
 
 # Settle outcomes (what the script did).
 SETTLE_NOOP = 0  # already settled, or expired earlier and charged at the estimate
 SETTLE_APPLIED = 1  # the actual tokens were charged, the reservation released
 SETTLE_EXPIRED = 2  # past its deadline: charged at the estimate
 
-ADMITTED = 1
-DENIED_BUDGET = 0
-DENIED_CONCURRENCY = -1
+# The fields of an admit's reply (one bulk string, split on spaces; the member last, admitted only).
+F_VERDICT, F_NOW, F_EXPIRED, F_REFUSED, F_RETRY = 0, 1, 2, 3, 4
+F_RQ_LIMIT, F_RQ_REMAINING, F_RQ_RESET = 5, 6, 7
+F_TK_LIMIT, F_TK_REMAINING, F_TK_RESET = 8, 9, 10
+F_SHADOW, F_MEMBER = 11, 12
+ADMIT_FIELDS = 13
 
 # The records below are built per metered request: msgspec structs are made in C (a NamedTuple's
 # constructor is a Python function), and hold nothing that could point back at them (gc=False).
 
 
 class Reservation(msgspec.Struct, frozen=True, gc=False):
-    """What settling needs: the (rule, tenant) keys and the member the script returned."""
+    """What settling needs: the tenant's keys, the member the script returned, the tokens it reserved
+    and the request slots it took."""
 
     zkey: bytes
     prefix: bytes
     member: bytes
     estimate: int
+    slots: int = 1
 
 
 class Account(msgspec.Struct, frozen=True, gc=False):
-    """One (rule, tenant)'s place in the ledger: its keys, and its admit call prepared by the transport
-    (everything but the reservation id and the estimate). Made once per pair (``QuotaLedger.account``)."""
+    """What meters one (tenant, rule, key): the scopes whose limits apply (the key's own, then the
+    rule's), every limit in the admit call's order, the tenant's keys and the admit call prepared by
+    the transport (everything but the reservation id, the estimate and the slots). Made once per
+    (tenant, rule, key) (``QuotaLedger.account``)."""
 
-    rule: QuotaRule
     tenant: str
+    rule: QuotaRule | None
+    key: Any  # gateway.auth.KeyIdentity | None
+    scopes: tuple[Scope, ...]
+    limits: tuple[LimitRef, ...]
     zkey: bytes
     prefix: bytes
     admit: Template  # the transport's
+    default_max_tokens: int
+    has_requests: bool  # some enforced request limit: responses carry x-ratelimit-*-requests
+    has_budgets: bool  # some enforced token budget: responses carry x-ratelimit-*-tokens
+    leasable: bool  # no in-flight cap and no shadow limit: a worker may hold blocks of it
+    first_window_s: int  # the shortest token window (0: none): a block never outlives its end
+    lease_key: tuple[str, str, str]  # (tenant, rule, key): one open block each
 
 
 class AdmitCommand(msgspec.Struct, frozen=True, gc=False):
-    """One admit: what goes on the wire and what its reply needs to become a ``Decision`` (or to be
+    """One admit: what goes on the wire and what its reply needs to become an Admission (or to be
     cancelled, when the reply is lost)."""
 
     wire: Wire
     account: Account
     reservation_id: bytes
     estimate: int
+    slots: int = 1
 
 
-class Decision(msgspec.Struct, frozen=True, gc=False):
-    """One admission verdict with what the rate-limit headers need.
+class AdmitReply(msgspec.Struct, frozen=True, gc=False):
+    """An admit's reply, read (``QuotaLedger.read``); ``fields`` keeps the numbers as the script wrote
+    them (the rate-limit headers use those bytes as they are)."""
 
-    ``verdict``: ADMITTED, DENIED_BUDGET or DENIED_CONCURRENCY. ``limit``/``remaining``/``reset_ms``
-    describe the tightest budget (admitted, remaining after this reservation) or, denied, the budget
-    the estimate can never fit, else the one that blocks longest. ``reset_ms``: to that window's end.
-    """
-
-    verdict: int
-    limit: int
-    remaining: int
-    reset_ms: int
+    admitted: bool
+    fields: list[bytes]
     reservation: Reservation | None
-    now_ms: int = 0  # the ledger's clock when it decided
+
+    @property
+    def now_ms(self) -> int:
+        return int(self.fields[F_NOW])
+
+    def triple(self, at: int) -> tuple[int, int, int]:
+        """(limit, remaining, reset_ms) at ``F_RQ_LIMIT`` or ``F_TK_LIMIT``; limit 0: no such limit."""
+        fields = self.fields
+        return int(fields[at]), int(fields[at + 1]), int(fields[at + 2])
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,46 +120,86 @@ class WindowReport:
     reserved: int
     remaining: int
     reset_s: float
+    shadow: bool = False
 
 
 @dataclass(frozen=True, slots=True)
-class RuleReport:
-    rule: str
-    in_flight: int
+class RequestReport:
+    window_s: int
+    count: int
+    burst: int
+    remaining: int  # slots a burst could take now
+    full_in_s: float  # until every slot is back
+    shadow: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ScopeReport:
+    kind: str  # rule | key
+    name: str
+    in_flight: int  # its open reservations (a block counts once)
     max_in_flight: int
+    requests: tuple[RequestReport, ...]
     windows: tuple[WindowReport, ...]
 
 
 def escape_key_part(value: str) -> str:
-    """Make a rule or tenant name safe inside ``{...}`` and unambiguous around ``:``."""
-    return value.replace("%", "%25").replace(":", "%3A").replace("{", "%7B").replace("}", "%7D")
+    """Make a tenant, rule or key name safe inside ``{...}``, around ``:`` and inside a member."""
+    for char, code in (("%", "%25"), (":", "%3A"), ("{", "%7B"), ("}", "%7D"), ("|", "%7C"), (",", "%2C"),
+                       ("=", "%3D"), (" ", "%20")):
+        value = value.replace(char, code)
+    return value
 
 
-def key_prefix(rule_name: str, tenant: str) -> str:
-    return f"{KEY_PREFIX}:{{{escape_key_part(rule_name)}:{escape_key_part(tenant)}}}"
+def key_prefix(tenant: str) -> str:
+    """Every key of ``tenant`` starts with this (it ends with ``:``); the hash tag is ``{<tenant>}``."""
+    return f"{KEY_PREFIX}:{{{escape_key_part(tenant)}}}:"
 
 
-# Every (rule, tenant) reservation set: ``:r`` right after the hash tag (window keys go on after it).
-RESERVATION_SETS = KEY_PREFIX + ":{*}:r"
+def keys_of(tenant: str) -> tuple[bytes, bytes]:
+    """(the tenant's reservation set, the prefix of its keys)."""
+    prefix = key_prefix(tenant).encode()
+    return prefix + b"z", prefix
 
-_MAX_ACCOUNTS = 65536  # defensive cap; tenants come from configured keys, so never reached in practice
+
+def scope_part(scope: Scope) -> str:
+    """A scope in the ledger's keys: ``r:<rule>``, ``a:<alias>``, ``k:<kid>``."""
+    return f"{scope.tag}:{escape_key_part(scope.name)}"
+
+
+def scopes_of(rule: QuotaRule | None, key: KeyIdentity | None) -> tuple[Scope, ...]:
+    """The scopes that meter a request: the key's own limits (if any), then its rule's (if one applies)."""
+    scopes: list[Scope] = []
+    if key is not None and key.limits is not None and not key.limits.empty and key.name is not None:
+        scopes.append(Scope("key", key.name, key.limits, "k" if key.kid is not None else "a"))
+    if rule is not None:
+        scopes.append(rule.scope)
+    return tuple(scopes)
+
+
+# Every tenant's reservation set: ``z`` right after the hash tag.
+RESERVATION_SETS = KEY_PREFIX + ":{*}:z"
+
+_ONE = b"1"  # a request's slots: one
+_MAX_ACCOUNTS = 65536  # defensive cap; tenants and keys come from configured keys, so never reached
 
 
 class QuotaLedger:
-    """Valkey-backed token ledger: the key layout, the script's calls and what their replies mean. Each
+    """Valkey-backed ledger: the key layout, the script's calls and what their replies mean. Each
     decision is exactly one script call; the wire, pipelining and script reloads are the transport's
     (``transport.py``). Timeouts and failure policy belong to the callers; errors propagate.
 
     Admits are built here (``admit_command``), sent in batches (``send_admits``: one pipelined round trip
-    for every admit of a loop tick, batched by ``batcher.AdmitBatcher``) and read back (``decision``).
+    for every admit of a loop tick, batched by ``batcher.AdmitBatcher``) and read back (``read``).
     """
 
     def __init__(self, transport: LedgerTransport, *, reservation_timeout_s: float) -> None:
         self._transport = transport
         self._fill = transport.fill
         self._timeout_ms = max(1, int(reservation_timeout_s * 1000))
-        self._accounts: dict[tuple[str, str], Account] = {}
-        self._settle = transport.template((SLOT, "settle", SLOT, SLOT, SLOT))  # zkey, prefix, member, tokens
+        self._accounts: dict[tuple[str, object, object], Account] = {}
+        # zkey, prefix, member, tokens, slots back
+        self._settle = transport.template((SLOT, "settle", SLOT, SLOT, SLOT, SLOT))
 
     @property
     def transport(self) -> LedgerTransport:
@@ -167,25 +222,50 @@ class QuotaLedger:
 
     # -- admissions (request path)
 
-    def account(self, rule: QuotaRule, tenant: str) -> Account:
-        """The (rule, tenant)'s keys and prepared admit (made on first use, then memoised)."""
-        pair = (rule.name, tenant)
-        account = self._accounts.get(pair)
-        if account is None or account.rule is not rule:
-            zkey, prefix = keys_of(rule.name, tenant)
-            tail: tuple[int, ...] = (self._timeout_ms, rule.max_in_flight)
-            for budget in rule.budgets:
-                tail += (budget.window_s, budget.tokens)
-            # ARGV: mode, prefix, id, estimate, timeout, max_in_flight, {window, tokens}...
-            admit = self._transport.template((zkey, "admit", prefix, SLOT, SLOT, *tail))
+    def account(self, tenant: str, rule: QuotaRule | None, key: KeyIdentity | None = None) -> Account | None:
+        """What meters (tenant, rule, key), made on first use and memoised; None when nothing does."""
+        memo = (tenant, rule, key)
+        account = self._accounts.get(memo)
+        if account is None:
+            account = self._make_account(tenant, rule, key)
+            if account is None:
+                return None
             if len(self._accounts) >= _MAX_ACCOUNTS:
                 self._accounts.clear()
-            account = self._accounts[pair] = Account(rule, tenant, zkey, prefix, admit)
+            self._accounts[memo] = account
         return account
 
-    def admit_command(self, account: Account, estimate: int, reservation_id: bytes) -> AdmitCommand:
-        return AdmitCommand(self._fill(account.admit, (reservation_id, b"%d" % estimate)), account,
-                            reservation_id, estimate)
+    def _make_account(self, tenant: str, rule: QuotaRule | None, key: KeyIdentity | None) -> Account | None:
+        scopes = scopes_of(rule, key)
+        if not scopes:
+            return None
+        zkey, prefix = keys_of(tenant)
+        # ARGV: mode, prefix, id, estimate, timeout, slots, scopes, then per scope (ledger_script)
+        args: list[Any] = [zkey, "admit", prefix, SLOT, SLOT, self._timeout_ms, SLOT, len(scopes)]
+        for scope in scopes:
+            limits = scope.limits
+            args += [scope_part(scope), limits.max_in_flight, len(limits.requests)]
+            for request in limits.requests:
+                args += [request.window_s, request.count, request.burst, int(request.shadow)]
+            args.append(len(limits.budgets))
+            for budget in limits.budgets:
+                args += [budget.window_s, budget.tokens, int(budget.shadow)]
+        refs = limit_refs(scopes)
+        windows = [budget.window_s for scope in scopes for budget in scope.limits.budgets]
+        return Account(
+            tenant, rule, key, scopes, refs, zkey, prefix, self._transport.template(args),
+            rule.default_max_tokens if rule is not None else DEFAULT_MAX_TOKENS,
+            has_requests=any(ref.kind == "requests" and not ref.shadow for ref in refs),
+            has_budgets=any(ref.kind == "tokens" and not ref.shadow for ref in refs),
+            leasable=not any(s.limits.max_in_flight or s.limits.has_shadow for s in scopes),
+            first_window_s=min(windows, default=0),
+            lease_key=(tenant, rule.name if rule is not None else "", scopes[0].name if scopes[0].kind == "key" else ""),
+        )
+
+    def admit_command(self, account: Account, estimate: int, reservation_id: bytes, slots: int = 1) -> AdmitCommand:
+        return AdmitCommand(self._fill(account.admit, (reservation_id, b"%d" % estimate,
+                                                       _ONE if slots == 1 else b"%d" % slots)),
+                            account, reservation_id, estimate, slots)
 
     def send_admits(self, commands: Sequence[AdmitCommand]) -> Awaitable[list[Reply]]:
         """Send admit commands in one pipelined round trip (per node in cluster mode); their replies
@@ -193,35 +273,39 @@ class QuotaLedger:
         return self._transport.send_admits([command.wire for command in commands])
 
     @staticmethod
-    def decision(command: AdmitCommand, reply: bytes) -> Decision:
-        """The verdict in an admit reply (``command`` is the one that produced it)."""
-        fields = reply.split(b" ", 6)
-        verdict = int(fields[0])
+    def read(command: AdmitCommand, reply: bytes) -> AdmitReply:
+        """An admit reply (``command`` is the one that produced it). Raises ``UnexpectedReply`` (a
+        ValueError) for a reply the script cannot have written: the caller treats it as a backend error."""
+        fields = reply.split(b" ", F_MEMBER)
+        admitted = fields[0] == b"1"
+        if len(fields) != ADMIT_FIELDS - (not admitted) or not (admitted or fields[0] == b"0"):
+            raise UnexpectedReply(f"unexpected admit reply {reply[:80]!r}")
         reservation = None
-        if verdict == ADMITTED:
+        if admitted:
             account = command.account
-            reservation = Reservation(account.zkey, account.prefix, fields[6], command.estimate)
-        return Decision(verdict, int(fields[1]), int(fields[2]), int(fields[3]), reservation, int(fields[4]))
+            reservation = Reservation(account.zkey, account.prefix, fields[F_MEMBER], command.estimate, command.slots)
+        return AdmitReply(admitted, fields, reservation)
 
     # -- settling (off the request path)
 
-    async def settle(self, reservation: Reservation, actual_tokens: int) -> int:
-        """Charge ``actual_tokens`` for a reservation; returns the outcome (SETTLE_*). Idempotent."""
-        return await self._transport.run_one(self._settle_wire(reservation, actual_tokens))  # type: ignore[return-value]
+    async def settle(self, reservation: Reservation, actual_tokens: int, slots_back: int = 0) -> int:
+        """Charge ``actual_tokens`` for a reservation and give back ``slots_back`` request slots; returns
+        the outcome (SETTLE_*). Idempotent."""
+        return await self._transport.run_one(self._settle_wire(reservation, actual_tokens, slots_back))  # type: ignore[return-value]
 
-    async def settle_many(self, items: Sequence[tuple[Reservation, int]]) -> list[Reply]:
+    async def settle_many(self, items: Sequence[tuple[Reservation, int, int]]) -> list[Reply]:
         """Settle a batch in one pipelined round trip; per item its outcome (SETTLE_*) or exception."""
-        return await self._transport.run_batch([self._settle_wire(r, actual) for r, actual in items])
+        return await self._transport.run_batch([self._settle_wire(*item) for item in items])
 
-    def _settle_wire(self, reservation: Reservation, actual_tokens: int) -> Wire:
+    def _settle_wire(self, reservation: Reservation, actual_tokens: int, slots_back: int) -> Wire:
         return self._fill(self._settle, (reservation.zkey, reservation.prefix, reservation.member,
-                                         b"%d" % max(0, actual_tokens)))
+                                         b"%d" % max(0, actual_tokens), b"%d" % slots_back))
 
     async def extend_many(self, reservations: Sequence[Reservation], per_call: int = 256) -> int:
         """Move the deadline of these reservations (requests still running) to now + the timeout: one
-        script call per (rule, tenant) and ``per_call`` members, all in one pipelined round trip.
-        Returns how many were live and extended; raises on a backend error (the caller retries on its
-        next pass, well before the deadlines it is guarding)."""
+        script call per tenant and ``per_call`` members, all in one pipelined round trip. Returns how
+        many were live and extended; raises on a backend error (the caller retries on its next pass,
+        well before the deadlines it is guarding)."""
         by_set: dict[tuple[bytes, bytes], list[bytes]] = {}
         for reservation in reservations:
             by_set.setdefault((reservation.zkey, reservation.prefix), []).append(reservation.member)
@@ -235,21 +319,23 @@ class QuotaLedger:
         for reply in await self._transport.run_batch(wires):
             if isinstance(reply, Exception):
                 raise reply
+            if reply.__class__ is not int:
+                raise UnexpectedReply(f"unexpected extend reply {reply!r:.80}")
             extended += reply  # type: ignore[operator]
         return extended
 
     async def cancel_many(self, commands: Sequence[AdmitCommand]) -> list[bool | Exception]:
-        """Release, unused, the reservations of admits whose replies were lost; per admit: released
+        """Undo, unused, the reservations of admits whose replies were lost; per admit: released
         (True), none there (yet), or the exception."""
         wire = self._transport.wire
         replies = await self._transport.run_batch([
             wire((c.account.zkey, "cancel", c.account.prefix, c.reservation_id)) for c in commands
         ])
-        return [r if isinstance(r, Exception) else bool(r) for r in replies]
+        return [r if isinstance(r, Exception) else r == 1 for r in replies]
 
     async def sweep(self, owner_tags: Sequence[bytes], batch: int = 128) -> tuple[int, int]:
         """Settle every open reservation whose id starts with one of ``owner_tags`` (workers that
-        died): free its concurrency slot, charge its estimate. Returns (reservations, tokens).
+        died): free its in-flight places, charge its estimate. Returns (reservations, tokens).
 
         Scans the keyspace for reservation sets (every node in cluster mode), then one script call
         per set, pipelined ``batch`` at a time. Idempotent, and safe against a racing settle: the
@@ -259,11 +345,13 @@ class QuotaLedger:
 
         async def run(keys: list[bytes]) -> None:
             nonlocal released, charged
-            for reply in await self._transport.run_batch([wire((key, "sweep", key[:-2], *owner_tags)) for key in keys]):
+            for reply in await self._transport.run_batch([wire((key, "sweep", key[:-1], *owner_tags)) for key in keys]):
                 if isinstance(reply, Exception):
                     raise reply
-                released += reply[0]  # type: ignore[index]
-                charged += reply[1]  # type: ignore[index]
+                if not (isinstance(reply, list) and len(reply) == 2 and all(x.__class__ is int for x in reply)):
+                    raise UnexpectedReply(f"unexpected sweep reply {reply!r:.80}")
+                released += reply[0]
+                charged += reply[1]
 
         keys: list[bytes] = []
         async for key in self._transport.scan_keys(RESERVATION_SETS, "zset"):
@@ -275,27 +363,46 @@ class QuotaLedger:
             await run(keys)
         return released, charged
 
-    async def report(self, rule: QuotaRule, tenant: str) -> RuleReport:
-        zkey, prefix = keys_of(rule.name, tenant)
-        reply: Any = await self._transport.run_one(
-            self._transport.wire((zkey, "report", prefix, *(b.window_s for b in rule.budgets))))
-        windows = []
-        for i, budget in enumerate(rule.budgets):
-            used, reserved, reset_ms = (max(0, x) for x in reply[2 + 3 * i : 5 + 3 * i])
-            windows.append(
-                WindowReport(
-                    window_s=budget.window_s,
-                    limit=budget.tokens,
-                    used=used,
-                    reserved=reserved,
-                    remaining=max(0, budget.tokens - used - reserved),
-                    reset_s=reset_ms / 1000,
-                )
-            )
-        return RuleReport(rule.name, reply[1], rule.max_in_flight, tuple(windows))
+    async def report(self, tenant: str, scopes: Sequence[Scope]) -> tuple[int, list[ScopeReport]]:
+        """The tenant's open reservations and, per scope, what its counters hold now. Raises
+        ``UnexpectedReply`` for a reply the script cannot have written."""
+        zkey, prefix = keys_of(tenant)
+        args: list[Any] = [zkey, "report", prefix, len(scopes)]
+        for scope in scopes:
+            limits = scope.limits
+            args += [scope_part(scope), int(limits.max_in_flight > 0), len(limits.requests)]
+            for request in limits.requests:
+                args += [request.window_s, request.count, request.burst]
+            args.append(len(limits.budgets))
+            args += [budget.window_s for budget in limits.budgets]
+        reply: Any = await self._transport.run_one(self._transport.wire(args))
+        try:
+            values = [int(value) for value in reply]
+            at = 2
+            reports = []
+            for scope in scopes:
+                limits = scope.limits
+                in_flight = values[at]
+                at += 1
+                requests = []
+                for request in limits.requests:
+                    remaining, full_ms = values[at:at + 2]
+                    at += 2
+                    requests.append(RequestReport(request.window_s, request.count, request.burst, remaining,
+                                                  max(0, full_ms) / 1000, request.shadow))
+                windows = []
+                for budget in limits.budgets:
+                    used, reserved, reset_ms = (max(0, x) for x in values[at:at + 3])
+                    at += 3
+                    windows.append(WindowReport(budget.window_s, budget.tokens, used, reserved,
+                                                max(0, budget.tokens - used - reserved), reset_ms / 1000, budget.shadow))
+                reports.append(ScopeReport(scope.kind, scope.name, in_flight, limits.max_in_flight, tuple(requests),
+                                           tuple(windows)))
+            if at != len(values):
+                raise ValueError("reply length")
+        except (TypeError, ValueError, IndexError):
+            raise UnexpectedReply(f"unexpected report reply {reply!r:.80}") from None
+        return values[1], reports
 
 
-def keys_of(rule_name: str, tenant: str) -> tuple[bytes, bytes]:
-    """(the reservation set, the window keys' prefix) of a (rule, tenant)."""
-    prefix = key_prefix(rule_name, tenant).encode()
-    return prefix + b":r", prefix
+DEFAULT_MAX_TOKENS = 1024  # a key's own budgets with no rule: the estimate's completion allowance

@@ -1,17 +1,38 @@
 """The ledger's one server-side Lua script (``gateway.quota.ledger`` builds the calls and reads the replies).
 
-Every decision is one call of it, in one of its modes: ``admit`` (reserve, all budgets or none, and the
-concurrency cap), ``settle`` (charge a reservation's tokens, once), ``extend`` (move the deadlines of
+Every decision is one call of it, in one of its modes: ``admit`` (check and take every limit of a
+request, all or nothing), ``settle`` (charge a reservation's tokens once, free its in-flight places and
+give back the request slots of work that never reached a provider), ``extend`` (move the deadlines of
 reservations whose requests still run), ``cancel`` (release an admit whose reply was lost), ``sweep``
-(settle a dead worker's reservations) and ``report`` (read a (rule, tenant)'s windows).
+(settle a dead worker's reservations) and ``report`` (read a tenant's counters for ``/admin/quota``).
+
+Key layout ``gg:q:v2`` (every key of one tenant shares the hash tag ``{<tenant>}``, so one call touches
+one Valkey Cluster slot, whatever limits apply)::
+
+    gg:q:v2:{<tenant>}:z                        ZSET  every open reservation of the tenant -> deadline (ms)
+    gg:q:v2:{<tenant>}:<scope>:w:<win_s>:<idx>  HASH  u = tokens charged, r = tokens reserved (a budget)
+    gg:q:v2:{<tenant>}:<scope>:g:<win_s>        STRING  a request limit's theoretical arrival time (GCRA)
+    gg:q:v2:{<tenant>}:<scope>:f                ZSET  reservation id -> deadline: the scope's requests in
+                                                      flight (only scopes with max_in_flight)
+
+``<scope>`` is ``r:<rule>`` (a rule's limits for this tenant) or ``a:<alias>`` / ``k:<kid>`` (a key's own
+limits). Names are percent-escaped (``ledger.escape_key_part``), so they never split a key or a member.
+
+A reservation member is ``<id>|<estimate>|<slots>|<windows>|<flights>|<clocks>``: the window keys it
+reserved its estimate in, the in-flight sets it holds a place in, and the request-limit clocks it took
+``slots`` from (each with its emission interval). So settling, expiring, cancelling or sweeping it
+undoes exactly what its admit did, even after a config change; removing the member from the tenant's
+set is the idempotency check (settling twice charges once).
+
+Request limits are GCRA on Valkey's clock (``TIME``), in microseconds from 2025-01-01 (doubles stay
+exact to well under a microsecond there): a request takes ``slots`` emission intervals
+(``window / count``) from the limit's clock and is admitted when the clock stays within ``burst``
+intervals of now. Giving slots back moves the clock back, never below now.
 
 Versions. The script carries its version in its text, so a changed script has a new SHA and old and
-new gateways run side by side during a rolling upgrade, each with its own; a changed key layout or
-member format must bump ``KEY_PREFIX`` too. v4 (``extend``) keeps v3's keys and members: a v3 gateway
-ignores deadlines it did not set, except that its lazy expiry honours them (it expires only members
-past their deadline), so a reservation a v4 gateway extends keeps counting for both, and every mode of
-either version settles, cancels or sweeps the same members. A v3 gateway's own long requests are still
-charged their estimate at the timeout, as before.
+new gateways run side by side during a rolling upgrade, each with its own. v5 has a new key layout
+(``gg:q:v2``): it shares no key with v4's ``gg:q:v1``, so counters start afresh once (docs/limits.md says
+what that means during a roll), and v4 gateways keep settling their own reservations in their own keys.
 """
 
 from __future__ import annotations
@@ -19,122 +40,230 @@ from __future__ import annotations
 import hashlib
 
 SCRIPT_NAME = "gridgate-quota-ledger"
-SCRIPT_VERSION = 4
-KEY_PREFIX = "gg:q:v1"
+SCRIPT_VERSION = 5
+KEY_PREFIX = "gg:q:v2"
+# Request-limit clocks count microseconds from this epoch (2025-01-01T00:00:00Z): a double holds them
+# to a hundredth of a microsecond for decades.
+CLOCK_EPOCH_S = 1735689600
 
 LEDGER_SCRIPT = (
     f"""-- {SCRIPT_NAME} v{SCRIPT_VERSION} (keys {KEY_PREFIX}); modes: admit | settle | extend | cancel | sweep | report
+local CLOCK_EPOCH_S = {CLOCK_EPOCH_S}
 """
     + r"""
 local mode = ARGV[1]
-local zkey = KEYS[1]      -- reservations of one (rule, tenant): member -> deadline (ms)
-local prefix = ARGV[2]    -- same hash tag as zkey; window keys are built from it
+local zkey = KEYS[1]      -- every open reservation of one tenant: member -> deadline (ms)
+local prefix = ARGV[2]    -- gg:q:v2:{<tenant>}: (same hash tag): every other key is prefix .. suffix
 local SLACK_MS = 60000    -- keys outlive their last use by this much so late settles still land
 local EXPIRE_BATCH = 128  -- bound the work one call does on stale reservations
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-
-local function window_key(win, idx)
-  return prefix .. ':w:' .. win .. ':' .. idx
-end
+local now_us = (tonumber(t[1]) - CLOCK_EPOCH_S) * 1000000 + tonumber(t[2])
 
 -- TTL floor: make `key` live at least `ms - SLACK_MS / 2` more. Renewing only when the TTL has run
--- down by half the slack keeps PEXPIRE (an AOF write) off most calls. (PEXPIRE GT cannot be used:
--- it ignores keys without a TTL.)
+-- down by half the slack keeps PEXPIRE (an AOF write) off most calls.
 local function keep_for(key, ms)
   if redis.call('PTTL', key) < ms - SLACK_MS / 2 then redis.call('PEXPIRE', key, ms) end
 end
 
--- Take a reservation out of "reserved" and charge `charge` tokens (nil = its estimate) as used,
--- in every window it was admitted into. A window that already expired is not recreated.
-local function release(member, charge)
-  local est, wins = string.match(member, '^[^|]*|(%d+)|(.*)$')
-  est = tonumber(est)
+local function parse(member)
+  local id, est, slots, wins, flights, clocks =
+    string.match(member, '^([^|]*)|(%d+)|(%d+)|([^|]*)|([^|]*)|([^|]*)$')
+  return id, tonumber(est), tonumber(slots), wins, flights, clocks
+end
+
+-- Give `n` request slots back to every clock the member took from: the clock moves back by n
+-- intervals, never below now (slots are not banked beyond a full burst).
+local function give_back(clocks, n)
+  if n <= 0 then return end
+  for suffix, interval in string.gmatch(clocks, '([^,=]+)=([^,]+)') do
+    local k = prefix .. suffix
+    local tat = tonumber(redis.call('GET', k))
+    if tat then
+      local back = tat - n * tonumber(interval)
+      if back <= now_us then
+        redis.call('DEL', k)
+      else
+        redis.call('SET', k, string.format('%.17g', back), 'KEEPTTL')
+      end
+    end
+  end
+end
+
+-- Undo a reservation (already out of the tenant's set): take its estimate out of "reserved" and
+-- charge `charge` tokens (nil = its estimate) in every window it reserved in (an expired window is not
+-- recreated), free its in-flight places, give back `slots_back` of its request slots.
+local function release(member, charge, slots_back)
+  local id, est, slots, wins, flights, clocks = parse(member)
+  if est == nil then return 0 end  -- not a member this version wrote: nothing to undo
   if charge == nil then charge = est end
-  for win, idx in string.gmatch(wins, '(%d+):(%d+)') do
-    local k = window_key(win, idx)
+  for suffix in string.gmatch(wins, '[^,]+') do
+    local k = prefix .. suffix
     if redis.call('EXISTS', k) == 1 then
       redis.call('HINCRBY', k, 'r', -est)
       if charge ~= 0 then redis.call('HINCRBY', k, 'u', charge) end
     end
   end
+  for suffix in string.gmatch(flights, '[^,]+') do redis.call('ZREM', prefix .. suffix, id) end
+  if slots_back > 0 then give_back(clocks, math.min(slots_back, slots)) end
   return est
 end
 
--- Lazy expiry: a reservation past its deadline is charged at its estimate.
+-- Lazy expiry: a reservation past its deadline is charged at its estimate; its slots stay taken.
 local function expire_stale()
   local stale = redis.call('ZRANGEBYSCORE', zkey, '-inf', now, 'LIMIT', 0, EXPIRE_BATCH)
-  for i = 1, #stale do release(stale[i], nil) end
+  for i = 1, #stale do release(stale[i], nil, 0) end
   if #stale > 0 then redis.call('ZREM', zkey, unpack(stale)) end
   return #stale
 end
 
+local function fmt(x) return string.format('%.17g', x) end
+
 if mode == 'admit' then
-  -- ARGV: mode, prefix, id, estimate, timeout_ms, max_in_flight, {window_s, limit}...
+  -- ARGV: mode, prefix, id, estimate, timeout_ms, slots, scopes, then per scope:
+  --   scope, max_in_flight, #requests, {window_s, count, burst, shadow}..., #budgets, {window_s, tokens, shadow}...
+  -- Limits are numbered 1.. in that order (per scope: requests, budgets, then the in-flight cap).
+  -- -> "<1|0> now expired refused retry_ms rq_limit rq_remaining rq_reset_ms tk_limit tk_remaining
+  --     tk_reset_ms shadow [member]": refused = the limit that refused (0: none), retry_ms -1 = never fits;
+  --    rq_* / tk_*: the tightest request limit and token budget (limit 0: none), shadow = the shadow
+  --    limits that would have refused ("-": none). One bulk string: the client parses one reply.
   local expired = expire_stale()
-  local est = tonumber(ARGV[4])
-  local timeout_ms = tonumber(ARGV[5])
-  local max_in_flight = tonumber(ARGV[6])
-  local keys, resets, parts = {}, {}, {}
-  -- Headers: the tightest budget when admitted; when denied, a budget the estimate can never fit
-  -- (its whole window is smaller), else the longest-blocking failing budget.
-  local lim, rem, reset = 0, nil, 0
-  local deny_lim, deny_rem, deny_reset, deny_never = 0, 0, -1, false
-  local n = (#ARGV - 6) / 2
-  for i = 1, n do
-    local win_s = ARGV[5 + 2 * i]
-    local limit = tonumber(ARGV[6 + 2 * i])
-    local wms = tonumber(win_s) * 1000
-    local idx = math.floor(now / wms)
-    local k = window_key(win_s, idx)
-    local v = redis.call('HMGET', k, 'u', 'r')
-    local room = limit - (tonumber(v[1]) or 0) - (tonumber(v[2]) or 0)
-    local r = (idx + 1) * wms - now
-    if est > room then
-      local never = est > limit
-      if (never and not deny_never) or (never == deny_never and r > deny_reset) then
-        deny_lim, deny_rem, deny_reset, deny_never = limit, math.max(room, 0), r, never
-      end
-    elseif rem == nil or room - est < rem then
-      lim, rem, reset = limit, room - est, r
+  local id, est, timeout_ms, slots = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+  local a = 8
+  local index = 0
+  local refused, retry, never = 0, 0, false
+  local rq_lim, rq_rem, rq_reset, tk_lim, tk_rem, tk_reset = 0, 0, 0, 0, 0, 0
+  local deny_rq, deny_tk = nil, nil
+  local shadow = {}
+  local clocks, clock_parts, wins, win_resets, win_parts, flights, flight_parts = {}, {}, {}, {}, {}, {}, {}
+  -- a refusal by the limit `i`: the one reported is a limit the request can never fit, else the one
+  -- that frees last
+  local function refuse(i, wait_ms, never_fits)
+    if refused == 0 or (never_fits and not never) or (never_fits == never and wait_ms > retry) then
+      refused, retry, never = i, wait_ms, never_fits
+      return true
     end
-    keys[i], resets[i], parts[i] = k, r, win_s .. ':' .. idx
+    return false
   end
-  -- One bulk string instead of an array: the client parses one reply, not seven (~25% faster).
-  if deny_reset >= 0 then
-    return string.format('0 %d %d %d %d %d', deny_lim, deny_rem, deny_reset, now, expired)
+  for s = 1, tonumber(ARGV[7]) do
+    local scope, max_in_flight, nreq = ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+    a = a + 3
+    for j = 1, nreq do
+      local win_s, count, burst, is_shadow = ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), ARGV[a + 3] == '1'
+      a = a + 4
+      index = index + 1
+      local interval = tonumber(win_s) * 1000000 / count
+      local suffix = scope .. ':g:' .. win_s
+      local tat = tonumber(redis.call('GET', prefix .. suffix)) or now_us
+      if tat < now_us then tat = now_us end
+      local new = tat + slots * interval
+      local over = new - now_us - burst * interval
+      if over > 0.001 then
+        local left = math.max(0, math.floor((burst * interval - (tat - now_us)) / interval + 1e-9))
+        if is_shadow then
+          shadow[#shadow + 1] = index
+        elseif refuse(index, math.ceil(over / 1000), false) then
+          deny_rq = {count, left, math.ceil((tat - now_us) / 1000)}
+        end
+      else
+        clocks[#clocks + 1] = {prefix .. suffix, new}
+        clock_parts[#clock_parts + 1] = suffix .. '=' .. fmt(interval)
+        if not is_shadow then
+          local left = math.max(0, math.floor((burst * interval - (new - now_us)) / interval + 1e-9))
+          if rq_lim == 0 or left < rq_rem then
+            rq_lim, rq_rem, rq_reset = count, left, math.ceil((new - now_us) / 1000)
+          end
+        end
+      end
+    end
+    local ntok = tonumber(ARGV[a])
+    a = a + 1
+    for j = 1, ntok do
+      local win_s, limit, is_shadow = ARGV[a], tonumber(ARGV[a + 1]), ARGV[a + 2] == '1'
+      a = a + 3
+      index = index + 1
+      local wms = tonumber(win_s) * 1000
+      local idx = math.floor(now / wms)
+      local suffix = scope .. ':w:' .. win_s .. ':' .. idx
+      local v = redis.call('HMGET', prefix .. suffix, 'u', 'r')
+      local room = limit - (tonumber(v[1]) or 0) - (tonumber(v[2]) or 0)
+      local r = (idx + 1) * wms - now
+      if est > room then
+        if is_shadow then
+          shadow[#shadow + 1] = index
+        elseif refuse(index, r, est > limit) then
+          deny_tk = {limit, math.max(room, 0), r}
+        end
+      else
+        wins[#wins + 1] = prefix .. suffix
+        win_resets[#win_resets + 1] = r
+        win_parts[#win_parts + 1] = suffix
+        if not is_shadow and (tk_lim == 0 or room - est < tk_rem) then
+          tk_lim, tk_rem, tk_reset = limit, room - est, r
+        end
+      end
+    end
+    if max_in_flight > 0 then
+      index = index + 1
+      local suffix = scope .. ':f'
+      if redis.call('ZCOUNT', prefix .. suffix, '(' .. now, '+inf') >= max_in_flight then
+        -- nobody can know when a request in flight ends: one second is an honest retry hint
+        refuse(index, 1000, false)
+      else
+        flights[#flights + 1] = prefix .. suffix
+        flight_parts[#flight_parts + 1] = suffix
+      end
+    end
   end
-  if max_in_flight > 0 and redis.call('ZCOUNT', zkey, '(' .. now, '+inf') >= max_in_flight then
-    return string.format('-1 %d %d %d %d %d', lim, rem + est, reset, now, expired)
+  local shadow_text = #shadow > 0 and table.concat(shadow, ',') or '-'
+  if refused > 0 then
+    -- Nothing was written: a refused request changes no counter. The headers show what is left now.
+    if deny_rq then rq_lim, rq_rem, rq_reset = deny_rq[1], deny_rq[2], deny_rq[3]
+    elseif rq_lim > 0 then rq_rem = rq_rem + slots end
+    if deny_tk then tk_lim, tk_rem, tk_reset = deny_tk[1], deny_tk[2], deny_tk[3]
+    elseif tk_lim > 0 then tk_rem = tk_rem + est end
+    return string.format('0 %d %d %d %d %d %d %d %d %d %d %s', now, expired, refused, never and -1 or retry,
+      rq_lim, rq_rem, rq_reset, tk_lim, tk_rem, tk_reset, shadow_text)
   end
-  for i = 1, n do
-    redis.call('HINCRBY', keys[i], 'r', est)
-    keep_for(keys[i], resets[i] + timeout_ms + SLACK_MS)
+  for i = 1, #clocks do
+    local tat = clocks[i][2]
+    redis.call('SET', clocks[i][1], fmt(tat), 'PX', math.ceil((tat - now_us) / 1000) + SLACK_MS)
   end
-  local member = ARGV[3] .. '|' .. ARGV[4] .. '|' .. table.concat(parts, ',')
-  redis.call('ZADD', zkey, now + timeout_ms, member)
+  for i = 1, #wins do
+    redis.call('HINCRBY', wins[i], 'r', est)
+    keep_for(wins[i], win_resets[i] + timeout_ms + SLACK_MS)
+  end
+  local deadline = now + timeout_ms
+  for i = 1, #flights do
+    redis.call('ZADD', flights[i], deadline, id)
+    keep_for(flights[i], timeout_ms + SLACK_MS)
+  end
+  local member = id .. '|' .. est .. '|' .. slots .. '|' .. table.concat(win_parts, ',') .. '|'
+    .. table.concat(flight_parts, ',') .. '|' .. table.concat(clock_parts, ',')
+  redis.call('ZADD', zkey, deadline, member)
   keep_for(zkey, timeout_ms + SLACK_MS)
-  return string.format('1 %d %d %d %d %d ', lim, rem, reset, now, expired) .. member
+  return string.format('1 %d %d 0 0 %d %d %d %d %d %d %s ', now, expired, rq_lim, rq_rem, rq_reset,
+    tk_lim, tk_rem, tk_reset, shadow_text) .. member
 
 elseif mode == 'settle' then
-  -- ARGV: mode, prefix, member, actual_tokens
-  -- -> the outcome: 0 no-op, 1 charged as asked, 2 expired (charged at the estimate)
+  -- ARGV: mode, prefix, member, actual_tokens, slots_back (request slots of work that never reached a
+  -- provider) -> the outcome: 0 no-op, 1 charged as asked, 2 expired (charged at the estimate)
   local deadline = redis.call('ZSCORE', zkey, ARGV[3])
   if not deadline then return 0 end  -- settled before, or expired and charged: a no-op
   redis.call('ZREM', zkey, ARGV[3])
   if tonumber(deadline) <= now then
-    release(ARGV[3], nil)
+    release(ARGV[3], nil, 0)
     return 2
   end
-  release(ARGV[3], tonumber(ARGV[4]))
+  release(ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5]))
   return 1
 
 elseif mode == 'extend' then
   -- ARGV: mode, prefix, timeout_ms, member... -> how many were extended. The members of requests
-  -- still running: each gets a new deadline (now + timeout), so it keeps counting toward max_in_flight
-  -- and is settled with its usage. Only a live member moves: one settled (gone) or past its deadline
-  -- (charged at its estimate by the next expire_stale) stays as it is; a deadline never moves back.
+  -- still running: each gets a new deadline (now + timeout), in the tenant's set and in its in-flight
+  -- sets, so it keeps counting toward max_in_flight and is settled with its usage. Only a live member
+  -- moves: one settled (gone) or past its deadline (charged by the next expire_stale) stays as it is.
   local timeout_ms = tonumber(ARGV[3])
   local deadline = now + timeout_ms
   local extended = 0
@@ -142,6 +271,13 @@ elseif mode == 'extend' then
     local score = tonumber(redis.call('ZSCORE', zkey, ARGV[i]))
     if score and score > now and score < deadline then
       redis.call('ZADD', zkey, deadline, ARGV[i])
+      local id, est, slots, wins, flights = parse(ARGV[i])
+      if flights then
+        for suffix in string.gmatch(flights, '[^,]+') do
+          redis.call('ZADD', prefix .. suffix, 'XX', deadline, id)
+          keep_for(prefix .. suffix, timeout_ms + SLACK_MS)
+        end
+      end
       extended = extended + 1
     end
   end
@@ -150,7 +286,7 @@ elseif mode == 'extend' then
 
 elseif mode == 'cancel' then
   -- ARGV: mode, prefix, id. The admit's reply never reached the gateway (it timed out), so the
-  -- request was refused: release that reservation unused. Rare, so a scan of one tenant's set is fine.
+  -- request was refused: undo that reservation entirely, its slots included. Rare: a scan is fine.
   local cursor = '0'
   repeat
     local page = redis.call('ZSCAN', zkey, cursor, 'MATCH', ARGV[3] .. '|*', 'COUNT', 1000)
@@ -158,7 +294,8 @@ elseif mode == 'cancel' then
     if #page[2] > 0 then
       local member = page[2][1]
       redis.call('ZREM', zkey, member)
-      release(member, 0)
+      local _, _, slots = parse(member)
+      release(member, 0, slots or 0)
       return 1
     end
   until cursor == '0'
@@ -166,8 +303,8 @@ elseif mode == 'cancel' then
 
 elseif mode == 'sweep' then
   -- ARGV: mode, prefix, owner tag...: the reservations of workers that died (their ids start with
-  -- the owner tag). Each frees its concurrency slot and is charged at its estimate (it may have
-  -- reached a provider). Removing the member is what makes a late settle of it a no-op.
+  -- the owner tag). Each frees its in-flight places and is charged at its estimate (it may have
+  -- reached a provider); its slots stay taken. Removing the member makes a late settle a no-op.
   local released, charged = 0, 0
   for i = 3, #ARGV do
     local cursor = '0'
@@ -177,7 +314,7 @@ elseif mode == 'sweep' then
       local found = page[2]  -- member, score, member, score ...
       for j = 1, #found, 2 do
         if redis.call('ZREM', zkey, found[j]) == 1 then
-          charged = charged + release(found[j], nil)
+          charged = charged + release(found[j], nil, 0)
           released = released + 1
         end
       end
@@ -186,16 +323,47 @@ elseif mode == 'sweep' then
   return {released, charged}
 
 elseif mode == 'report' then
-  -- ARGV: mode, prefix, window_s... -> now, in_flight, {used, reserved, reset_ms}...
+  -- ARGV: mode, prefix, scopes, then per scope: scope, capped (0|1), #requests, {window_s, count, burst}...,
+  --   #budgets, {window_s}... -> {now, open reservations, per scope: in_flight,
+  --   per request limit: {remaining, full_in_ms}, per budget: {used, reserved, reset_ms}}
+  -- In flight: a capped scope's set; else the tenant's open reservations that name the scope (a scan of
+  -- the tenant's set: this page is not on the request path).
   expire_stale()
-  local out = {now, redis.call('ZCOUNT', zkey, '(' .. now, '+inf')}
-  for i = 3, #ARGV do
-    local wms = tonumber(ARGV[i]) * 1000
-    local idx = math.floor(now / wms)
-    local v = redis.call('HMGET', window_key(ARGV[i], idx), 'u', 'r')
-    out[#out + 1] = tonumber(v[1]) or 0
-    out[#out + 1] = tonumber(v[2]) or 0
-    out[#out + 1] = (idx + 1) * wms - now
+  local open = redis.call('ZRANGEBYSCORE', zkey, '(' .. now, '+inf')
+  local out = {now, #open}
+  local a = 4
+  for s = 1, tonumber(ARGV[3]) do
+    local scope, capped, nreq = ARGV[a], ARGV[a + 1] == '1', tonumber(ARGV[a + 2])
+    a = a + 3
+    if capped then
+      out[#out + 1] = redis.call('ZCOUNT', prefix .. scope .. ':f', '(' .. now, '+inf')
+    else
+      local n, after_field, after_part = 0, '|' .. scope .. ':', ',' .. scope .. ':'
+      for i = 1, #open do
+        if string.find(open[i], after_field, 1, true) or string.find(open[i], after_part, 1, true) then n = n + 1 end
+      end
+      out[#out + 1] = n
+    end
+    for j = 1, nreq do
+      local win_s, count, burst = ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+      a = a + 3
+      local interval = tonumber(win_s) * 1000000 / count
+      local tat = tonumber(redis.call('GET', prefix .. scope .. ':g:' .. win_s)) or now_us
+      if tat < now_us then tat = now_us end
+      out[#out + 1] = math.max(0, math.floor((burst * interval - (tat - now_us)) / interval + 1e-9))
+      out[#out + 1] = math.ceil((tat - now_us) / 1000)
+    end
+    local ntok = tonumber(ARGV[a])
+    a = a + 1
+    for j = 1, ntok do
+      local wms = tonumber(ARGV[a]) * 1000
+      a = a + 1
+      local idx = math.floor(now / wms)
+      local v = redis.call('HMGET', prefix .. scope .. ':w:' .. ARGV[a - 1] .. ':' .. idx, 'u', 'r')
+      out[#out + 1] = tonumber(v[1]) or 0
+      out[#out + 1] = tonumber(v[2]) or 0
+      out[#out + 1] = (idx + 1) * wms - now
+    end
   end
   return out
 end

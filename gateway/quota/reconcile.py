@@ -21,7 +21,7 @@ from gateway.quota.ledger import SETTLE_APPLIED, SETTLE_EXPIRED, SETTLE_NOOP, Qu
 
 log = logging.getLogger("gridgate.quota")
 
-Settlement = tuple[Reservation, int]
+Settlement = tuple[Reservation, int, int]  # the reservation, tokens to charge, request slots to give back
 # A settlement waits this long for others to share its round trip (the batch is sent at once when full):
 # under load one write and one reply then settle dozens; the ledger just sees them a few ms later.
 LINGER_S = 0.005
@@ -57,12 +57,13 @@ class Reconciler:
     def start(self) -> None:
         self._drainer = asyncio.get_running_loop().create_task(self._reconcile_forever())
 
-    def enqueue(self, reservation: Reservation, actual: int) -> None:
-        """Charge ``actual`` tokens for ``reservation`` (0: release it unused). Never blocks."""
+    def enqueue(self, reservation: Reservation, actual: int, slots_back: int = 0) -> None:
+        """Charge ``actual`` tokens for ``reservation`` (0: release it unused) and give back ``slots_back``
+        of its request slots (work that never reached a provider). Never blocks."""
         if len(self._pending) >= self._capacity:
             self._counters.reconcile_drops += 1
             return
-        self._pending.append((reservation, actual))
+        self._pending.append((reservation, actual, slots_back))
         wakeup = self._wakeup
         if wakeup is not None:
             self._wakeup = None
@@ -145,7 +146,7 @@ class Reconciler:
     def _count_settled(self, item: Settlement, outcome: int) -> None:
         counters = self._counters
         if outcome == SETTLE_APPLIED:
-            reservation, actual = item
+            reservation, actual, _ = item
             if reservation.__class__ is not LeaseReservation:  # a block's requests counted as they ended
                 counters.count_settled(reservation.estimate, actual)
         elif outcome == SETTLE_EXPIRED:

@@ -1,4 +1,9 @@
-"""``/admin/quota?tenant=T``: what the ledger holds for a tenant, read for the admin page."""
+"""``/admin/quota?tenant=T``: what the ledger holds for a tenant, read for the admin page.
+
+Per rule that can apply to the tenant, and per key of the tenant with its own limits: request limits
+(slots left now, seconds until every slot is back) beside token budgets (used, reserved, remaining, seconds
+to the window's end) and requests in flight. One ledger call reads all of them (one hash slot).
+"""
 
 from __future__ import annotations
 
@@ -7,25 +12,60 @@ from dataclasses import asdict
 from typing import Any
 
 from gateway.quota.backend import BACKEND_ERRORS, describe_error
-from gateway.quota.ledger import QuotaLedger
+from gateway.quota.ledger import QuotaLedger, ScopeReport
+from gateway.quota.limits import Scope
 from gateway.quota.rules import RuleSet
 
 
 class QuotaBackendUnavailable(Exception):
-    """Valkey could not answer in time (the admin page answers 503)."""
+    """Valkey could not answer in time, or answered what the ledger cannot have written (503)."""
 
 
-async def quota_report(ledger: QuotaLedger, rules: RuleSet, tenant: str, timeout_s: float = 1.0) -> dict[str, Any]:
-    """Per rule that can apply to ``tenant``, per window: used, reserved, remaining, reset (seconds).
+def _entries(items: tuple[Any, ...]) -> list[dict[str, Any]]:
+    """Dataclass rows as dicts; ``shadow`` only where a limit is one (the page shows enforced limits plainly)."""
+    rows = []
+    for item in items:
+        row = asdict(item)
+        if not row.pop("shadow"):
+            rows.append(row)
+        else:
+            rows.append({**row, "shadow": True})
+    return rows
+
+
+def _scope_entry(report: ScopeReport) -> dict[str, Any]:
+    name = {"rule": report.name} if report.kind == "rule" else {"key": report.name}
+    return {**name, "in_flight": report.in_flight, "max_in_flight": report.max_in_flight,
+            "requests": _entries(report.requests), "windows": _entries(report.windows)}
+
+
+async def quota_report(ledger: QuotaLedger, rules: RuleSet, tenant: str, timeout_s: float = 1.0,
+                       key_scopes: tuple[Scope, ...] = ()) -> dict[str, Any]:
+    """The tenant's rules (``rules``) and keys (``key_scopes``: the tenant's keys with limits).
     Raises ``QuotaBackendUnavailable`` if Valkey cannot answer within ``timeout_s``."""
-    reports = []
+    scopes = (*key_scopes, *(rule.scope for rule in rules.rules_for_tenant(tenant)))
     try:
         async with asyncio.timeout(timeout_s):
-            for rule in rules.rules_for_tenant(tenant):
-                report = await ledger.report(rule, tenant)
-                reports.append({"rule": report.rule, "in_flight": report.in_flight,
-                                "max_in_flight": report.max_in_flight,
-                                "windows": [asdict(window) for window in report.windows]})
+            open_reservations, reports = await ledger.report(tenant, scopes)
     except BACKEND_ERRORS as exc:
         raise QuotaBackendUnavailable(describe_error(exc)) from None
-    return {"tenant": tenant, "rules": reports}
+    except ValueError as exc:
+        raise QuotaBackendUnavailable(str(exc)) from None
+    return {
+        "tenant": tenant,
+        "open_reservations": open_reservations,
+        "rules": [_scope_entry(r) for r in reports if r.kind == "rule"],
+        "keys": [_scope_entry(r) for r in reports if r.kind == "key"],
+    }
+
+
+def key_scopes_by_tenant(auth: Any) -> dict[str, tuple[Scope, ...]]:
+    """The scopes of the configured keys that have limits, per tenant (``auth``: the config's, duck-typed)."""
+    from gateway.auth import Authenticator  # the one place a key's limits are read from the config
+    from gateway.quota.ledger import scopes_of
+
+    by_tenant: dict[str, tuple[Scope, ...]] = {}
+    if auth is not None:
+        for key in Authenticator.from_config(auth).identities():
+            by_tenant[key.tenant] = by_tenant.get(key.tenant, ()) + scopes_of(None, key)
+    return by_tenant

@@ -1,32 +1,40 @@
-"""Quota rules: which budgets apply to a (tenant, model). Pure: data in, data out.
+"""Quota rules: which rule meters a (tenant, model, key). Pure: data in, data out.
 
 ``rules_from_config`` maps the config's ``quota.rules`` onto these structs (duck-typed: no config import).
+``match.model`` and ``match.key`` are globs (``fnmatch``, case-sensitive: ``*``, ``?``, ``[...]``); a key
+glob matches the key's kid or its alias (docs/limits.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from fnmatch import fnmatchcase
+from typing import Any, Protocol
+
+from gateway.quota.limits import Budget, Limits, RequestLimit, Scope, limits_from_config, limits_problems
+
+__all__ = ["Budget", "KeyLike", "QuotaRule", "RequestLimit", "RuleSet", "rules_from_config", "validate_rules"]
 
 MAX_BUDGETS_PER_RULE = 8
 
 
-@dataclass(frozen=True, slots=True)
-class Budget:
-    """``tokens`` may be spent per fixed window of ``window_s`` seconds (aligned to the Unix epoch)."""
+class KeyLike(Protocol):
+    """What a rule reads of the request's key (``gateway.auth.KeyIdentity``)."""
 
-    window_s: int
-    tokens: int
+    @property
+    def kid(self) -> str | None: ...
+    @property
+    def alias(self) -> str | None: ...
 
 
 @dataclass(frozen=True, slots=True)
 class QuotaRule:
     """One ``quota.rules`` entry.
 
-    ``match_tenant``/``match_model`` of None mean "any"; a rule with both None is the default rule.
-    ``max_in_flight`` (0 = unlimited) caps concurrent reservations of one tenant under this rule, across
-    every worker and gateway sharing the Valkey (see ``ledger`` for how it is counted).
+    ``match_tenant`` (exact), ``match_model`` and ``match_key`` (globs) of None mean "any"; a rule with
+    all three None is the default rule. ``max_in_flight`` (0 = unlimited) caps concurrent requests of one
+    tenant under this rule, across every worker and gateway sharing the Valkey.
     """
 
     name: str
@@ -35,15 +43,33 @@ class QuotaRule:
     match_tenant: str | None = None
     match_model: str | None = None
     max_in_flight: int = 0
+    requests: tuple[RequestLimit, ...] = ()
+    match_key: str | None = None
 
     @property
     def is_default(self) -> bool:
-        return self.match_tenant is None and self.match_model is None
+        return self.match_tenant is None and self.match_model is None and self.match_key is None
 
-    def matches(self, tenant: str, model: str | None) -> bool:
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.requests, self.budgets, self.max_in_flight)
+
+    @property
+    def scope(self) -> Scope:
+        return Scope("rule", self.name, self.limits)
+
+    def matches(self, tenant: str, model: str | None, key: KeyLike | None = None) -> bool:
         if self.match_tenant is not None and self.match_tenant != tenant:
             return False
-        return self.match_model is None or self.match_model == model
+        if self.match_model is not None and (model is None or not fnmatchcase(model, self.match_model)):
+            return False
+        return self.match_key is None or (key is not None and key_matches(self.match_key, key))
+
+
+def key_matches(pattern: str, key: KeyLike) -> bool:
+    """A key glob matches the key's kid or its alias."""
+    kid, alias = key.kid, key.alias
+    return (kid is not None and fnmatchcase(kid, pattern)) or (alias is not None and fnmatchcase(alias, pattern))
 
 
 def validate_rules(rules: Sequence[QuotaRule]) -> list[str]:
@@ -59,28 +85,29 @@ def validate_rules(rules: Sequence[QuotaRule]) -> list[str]:
         seen.add(rule.name)
         if rule.is_default and i != len(rules) - 1:
             problems.append(f"{where}.match: a rule without match is the default and must be last")
-        if not 1 <= len(rule.budgets) <= MAX_BUDGETS_PER_RULE:
-            problems.append(f"{where}.budgets: needs 1..{MAX_BUDGETS_PER_RULE} budgets")
-        windows = [b.window_s for b in rule.budgets]
-        if len(set(windows)) != len(windows):
-            problems.append(f"{where}.budgets: two budgets with the same window")
-        for j, budget in enumerate(rule.budgets):
-            if budget.window_s < 1:
-                problems.append(f"{where}.budgets[{j}].window: must be at least 1s")
-            if budget.tokens < 1:
-                problems.append(f"{where}.budgets[{j}].tokens: must be at least 1")
+        if rule.limits.empty:
+            problems.append(f"{where}.budgets: a rule needs budgets, requests or max_in_flight")
+        problems += limits_problems(rule.limits, where)
         if rule.default_max_tokens < 0:
             problems.append(f"{where}.estimate.default_max_tokens: must be >= 0")
-        if rule.max_in_flight < 0:
-            problems.append(f"{where}.max_in_flight: must be >= 0")
     return problems
+
+
+def model_glob_problems(rules: Sequence[QuotaRule], models: Iterable[str]) -> list[str]:
+    """A rule whose ``match.model`` glob matches none of ``models`` (an overlay's capabilities) could
+    never apply to a request: one problem each (``gridgate check``: the overlay it reads)."""
+    names = list(models)
+    return [f"quota.rules[{i}].match.model: {rule.match_model!r} matches no model of the overlay"
+            for i, rule in enumerate(rules)
+            if rule.match_model is not None and not any(fnmatchcase(name, rule.match_model) for name in names)]
 
 
 class RuleSet:
     """Ordered rules with first-match-wins lookup.
 
-    Lookups are memoised per (tenant, model): tenants come from the configured keys and models from
-    the overlay, so the cache stays small; it is capped anyway so hostile model names cannot grow it.
+    Lookups are memoised per (tenant, model, key): tenants and keys come from the configured keys and
+    models from the overlay, so the cache stays small; it is capped anyway so hostile model names cannot
+    grow it.
     """
 
     __slots__ = ("rules", "_cache")
@@ -92,36 +119,40 @@ class RuleSet:
         if problems:
             raise ValueError("; ".join(problems))
         self.rules: tuple[QuotaRule, ...] = tuple(rules)
-        self._cache: dict[tuple[str, str | None], QuotaRule | None] = {}
+        self._cache: dict[tuple[str, str | None, object], QuotaRule | None] = {}
 
-    def match(self, tenant: str, model: str | None) -> QuotaRule | None:
-        """The first rule matching, or None (no rule and no default: the request is unmetered)."""
-        key = (tenant, model)
+    def match(self, tenant: str, model: str | None, key: KeyLike | None = None) -> QuotaRule | None:
+        """The first rule matching, or None (no rule and no default: the rule meters nothing)."""
+        cache_key = (tenant, model, key)
         try:
-            return self._cache[key]
+            return self._cache[cache_key]
         except KeyError:
             pass
-        found = next((r for r in self.rules if r.matches(tenant, model)), None)
+        found = next((r for r in self.rules if r.matches(tenant, model, key)), None)
         if len(self._cache) >= self._CACHE_CAP:
             self._cache.clear()
-        self._cache[key] = found
+        self._cache[cache_key] = found
         return found
 
     def rules_for_tenant(self, tenant: str) -> list[QuotaRule]:
-        """Every rule that can apply to ``tenant`` for some model (for ``/admin/quota``)."""
+        """Every rule that can apply to ``tenant`` for some model or key (for ``/admin/quota``)."""
         return [r for r in self.rules if r.match_tenant in (None, tenant)]
 
 
 def rules_from_config(quota: Any) -> list[QuotaRule]:
     """The config's ``quota.rules`` (gateway.config structs) as the ledger's rule structs."""
-    return [
-        QuotaRule(
+    rules = []
+    for rule in quota.rules:
+        limits = limits_from_config(rule.requests, rule.budgets, rule.max_in_flight)
+        match = rule.match
+        rules.append(QuotaRule(
             name=rule.name,
-            budgets=tuple(Budget(int(budget.window), budget.tokens) for budget in rule.budgets),
+            budgets=limits.budgets,
             default_max_tokens=rule.estimate.default_max_tokens,
-            match_tenant=rule.match.tenant if rule.match else None,
-            match_model=rule.match.model if rule.match else None,
-            max_in_flight=rule.max_in_flight or 0,
-        )
-        for rule in quota.rules
-    ]
+            match_tenant=match.tenant if match else None,
+            match_model=match.model if match else None,
+            max_in_flight=limits.max_in_flight,
+            requests=limits.requests,
+            match_key=match.key if match else None,
+        ))
+    return rules

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from valkey.exceptions import NoScriptError
+from valkey.exceptions import NoScriptError, ValkeyError
 
 from gateway.quota.ledger_script import LEDGER_SCRIPT, LEDGER_SHA
 
@@ -37,6 +37,11 @@ Wire = bytes | tuple[Arg, ...]
 Template = bytes | tuple[tuple[Arg | None, ...], tuple[int, ...]]
 # What a call answered: the script's value (bytes, int, a list of them), or the error reply in place.
 Reply = bytes | int | list[Any] | Exception | None
+
+
+class UnexpectedReply(ValkeyError, ValueError):
+    """The backend answered what the ledger's script cannot have written (a server that is not the
+    Valkey the ledger expects, or a broken one): a backend error like any other, never a crash."""
 
 
 class LedgerTransport(Protocol):
@@ -101,7 +106,7 @@ class ScriptCalls:
         if isinstance(sha, bytes):
             sha = sha.decode()
         if sha != self.sha:  # would mean the server hashes differently: refuse to guess
-            raise RuntimeError(f"unexpected script sha {sha} (expected {self.sha})")
+            raise UnexpectedReply(f"unexpected script sha {sha!r:.80} (expected {self.sha})")
 
     async def run_batch(self, wires: Sequence[Wire]) -> list[Reply]:
         if not wires:

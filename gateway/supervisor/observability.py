@@ -75,7 +75,7 @@ class SupervisorAdminSources:
         config = self._running_config()
         url = quota_url_for(config, self._quota_backend)
         assert url is not None and config.quota is not None  # the page checks quota_enabled first
-        return await self._quota_reporter.report(url, config.quota, tenant)
+        return await self._quota_reporter.report(url, config.quota, tenant, config.auth)
 
 
 class SupervisorCollector:

@@ -10,11 +10,13 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import valkey
 import valkey.asyncio
 
+from gateway.quota.admission import Admission
 from gateway.quota.backend import create_client
 from gateway.quota.cluster_transport import ClusterTransport
 from gateway.quota.embedded import bundled_server_binary
@@ -149,7 +151,7 @@ def test_quota_is_exact_on_a_cluster_across_slots(cluster_url: str) -> None:
     tenants = [f"t-{uuid.uuid4().hex[:8]}" for _ in range(12)]
     rules = [_rule(t, 1000) for t in tenants]
     slots = {
-        valkey.cluster.key_slot(key_prefix(r.name, t).encode()) for r, t in zip(rules, tenants, strict=True)
+        valkey.cluster.key_slot(key_prefix(t).encode()) for t in tenants
     }
 
     async def scenario() -> None:
@@ -257,3 +259,50 @@ def test_the_cluster_transport_does_what_the_ledger_relies_on(cluster_url: str) 
             await transport.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_key_and_its_rule_are_taken_together_in_one_slot_on_a_cluster(cluster_url: str) -> None:
+    # Every limit of a request (the key's request rate and budget, the rule's request rate, budget and
+    # in-flight cap) lives under the tenant's hash tag: one script call, one node, all or nothing.
+    from gateway.auth import KeyIdentity
+    from gateway.quota.limits import Limits, RequestLimit
+
+    tenants = [f"t-{uuid.uuid4().hex[:8]}" for _ in range(6)]
+    rules = [QuotaRule(f"r-{t}", (Budget(LONG, 10_000),), 100, t, max_in_flight=50,
+                       requests=(RequestLimit(86400, 8, 8),)) for t in tenants]
+    keys = {t: KeyIdentity(t, "ci", None, Limits(requests=(RequestLimit(86400, 5, 5),), budgets=(Budget(LONG, 450),)))
+            for t in tenants}
+
+    async def scenario() -> None:
+        gate = await _gate(cluster_url, rules)
+        try:
+            async def admit_key(tenant: str, tokens: int, key: KeyIdentity | None) -> Any:
+                admission = gate.admission(tenant, "m", 0, tokens, key)
+                return admission if admission.__class__ is Admission else await admission  # type: ignore[misc]
+
+            # 7 concurrent requests of 100 tokens per key: the key's budget (450) admits 4, its rate would admit 5
+            results = await asyncio.gather(*(admit_key(t, 100, keys[t]) for t in tenants for _ in range(7)))
+            for i, tenant in enumerate(tenants):
+                mine = results[i * 7:(i + 1) * 7]
+                assert sum(a.allowed for a in mine) == 4
+                assert all("key tokens 450" in a.message for a in mine if not a.allowed)
+                report = await gate.quota_report(tenant)
+                assert report["rules"][0]["requests"][0]["remaining"] == 8 - 4  # refusals took nothing
+                assert report["rules"][0]["windows"][0]["reserved"] == 400
+                assert report["rules"][0]["in_flight"] == 4
+            # the rule's own rate is the limit without the key: 4 more slots of its 8
+            plain = await asyncio.gather(*(admit_key(t, 1, None) for t in tenants for _ in range(6)))
+            assert [sum(a.allowed for a in plain[i * 6:(i + 1) * 6]) for i in range(len(tenants))] == [4] * 6
+            for admission in [*results, *plain]:
+                gate.settle(admission, 10)
+            await gate.drain()
+            assert gate.counters.reconcile_failures == 0
+            for tenant in tenants:
+                report = await gate.quota_report(tenant)
+                assert report["rules"][0]["in_flight"] == 0
+                assert report["rules"][0]["windows"][0]["used"] == 80
+        finally:
+            await gate.close()
+
+    asyncio.run(scenario())
+    assert len({valkey.cluster.key_slot(key_prefix(t).encode()) // 5461 for t in tenants}) > 1

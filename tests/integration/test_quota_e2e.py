@@ -18,10 +18,11 @@ def _auth(tenants: dict[str, str]) -> dict:
     return {"keys": [{"tenant": tenant, "key": hash_api_key(key)} for tenant, key in tenants.items()]}
 
 
-def _quota(url: str, tokens: int, window: str = "1h", **extra) -> dict:
+def _quota(url: str, tokens: int, window: str = "1h", lease: dict | None | str = "default", **extra) -> dict:
     return {
         "backend": {"kind": "valkey", "url": url},
         "reservation_timeout": "2s",
+        **({} if lease == "default" else {"lease": lease}),
         "rules": [{"name": f"r-{uuid.uuid4().hex[:8]}", "budgets": [{"window": window, "tokens": tokens}],
                    "estimate": {"default_max_tokens": 10}, **extra}],
     }
@@ -173,9 +174,10 @@ def test_backend_down_reject_and_allow_policies_then_recovery(tmp_path, mock_pro
     server = EmbeddedValkey(tmp_path / "valkey")
     url = server.start()
     handle = mock_provider("p")
+    # Every request decided in Valkey (lease: null): an open block would keep admitting through the outage.
     reject = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
-                             extra={"auth": _auth({"t-down": "sk-d"}), "quota": _quota(url, 100000)})
-    allow_quota = _quota(url, 100000)
+                             extra={"auth": _auth({"t-down": "sk-d"}), "quota": _quota(url, 100000, lease=None)})
+    allow_quota = _quota(url, 100000, lease=None)
     allow_quota["on_backend_error"] = "allow"
     allow = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
                             extra={"auth": _auth({"t-down": "sk-d"}), "quota": allow_quota})

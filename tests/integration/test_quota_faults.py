@@ -13,7 +13,7 @@ from gateway.quota.ledger_script import LEDGER_SHA
 from gateway.quota.owner import owner_tag
 from gateway.quota.resp import encode_command
 from gateway.quota.resp_transport import RespTransport
-from gateway.quota.rules import Budget, QuotaRule
+from gateway.quota.rules import Budget, QuotaRule, RequestLimit
 from tests.integration.test_quota_ledger import (
     LONG,
     admit,
@@ -151,12 +151,14 @@ def test_the_pre_encoded_admit_and_settle_are_exactly_the_commands() -> None:
     # Key names carry `%` (escaped rule and tenant names): the templates must not read them as formats.
     transport = RespTransport()
     ledger = QuotaLedger(transport, reservation_timeout_s=120)
-    rule = QuotaRule("r:1%d", (Budget(60, 1000), Budget(86400, 5000)), 10, max_in_flight=3)
-    account = ledger.account(rule, "t{x}")
-    assert b"%25d" in account.prefix
+    rule = QuotaRule("r:1%d", (Budget(60, 1000), Budget(86400, 5000)), 10, max_in_flight=3,
+                     requests=(RequestLimit(60, 50, 10),))
+    account = ledger.account("t{x}%d", rule)
+    assert account is not None and b"%25d" in account.prefix and b"{t%7Bx%7D%25d}" in account.prefix
     command = ledger.admit_command(account, 123, b"ab.1.0.7.f")
     assert command.wire == encode_command(("EVALSHA", LEDGER_SHA, 1, account.zkey, "admit", account.prefix,
-                                           b"ab.1.0.7.f", 123, 120_000, 3, 60, 1000, 86400, 5000))
-    reservation = Reservation(account.zkey, account.prefix, b"ab.1.0.7.f|123|60:1,86400:2", 123)
-    assert ledger._settle_wire(reservation, 42) == encode_command(
-        ("EVALSHA", LEDGER_SHA, 1, reservation.zkey, "settle", reservation.prefix, reservation.member, 42))
+                                           b"ab.1.0.7.f", 123, 120_000, 1, 1, "r:r%3A1%25d", 3, 1, 60, 50, 10, 0,
+                                           2, 60, 1000, 0, 86400, 5000, 0))
+    reservation = Reservation(account.zkey, account.prefix, b"ab.1.0.7.f|123|1|r:r%3A1%25d:w:60:1||", 123)
+    assert ledger._settle_wire(reservation, 42, 1) == encode_command(
+        ("EVALSHA", LEDGER_SHA, 1, reservation.zkey, "settle", reservation.prefix, reservation.member, 42, 1))

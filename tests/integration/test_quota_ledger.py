@@ -20,7 +20,14 @@ from gateway.quota.admission import Admission
 from gateway.quota.backend import create_client
 from gateway.quota.embedded import EmbeddedValkey, EmbeddedValkeyError
 from gateway.quota.gate import QuotaGate
-from gateway.quota.ledger import SETTLE_APPLIED, SETTLE_NOOP, QuotaLedger, Reservation, key_prefix
+from gateway.quota.ledger import (
+    SETTLE_APPLIED,
+    SETTLE_NOOP,
+    QuotaLedger,
+    Reservation,
+    ScopeReport,
+    key_prefix,
+)
 from gateway.quota.rules import Budget, QuotaRule
 from gateway.request.attempts import attempt_tokens
 
@@ -72,6 +79,11 @@ async def flush_scripts(url: str) -> None:
         await client.script_flush()
     finally:
         await client.aclose()
+
+
+async def rule_report(ledger: QuotaLedger, rule: QuotaRule, tenant: str) -> ScopeReport:
+    """What the ledger holds for one rule of one tenant."""
+    return (await ledger.report(tenant, [rule.scope]))[1][0]
 
 
 def window(report: dict, rule_index: int = 0, window_index: int = 0) -> dict:
@@ -326,9 +338,9 @@ def test_extending_moves_only_live_reservations(valkey_url: str) -> None:
         await ledger.load_script()
 
         async def reserve(tokens: int) -> Reservation:
-            command = ledger.admit_command(ledger.account(rule, tenant), tokens, uuid.uuid4().hex.encode())
+            command = ledger.admit_command(ledger.account(tenant, rule), tokens, uuid.uuid4().hex.encode())
             (reply,) = await ledger.send_admits([command])
-            reservation = QuotaLedger.decision(command, reply).reservation
+            reservation = QuotaLedger.read(command, reply).reservation
             assert reservation is not None
             return reservation
 
@@ -339,11 +351,11 @@ def test_extending_moves_only_live_reservations(valkey_url: str) -> None:
             assert await ledger.extend_many([live]) == 1
             await asyncio.sleep(0.2)  # `lapsing` is past its deadline now, `live` is not
             assert await ledger.extend_many([settled, lapsing, live]) == 1  # neither comes back
-            report = await ledger.report(rule, tenant)
+            report = await rule_report(ledger, rule, tenant)
             assert (report.in_flight, report.windows[0].used, report.windows[0].reserved) == (1, 207, 300)
             assert await ledger.settle(lapsing, 1) == SETTLE_NOOP  # it was charged at its estimate
             assert await ledger.settle(live, 30) == SETTLE_APPLIED
-            assert (await ledger.report(rule, tenant)).windows[0].used == 237
+            assert (await rule_report(ledger, rule, tenant)).windows[0].used == 237
         finally:
             await ledger.close()
 
@@ -453,7 +465,7 @@ def test_every_key_has_a_ttl(valkey_url: str) -> None:
             try:
                 keys = [
                     k
-                    async for k in client.scan_iter(match=key_prefix(rule.name, tenant).replace("{", "[{]") + "*")
+                    async for k in client.scan_iter(match=key_prefix(tenant).replace("{", "[{]") + "*")
                 ]
                 assert len(keys) == 3  # the reservation set and one hash per window
                 for key in keys:

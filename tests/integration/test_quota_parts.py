@@ -22,11 +22,19 @@ from gateway.quota.counters import QuotaCounters
 from gateway.quota.embedded import EmbeddedValkey
 from gateway.quota.gate import QuotaGate
 from gateway.quota.lease import LeaseSpec
-from gateway.quota.ledger import QuotaLedger, key_prefix
+from gateway.quota.ledger import F_TK_LIMIT, QuotaLedger, key_prefix
 from gateway.quota.resp_transport import RespTransport
 from gateway.quota.rules import QuotaRule
 from gateway.quota.transport import SLOT, LedgerTransport, Reply, Wire
-from tests.integration.test_quota_ledger import LONG, _free_port, admit, new_tenant, rule_for, window
+from tests.integration.test_quota_ledger import (
+    LONG,
+    _free_port,
+    admit,
+    new_tenant,
+    rule_for,
+    rule_report,
+    window,
+)
 
 
 class CountingTransport(RespTransport):
@@ -223,7 +231,7 @@ def test_closing_the_gate_returns_every_block_charging_requests_in_flight_their_
         # closed with the request in flight: its block went back charging it 300
         ledger = QuotaLedger(create_client(valkey_url), reservation_timeout_s=120)
         try:
-            report = (await ledger.report(rule_for(tenant, (LONG, 1_000_000)), tenant)).windows[0]
+            report = (await rule_report(ledger, rule_for(tenant, (LONG, 1_000_000)), tenant)).windows[0]
             assert (report.used, report.reserved) == (10 + 300, 0)
         finally:
             await ledger.close()
@@ -279,7 +287,7 @@ def test_a_block_granted_while_the_gate_closes_goes_back_unused(valkey_url: str)
             # closed: the grant arrived while it closed
         ledger = QuotaLedger(create_client(valkey_url), reservation_timeout_s=120)
         try:
-            report = (await ledger.report(rule, tenant)).windows[0]
+            report = (await rule_report(ledger, rule, tenant)).windows[0]
             assert (report.used, report.reserved) == (0, 10)  # the running request's reservation, no block
         finally:
             await ledger.close()
@@ -334,7 +342,8 @@ async def check_transport(transport: LedgerTransport, url: str) -> None:
     ledger = QuotaLedger(transport, reservation_timeout_s=120)
     await ledger.load_script()
     await transport.ping()
-    account = ledger.account(rule, tenant)
+    account = ledger.account(tenant, rule)
+    assert account is not None
     zkey, prefix = account.zkey, account.prefix
     template = transport.template((zkey, "report", SLOT, SLOT))
     assert transport.fill(template, (prefix, b"%d" % LONG)) == transport.wire((zkey, "report", prefix, b"%d" % LONG))
@@ -343,9 +352,9 @@ async def check_transport(transport: LedgerTransport, url: str) -> None:
     commands = [ledger.admit_command(account, n, b"id-%d" % n) for n in (300, 400, 500)]
     replies: list[Reply] = await transport.send_admits([c.wire for c in commands])
     assert [bytes(r)[:2] for r in replies] == [b"1 ", b"1 ", b"0 "]  # type: ignore[arg-type]
-    assert QuotaLedger.decision(commands[1], replies[1]).remaining == 300  # type: ignore[arg-type]
-    # The keyspace: the (rule, tenant)'s reservation set, wherever it lives.
-    sets = [key async for key in transport.scan_keys(key_prefix(rule.name, tenant).replace("{", "[{]") + ":r", "zset")]
+    assert QuotaLedger.read(commands[1], replies[1]).triple(F_TK_LIMIT)[1] == 300  # type: ignore[arg-type]
+    # The keyspace: the tenant's reservation set, wherever it lives.
+    sets = [key async for key in transport.scan_keys(key_prefix(tenant).replace("{", "[{]") + "z", "zset")]
     assert sets == [zkey]
 
     # A batch survives a lost script cache: the calls answered NOSCRIPT are redone after a reload.
@@ -354,13 +363,13 @@ async def check_transport(transport: LedgerTransport, url: str) -> None:
         await flush.script_flush()
     finally:
         await flush.aclose()
-    reservations = [QuotaLedger.decision(c, r).reservation for c, r in zip(commands[:2], replies, strict=False)]
-    settles: list[Wire] = [ledger._settle_wire(r, 10) for r in reservations if r is not None]
+    reservations = [QuotaLedger.read(c, r).reservation for c, r in zip(commands[:2], replies, strict=False)]  # type: ignore[arg-type]
+    settles: list[Wire] = [ledger._settle_wire(r, 10, 0) for r in reservations if r is not None]
     assert await transport.run_batch(settles) == [1, 1]
     # One call raises an error reply.
     with pytest.raises(ResponseError, match="unknown mode"):
         await transport.run_one(transport.wire((zkey, "no-such-mode", prefix)))
-    report = await ledger.report(rule, tenant)
+    report = await rule_report(ledger, rule, tenant)
     assert (report.windows[0].used, report.windows[0].reserved) == (20, 0)
 
 

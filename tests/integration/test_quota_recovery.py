@@ -31,7 +31,8 @@ def short_dir() -> Iterator[str]:
 
 
 def _embedded_quota(data_dir: str, **rule: object) -> dict:
-    return {"backend": {"kind": "embedded", "data_dir": data_dir},
+    # Every request decided in Valkey (no worker-held blocks): these tests watch each admission meet the outage.
+    return {"backend": {"kind": "embedded", "data_dir": data_dir}, "lease": None,
             "rules": [{"name": "faults", "budgets": [{"window": "1h", "tokens": 10**9}],
                        "estimate": {"default_max_tokens": 100}, **rule}]}
 

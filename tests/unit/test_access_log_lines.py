@@ -22,6 +22,22 @@ def _exchange(ended_ms_ago: float, took_ms: float) -> SimpleNamespace:
                            target=b"/v1/chat/completions?key=secret", body=b"x" * 40, bytes_out=123, record=None)
 
 
+def test_the_line_names_the_shadow_limits_that_would_have_refused_the_request(tmp_path: Path) -> None:
+    async def write() -> list[dict]:
+        access_log = AccessLog(LineWriter(str(tmp_path / "access.log"), flush_delay_s=10.0))
+        ends = SimpleNamespace(close=access_log.record)
+        RequestRecord(exchange=_exchange(ended_ms_ago=0, took_ms=1), ends=ends, request_id=b"req-1", tenant="team-a",
+                      status=200, shadow=("key requests 60/1m", "rule r tokens 100/1h")).close()
+        RequestRecord(exchange=_exchange(ended_ms_ago=0, took_ms=1), ends=ends, request_id=b"req-2", tenant="team-a",
+                      status=200).close()
+        await access_log.close()
+        return [json.loads(text) for text in (tmp_path / "access.log").read_text().splitlines()]
+
+    shadowed, plain = asyncio.run(write())
+    assert shadowed["shadow"] == ["key requests 60/1m", "rule r tokens 100/1h"]
+    assert "shadow" not in plain  # only when some limit would have refused
+
+
 def test_a_line_written_later_keeps_the_times_and_values_of_when_it_was_recorded(tmp_path: Path) -> None:
     async def write() -> list[dict]:
         access_log = AccessLog(LineWriter(str(tmp_path / "access.log"), flush_delay_s=10.0))

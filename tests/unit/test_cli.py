@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from gateway.check import validate_deployment
 from gateway.cli import main
+from gateway.config import load_config
 from tests.contract_fixtures import OVERLAY_FIXTURES
 
 # The normative fixtures live next to the repository (CONTRACT §4: ../shared/contract/overlay-v1).
@@ -82,6 +84,18 @@ def test_check_reports_quota_rules_the_workers_would_refuse(config_dir, capsys):
     assert code == 1 and out == ""
     assert "quota.rules[0].budgets: two budgets with the same window" in err
     assert "quota.rules[1].name: duplicate rule name 'r'" in err
+
+
+def test_check_reports_a_model_glob_that_matches_no_model_of_the_overlay(config_dir, capsys):
+    # The overlay holds model-a. The gateway itself accepts such a rule (overlays change while it runs).
+    quota = ("quota:\n  backend: {kind: valkey, url: 'valkey://127.0.0.1:1/0'}\n  rules:\n"
+             "    - {name: a, match: {model: 'model-*'}, requests: [{window: 1m, count: 5}]}\n"
+             "    - {name: b, match: {model: 'gpt-*'}, requests: [{window: 1m, count: 5}]}\n")
+    (config_dir / "gateway.yaml").write_text(CONFIG + quota)
+    code, out, err = run(capsys, "check", "-c", str(config_dir / "gateway.yaml"))
+    assert (code, out) == (1, "")
+    assert err == "quota.rules[1].match.model: 'gpt-*' matches no model of the overlay\n"
+    validate_deployment(load_config(str(config_dir / "gateway.yaml")))  # raises nothing
 
 
 def test_check_reports_an_invalid_overlay(config_dir, capsys):

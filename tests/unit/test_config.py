@@ -229,14 +229,90 @@ def test_quota_breaker_timings_have_defaults_and_are_checked():
         "quota.breaker.probe_interval: must be >= 10ms"]
 
 
-def test_quota_lease_is_off_by_default_and_its_fields_are_checked():
-    assert parse_config(BASE + f"quota: {{{QUOTA_RULES}}}\n").quota.lease is None
+def test_quota_lease_is_on_by_default_and_off_with_null_or_enabled_false():
+    from gateway.quota.gate import lease_spec
+
+    default = parse_config(BASE + f"quota: {{{QUOTA_RULES}}}\n").quota
+    assert default.lease is not None and lease_spec(default) is not None
+    assert (default.lease.tokens, default.lease.requests, default.lease.ttl, default.lease.headroom) == (
+        None, None, 1.0, 10)  # sizes follow what blocks use
+    assert lease_spec(parse_config(BASE + f"quota: {{lease: null, {QUOTA_RULES}}}\n").quota) is None
+    assert lease_spec(parse_config(BASE + f"quota: {{lease: {{enabled: false}}, {QUOTA_RULES}}}\n").quota) is None
     lease = parse_config(BASE + f"quota: {{lease: {{tokens: 5000}}, {QUOTA_RULES}}}\n").quota.lease
-    assert lease is not None and (lease.tokens, lease.ttl, lease.headroom) == (5000, 1.0, 10)
+    assert lease is not None and (lease.tokens, lease.ttl, lease.headroom) == (5000, 1.0, 10)  # as before: fixed
     assert problems(BASE + f"quota: {{lease: {{tokens: 0}}, {QUOTA_RULES}}}\n") == [
         "quota.lease.tokens: must be >= 1"]
+    assert problems(BASE + f"quota: {{lease: {{requests: 0}}, {QUOTA_RULES}}}\n") == [
+        "quota.lease.requests: must be >= 1"]
     assert problems(BASE + f"quota: {{lease: {{tokens: 10, ttl: 2m}}, {QUOTA_RULES}}}\n") == [
         "quota.lease.ttl: must be <= 1m"]
     assert problems(BASE + f"quota: {{lease: {{tokens: 10, headroom: 0}}, {QUOTA_RULES}}}\n") == [
         "quota.lease.headroom: must be >= 1"]
-    assert problems(BASE + f"quota: {{lease: {{ttl: 1s}}, {QUOTA_RULES}}}\n")[0].startswith("quota.lease")
+
+
+KEY_A = "sha256:" + "a" * 64
+KEY_B = "sha256:" + "b" * 64
+
+
+@pytest.mark.parametrize(("limit", "problem"), [
+    ("{window: 1m, count: 0}", "quota.rules[0].requests[0].count: must be >= 1"),
+    ("{window: 1m, count: -5}", "quota.rules[0].requests[0].count: must be >= 1"),
+    ("{window: 500ms, count: 5}", "quota.rules[0].requests[0].window: must be >= 1s"),
+    ("{window: 2d, count: 5}", "quota.rules[0].requests[0].window: must be <= 1d"),
+    ("{window: 1500ms, count: 5}", "quota.rules[0].requests[0].window: must be whole seconds (1s..1d)"),
+    ("{window: 1m, count: 5, burst: 0}", "quota.rules[0].requests[0].burst: must be >= 1"),
+    ("{window: 1s, count: 2000000}", "quota.rules[0].requests[0].count: more than 1000000 requests per second "
+                                     "cannot be metered"),
+    ("{window: 1m, count: 5, shadow: maybe}", "quota.rules[0].requests[0].shadow: expected true or false, got 'maybe'"),
+])
+def test_a_bad_request_limit_is_a_config_error_naming_the_field(limit: str, problem: str) -> None:
+    assert problems(BASE + f"quota: {{rules: [{{name: r, requests: [{limit}]}}]}}\n") == [problem]
+
+
+def test_a_rule_may_hold_request_limits_alone_and_burst_defaults_to_count() -> None:
+    quota = parse_config(BASE + "quota: {rules: [{name: r, requests: [{window: 1m, count: 60}]}]}\n").quota
+    assert quota.rules[0].requests[0].burst is None and quota.rules[0].budgets == []
+    from gateway.quota.rules import rules_from_config
+
+    (rule,) = rules_from_config(quota)
+    assert (rule.requests[0].count, rule.requests[0].burst, rule.requests[0].window_s) == (60, 60, 60)
+    assert problems(BASE + "quota: {rules: [{name: r}]}\n") == [
+        "quota.rules[0].budgets: a rule needs budgets, requests or max_in_flight"]
+
+
+def test_key_limits_need_an_alias_a_quota_block_and_unique_aliases() -> None:
+    limits = "limits: {requests: [{window: 1m, count: 60}]}"
+    quota = "quota: {rules: [{name: r, budgets: [{window: 1m, tokens: 5}]}]}\n"
+    assert problems(BASE + f"auth: {{keys: [{{tenant: a, key: '{KEY_A}', {limits}}}]}}\n" + quota) == [
+        "auth.keys[0].limits: the key needs an alias (its name in counters, messages and /admin/quota)"]
+    assert problems(BASE + f"auth: {{keys: [{{tenant: a, key: '{KEY_A}', alias: ci, {limits}}}]}}\n") == [
+        "auth.keys[0].limits: needs the quota block (limits are counted in its backend)"]
+    assert problems(BASE + f"auth: {{keys: [{{tenant: a, key: '{KEY_A}', alias: ci}}, "
+                           f"{{tenant: b, key: '{KEY_B}', alias: ci}}]}}\n") == [
+        "auth.keys[1].alias: duplicate alias 'ci' (auth.keys[0] has it)"]
+    assert problems(BASE + f"auth: {{keys: [{{tenant: a, key: '{KEY_A}', alias: 'two words'}}]}}\n")[0].startswith(
+        "auth.keys[0].alias: 1..128 characters")
+    assert problems(BASE + f"auth: {{keys: [{{tenant: a, key: '{KEY_A}', alias: ci, limits: {{requests: ["
+                           "{window: 1m, count: 5}, {window: 60s, count: 9}]}}]}\n" + quota) == [
+        "auth.keys[0].limits.requests: two request limits with the same window"]
+    assert problems(BASE + f"auth: {{keys: [{{tenant: a, key: '{KEY_A}', alias: ci, limits: {{requests: ["
+                           "{window: 1m, count: 0}]}}]}\n" + quota) == [
+        "auth.keys[0].limits.requests[0].count: must be >= 1"]
+    # With a quota block and no rule at all, key limits alone meter what they name.
+    config = parse_config(BASE + f"auth: {{keys: [{{tenant: a, key: '{KEY_A}', alias: ci, {limits}}}]}}\n"
+                                 "quota: {}\n")
+    assert config.quota.rules == [] and config.auth.keys[0].limits.requests[0].count == 60
+    assert problems(BASE + "quota: {}\n") == [
+        "quota.rules: required (no rule and no key with limits: nothing to meter)"]
+
+
+def test_a_key_glob_must_match_a_configured_alias() -> None:
+    keys = f"auth: {{keys: [{{tenant: a, key: '{KEY_A}', alias: ci-bot}}]}}\n"
+    rule = "quota: {{rules: [{{name: r, match: {{key: '{glob}'}}, requests: [{{window: 1m, count: 5}}]}}]}}\n"
+    assert parse_config(BASE + keys + rule.format(glob="ci-*")).quota.rules[0].match.key == "ci-*"
+    assert problems(BASE + keys + rule.format(glob="cd-*")) == [
+        "quota.rules[0].match.key: 'cd-*' matches no auth.keys[].alias"]
+    assert problems(BASE + rule.format(glob="ci-*")) == [
+        "quota.rules[0].match.key: there is no auth block, so no request has a key"]
+    assert problems(BASE + "quota: {rules: [{name: r, match: {model: ''}, requests: [{window: 1m, count: 5}]}]}\n") == [
+        "quota.rules[0].match.model: must not be empty (omit it to match any)"]

@@ -45,11 +45,14 @@ BASE_CONFIG: dict[str, Any] = {
     "limits": {},
     "timeouts": {},
     "access_log": {},
-    "auth": {},
+    "auth": {"keys": [{"tenant": "t", "key": "sha256:" + "0" * 64, "alias": "a", "limits": {
+        "requests": [{"window": "1m", "count": 5, "burst": 5}], "budgets": [{"window": "1m", "tokens": 10}],
+        "max_in_flight": 2}}]},
     "quota": {
-        "rules": [{"name": "r", "budgets": [{"window": "1m", "tokens": 10}], "estimate": {}, "max_in_flight": 5}],
+        "rules": [{"name": "r", "budgets": [{"window": "1m", "tokens": 10}], "estimate": {}, "max_in_flight": 5,
+                   "requests": [{"window": "1m", "count": 5, "burst": 5}]}],
         "breaker": {},
-        "lease": {"tokens": 10},
+        "lease": {"tokens": 10, "requests": 10},
     },
     "pricing": {"overrides": {"private-*": {"input": 1, "output": 2, "cached_input": 0.5, "cache_write": "1",
                                             "reasoning": 2}}},

@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
-from gateway.quota.lease import Allowance, Lease, LeaseReservation, LeaseSpec, leasable, ms_to_window_end
-from gateway.quota.rules import Budget, QuotaRule
+from gateway.auth import KeyIdentity
+from gateway.quota.lease import (
+    MIN_BLOCK_REQUESTS,
+    Allowance,
+    Lease,
+    LeaseReservation,
+    LeaseSpec,
+    fit,
+    ms_to_window_end,
+    next_sizes,
+    request_allowance,
+)
+from gateway.quota.ledger import scopes_of
+from gateway.quota.limits import Budget, Limits, RequestLimit
+from gateway.quota.rules import QuotaRule
 
 
 def _lease(capacity: int = 100, closes_at: float = 10.0, room_beyond: int = 1000) -> Lease:
@@ -44,17 +57,75 @@ def test_remaining_counts_the_room_beyond_the_block_plus_what_it_has_left() -> N
     assert lease.tokens.remaining == 0
 
 
-def test_spec_wants_headroom_and_capped_rules_never_lease() -> None:
-    spec = LeaseSpec(tokens=100, ttl_s=1.0, headroom=10)
-    assert spec.wanted(1000) and not spec.wanted(999)
-    rule = QuotaRule("r", (Budget(60, 10),), 16)
-    assert leasable(rule) and not leasable(QuotaRule("c", (Budget(60, 10),), 16, max_in_flight=2))
+def test_a_block_fits_the_headroom_shrinking_to_its_floor_unless_its_size_is_fixed() -> None:
+    assert fit(100, 1000, 10, 4, fixed=False) == 100
+    assert fit(100, 999, 10, 4, fixed=True) == 0  # a fixed size does not shrink: no block
+    assert fit(100, 999, 10, 4, fixed=False) == 99
+    assert fit(100, 39, 10, 4, fixed=False) == 0  # below the floor: every request decided in Valkey
 
 
-def test_a_block_ends_with_the_first_window_of_its_rule() -> None:
+def test_sizes_start_at_the_floor_double_when_full_and_follow_use_otherwise() -> None:
+    spec = LeaseSpec(ttl_s=1.0, headroom=10)
+    assert next_sizes(spec, None, 50) == (MIN_BLOCK_REQUESTS * 50, MIN_BLOCK_REQUESTS)
+    block = _lease(capacity=400)
+    block.slots = request_allowance(8, 100, 50, 20.0)
+    for _ in range(8):
+        assert block.take(10, now=1.0)
+    assert not block.take(10, now=1.0) and block.slots.filled and not block.tokens.filled
+    assert next_sizes(spec, block, 10) == (MIN_BLOCK_REQUESTS * 10 * 3, 16)  # 80 tokens used: 120; slots x2
+    assert next_sizes(LeaseSpec(1.0, 10, tokens=7, requests=9), block, 10) == (7, 9)
+
+
+def test_a_slot_of_a_request_that_never_reached_a_provider_goes_back_with_the_block() -> None:
+    block = Lease(LeaseReservation(b"z", b"p", b"m", 0, 8), None, 10.0, slots=request_allowance(8, 60, 40, 5.0))
+    headers = dict(block.take(0, now=1.0))
+    assert headers[b"x-ratelimit-limit-requests"] == b"60" and headers[b"x-ratelimit-remaining-requests"] == b"47"
+    assert block.take(0, now=1.0)
+    assert not block.end(0, 0, reached=False)
+    assert block.close() is False and block.end(0, 0) is True
+    assert (block.slots_unused, block.tokens_charged) == (7, 0)  # one used: seven slots go back
+
+
+def test_a_block_ends_with_the_first_token_window_of_its_limits() -> None:
+    from gateway.quota.ledger import QuotaLedger
+
+    class Transport:
+        def template(self, args: object) -> object:
+            return args
+
+        def fill(self, template: object, values: object) -> object:
+            return template
+
+    ledger = QuotaLedger(Transport(), reservation_timeout_s=10)  # type: ignore[arg-type]
     rule = QuotaRule("r", (Budget(3600, 10), Budget(60, 10)), 16)
-    assert ms_to_window_end(rule, 59_000) == 1_000
-    assert ms_to_window_end(rule, 3_600_000) == 60_000
+    key = KeyIdentity("t", "ci", None, Limits(budgets=(Budget(30, 5),)))
+    assert ms_to_window_end(ledger.account("t", rule), 59_000) == 1_000  # type: ignore[arg-type]
+    assert ms_to_window_end(ledger.account("t", rule), 3_600_000) == 60_000  # type: ignore[arg-type]
+    assert ms_to_window_end(ledger.account("t", rule, key), 59_000) == 1_000  # type: ignore[arg-type]
+    assert ms_to_window_end(ledger.account("t", rule, key), 15_000) == 15_000  # type: ignore[arg-type]
+    only_requests = QuotaRule("q", (), 16, requests=(RequestLimit(60, 10, 10),))
+    assert ms_to_window_end(ledger.account("t", only_requests), 59_000) is None  # type: ignore[arg-type]
+    assert [s.kind for s in scopes_of(rule, key)] == ["key", "rule"]
+
+
+def test_capped_or_shadowed_accounts_never_lease() -> None:
+    from gateway.quota.ledger import QuotaLedger
+
+    class Transport:
+        def template(self, args: object) -> object:
+            return args
+
+        def fill(self, template: object, values: object) -> object:
+            return template
+
+    ledger = QuotaLedger(Transport(), reservation_timeout_s=10)  # type: ignore[arg-type]
+    assert ledger.account("t", QuotaRule("r", (Budget(60, 10),), 16)).leasable  # type: ignore[union-attr]
+    assert not ledger.account("t", QuotaRule("c", (Budget(60, 10),), 16, max_in_flight=2)).leasable  # type: ignore[union-attr]
+    shadow = QuotaRule("s", (Budget(60, 10, shadow=True),), 16)
+    assert not ledger.account("t", shadow).leasable  # type: ignore[union-attr]
+    assert ledger.account("t", None) is None  # nothing meters it
+    capped_key = KeyIdentity("t", "ci", None, Limits(max_in_flight=1))
+    assert not ledger.account("t", QuotaRule("r", (Budget(60, 10),), 16), capped_key).leasable  # type: ignore[union-attr]
 
 
 def test_the_reset_header_is_whole_seconds_rounded_up_and_made_once_per_second() -> None:

@@ -159,3 +159,42 @@ def test_tenant_tokens_are_bounded_to_the_configured_tenants() -> None:
     tokens.add(tokens.slot("stranger"), 3, None, 4)  # completion derived; an unknown tenant is "other"
     tokens.add(tokens.slot("team-b"), None, None, 99)  # a total alone cannot be split: not counted
     assert tokens.snapshot() == {"team-a": (13, 12), "team-b": (0, 0), "other": (3, 1)}
+
+
+def test_model_and_key_matches_are_globs_and_a_key_glob_reads_kid_or_alias() -> None:
+    from gateway.auth import KeyIdentity
+
+    rules = RuleSet([
+        QuotaRule("bots", MINUTE, 100, match_key="ci-*"),
+        QuotaRule("gpt", MINUTE, 100, match_model="gpt-4*"),
+        QuotaRule("default", MINUTE, 100),
+    ])
+    bot, managed, human = KeyIdentity("a", "ci-nightly"), KeyIdentity("a", None, "ci-Xy12"), KeyIdentity("a", "bob")
+    assert rules.match("a", "gpt-4o", bot).name == "bots"
+    assert rules.match("a", "gpt-4o", managed).name == "bots"  # the kid matches too
+    assert rules.match("a", "gpt-4o", human).name == "gpt"
+    assert rules.match("a", "gpt-3.5", human).name == "default"
+    assert rules.match("a", "gpt-4o", None).name == "gpt"  # no key (auth off): key rules never match
+    assert rules.match("a", None, human).name == "default"  # no model named: a model glob never matches
+
+
+def test_a_model_glob_matching_no_model_of_an_overlay_is_named() -> None:
+    from gateway.quota.rules import model_glob_problems
+
+    rules = [QuotaRule("a", MINUTE, 1, match_model="gpt-*"), QuotaRule("b", MINUTE, 1, match_model="llama-[0-9]*"),
+             QuotaRule("c", MINUTE, 1)]
+    assert model_glob_problems(rules, ["gpt-4o", "mistral"]) == [
+        "quota.rules[1].match.model: 'llama-[0-9]*' matches no model of the overlay"]
+
+
+def test_rules_with_request_limits_alone_are_valid_and_their_limits_are_checked() -> None:
+    from gateway.quota.rules import RequestLimit
+
+    assert validate_rules([rule("r", budgets=(), requests=(RequestLimit(60, 10, 10),))]) == []
+    problems = validate_rules([rule("r", budgets=(), requests=(RequestLimit(0, 0, 0), RequestLimit(0, 5, 5)))])
+    assert "quota.rules[0].requests: two request limits with the same window" in problems
+    assert "quota.rules[0].requests[0].window: must be 1s..1d" in problems
+    assert "quota.rules[0].requests[0].count: must be at least 1" in problems
+    assert "quota.rules[0].requests[0].burst: must be at least 1" in problems
+    assert validate_rules([rule("r", budgets=())]) == ["quota.rules[0].budgets: a rule needs budgets, requests or "
+                                                        "max_in_flight"]

@@ -1,0 +1,266 @@
+"""The quota and auth parts of the gateway configuration: ``auth`` and ``quota`` (docs/configuration.md,
+docs/limits.md).
+
+Split from :mod:`gateway.config` (which re-exports every name here) so each schema module stays
+small; the rules are the same: strict Structs, every numeric key with a range (``check_ranges``).
+Checks that span entries or blocks (aliases, key globs, a key's limits: windows given twice, no quota
+backend) are ``quota_checks``, run by the config loader with its other cross-field checks; a rule's are
+``gateway.quota.rules.validate_rules`` (``gridgate check`` and the supervisor run them).
+"""
+
+from __future__ import annotations
+
+import re
+from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from gateway.auth import is_key_digest
+from gateway.config_keys import KeyStoreBackend
+from gateway.quota.limits import limits_from_config, limits_problems
+from gateway.yaml_config import DAY, MINUTE, Range, Seconds, StrictStruct, check_ranges
+
+if TYPE_CHECKING:
+    from gateway.config import Config
+
+MAX_COUNT = 1_000_000_000  # counts of requests and tokens per request
+MAX_TOKENS = 10**15  # tokens of a budget or a lease block
+# A request limit's slots are timed in microseconds on Valkey's clock: finer than a million requests
+# a second per limit cannot be metered.
+MAX_REQUESTS_PER_SECOND = 1_000_000
+
+_ALIAS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@/+-]{0,127}")
+
+
+class RequestRate(StrictStruct):
+    """``requests[]``: at most ``count`` requests per ``window``, at most ``burst`` at once (GCRA)."""
+
+    window: Seconds
+    count: int
+    burst: int | None = None  # None: ``count``
+    shadow: bool = False  # counts and reports, never refuses
+
+    _RANGES: ClassVar[dict[str, Range]] = {"window": (1, DAY), "count": (1, MAX_COUNT), "burst": (1, MAX_COUNT)}
+
+    def __post_init__(self) -> None:
+        check_ranges(self, self._RANGES)
+        if self.window != int(self.window):
+            raise ValueError("window: must be whole seconds (1s..1d)")
+        if self.count > self.window * MAX_REQUESTS_PER_SECOND:
+            raise ValueError(f"count: more than {MAX_REQUESTS_PER_SECOND} requests per second cannot be metered")
+
+
+class Budget(StrictStruct):
+    window: Seconds
+    tokens: int
+    shadow: bool = False  # counts and reports, never refuses
+
+    _RANGES: ClassVar[dict[str, Range]] = {"window": (1, 366 * DAY), "tokens": (1, MAX_TOKENS)}
+
+    def __post_init__(self) -> None:
+        check_ranges(self, self._RANGES)
+
+
+class KeyLimits(StrictStruct):
+    """``auth.keys[].limits``: one key's own limits, applied on top of its rule's."""
+
+    requests: list[RequestRate] = []
+    budgets: list[Budget] = []
+    max_in_flight: int | None = None
+
+    _RANGES: ClassVar[dict[str, Range]] = {"max_in_flight": (1, 1_000_000)}
+
+    def __post_init__(self) -> None:
+        check_ranges(self, self._RANGES)
+
+
+class ApiKey(StrictStruct):
+    tenant: str
+    key: str
+    alias: str | None = None  # the key's name: rules match it (match.key), limits count under it
+    limits: KeyLimits | None = None
+
+    def __post_init__(self) -> None:
+        if not is_key_digest(self.key):
+            raise ValueError("key: must be 'sha256:<64 lowercase hex>' (see `gridgate keys hash`)")
+        if self.alias is not None and _ALIAS.fullmatch(self.alias) is None:
+            raise ValueError("alias: 1..128 characters: letters, digits and . _ @ / + - (not first)")
+        if self.limits is not None and self.alias is None:
+            raise ValueError("limits: the key needs an alias (its name in counters, messages and /admin/quota)")
+
+
+class Auth(StrictStruct):
+    keys: list[ApiKey] = []
+    store: KeyStoreBackend | None = None  # managed keys' Valkey when there is no quota block (docs/keys.md)
+    key_table_capacity: int = 100_000  # managed-key secrets one host's table holds (docs/keys.md)
+
+    _RANGES: ClassVar[dict[str, Range]] = {"key_table_capacity": (1, 10_000_000)}
+
+    def __post_init__(self) -> None:
+        check_ranges(self, self._RANGES)
+
+
+# Quota backend URL schemes: one node, or a seed node of a Valkey Cluster (the topology is discovered).
+QUOTA_NODE_SCHEMES = ("valkey", "valkeys", "redis", "rediss", "unix")
+QUOTA_CLUSTER_SCHEMES = ("valkey+cluster", "valkeys+cluster")
+
+
+def quota_url_problem(url: str) -> str | None:
+    """None if ``url`` is a backend URL the quota ledger can use, else why not."""
+    scheme, sep, rest = url.partition("://")
+    scheme = scheme.lower()
+    if not sep:
+        return "expected a URL such as valkey://host:6379/0"
+    if scheme not in QUOTA_NODE_SCHEMES + QUOTA_CLUSTER_SCHEMES:
+        allowed = ", ".join(f"{s}://" for s in QUOTA_NODE_SCHEMES + QUOTA_CLUSTER_SCHEMES)
+        return f"unsupported scheme {scheme}:// (use one of {allowed})"
+    if scheme in QUOTA_CLUSTER_SCHEMES and ":" not in rest.rsplit("@", 1)[-1].split("/", 1)[0]:
+        return f"{scheme}:// needs host:port of one cluster node"
+    return None
+
+
+def single_node_url(url: str) -> str:
+    """``url`` for its node alone: a ``valkey+cluster://`` / ``valkeys+cluster://`` seed becomes
+    ``valkey://`` / ``valkeys://``; other URLs stay as they are."""
+    scheme, sep, rest = url.partition("://")
+    if scheme.lower() in QUOTA_CLUSTER_SCHEMES:
+        return f"{scheme.lower().removesuffix('+cluster')}{sep}{rest}"
+    return url
+
+
+class QuotaBackend(StrictStruct):
+    kind: Literal["embedded", "valkey"] = "embedded"
+    url: str | None = None
+    # embedded only: where the bundled Valkey keeps its append-only file, so budgets survive restarts.
+    # Default: $STATE_DIRECTORY/valkey under systemd, else a temporary directory (not persistent).
+    data_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind == "valkey":
+            if not self.url:
+                raise ValueError("url: must be set with kind valkey (e.g. valkey://host:6379/0)")
+            problem = quota_url_problem(self.url)
+            if problem:
+                raise ValueError(f"url: {problem}")
+
+
+class QuotaBreaker(StrictStruct):
+    """How the quota backend's circuit breaker reacts to a failing Valkey (gateway/quota/breaker.py)."""
+
+    # Consecutive failed backend round trips that open the breaker: from then on admissions get the
+    # on_backend_error answer at once, without touching the backend.
+    failures: int = 3
+    # While open, each worker probes the backend this often (one PING); the first answer closes it.
+    probe_interval: Seconds = Seconds(0.1)
+
+    _RANGES: ClassVar[dict[str, Range]] = {"failures": (1, 1000), "probe_interval": (0.01, 10)}
+
+    def __post_init__(self) -> None:
+        check_ranges(self, self._RANGES)
+
+
+class QuotaMatch(StrictStruct):
+    tenant: str | None = None  # exact
+    model: str | None = None  # glob (fnmatch: * ? [..])
+    key: str | None = None  # glob over the key's kid or alias
+
+    def __post_init__(self) -> None:
+        for name in ("tenant", "model", "key"):
+            if getattr(self, name) == "":
+                raise ValueError(f"{name}: must not be empty (omit it to match any)")
+
+
+class Estimate(StrictStruct):
+    default_max_tokens: int = 1024
+
+    _RANGES: ClassVar[dict[str, Range]] = {"default_max_tokens": (0, 100_000_000)}
+
+    def __post_init__(self) -> None:
+        check_ranges(self, self._RANGES)
+
+
+class QuotaRule(StrictStruct):
+    name: str
+    budgets: list[Budget] = []
+    requests: list[RequestRate] = []
+    match: QuotaMatch | None = None
+    estimate: Estimate = Estimate()
+    max_in_flight: int | None = None  # None: no limit (0 is refused rather than read as "unlimited")
+
+    _RANGES: ClassVar[dict[str, Range]] = {"max_in_flight": (1, 1_000_000)}
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight is not None and self.max_in_flight < 1:
+            raise ValueError("max_in_flight: must be >= 1 (omit the key for no limit)")
+        check_ranges(self, self._RANGES)
+        if not self.budgets and not self.requests and self.max_in_flight is None:
+            raise ValueError("budgets: a rule needs budgets, requests or max_in_flight")
+
+
+class QuotaLease(StrictStruct):
+    """Worker-held blocks (gateway/quota/lease.py): admit without a Valkey round trip per request."""
+
+    enabled: bool = True
+    # A block stops admitting after this long (and at the end of a token window); its unused part goes back.
+    ttl: Seconds = Seconds(1)
+    # Blocks only while every limit still has room for this many blocks: near the limit every request
+    # is decided in Valkey, exactly as without leases.
+    headroom: int = 10
+    # A fixed block size; None: sized from what the (tenant, rule, key)'s last blocks used.
+    tokens: int | None = None
+    requests: int | None = None
+
+    _RANGES: ClassVar[dict[str, Range]] = {"tokens": (1, MAX_TOKENS), "requests": (1, MAX_COUNT),
+                                           "ttl": (0.01, MINUTE), "headroom": (1, 1_000_000)}
+
+    def __post_init__(self) -> None:
+        check_ranges(self, self._RANGES)
+
+
+class Quota(StrictStruct):
+    rules: list[QuotaRule] = []
+    backend: QuotaBackend = QuotaBackend()
+    on_backend_error: Literal["reject", "allow"] = "reject"
+    reservation_timeout: Seconds = Seconds(120)
+    breaker: QuotaBreaker = QuotaBreaker()
+    lease: QuotaLease | None = QuotaLease()  # null or {enabled: false}: every request decided in Valkey
+
+    _RANGES: ClassVar[dict[str, Range]] = {"reservation_timeout": (1, DAY)}
+
+    def __post_init__(self) -> None:
+        check_ranges(self, self._RANGES)
+
+    def lease_enabled(self) -> bool:
+        return self.lease is not None and self.lease.enabled
+
+
+def quota_checks(config: Config) -> list[str]:
+    """Checks across ``auth`` and ``quota``; each problem names its field."""
+    problems: list[str] = []
+    keys = config.auth.keys if config.auth is not None else []
+    aliases: dict[str, int] = {}
+    for index, key in enumerate(keys):
+        if key.alias is None:
+            continue
+        if key.alias in aliases:
+            problems.append(f"auth.keys[{index}].alias: duplicate alias {key.alias!r} "
+                            f"(auth.keys[{aliases[key.alias]}] has it)")
+        aliases.setdefault(key.alias, index)
+        if key.limits is not None:
+            limits = key.limits
+            own = limits_from_config(limits.requests, limits.budgets, limits.max_in_flight)
+            problems += limits_problems(own, f"auth.keys[{index}].limits")
+            if config.quota is None:
+                problems.append(f"auth.keys[{index}].limits: needs the quota block (limits are counted in its backend)")
+    if config.quota is None:
+        return problems
+    if not config.quota.rules and not any(key.limits is not None for key in keys):
+        problems.append("quota.rules: required (no rule and no key with limits: nothing to meter)")
+    for index, rule in enumerate(config.quota.rules):
+        pattern = rule.match.key if rule.match else None
+        if pattern is None:
+            continue
+        if config.auth is None:
+            problems.append(f"quota.rules[{index}].match.key: there is no auth block, so no request has a key")
+        elif not any(fnmatchcase(alias, pattern) for alias in aliases):
+            problems.append(f"quota.rules[{index}].match.key: {pattern!r} matches no auth.keys[].alias")
+    return problems
