@@ -27,6 +27,7 @@ from gateway.http.errors import ErrorReply
 from gateway.keys.answers import key_report, model_refusal, refusal
 from gateway.keys.lookup import KeyLookup
 from gateway.keys.view import KeyEntry
+from gateway.quota.limits import Limits, window_text
 from gateway.request.headers import RequestHeaders
 
 # A key the table knows but refuses: (code, message) of its 401.
@@ -93,14 +94,26 @@ def model_not_allowed_for_key(entry: KeyEntry, model: str) -> ErrorReply | None:
     return None if refused is None else ErrorReply(403, refused[0], refused[1])
 
 
-def key_answer(tenant: str, entry: KeyEntry | None, *, remaining: dict[str, Any] | None = None) -> bytes:
+def key_answer(key: KeyIdentity, entry: KeyEntry | None, *, remaining: dict[str, Any] | None = None) -> bytes:
     """The body of ``GET /v1/gridgate/key`` (docs/keys.md). A YAML key (``entry`` None) has no record:
-    its tenant, ``"source": "config"``, and nulls. ``spend`` is null until spend tracking lands."""
+    its tenant, alias and limits, ``"source": "config"``, and nulls. ``spend`` is null until spend tracking lands."""
     if entry is not None:
         body = key_report(entry, remaining=remaining, spend=None)
         body["source"] = "managed"
     else:
-        body = {"object": "gridgate.key", "source": "config", "kid": None, "tenant": tenant, "alias": None,
-                "status": _ACTIVE, "models": None, "expires_at": None, "allowed_origins": None,
-                "limits": None, "remaining": remaining, "spend": None}
+        body = {"object": "gridgate.key", "source": "config", "kid": None, "tenant": key.tenant,
+                "alias": key.alias, "status": _ACTIVE, "models": None, "expires_at": None,
+                "allowed_origins": None, "limits": _config_limits(key.limits), "remaining": remaining,
+                "spend": None}
     return _encode(body)
+
+
+def _config_limits(limits: Limits | None) -> dict[str, Any] | None:
+    """A YAML key's limits in the form a record shows them."""
+    if limits is None:
+        return None
+    return {"requests": [{"window": window_text(r.window_s), "count": r.count, "burst": r.burst, "shadow": r.shadow}
+                         for r in limits.requests],
+            "budgets": [{"window": window_text(b.window_s), "tokens": b.tokens, "shadow": b.shadow}
+                        for b in limits.budgets],
+            "max_in_flight": limits.max_in_flight or None}

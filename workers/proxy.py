@@ -23,6 +23,7 @@ from gateway.http.errors import ErrorReply
 from gateway.metrics.writer import WorkerMetrics
 from gateway.quota.estimate import estimate_prompt_tokens
 from gateway.quota.gate import Admission, QuotaGate
+from gateway.quota.report import QuotaBackendUnavailable
 from gateway.quota.usage import rewrite_request_for_usage
 from gateway.request.headers import ACCEPT_ENCODING, RequestHeaders
 from gateway.request.routes import MCP, MODELS, AllowedRoute
@@ -54,10 +55,9 @@ class Proxy:
     def __init__(
         self, *, settings: ProxySettings, tenants: TenantPolicies, overlay: OverlayFollower, router: Router,
         clusters: ClusterManager, providers: ProviderStates, quota: QuotaGate | None, metrics: WorkerMetrics,
-        outcomes: Outcomes, authenticated: bool = True,
+        outcomes: Outcomes,
     ) -> None:
         self.settings = settings
-        self.authenticated = authenticated  # auth is configured: every request carries a key
         self.tenants = tenants
         self.overlay = overlay
         self.router = router
@@ -80,7 +80,9 @@ class Proxy:
         try:
             policy = self.tenants.get(admitted.tenant)
             if admitted.route.kind <= MODELS:  # answered by the gateway: the model list, or the key
-                return self.models(record, policy) if admitted.route.kind == MODELS else self.key(record, admitted)
+                if admitted.route.kind == MODELS:
+                    return self.models(record, policy)
+                return await self.key(record, admitted)
             capability = self.capability(exchange, admitted.headers, admitted.route)
             if type(capability) is ErrorReply:
                 return self.outcomes.refuse(record, capability)
@@ -168,14 +170,26 @@ class Proxy:
         record.status = 200
         exchange.respond(200, [_JSON_HEADER, (b"x-request-id", record.request_id)], body)
 
-    def key(self, record: RequestRecord, admitted: Admitted) -> None:
-        """``GET /v1/gridgate/key``: the caller's own key (docs/keys.md); 401 without one."""
-        if not self.authenticated:
+    async def key(self, record: RequestRecord, admitted: Admitted) -> None:
+        """``GET /v1/gridgate/key``: the caller's own key (docs/keys.md); 401 without one. ``remaining``
+        is the quota's reading of the key's limits and its tenant's rules (one ledger call), null
+        without a quota block or when its backend does not answer in time."""
+        key = admitted.key
+        if key is None:
             return self.outcomes.refuse(record, ErrorReply(401, "invalid_api_key", "GET /v1/gridgate/key "
                                                            "needs an API key: auth is not configured"))
+        remaining = None
+        if self.quota is not None:
+            try:
+                report = await self.quota.key_report(key)
+                remaining = {"rules": report["rules"], "keys": report["keys"]}
+            except QuotaBackendUnavailable:
+                pass
+        if record.exchange.client_gone:
+            return None
         record.status = 200
         record.exchange.respond(200, [_JSON_HEADER, (b"x-request-id", record.request_id)],
-                                key_answer(admitted.tenant, admitted.managed))
+                                key_answer(key, admitted.managed, remaining=remaining))
 
     def capability(self, exchange: Exchange, headers: RequestHeaders,
                    allowed: AllowedRoute) -> CapabilityRequest | ErrorReply:

@@ -112,8 +112,7 @@ class RequestPath:
         settings = ProxySettings.from_config(config)
         outcomes = Outcomes(quota, metrics, access_log, providers, settings.cooling, settings.route_headers)
         proxy = Proxy(settings=settings, tenants=TenantPolicies(config.tenants), overlay=overlay, router=router,
-                      clusters=clusters, providers=providers, quota=quota, metrics=metrics, outcomes=outcomes,
-                      authenticated=config.auth is not None)
+                      clusters=clusters, providers=providers, quota=quota, metrics=metrics, outcomes=outcomes)
         return cls(config, metrics, overlay, clusters, providers, router, quota, access_log,
                    _head_gate(config, clusters, settings, provider_index, ctx.key_table), outcomes, proxy)
 

@@ -125,3 +125,38 @@ def test_a_caller_reads_its_own_key(gateway_factory, providers, keys_store):  # 
              "the block", 1.0)
     status, _, body = request("127.0.0.1", gateway.port, "POST", "/v1/gridgate/key", headers=bearer(YAML_KEY))
     assert (status, json.loads(body)["error"]["code"]) == (404, "route_not_allowed")
+
+
+def test_a_managed_key_is_metered_by_its_own_limits_and_its_rule_like_a_yaml_key(gateway_factory, providers,
+                                                                                  keys_store):  # noqa: F811
+    handle = providers["provider-a"]
+    rules = [{"name": "bots", "match": {"key": "ci-*"}, "requests": [{"window": "1m", "count": 50}]},
+             {"name": "humans", "match": {"key": "alice"}, "requests": [{"window": "1m", "count": 50}]},
+             {"name": "team", "match": {"tenant": "team-q"}, "requests": [{"window": "1m", "count": 3}]}]
+    gateway = gateway_factory({"provider-a": [handle.address]}, envelope([candidate("m", "provider-a")]), extra={
+        "auth": {"keys": [{"tenant": "yaml-team", "key": hash_api_key(YAML_KEY)}]}, "admin": {"tokens": TOKENS},
+        "quota": {"backend": {"kind": "valkey", "url": keys_store.url}, "rules": rules}})
+    status, created = admin(gateway, "POST", "/admin/keys", {
+        "tenant": "team-q", "alias": "ci-bot",
+        "limits": {"requests": [{"window": "1m", "count": 2}], "budgets": [{"window": "1h", "tokens": 900}]}})
+    assert status == 201
+    key, kid = created["key"], created["record"]["kid"]
+    wait_for(lambda: request("127.0.0.1", gateway.port, "GET", "/v1/gridgate/key", headers=bearer(key))[0] == 200,
+             "the key in the table", 2.0)
+    first = chat(gateway.port, "m", bearer(key), max_tokens=10)
+    assert first.status == 200
+    assert (first.headers["x-ratelimit-limit-requests"], first.headers["x-ratelimit-remaining-requests"]) == ("2", "1")
+    assert first.headers["x-ratelimit-limit-tokens"] == "900"  # the key's own budget
+    assert chat(gateway.port, "m", bearer(key), max_tokens=10).status == 200
+    refused = chat(gateway.port, "m", bearer(key), max_tokens=10)
+    assert (refused.status, error_code(refused)) == (429, "rate_limit_exceeded")
+    assert "key requests 2/1m" in json.loads(refused.body)["error"]["message"]
+
+    # The caller reads what is left: its own limits (counted under its kid) and its rule.
+    status, _, body = request("127.0.0.1", gateway.port, "GET", "/v1/gridgate/key", headers=bearer(key))
+    remaining = json.loads(body)["remaining"]
+    (own,) = remaining["keys"]
+    assert (own["key"], own["requests"][0]["remaining"], own["windows"][0]["limit"]) == (kid, 0, 900)
+    # The rules that can apply to this key (for some model): its first match meters it now.
+    assert [rule["rule"] for rule in remaining["rules"]] == ["bots", "team"]
+    assert remaining["rules"][0]["requests"][0]["remaining"] == 48

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 
-from gateway.auth import Authenticator, hash_api_key
+from gateway.auth import Authenticator, KeyIdentity, hash_api_key
 from gateway.keys.keyformat import key_digest, new_key, new_kid
 from gateway.keys.lookup import KeyLookup
 from gateway.keys.record import KeyLimits, KeyRecord, RequestLimit
@@ -129,12 +129,14 @@ def test_the_key_route_and_its_answer_never_show_the_secret() -> None:
     admitted = host.call(key, target=b"/v1/gridgate/key?x=1", method=b"GET")
     assert type(admitted) is Admitted and admitted.route.kind == KEY
     entry: KeyEntry = admitted.managed  # type: ignore[assignment]
-    body = key_answer(admitted.tenant, entry)
+    assert admitted.key is entry.identity and entry.identity.kid == entry.kid
+    body = key_answer(admitted.key, entry)
     answer = json.loads(body)
     assert (answer["source"], answer["kid"], answer["tenant"], answer["alias"]) == ("managed", entry.kid, "team-a", "ci")
     assert answer["limits"]["requests"] == [{"window": "1m", "count": 60, "burst": None, "shadow": False}]
     assert answer["spend"] is None and answer["remaining"] is None
     assert key.encode() not in body and key_digest(key).hex().encode() not in body
     assert key.split("-")[2].encode() not in body
-    yaml = json.loads(key_answer("yaml-team", None))
-    assert (yaml["source"], yaml["kid"], yaml["tenant"], yaml["limits"]) == ("config", None, "yaml-team", None)
+    yaml = json.loads(key_answer(KeyIdentity("yaml-team", "ci-bot"), None))
+    assert (yaml["source"], yaml["kid"], yaml["tenant"], yaml["alias"], yaml["limits"]) == (
+        "config", None, "yaml-team", "ci-bot", None)
