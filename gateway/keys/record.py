@@ -133,6 +133,10 @@ class KeyLimits(StrictStruct):
             if len(getattr(self, name)) > MAX_LIMITS_PER_KIND:
                 raise ValueError(f"{name}: at most {MAX_LIMITS_PER_KIND} entries")
         _between(self.max_in_flight, "max_in_flight", 1, 1_000_000)
+        for name, what in (("requests", "request limits"), ("budgets", "budgets")):
+            windows = [parse_duration(entry.window) for entry in getattr(self, name)]
+            if len(set(windows)) != len(windows):  # the quota counts one limit per window (docs/limits.md)
+                raise ValueError(f"{name}: two {what} with the same window")
 
 
 # ------------------------------------------------------------------------------------------- fields

@@ -10,8 +10,17 @@ import pytest
 
 from gateway.keys.answers import key_report, model_refusal, refusal
 from gateway.keys.keyformat import KEY_PATTERN, is_kid, key_digest, new_key, new_kid
-from gateway.keys.record import BodyProblem, CreateKey, KeyLimits, PatchKey, Rotate, decode_body
-from gateway.keys.view import KeyView, decode_entry
+from gateway.keys.record import (
+    BodyProblem,
+    CreateKey,
+    KeyLimits,
+    PatchKey,
+    RequestLimit,
+    Rotate,
+    TokenBudget,
+    decode_body,
+)
+from gateway.keys.view import KeyEntry, KeyView, decode_entry, quota_limits
 
 
 def test_keys_have_the_documented_format_and_only_their_digest_is_kept():
@@ -37,6 +46,8 @@ def test_keys_have_the_documented_format_and_only_their_digest_is_kept():
     (b'{"tenant": "t", "limits": {"requests": [{"window": "2d", "count": 1}]}}', "limits.requests[0].window: must be 1s..1d"),
     (b'{"tenant": "t", "limits": {"budgets": [{"window": "1h", "tokens": 0}]}}', "limits.budgets[0].tokens: must be"),
     (b'{"tenant": "t", "limits": {"max_in_flight": 0}}', "limits.max_in_flight: must be 1.."),
+    (b'{"tenant": "t", "limits": {"requests": [{"window": "1m", "count": 5}, {"window": "60s", "count": 9}]}}',
+     "limits.requests: two request limits with the same window"),
     (b'{"tenant": "t", "limits": {"spend": [{"usd": 5, "period": "1y"}]}}', "limits.spend[0].period"),
     (b'{"tenant": "t", "expires_at": "next week"}', "expires_at: must be an RFC 3339 time"),
     (b'{"tenant": "t", "expires_at": "2030-01-01T00:00:00"}', "expires_at: needs a time zone"),
@@ -111,3 +122,17 @@ def test_the_key_report_holds_the_record_and_the_quota_parts_never_a_secret():
     assert report["kid"] == "AbCdEfGhIjKl" and report["expires_at"] == "2030-01-01T00:00:00Z"
     assert report["limits"]["requests"][0]["count"] == 5 and report["remaining"] == {"requests": 4}
     assert not {"key", "digest"} & set(report)
+
+
+def test_a_keys_limits_reach_the_quota_as_its_identity_counts_them():
+    limits = KeyLimits(requests=[RequestLimit(window="1m", count=60)], budgets=[TokenBudget(window="1h", tokens=900,
+                       shadow=True)], max_in_flight=3)
+    converted = quota_limits(limits)
+    assert converted is not None and converted.max_in_flight == 3
+    assert [(r.window_s, r.count, r.burst) for r in converted.requests] == [(60, 60, 60)]
+    assert [(b.window_s, b.tokens, b.shadow) for b in converted.budgets] == [(3600, 900, True)]
+    assert quota_limits(KeyLimits()) is None  # nothing to count: the key's rule alone meters it
+    entry = KeyEntry(KeyView("AAAAAAAAAAAA", "team-a", "ci", "active", None, limits, None, None), 0)
+    identity = entry.identity
+    assert (identity.tenant, identity.kid, identity.alias, identity.name) == ("team-a", "AAAAAAAAAAAA", "ci", "AAAAAAAAAAAA")
+    assert identity.limits == converted
