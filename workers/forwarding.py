@@ -17,7 +17,14 @@ import random
 import time
 
 from gateway.http.errors import ErrorReply
-from gateway.request.attempts import AttemptResult, Next, ProviderAttempts, attempt_tokens, unanswered_tokens
+from gateway.request.attempts import (
+    AttemptResult,
+    Next,
+    ProviderAttempts,
+    attempt_tokens,
+    never_taken,
+    unanswered_tokens,
+)
 from gateway.request.failover import COOLING_STATUSES, Failover
 from gateway.request.headers import ask_identity_encoding
 from gateway.routing import RouteDecision, Router
@@ -196,8 +203,11 @@ class Forwarder:
         record.attempt = None
         self.outcomes.observe(route.provider, cluster.name, record.endpoint, result)
         if result.held:  # it answered (its body was discarded unread): 4xx nothing, 5xx the estimate
+            record.reached = True
             record.owed += attempt_tokens(result.status, None, record.estimate)
             return result.status
+        if not never_taken(result.failure, reused):  # type: ignore[arg-type]
+            record.reached = True
         record.owed += unanswered_tokens(result.failure, reused, record.estimate)  # type: ignore[arg-type]
         return None
 

@@ -63,7 +63,7 @@ class Outcomes:
             self.metrics.request(record.provider, record.status)
         admission = record.admission
         if admission is not None and self.quota is not None:
-            if record.reached:
+            if record.reached_provider:
                 self.quota.settle(admission, *self._charge(record, result, served))
             else:  # it never reached a provider: nothing is charged, and its request slots go back too
                 self.quota.settle(admission, 0, reached=False)

@@ -53,6 +53,7 @@ class RequestRecord(msgspec.Struct, gc=False):
     endpoint: Any = None  # workers.clusters.UpstreamEndpoint the request was last sent to
     attempt: Any = None  # workers.relay.ResponseRelay of the attempt in progress, or of the one that served
     owed: int = 0  # tokens the attempts that ended without serving cost (gateway/request/attempts.py)
+    reached: bool = False  # one of those attempts reached its provider (its request slot is spent)
     overhead_s: float | None = None  # gateway time before the upstream request was written
     # -- the outcome: a gateway-made answer's status and code, and the cluster it is counted under
     status: int = 0
@@ -74,10 +75,12 @@ class RequestRecord(msgspec.Struct, gc=False):
     closed: bool = False
 
     @property
-    def reached(self) -> bool:
-        """Some attempt was written to a provider (``endpoint`` is set as an attempt is sent). False: it was
-        refused or not routable, the client left before it was sent, or no connection came."""
-        return self.endpoint is not None
+    def reached_provider(self) -> bool:
+        """Some attempt reached a provider: one that ended without serving (``reached``), or the one that
+        served or was in progress at the end (``attempt``). False: it was refused or not routable, the
+        client left before it was sent, no connection came, or only pooled connections the provider had
+        closed took it (docs/limits.md, "Request limits")."""
+        return self.reached or self.attempt is not None
 
     @property
     def estimate(self) -> int:

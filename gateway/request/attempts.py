@@ -105,12 +105,18 @@ def usage_split(total: int, prompt: int | None, completion: int | None) -> tuple
     return prompt, max(0, total - prompt)
 
 
+def never_taken(failure: Failure, reused: bool) -> bool:
+    """An attempt written on a pooled connection the provider had already closed (a reset on reuse): the
+    provider never took the request (it did not reach it)."""
+    return reused and failure == Failure.RESET
+
+
 def unanswered_tokens(failure: Failure, reused: bool, estimate: int) -> int:
-    """The tokens an attempt costs whose request was written but got no response head. A pooled
-    connection the provider had already closed (a reset on reuse) never took the request: nothing (the
-    failover sends it again for the same reason). Anything else (a timeout, a reset on a fresh
-    connection, a malformed answer) may have worked: the estimate."""
-    if reused and failure == Failure.RESET:
+    """The tokens an attempt costs whose request was written but got no response head. One the provider
+    never took (``never_taken``) costs nothing (the failover sends it again for the same reason).
+    Anything else (a timeout, a reset on a fresh connection, a malformed answer) may have worked: the
+    estimate."""
+    if never_taken(failure, reused):
         return 0
     return attempt_tokens(0, None, estimate)
 

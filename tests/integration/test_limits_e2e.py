@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 import uuid
@@ -15,6 +16,7 @@ from typing import Any
 
 from gateway.auth import hash_api_key
 from tests.harness import (
+    Client,
     Response,
     admin_get,
     candidate,
@@ -194,6 +196,46 @@ def test_requests_that_could_not_connect_to_their_provider_give_their_slots_back
     refused = chat(gateway.port, "m", headers=_bearer("sk-1"))
     assert refused.status == 429 and f"rule r-{tenant} requests 2/1m" in refused.json()["error"]["message"]
     assert mock_served(handle) == 2
+
+
+class _OnceThenGone:
+    """A provider that answers one request with keep-alive, then stops listening and drops that connection
+    when the next request arrives on it: the gateway's pooled connection is stale and no fresh one comes."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            conn.settimeout(10)
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+            self.listener.close()  # connections are refused from now on
+            conn.recv(65536)  # the next request on the pooled connection: hang up without answering
+
+
+def test_a_request_only_a_stale_pooled_connection_took_gives_its_slot_back(valkey_url, mock_provider, gateway_factory):
+    handle = mock_provider("p")
+    once = _OnceThenGone()
+    tenant = _tenant()
+    options = {"auth": _keys({"tenant": tenant, "key": "sk-1"}),
+               "quota": _quota(valkey_url, {"name": f"r-{tenant}", "requests": [{"window": "1m", "count": 2}]})}
+    gateway = gateway_factory({"p": [handle.address], "once": [once.address]},
+                              envelope([candidate("m", "p"), candidate("gone", "once")]), extra=options)
+    body = {"model": "gone", "messages": [{"role": "user", "content": "hi"}]}
+    client = Client(gateway.port)
+    try:
+        assert client.request("POST", "/v1/chat/completions", body, _bearer("sk-1")).status == 200  # slot 1
+        # Written on the stale pooled connection (never taken), then no fresh connection: not reached.
+        assert client.request("POST", "/v1/chat/completions", body, _bearer("sk-1")).status == 502
+    finally:
+        client.close()
+    time.sleep(0.2)  # the slot goes back off the response path
+    assert chat(gateway.port, "m", headers=_bearer("sk-1")).status == 200  # slot 2
+    assert chat(gateway.port, "m", headers=_bearer("sk-1")).status == 429
 
 
 def test_shadow_limits_never_refuse_and_are_named_in_the_access_log_and_counted(

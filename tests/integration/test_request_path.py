@@ -29,8 +29,9 @@ def run(scenario: Callable[[], Awaitable[None]]) -> None:
 
 
 def quota(valkey_url: str) -> dict[str, Any]:
-    """One rule metering every request (tenant ``anonymous``), under a name no other test uses."""
-    return {"backend": {"kind": "valkey", "url": valkey_url},
+    """One rule metering every request (tenant ``anonymous``), under a name no other test uses; exact
+    (no worker-held blocks: each request's own settlement is read back, docs/limits.md)."""
+    return {"backend": {"kind": "valkey", "url": valkey_url}, "lease": None,
             "rules": [{"name": f"r-{uuid.uuid4().hex[:8]}", "budgets": [{"window": "1d", "tokens": 10_000_000}],
                        "estimate": {"default_max_tokens": DEFAULT_MAX_TOKENS}}]}
 
