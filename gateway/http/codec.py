@@ -192,7 +192,7 @@ class ServerCodec:
     """
 
     __slots__ = (
-        "_buf", "_closed", "_parser", "_head", "_body", "_scan", "_at_start", "_max_head", "_max_lines",
+        "_buf", "_closed", "_parser", "_head", "_body", "_scan", "_at_start", "_first_request", "_max_head", "_max_lines",
         "_mode", "_remaining", "must_close", "_method", "_http11", "_keep_alive",
     )
 
@@ -205,6 +205,7 @@ class ServerCodec:
         self._body: BodyReader | None = None
         self._scan = 0  # where the search for the end of the head resumes
         self._at_start = True  # no byte of the current request looked at yet
+        self._first_request = True  # no head parsed yet: a TLS hello can only be a connection's first bytes
         self._max_head = max_header_bytes
         self._max_lines = max_header_count + 2  # the request line and the empty line that ends the head
         self._mode = _NO_BODY
@@ -253,7 +254,7 @@ class ServerCodec:
             if len(buf) > self._max_head:
                 raise ParseError("request header block too large", 431)
             if buf and buf[0] < 0x21:  # no request line starts so (a TLS hello on the plain port...)
-                if buf[:2] == _TLS_HANDSHAKE:
+                if buf[:2] == _TLS_HANDSHAKE and self._first_request:
                     raise NotHttp("a TLS handshake on a plain HTTP listener")
                 raise ParseError("illegal request line")
             self._scan = max(0, len(buf) - 2)
@@ -273,12 +274,13 @@ class ServerCodec:
         try:
             event = parser.next_event()
         except h11.RemoteProtocolError as error:
-            if head[:2] == _TLS_HANDSHAKE:  # a ClientHello whose random bytes hold a blank line
+            if head[:2] == _TLS_HANDSHAKE and self._first_request:  # a ClientHello holding a blank line
                 raise NotHttp("a TLS handshake on a plain HTTP listener") from None
             raise ParseError(str(error), error.error_status_hint) from None
         if type(event) is not h11.Request:  # a complete head is a request or an error
             raise ParseError("malformed request head")
         self._head = event
+        self._first_request = False
         return event
 
     def read_body(self, content_length: int, chunked: ChunkedDecoder | None = None) -> None:

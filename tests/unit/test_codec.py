@@ -242,3 +242,16 @@ def test_client_sees_connection_close_and_both_framings():
     doubtful.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n")
     assert doubtful.next_event().status_code == 200 and doubtful.framing_doubt
     assert bytes(doubtful.next_event().data) == b"ok"  # Transfer-Encoding wins (RFC 9112 §6.3)
+
+
+def test_tls_handshake_bytes_after_a_request_are_a_plain_parse_error():
+    """Only a connection's first bytes can be a TLS client on the plain port; later, 0x16 0x03 is garbage
+    (answered 400 after the requests before it, not a silent close that loses their answers)."""
+    server = codec.ServerCodec(65536)
+    server.feed(b"GET / HTTP/1.1\r\nhost: g\r\n\r\n" + b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n")
+    assert type(server.next_event()) is codec.RequestHead
+    assert type(server.next_event()) is codec.EndOfMessage
+    server.next_cycle()
+    with pytest.raises(codec.ParseError) as info:
+        server.next_event()
+    assert not isinstance(info.value, codec.NotHttp) and info.value.status == 400
