@@ -104,9 +104,9 @@ class HeadGate:
                 managed = found
                 key = found.identity  # type: ignore[union-attr]
             elif found.__class__ is tuple:  # a key the table knows but refuses
-                code, message = found  # type: ignore[misc]
+                code, message, tenant = found  # type: ignore[misc]
                 return HeadRefusal(401, code, message, [_WWW_AUTHENTICATE, (b"x-request-id", request_id)],
-                                   request_id=request_id, method=method, target=target, tenant=None)
+                                   request_id=request_id, method=method, target=target, tenant=tenant)
             else:
                 key = found  # type: ignore[assignment]
         if key is None and auth is not None:

@@ -30,8 +30,8 @@ from gateway.keys.view import KeyEntry
 from gateway.quota.limits import Limits, window_text
 from gateway.request.headers import RequestHeaders
 
-# A key the table knows but refuses: (code, message) of its 401.
-KeyRefusal = tuple[str, str]
+# A key the table knows but refuses: (code, message) of its 401, and the key's tenant (its access line).
+KeyRefusal = tuple[str, str, str]
 _ACTIVE = "active"
 _encode = msgspec.json.Encoder().encode
 
@@ -83,7 +83,7 @@ class ManagedKeyGate:
         if entry.status != _ACTIVE or entry.expires_at is not None:
             refused = refusal(entry, time())
             if refused is not None:
-                return refused
+                return refused[0], refused[1], entry.tenant
         lookup.mark_used(entry)
         return entry
 

@@ -84,6 +84,7 @@ def test_blocked_revoked_and_expired_keys_are_401_naming_why_and_never_marked_us
         refusal = host.call(key)
         assert type(refusal) is HeadRefusal and (refusal.status, refusal.code) == (401, code)
         assert json.loads(refusal.body())["error"]["type"] == "authentication_error" and refusal.close
+        assert refusal.tenant == "team-a"  # its access line names whose key was refused
         assert key.split("-")[1] in refusal.message and key.split("-")[2] not in refusal.message
         assert (b"www-authenticate", b'Bearer realm="gridgate"') in refusal.headers
     assert host.used_slots() == []
