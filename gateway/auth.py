@@ -142,6 +142,23 @@ class Authenticator:
         identity = self.identify(authorization, x_api_key)
         return None if identity is None else identity.tenant
 
+    def identity_of_digest(self, digest: bytes) -> KeyIdentity | None:
+        """Who a presented key is, by its SHA-256 (``presented_digest``), or None. The head gate's entry
+        point when managed keys are on: the same digest then probes the host's key table, so a
+        presented key is hashed once whichever table knows it (docs/keys.md)."""
+        entry = self._by_digest.get(digest)
+        if entry is None:
+            return None
+        identity, stored = entry
+        return identity if hmac.compare_digest(stored, digest) else None
+
+
+def presented_digest(authorization: bytes | None, x_api_key: bytes | None) -> bytes | None:
+    """The SHA-256 of the presented key (``Authenticator.identify``'s header rules), or None when no
+    key was presented."""
+    key = _presented_key(authorization, x_api_key)
+    return hashlib.sha256(key).digest() if key else None
+
 
 def _presented_key(authorization: bytes | None, x_api_key: bytes | None) -> bytes | None:
     if authorization:

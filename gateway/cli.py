@@ -8,6 +8,7 @@ on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -133,6 +134,67 @@ def cmd_keys_hash(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _admin_client(args: argparse.Namespace):  # -> gateway.keys.admin_client.AdminClient
+    from gateway.keys.admin_client import DEFAULT_ADMIN, TOKEN_ENV, AdminClient, connect_address
+
+    listen = args.admin or (_load_config(args.config).admin.listen if args.config else DEFAULT_ADMIN)
+    try:
+        address = connect_address(listen)
+    except ValueError as exc:
+        raise CommandError(f"--admin: {exc}") from None
+    return AdminClient(address, os.environ.get(TOKEN_ENV) or None)
+
+
+def cmd_keys_admin(args: argparse.Namespace) -> int:
+    """keys create | list | show | block | unblock | revoke | rotate: one admin API call each."""
+    from gateway.keys import admin_client as show
+    from gateway.keys.admin_client import AdminCallFailed
+
+    client = _admin_client(args)
+    action = args.keys_command
+    try:
+        if action == "create":
+            if any("=" not in pair for pair in args.metadata):
+                raise CommandError("--metadata: give KEY=VALUE")
+            answer = client.call("POST", "/admin/keys", show.create_body(
+                args.tenant, args.alias, args.models, args.rpm, args.expires, args.metadata))
+            text = show.with_key(answer)
+        elif action == "list":
+            answer, text = _list_keys(client, args)
+        elif action == "show":
+            answer = client.call("GET", show.kid_path(args.kid))
+            text = show.record_lines(answer)
+        elif action == "rotate":
+            answer = client.call("POST", show.kid_path(args.kid, "rotate"), {"grace": args.grace})
+            text = show.with_key(answer)
+        else:  # block | unblock | revoke
+            answer = client.call("POST", show.kid_path(args.kid, action))
+            text = show.record_lines(answer)
+    except AdminCallFailed as exc:
+        raise CommandError(f"keys {action}: {exc}") from None
+    print(json.dumps(answer, indent=2) if args.json else text)
+    return EXIT_OK
+
+
+def _list_keys(client, args: argparse.Namespace) -> tuple[dict, str]:
+    """Follows the API's cursor until ``--limit`` records or the end."""
+    from gateway.keys.admin_client import table
+
+    rows: list[dict] = []
+    cursor = args.cursor
+    while len(rows) < args.limit:
+        page = client.call("GET", "/admin/keys", query={
+            "tenant": args.tenant, "alias": args.alias, "status": args.status, "cursor": cursor,
+            "limit": str(min(1000, args.limit - len(rows)))})
+        rows += page["data"]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    if cursor is not None and not args.json:
+        print(f"(more keys: continue with --cursor {cursor})", file=sys.stderr)
+    return {"object": "list", "data": rows, "next_cursor": cursor}, table(rows)
+
+
 # ---------------------------------------------------------------- parser
 
 
@@ -200,7 +262,56 @@ def build_parser() -> argparse.ArgumentParser:
     hash_ = _command(keys_commands, "hash", "read an API key on stdin, print its sha256: form",
                      "Paste the output into auth.keys[].key; the key itself never goes into the config.")
     hash_.set_defaults(handler=cmd_keys_hash)
+    _keys_admin_commands(keys_commands)
     return parser
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"invalid count {text!r}: an integer >= 1")
+    return int(text)
+
+
+def _keys_admin_commands(keys_commands: argparse._SubParsersAction) -> None:
+    """The managed-key sub-commands: each is one call to the admin API (docs/keys.md)."""
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument("-c", "--config", metavar="FILE", help="gateway config: the admin API is its admin.listen")
+    where.add_argument("--admin", metavar="HOST:PORT", help="the admin API's address (default: from -c, else "
+                       "127.0.0.1:9901)")
+    where.add_argument("--json", action="store_true", help="print the API's JSON answer (for scripts)")
+    epilog = "The admin token is read from GRIDGATE_ADMIN_TOKEN."
+
+    def command(name: str, summary: str, details: str = "") -> argparse.ArgumentParser:
+        sub = keys_commands.add_parser(name, help=summary, parents=[where], epilog=epilog,
+                                       description=f"{summary[0].upper()}{summary[1:]}." + (f" {details}" if details else ""))
+        sub.set_defaults(handler=cmd_keys_admin)
+        return sub
+
+    create = command("create", "create a managed key; prints it once",
+                     "The key is shown this one time; the gateway keeps only its SHA-256 digest.")
+    create.add_argument("--tenant", required=True, help="tenant the key belongs to ([A-Za-z0-9._-]{1,64})")
+    create.add_argument("--alias", help="a name for the key (quota rules may match it)")
+    create.add_argument("--models", nargs="+", metavar="GLOB", help="models the key may use (default: the tenant's)")
+    create.add_argument("--rpm", type=_positive, metavar="N", help="requests per minute for this key")
+    create.add_argument("--expires", metavar="DURATION|TIME", help="30d from now, or an RFC 3339 time")
+    create.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE", help="repeatable")
+    listing = command("list", "list managed keys (never secrets)")
+    listing.add_argument("--tenant")
+    listing.add_argument("--alias")
+    listing.add_argument("--status", choices=["active", "blocked", "revoked"])
+    listing.add_argument("--limit", type=_positive, default=100, metavar="N", help="at most N keys (default 100)")
+    listing.add_argument("--cursor", help="continue after this kid (printed when more keys remain)")
+    show = command("show", "show one key's record")
+    show.add_argument("kid", metavar="KID")
+    for name, summary in (("block", "block a key: refused until unblocked"), ("unblock", "unblock a blocked key"),
+                          ("revoke", "revoke a key for good")):
+        command(name, summary, "Every gateway sharing the store refuses it within a second.").add_argument(
+            "kid", metavar="KID")
+    rotate = command("rotate", "give a key a new secret; prints it once",
+                     "Same kid, limits and counters; the old secret keeps working for --grace.")
+    rotate.add_argument("kid", metavar="KID")
+    rotate.add_argument("--grace", default="0s", metavar="DURATION",
+                        help="how long the old secret keeps working (e.g. 24h; default 0s: it stops now)")
 
 
 def _configure_logging(level: str) -> None:

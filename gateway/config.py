@@ -12,6 +12,12 @@ import os
 from typing import ClassVar, Literal
 
 from gateway.config_cors import Cors  # noqa: F401 - re-exported: importers use gateway.config
+from gateway.config_keys import (  # noqa: F401 - re-exported: importers use gateway.config
+    AdminToken,
+    KeyStoreBackend,
+    keys_checks,
+    managed_keys_enabled,
+)
 from gateway.config_models import Alias, Fallback, Models, restore_on_keys  # noqa: F401 - re-exported: importers use gateway.config
 from gateway.config_pricing import PriceOverride, Pricing  # noqa: F401 - re-exported: importers use gateway.config
 from gateway.config_quota import (  # noqa: F401 - the auth and quota schema, re-exported like routing's
@@ -86,6 +92,7 @@ class ServerTls(_Strict):
 
 class Admin(_Strict):
     listen: str = "127.0.0.1:9901"
+    tokens: list[AdminToken] = []  # bearer tokens of the admin API (docs/keys.md)
 
     def __post_init__(self) -> None:
         parse_host_port(self.listen)
@@ -317,7 +324,8 @@ def _cross_checks(config: Config) -> list[str]:
     for index, cluster in enumerate(config.clusters):
         if cluster.upstream_auth is not None and not is_header_name(cluster.upstream_auth.header):
             problems.append(f"clusters[{index}].upstream_auth.header: not a valid header name")
-    return problems + _routing_checks(config, set(names)) + _tenant_checks(config) + quota_checks(config)
+    return (problems + _routing_checks(config, set(names)) + _tenant_checks(config) + quota_checks(config)
+            + keys_checks(config))
 
 
 def _routing_checks(config: Config, cluster_names: set[str]) -> list[str]:
@@ -343,7 +351,8 @@ def _routing_checks(config: Config, cluster_names: set[str]) -> list[str]:
 def _tenant_checks(config: Config) -> list[str]:
     problems = []
     names = [policy.tenant for policy in config.tenants]
-    known = None if config.auth is None else {key.tenant for key in config.auth.keys}
+    # With managed keys, tenants also come from the key store: they cannot be checked here.
+    known = None if config.auth is None or managed_keys_enabled(config) else {key.tenant for key in config.auth.keys}
     for index, name in enumerate(names):
         if names.index(name) != index:
             problems.append(f"tenants[{index}].tenant: duplicate tenant {name!r}")

@@ -11,10 +11,10 @@ backend) are ``quota_checks``, run by the config loader with its other cross-fie
 from __future__ import annotations
 
 import re
-from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 from gateway.auth import is_key_digest
+from gateway.config_keys import KeyStoreBackend
 from gateway.quota.limits import limits_from_config, limits_problems
 from gateway.yaml_config import DAY, MINUTE, Range, Seconds, StrictStruct, check_ranges
 
@@ -89,6 +89,13 @@ class ApiKey(StrictStruct):
 
 class Auth(StrictStruct):
     keys: list[ApiKey] = []
+    store: KeyStoreBackend | None = None  # managed keys' Valkey when there is no quota block (docs/keys.md)
+    key_table_capacity: int = 100_000  # managed-key secrets one host's table holds (docs/keys.md)
+
+    _RANGES: ClassVar[dict[str, Range]] = {"key_table_capacity": (1, 10_000_000)}
+
+    def __post_init__(self) -> None:
+        check_ranges(self, self._RANGES)
 
 
 # Quota backend URL schemes: one node, or a seed node of a Valkey Cluster (the topology is discovered).
@@ -253,6 +260,6 @@ def quota_checks(config: Config) -> list[str]:
             continue
         if config.auth is None:
             problems.append(f"quota.rules[{index}].match.key: there is no auth block, so no request has a key")
-        elif not any(fnmatchcase(alias, pattern) for alias in aliases):
-            problems.append(f"quota.rules[{index}].match.key: {pattern!r} matches no auth.keys[].alias")
+        # With auth and a quota block, managed keys are on (docs/keys.md): a glob may name the kids and
+        # aliases of keys made at runtime, so matching no auth.keys[].alias is no error.
     return problems

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import msgspec
 
 from gateway.config import Config
+from shm.keys import KeyTable
 from shm.segment import Segment
 
 # ---------------------------------------------------------------------------------------- exit codes
@@ -67,6 +68,9 @@ class WorkerContext:
     # The supervisor's fallback-edge registry at fork time (same rules): position = the (from, to) edge's
     # index in the fallback counters (docs/models.md). Empty: a worker run alone uses its config's.
     metric_fallbacks: tuple[str, ...] = ()
+    # The host's managed-key table (shm.keys), created before the first fork; None: managed keys are
+    # off (no store configured at start) or a worker runs on its own. Read it with gateway.keys.lookup.
+    key_table: KeyTable | None = None
 
 
 # ---------------------------------------------------------------------------------------- status messages

@@ -6,7 +6,9 @@ the proxy uses afterwards), then:
 
 1. **Authenticate** the key (when ``auth`` is configured): missing or unknown is 401. Before the
    route check, so a caller without a key learns nothing about which routes exist, and the access
-   line of a refused route names the tenant that tried it.
+   line of a refused route names the tenant that tried it. With a managed-key table
+   (workers/key_gate.py), a key the YAML keys do not know is looked up there with the same digest; a
+   blocked, revoked or expired one is 401 ``key_blocked``/``key_revoked``/``key_expired``.
 2. **Route**: the request must be on an allowed route (``gateway.request.routes``), else 404
    ``route_not_allowed``.
 
@@ -23,8 +25,10 @@ from typing import Protocol
 from gateway.auth import Authenticator, KeyIdentity
 from gateway.http.errors import ErrorReply
 from gateway.ids import CounterIds
+from gateway.keys.view import KeyEntry
 from gateway.request.headers import HeaderPlan, RequestHeaders
 from gateway.request.routes import AllowedRoute, RouteTable
+from workers.key_gate import ManagedKeyGate
 
 # Quota for requests without authentication is accounted to this tenant.
 ANONYMOUS_TENANT = "anonymous"
@@ -32,7 +36,8 @@ _WWW_AUTHENTICATE = (b"www-authenticate", b'Bearer realm="gridgate"')
 _MISSING_KEY = "missing API key: send Authorization: Bearer <key> or X-Api-Key"
 _INVALID_KEY = "invalid API key"
 
-AuthMemo = tuple[bytes, bytes, KeyIdentity]
+# (authorization, x-api-key, the YAML key's identity; with managed keys, a managed key's digest instead)
+AuthMemo = tuple[bytes, bytes, KeyIdentity | bytes]
 
 
 class GatedConnection(Protocol):
@@ -42,19 +47,20 @@ class GatedConnection(Protocol):
 
 
 class Admitted:
-    """A request the gate let through: its route, tenant, scanned headers and request id, and its key
-    (None without auth). ``cors``: the CORS headers of its answers (workers/cors_gate.py sets it; None:
-    CORS is off)."""
+    """A request the gate let through: its route, tenant, scanned headers and request id, its key
+    (None without auth) and, for a managed key, its table entry (None for a YAML key). ``cors``: the
+    CORS headers of its answers (workers/cors_gate.py sets it; None: CORS is off)."""
 
-    __slots__ = ("route", "tenant", "headers", "request_id", "key", "cors")
+    __slots__ = ("route", "tenant", "headers", "request_id", "key", "managed", "cors")
 
     def __init__(self, route: AllowedRoute, tenant: str, headers: RequestHeaders, request_id: bytes,
-                 key: KeyIdentity | None = None) -> None:
+                 key: KeyIdentity | None = None, managed: KeyEntry | None = None) -> None:
         self.route = route
         self.tenant = tenant
         self.headers = headers
         self.request_id = request_id
         self.key = key
+        self.managed = managed
         self.cors: tuple[tuple[bytes, bytes], ...] | None = None
 
 
@@ -75,21 +81,36 @@ class HeadRefusal(ErrorReply):
 class HeadGate:
     """One per worker; ``__call__`` runs once per request head."""
 
-    __slots__ = ("routes", "auth", "header_plan", "ids")
+    __slots__ = ("routes", "auth", "header_plan", "ids", "keys")
 
     def __init__(self, routes: RouteTable, auth: Authenticator | None, header_plan: HeaderPlan,
-                 ids: CounterIds | None = None) -> None:
+                 ids: CounterIds | None = None, keys: ManagedKeyGate | None = None) -> None:
         self.routes = routes
         self.auth = auth
         self.header_plan = header_plan
         self.ids = ids or CounterIds(b"-")
+        self.keys = keys if auth is not None else None  # managed keys need authentication
 
     def __call__(self, conn: GatedConnection, method: bytes, target: bytes,
                  headers: list[tuple[bytes, bytes]]) -> Admitted | HeadRefusal:
         scanned = self.header_plan.scan(headers)
         request_id = scanned.request_id or self.ids.next()
         auth = self.auth
-        key = None if auth is None else self.authenticate(conn, scanned, auth)
+        keys = self.keys
+        managed = None
+        if keys is None:
+            key = None if auth is None else self.authenticate(conn, scanned, auth)
+        else:
+            found = keys.authenticate(conn, scanned, auth)  # type: ignore[arg-type]
+            if found.__class__ is KeyEntry:
+                managed = found
+                key = found.identity  # type: ignore[union-attr]
+            elif found.__class__ is tuple:  # a key the table knows but refuses
+                code, message, tenant = found  # type: ignore[misc]
+                return HeadRefusal(401, code, message, [_WWW_AUTHENTICATE, (b"x-request-id", request_id)],
+                                   request_id=request_id, method=method, target=target, tenant=tenant)
+            else:
+                key = found  # type: ignore[assignment]
         if key is None and auth is not None:
             missing = scanned.authorization is None and scanned.api_key is None
             return HeadRefusal(401, "invalid_api_key", _MISSING_KEY if missing else _INVALID_KEY,
@@ -99,7 +120,7 @@ class HeadGate:
         route = self.routes.match(method, target)
         if route is None:
             return route_not_allowed(method, target, request_id, tenant)
-        return Admitted(route, tenant, scanned, request_id, key)
+        return Admitted(route, tenant, scanned, request_id, key, managed)
 
     def authenticate(self, conn: GatedConnection, headers: RequestHeaders, auth: Authenticator) -> KeyIdentity | None:
         """Who the presented key is, or None (missing or unknown).
@@ -113,7 +134,7 @@ class HeadGate:
         api_key = headers.api_key or b""
         memo = conn.auth_memo
         if memo is not None and compare_digest(memo[0], authorization) and compare_digest(memo[1], api_key):
-            return memo[2]
+            return memo[2]  # type: ignore[return-value]  # an identity: this path memoises only YAML keys
         key = auth.identify(headers.authorization, headers.api_key)
         if key is not None:
             conn.auth_memo = (authorization, api_key, key)

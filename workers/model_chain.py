@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING
 
 from gateway.capability import CapabilityRequest
 from gateway.http.errors import ErrorReply
+from gateway.keys.answers import model_refusal
 from gateway.models.aliases import retarget_body
-from gateway.models.fallbacks import failure_reason, key_allows_model, provider_reason, refusal_reason
+from gateway.models.fallbacks import failure_reason, provider_reason, refusal_reason
 from gateway.request.failover import Failover
 from gateway.routing import RouteDecision
 from gateway.routing.decision import RouteRefusal
@@ -98,7 +99,7 @@ class ModelChain:
         served = self.proxy.overlay.snapshot.capabilities
         for candidate in following:  # type: ignore[attr-defined]
             if ((self.kind, candidate) in served and policy.allows(candidate)
-                    and key_allows_model(admitted, candidate)):
+                    and (admitted.managed is None or model_refusal(admitted.managed, candidate) is None)):
                 return candidate
             record.fallback_skipped += 1
             self.metrics.fallback_skipped(model, candidate)

@@ -24,6 +24,7 @@ from gateway.http.errors import ErrorReply
 from gateway.metrics.writer import WorkerMetrics
 from gateway.quota.estimate import estimate_prompt_tokens
 from gateway.quota.gate import Admission, QuotaGate
+from gateway.quota.report import QuotaBackendUnavailable
 from gateway.quota.usage import rewrite_request_for_usage
 from gateway.request.headers import ACCEPT_ENCODING, RequestHeaders
 from gateway.request.routes import MCP, MODELS, AllowedRoute
@@ -37,6 +38,7 @@ from workers.clusters import ClusterManager
 from workers.exchange import Exchange
 from workers.forwarding import Forwarder
 from workers.head_gate import Admitted
+from workers.key_gate import key_answer, model_not_allowed_for_key
 from workers.model_chain import ModelChain
 from workers.outcomes import Outcomes
 from workers.overlay_follower import OverlayFollower
@@ -89,8 +91,10 @@ class Proxy:
                                              exchange.t_start)
         try:
             policy = self.tenants.get(admitted.tenant)
-            if admitted.route.kind == MODELS:
-                return self.models(record, policy)
+            if admitted.route.kind <= MODELS:  # answered by the gateway: the model list, or the key
+                if admitted.route.kind == MODELS:
+                    return self.models(record, policy)
+                return await self.key(record, admitted)
             capability = self.capability(exchange, admitted.headers, admitted.route)
             if type(capability) is ErrorReply:
                 return self.outcomes.refuse(record, capability)
@@ -144,6 +148,11 @@ class Proxy:
         refusal."""
         if not policy.allows(capability.name):
             return model_not_allowed(admitted.tenant, capability.name)
+        managed = admitted.managed
+        if managed is not None and managed.models is not None:  # the key's own models globs
+            refused = model_not_allowed_for_key(managed, capability.name)
+            if refused is not None:
+                return refused
         pin = admitted.headers.pin
         return None if pin is None else self.pin(capability, pin, policy, admitted.route)
 
@@ -193,6 +202,27 @@ class Proxy:
                 return self.outcomes.refuse(record, model_not_found("inference_model", model))
         record.status = 200
         exchange.respond(200, [_JSON_HEADER, (b"x-request-id", record.request_id)], body)
+
+    async def key(self, record: RequestRecord, admitted: Admitted) -> None:
+        """``GET /v1/gridgate/key``: the caller's own key (docs/keys.md); 401 without one. ``remaining``
+        is the quota's reading of the key's limits and its tenant's rules (one ledger call), null
+        without a quota block or when its backend does not answer in time."""
+        key = admitted.key
+        if key is None:
+            return self.outcomes.refuse(record, ErrorReply(401, "invalid_api_key", "GET /v1/gridgate/key "
+                                                           "needs an API key: auth is not configured"))
+        remaining = None
+        if self.quota is not None:
+            try:
+                report = await self.quota.key_report(key)
+                remaining = {"rules": report["rules"], "keys": report["keys"]}
+            except QuotaBackendUnavailable:
+                pass
+        if record.exchange.client_gone:
+            return None
+        record.status = 200
+        record.exchange.respond(200, [_JSON_HEADER, (b"x-request-id", record.request_id)],
+                                key_answer(key, admitted.managed, remaining=remaining))
 
     def capability(self, exchange: Exchange, headers: RequestHeaders,
                    allowed: AllowedRoute) -> CapabilityRequest | ErrorReply:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from gateway.auth import Authenticator
 from gateway.config import Config
 from gateway.host_segment import MAX_PROVIDERS, PROVIDERS_REGION
+from gateway.keys.lookup import KeyLookup
 from gateway.metrics.catalogue import COUNTERS
 from gateway.metrics.writer import WorkerMetrics
 from gateway.models.aliases import fallback_edges
@@ -31,6 +32,7 @@ from gateway.routing.eligibility import FactsTable
 from gateway.routing.tenants import TenantPolicies
 from shm.affinity import AffinityTable
 from shm.counters import WorkerRow
+from shm.keys import KeyTable
 from shm.metrics import MetricsTable
 from shm.providers import EndpointCooling, ProviderCells
 from shm.segment import Segment
@@ -38,6 +40,7 @@ from workers.access_log import AccessLog
 from workers.clusters import ClusterManager
 from workers.cors_gate import CorsGate
 from workers.head_gate import HeadGate
+from workers.key_gate import ManagedKeyGate
 from workers.outcomes import Outcomes
 from workers.overlay_follower import OverlayFollower
 from workers.providers import ProviderStates
@@ -119,7 +122,7 @@ class RequestPath:
                       clusters=clusters, providers=providers, quota=quota, metrics=metrics, outcomes=outcomes,
                       tracer=tracer)
         return cls(config, metrics, overlay, clusters, providers, router, quota, access_log,
-                   _head_gate(config, clusters, settings, provider_index), outcomes, proxy, tracer)
+                   _head_gate(config, clusters, settings, provider_index, ctx.key_table), outcomes, proxy, tracer)
 
     def server_state(self) -> ServerState:
         """The per-worker server state that hands this path every request: the head gate decides on each
@@ -181,7 +184,7 @@ async def _quota_gate(ctx: WorkerContext) -> QuotaGate | None:
 
 
 def _head_gate(config: Config, clusters: ClusterManager, settings: ProxySettings,
-               provider_index: dict[str, int]) -> HeadGate:
+               provider_index: dict[str, int], key_table: KeyTable | None = None) -> HeadGate:
     routing = config.routing
     header_plan = HeaderPlan(
         routing.model_header,
@@ -196,4 +199,6 @@ def _head_gate(config: Config, clusters: ClusterManager, settings: ProxySettings
     routes = RouteTable(routing.mcp_path, [(c.name, c.allowed_routes) for c in config.clusters], provider_index)
     auth = config.auth
     authenticator = Authenticator.from_config(auth) if auth is not None else None
-    return HeadGate(routes, authenticator, header_plan)
+    # Managed keys (docs/keys.md): the table the supervisor created before fork; None without a store.
+    keys = ManagedKeyGate(KeyLookup(key_table)) if key_table is not None and authenticator is not None else None
+    return HeadGate(routes, authenticator, header_plan, keys=keys)

@@ -17,6 +17,7 @@ from urllib.parse import parse_qs, urlsplit
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from gateway.admin.tokens import AdminTokens, Caller, FailedTokenThrottle
 from gateway.http.errors import error_body
 
 log = logging.getLogger("gridgate.admin")
@@ -95,13 +96,46 @@ class MetricsExposition:
 
 Handler = Callable[[dict[str, list[str]]], Awaitable[AdminResponse]]
 
+# Pages open to anyone who reaches the listener, tokens or not.
+OPEN_PAGES = frozenset({"/healthz", "/readyz", "/metrics"})
+# The scope an /admin/* page needs besides a valid token (None: any valid token).
+_PAGE_SCOPES = {"/admin/quota": "quota:read", "/admin/spend": "spend:read"}
+_ADMIN_REALM = ("www-authenticate", 'Bearer realm="gridgate-admin"')
+
+
+class KeyPages(Protocol):
+    """The managed-keys pages (``gateway.admin.keys_api.KeysApi``)."""
+
+    def allowed_methods(self, path: str) -> str | None: ...
+
+    def scope_for(self, method: str) -> str: ...
+
+    def handle(self, method: str, path: str, query: dict[str, list[str]], body: bytes,
+               caller: Caller) -> Awaitable[AdminResponse]: ...
+
+
+def needs_token_config(path: str) -> bool:
+    """Pages that answer 403 while no admin token is configured: the key and spend endpoints."""
+    return path in ("/admin/keys", "/admin/audit", "/admin/spend") or path.startswith("/admin/keys/")
+
 
 class AdminApp:
-    """Maps ``(method, target)`` to an ``AdminResponse``; never raises."""
+    """Maps a request to an ``AdminResponse``; never raises.
 
-    def __init__(self, sources: AdminSources, metrics: MetricsExposition) -> None:
+    ``tokens``: the running config's admin tokens. Without any, the read-only pages stay open (the
+    config keeps the listener on loopback then) and the key and spend pages answer 403; with tokens,
+    every ``/admin/*`` page needs one (401 without, 403 without the page's scope), and an address that
+    keeps presenting bad tokens is slowed with 429 (``FailedTokenThrottle``).
+    """
+
+    def __init__(self, sources: AdminSources, metrics: MetricsExposition, *,
+                 tokens: Callable[[], AdminTokens] | None = None, keys: KeyPages | None = None,
+                 throttle: FailedTokenThrottle | None = None) -> None:
         self._sources = sources
         self._metrics = metrics
+        self._tokens = tokens
+        self._keys = keys
+        self._throttle = throttle or FailedTokenThrottle()
         self._routes: dict[str, Handler] = {
             "/healthz": self._healthz,
             "/readyz": self._readyz,
@@ -111,20 +145,64 @@ class AdminApp:
             "/admin/quota": self._quota,
         }
 
-    async def handle(self, method: str, target: str) -> AdminResponse:
+    async def handle(self, method: str, target: str, *, authorization: str | None = None, body: bytes = b"",
+                     peer: str = "") -> AdminResponse:
+        """``authorization``: the request's Authorization header; ``peer``: the client's address."""
         parts = urlsplit(target)
-        handler = self._routes.get(parts.path)
-        if handler is None:
-            return error_response(404, f"no admin page at {parts.path}", "not_found")
-        if method not in ("GET", "HEAD"):
-            response = error_response(405, f"{method} is not allowed on {parts.path}", "method_not_allowed")
-            response.headers.append(("allow", "GET, HEAD"))
-            return response
+        path = parts.path
         try:
+            caller = None
+            if path not in OPEN_PAGES and path.startswith("/admin/"):
+                refused, caller = self._authorize(method, path, authorization, peer)
+                if refused is not None:
+                    return refused
+            key_methods = None if self._keys is None else self._keys.allowed_methods(path)
+            if key_methods is not None and self._keys is not None:
+                if method not in key_methods.split(", "):
+                    return _not_allowed(method, path, key_methods)
+                return await self._keys.handle(method, path, parse_qs(parts.query), body,
+                                               caller or Caller("anonymous", frozenset()))
+            handler = self._routes.get(path)
+            if handler is None:
+                return error_response(404, f"no admin page at {path}", "not_found")
+            if method not in ("GET", "HEAD"):
+                return _not_allowed(method, path, "GET, HEAD")
             return await handler(parse_qs(parts.query))
         except Exception:  # a broken report must not take the admin listener down
-            log.exception("admin page %s failed", parts.path)
-            return error_response(500, f"{parts.path} failed; see the supervisor log", "internal_error", "server_error")
+            log.exception("admin page %s failed", path)
+            return error_response(500, f"{path} failed; see the supervisor log", "internal_error", "server_error")
+
+    def _authorize(self, method: str, path: str, authorization: str | None,
+                   peer: str) -> tuple[AdminResponse | None, Caller | None]:
+        """(a refusal, or None and the caller) for an ``/admin/*`` page."""
+        tokens = None if self._tokens is None else self._tokens()
+        if tokens is None or not tokens.configured:
+            if needs_token_config(path):
+                return error_response(403, "the key and spend endpoints need admin tokens: configure "
+                                           "admin.tokens", "admin_tokens_not_configured"), None
+            return None, None
+        retry_after = self._throttle.retry_after(peer)
+        if retry_after is not None:
+            response = error_response(429, "too many requests with an invalid admin token from this address; "
+                                           f"retry in {retry_after}s", "too_many_failed_tokens")
+            response.headers.append(("retry-after", str(retry_after)))
+            return response, None
+        caller = tokens.caller(authorization)
+        if caller is None:
+            missing = not authorization
+            if not missing:  # a wrong token counts towards the brake; none at all guesses nothing
+                self._throttle.failed(peer)
+            response = error_response(401, "missing admin token: send Authorization: Bearer <token>" if missing
+                                      else "invalid admin token", "invalid_admin_token")
+            response.headers.append(_ADMIN_REALM)
+            return response, None
+        scope = _PAGE_SCOPES.get(path)
+        if scope is None and self._keys is not None and self._keys.allowed_methods(path) is not None:
+            scope = self._keys.scope_for(method)
+        if scope is not None and scope not in caller.scopes:
+            return error_response(403, f"admin token {caller.name!r} lacks the scope {scope}",
+                                  "insufficient_scope"), None
+        return None, caller
 
     async def _healthz(self, query: dict[str, list[str]]) -> AdminResponse:
         return json_response(200, {"status": "ok"})
@@ -154,3 +232,9 @@ class AdminApp:
             return json_response(200, await self._sources.quota_report(tenant))
         except ReportUnavailable as exc:
             return error_response(503, str(exc), "quota_backend_unavailable", "server_error")
+
+
+def _not_allowed(method: str, path: str, allow: str) -> AdminResponse:
+    response = error_response(405, f"{method} is not allowed on {path}", "method_not_allowed")
+    response.headers.append(("allow", allow))
+    return response

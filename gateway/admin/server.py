@@ -61,16 +61,21 @@ class AdminServer:
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         parser = codec.ServerCodec(_MAX_HEAD_BYTES)
         self._connections.add(writer)
+        peername = writer.get_extra_info("peername")
+        peer = str(peername[0]) if isinstance(peername, tuple) else "local"
         try:
             while True:
-                head = await _read_request(parser, reader)
-                if head is None:
+                request = await _read_request(parser, reader)
+                if request is None:
                     break
+                head, body = request
                 framing = check_request_head(head.method, head.target, head.http_version, head.headers,
                                              _MAX_URL_BYTES, _MAX_BODY_BYTES)
                 parser.expect_response(head.method, head.http_version == b"1.1", framing.keep_alive)
                 method = head.method.decode("ascii", "replace")
-                response = await self._app.handle(method, framing.target.decode("ascii", "replace"))
+                response = await self._app.handle(method, framing.target.decode("ascii", "replace"),
+                                                  authorization=_header(head.headers, b"authorization"),
+                                                  body=body, peer=peer)
                 writer.write(_encode(parser, response, head_only=head.method == b"HEAD"))
                 await writer.drain()
                 if parser.must_close:
@@ -87,10 +92,11 @@ class AdminServer:
             writer.close()
 
 
-async def _read_request(parser: codec.ServerCodec, reader: asyncio.StreamReader) -> codec.RequestHead | None:
-    """The next complete request (its body read and dropped), or None when the peer is done."""
+async def _read_request(parser: codec.ServerCodec,
+                        reader: asyncio.StreamReader) -> tuple[codec.RequestHead, bytes] | None:
+    """The next complete request and its body (at most 64 KiB), or None when the peer is done."""
     head: codec.RequestHead | None = None
-    body_bytes = 0
+    body = bytearray()
     while True:
         event = parser.next_event()
         if event is codec.NEED_DATA:
@@ -98,13 +104,20 @@ async def _read_request(parser: codec.ServerCodec, reader: asyncio.StreamReader)
         elif isinstance(event, codec.RequestHead):
             head = event
         elif isinstance(event, codec.Body):
-            body_bytes += len(event.data)
-            if body_bytes > _MAX_BODY_BYTES:
+            body += event.data
+            if len(body) > _MAX_BODY_BYTES:
                 raise codec.ParseError("request body too large", 413)
         elif isinstance(event, codec.EndOfMessage):
-            return head
+            return None if head is None else (head, bytes(body))
         else:  # ConnectionClosed, or PAUSED after a protocol switch attempt
             return None
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    for key, value in headers:
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
 
 
 def _encode(parser: codec.ServerCodec, response: AdminResponse, head_only: bool) -> bytes:

@@ -66,13 +66,6 @@ def refusal_reason(reply: ErrorReply, on: frozenset[str]) -> str | None:
     return reason if reason is not None and reason in on else None
 
 
-def key_allows_model(key_identity: object, model: str) -> bool:
-    """Hook for managed API keys' ``models`` globs (docs/models.md, "Permissions"): whether the key may
-    use ``model``. Until managed keys land every key may use every model its tenant may; the key work
-    replaces this body (the chain walk calls it for every hop, before the hop is tried)."""
-    return True
-
-
 def refusals_to_hold(on: frozenset[str]) -> frozenset[str] | None:
     """The provider error codes a chain moving ``on`` these reasons reads a 400 for (None: none)."""
     codes = on.intersection(IMMEDIATE_REASONS)

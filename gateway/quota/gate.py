@@ -42,7 +42,15 @@ from gateway.quota.estimate import PROMPT_BYTES_PER_TOKEN
 from gateway.quota.keeper import ReservationKeeper
 from gateway.quota.lease import Lease, LeaseSpec
 from gateway.quota.lease_book import LeaseBook
-from gateway.quota.ledger import F_RQ_REMAINING, F_SHADOW, F_TK_REMAINING, Account, AdmitCommand, QuotaLedger
+from gateway.quota.ledger import (
+    F_RQ_REMAINING,
+    F_SHADOW,
+    F_TK_REMAINING,
+    Account,
+    AdmitCommand,
+    QuotaLedger,
+    scopes_of,
+)
 from gateway.quota.limits import Scope
 from gateway.quota.owner import owner_tag
 from gateway.quota.reconcile import Reconciler
@@ -162,6 +170,12 @@ class QuotaGate:
         """What the ledger holds for ``tenant`` (``report.quota_report``), through this gate's client."""
         return await quota_report(self._ledger, self._rules, tenant, max(self._timeout_s, 1.0),
                                   self.key_scopes.get(tenant, ()))
+
+    async def key_report(self, key: KeyIdentity) -> dict[str, Any]:
+        """What the ledger holds for one key: its own limits and the rules that can apply to it (``GET
+        /v1/gridgate/key``, docs/keys.md); ``QuotaBackendUnavailable`` as ``quota_report``."""
+        return await quota_report(self._ledger, self._rules, key.tenant, max(self._timeout_s, 1.0),
+                                  scopes_of(None, key), key)
 
     # -- the two verbs of the request path
 

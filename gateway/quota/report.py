@@ -14,7 +14,7 @@ from typing import Any
 from gateway.quota.backend import BACKEND_ERRORS, describe_error
 from gateway.quota.ledger import QuotaLedger, ScopeReport
 from gateway.quota.limits import Scope
-from gateway.quota.rules import RuleSet
+from gateway.quota.rules import KeyLike, RuleSet, key_matches
 
 
 class QuotaBackendUnavailable(Exception):
@@ -40,10 +40,12 @@ def _scope_entry(report: ScopeReport) -> dict[str, Any]:
 
 
 async def quota_report(ledger: QuotaLedger, rules: RuleSet, tenant: str, timeout_s: float = 1.0,
-                       key_scopes: tuple[Scope, ...] = ()) -> dict[str, Any]:
-    """The tenant's rules (``rules``) and keys (``key_scopes``: the tenant's keys with limits).
-    Raises ``QuotaBackendUnavailable`` if Valkey cannot answer within ``timeout_s``."""
-    scopes = (*key_scopes, *(rule.scope for rule in rules.rules_for_tenant(tenant)))
+                       key_scopes: tuple[Scope, ...] = (), key: KeyLike | None = None) -> dict[str, Any]:
+    """The tenant's rules (``rules``; with ``key``, only those that can apply to that key) and keys
+    (``key_scopes``: the tenant's keys with limits). Raises ``QuotaBackendUnavailable`` if Valkey cannot
+    answer within ``timeout_s``."""
+    scopes = (*key_scopes, *(rule.scope for rule in rules.rules_for_tenant(tenant)
+                             if key is None or rule.match_key is None or key_matches(rule.match_key, key)))
     try:
         async with asyncio.timeout(timeout_s):
             open_reservations, reports = await ledger.report(tenant, scopes)

@@ -1,9 +1,10 @@
 """Which requests the data plane serves, decided on the request head (docs/security.md). Pure.
 
-A request is admitted to one of four route kinds, or to none (then it is 404 ``route_not_allowed``
+A request is admitted to one of five route kinds, or to none (then it is 404 ``route_not_allowed``
 and never reaches a provider, which would receive it with the provider's credential):
 
 - ``MODELS``: ``GET /v1/models`` and ``GET /v1/models/{id}``, answered by the gateway itself;
+- ``KEY``: ``GET /v1/gridgate/key``, the caller's own key (docs/keys.md), answered by the gateway;
 - ``API``: the API routes the gateway knows (``API_ROUTES``: one per row of
   ``gateway.request.surfaces.API_SURFACES``), sent to any cluster;
 - ``MCP``: the MCP endpoint (``routing.mcp_path``, streamable HTTP: POST, GET and DELETE), any cluster;
@@ -34,9 +35,11 @@ from gateway.request import surfaces
 from gateway.request.surfaces import Surface
 
 MODELS, API, MCP, EXTRA = range(4)
+KEY = -1  # below MODELS: one compare (kind <= MODELS) finds the routes the gateway answers itself
 
 API_ROUTES: tuple[str, ...] = tuple(surface.path for surface in surfaces.API_SURFACES)  # type: ignore[misc]
 MODELS_PATH = "/v1/models"
+KEY_PATH = "/v1/gridgate/key"
 MCP_METHODS = ("POST", "GET", "DELETE")  # streamable HTTP: messages, the server's event stream, session end
 
 _MODELS = b"/v1/models"
@@ -132,7 +135,8 @@ def _fixed_owner(path: str, methods: frozenset[bytes] | None) -> str | None:
     """Why a literal rule is redundant: it names a route every cluster already serves."""
     if path in API_ROUTES and (methods is None or b"POST" in methods):
         return "allowed for every cluster already"
-    if (path == MODELS_PATH or path.startswith(MODELS_PATH + "/")) and (methods is None or _GET in methods):
+    if (path == MODELS_PATH or path.startswith(MODELS_PATH + "/") or path == KEY_PATH) and (
+            methods is None or _GET in methods):
         return "answered by the gateway itself"
     return None
 
@@ -164,7 +168,7 @@ def mcp_path_problem(path: str) -> str | None:
     problem = _glob_problem(path)
     if problem:
         return problem
-    if path in API_ROUTES or path == MODELS_PATH or path.startswith(MODELS_PATH + "/"):
+    if path in API_ROUTES or path == MODELS_PATH or path.startswith(MODELS_PATH + "/") or path == KEY_PATH:
         return "is an API route already"
     return None
 
@@ -187,6 +191,7 @@ class RouteTable:
             for surface in surfaces.API_SURFACES
         }
         fixed[_MODELS] = {_GET: self._models}
+        fixed[KEY_PATH.encode()] = {_GET: AllowedRoute(KEY, surface=surfaces.MODELS)}
         if mcp_path is not None:
             mcp = AllowedRoute(MCP, surface=surfaces.MCP)
             fixed[mcp_path.encode()] = {method.encode(): mcp for method in MCP_METHODS}

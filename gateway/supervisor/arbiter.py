@@ -18,6 +18,7 @@ import socket
 import time
 from collections.abc import Callable
 
+from gateway.admin.keys_api import KeysApi
 from gateway.admin.pages import AdminApp, MetricsExposition
 from gateway.admin.quota import QuotaReporter
 from gateway.admin.server import AdminServer
@@ -36,6 +37,7 @@ from gateway.supervisor.children import (
     describe_exit,
     loop_internal_fds,
 )
+from gateway.supervisor.keys import KeyService, SupervisorKeyHost, admin_tokens_of
 from gateway.supervisor.lifecycle import Child, max_workers_for
 from gateway.supervisor.observability import SupervisorAdminSources, SupervisorCollector, WorkerCounters
 from gateway.supervisor.overlay_feed import OverlayFeed
@@ -84,6 +86,8 @@ class Arbiter:
         self._notifier = Notifier()
         self._quota_backend = EmbeddedQuotaBackend()
         self._reservation_sweeper = ReservationSweeper(self._quota_backend)
+        self._keys = KeyService(self._quota_backend)  # managed keys: the host table and its follower
+        self._keys_config: Config | None = None  # the config the key service follows
         self._last_good_overlay = LastGoodOverlay()
         # Stable metrics label indexes (shared-memory cells), for the life of the supervisor.
         self._clusters = LabelRegistry(MAX_CLUSTERS)
@@ -118,6 +122,8 @@ class Arbiter:
             check_listen_address(config.listen)
             admin_sock = bind_admin_socket(config.admin.listen)
             quota_url_for(config, self._quota_backend)  # the embedded Valkey starts before any fork
+            self._keys.prepare(config)  # the key table too: every worker inherits it
+            self._keys_config = config
             self._segment = self._create_segment(config)
             return asyncio.run(self._serve(admin_sock))
         except BaseException:
@@ -153,6 +159,8 @@ class Arbiter:
             SupervisorAdminSources(self._readiness, lambda: self._swap.config, self._segment,
                                    self._quota_backend, self._quota_reporter),
             metrics,
+            tokens=admin_tokens_of(lambda: self._swap.config),
+            keys=KeysApi(SupervisorKeyHost(self._keys, lambda: self._swap.config)),
         ))
         self._swap = GenerationSwap(
             self._config_path, self._overrides, self._start_config,
@@ -162,6 +170,7 @@ class Arbiter:
         )
         metrics.register(SupervisorCollector(self._workers, self._swap))
         metrics.register(self._overlay_feed)
+        metrics.register(self._keys)
         metrics.register_text(lambda: counters.render(self._workers.worker_slots(), self._clusters.names,
                                                       self._tenants.names, self._fallbacks.names))
 
@@ -189,6 +198,7 @@ class Arbiter:
         }
         await self._admin.start(admin_sock)
         self._overlay_feed.start()
+        await self._keys.start()  # before the first fork: the first workers already know the keys
         log.info(
             "supervisor pid %d: listen %s, admin %s, %d workers",
             os.getpid(), config.listen, config.admin.listen, self._workers.target,
@@ -207,6 +217,7 @@ class Arbiter:
                 self._tick()
         finally:
             await self._overlay_feed.stop()
+            await self._keys.close()
             await self._admin.close()
             await self._reservation_sweeper.close()
             await self._quota_reporter.close()
@@ -226,6 +237,9 @@ class Arbiter:
             self._workers.maintain(self._swap.config, now)
             self._quota_backend.watch(now)
             self._overlay_feed.tick(self._swap.config)
+            if self._swap.config is not self._keys_config:  # a reload was applied
+                self._keys_config = self._swap.config
+                self._keys.reconfigure(self._keys_config)
             self._swap.release_old_endpoint_slots()
         self._readiness.notify(now)
 
@@ -270,6 +284,7 @@ class Arbiter:
             metrics_region=METRICS_REGION, metric_clusters=self._clusters.names, metric_tenants=self._tenants.names,
             metric_fallbacks=self._fallbacks.names,
             overlay_fallback=self._last_good_overlay.data,
+            key_table=self._keys.table,
         )
 
     def _inherited_fds(self) -> list[int]:

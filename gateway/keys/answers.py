@@ -1,0 +1,62 @@
+"""What the data plane answers about a managed key (docs/keys.md), as pure functions of a ``KeyEntry``.
+
+The head gate (workers) calls ``refusal`` right after a successful lookup; the model step calls
+``model_refusal``; ``GET /v1/gridgate/key`` answers ``key_report``. None of them does I/O, reads a
+clock or ever shows the key or its digest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from gateway.keys.record import format_time
+from gateway.keys.view import KeyEntry
+
+# 401 codes of a key the table knows but refuses.
+KEY_BLOCKED = "key_blocked"
+KEY_REVOKED = "key_revoked"
+KEY_EXPIRED = "key_expired"
+MODEL_NOT_ALLOWED = "model_not_allowed"
+
+
+def refusal(entry: KeyEntry, now: float) -> tuple[str, str] | None:
+    """``(code, message)`` of the 401 for a key that may not be used at ``now`` (Unix seconds), or None.
+
+    Revoked wins over blocked (final), blocked over expired (an admin's act says more than a date).
+    """
+    if entry.status == "revoked":
+        return KEY_REVOKED, f"API key {entry.kid} was revoked"
+    if entry.status == "blocked":
+        return KEY_BLOCKED, f"API key {entry.kid} is blocked"
+    if entry.expires_at is not None and now >= entry.expires_at:
+        return KEY_EXPIRED, f"API key {entry.kid} expired at {format_time(entry.expires_at)}"
+    return None
+
+
+def model_refusal(entry: KeyEntry, model: str) -> tuple[str, str] | None:
+    """``(code, message)`` of the 403 for a model outside the key's ``models``, or None."""
+    if entry.allows_model(model):
+        return None
+    shown = model if len(model) <= 200 else model[:200] + "..."
+    return MODEL_NOT_ALLOWED, f"API key {entry.kid} may not use model {shown!r}"
+
+
+def key_report(entry: KeyEntry, *, remaining: dict[str, Any] | None = None,
+               spend: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The body of ``GET /v1/gridgate/key``: the caller's own record, its limits, and what the quota
+    reports (``remaining``: budgets left per limit; ``spend``: this period's spend), never a secret."""
+    return {
+        "object": "gridgate.key",
+        "kid": entry.kid,
+        "tenant": entry.tenant,
+        "alias": entry.alias,
+        "status": entry.status,
+        "models": entry.models,
+        "expires_at": format_time(entry.expires_at),
+        "allowed_origins": entry.allowed_origins,
+        "limits": msgspec.to_builtins(entry.limits),
+        "remaining": remaining,
+        "spend": spend,
+    }

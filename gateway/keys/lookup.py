@@ -1,0 +1,68 @@
+"""A worker's lookup of managed keys in the host table: digest -> ``KeyEntry`` (docs/keys.md).
+
+The request path's one call (the head gate makes it after the YAML keys missed, with the digest
+those were probed with: ``gateway.auth.presented_digest``)::
+
+    entry = lookup(digest)
+
+One ``find`` in shared memory (``shm.keys``), then the entry this worker decoded for that slot's
+current version: a blob is copied and decoded only the first time a worker sees it after a change.
+The cache is bounded (``MAX_CACHED``; cleared when full, so a scan of many keys costs decodes, never
+memory). A table that stays mid-write past its read budget answers None: the key is refused (401),
+never admitted on a torn read.
+"""
+
+from __future__ import annotations
+
+from gateway.keys.view import KeyEntry, decode_entry
+from shm.keys import KeyTable
+
+MAX_CACHED = 65_536
+
+
+class KeyLookup:
+    """One per worker, over the table the supervisor created before fork."""
+
+    __slots__ = ("_table", "_cache")
+
+    def __init__(self, table: KeyTable) -> None:
+        self._table = table
+        self._cache: dict[int, tuple[int, KeyEntry]] = {}
+
+    def __call__(self, digest: bytes) -> KeyEntry | None:
+        """The entry for a presented key's 32-byte SHA-256, or None (not a managed key this host knows).
+
+        The caller checks its status and expiry (``answers.refusal``) and marks an admitted use
+        (``mark_used``)."""
+        try:
+            found = self._table.find(digest)
+            if found is None:
+                return None
+            slot, version = found
+            cached = self._cache.get(slot)
+            return cached[1] if cached is not None and cached[0] == version else self._decode(digest, slot, version)
+        except TimeoutError:
+            return None
+
+    def mark_used(self, entry: KeyEntry) -> None:
+        """Mark ``entry``'s key used this minute (one 4-byte store; the supervisor writes
+        ``last_used_at`` from the marks once a minute)."""
+        self._table.mark_used(entry.slot)
+
+    def _decode(self, digest: bytes, slot: int, version: int) -> KeyEntry | None:
+        """Copy and decode the blob of ``(slot, version)``; if the writer changed the slot meanwhile,
+        find the digest again (a few times at most: one admin change is one write)."""
+        for _ in range(8):
+            blob = self._table.blob(slot, version)
+            if blob is not None:
+                entry = decode_entry(blob, slot)
+                cache = self._cache
+                if len(cache) >= MAX_CACHED:
+                    cache.clear()
+                cache[slot] = (version, entry)
+                return entry
+            found = self._table.find(digest)
+            if found is None:
+                return None
+            slot, version = found
+        return None

@@ -1,0 +1,96 @@
+"""What a host's key table holds per secret, and what a worker's lookup answers.
+
+The follower turns a ``KeyRecord`` into one ``KeyView`` per secret that opens the key (the current
+one, and those still in a rotation grace, each with its own ``expires_at``) and writes it to the
+table as a small msgpack blob. A worker decodes a blob once per change into a ``KeyEntry``, with its
+``models`` globs compiled into one regular expression, and keeps it (``lookup.KeyLookup``).
+"""
+
+from __future__ import annotations
+
+import re
+from fnmatch import translate
+
+import msgspec
+
+from gateway.auth import KeyIdentity
+from gateway.keys.record import KeyLimits, KeyRecord, Status
+from gateway.quota.limits import Budget, Limits, RequestLimit
+from gateway.yaml_config import parse_duration
+
+
+class KeyView(msgspec.Struct, array_like=True, frozen=True):
+    """The request path's part of a record, for one secret. No digest, no metadata."""
+
+    kid: str
+    tenant: str
+    alias: str | None
+    status: Status
+    models: list[str] | None
+    limits: KeyLimits
+    expires_at: int | None  # Unix seconds; for a previous secret, the end of its grace
+    allowed_origins: list[str] | None
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(KeyView).decode
+
+
+def views_of(record: KeyRecord, now: float) -> dict[bytes, bytes]:
+    """Table blobs by 32-byte digest, for every secret of ``record`` that still opens it."""
+    blobs: dict[bytes, bytes] = {}
+    for digest, expires_at in record.secrets(now):
+        view = KeyView(record.kid, record.tenant, record.alias, record.status, record.models, record.limits,
+                       expires_at, record.allowed_origins)
+        blobs[bytes.fromhex(digest)] = _encode(view)
+    return blobs
+
+
+class KeyEntry:
+    """A decoded table entry, as the request path sees a managed key (one per secret and version)."""
+
+    __slots__ = ("kid", "tenant", "alias", "status", "models", "limits", "expires_at", "allowed_origins",
+                 "slot", "identity", "_models")
+
+    def __init__(self, view: KeyView, slot: int) -> None:
+        self.kid = view.kid
+        self.tenant = view.tenant
+        self.alias = view.alias
+        self.status = view.status
+        self.models = view.models
+        self.limits = view.limits
+        self.expires_at = view.expires_at
+        self.allowed_origins = view.allowed_origins
+        self.slot = slot  # where the table keeps it (for marking it used)
+        # Who the request is, for the quota (docs/limits.md): made once per decoded version, so the
+        # quota's memo of (tenant, model, key) sees one object per key version, as for a YAML key.
+        self.identity = KeyIdentity(view.tenant, view.alias, view.kid, quota_limits(view.limits))
+        self._models = None if view.models is None else _one_pattern(view.models)
+
+    def allows_model(self, model: str) -> bool:
+        """True when ``model`` matches one of the key's ``models`` globs (case-sensitive), or the key
+        has none (then the tenant's allowed_capabilities decide)."""
+        return self._models is None or self._models.match(model) is not None
+
+    def __repr__(self) -> str:  # the kid is public; nothing else worth showing
+        return f"KeyEntry(kid={self.kid!r}, tenant={self.tenant!r}, status={self.status!r})"
+
+
+def quota_limits(limits: KeyLimits) -> Limits | None:
+    """A record's ``limits`` as the quota counts them (``spend`` is not the quota's); None when none."""
+    converted = Limits(
+        requests=tuple(RequestLimit(int(parse_duration(r.window)), r.count, r.count if r.burst is None else r.burst,
+                                    r.shadow) for r in limits.requests),
+        budgets=tuple(Budget(int(parse_duration(b.window)), b.tokens, b.shadow) for b in limits.budgets),
+        max_in_flight=limits.max_in_flight or 0,
+    )
+    return None if converted.empty else converted
+
+
+def _one_pattern(globs: list[str]) -> re.Pattern[str]:
+    """The globs as one regular expression; no glob at all allows no model."""
+    return re.compile("|".join(map(translate, globs)) if globs else "(?!)")
+
+
+def decode_entry(blob: bytes, slot: int) -> KeyEntry:
+    return KeyEntry(_decode(blob), slot)

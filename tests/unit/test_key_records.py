@@ -1,0 +1,138 @@
+"""Managed-key records (gateway.keys): the key format, body checks naming the field, the request path's
+answers (401 codes, model globs, the key report)."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from gateway.keys.answers import key_report, model_refusal, refusal
+from gateway.keys.keyformat import KEY_PATTERN, is_kid, key_digest, new_key, new_kid
+from gateway.keys.record import (
+    BodyProblem,
+    CreateKey,
+    KeyLimits,
+    PatchKey,
+    RequestLimit,
+    Rotate,
+    TokenBudget,
+    decode_body,
+)
+from gateway.keys.view import KeyEntry, KeyView, decode_entry, quota_limits
+
+
+def test_keys_have_the_documented_format_and_only_their_digest_is_kept():
+    kid = new_kid()
+    key = new_key(kid)
+    assert is_kid(kid) and KEY_PATTERN.fullmatch(key)
+    assert key.startswith(f"gg-{kid}-") and len(key) == 3 + 12 + 1 + 43
+    assert len({new_key(kid) for _ in range(50)}) == 50
+    assert len(key_digest(key)) == 32 and key_digest(key) == key_digest(key.encode())
+
+
+@pytest.mark.parametrize(("body", "problem"), [
+    (b"{not json", "body: malformed JSON"),
+    (b"[1]", "body: must be a JSON object"),
+    (b"{}", "tenant: required key is missing"),
+    (b'{"tenant": "team a"}', "tenant: must be 1..64 characters"),
+    (b'{"tenant": "' + b"t" * 65 + b'"}', "tenant: must be 1..64 characters"),
+    (b'{"tenant": 7}', "tenant: expected a string, got 7"),
+    (b'{"tenant": "t", "alias": "a/b"}', "alias: must be 1..64 characters"),
+    (b'{"tenant": "t", "models": "gpt-*"}', "models: expected a list or null"),
+    (b'{"tenant": "t", "limits": {"requests": [{"window": "1m", "count": "lots"}]}}',
+     "limits.requests[0].count: expected an integer, got 'lots'"),
+    (b'{"tenant": "t", "limits": {"requests": [{"window": "2d", "count": 1}]}}', "limits.requests[0].window: must be 1s..1d"),
+    (b'{"tenant": "t", "limits": {"budgets": [{"window": "1h", "tokens": 0}]}}', "limits.budgets[0].tokens: must be"),
+    (b'{"tenant": "t", "limits": {"max_in_flight": 0}}', "limits.max_in_flight: must be 1.."),
+    (b'{"tenant": "t", "limits": {"requests": [{"window": "1m", "count": 5}, {"window": "60s", "count": 9}]}}',
+     "limits.requests: two request limits with the same window"),
+    (b'{"tenant": "t", "limits": {"spend": [{"usd": 5, "period": "1y"}]}}', "limits.spend[0].period"),
+    (b'{"tenant": "t", "expires_at": "next week"}', "expires_at: must be an RFC 3339 time"),
+    (b'{"tenant": "t", "expires_at": "2030-01-01T00:00:00"}', "expires_at: needs a time zone"),
+    (b'{"tenant": "t", "allowed_origins": ["app.example.com"]}', "allowed_origins[0]: must be an origin"),
+    (b'{"tenant": "t", "allowed_origins": ["regex:("]}', "allowed_origins[0]: invalid regular expression"),
+    (b'{"tenant": "t", "key": "gg-whatever"}', "key: unknown key"),
+])
+def test_a_bad_create_body_is_refused_naming_the_field(body, problem):
+    with pytest.raises(BodyProblem) as caught:
+        decode_body(body, CreateKey)
+    assert str(caught.value).startswith(problem)
+
+
+def test_more_than_sixteen_metadata_pairs_are_refused():
+    sixteen = {f"k{i}": "v" for i in range(16)}
+    assert decode_body(json.dumps({"tenant": "t", "metadata": sixteen}).encode(), CreateKey).metadata == sixteen
+    with pytest.raises(BodyProblem, match=r"^metadata: at most 16 pairs, got 17"):
+        decode_body(json.dumps({"tenant": "t", "metadata": {**sixteen, "k16": "v"}}).encode(), CreateKey)
+
+
+def test_durations_are_kept_in_their_normal_form():
+    body = decode_body(b'{"tenant": "t", "limits": {"requests": [{"window": "60s", "count": 5}]}}', CreateKey)
+    assert body.limits.requests[0].window == "1m"
+
+
+def test_a_patch_names_only_what_it_changes_and_null_clears():
+    patch = decode_body(b'{"alias": null, "expires_at": "2030-01-01T00:00:00Z"}', PatchKey)
+    assert patch.changes() == {"alias": None, "expires_at": 1893456000}
+    with pytest.raises(BodyProblem, match="^status: unknown key"):
+        decode_body(b'{"status": "active"}', PatchKey)  # status changes only through block/unblock/revoke
+
+
+def test_rotation_grace_is_a_bounded_duration():
+    assert decode_body(b'{"grace": "24h"}', Rotate).seconds() == 86400
+    assert decode_body(b"", Rotate).seconds() == 0
+    with pytest.raises(BodyProblem, match="^grace: must be <= 30d"):
+        decode_body(b'{"grace": "31d"}', Rotate)
+    with pytest.raises(BodyProblem, match="^grace: invalid duration"):
+        decode_body(b'{"grace": "soon"}', Rotate)
+
+
+def entry(**fields):
+    view = {"kid": "AbCdEfGhIjKl", "tenant": "team-a", "alias": "ci", "status": "active", "models": None,
+            "limits": {}, "expires_at": None, "allowed_origins": None, **fields}
+    view["limits"] = msgspec.convert(view["limits"], KeyLimits)
+    blob = msgspec.msgpack.encode(KeyView(**view))
+    return decode_entry(blob, slot=0)
+
+
+def test_refusals_name_why_a_known_key_may_not_be_used():
+    assert refusal(entry(), now=100) is None
+    assert refusal(entry(status="blocked"), now=100)[0] == "key_blocked"
+    assert refusal(entry(status="revoked", expires_at=50), now=100)[0] == "key_revoked"
+    assert refusal(entry(expires_at=100), now=99) is None
+    code, message = refusal(entry(expires_at=100), now=100)
+    assert code == "key_expired" and "1970-01-01T00:01:40Z" in message
+
+
+def test_model_globs_allow_and_refuse():
+    assert model_refusal(entry(), "anything") is None  # no models: the tenant's policy decides
+    scoped = entry(models=["gpt-4*", "claude-3-haiku"])
+    assert model_refusal(scoped, "gpt-4o") is None
+    assert model_refusal(scoped, "claude-3-haiku") is None
+    assert model_refusal(scoped, "claude-3-haiku-x")[0] == "model_not_allowed"
+    assert model_refusal(scoped, "GPT-4o")[0] == "model_not_allowed"  # case-sensitive, as capabilities are
+    assert model_refusal(entry(models=[]), "gpt-4o")[0] == "model_not_allowed"
+
+
+def test_the_key_report_holds_the_record_and_the_quota_parts_never_a_secret():
+    report = key_report(entry(expires_at=1893456000, limits={"requests": [{"window": "1m", "count": 5}]}),
+                        remaining={"requests": 4}, spend=None)
+    assert report["kid"] == "AbCdEfGhIjKl" and report["expires_at"] == "2030-01-01T00:00:00Z"
+    assert report["limits"]["requests"][0]["count"] == 5 and report["remaining"] == {"requests": 4}
+    assert not {"key", "digest"} & set(report)
+
+
+def test_a_keys_limits_reach_the_quota_as_its_identity_counts_them():
+    limits = KeyLimits(requests=[RequestLimit(window="1m", count=60)], budgets=[TokenBudget(window="1h", tokens=900,
+                       shadow=True)], max_in_flight=3)
+    converted = quota_limits(limits)
+    assert converted is not None and converted.max_in_flight == 3
+    assert [(r.window_s, r.count, r.burst) for r in converted.requests] == [(60, 60, 60)]
+    assert [(b.window_s, b.tokens, b.shadow) for b in converted.budgets] == [(3600, 900, True)]
+    assert quota_limits(KeyLimits()) is None  # nothing to count: the key's rule alone meters it
+    entry = KeyEntry(KeyView("AAAAAAAAAAAA", "team-a", "ci", "active", None, limits, None, None), 0)
+    identity = entry.identity
+    assert (identity.tenant, identity.kid, identity.alias, identity.name) == ("team-a", "AAAAAAAAAAAA", "ci", "AAAAAAAAAAAA")
+    assert identity.limits == converted

@@ -1,0 +1,119 @@
+"""Managed keys on the request path (docs/keys.md): the head gate's authentication when the host has a
+key table, the model check, and ``GET /v1/gridgate/key``.
+
+Authentication hashes the presented key once (``gateway.auth.presented_digest``); that digest probes
+the YAML keys (a dict) and, on a miss, the host's key table (``gateway.keys.lookup``: one probe in
+shared memory, a decode once per change). A key the table knows but refuses is answered 401 with its
+reason (``key_blocked``, ``key_revoked``, ``key_expired``).
+
+A keep-alive connection's memo (workers/head_gate.py) holds a YAML key's identity, but only a managed
+key's digest: every request on the connection probes the table again, so a block reaches a connection
+that is already open within the table's propagation, not at its end.
+
+Only a gate built with a key table comes here: without a store, the head gate runs its YAML-only path,
+unchanged.
+"""
+
+from __future__ import annotations
+
+from hmac import compare_digest
+from time import time
+from typing import Any, Protocol
+
+import msgspec
+
+from gateway.auth import Authenticator, KeyIdentity, presented_digest
+from gateway.http.errors import ErrorReply
+from gateway.keys.answers import key_report, model_refusal, refusal
+from gateway.keys.lookup import KeyLookup
+from gateway.keys.view import KeyEntry
+from gateway.quota.limits import Limits, window_text
+from gateway.request.headers import RequestHeaders
+
+# A key the table knows but refuses: (code, message) of its 401, and the key's tenant (its access line).
+KeyRefusal = tuple[str, str, str]
+_ACTIVE = "active"
+_encode = msgspec.json.Encoder().encode
+
+
+class MemoConnection(Protocol):
+    # (authorization, x-api-key, the YAML key's identity or the managed key's digest)
+    auth_memo: tuple[bytes, bytes, KeyIdentity | bytes] | None
+
+
+class ManagedKeyGate:
+    """One per worker, over the table the supervisor created before fork."""
+
+    __slots__ = ("lookup",)
+
+    def __init__(self, lookup: KeyLookup) -> None:
+        self.lookup = lookup
+
+    def authenticate(self, conn: MemoConnection, headers: RequestHeaders,
+                     auth: Authenticator) -> KeyIdentity | KeyEntry | KeyRefusal | None:
+        """A YAML key's identity, a managed key's entry (active, unexpired, marked used), the refusal of
+        a managed key the table refuses, or None (missing or unknown: 401 ``invalid_api_key``)."""
+        authorization = headers.authorization or b""
+        api_key = headers.api_key or b""
+        memo = conn.auth_memo
+        if memo is not None and compare_digest(memo[0], authorization) and compare_digest(memo[1], api_key):
+            known = memo[2]
+            if known.__class__ is KeyIdentity:
+                return known  # type: ignore[return-value]
+            return self.admit(known)  # type: ignore[arg-type]
+        digest = presented_digest(headers.authorization, headers.api_key)
+        if digest is None:
+            return None
+        identity = auth.identity_of_digest(digest)
+        if identity is not None:
+            conn.auth_memo = (authorization, api_key, identity)
+            return identity
+        found = self.admit(digest)
+        if found.__class__ is KeyEntry:
+            conn.auth_memo = (authorization, api_key, digest)
+        return found
+
+    def admit(self, digest: bytes) -> KeyEntry | KeyRefusal | None:
+        """The table's entry for ``digest`` if it may be used now (then marked used this minute), its
+        refusal if not, None if the table does not hold it."""
+        lookup = self.lookup
+        entry = lookup(digest)
+        if entry is None:
+            return None
+        if entry.status != _ACTIVE or entry.expires_at is not None:
+            refused = refusal(entry, time())
+            if refused is not None:
+                return refused[0], refused[1], entry.tenant
+        lookup.mark_used(entry)
+        return entry
+
+
+def model_not_allowed_for_key(entry: KeyEntry, model: str) -> ErrorReply | None:
+    """403 ``model_not_allowed`` for a model outside the key's ``models`` globs, or None."""
+    refused = model_refusal(entry, model)
+    return None if refused is None else ErrorReply(403, refused[0], refused[1])
+
+
+def key_answer(key: KeyIdentity, entry: KeyEntry | None, *, remaining: dict[str, Any] | None = None) -> bytes:
+    """The body of ``GET /v1/gridgate/key`` (docs/keys.md). A YAML key (``entry`` None) has no record:
+    its tenant, alias and limits, ``"source": "config"``, and nulls. ``spend`` is null until spend tracking lands."""
+    if entry is not None:
+        body = key_report(entry, remaining=remaining, spend=None)
+        body["source"] = "managed"
+    else:
+        body = {"object": "gridgate.key", "source": "config", "kid": None, "tenant": key.tenant,
+                "alias": key.alias, "status": _ACTIVE, "models": None, "expires_at": None,
+                "allowed_origins": None, "limits": _config_limits(key.limits), "remaining": remaining,
+                "spend": None}
+    return _encode(body)
+
+
+def _config_limits(limits: Limits | None) -> dict[str, Any] | None:
+    """A YAML key's limits in the form a record shows them."""
+    if limits is None:
+        return None
+    return {"requests": [{"window": window_text(r.window_s), "count": r.count, "burst": r.burst, "shadow": r.shadow}
+                         for r in limits.requests],
+            "budgets": [{"window": window_text(b.window_s), "tokens": b.tokens, "shadow": b.shadow}
+                        for b in limits.budgets],
+            "max_in_flight": limits.max_in_flight or None}
