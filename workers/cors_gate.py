@@ -19,23 +19,14 @@ from collections.abc import Callable
 
 from gateway.http.errors import ErrorReply
 from gateway.request.cors import CorsPolicy, PreflightReply
-from workers.head_gate import Admitted, HeadRefusal
+from workers.head_gate import Admitted, HeadRefusal, request_origin
 
 __all__ = ["CorsGate", "request_origin"]
 
 _OPTIONS = b"OPTIONS"
-_ORIGIN = b"origin"
 _REQUEST_METHOD = b"access-control-request-method"
 _REQUEST_HEADERS = b"access-control-request-headers"
 NO_CORS: tuple[tuple[bytes, bytes], ...] = ()
-
-
-def request_origin(headers: list[tuple[bytes, bytes]]) -> bytes | None:
-    """The request's ``Origin`` (names are lowercase, as the codec delivers them)."""
-    for name, value in headers:
-        if name == _ORIGIN:
-            return value
-    return None
 
 
 def _header(headers: list[tuple[bytes, bytes]], wanted: bytes) -> bytes | None:

@@ -26,6 +26,7 @@ from gateway.auth import Authenticator, KeyIdentity
 from gateway.http.errors import ErrorReply
 from gateway.ids import CounterIds
 from gateway.keys.view import KeyEntry
+from gateway.request.cors import key_origin_reply
 from gateway.request.headers import HeaderPlan, RequestHeaders
 from gateway.request.routes import AllowedRoute, RouteTable
 from workers.key_gate import ManagedKeyGate
@@ -44,6 +45,14 @@ class GatedConnection(Protocol):
     """The per-connection slot the server keeps for the gate (and only the gate writes)."""
 
     auth_memo: AuthMemo | None
+
+
+def request_origin(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The request's ``Origin`` (names are lowercase, as the codec delivers them)."""
+    for name, value in headers:
+        if name == b"origin":
+            return value
+    return None
 
 
 class Admitted:
@@ -105,6 +114,11 @@ class HeadGate:
             if found.__class__ is KeyEntry:
                 managed = found
                 key = found.identity  # type: ignore[union-attr]
+                if managed.origins is not None:  # type: ignore[union-attr]
+                    refused = key_origin_reply(request_origin(headers), managed.origins)  # type: ignore[union-attr]
+                    if refused is not None:
+                        return HeadRefusal(403, refused.code, refused.message, [(b"x-request-id", request_id)],
+                                           request_id=request_id, method=method, target=target, tenant=key.tenant)
             elif found.__class__ is tuple:  # a key the table knows but refuses
                 code, message, tenant = found  # type: ignore[misc]
                 return HeadRefusal(401, code, message, [_WWW_AUTHENTICATE, (b"x-request-id", request_id)],

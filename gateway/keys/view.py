@@ -16,6 +16,7 @@ import msgspec
 from gateway.auth import KeyIdentity
 from gateway.keys.record import KeyLimits, KeyRecord, Status
 from gateway.quota.limits import Budget, Limits, RequestLimit
+from gateway.request.cors import OriginList, parse_key_origins
 from gateway.yaml_config import parse_duration
 
 
@@ -50,7 +51,7 @@ class KeyEntry:
     """A decoded table entry, as the request path sees a managed key (one per secret and version)."""
 
     __slots__ = ("kid", "tenant", "alias", "status", "models", "limits", "expires_at", "allowed_origins",
-                 "slot", "identity", "_models")
+                 "origins", "slot", "identity", "_models")
 
     def __init__(self, view: KeyView, slot: int) -> None:
         self.kid = view.kid
@@ -61,6 +62,9 @@ class KeyEntry:
         self.limits = view.limits
         self.expires_at = view.expires_at
         self.allowed_origins = view.allowed_origins
+        # The browser origins the key may be used from (docs/cors.md, "A key's own origins"), parsed once;
+        # None: any. An entry that does not parse (the admin API refuses those) admits no origin.
+        self.origins = None if not view.allowed_origins else _key_origins(view.allowed_origins)
         self.slot = slot  # where the table keeps it (for marking it used)
         # Who the request is, for the quota (docs/limits.md): made once per decoded version, so the
         # quota's memo of (tenant, model, key) sees one object per key version, as for a YAML key.
@@ -94,3 +98,13 @@ def _one_pattern(globs: list[str]) -> re.Pattern[str]:
 
 def decode_entry(blob: bytes, slot: int) -> KeyEntry:
     return KeyEntry(_decode(blob), slot)
+
+
+def _key_origins(entries: list[str]) -> OriginList:
+    try:
+        return parse_key_origins(entries)
+    except ValueError:
+        return _NO_ORIGIN
+
+
+_NO_ORIGIN = OriginList(())  # admits no origin: every page is refused

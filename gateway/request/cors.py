@@ -225,22 +225,17 @@ def _header_names(value: bytes) -> bytes | None:
     return b",".join(names)
 
 
-def parse_key_origins(entries: Iterable[str]) -> frozenset[bytes]:
-    """A key's ``allowed_origins``: exact origins only (a record written through the admin API takes
-    no patterns). ValueError names the entry."""
-    origins = set()
+def parse_key_origins(entries: Iterable[str]) -> OriginList:
+    """A key's ``allowed_origins`` (exact origins and ``regex:`` patterns, as the admin API takes them;
+    ``*`` is not a narrowing, so a key does not take it). ValueError names the entry."""
+    entries = list(entries)
     for index, entry in enumerate(entries):
-        try:
-            if entry.startswith(REGEX_PREFIX) or entry.strip() == ANY_ORIGIN:
-                raise ValueError(f"{entry!r}: a key lists exact origins (scheme://host[:port]); patterns and "
-                                 "'*' belong in cors.allowed_origins")
-            origins.add(exact_origin(entry).encode("ascii"))
-        except ValueError as exc:
-            raise ValueError(f"[{index}]: {exc}") from None
-    return frozenset(origins)
+        if entry.strip() == ANY_ORIGIN:
+            raise ValueError(f"[{index}]: '*' admits every origin: leave allowed_origins out instead")
+    return OriginList(entries)
 
 
-def key_origin_reply(origin: bytes | None, allowed: frozenset[bytes] | None) -> ErrorReply | None:
+def key_origin_reply(origin: bytes | None, allowed: OriginList | None) -> ErrorReply | None:
     """None when the key may be used from ``origin``, else 403 ``origin_not_allowed``.
 
     A key without ``allowed_origins`` may be used from anywhere. A request without ``Origin`` did not
@@ -248,7 +243,7 @@ def key_origin_reply(origin: bytes | None, allowed: frozenset[bytes] | None) -> 
     since any other client can write any ``Origin`` it likes. The list keeps other sites' pages from
     using a key that a page exposed; it does not make a key secret.
     """
-    if not allowed or origin is None or origin in allowed:
+    if allowed is None or origin is None or allowed.allows(origin):
         return None
     return ErrorReply(403, "origin_not_allowed",
                       f"This API key may not be used from origin {origin.decode('latin-1')!r}.")

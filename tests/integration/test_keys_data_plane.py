@@ -160,3 +160,24 @@ def test_a_managed_key_is_metered_by_its_own_limits_and_its_rule_like_a_yaml_key
     # The rules that can apply to this key (for some model): its first match meters it now.
     assert [rule["rule"] for rule in remaining["rules"]] == ["bots", "team"]
     assert remaining["rules"][0]["requests"][0]["remaining"] == 48
+
+
+def test_a_key_with_allowed_origins_is_refused_from_other_pages(gateway_factory, providers,
+                                                               keys_store):  # noqa: F811 - the fixture
+    """docs/cors.md, "A key's own origins": a page on another origin cannot use the key (403
+    origin_not_allowed, nothing forwarded); its own origin and non-browser clients (no Origin) can."""
+    (gateway,) = gateways(gateway_factory, providers, keys_store.url, count=1)
+    handle = providers["provider-a"]
+    status, created = admin(gateway, "POST", "/admin/keys",
+                            {"tenant": "team-a", "allowed_origins": ["https://app.example.com", r"regex:https://[a-z]+\.example\.org"]})
+    assert status == 201, created
+    key = created["key"]
+    wait_for(lambda: chat(gateway.port, "m", bearer(key)).status == 200, "the key to serve", 2.0)
+    served = mock_served(handle)
+    other = chat(gateway.port, "m", [*bearer(key), ("Origin", "https://evil.example.com")])
+    assert (other.status, error_code(other)) == (403, "origin_not_allowed")
+    assert mock_served(handle) == served
+    assert chat(gateway.port, "m", [*bearer(key), ("Origin", "https://app.example.com")]).status == 200
+    assert chat(gateway.port, "m", [*bearer(key), ("Origin", "https://pages.example.org")]).status == 200
+    assert chat(gateway.port, "m", [*bearer(key), ("Origin", "https://pages.example.org.evil.com")]).status == 403
+    assert chat(gateway.port, "m", [*bearer(YAML_KEY), ("Origin", "https://evil.example.com")]).status == 200

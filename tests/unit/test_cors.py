@@ -133,13 +133,16 @@ def test_a_key_s_origins_narrow_who_may_use_it() -> None:
     assert key_origin_reply(b"http://localhost:5173", allowed) is None
     refused = key_origin_reply(b"https://other.example.com", allowed)
     assert refused is not None and (refused.status, refused.code) == (403, "origin_not_allowed")
-    assert key_origin_reply(b"https://other.example.com", frozenset()) is None  # no list: anywhere
+    assert key_origin_reply(b"https://other.example.com", None) is None  # no list: anywhere
     assert key_origin_reply(None, allowed) is None  # not a browser page
 
 
-def test_a_key_s_origins_are_exact() -> None:
-    with pytest.raises(ValueError, match=r"^\[1\]: 'regex:https://.\*': a key lists exact origins"):
-        parse_key_origins(["https://a.example.com", "regex:https://.*"])
+def test_a_key_s_origins_take_patterns_but_not_any() -> None:
+    allowed = parse_key_origins(["https://a.example.com", r"regex:https://[a-z]+\.example\.org"])
+    assert key_origin_reply(b"https://pages.example.org", allowed) is None
+    assert key_origin_reply(b"https://pages.example.org.evil.com", allowed) is not None  # whole origin
+    with pytest.raises(ValueError, match=r"^\[1\]: '\*' admits every origin"):
+        parse_key_origins(["https://a.example.com", "*"])
     with pytest.raises(ValueError, match=r"^\[0\]: 'https://a.example.com/x' is not an origin"):
         parse_key_origins(["https://a.example.com/x"])
 

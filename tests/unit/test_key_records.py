@@ -51,8 +51,8 @@ def test_keys_have_the_documented_format_and_only_their_digest_is_kept():
     (b'{"tenant": "t", "limits": {"spend": [{"usd": 5, "period": "1y"}]}}', "limits.spend[0].period"),
     (b'{"tenant": "t", "expires_at": "next week"}', "expires_at: must be an RFC 3339 time"),
     (b'{"tenant": "t", "expires_at": "2030-01-01T00:00:00"}', "expires_at: needs a time zone"),
-    (b'{"tenant": "t", "allowed_origins": ["app.example.com"]}', "allowed_origins[0]: must be an origin"),
-    (b'{"tenant": "t", "allowed_origins": ["regex:("]}', "allowed_origins[0]: invalid regular expression"),
+    (b'{"tenant": "t", "allowed_origins": ["app.example.com"]}', "allowed_origins[0]: 'app.example.com' is not an origin"),
+    (b'{"tenant": "t", "allowed_origins": ["regex:("]}', "allowed_origins[0]: 'regex:(': bad regular expression"),
     (b'{"tenant": "t", "key": "gg-whatever"}', "key: unknown key"),
 ])
 def test_a_bad_create_body_is_refused_naming_the_field(body, problem):
