@@ -24,6 +24,7 @@ from tests.harness import (
     free_port,
     mock_served,
     raw_exchange,
+    request,
     status_of,
 )
 
@@ -369,3 +370,58 @@ def test_the_filters_read_each_apis_body_fields(providers, gateway_factory):
         claude.messages.create(model="m", max_tokens=50, tools=[tool],
                                messages=[{"role": "user", "content": [image]}])
     assert nobody.value.body["type"] == "error" and nobody.value.body["error"]["code"] == "no_eligible_provider"
+
+
+# --- what the provider received, surface by surface ------------------------------------------------
+
+# (path, body, the key header, extra client headers, the stream rewritten for usage?)
+_SURFACE_CASES = [
+    ("/v1/chat/completions", {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]},
+     "authorization", (), True),
+    ("/v1/completions", {"model": "m", "stream": True, "prompt": "hi", "max_tokens": 5}, "authorization", (), True),
+    ("/v1/embeddings", {"model": "m", "input": "hi"}, "authorization", (), False),
+    ("/v1/responses", {"model": "m", "stream": True, "input": "hi", "max_output_tokens": 5}, "authorization", (),
+     False),
+    ("/v1/messages", {"model": "m", "stream": True, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
+     "x-api-key", (VERSION, ("anthropic-beta", "prompt-caching-2024-07-31")), False),
+    ("/v1/messages/count_tokens", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "x-api-key",
+     (VERSION,), False),
+]
+
+
+def _last_received(provider) -> dict[str, Any]:
+    status, _, body = request("127.0.0.1", provider.port, "GET", "/admin/received")
+    assert status == 200
+    return json.loads(body)["requests"][-1]
+
+
+@pytest.mark.parametrize(("path", "body", "key_header", "extra", "rewritten"), _SURFACE_CASES,
+                         ids=[case[0] for case in _SURFACE_CASES])
+def test_what_the_provider_receives_on_each_surface(valkey_url, mock_provider, gateway_factory,
+                                                    path, body, key_header, extra, rewritten):
+    """Only chat and legacy completions streams are rewritten for usage (stream_options); every other
+    body reaches the provider byte for byte; the gateway key never does (in either key header), and
+    Anthropic's version and beta headers pass through."""
+    provider = mock_provider(f"surface-{uuid.uuid4().hex[:6]}")
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    gateway = _gateway(gateway_factory, provider.address, tenant, {"quota": _quota(valkey_url, 100_000)})
+    sent = json.dumps(body).encode()
+    key = ("Authorization", f"Bearer {KEY}") if key_header == "authorization" else ("x-api-key", KEY)
+    client = Client(gateway.port)
+    try:
+        response = client.request("POST", path, sent, [("Content-Type", "application/json"), key, *extra])
+    finally:
+        client.close()
+    assert response.status == 200, response.body[:300]
+    received = _last_received(provider)
+    assert received["path"] == path
+    headers = {name.lower(): value for name, value in received["headers"]}
+    assert KEY not in json.dumps(received["headers"])  # the gateway's key is never forwarded
+    for name, value in extra:
+        assert headers[name.lower()] == value
+    forwarded = json.loads(received["body"])
+    if rewritten:
+        assert forwarded["stream_options"] == {"include_usage": True}
+        assert {k: v for k, v in forwarded.items() if k != "stream_options"} == body
+    else:
+        assert received["body"].encode() == sent  # byte for byte
