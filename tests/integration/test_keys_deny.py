@@ -20,7 +20,7 @@ from gateway.quota.lease import LeaseSpec
 from gateway.quota.ledger import QuotaLedger
 from gateway.quota.limits import Budget, Limits, RequestLimit
 from gateway.quota.resp_transport import RespTransport
-from tests.harness import candidate, envelope, request
+from tests.harness import candidate, envelope, mock_served, request
 from tests.integration.test_keys_e2e import TOKENS, admin, host_status, wait_for
 from tests.integration.test_limits_ledger import DAY, admit, counters, new_tenant, open_gate, rule
 
@@ -101,11 +101,11 @@ def test_the_deny_set_key_is_the_ledgers_escaping_of_the_tenant_in_its_hash_slot
     assert ledger.account(tenant, None, KeyIdentity(tenant, "ci", None, managed(tenant).limits)).leasable  # type: ignore[union-attr]
 
 
-def test_a_block_on_one_gateway_is_refused_by_the_very_next_admission_on_another(gateway_factory, providers,
+def test_a_block_on_one_gateway_is_refused_by_the_very_next_admission_on_another(gateway_factory, mock_provider,
                                                                                  keys_store) -> None:
     """Gateway B's supervisor (its key table's follower) is stopped, so B's table still says ``active``:
     only the admission call can refuse the key there."""
-    handle = providers["provider-a"]
+    handle = mock_provider("provider-a")
     extra = {"auth": {}, "admin": {"tokens": TOKENS},
              "quota": {"backend": {"kind": "valkey", "url": keys_store.url},
                        "rules": [{"name": "r", "budgets": [{"window": "1m", "tokens": 1_000_000}]}]}}
@@ -118,13 +118,17 @@ def test_a_block_on_one_gateway_is_refused_by_the_very_next_admission_on_another
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
     auth = [("Authorization", f"Bearer {secret}")]
     assert request("127.0.0.1", second.port, "POST", "/v1/chat/completions", body, auth)[0] == 200
+    served = mock_served(handle)
     os.kill(second.process.pid, signal.SIGSTOP)  # its follower stops: its table keeps "active"
     try:
         status, _ = admin(first, "POST", f"/admin/keys/{kid}/block")
         assert status == 200
         status, _, data = request("127.0.0.1", second.port, "POST", "/v1/chat/completions", body, auth)
-        assert status == 401 and json.loads(data)["error"]["code"] == "key_blocked"
+        error = json.loads(data)["error"]
+        assert (status, error["code"], error["type"]) == (401, "key_blocked", "authentication_error")
+        assert error["message"] == f"API key {kid} is blocked"
         assert request("127.0.0.1", first.port, "POST", "/v1/chat/completions", body, auth)[0] == 401
+        assert mock_served(handle) == served  # neither refused request reached the provider
     finally:
         os.kill(second.process.pid, signal.SIGCONT)
     wait_for(lambda: host_status(second, kid) == "blocked", "the block in the second host's table")
