@@ -53,6 +53,9 @@ from gateway.keys.record import (
     public_record,
 )
 
+# The deny sets' key names are the ledger's, so the admit reads exactly the hash this store writes.
+from gateway.quota.ledger import deny_set_key
+
 log = logging.getLogger("gridgate.keys")
 
 STORE_TAG = "{gg-keys}"
@@ -67,13 +70,6 @@ USED = PREFIX + ":used"
 LOG_MAX_ENTRIES = 100_000  # approximate (MAXLEN ~): the audit log's depth, and how far a host may lag
 _CAS_ATTEMPTS = 5
 _STREAM_ID = re.compile(r"\d{1,20}(-\d{1,20})?")
-
-
-def deny_set_key(tenant: str) -> str:
-    """The tenant's deny set: the hash tag is the tenant, escaped like the quota's key parts (a
-    managed key's tenant matches ``[A-Za-z0-9._-]{1,64}``, so escaping never changes it)."""
-    escaped = tenant.replace("%", "%25").replace(":", "%3A").replace("{", "%7B").replace("}", "%7D")
-    return f"gg:keys:v1:{{{escaped}}}:deny"
 
 
 # KEYS: 1 record, 2 log, 3 seq, 4.. the keys the ops name. ARGV: 1 expected version (0: must not exist),

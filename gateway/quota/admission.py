@@ -29,7 +29,8 @@ REQUEST_HEADERS = (H_LIMIT_REQUESTS, H_REMAINING_REQUESTS, H_RESET_REQUESTS)
 class Admission(msgspec.Struct, gc=False):
     """The verdict the worker acts on.
 
-    ``allowed`` False -> answer ``status`` (429 or 503) with ``headers``, send nothing upstream.
+    ``allowed`` False -> answer ``status`` (429, 503, or 401 for a managed key in its tenant's deny set)
+    with ``headers``, send nothing upstream.
     ``allowed`` True -> forward; add ``headers`` to the response. The request's record keeps it, and
     closing the record settles it once with what the request cost (``workers/outcomes.py`` calls
     ``QuotaGate.settle``; settling an admission that reserved nothing is a no-op).
@@ -40,7 +41,7 @@ class Admission(msgspec.Struct, gc=False):
     """
 
     allowed: bool
-    reason: str  # admitted|denied|denied_never_fits|denied_requests|denied_concurrency|backend_error_*
+    reason: str  # admitted|denied|denied_never_fits|denied_requests|denied_concurrency|key_blocked|key_revoked|backend_error_*
     status: int | None
     headers: tuple[tuple[bytes, bytes], ...]
     reservation: Reservation | None = None
@@ -52,13 +53,14 @@ class Admission(msgspec.Struct, gc=False):
     # A field, not derived from the two above: settling clears them, and it is read on every request.
     metered: bool = False
     shadow: tuple[str, ...] | None = None
-    error_type: str = "tokens"  # the error body's type: tokens, requests
+    error_type: str | None = "tokens"  # the error body's type: tokens, requests (None: the status's)
+    code: str = "rate_limit_exceeded"  # the error body's code (key_blocked, key_revoked: the deny set)
 
     @property
     def error(self) -> tuple[str, str, str] | None:
         """(message, type, code) for the worker's OpenAI-style error body when not allowed."""
         if self.message is not None:
-            return self.message, self.error_type, "rate_limit_exceeded"
+            return self.message, self.error_type, self.code
         return _ERRORS.get(self.reason)
 
     def __repr__(self) -> str:

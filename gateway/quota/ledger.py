@@ -45,6 +45,9 @@ F_RQ_LIMIT, F_RQ_REMAINING, F_RQ_RESET = 5, 6, 7
 F_TK_LIMIT, F_TK_REMAINING, F_TK_RESET = 8, 9, 10
 F_SHADOW, F_MEMBER = 11, 12
 ADMIT_FIELDS = 13
+# A managed key in its tenant's deny set: ``D <now> blocked|revoked`` (nothing written).
+F_KEY_STATUS = 2
+KEY_STATUSES = (b"blocked", b"revoked")
 
 # The records below are built per metered request: msgspec structs are made in C (a NamedTuple's
 # constructor is a Python function), and hold nothing that could point back at them (gc=False).
@@ -78,7 +81,7 @@ class Account(msgspec.Struct, frozen=True, gc=False):
     default_max_tokens: int
     has_requests: bool  # some enforced request limit: responses carry x-ratelimit-*-requests
     has_budgets: bool  # some enforced token budget: responses carry x-ratelimit-*-tokens
-    leasable: bool  # no in-flight cap and no shadow limit: a worker may hold blocks of it
+    leasable: bool  # no in-flight cap, no shadow limit, not a managed key: a worker may hold blocks of it
     first_window_s: int  # the shortest token window (0: none): a block never outlives its end
     lease_key: tuple[str, str, str]  # (tenant, rule, key): one open block each
 
@@ -101,6 +104,7 @@ class AdmitReply(msgspec.Struct, frozen=True, gc=False):
     admitted: bool
     fields: list[bytes]
     reservation: Reservation | None
+    key_status: bytes | None = None  # refused because the managed key is ``blocked`` or ``revoked``
 
     @property
     def now_ms(self) -> int:
@@ -141,6 +145,12 @@ class ScopeReport:
     max_in_flight: int
     requests: tuple[RequestReport, ...]
     windows: tuple[WindowReport, ...]
+
+
+def deny_set_key(tenant: str) -> str:
+    """The tenant's deny set of managed keys (kid -> ``blocked``|``revoked``), which the key store writes
+    (``gateway.keys.store``) and the admit reads: in the tenant's hash slot, like every ledger key."""
+    return f"gg:keys:v1:{{{escape_key_part(tenant)}}}:deny"
 
 
 def escape_key_part(value: str) -> str:
@@ -240,8 +250,11 @@ class QuotaLedger:
         if not scopes:
             return None
         zkey, prefix = keys_of(tenant)
-        # ARGV: mode, prefix, id, estimate, timeout, slots, scopes, then per scope (ledger_script)
-        args: list[Any] = [zkey, "admit", prefix, SLOT, SLOT, self._timeout_ms, SLOT, len(scopes)]
+        kid = None if key is None else key.kid
+        # ARGV: mode, prefix, id, estimate, timeout, slots, scopes, deny set, kid, then per scope
+        # (ledger_script). A managed key's admit reads its tenant's deny set in the same call.
+        args: list[Any] = [zkey, "admit", prefix, SLOT, SLOT, self._timeout_ms, SLOT, len(scopes),
+                           "" if kid is None else deny_set_key(tenant), kid or ""]
         for scope in scopes:
             limits = scope.limits
             args += [scope_part(scope), limits.max_in_flight, len(limits.requests)]
@@ -257,7 +270,8 @@ class QuotaLedger:
             rule.default_max_tokens if rule is not None else DEFAULT_MAX_TOKENS,
             has_requests=any(ref.kind == "requests" and not ref.shadow for ref in refs),
             has_budgets=any(ref.kind == "tokens" and not ref.shadow for ref in refs),
-            leasable=not any(s.limits.max_in_flight or s.limits.has_shadow for s in scopes),
+            # A managed key never leases: a block would admit it without the deny set for up to lease.ttl.
+            leasable=kid is None and not any(s.limits.max_in_flight or s.limits.has_shadow for s in scopes),
             first_window_s=min(windows, default=0),
             lease_key=(tenant, rule.name if rule is not None else "", scopes[0].name if scopes[0].kind == "key" else ""),
         )
@@ -279,6 +293,8 @@ class QuotaLedger:
         fields = reply.split(b" ", F_MEMBER)
         admitted = fields[0] == b"1"
         if len(fields) != ADMIT_FIELDS - (not admitted) or not (admitted or fields[0] == b"0"):
+            if fields[0] == b"D" and len(fields) == 3 and fields[F_KEY_STATUS] in KEY_STATUSES:
+                return AdmitReply(False, fields, None, fields[F_KEY_STATUS])
             raise UnexpectedReply(f"unexpected admit reply {reply[:80]!r}")
         reservation = None
         if admitted:

@@ -33,6 +33,8 @@ Versions. The script carries its version in its text, so a changed script has a 
 new gateways run side by side during a rolling upgrade, each with its own. v5 has a new key layout
 (``gg:q:v2``): it shares no key with v4's ``gg:q:v1``, so counters start afresh once (docs/limits.md says
 what that means during a roll), and v4 gateways keep settling their own reservations in their own keys.
+v6 keeps v5's layout (v5 and v6 gateways share counters during a roll): its admit also reads the tenant's
+deny set of managed keys (two more arguments) and refuses a blocked or revoked kid in the same call.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from __future__ import annotations
 import hashlib
 
 SCRIPT_NAME = "gridgate-quota-ledger"
-SCRIPT_VERSION = 5
+SCRIPT_VERSION = 6
 KEY_PREFIX = "gg:q:v2"
 # Request-limit clocks count microseconds from this epoch (2025-01-01T00:00:00Z): a double holds them
 # to a hundredth of a microsecond for decades.
@@ -121,8 +123,15 @@ end
 local function fmt(x) return string.format('%.17g', x) end
 
 if mode == 'admit' then
-  -- ARGV: mode, prefix, id, estimate, timeout_ms, slots, scopes, then per scope:
+  -- ARGV: mode, prefix, id, estimate, timeout_ms, slots, scopes, deny set, kid, then per scope:
   --   scope, max_in_flight, #requests, {window_s, count, burst, shadow}..., #budgets, {window_s, tokens, shadow}...
+  -- deny set: the tenant's blocked and revoked managed keys (gateway.keys.store; same hash tag), '' for
+  -- a config key or an anonymous request. A kid in it is refused before anything else, writing nothing
+  -- (not even lazy expiry): -> "D now blocked|revoked".
+  if ARGV[8] ~= '' then
+    local status = redis.call('HGET', ARGV[8], ARGV[9])
+    if status then return string.format('D %d %s', now, status == 'revoked' and 'revoked' or 'blocked') end
+  end
   -- Limits are numbered 1.. in that order (per scope: requests, budgets, then the in-flight cap).
   -- -> "<1|0> now expired refused retry_ms rq_limit rq_remaining rq_reset_ms tk_limit tk_remaining
   --     tk_reset_ms shadow [member]": refused = the limit that refused (0: none), retry_ms -1 = never fits;
@@ -130,7 +139,7 @@ if mode == 'admit' then
   --    limits that would have refused ("-": none). One bulk string: the client parses one reply.
   local expired = expire_stale()
   local id, est, timeout_ms, slots = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-  local a = 8
+  local a = 10
   local index = 0
   local refused, retry, never = 0, 0, false
   local rq_lim, rq_rem, rq_reset, tk_lim, tk_rem, tk_reset = 0, 0, 0, 0, 0, 0

@@ -6,10 +6,13 @@ each kind that applies (the numbers are the reply's own bytes: no conversion but
 Refused: 429 ``rate_limit_exceeded`` naming the limit (``rule team-a tokens 30000/1m``), ``Retry-After``
 when its next slot frees (a request limit), its window ends (a token budget) or one second (an in-flight
 cap); a request whose estimate exceeds a whole window can never fit and carries no ``Retry-After``.
+A managed key the admit found in its tenant's deny set: 401 ``key_blocked`` / ``key_revoked``, the codes and
+words of the head gate's refusal (``gateway.keys.answers``), whatever this host's key table still says.
 """
 
 from __future__ import annotations
 
+from gateway.keys.answers import KEY_BLOCKED, KEY_REVOKED
 from gateway.quota.admission import (
     H_LIMIT,
     H_LIMIT_REQUESTS,
@@ -39,6 +42,7 @@ from gateway.quota.ledger import (
 )
 
 Headers = tuple[tuple[bytes, bytes], ...]
+_KEY_REFUSAL_HEADERS: Headers = ((b"www-authenticate", b'Bearer realm="gridgate"'),)
 _NO_SHADOW = b"-"
 _REASONS = {"tokens": "denied", "requests": "denied_requests", "in_flight": "denied_concurrency"}
 
@@ -64,7 +68,10 @@ def shadow_names(account: Account, fields: list[bytes]) -> tuple[str, ...] | Non
 
 
 def refused(account: Account, answer: AdmitReply, estimate: int, counters: QuotaCounters) -> Admission:
-    """The 429 of an admit the ledger refused (``answer.admitted`` False), counted."""
+    """The 429 of an admit the ledger refused (``answer.admitted`` False), counted; the 401 of a managed key
+    the admit found blocked or revoked."""
+    if answer.key_status is not None:
+        return key_refused(account, answer.key_status, estimate)
     fields = answer.fields
     index = int(fields[F_REFUSED])
     if not 1 <= index <= len(account.limits):
@@ -89,3 +96,14 @@ def refused(account: Account, answer: AdmitReply, estimate: int, counters: Quota
     return Admission(False, _REASONS[ref.kind], 429, ((H_RETRY_AFTER, b"%d" % retry_s), *headers), None, estimate,
                      message=refusal_message(ref, retry_s), shadow=shadow,
                      error_type="tokens" if ref.kind == "tokens" else "requests")
+
+
+def key_refused(account: Account, status: bytes, estimate: int) -> Admission:
+    """The 401 of a managed key in its tenant's deny set (``status``: ``blocked`` or ``revoked``)."""
+    kid = account.key.kid
+    if status == b"revoked":
+        code, message = KEY_REVOKED, f"API key {kid} was revoked"
+    else:
+        code, message = KEY_BLOCKED, f"API key {kid} is blocked"
+    return Admission(False, code, 401, _KEY_REFUSAL_HEADERS, None, estimate, message=message, error_type=None,
+                     code=code)

@@ -157,7 +157,7 @@ def test_the_pre_encoded_admit_and_settle_are_exactly_the_commands() -> None:
     assert account is not None and b"%25d" in account.prefix and b"{t%7Bx%7D%25d}" in account.prefix
     command = ledger.admit_command(account, 123, b"ab.1.0.7.f")
     assert command.wire == encode_command(("EVALSHA", LEDGER_SHA, 1, account.zkey, "admit", account.prefix,
-                                           b"ab.1.0.7.f", 123, 120_000, 1, 1, "r:r%3A1%25d", 3, 1, 60, 50, 10, 0,
+                                           b"ab.1.0.7.f", 123, 120_000, 1, 1, "", "", "r:r%3A1%25d", 3, 1, 60, 50, 10, 0,
                                            2, 60, 1000, 0, 86400, 5000, 0))
     reservation = Reservation(account.zkey, account.prefix, b"ab.1.0.7.f|123|1|r:r%3A1%25d:w:60:1||", 123)
     assert ledger._settle_wire(reservation, 42, 1) == encode_command(

@@ -86,3 +86,29 @@ def test_a_reply_the_script_cannot_have_written_is_refused_as_such(reply: bytes)
         answer = QuotaLedger.read(cmd, reply)
         refused(cmd.account, answer, 100, QuotaCounters())
     assert issubclass(UnexpectedReply, ValueError)
+
+
+MANAGED = KeyIdentity("t", None, "kabcdefgh123", Limits(requests=(RequestLimit(60, 60, 60),)))
+
+
+@pytest.mark.parametrize(("status", "code", "words"), [(b"blocked", "key_blocked", "is blocked"),
+                                                        (b"revoked", "key_revoked", "was revoked")])
+def test_a_deny_set_reply_is_the_head_gates_401_and_counts_no_limit(status: bytes, code: str, words: str) -> None:
+    ledger = QuotaLedger(Transport(), reservation_timeout_s=10)  # type: ignore[arg-type]
+    account = ledger.account("t", RULE, MANAGED)
+    assert account is not None and not account.leasable
+    cmd = ledger.admit_command(account, 100, b"id")
+    answer = QuotaLedger.read(cmd, b"D 1700000000000 " + status)
+    assert not answer.admitted and answer.reservation is None and answer.key_status == status
+    counters = QuotaCounters()
+    admission = refused(account, answer, 100, counters)
+    assert (admission.allowed, admission.status, admission.reason) == (False, 401, code)
+    assert admission.error == (f"API key kabcdefgh123 {words}", None, code)
+    assert admission.headers == ((b"www-authenticate", b'Bearer realm="gridgate"'),)
+    assert counters.denied == counters.denied_requests == counters.denied_concurrency == 0
+
+
+@pytest.mark.parametrize("reply", [b"D 1700000000000 active", b"D 1700000000000", b"D 1 blocked extra"])
+def test_a_deny_reply_the_script_cannot_have_written_is_a_backend_error(reply: bytes) -> None:
+    with pytest.raises(UnexpectedReply):
+        QuotaLedger.read(command(), reply)
