@@ -43,15 +43,10 @@ class KeyStoreBackend(StrictStruct):
     data_dir: str | None = None
 
     def __post_init__(self) -> None:
-        from gateway.config import quota_url_problem  # the one URL check (import cycle: config imports us)
+        from gateway.config_quota import check_backend_url  # the quota's check (config_quota imports us)
 
-        if self.kind == "valkey":
-            if not self.url:
-                raise ValueError("url: must be set with kind valkey (e.g. valkey://host:6379/0)")
-            problem = quota_url_problem(self.url)
-            if problem:
-                raise ValueError(f"url: {problem}")
-        elif self.url is not None:
+        check_backend_url(self.kind, self.url)
+        if self.kind != "valkey" and self.url is not None:
             raise ValueError("url: only with kind valkey (kind embedded runs the bundled Valkey)")
 
 

@@ -134,12 +134,17 @@ class QuotaBackend(StrictStruct):
     data_dir: str | None = None
 
     def __post_init__(self) -> None:
-        if self.kind == "valkey":
-            if not self.url:
-                raise ValueError("url: must be set with kind valkey (e.g. valkey://host:6379/0)")
-            problem = quota_url_problem(self.url)
-            if problem:
-                raise ValueError(f"url: {problem}")
+        check_backend_url(self.kind, self.url)
+
+
+def check_backend_url(kind: str, url: str | None) -> None:
+    """A Valkey backend's ``url`` (the quota's and the managed keys' store): ValueError names the field."""
+    if kind == "valkey":
+        if not url:
+            raise ValueError("url: must be set with kind valkey (e.g. valkey://host:6379/0)")
+        problem = quota_url_problem(url)
+        if problem:
+            raise ValueError(f"url: {problem}")
 
 
 class QuotaBreaker(StrictStruct):

@@ -22,6 +22,16 @@ def valkey_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture
+def keys_store(tmp_path) -> Iterator[EmbeddedValkey]:
+    """A Valkey of this test's own, on TCP (a fixed URL across restarts): the
+    managed-key tests' store, and their gateways' quota backend."""
+    server = EmbeddedValkey(tmp_path / "store", unix_socket=False)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
 def store(valkey_url: str) -> Iterator[valkey.Valkey]:
     """A plain client of the session's Valkey, for tests that read or publish keys directly."""
     client = valkey.Valkey.from_url(valkey_url)

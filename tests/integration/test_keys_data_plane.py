@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from gateway.auth import hash_api_key
 from gateway.keys.keyformat import key_digest
 from tests.harness import Client, candidate, chat, envelope, mock_served, request
-from tests.integration.test_keys_e2e import TOKENS, admin, keys_store, wait_for  # noqa: F401 - the fixture
+from tests.integration.test_keys_e2e import TOKENS, admin, wait_for
 
 YAML_KEY = "sk-yaml-team"
 
@@ -34,7 +34,7 @@ def error_code(response) -> str | None:
 
 
 def test_a_managed_key_serves_until_blocked_or_revoked_on_every_gateway(gateway_factory, providers,
-                                                                         keys_store):  # noqa: F811 - the fixture
+                                                                         keys_store):
     first, second = gateways(gateway_factory, providers, keys_store.url)
     handle = providers["provider-a"]
     status, created = admin(first, "POST", "/admin/keys", {"tenant": "team-a", "alias": "ci", "models": ["m"]})
@@ -76,7 +76,7 @@ def test_a_managed_key_serves_until_blocked_or_revoked_on_every_gateway(gateway_
 
 
 def test_expired_keys_and_models_outside_the_globs_are_refused_before_any_provider(gateway_factory, providers,
-                                                                                   keys_store):  # noqa: F811
+                                                                                   keys_store):
     (gateway,) = gateways(gateway_factory, providers, keys_store.url, count=1)
     handle = providers["provider-a"]
     expires = int(time.time()) + 2
@@ -99,7 +99,7 @@ def test_expired_keys_and_models_outside_the_globs_are_refused_before_any_provid
     assert mock_served(handle) == served  # neither the 403 nor the 401 reached the provider
 
 
-def test_a_caller_reads_its_own_key(gateway_factory, providers, keys_store):  # noqa: F811 - the fixture
+def test_a_caller_reads_its_own_key(gateway_factory, providers, keys_store):
     (gateway,) = gateways(gateway_factory, providers, keys_store.url, count=1)
     status, created = admin(gateway, "POST", "/admin/keys", {
         "tenant": "team-a", "alias": "ci", "models": ["m*"], "limits": {"requests": [{"window": "1m", "count": 60}]}})
@@ -128,7 +128,7 @@ def test_a_caller_reads_its_own_key(gateway_factory, providers, keys_store):  # 
 
 
 def test_a_managed_key_is_metered_by_its_own_limits_and_its_rule_like_a_yaml_key(gateway_factory, providers,
-                                                                                  keys_store):  # noqa: F811
+                                                                                  keys_store):
     handle = providers["provider-a"]
     rules = [{"name": "bots", "match": {"key": "ci-*"}, "requests": [{"window": "1m", "count": 50}]},
              {"name": "humans", "match": {"key": "alice"}, "requests": [{"window": "1m", "count": 50}]},
@@ -163,7 +163,7 @@ def test_a_managed_key_is_metered_by_its_own_limits_and_its_rule_like_a_yaml_key
 
 
 def test_a_key_with_allowed_origins_is_refused_from_other_pages(gateway_factory, providers,
-                                                               keys_store):  # noqa: F811 - the fixture
+                                                               keys_store):
     """docs/cors.md, "A key's own origins": a page on another origin cannot use the key (403
     origin_not_allowed, nothing forwarded); its own origin and non-browser clients (no Origin) can."""
     (gateway,) = gateways(gateway_factory, providers, keys_store.url, count=1)

@@ -8,14 +8,12 @@ import asyncio
 import json
 import os
 import signal
-from collections.abc import Iterator
 
 import pytest
 import valkey
 
 from gateway.auth import KeyIdentity
 from gateway.keys.store import deny_set_key
-from gateway.quota.embedded import EmbeddedValkey
 from gateway.quota.lease import LeaseSpec
 from gateway.quota.ledger import QuotaLedger
 from gateway.quota.limits import Budget, Limits, RequestLimit
@@ -23,15 +21,6 @@ from gateway.quota.resp_transport import RespTransport
 from tests.harness import candidate, envelope, mock_served, request
 from tests.integration.test_keys_e2e import TOKENS, admin, host_status, wait_for
 from tests.integration.test_limits_ledger import DAY, admit, counters, new_tenant, open_gate, rule
-
-
-@pytest.fixture
-def keys_store(tmp_path) -> Iterator[EmbeddedValkey]:
-    """A Valkey of this test's own, on TCP: both gateways' quota backend and key store."""
-    server = EmbeddedValkey(tmp_path / "store", unix_socket=False)
-    server.start()
-    yield server
-    server.stop()
 
 
 def managed(tenant: str, kid: str = "k1a2b3c4d5e6") -> KeyIdentity:

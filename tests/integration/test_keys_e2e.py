@@ -8,30 +8,18 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 import valkey
 
 from gateway.auth import hash_api_key
 from gateway.keys.keyformat import KEY_PATTERN, key_digest
 from gateway.keys.store import deny_set_key
-from gateway.quota.embedded import EmbeddedValkey
 from tests.harness import ROOT, candidate, envelope, metric_value, request
 
 OPS, VIEWER = "ops-admin-token", "viewer-admin-token"
 TOKENS = [{"name": "ops", "key": hash_api_key(OPS), "scopes": ["keys:read", "keys:write"]},
           {"name": "viewer", "key": hash_api_key(VIEWER), "scopes": ["keys:read"]}]
-
-
-@pytest.fixture
-def keys_store(tmp_path) -> Iterator[EmbeddedValkey]:
-    """A Valkey of this test's own, on TCP (a fixed URL across restarts)."""
-    server = EmbeddedValkey(tmp_path / "store", unix_socket=False)
-    server.start()
-    yield server
-    server.stop()
 
 
 def keys_gateway(gateway_factory, providers, url: str | None = None, **extra: Any):
