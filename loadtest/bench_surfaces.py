@@ -1,6 +1,6 @@
 """What a Responses or Messages request costs a worker against a chat completion (issue 25, item 6).
 
-    python -m loadtest.bench_surfaces [--rounds 4] [--duration 4] [--connections 32] [--no-stream]
+    python -m loadtest.bench_surfaces [--rounds 4] [--duration 6] [--connections 32] [--no-stream]
 
 One gateway worker pinned to core 0; wrk, the mock providers (loadtest/mock_provider.py, which answer
 all three APIs, streams without pacing) and the embedded Valkey on core 1. The gateway is set up as in
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.bench_surfaces", description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=4, help="interleaved repetitions; medians are reported")
-    parser.add_argument("--duration", type=int, default=4, help="seconds per measured wrk run")
+    parser.add_argument("--duration", type=int, default=6, help="seconds per measured wrk run")
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--no-stream", dest="stream", action="store_false", help="plain JSON requests only")
     args = parser.parse_args(argv)
