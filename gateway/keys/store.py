@@ -54,7 +54,9 @@ from gateway.keys.record import (
 )
 
 # The deny sets' key names are the ledger's, so the admit reads exactly the hash this store writes.
-from gateway.quota.ledger import deny_set_key
+from gateway.quota.ledger_script import (
+    deny_set_key,  # not via the ledger, which loads valkey: the supervisor must not (tests/integration/test_layers.py)
+)
 
 log = logging.getLogger("gridgate.keys")
 

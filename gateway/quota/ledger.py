@@ -26,7 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from gateway.quota.ledger_script import KEY_PREFIX
+from gateway.quota.ledger_script import (  # noqa: F401 - deny_set_key re-exported: importers use the ledger
+    KEY_PREFIX,
+    deny_set_key,
+    escape_key_part,
+)
 from gateway.quota.limits import LimitRef, Scope, limit_refs
 from gateway.quota.rules import QuotaRule
 from gateway.quota.transport import SLOT, LedgerTransport, Reply, Template, UnexpectedReply, Wire
@@ -145,20 +149,6 @@ class ScopeReport:
     max_in_flight: int
     requests: tuple[RequestReport, ...]
     windows: tuple[WindowReport, ...]
-
-
-def deny_set_key(tenant: str) -> str:
-    """The tenant's deny set of managed keys (kid -> ``blocked``|``revoked``), which the key store writes
-    (``gateway.keys.store``) and the admit reads: in the tenant's hash slot, like every ledger key."""
-    return f"gg:keys:v1:{{{escape_key_part(tenant)}}}:deny"
-
-
-def escape_key_part(value: str) -> str:
-    """Make a tenant, rule or key name safe inside ``{...}``, around ``:`` and inside a member."""
-    for char, code in (("%", "%25"), (":", "%3A"), ("{", "%7B"), ("}", "%7D"), ("|", "%7C"), (",", "%2C"),
-                       ("=", "%3D"), (" ", "%20")):
-        value = value.replace(char, code)
-    return value
 
 
 def key_prefix(tenant: str) -> str:

@@ -16,7 +16,7 @@ one Valkey Cluster slot, whatever limits apply)::
                                                       flight (only scopes with max_in_flight)
 
 ``<scope>`` is ``r:<rule>`` (a rule's limits for this tenant) or ``a:<alias>`` / ``k:<kid>`` (a key's own
-limits). Names are percent-escaped (``ledger.escape_key_part``), so they never split a key or a member.
+limits). Names are percent-escaped (``escape_key_part`` below), so they never split a key or a member.
 
 A reservation member is ``<id>|<estimate>|<slots>|<windows>|<flights>|<clocks>``: the window keys it
 reserved its estimate in, the in-flight sets it holds a place in, and the request-limit clocks it took
@@ -381,3 +381,17 @@ return redis.error_reply('gridgate quota ledger: unknown mode ' .. tostring(mode
 )
 
 LEDGER_SHA = hashlib.sha1(LEDGER_SCRIPT.encode()).hexdigest()
+
+
+def deny_set_key(tenant: str) -> str:
+    """The tenant's deny set of managed keys (kid -> ``blocked``|``revoked``), which the key store writes
+    (``gateway.keys.store``) and the admit reads: in the tenant's hash slot, like every ledger key."""
+    return f"gg:keys:v1:{{{escape_key_part(tenant)}}}:deny"
+
+
+def escape_key_part(value: str) -> str:
+    """Make a tenant, rule or key name safe inside ``{...}``, around ``:`` and inside a member."""
+    for char, code in (("%", "%25"), (":", "%3A"), ("{", "%7B"), ("}", "%7D"), ("|", "%7C"), (",", "%2C"),
+                       ("=", "%3D"), (" ", "%20")):
+        value = value.replace(char, code)
+    return value
