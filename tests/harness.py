@@ -104,15 +104,34 @@ class Gateway:
             yaml.safe_dump(self.config, handle)
 
     def start(self, timeout: float = 20.0) -> Gateway:
-        env = {**os.environ, **(self.env or {})}
-        self.log_path = os.path.join(self.directory, "gateway.log")
-        self._log = open(self.log_path, "wb")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "run", "-c", self.config_path],
-            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-        )
-        self.wait_ready(timeout)
+        for attempt in range(3):
+            env = {**os.environ, **(self.env or {})}
+            self.log_path = os.path.join(self.directory, "gateway.log")
+            self._log = open(self.log_path, "wb")
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "gateway", "run", "-c", self.config_path],
+                cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+            )
+            try:
+                self.wait_ready(timeout)
+                return self
+            except RuntimeError as exc:
+                # A port free_port() found free was taken before the gateway bound it (another process's
+                # ephemeral port): the harness's race, not the gateway's. New ports, once or twice.
+                if "address already in use" not in str(exc) or attempt == 2 or not self._own_ports():
+                    raise
+                self._log.close()
+                self.port, self.admin_port = free_port(), free_port()
+                self.config["listen"] = f"127.0.0.1:{self.port}"
+                self.config["admin"]["listen"] = f"127.0.0.1:{self.admin_port}"
+                self.write_config()
         return self
+
+    def _own_ports(self) -> bool:
+        """Whether the config still listens where the harness chose (a test may have set its own)."""
+        admin = self.config.get("admin") or {}
+        return (self.config.get("listen") == f"127.0.0.1:{self.port}"
+                and admin.get("listen") == f"127.0.0.1:{self.admin_port}")
 
     def wait_ready(self, timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout
