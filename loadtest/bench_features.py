@@ -63,7 +63,7 @@ from gateway.config import load_config
 from gateway.yaml_config import ConfigError
 from loadtest.bench_core import run_wrk
 from loadtest.feature_report import Figures, render, summarize_paired, summarize_rounds
-from loadtest.report import child_pids, process_cpu_s, write_report
+from loadtest.report import child_pids, process_cpu_s, run_bench, write_report
 from loadtest.topology import (
     BENCH_CONFIG,
     CHAT_PATH,
@@ -435,11 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--variants: {exc}; the variants are {listing}")
     if args.method == "paired" and args.variants == [CORE]:
         parser.error("--method paired measures variants beside the core: name one besides it in --variants")
-    try:
-        return run(args)
-    except RuntimeError as exc:
-        print(f"bench_features: FAILED: {exc}", file=sys.stderr)
-        return 1
+    return run_bench("bench_features", run, args)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ import yaml
 from loadtest.bare_relay import start_bare_relay_process
 from loadtest.bench_core import run_wrk
 from loadtest.mock_provider import child_setup, start_mock_provider_process, terminate
-from loadtest.report import markdown_table, process_cpu_s, write_json, write_report, write_text
+from loadtest.report import markdown_table, process_cpu_s, run_bench, write_json, write_report, write_text
 from loadtest.topology import (
     CHAT_PATH,
     ROOT,
@@ -293,11 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.rounds, args.duration, args.connections) < 1:
         parser.error("--rounds, --duration and --connections must be at least 1")
-    try:
-        return run(args)
-    except RuntimeError as exc:
-        print(f"bench_relay: FAILED: {exc}", file=sys.stderr)
-        return 1
+    return run_bench("bench_relay", run, args)
 
 
 if __name__ == "__main__":

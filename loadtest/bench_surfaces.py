@@ -30,7 +30,7 @@ from typing import Any
 
 from loadtest.bench_core import run_wrk
 from loadtest.bench_features import BENCH_KEY, _access_log, _quota, cpu_s, pin_valkey, round_order
-from loadtest.report import markdown_table, write_report
+from loadtest.report import markdown_table, run_bench, write_report
 from loadtest.topology import (
     BENCH_CONFIG,
     GatewayProcess,
@@ -179,11 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.rounds, args.duration, args.connections) < 1:
         parser.error("--rounds, --duration and --connections must be at least 1")
-    try:
-        return run(args)
-    except RuntimeError as exc:
-        print(f"bench_surfaces: FAILED: {exc}", file=sys.stderr)
-        return 1
+    return run_bench("bench_surfaces", run, args)
 
 
 if __name__ == "__main__":

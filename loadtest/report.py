@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,3 +170,13 @@ def write_report(name: str, results: Any, title: str, command: str, text: str) -
     md_path = write_text(os.path.join(REPORTS_DIR, f"{name}-{stamp}.md"), f"# {title}\n\n`{command}`\n\n{text}")
     print(text)
     print(f"{name.replace('-', '_')}: wrote {json_path} and {md_path}")
+
+
+def run_bench(name: str, run: Callable[[Any], int], args: Any) -> int:
+    """A benchmark's exit status: ``run(args)``'s, or 1 with one line naming the failure (a non-2xx
+    answer, a process that did not start) instead of a traceback."""
+    try:
+        return run(args)
+    except RuntimeError as exc:
+        print(f"{name}: FAILED: {exc}", file=sys.stderr)
+        return 1
