@@ -124,18 +124,16 @@ class Proxy:
                         return self.outcomes.refuse(record, refusal(admission))
                     record.admission = admission
             route = pinned or self.decide(record, capability, admitted, policy)
-            if record.model_route is not None:  # an alias, or a fallback chain
+            chained = record.model_route is not None  # an alias, or a fallback chain: walked even unrouted
+            if chained or type(route) is RouteDecision:
                 record.body, record.metering = upstream_body(capability, exchange.body, record.admission,
                                                              surface.rewrites_stream)
                 record.forward = forwarded_headers(exchange, admitted.headers, record.request_id, record.body)
                 record.balance_keys = admitted.headers.balance_keys
-                route = await self.chain.walk(record, capability, admitted, policy, route, pinned is not None)
-            elif type(route) is RouteDecision:
-                record.body, record.metering = upstream_body(capability, exchange.body, record.admission,
-                                                             surface.rewrites_stream)
-                record.forward = forwarded_headers(exchange, admitted.headers, record.request_id, record.body)
-                record.balance_keys = admitted.headers.balance_keys
-                route = await self.forwarder.forward(record, route)
+                if chained:
+                    route = await self.chain.walk(record, capability, admitted, policy, route, pinned is not None)
+                else:
+                    route = await self.forwarder.forward(record, route)  # type: ignore[arg-type]
             if route is not None and not exchange.client_gone:
                 self.outcomes.refuse(record, route)
         finally:
