@@ -254,8 +254,11 @@ class ServerCodec:
             if len(buf) > self._max_head:
                 raise ParseError("request header block too large", 431)
             if buf and buf[0] < 0x21:  # no request line starts so (a TLS hello on the plain port...)
-                if buf[:2] == _TLS_HANDSHAKE and self._first_request:
-                    raise NotHttp("a TLS handshake on a plain HTTP listener")
+                if self._first_request and buf[0] == _TLS_HANDSHAKE[0]:
+                    if buf[:2] == _TLS_HANDSHAKE:
+                        raise NotHttp("a TLS handshake on a plain HTTP listener")
+                    if len(buf) == 1 and not self._closed:
+                        return NEED_DATA  # the record's second byte decides, however the bytes arrive
                 raise ParseError("illegal request line")
             self._scan = max(0, len(buf) - 2)
             return NEED_DATA

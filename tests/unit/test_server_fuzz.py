@@ -99,6 +99,9 @@ def test_valid_pipelined_requests_are_answered_once_each_in_order(stream, delive
 # A TLS hello after a request was closed silently, losing the earlier answer (found by this fuzzer).
 @example(before=[request("length", b"/r/0", b"\x00")], case="tls_hello", after=[], delivery="whole", cuts=[],
          half_close=False)
+# A TLS hello sent a byte at a time was answered 400, sent whole closed silently (found by this fuzzer).
+@example(before=[], case="tls_hello", after=[request("length", b"/r/0", b"\x00")], delivery="bytes", cuts=[],
+         half_close=False)
 @given(before=valid_streams(3) | st.just([]), case=st.sampled_from(MALFORMED_NAMES), after=valid_streams(2),
        delivery=DELIVERIES, cuts=CUTS, half_close=st.booleans())
 def test_a_malformed_request_gets_one_error_and_a_close_and_nothing_after_it_is_read(
