@@ -259,7 +259,7 @@ class AccessLog(_Strict):
     enabled: bool = True
     path: str = "-"  # "-" = stdout; else a file, reopened on SIGUSR1 (resolve it with Config.file_path)
     sample: float = 1.0  # fraction of successful requests logged; errors always are
-    evidence_sample: float = 1.0  # fraction of routed requests whose line carries the route evidence
+    evidence_sample: float = 0.01  # fraction of routed requests whose line carries the route evidence
 
     def __post_init__(self) -> None:
         if not self.path.strip():

@@ -34,7 +34,7 @@ def test_excluded_candidates_are_counted_by_reason(mock_provider, gateway_factor
     clusters = {"cooled": [cooled.address], "down": [f"127.0.0.1:{free_port()}"], "filtered": [filtered.address],
                 "serving": [serving.address]}  # "ghost" is not configured here
     gateway = gateway_factory(clusters, overlay, cluster_options=CHECKS, extra={
-        "access_log": {"path": "access.log"},
+        "access_log": {"path": "access.log", "evidence_sample": 1.0},
         "routing": {"models": [{"match": {"capability": "m", "cluster": "filtered"}, "context_window": 2000}],
                     "retry": {"attempts": 3, "backoff": {"base": "1ms", "max": "2ms"}},
                     "cooling": {"max": "1m"}},
@@ -59,7 +59,7 @@ def test_excluded_candidates_are_counted_by_reason(mock_provider, gateway_factor
 def test_least_loaded_shows_the_two_scores_it_compared(providers, gateway_factory):
     overlay = envelope([candidate("m", "provider-a"), candidate("m", "provider-b")], "roundRobin")
     clusters = {name: [providers[name].address] for name in ("provider-a", "provider-b")}
-    gateway = gateway_factory(clusters, overlay, extra={"access_log": {"path": "access.log"},
+    gateway = gateway_factory(clusters, overlay, extra={"access_log": {"path": "access.log", "evidence_sample": 1.0},
                                                         "routing": {"picker": "least_loaded"}})
     path = os.path.join(gateway.directory, "access.log")
     for index in range(6):
@@ -82,3 +82,16 @@ def test_evidence_sample_zero_leaves_it_out(providers, gateway_factory):
     line = line_of(os.path.join(gateway.directory, "access.log"), "plain")
     assert line["provider"] == "provider-a"
     assert not {"site", "admission_state", "candidates", "excluded", "picker_inputs"} & set(line)
+
+
+def test_by_default_about_one_line_in_a_hundred_carries_it(providers, gateway_factory):
+    # The default (0.01) keeps the evidence's cost off most requests: of 200 lines, expected 2; 20 or more
+    # has a probability below 1e-12. Every line keeps the core fields.
+    overlay = envelope([candidate("m", "provider-a")])
+    gateway = gateway_factory({"provider-a": [providers["provider-a"].address]}, overlay,
+                              extra={"access_log": {"path": "access.log"}})
+    for index in range(200):
+        assert chat(gateway.port, "m", headers=[("X-Request-Id", f"d-{index}")]).status == 200
+    lines = wait_lines(os.path.join(gateway.directory, "access.log"), 200)
+    assert len(lines) == 200 and all(line["provider"] == "provider-a" for line in lines)
+    assert sum("site" in line for line in lines) < 20
