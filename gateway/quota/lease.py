@@ -10,9 +10,14 @@ the worker settles the block's reservation with the tokens its requests were cha
 the slots they did not use (nor used for work that never reached a provider). The same design as
 Envoy's rate-limit quota service: the data plane spends an assignment locally and reports what it used.
 
-Sizes follow use: the first block of a (tenant, rule, key) holds ``MIN_BLOCK_REQUESTS`` requests; a block
-that filled up is followed by one twice its size, one that lived out its ``ttl`` by one and a half times
-what it used (``next_sizes``). A fixed ``quota.lease.tokens`` / ``requests`` overrides that.
+Sizes follow use, counted in requests: the first block of a (tenant, rule, key) holds ``MIN_BLOCK_REQUESTS``
+requests; a block that lived out its ``ttl`` is followed by one of one and a half times the requests it
+took; one that filled up early by one sized for its rate over a whole ``ttl`` (at least twice, at most
+``MAX_GROWTH`` times its size), so a busy key reaches its block size in two or three blocks rather than
+doubling its way up, each fill sending a burst of requests to Valkey. A block holds as many tokens as
+its requests need (each request's estimate, or what the last block's requests committed on average if
+that is more) and as many request slots: the two kinds never fill one another's block early
+(``next_sizes``). A fixed ``quota.lease.tokens`` / ``requests`` overrides that.
 
 What that trades: what a block holds is taken in Valkey, so near a limit another worker's request could
 be refused while a block somewhere still has room. Blocks are therefore taken only while the tightest
@@ -32,8 +37,9 @@ from gateway.quota.admission import REQUEST_HEADERS, TOKEN_HEADERS, duration_tex
 from gateway.quota.ledger import Account, Reservation
 
 MIN_BLOCK_REQUESTS = 4  # the floor of a block: fewer is not worth a round trip
-GROWTH_WHEN_FULL = 2.0
-GROWTH_WHEN_USED = 1.5
+GROWTH_WHEN_FULL = 2.0  # a block that filled up: at least this many times its requests
+GROWTH_WHEN_USED = 1.5  # one that lived out its ttl: this many times the requests it took
+MAX_GROWTH = 16.0  # at most this many times, however early a block filled
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,10 +124,11 @@ class Lease:
     """One block: admits while open and the request fits every allowance it holds; once closed it only
     waits for its requests to end, then it is settled (``end``/``close`` say when)."""
 
-    __slots__ = ("reservation", "tokens", "slots", "in_flight", "taken", "closes_at", "closed", "tenant_slot")
+    __slots__ = ("reservation", "tokens", "slots", "in_flight", "taken", "closes_at", "closed", "tenant_slot",
+                 "opened_at", "last_estimate")
 
     def __init__(self, reservation: Reservation, tokens: Allowance | None, closes_at: float, tenant_slot: int = -1,
-                 slots: Allowance | None = None) -> None:
+                 slots: Allowance | None = None, opened_at: float | None = None) -> None:
         self.reservation = reservation
         self.tokens = tokens  # None: no token budget applies
         self.slots = slots  # None: no request limit applies
@@ -130,6 +137,8 @@ class Lease:
         self.closes_at = closes_at  # monotonic seconds
         self.closed = False
         self.tenant_slot = tenant_slot  # the tenant's TenantTokens slot: one tenant per block
+        self.opened_at = opened_at  # monotonic seconds of the grant (None: unknown), for the next size
+        self.last_estimate = 0  # the estimate of the latest request it admitted, for the next size
 
     def take(self, estimate: int, now: float) -> tuple[tuple[bytes, bytes], ...] | None:
         """Admit a request of ``estimate`` tokens if the block is open and has room: its rate-limit
@@ -153,6 +162,7 @@ class Lease:
                 tokens.filled = self.closed = True
                 return None
             tokens.committed = committed
+            self.last_estimate = estimate
             # ``remaining`` without its max(): committed <= capacity here, so it cannot be negative.
             headers = (tokens.limit_header, (tokens.remaining_name, b"%d" % (tokens.room - committed)),
                        tokens.reset_header(now))
@@ -191,18 +201,38 @@ class Lease:
         return 0 if self.slots is None else self.slots.capacity - self.slots.committed
 
 
-def _grown(allowance: Allowance | None, floor: int) -> int:
-    if allowance is None:
-        return floor
-    if allowance.filled:
-        return int(allowance.capacity * GROWTH_WHEN_FULL)
-    return max(floor, math.ceil(allowance.committed * GROWTH_WHEN_USED))
+def _filled(lease: Lease) -> bool:
+    return (lease.slots is not None and lease.slots.filled) or (lease.tokens is not None and lease.tokens.filled)
 
 
-def next_sizes(spec: LeaseSpec, previous: Lease | None, estimate: int) -> tuple[int, int]:
+def growth(lease: Lease, now: float | None) -> float:
+    """How many times the requests ``lease`` took its successor should hold: one and a half times for a
+    block that lived out its life; for one that filled up, its rate over a whole life (one and a half
+    times that), between ``GROWTH_WHEN_FULL`` and ``MAX_GROWTH``."""
+    if not _filled(lease):
+        return GROWTH_WHEN_USED
+    opened_at = lease.opened_at
+    if opened_at is None or now is None:
+        return GROWTH_WHEN_FULL
+    life, elapsed = lease.closes_at - opened_at, now - opened_at
+    if elapsed <= 0:
+        return MAX_GROWTH
+    return min(MAX_GROWTH, max(GROWTH_WHEN_FULL, GROWTH_WHEN_USED * life / elapsed))
+
+
+def next_sizes(spec: LeaseSpec, previous: Lease | None, estimate: int, now: float | None = None) -> tuple[int, int]:
     """(tokens, slots) of the next block of a (tenant, rule, key): the fixed sizes when configured, else
-    the floor for a first block, twice a block that filled up, one and a half times what a block used."""
-    token_floor = MIN_BLOCK_REQUESTS * max(1, estimate)
-    tokens = spec.tokens or (token_floor if previous is None else _grown(previous.tokens, token_floor))
-    slots = spec.requests or (MIN_BLOCK_REQUESTS if previous is None else _grown(previous.slots, MIN_BLOCK_REQUESTS))
-    return tokens, slots
+    ``MIN_BLOCK_REQUESTS`` requests for a first block, and the previous block's requests times its
+    ``growth``; tokens for that many requests of ``estimate`` tokens (or of the previous block's latest
+    estimate, or of what its requests committed on average, when more: a request takes its estimate
+    when admitted, and gives back what it was not charged only when it ends)."""
+    per_request = max(1, estimate)
+    if previous is None:
+        requests = MIN_BLOCK_REQUESTS
+    else:
+        taken = previous.taken
+        # round() first: 8 x 15.000000000000002 is 120 requests, not 121.
+        requests = max(MIN_BLOCK_REQUESTS, math.ceil(round(taken * growth(previous, now), 6)))
+        if previous.tokens is not None and taken:
+            per_request = max(per_request, previous.last_estimate, -(-previous.tokens.committed // taken))
+    return spec.tokens or requests * per_request, spec.requests or requests

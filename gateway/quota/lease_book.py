@@ -109,7 +109,7 @@ class LeaseBook:
         if (key in self.open and not renewing) or key in self._asked:
             return
         spec = self.spec
-        tokens, slots = next_sizes(spec, self._last.get(key), estimate)
+        tokens, slots = next_sizes(spec, self._last.get(key), estimate, _monotonic())
         if account.has_budgets:
             tokens = fit(tokens, tokens_room, spec.headroom, MIN_BLOCK_REQUESTS * max(1, estimate),
                          spec.tokens is not None)
@@ -173,7 +173,7 @@ class LeaseBook:
         if account.has_requests:
             limit, remaining, reset_ms = answer.triple(F_RQ_LIMIT)
             slots = request_allowance(command.slots, limit, remaining, now + reset_ms / 1000)
-        lease = Lease(block, tokens, now + life_s, tenant_slot, slots)
+        lease = Lease(block, tokens, now + life_s, tenant_slot, slots, now)
         replaced = self.open.get(key)
         self.open[key] = self._last[key] = lease
         self._held.add(lease)
@@ -192,8 +192,7 @@ class LeaseBook:
         """Ask for the successor of a block that is still open and was used."""
         if self.open.get(key) is lease and not lease.closed and lease.taken:
             tokens, slots = lease.tokens, lease.slots
-            estimate = -(-tokens.committed // lease.taken) if tokens is not None else 0
-            self.want(account, lease.tenant_slot, estimate, tokens.remaining if tokens is not None else 0,
+            self.want(account, lease.tenant_slot, lease.last_estimate, tokens.remaining if tokens is not None else 0,
                       slots.remaining if slots is not None else 0, renewing=True)
 
     def _expired(self, key: LeaseKey, lease: Lease) -> None:

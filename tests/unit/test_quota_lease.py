@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gateway.auth import KeyIdentity
 from gateway.quota.lease import (
+    MAX_GROWTH,
     MIN_BLOCK_REQUESTS,
     Allowance,
     Lease,
@@ -72,8 +73,42 @@ def test_sizes_start_at_the_floor_double_when_full_and_follow_use_otherwise() ->
     for _ in range(8):
         assert block.take(10, now=1.0)
     assert not block.take(10, now=1.0) and block.slots.filled and not block.tokens.filled
-    assert next_sizes(spec, block, 10) == (MIN_BLOCK_REQUESTS * 10 * 3, 16)  # 80 tokens used: 120; slots x2
+    # Filled, when it opened is unknown: twice its requests, and tokens for as many of 10 tokens each.
+    assert next_sizes(spec, block, 10) == (16 * 10, 16)
     assert next_sizes(LeaseSpec(1.0, 10, tokens=7, requests=9), block, 10) == (7, 9)
+
+
+def test_a_block_that_filled_early_is_followed_by_one_sized_for_its_rate_and_both_kinds_fit_it() -> None:
+    spec = LeaseSpec(ttl_s=1.0, headroom=10)
+    block = Lease(LeaseReservation(b"z", b"p", b"m", 400, 8), Allowance(400, 5000, 1000, 20.0), 11.0,
+                  slots=request_allowance(8, 100, 50, 20.0), opened_at=10.0)
+    for _ in range(8):
+        assert block.take(10, now=10.1)
+    assert not block.take(10, now=10.1) and block.slots.filled
+    # 8 requests in 0.1 s of a 1 s life: 80 a second, x1.5 = 120 requests; tokens for 120 of them.
+    assert next_sizes(spec, block, 10, now=10.1) == (1200, 120)
+    # Filled at once: at most MAX_GROWTH times.
+    assert next_sizes(spec, block, 10, now=10.0)[1] == int(8 * MAX_GROWTH)
+    # Filled near the end of its life: at least GROWTH_WHEN_FULL times.
+    assert next_sizes(spec, block, 10, now=10.99)[1] == 16
+    # Requests that were charged more than their estimate: the tokens follow what they used.
+    for _ in range(8):
+        block.end(10, 30)
+    assert next_sizes(spec, block, 10, now=10.1) == (120 * 30, 120)
+    # Charged less: each request of the next block still takes its estimate when admitted. A renewal
+    # (estimate 0 here) sizes the tokens by the block's latest estimate.
+    block.tokens.committed = 8 * 3
+    assert next_sizes(spec, block, 0, now=10.1) == (120 * 10, 120)
+
+
+def test_a_block_that_lived_out_its_life_is_followed_by_one_and_a_half_times_what_it_took() -> None:
+    spec = LeaseSpec(ttl_s=1.0, headroom=10)
+    block = Lease(LeaseReservation(b"z", b"p", b"m", 1000, 100), Allowance(1000, 5000, 1000, 20.0), 11.0,
+                  slots=request_allowance(100, 1000, 500, 20.0), opened_at=10.0)
+    for _ in range(40):
+        assert block.take(10, now=10.5)
+    assert not block.take(10, now=11.0) and block.closed and not block.slots.filled
+    assert next_sizes(spec, block, 10, now=11.0) == (60 * 10, 60)
 
 
 def test_a_slot_of_a_request_that_never_reached_a_provider_goes_back_with_the_block() -> None:
