@@ -226,3 +226,26 @@ async def test_a_v7_ledger_settles_a_reservation_a_v6_ledger_admitted(valkey_url
     finally:
         client.close()
 
+
+
+@in_loop
+async def test_an_expired_reservation_is_charged_its_worst_case_and_a_cancelled_one_nothing(valkey_url: str) -> None:
+    tenant = new_tenant()
+    rules = [spend_rule(tenant, spend(10 * WORST_10), spend(10 * WORST_10, hard=False, period="1w"))]
+    async with open_gate(valkey_url, rules, prices=PRICES, timeout_s=1) as gate:
+        lost = await admit(gate, tenant, 10)  # never settled: the gateway lost track of it
+        gate._keeper.discard(lost.reservation)  # type: ignore[attr-defined]  # nobody extends it either
+        await asyncio.sleep(1.2)
+        await admit(gate, tenant, 10)  # the next call of the tenant expires the first
+        assert window(valkey_url, tenant, rule_scope(tenant)) == {b"r": b"%d" % WORST_10, b"u": b"%d" % WORST_10}
+        assert window(valkey_url, tenant, rule_scope(tenant), "1w") == {b"r": b"0", b"u": b"%d" % WORST_10}
+        ledger = QuotaLedger(create_client(valkey_url), reservation_timeout_s=120)
+        try:
+            account = ledger.account(tenant, rules[0])
+            assert account is not None
+            command = ledger.admit_command(account, 10, b"lost-reply", 1, WORST_10)
+            await ledger.send_admits([command])
+            assert await ledger.cancel_many([command]) == [True]  # its reply was lost: undone, charged nothing
+        finally:
+            await ledger.close()
+        assert window(valkey_url, tenant, rule_scope(tenant)) == {b"r": b"%d" % WORST_10, b"u": b"%d" % WORST_10}
