@@ -82,7 +82,8 @@ class Outcomes:
         prices = self.prices
         if prices is not None and record.reached_provider:
             record.cost_nusd, clamped = attempts_cost(prices, record.served, result, served, record.owed,
-                                                      record.estimate, 0 if admission is None else admission.worst_nusd)
+                                                      record.estimate, 0 if admission is None else admission.worst_nusd,
+                                                      admission is not None)
             if clamped and self.quota is not None:
                 self.quota.counters.spend_usage_clamped += 1
         if admission is not None and self.quota is not None:

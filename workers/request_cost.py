@@ -44,22 +44,22 @@ def has_usage(usage: Any) -> bool:
 
 
 def attempts_cost(prices: PriceBook, model: str | None, result: Any, served: bool, owed_tokens: int,
-                  estimate: int, worst: int) -> tuple[int | None, bool]:
+                  estimate: int, worst: int, metered: bool = True) -> tuple[int | None, bool]:
     """(nano-USD, clamped) of every attempt of a request that reached a provider. ``result``: the last
     attempt's ``AttemptResult`` (None: every attempt ended without one); ``owed_tokens``: the tokens the
     attempts that did not serve cost (each nothing or the estimate), so as many of them cost the worst
-    case. None when there is no model to price (nothing priced)."""
+    case. None when there is no model to price, or when a request no quota metered (so nothing was
+    reserved, and its stream was not asked for usage) ended without usage: its cost is not known."""
     if model is None:
         return None, False
     cost = owed_tokens // estimate * worst if estimate > 0 else 0
     if result is None:
         return cost, False
-    if not served:  # sent, and no answer came: the provider may be working on it
-        return cost + worst, False
     usage = result.usage
-    if has_usage(usage):
+    if served and has_usage(usage):
         extra, clamped = usage_cost(prices, model, usage, worst)
         return cost + extra, clamped
-    if 400 <= result.status < 500:
+    if served and 400 <= result.status < 500:
         return cost, False
-    return cost + worst, False
+    # No usage: a 5xx, a cut stream, or sent and no answer came (the provider may be working on it).
+    return (cost + worst, False) if metered else (None, False)

@@ -120,6 +120,13 @@ def test_a_request_without_a_model_is_not_priced() -> None:
     assert attempts_cost(PRICES, None, result(200), True, 0, 20, 1_000_000) == (None, False)
 
 
+def test_an_unmetered_request_without_usage_has_no_known_cost() -> None:
+    assert attempts_cost(PRICES, "m", result(200), True, 0, 0, 0, metered=False) == (None, False)
+    assert attempts_cost(PRICES, "m", result(400), True, 0, 0, 0, metered=False) == (0, False)
+    assert attempts_cost(PRICES, "m", result(200, prompt_tokens=100, completion_tokens=10), True, 0, 0, 0,
+                         metered=False) == (350_000, False)
+
+
 # -- the config --------------------------------------------------------------------------------------
 
 BASE = {"clusters": [{"name": "a", "endpoints": ["h:1"]}], "routing": {"overlay_file": "o.json"}}
