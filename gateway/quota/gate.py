@@ -24,7 +24,9 @@ USD budgets (docs/limits.md, "USD budgets") are limits of the same call: the adm
 worst-case cost (``PriceBook.worst_case_cost`` of the model it asks for), which a hard budget reserves;
 settling carries its real cost (``workers/outcomes.py`` prices the usage) and returns the alert
 thresholds it crossed, once per period across every gateway (``_alerted``: counted, logged and handed to
-``gateway.pricing.alerts.publish_alert``). Accounts with a USD budget never lease blocks.
+``gateway.pricing.alerts.publish_alert``). A worker-held block of an account with USD budgets holds
+nano-USD too (``lease.SpendAllowance``): its requests take their worst case from it and end charging
+their real cost into it.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from gateway.quota.lease_book import LeaseBook
 from gateway.quota.ledger import (
     F_RQ_REMAINING,
     F_SHADOW,
+    F_SPEND_ROOM,
     F_TK_REMAINING,
     Account,
     AdmitCommand,
@@ -224,6 +227,10 @@ class QuotaGate:
                 account = metered[0]
             prices = self._prices
             worst = 0 if prices is None or model is None else prices.worst_case_cost(model, prompt, completion)
+            if self._open_leases:
+                admission = self._leases.take(account, metered[1], estimate, worst)  # type: ignore[union-attr]
+                if admission is not None:
+                    return admission
             if self._breaker.is_open:
                 return self._breaker.unavailable()
             return self._batcher.submit(self._ledger.admit_command(account, estimate, self._ids.next(), 1, worst),
@@ -246,7 +253,8 @@ class QuotaGate:
         lease: Lease | None = admission.lease
         if lease is not None:  # a block's share: counted here, settled with the block
             admission.lease = None
-            self._leases.end(lease, admission.estimate, actual_tokens, reached)  # type: ignore[union-attr]
+            self._leases.end(lease, admission.estimate, actual_tokens, reached,  # type: ignore[union-attr]
+                             admission.worst_nusd, cost_nusd)
         else:
             reservation = admission.reservation
             if reservation is None:
@@ -300,7 +308,8 @@ class QuotaGate:
             shadow = shadow_names(account, fields)
             counters.shadow_refusals += len(shadow)  # type: ignore[arg-type]
         if self._leases is not None and account.leasable:
-            self._leases.want(account, metered[1], estimate, int(fields[F_TK_REMAINING]), int(fields[F_RQ_REMAINING]))
+            self._leases.want(account, metered[1], estimate, int(fields[F_TK_REMAINING]), int(fields[F_RQ_REMAINING]),
+                              worst=command.worst, spend_room=int(fields[F_SPEND_ROOM]))
         reservation = answer.reservation
         self._keeper.add(reservation)  # type: ignore[arg-type]
         return Admission(True, "admitted", None, rate_headers(account, fields), reservation, estimate, metered[1],

@@ -18,7 +18,10 @@ What that trades: what a block holds is taken in Valkey, so near a limit another
 be refused while a block somewhere still has room. Blocks are therefore taken only while the tightest
 limit of each kind has room for ``headroom`` blocks (a block shrinks to fit, down to its floor, else
 none is taken), and closed after ``ttl``: near the limit every request is decided in Valkey, exactly as
-without blocks. No limit is ever exceeded: a block is a reservation like any other. Scopes with
+without blocks. No limit is ever exceeded: a block is a reservation like any other. With USD budgets a
+block also holds ``nusd`` nano-USD, reserved in every hard spend window like a request's worst case: a
+request fits when its own worst case fits what is left, ends charging its real cost into the block, and
+the block settles the sum (docs/limits.md, "USD budgets"). Scopes with
 ``max_in_flight`` or a shadow limit never lease (a concurrency cap must count every request in Valkey,
 and a shadow limit must see every request to say which it would have refused).
 """
@@ -44,6 +47,23 @@ class LeaseSpec:
     headroom: int
     tokens: int | None = None
     requests: int | None = None
+
+
+class SpendAllowance:
+    """The nano-USD a block holds for its USD budgets: ``committed`` = the worst cases of its requests
+    in flight + the real costs of those that ended (what the block is settled with)."""
+
+    __slots__ = ("capacity", "committed", "filled", "room")
+
+    def __init__(self, capacity: int, room_beyond: int) -> None:
+        self.capacity = capacity
+        self.committed = 0
+        self.filled = False
+        self.room = room_beyond + capacity  # the tightest hard budget's room at the grant (-1 beyond: none)
+
+    @property
+    def remaining(self) -> int:
+        return max(0, self.room - self.committed)
 
 
 class LeaseReservation(Reservation, frozen=True, gc=False):
@@ -118,28 +138,32 @@ class Lease:
     """One block: admits while open and the request fits every allowance it holds; once closed it only
     waits for its requests to end, then it is settled (``end``/``close`` say when)."""
 
-    __slots__ = ("reservation", "tokens", "slots", "in_flight", "taken", "closes_at", "closed", "tenant_slot")
+    __slots__ = ("reservation", "tokens", "slots", "spend", "in_flight", "taken", "closes_at", "closed",
+                 "tenant_slot")
 
     def __init__(self, reservation: Reservation, tokens: Allowance | None, closes_at: float, tenant_slot: int = -1,
-                 slots: Allowance | None = None) -> None:
+                 slots: Allowance | None = None, spend: SpendAllowance | None = None) -> None:
         self.reservation = reservation
         self.tokens = tokens  # None: no token budget applies
         self.slots = slots  # None: no request limit applies
+        self.spend = spend  # None: no USD budget applies
         self.in_flight = 0
         self.taken = 0  # requests admitted from it
         self.closes_at = closes_at  # monotonic seconds
         self.closed = False
         self.tenant_slot = tenant_slot  # the tenant's TenantTokens slot: one tenant per block
 
-    def take(self, estimate: int, now: float) -> tuple[tuple[bytes, bytes], ...] | None:
-        """Admit a request of ``estimate`` tokens if the block is open and has room: its rate-limit
-        headers (limit, remaining, reset of each kind), else None. A block that has no room left for
-        it is closed (requests go to Valkey until the next block); a request larger than the block's
-        tokens goes to Valkey and leaves the block open."""
+    def take(self, estimate: int, now: float, worst: int = 0) -> tuple[tuple[bytes, bytes], ...] | None:
+        """Admit a request of ``estimate`` tokens (and ``worst`` nano-USD at most) if the block is open and
+        has room: its rate-limit headers (limit, remaining, reset of each kind), else None. A block that
+        has no room left for it is closed (requests go to Valkey until the next block); a request larger
+        than the block's tokens or nano-USD goes to Valkey and leaves the block open."""
         if self.closed:
             return None
-        tokens, slots = self.tokens, self.slots
+        tokens, slots, spend = self.tokens, self.slots, self.spend
         if tokens is not None and estimate > tokens.capacity:
+            return None
+        if spend is not None and worst > spend.capacity:
             return None
         if now >= self.closes_at:
             self.closed = True
@@ -147,6 +171,14 @@ class Lease:
         if slots is not None and slots.committed >= slots.capacity:
             slots.filled = self.closed = True
             return None
+        if spend is not None:
+            if spend.committed + worst > spend.capacity:
+                spend.filled = self.closed = True
+                return None
+            if tokens is not None and tokens.committed + estimate > tokens.capacity:
+                tokens.filled = self.closed = True
+                return None
+            spend.committed += worst
         if tokens is not None:
             committed = tokens.committed + estimate
             if committed > tokens.capacity:
@@ -166,12 +198,15 @@ class Lease:
         self.taken += 1
         return headers
 
-    def end(self, estimate: int, charged: int, reached: bool = True) -> bool:
+    def end(self, estimate: int, charged: int, reached: bool = True, worst: int = 0, cost: int | None = None) -> bool:
         """A request of this block ended and was charged ``charged`` tokens (its estimate, the
-        provider's usage, or 0); ``reached`` False: it never reached a provider, its slot goes back with
-        the block. True when the block is now closed and idle: settle it."""
+        provider's usage, or 0) and ``cost`` nano-USD (None: its ``worst`` case); ``reached`` False: it
+        never reached a provider, its slot goes back with the block. True when the block is now closed
+        and idle: settle it."""
         if self.tokens is not None:
             self.tokens.committed += charged - estimate
+        if self.spend is not None and cost is not None:
+            self.spend.committed += (cost if cost > 0 else 0) - worst
         if not reached and self.slots is not None:
             self.slots.committed -= 1
         self.in_flight -= 1
@@ -185,6 +220,10 @@ class Lease:
     @property
     def tokens_charged(self) -> int:
         return 0 if self.tokens is None else self.tokens.committed
+
+    @property
+    def spend_charged(self) -> int | None:
+        return None if self.spend is None else self.spend.committed
 
     @property
     def slots_unused(self) -> int:
@@ -206,3 +245,15 @@ def next_sizes(spec: LeaseSpec, previous: Lease | None, estimate: int) -> tuple[
     tokens = spec.tokens or (token_floor if previous is None else _grown(previous.tokens, token_floor))
     slots = spec.requests or (MIN_BLOCK_REQUESTS if previous is None else _grown(previous.slots, MIN_BLOCK_REQUESTS))
     return tokens, slots
+
+
+def next_spend(previous: Lease | None, worst: int) -> int:
+    """The nano-USD of the next block: room for ``MIN_BLOCK_REQUESTS`` worst cases at first, grown as
+    tokens are (twice a block that filled up, one and a half times what one used)."""
+    floor = MIN_BLOCK_REQUESTS * max(1, worst)
+    if previous is None or previous.spend is None:
+        return floor
+    spend = previous.spend
+    if spend.filled:
+        return spend.capacity * 2
+    return max(floor, math.ceil(spend.committed * GROWTH_WHEN_USED))

@@ -51,8 +51,9 @@ SETTLE_EXPIRED = 2  # past its deadline: charged at the estimate
 F_VERDICT, F_NOW, F_EXPIRED, F_REFUSED, F_RETRY = 0, 1, 2, 3, 4
 F_RQ_LIMIT, F_RQ_REMAINING, F_RQ_RESET = 5, 6, 7
 F_TK_LIMIT, F_TK_REMAINING, F_TK_RESET = 8, 9, 10
-F_SHADOW, F_MEMBER = 11, 12
-ADMIT_FIELDS = 13
+F_SHADOW, F_SPEND_ROOM, F_MEMBER = 11, 12, 13
+ADMIT_FIELDS = 14  # admitted; a refusal has the first 12
+REFUSED_FIELDS = 12
 # A managed key in its tenant's deny set: ``D <now> blocked|revoked`` (nothing written).
 F_KEY_STATUS = 2
 KEY_STATUSES = (b"blocked", b"revoked")
@@ -102,6 +103,7 @@ class Account(msgspec.Struct, frozen=True, gc=False):
     has_requests: bool  # some enforced request limit: responses carry x-ratelimit-*-requests
     has_budgets: bool  # some enforced token budget: responses carry x-ratelimit-*-tokens
     leasable: bool  # no in-flight cap, no shadow limit, not a managed key: a worker may hold blocks of it
+    has_hard_spend: bool  # some hard USD budget: a block's spend must leave it headroom
     first_window_s: int  # the shortest token window (0: none): a block never outlives its end
     lease_key: tuple[str, str, str]  # (tenant, rule, key): one open block each
     spend: tuple[SpendWindow, ...] = ()  # USD budgets in the call's order, in their current periods
@@ -308,9 +310,8 @@ class QuotaLedger:
             has_requests=any(ref.kind == "requests" and not ref.shadow for ref in refs),
             has_budgets=any(ref.kind == "tokens" and not ref.shadow for ref in refs),
             # A managed key never leases: a block would admit it without the deny set for up to lease.ttl.
-            # Nor does a USD budget: a block's requests are charged tokens, not their costs.
-            leasable=kid is None and not spend
-            and not any(s.limits.max_in_flight or s.limits.has_shadow for s in scopes),
+            leasable=kid is None and not any(s.limits.max_in_flight or s.limits.has_shadow for s in scopes),
+            has_hard_spend=any(window.budget.hard for window in spend),
             first_window_s=min(windows, default=0),
             lease_key=(tenant, rule.name if rule is not None else "", scopes[0].name if scopes[0].kind == "key" else ""),
             spend=spend,
@@ -339,7 +340,7 @@ class QuotaLedger:
         ValueError) for a reply the script cannot have written: the caller treats it as a backend error."""
         fields = reply.split(b" ", F_MEMBER)
         admitted = fields[0] == b"1"
-        if len(fields) != ADMIT_FIELDS - (not admitted) or not (admitted or fields[0] == b"0"):
+        if len(fields) != (ADMIT_FIELDS if admitted else REFUSED_FIELDS) or not (admitted or fields[0] == b"0"):
             if fields[0] == b"D" and len(fields) == 3 and fields[F_KEY_STATUS] in KEY_STATUSES:
                 return AdmitReply(False, fields, None, fields[F_KEY_STATUS])
             raise UnexpectedReply(f"unexpected admit reply {reply[:80]!r}")

@@ -52,6 +52,8 @@ from __future__ import annotations
 
 import hashlib
 
+from gateway.quota.key_names import deny_set_key, escape_key_part  # noqa: F401 - re-exported: importers use these
+
 SCRIPT_NAME = "gridgate-quota-ledger"
 SCRIPT_VERSION = 7
 KEY_PREFIX = "gg:q:v2"
@@ -182,9 +184,11 @@ if mode == 'admit' then
   -- Limits are numbered 1.. in that order (per scope: requests, budgets, spend, then the in-flight cap).
   -- A spend limit refuses until its period ends (retry_ms), or never when the worst case exceeds it.
   -- -> "<1|0> now expired refused retry_ms rq_limit rq_remaining rq_reset_ms tk_limit tk_remaining
-  --     tk_reset_ms shadow [member]": refused = the limit that refused (0: none), retry_ms -1 = never fits;
-  --    rq_* / tk_*: the tightest request limit and token budget (limit 0: none), shadow = the shadow
-  --    limits that would have refused ("-": none). One bulk string: the client parses one reply.
+  --     tk_reset_ms shadow [spend_room member]": refused = the limit that refused (0: none), retry_ms -1 =
+  --    never fits; rq_* / tk_*: the tightest request limit and token budget (limit 0: none), shadow = the
+  --    shadow limits that would have refused ("-": none); admitted only: spend_room = nano-USD left in the
+  --    tightest hard spend window after this admit (-1: none), then the member. One bulk string: the
+  --    client parses one reply.
   local expired = expire_stale()
   local id, est, timeout_ms, slots = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
   local worst = ARGV[10]
@@ -197,6 +201,7 @@ if mode == 'admit' then
   local shadow = {}
   local clocks, clock_parts, wins, win_resets, win_parts, flights, flight_parts = {}, {}, {}, {}, {}, {}, {}
   local spends, spend_parts = {}, {}
+  local spend_room = -1
   -- a refusal by the limit `i`: the one reported is a limit the request can never fit, else the one
   -- that frees last
   local function refuse(i, wait_ms, never_fits)
@@ -277,11 +282,13 @@ if mode == 'admit' then
       if hard and worst_n > 0 then
         local v = redis.call('HMGET', prefix .. suffix, 'u', 'r')
         local limit_n = tonumber(limit)
-        if worst_n > limit_n - (tonumber(v[1]) or 0) - (tonumber(v[2]) or 0) then
+        local room = limit_n - (tonumber(v[1]) or 0) - (tonumber(v[2]) or 0)
+        if worst_n > room then
           fits = false
           refuse(index, math.max(end_ms - now, 1000), worst_n > limit_n)
         else
           taken = worst
+          if spend_room < 0 or room - worst_n < spend_room then spend_room = room - worst_n end
         end
       end
       if fits then
@@ -333,8 +340,8 @@ if mode == 'admit' then
   if #spend_parts > 0 then member = member .. '|' .. worst .. ',' .. table.concat(spend_parts, ',') end
   redis.call('ZADD', zkey, deadline, member)
   keep_for(zkey, timeout_ms + SLACK_MS)
-  return string.format('1 %d %d 0 0 %d %d %d %d %d %d %s ', now, expired, rq_lim, rq_rem, rq_reset,
-    tk_lim, tk_rem, tk_reset, shadow_text) .. member
+  return string.format('1 %d %d 0 0 %d %d %d %d %d %d %s %d ', now, expired, rq_lim, rq_rem, rq_reset,
+    tk_lim, tk_rem, tk_reset, shadow_text, spend_room) .. member
 
 elseif mode == 'settle' then
   -- ARGV: mode, prefix, member, actual_tokens, slots_back (request slots of work that never reached a
@@ -482,16 +489,3 @@ return redis.error_reply('gridgate quota ledger: unknown mode ' .. tostring(mode
 
 LEDGER_SHA = hashlib.sha1(LEDGER_SCRIPT.encode()).hexdigest()
 
-
-def deny_set_key(tenant: str) -> str:
-    """The tenant's deny set of managed keys (kid -> ``blocked``|``revoked``), which the key store writes
-    (``gateway.keys.store``) and the admit reads: in the tenant's hash slot, like every ledger key."""
-    return f"gg:keys:v1:{{{escape_key_part(tenant)}}}:deny"
-
-
-def escape_key_part(value: str) -> str:
-    """Make a tenant, rule or key name safe inside ``{...}``, around ``:`` and inside a member."""
-    for char, code in (("%", "%25"), (":", "%3A"), ("{", "%7B"), ("}", "%7D"), ("|", "%7C"), (",", "%2C"),
-                       ("=", "%3D"), (" ", "%20")):
-        value = value.replace(char, code)
-    return value

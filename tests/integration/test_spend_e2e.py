@@ -21,7 +21,7 @@ from gateway.pricing.table import shipped_table
 from gateway.quota.ledger import key_prefix
 from gateway.quota.ledger_script import escape_key_part
 from gateway.quota.limits import usd_text
-from tests.harness import Client, admin_get, candidate, chat, envelope, mock_served, wait_until
+from tests.harness import Client, admin_get, candidate, chat, envelope, metric_value, mock_served, wait_until
 from tests.integration.test_limits_e2e import _together
 
 # Model "m" at $1,000 input and $2,000 output per million tokens: 1,000,000 and 2,000,000 nano-USD a token.
@@ -170,3 +170,20 @@ def _settled_report(gateway: Any, tenant: str) -> dict[str, Any]:
     status, _, body = admin_get(gateway.admin_port, f"/admin/quota?tenant={tenant}")
     assert status == 200, body
     return json.loads(body)
+
+
+def test_requests_admitted_from_worker_held_blocks_are_charged_their_real_costs(
+        valkey_url, mock_provider, gateway_factory):
+    # Far from a hard budget, blocks (on by default) hold nano-USD: requests are admitted without a round
+    # trip and the blocks settle what their requests really cost, to the nano-USD.
+    handle = mock_provider("p")
+    tenant = _tenant()
+    gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]), workers=2,
+                              extra=_options(valkey_url, tenant, {"usd": 1000, "period": "1d"}))
+    answers = [chat(gateway.port, "m", headers=_bearer("sk-1"), max_tokens=MAX_TOKENS) for _ in range(40)]
+    assert {a.status for a in answers} == {200}
+    wait_until(lambda: metric_value(gateway.admin_port, 'gridgate_quota_leases_total{event="admitted"}') >= 20,
+               "most requests admitted from blocks")
+    gateway.stop()  # its blocks are settled as the workers stop
+    window = _window(valkey_url, tenant)
+    assert (window[b"r"], window[b"u"]) == (0, sum(_cost(a) for a in answers))

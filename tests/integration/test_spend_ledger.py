@@ -24,6 +24,7 @@ from gateway.pricing.book import PriceBook
 from gateway.pricing.period import PeriodClock, period_span
 from gateway.pricing.table import shipped_table
 from gateway.quota.backend import create_client
+from gateway.quota.lease import LeaseSpec
 from gateway.quota.ledger import SETTLE_APPLIED, QuotaLedger, Reservation, key_prefix
 from gateway.quota.ledger_script import escape_key_part
 from gateway.quota.limits import Limits, SpendBudget
@@ -249,3 +250,34 @@ async def test_an_expired_reservation_is_charged_its_worst_case_and_a_cancelled_
         finally:
             await ledger.close()
         assert window(valkey_url, tenant, rule_scope(tenant)) == {b"r": b"%d" % WORST_10, b"u": b"%d" % WORST_10}
+
+
+@in_loop
+async def test_worker_held_blocks_hold_nano_usd_and_settle_the_summed_real_cost(valkey_url: str) -> None:
+    tenant = new_tenant()
+    limit = 1000 * WORST_10
+    lease = LeaseSpec(ttl_s=5, headroom=2)
+    async with open_gate(valkey_url, [spend_rule(tenant, spend(limit))], prices=PRICES, lease=lease) as gate:
+        taken = []
+        for _ in range(60):
+            taken.append(await admit(gate, tenant, 10))
+            await asyncio.sleep(0)  # let a block that was asked for be granted
+        assert all(a.allowed for a in taken)
+        assert gate.counters.leases_granted >= 1 and gate.counters.leased >= 30  # most came from blocks
+        # A block reserved its nano-USD in the window: more than the requests' own worst cases.
+        assert int(window(valkey_url, tenant, rule_scope(tenant))[b"r"]) >= 60 * WORST_10
+        costs = [1_000 + i for i in range(len(taken))]
+        for admission, cost in zip(taken, costs, strict=True):
+            gate.settle(admission, 10, cost_nusd=cost)
+    # Closing the gate settled its blocks: exactly the real costs are spent, nothing stays reserved.
+    assert window(valkey_url, tenant, rule_scope(tenant)) == {b"r": b"0", b"u": b"%d" % sum(costs)}
+
+
+@in_loop
+async def test_near_a_hard_budget_no_block_is_taken_and_every_request_is_exact(valkey_url: str) -> None:
+    tenant = new_tenant()
+    lease = LeaseSpec(ttl_s=5, headroom=10)
+    async with open_gate(valkey_url, [spend_rule(tenant, spend(12 * WORST_10))], prices=PRICES, lease=lease) as gate:
+        taken = [await admit(gate, tenant, 10) for _ in range(14)]
+        assert [a.allowed for a in taken] == [True] * 12 + [False] * 2
+        assert gate.counters.leases_granted == 0  # 12 worst cases leave no room for 10 blocks of 4
