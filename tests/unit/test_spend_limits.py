@@ -178,3 +178,19 @@ def test_a_managed_key_with_two_budgets_of_one_period_is_refused() -> None:
 def test_a_budget_in_words() -> None:
     assert [usd_text(n) for n in (5_000_000_000, 250_000_000, 125_000_000, 1)] == [
         "$5.00", "$0.25", "$0.125", "$0.000000001"]
+
+
+def test_a_block_admits_worst_cases_that_fit_its_nano_usd_and_settles_the_real_costs() -> None:
+    from gateway.quota.lease import Lease, SpendAllowance, next_spend
+    from gateway.quota.ledger import Reservation
+
+    lease = Lease(Reservation(b"z", b"p", b"m", 0), None, closes_at=100.0, spend=SpendAllowance(100, 900))
+    assert lease.take(0, 1.0, 150) is None and not lease.closed  # larger than the block: to Valkey, block open
+    assert lease.take(0, 1.0, 40) == () and lease.take(0, 1.0, 40) == ()
+    assert lease.spend.remaining == 1000 - 80  # type: ignore[union-attr]
+    assert lease.take(0, 1.0, 40) is None and lease.closed and lease.spend.filled  # type: ignore[union-attr]
+    assert not lease.end(0, 0, True, 40, 7)  # charged its real cost: 7 of its 40
+    assert lease.end(0, 0, False, 40, 0)  # never reached a provider: nothing; closed and idle: settle it
+    assert lease.spend_charged == 7
+    assert next_spend(lease, 40) == 200  # it filled up: twice as large next time
+    assert next_spend(None, 40) == 160  # a first block: room for 4 worst cases
