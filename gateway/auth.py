@@ -109,7 +109,8 @@ class Authenticator:
         entries: list[tuple[str, str, KeyIdentity]] = []
         for key in auth.keys:
             limits = key.limits
-            own = None if limits is None else limits_from_config(limits.requests, limits.budgets, limits.max_in_flight)
+            own = None if limits is None else limits_from_config(limits.requests, limits.budgets, limits.max_in_flight,
+                                                                 limits.spend)
             entries.append((key.tenant, key.key, KeyIdentity(key.tenant, key.alias, None, own)))
         return cls(entries)
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from gateway.auth import is_key_digest
 from gateway.config_keys import KeyStoreBackend
+from gateway.config_spend import SpendLimit
 from gateway.quota.limits import limits_from_config, limits_problems
 from gateway.yaml_config import DAY, MINUTE, Range, Seconds, StrictStruct, check_ranges
 
@@ -65,6 +66,7 @@ class KeyLimits(StrictStruct):
     requests: list[RequestRate] = []
     budgets: list[Budget] = []
     max_in_flight: int | None = None
+    spend: list[SpendLimit] = []  # USD budgets (docs/limits.md, "USD budgets")
 
     _RANGES: ClassVar[dict[str, Range]] = {"max_in_flight": (1, 1_000_000)}
 
@@ -189,6 +191,7 @@ class QuotaRule(StrictStruct):
     match: QuotaMatch | None = None
     estimate: Estimate = Estimate()
     max_in_flight: int | None = None  # None: no limit (0 is refused rather than read as "unlimited")
+    spend: list[SpendLimit] = []  # USD budgets per calendar period (docs/limits.md, "USD budgets")
 
     _RANGES: ClassVar[dict[str, Range]] = {"max_in_flight": (1, 1_000_000)}
 
@@ -196,8 +199,8 @@ class QuotaRule(StrictStruct):
         if self.max_in_flight is not None and self.max_in_flight < 1:
             raise ValueError("max_in_flight: must be >= 1 (omit the key for no limit)")
         check_ranges(self, self._RANGES)
-        if not self.budgets and not self.requests and self.max_in_flight is None:
-            raise ValueError("budgets: a rule needs budgets, requests or max_in_flight")
+        if not self.budgets and not self.requests and self.max_in_flight is None and not self.spend:
+            raise ValueError("budgets: a rule needs budgets, requests, spend or max_in_flight")
 
 
 class QuotaLease(StrictStruct):
@@ -251,7 +254,7 @@ def quota_checks(config: Config) -> list[str]:
         aliases.setdefault(key.alias, index)
         if key.limits is not None:
             limits = key.limits
-            own = limits_from_config(limits.requests, limits.budgets, limits.max_in_flight)
+            own = limits_from_config(limits.requests, limits.budgets, limits.max_in_flight, limits.spend)
             problems += limits_problems(own, f"auth.keys[{index}].limits")
             if config.quota is None:
                 problems.append(f"auth.keys[{index}].limits: needs the quota block (limits are counted in its backend)")

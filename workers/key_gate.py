@@ -94,17 +94,19 @@ def model_not_allowed_for_key(entry: KeyEntry, model: str) -> ErrorReply | None:
     return None if refused is None else ErrorReply(403, refused[0], refused[1])
 
 
-def key_answer(key: KeyIdentity, entry: KeyEntry | None, *, remaining: dict[str, Any] | None = None) -> bytes:
+def key_answer(key: KeyIdentity, entry: KeyEntry | None, *, remaining: dict[str, Any] | None = None,
+               spend: list[dict[str, Any]] | None = None) -> bytes:
     """The body of ``GET /v1/gridgate/key`` (docs/keys.md). A YAML key (``entry`` None) has no record:
-    its tenant, alias and limits, ``"source": "config"``, and nulls. ``spend`` is null until spend tracking lands."""
+    its tenant, alias and limits, ``"source": "config"``, and nulls. ``spend``: the USD budgets that apply
+    to the key this period (``gateway.quota.report.spend_of``), null when none does."""
     if entry is not None:
-        body = key_report(entry, remaining=remaining, spend=None)
+        body = key_report(entry, remaining=remaining, spend=spend)
         body["source"] = "managed"
     else:
         body = {"object": "gridgate.key", "source": "config", "kid": None, "tenant": key.tenant,
                 "alias": key.alias, "status": _ACTIVE, "models": None, "expires_at": None,
                 "allowed_origins": None, "limits": _config_limits(key.limits), "remaining": remaining,
-                "spend": None}
+                "spend": spend}
     return _encode(body)
 
 

@@ -1,7 +1,7 @@
 """How a request ends, in one place: ``Outcomes.close`` takes a closed ``RequestRecord``
-(workers/request_record.py) and settles its quota reservation (one ``settle`` call, with what its
-attempts cost: docs/configuration.md, "What a request is charged"), counts its metrics and writes its
-access line. ``refuse`` answers with a gateway-made error (the record closes as the answer ends);
+(workers/request_record.py), prices what its attempts cost (``request_cost.attempts_cost``, with the
+worker's price book), settles its quota reservation with that cost and its tokens (one ``settle`` call:
+docs/configuration.md, "What a request is charged"), counts its metrics and writes its access line. ``refuse`` answers with a gateway-made error (the record closes as the answer ends);
 ``observe`` is what an attempt that got a head tells about its provider (first-byte latency, cooling).
 Requests refused before the proxy (malformed, or on their head) end in ``rejected``.
 """
@@ -13,6 +13,7 @@ import time
 from gateway.config import Cooling
 from gateway.http.errors import ErrorReply
 from gateway.metrics.writer import WorkerMetrics
+from gateway.pricing.book import PriceBook
 from gateway.quota.gate import QuotaGate
 from gateway.request.attempts import AttemptResult, attempt_tokens, served_tokens, usage_split
 from gateway.request.failover import COOLING_STATUSES
@@ -21,6 +22,7 @@ from workers.access_log import AccessLog
 from workers.cooling import cool_for_answer
 from workers.head_gate import HeadRefusal
 from workers.providers import Endpoint, ProviderStates
+from workers.request_cost import attempts_cost
 from workers.request_record import RequestRecord
 
 _monotonic = time.monotonic
@@ -47,11 +49,16 @@ def served_model_headers(record: RequestRecord) -> list[tuple[bytes, bytes]]:
 class Outcomes:
     """One per worker: the end of every request the proxy handled, and the answers it makes itself."""
 
-    __slots__ = ("quota", "metrics", "access_log", "providers", "cooling", "route_headers")
+    __slots__ = ("quota", "metrics", "access_log", "providers", "cooling", "route_headers", "prices",
+                 "reject_unpriced")
 
     def __init__(self, quota: QuotaGate | None, metrics: WorkerMetrics, access_log: AccessLog,
-                 providers: ProviderStates, cooling: Cooling, route_headers: bool) -> None:
+                 providers: ProviderStates, cooling: Cooling, route_headers: bool,
+                 prices: PriceBook | None = None) -> None:
         self.quota = quota
+        self.prices = prices  # None: requests are not priced (cost_nusd stays None)
+        # ``pricing.unpriced: reject``: the proxy asks ``prices.admits`` before a request leaves
+        self.reject_unpriced = prices is not None and prices.unpriced == "reject"
         self.metrics = metrics
         self.access_log = access_log
         self.providers = providers
@@ -72,9 +79,16 @@ class Outcomes:
         if record.status != CLIENT_CLOSED:
             self.metrics.request(record.provider, record.status)
         admission = record.admission
+        prices = self.prices
+        if prices is not None and record.reached_provider:
+            record.cost_nusd, clamped = attempts_cost(prices, record.served, result, served, record.owed,
+                                                      record.estimate, 0 if admission is None else admission.worst_nusd,
+                                                      admission is not None)
+            if clamped and self.quota is not None:
+                self.quota.counters.spend_usage_clamped += 1
         if admission is not None and self.quota is not None:
             if record.reached_provider:
-                self.quota.settle(admission, *self._charge(record, result, served))
+                self.quota.settle(admission, *self._charge(record, result, served), cost_nusd=record.cost_nusd)
             else:  # it never reached a provider: nothing is charged, and its request slots go back too
                 self.quota.settle(admission, 0, reached=False)
         if record.trace is not None:  # its spans end and go to the exporter's queue (docs/tracing.md)
@@ -97,6 +111,7 @@ class Outcomes:
         usage = result.usage
         if usage is not None:
             record.tokens_prompt, record.tokens_completion = usage.prompt_tokens, usage.completion_tokens
+            record.tokens_cached, record.tokens_reasoning = usage.cached_tokens, usage.reasoning_tokens
         metrics = self.metrics
         metrics.overhead(record.overhead_s or 0.0)
         metrics.upstream_latency(cluster, result.first_byte_s, result.duration_s)

@@ -24,7 +24,7 @@ from gateway.http.errors import ErrorReply
 from gateway.metrics.writer import WorkerMetrics
 from gateway.quota.estimate import estimate_prompt_tokens
 from gateway.quota.gate import Admission, QuotaGate
-from gateway.quota.report import QuotaBackendUnavailable
+from gateway.quota.report import QuotaBackendUnavailable, spend_of
 from gateway.quota.usage import rewrite_request_for_usage
 from gateway.request.headers import ACCEPT_ENCODING, RequestHeaders
 from gateway.request.routes import MCP, MODELS, AllowedRoute
@@ -109,6 +109,8 @@ class Proxy:
             pinned = self.permit(capability, admitted, policy)
             if type(pinned) is ErrorReply:
                 return self.outcomes.refuse(record, pinned)
+            if self.outcomes.reject_unpriced and not self.outcomes.prices.admits(capability.name):  # type: ignore[union-attr]
+                return self.outcomes.refuse(record, model_not_priced(capability.name))
             quota = self.quota
             surface = admitted.route.surface
             if quota is not None and surface.metered:  # count_tokens generates no tokens: never metered
@@ -209,18 +211,19 @@ class Proxy:
         if key is None:
             return self.outcomes.refuse(record, ErrorReply(401, "invalid_api_key", "GET /v1/gridgate/key "
                                                            "needs an API key: auth is not configured"))
-        remaining = None
+        remaining = spend = None
         if self.quota is not None:
             try:
                 report = await self.quota.key_report(key)
                 remaining = {"rules": report["rules"], "keys": report["keys"]}
+                spend = spend_of(report)
             except QuotaBackendUnavailable:
                 pass
         if record.exchange.client_gone:
             return None
         record.status = 200
         record.exchange.respond(200, [_JSON_HEADER, (b"x-request-id", record.request_id)],
-                                key_answer(key, admitted.managed, remaining=remaining))
+                                key_answer(key, admitted.managed, remaining=remaining, spend=spend))
 
     def capability(self, exchange: Exchange, headers: RequestHeaders,
                    allowed: AllowedRoute) -> CapabilityRequest | ErrorReply:
@@ -339,6 +342,14 @@ def forwarded_headers(exchange: Exchange, headers: RequestHeaders, request_id: b
     if headers.accept_encoding is not None:
         forward.append((ACCEPT_ENCODING, headers.accept_encoding))
     return forward
+
+
+def model_not_priced(model: str) -> ErrorReply:
+    """``pricing.unpriced: reject`` and a model nothing prices (docs/pricing.md): refused before any
+    provider sees it."""
+    shown = model if len(model) <= 200 else model[:200] + "..."
+    return ErrorReply(400, "model_not_priced", f"Model {shown!r} has no price and this gateway refuses unpriced "
+                      "models (pricing.unpriced: reject).", error_type="invalid_request_error")
 
 
 def refusal(admission: Admission) -> ErrorReply:

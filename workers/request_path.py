@@ -19,6 +19,8 @@ from gateway.keys.lookup import KeyLookup
 from gateway.metrics.catalogue import COUNTERS
 from gateway.metrics.writer import WorkerMetrics
 from gateway.models.aliases import fallback_edges
+from gateway.pricing.book import PriceBook
+from gateway.pricing.table import shipped_table
 from gateway.process_protocol import WorkerContext
 from gateway.quota.backend import create_client
 from gateway.quota.counters import configured_tenants
@@ -113,10 +115,13 @@ class RequestPath:
             providers=providers.view, picker=routing.picker, facts=FactsTable(routing.models),
         )
         report_unconfigured(router.prepare(overlay.snapshot))
-        quota = await _quota_gate(ctx)
+        # One price book per worker (docs/pricing.md): what a request costs when it ends, the worst case a
+        # hard USD budget reserves at admission, and whether an unpriced model may be asked for at all.
+        prices = PriceBook.from_config(config.pricing, shipped_table())
+        quota = await _quota_gate(ctx, prices)
         access_log = AccessLog.from_config(config)
         settings = ProxySettings.from_config(config)
-        outcomes = Outcomes(quota, metrics, access_log, providers, settings.cooling, settings.route_headers)
+        outcomes = Outcomes(quota, metrics, access_log, providers, settings.cooling, settings.route_headers, prices)
         tracer = Tracer.from_config(config)
         proxy = Proxy(settings=settings, tenants=TenantPolicies(config.tenants), overlay=overlay, router=router,
                       clusters=clusters, providers=providers, quota=quota, metrics=metrics, outcomes=outcomes,
@@ -173,12 +178,12 @@ def _affinity_table(ctx: WorkerContext, segment: Segment) -> AffinityTable | Non
     return AffinityTable(segment.region(ctx.affinity_region), ctx.affinity_capacity)
 
 
-async def _quota_gate(ctx: WorkerContext) -> QuotaGate | None:
+async def _quota_gate(ctx: WorkerContext, prices: PriceBook) -> QuotaGate | None:
     quota = ctx.config.quota
     if quota is None or not ctx.quota_url:
         return None
     ledger = QuotaLedger(create_client(ctx.quota_url), reservation_timeout_s=float(quota.reservation_timeout))
-    gate = QuotaGate.from_config(ledger, ctx.config, generation=ctx.generation, slot=ctx.slot)
+    gate = QuotaGate.from_config(ledger, ctx.config, generation=ctx.generation, slot=ctx.slot, prices=prices)
     await gate.start()
     return gate
 

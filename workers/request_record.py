@@ -81,6 +81,11 @@ class RequestRecord(msgspec.Struct, gc=False):
     bytes_out: int = 0
     tokens_prompt: int | None = None
     tokens_completion: int | None = None
+    tokens_cached: int | None = None  # of the prompt, as the provider reported them (None: not reported)
+    tokens_reasoning: int | None = None  # of the completion, likewise
+    # What the request's attempts cost, in nano-USD, priced as ``served`` (docs/pricing.md); None: it
+    # reached no provider, or has no model to price.
+    cost_nusd: int | None = None
     closed: bool = False
 
     @property

@@ -14,10 +14,10 @@ from __future__ import annotations
 import re
 from datetime import UTC, datetime
 from typing import Any, ClassVar, Literal
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import msgspec
 
+from gateway.config_spend import MAX_USD, SpendLimit  # noqa: F401 - re-exported: the records' schema
 from gateway.request.cors import parse_key_origins
 from gateway.yaml_config import (
     DAY,
@@ -44,7 +44,6 @@ MAX_METADATA_VALUE_CHARS = 256
 MAX_LIMITS_PER_KIND = 8
 MAX_COUNT = 1_000_000_000
 MAX_TOKENS = 10**15
-MAX_USD = 1_000_000_000
 MAX_PREVIOUS_SECRETS = 4  # secrets still in their rotation grace, per key
 MAX_ENDED_SECRETS = 8  # ended ones a record still names (so every host drops them), per key
 ENDED_SECRET_RETENTION_S = 86_400
@@ -96,30 +95,6 @@ class TokenBudget(StrictStruct):
         _between(self.tokens, "tokens", 1, MAX_TOKENS)
 
 
-class SpendLimit(StrictStruct):
-    """A USD budget per calendar period (docs/pricing.md)."""
-
-    usd: float
-    period: Literal["1d", "1w", "1mo"]
-    tz: str | None = None  # IANA zone of the period's start; None: UTC
-    enforce: Literal["hard", "soft"] = "hard"
-    alert_at: list[float] = msgspec.field(default_factory=lambda: [0.5, 0.8, 1.0])
-
-    def __post_init__(self) -> None:
-        if not 0 < self.usd <= MAX_USD:
-            raise ValueError(f"usd: must be > 0 and <= {MAX_USD}")
-        if self.tz is not None:
-            try:
-                ZoneInfo(self.tz)
-            except (ZoneInfoNotFoundError, ValueError):
-                raise ValueError("tz: not a known time zone (an IANA name such as Europe/Paris)") from None
-        if len(self.alert_at) > MAX_LIMITS_PER_KIND:
-            raise ValueError(f"alert_at: at most {MAX_LIMITS_PER_KIND} thresholds")
-        for index, threshold in enumerate(self.alert_at):
-            if not 0 < threshold <= 1:
-                raise ValueError(f"alert_at[{index}]: must be > 0 and <= 1")
-
-
 class KeyLimits(StrictStruct):
     """What the key may use, on top of its quota rule's limits (docs/limits.md)."""
 
@@ -137,6 +112,9 @@ class KeyLimits(StrictStruct):
             windows = [parse_duration(entry.window) for entry in getattr(self, name)]
             if len(set(windows)) != len(windows):  # the quota counts one limit per window (docs/limits.md)
                 raise ValueError(f"{name}: two {what} with the same window")
+        periods = [entry.period for entry in self.spend]
+        if len(set(periods)) != len(periods):  # one spend counter per period (docs/limits.md)
+            raise ValueError("spend: two spend limits with the same period")
 
 
 # ------------------------------------------------------------------------------------------- fields

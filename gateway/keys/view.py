@@ -15,7 +15,7 @@ import msgspec
 
 from gateway.auth import KeyIdentity
 from gateway.keys.record import KeyLimits, KeyRecord, Status
-from gateway.quota.limits import Budget, Limits, RequestLimit
+from gateway.quota.limits import Budget, Limits, RequestLimit, spend_from_config
 from gateway.request.cors import OriginList, parse_key_origins
 from gateway.yaml_config import parse_duration
 
@@ -81,12 +81,13 @@ class KeyEntry:
 
 
 def quota_limits(limits: KeyLimits) -> Limits | None:
-    """A record's ``limits`` as the quota counts them (``spend`` is not the quota's); None when none."""
+    """A record's ``limits`` as the quota counts them; None when none."""
     converted = Limits(
         requests=tuple(RequestLimit(int(parse_duration(r.window)), r.count, r.count if r.burst is None else r.burst,
                                     r.shadow) for r in limits.requests),
         budgets=tuple(Budget(int(parse_duration(b.window)), b.tokens, b.shadow) for b in limits.budgets),
         max_in_flight=limits.max_in_flight or 0,
+        spend=spend_from_config(limits.spend),
     )
     return None if converted.empty else converted
 

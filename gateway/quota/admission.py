@@ -55,6 +55,7 @@ class Admission(msgspec.Struct, gc=False):
     shadow: tuple[str, ...] | None = None
     error_type: str | None = "tokens"  # the error body's type: tokens, requests (None: the status's)
     code: str = "rate_limit_exceeded"  # the error body's code (key_blocked, key_revoked: the deny set)
+    worst_nusd: int = 0  # the worst-case cost reserved in USD budgets (what an unmeasured attempt costs)
 
     @property
     def error(self) -> tuple[str, str, str] | None:

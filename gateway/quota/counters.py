@@ -39,6 +39,9 @@ class QuotaCounters:
     reconcile_drops: int = 0  # queue full
     reconcile_failures: int = 0  # retries exhausted
     reconcile_duplicates: int = 0
+    denied_budget: int = 0  # refused by a hard USD budget (included in denied)
+    spend_alerts: int = 0  # thresholds of USD budgets crossed (each once per period across every gateway)
+    spend_usage_clamped: int = 0  # usage negative or over 10x the reservation: charged the reservation
 
     def count_settled(self, estimate: int, charged: int) -> None:
         """A request's reservation was settled: ``charged`` tokens against its ``estimate``."""

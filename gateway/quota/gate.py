@@ -20,19 +20,28 @@ and the ``on_backend_error`` policy (``breaker.py``), the reconciler, and the re
 (``keeper.py``: a request that outlives the reservation timeout keeps its reservation live). The
 reservations of a worker that dies are settled by the supervisor's sweep (``owner.py``).
 
-Where further limits go (spend): a kind of ``limits.Limits`` with its arguments and reply fields in the
-one admit call (``ledger.py``), a header or message in ``verdict.py``, and an allowance of a block
-(``lease.Allowance``). The batcher, the breaker and the transports carry any admit.
+USD budgets (docs/limits.md, "USD budgets") are limits of the same call: the admit carries the request's
+worst-case cost (``PriceBook.worst_case_cost`` of the model it asks for), which a hard budget reserves;
+settling carries its real cost (``workers/outcomes.py`` prices the usage) and returns the alert
+thresholds it crossed, once per period across every gateway (``_alerted``: counted, logged and handed to
+``gateway.pricing.alerts.publish_alert``). A worker-held block of an account with USD budgets holds
+nano-USD too (``lease.SpendAllowance``): its requests take their worst case from it and end charging
+their real cost into it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import time
 from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gateway.ids import CounterIds
+from gateway.pricing.alerts import SpendAlert, publish_alert
+from gateway.pricing.book import PriceBook
+from gateway.pricing.period import rfc3339
 from gateway.quota.admission import Admission
 from gateway.quota.backend import BACKEND_ERRORS, describe_error
 from gateway.quota.batcher import AdmitBatcher
@@ -45,10 +54,12 @@ from gateway.quota.lease_book import LeaseBook
 from gateway.quota.ledger import (
     F_RQ_REMAINING,
     F_SHADOW,
+    F_SPEND_ROOM,
     F_TK_REMAINING,
     Account,
     AdmitCommand,
     QuotaLedger,
+    Reservation,
     scopes_of,
 )
 from gateway.quota.limits import Scope
@@ -63,6 +74,9 @@ if TYPE_CHECKING:
     from gateway.config import Config
 
 __all__ = ["Admission", "QuotaGate"]
+
+log = logging.getLogger("gridgate.quota")
+_time = time.time
 
 # What meters a (tenant, model, key): its account in the ledger and the tenant's TenantTokens slot.
 Metered = tuple[Account, int]
@@ -89,11 +103,14 @@ class QuotaGate:
         reconcile_batch: int = 128,
         reconcile_retry_delays_s: Sequence[float] = (0.05, 0.25, 1.0),
         lease: LeaseSpec | None = None,
+        prices: PriceBook | None = None,
     ) -> None:
         """``owner``: the worker's ``owner_tag`` (every reservation id starts with it, so the supervisor
         can sweep a dead worker's reservations); None for a gate outside a supervised worker.
-        ``tenants``: the configured tenant names, the label set of ``tenant_tokens``."""
+        ``tenants``: the configured tenant names, the label set of ``tenant_tokens``. ``prices``: the
+        worker's price book (the worst case a hard USD budget reserves; None: every request costs 0)."""
         self._ledger = ledger
+        self._prices = prices
         self._rules = RuleSet(rules)
         self._timeout_s = request_timeout_s
         self._ids = CounterIds(prefix=owner)
@@ -104,6 +121,7 @@ class QuotaGate:
         self._reconciler = Reconciler(
             ledger, counters, timeout_s=request_timeout_s,
             queue_size=reconcile_queue_size, batch=reconcile_batch, retry_delays_s=reconcile_retry_delays_s,
+            on_crossings=self._alerted,
         )
         self._keeper = ReservationKeeper(ledger, counters, self._breaker, call_timeout_s=request_timeout_s)
         self._batcher: AdmitBatcher[Metered] = AdmitBatcher(ledger, self._breaker, self._reconciler, counters,
@@ -116,7 +134,8 @@ class QuotaGate:
         self.key_scopes: dict[str, tuple[Scope, ...]] = {}  # the configured keys' limits (the report)
 
     @classmethod
-    def from_config(cls, ledger: QuotaLedger, config: Config, *, generation: int, slot: int) -> QuotaGate:
+    def from_config(cls, ledger: QuotaLedger, config: Config, *, generation: int, slot: int,
+                    prices: PriceBook | None = None) -> QuotaGate:
         """The gate of the worker (``generation``, ``slot``) of this process, as ``config.quota`` says."""
         quota = config.quota
         assert quota is not None
@@ -129,6 +148,7 @@ class QuotaGate:
             owner=owner_tag(generation, slot, os.getpid()),
             tenants=configured_tenants(config),
             lease=lease_spec(quota),
+            prices=prices,
         )
         gate.key_scopes = key_scopes_by_tenant(config.auth)
         return gate
@@ -196,8 +216,25 @@ class QuotaGate:
         account = metered[0]
         # ``estimate.estimate_prompt_tokens`` written out (two calls fewer per request): ``body_len`` is a
         # body's length, never negative.
-        estimate = -(-body_len // PROMPT_BYTES_PER_TOKEN) + (
-            account.default_max_tokens if completion_allowance is None else completion_allowance)
+        prompt = -(-body_len // PROMPT_BYTES_PER_TOKEN)
+        completion = account.default_max_tokens if completion_allowance is None else completion_allowance
+        estimate = prompt + completion
+        if account.spend:  # USD budgets: the period may have ended, and the admit carries the worst case
+            if _time() >= account.spend_until:
+                metered = self._meter(tenant, model, key)
+                if metered is None:
+                    return None
+                account = metered[0]
+            prices = self._prices
+            worst = 0 if prices is None or model is None else prices.worst_case_cost(model, prompt, completion)
+            if self._open_leases:
+                admission = self._leases.take(account, metered[1], estimate, worst)  # type: ignore[union-attr]
+                if admission is not None:
+                    return admission
+            if self._breaker.is_open:
+                return self._breaker.unavailable()
+            return self._batcher.submit(self._ledger.admit_command(account, estimate, self._ids.next(), 1, worst),
+                                        metered)
         if self._open_leases:
             admission = self._leases.take(account, metered[1], estimate)  # type: ignore[union-attr]
             if admission is not None:
@@ -207,15 +244,17 @@ class QuotaGate:
         return self._batcher.submit(self._ledger.admit_command(account, estimate, self._ids.next()), metered)
 
     def settle(self, admission: Admission, actual_tokens: int | None, prompt_tokens: int | None = None,
-               completion_tokens: int | None = None, *, reached: bool = True) -> None:
-        """The request ended: charge ``actual_tokens`` (0: release it; None: charge its estimate) and, when
-        the provider reported them, count the tenant's tokens in/out. ``reached`` False: it never reached
-        a provider, so its request slots go back too. Never blocks; settles once, however often it is
+               completion_tokens: int | None = None, *, reached: bool = True, cost_nusd: int | None = None) -> None:
+        """The request ended: charge ``actual_tokens`` (0: release it; None: charge its estimate) and
+        ``cost_nusd`` to its USD budgets (None: its worst case) and, when the provider reported them,
+        count the tenant's tokens in/out. ``reached`` False: it never reached a provider, so nothing is
+        charged and its request slots go back too. Never blocks; settles once, however often it is
         called; an unmetered admission settles nothing."""
         lease: Lease | None = admission.lease
         if lease is not None:  # a block's share: counted here, settled with the block
             admission.lease = None
-            self._leases.end(lease, admission.estimate, actual_tokens, reached)  # type: ignore[union-attr]
+            self._leases.end(lease, admission.estimate, actual_tokens, reached,  # type: ignore[union-attr]
+                             admission.worst_nusd, cost_nusd)
         else:
             reservation = admission.reservation
             if reservation is None:
@@ -223,11 +262,25 @@ class QuotaGate:
             admission.reservation = None
             self._keeper.discard(reservation)
             self._reconciler.enqueue(reservation, reservation.estimate if actual_tokens is None else actual_tokens,
-                                     0 if reached else reservation.slots)
+                                     0 if reached else reservation.slots, cost_nusd if reached else 0)
         if prompt_tokens is not None or completion_tokens is not None:
             self.tenant_tokens.add(admission.tenant_slot, prompt_tokens, completion_tokens, actual_tokens)
 
     # --
+
+    def _alerted(self, reservation: Reservation, crossings: list[bytes]) -> None:
+        """Thresholds of USD budgets this reservation's settle crossed (``b"<window>:<t>:<spent>"``, the
+        window numbered in the reservation's ``spend``): each reported once per period by the ledger."""
+        for crossing in crossings:
+            number, threshold, spent = (int(part) for part in crossing.split(b":"))
+            window = reservation.spend[number - 1]
+            budget = window.budget
+            alert = SpendAlert(window.tenant, window.scope.owner(), budget.budget_text, rfc3339(window.span.start),
+                               threshold / 1000, spent, budget.nusd)
+            self.counters.spend_alerts += 1
+            log.warning("spend alert: tenant %s %s spend %s %g%% reached (%s of %s nano-USD)", alert.tenant,
+                        alert.scope, budget.text, threshold / 10, spent, budget.nusd)
+            publish_alert(alert)
 
     def _meter(self, tenant: str, model: str | None, key: KeyIdentity | None) -> Metered | None:
         rule = self._rules.match(tenant, model, key)
@@ -246,7 +299,7 @@ class QuotaGate:
         estimate = command.estimate
         counters = self.counters
         if not answer.admitted:
-            return refused(account, answer, estimate, counters)
+            return refused(account, answer, estimate, counters, command.worst)
         fields = answer.fields
         counters.admitted += 1
         counters.tokens_estimated += estimate
@@ -255,11 +308,12 @@ class QuotaGate:
             shadow = shadow_names(account, fields)
             counters.shadow_refusals += len(shadow)  # type: ignore[arg-type]
         if self._leases is not None and account.leasable:
-            self._leases.want(account, metered[1], estimate, int(fields[F_TK_REMAINING]), int(fields[F_RQ_REMAINING]))
+            self._leases.want(account, metered[1], estimate, int(fields[F_TK_REMAINING]), int(fields[F_RQ_REMAINING]),
+                              worst=command.worst, spend_room=int(fields[F_SPEND_ROOM]))
         reservation = answer.reservation
         self._keeper.add(reservation)  # type: ignore[arg-type]
         return Admission(True, "admitted", None, rate_headers(account, fields), reservation, estimate, metered[1],
-                         None, None, True, shadow)
+                         None, None, True, shadow, worst_nusd=command.worst)
 
 
 def lease_spec(quota: Any) -> LeaseSpec | None:

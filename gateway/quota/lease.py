@@ -23,7 +23,10 @@ What that trades: what a block holds is taken in Valkey, so near a limit another
 be refused while a block somewhere still has room. Blocks are therefore taken only while the tightest
 limit of each kind has room for ``headroom`` blocks (a block shrinks to fit, down to its floor, else
 none is taken), and closed after ``ttl``: near the limit every request is decided in Valkey, exactly as
-without blocks. No limit is ever exceeded: a block is a reservation like any other. Scopes with
+without blocks. No limit is ever exceeded: a block is a reservation like any other. With USD budgets a
+block also holds ``nusd`` nano-USD, reserved in every hard spend window like a request's worst case: a
+request fits when its own worst case fits what is left, ends charging its real cost into the block, and
+the block settles the sum (docs/limits.md, "USD budgets"). Scopes with
 ``max_in_flight`` or a shadow limit never lease (a concurrency cap must count every request in Valkey,
 and a shadow limit must see every request to say which it would have refused).
 """
@@ -50,6 +53,23 @@ class LeaseSpec:
     headroom: int
     tokens: int | None = None
     requests: int | None = None
+
+
+class SpendAllowance:
+    """The nano-USD a block holds for its USD budgets: ``committed`` = the worst cases of its requests
+    in flight + the real costs of those that ended (what the block is settled with)."""
+
+    __slots__ = ("capacity", "committed", "filled", "room")
+
+    def __init__(self, capacity: int, room_beyond: int) -> None:
+        self.capacity = capacity
+        self.committed = 0
+        self.filled = False
+        self.room = room_beyond + capacity  # the tightest hard budget's room at the grant (-1 beyond: none)
+
+    @property
+    def remaining(self) -> int:
+        return max(0, self.room - self.committed)
 
 
 class LeaseReservation(Reservation, frozen=True, gc=False):
@@ -124,14 +144,16 @@ class Lease:
     """One block: admits while open and the request fits every allowance it holds; once closed it only
     waits for its requests to end, then it is settled (``end``/``close`` say when)."""
 
-    __slots__ = ("reservation", "tokens", "slots", "in_flight", "taken", "closes_at", "closed", "tenant_slot",
-                 "opened_at", "last_estimate")
+    __slots__ = ("reservation", "tokens", "slots", "spend", "in_flight", "taken", "closes_at", "closed",
+                 "tenant_slot", "opened_at", "last_estimate", "last_worst")
 
     def __init__(self, reservation: Reservation, tokens: Allowance | None, closes_at: float, tenant_slot: int = -1,
-                 slots: Allowance | None = None, opened_at: float | None = None) -> None:
+                 slots: Allowance | None = None, spend: SpendAllowance | None = None,
+                 opened_at: float | None = None) -> None:
         self.reservation = reservation
         self.tokens = tokens  # None: no token budget applies
         self.slots = slots  # None: no request limit applies
+        self.spend = spend  # None: no USD budget applies
         self.in_flight = 0
         self.taken = 0  # requests admitted from it
         self.closes_at = closes_at  # monotonic seconds
@@ -139,16 +161,19 @@ class Lease:
         self.tenant_slot = tenant_slot  # the tenant's TenantTokens slot: one tenant per block
         self.opened_at = opened_at  # monotonic seconds of the grant (None: unknown), for the next size
         self.last_estimate = 0  # the estimate of the latest request it admitted, for the next size
+        self.last_worst = 0  # and its worst-case cost (nano-USD), when USD budgets apply
 
-    def take(self, estimate: int, now: float) -> tuple[tuple[bytes, bytes], ...] | None:
-        """Admit a request of ``estimate`` tokens if the block is open and has room: its rate-limit
-        headers (limit, remaining, reset of each kind), else None. A block that has no room left for
-        it is closed (requests go to Valkey until the next block); a request larger than the block's
-        tokens goes to Valkey and leaves the block open."""
+    def take(self, estimate: int, now: float, worst: int = 0) -> tuple[tuple[bytes, bytes], ...] | None:
+        """Admit a request of ``estimate`` tokens (and ``worst`` nano-USD at most) if the block is open and
+        has room: its rate-limit headers (limit, remaining, reset of each kind), else None. A block that
+        has no room left for it is closed (requests go to Valkey until the next block); a request larger
+        than the block's tokens or nano-USD goes to Valkey and leaves the block open."""
         if self.closed:
             return None
-        tokens, slots = self.tokens, self.slots
+        tokens, slots, spend = self.tokens, self.slots, self.spend
         if tokens is not None and estimate > tokens.capacity:
+            return None
+        if spend is not None and worst > spend.capacity:
             return None
         if now >= self.closes_at:
             self.closed = True
@@ -156,6 +181,15 @@ class Lease:
         if slots is not None and slots.committed >= slots.capacity:
             slots.filled = self.closed = True
             return None
+        if spend is not None:
+            if spend.committed + worst > spend.capacity:
+                spend.filled = self.closed = True
+                return None
+            if tokens is not None and tokens.committed + estimate > tokens.capacity:
+                tokens.filled = self.closed = True
+                return None
+            spend.committed += worst
+            self.last_worst = worst
         if tokens is not None:
             committed = tokens.committed + estimate
             if committed > tokens.capacity:
@@ -176,12 +210,15 @@ class Lease:
         self.taken += 1
         return headers
 
-    def end(self, estimate: int, charged: int, reached: bool = True) -> bool:
+    def end(self, estimate: int, charged: int, reached: bool = True, worst: int = 0, cost: int | None = None) -> bool:
         """A request of this block ended and was charged ``charged`` tokens (its estimate, the
-        provider's usage, or 0); ``reached`` False: it never reached a provider, its slot goes back with
-        the block. True when the block is now closed and idle: settle it."""
+        provider's usage, or 0) and ``cost`` nano-USD (None: its ``worst`` case); ``reached`` False: it
+        never reached a provider, its slot goes back with the block. True when the block is now closed
+        and idle: settle it."""
         if self.tokens is not None:
             self.tokens.committed += charged - estimate
+        if self.spend is not None and cost is not None:
+            self.spend.committed += (cost if cost > 0 else 0) - worst
         if not reached and self.slots is not None:
             self.slots.committed -= 1
         self.in_flight -= 1
@@ -197,12 +234,17 @@ class Lease:
         return 0 if self.tokens is None else self.tokens.committed
 
     @property
+    def spend_charged(self) -> int | None:
+        return None if self.spend is None else self.spend.committed
+
+    @property
     def slots_unused(self) -> int:
         return 0 if self.slots is None else self.slots.capacity - self.slots.committed
 
 
 def _filled(lease: Lease) -> bool:
-    return (lease.slots is not None and lease.slots.filled) or (lease.tokens is not None and lease.tokens.filled)
+    return ((lease.slots is not None and lease.slots.filled) or (lease.tokens is not None and lease.tokens.filled)
+            or (lease.spend is not None and lease.spend.filled))
 
 
 def growth(lease: Lease, now: float | None) -> float:
@@ -226,13 +268,26 @@ def next_sizes(spec: LeaseSpec, previous: Lease | None, estimate: int, now: floa
     ``growth``; tokens for that many requests of ``estimate`` tokens (or of the previous block's latest
     estimate, or of what its requests committed on average, when more: a request takes its estimate
     when admitted, and gives back what it was not charged only when it ends)."""
+    requests = next_requests(previous, now)
     per_request = max(1, estimate)
-    if previous is None:
-        requests = MIN_BLOCK_REQUESTS
-    else:
-        taken = previous.taken
-        # round() first: 8 x 15.000000000000002 is 120 requests, not 121.
-        requests = max(MIN_BLOCK_REQUESTS, math.ceil(round(taken * growth(previous, now), 6)))
-        if previous.tokens is not None and taken:
-            per_request = max(per_request, previous.last_estimate, -(-previous.tokens.committed // taken))
+    if previous is not None and previous.tokens is not None and previous.taken:
+        per_request = max(per_request, previous.last_estimate, -(-previous.tokens.committed // previous.taken))
     return spec.tokens or requests * per_request, spec.requests or requests
+
+
+def next_requests(previous: Lease | None, now: float | None) -> int:
+    """How many requests the next block of a (tenant, rule, key) is sized for: ``MIN_BLOCK_REQUESTS`` at
+    first, then the previous block's requests times its ``growth``."""
+    if previous is None:
+        return MIN_BLOCK_REQUESTS
+    # round() first: 8 x 15.000000000000002 is 120 requests, not 121.
+    return max(MIN_BLOCK_REQUESTS, math.ceil(round(previous.taken * growth(previous, now), 6)))
+
+
+def next_spend(previous: Lease | None, worst: int, now: float | None = None) -> int:
+    """The nano-USD of the next block: its requests (``next_requests``) times the larger of ``worst``,
+    the previous block's latest worst case and what its requests committed on average."""
+    per_request = max(1, worst)
+    if previous is not None and previous.spend is not None and previous.taken:
+        per_request = max(per_request, previous.last_worst, -(-previous.spend.committed // previous.taken))
+    return next_requests(previous, now) * per_request

@@ -36,16 +36,19 @@ from gateway.quota.lease import (
     Lease,
     LeaseReservation,
     LeaseSpec,
+    SpendAllowance,
     fit,
     ms_to_window_end,
     next_sizes,
+    next_spend,
     request_allowance,
 )
-from gateway.quota.ledger import F_RQ_LIMIT, F_TK_LIMIT, Account, AdmitCommand, QuotaLedger
+from gateway.quota.ledger import F_RQ_LIMIT, F_SPEND_ROOM, F_TK_LIMIT, Account, AdmitCommand, QuotaLedger
 from gateway.quota.reconcile import Reconciler
 from gateway.quota.transport import Reply
 
 _monotonic = time.monotonic
+_time = time.time
 
 LeaseKey = tuple[str, str, str]  # (tenant, rule, key): ``Account.lease_key``
 
@@ -75,41 +78,46 @@ class LeaseBook:
 
     # -- request path
 
-    def take(self, account: Account, tenant_slot: int, estimate: int) -> Admission | None:
+    def take(self, account: Account, tenant_slot: int, estimate: int, worst: int = 0) -> Admission | None:
         """The request's Admission from its open block, or None (no block, or it does not fit: the
-        request goes to the ledger; a block with no room left is closed, and its successor asked for)."""
+        request goes to the ledger; a block with no room left is closed, and its successor asked for).
+        ``worst``: the request's worst-case cost in nano-USD (an account with USD budgets)."""
         key = account.lease_key
         lease = self.open.get(key)
         if lease is None:
             return None
-        headers = lease.take(estimate, _monotonic())
+        headers = lease.take(estimate, _monotonic(), worst)
         if headers is not None:
             counters = self._counters
             counters.admitted += 1
             counters.leased += 1
             counters.tokens_estimated += estimate
-            return Admission(True, "admitted", None, headers, None, estimate, lease.tenant_slot, None, lease, True)
+            return Admission(True, "admitted", None, headers, None, estimate, lease.tenant_slot, None, lease, True,
+                             worst_nusd=worst)
         if lease.closed:
             del self.open[key]  # its requests still end and settle into it
             if lease.in_flight == 0:
                 self._return(lease)
             self.want(account, tenant_slot, estimate,
                       lease.tokens.remaining if lease.tokens is not None else 0,
-                      lease.slots.remaining if lease.slots is not None else 0)
+                      lease.slots.remaining if lease.slots is not None else 0, worst=worst,
+                      spend_room=lease.spend.remaining if lease.spend is not None else -1)
         return None
 
     def want(self, account: Account, tenant_slot: int, estimate: int, tokens_room: int, slots_room: int,
-             renewing: bool = False) -> None:
+             renewing: bool = False, worst: int = 0, spend_room: int = -1) -> None:
         """Ask for a block of the account if it may lease, every limit has the headroom, the backend is
         not known down, and no block of it is asked for, nor open (unless ``renewing``: the open one is
-        about to expire). ``tokens_room``/``slots_room``: what the tightest limit of each kind has left."""
+        about to expire). ``tokens_room``/``slots_room``/``spend_room``: what the tightest limit of each
+        kind has left (nano-USD for the hard USD budgets); ``worst``: a request's worst case."""
         if not account.leasable or self._breaker.is_open or self._closing:
             return
         key = account.lease_key
         if (key in self.open and not renewing) or key in self._asked:
             return
         spec = self.spec
-        tokens, slots = next_sizes(spec, self._last.get(key), estimate, _monotonic())
+        previous, now = self._last.get(key), _monotonic()
+        tokens, slots = next_sizes(spec, previous, estimate, now)
         if account.has_budgets:
             tokens = fit(tokens, tokens_room, spec.headroom, MIN_BLOCK_REQUESTS * max(1, estimate),
                          spec.tokens is not None)
@@ -121,15 +129,24 @@ class LeaseBook:
             slots = fit(slots, slots_room, spec.headroom, MIN_BLOCK_REQUESTS, spec.requests is not None)
             if not slots:
                 return
+        nusd = 0
+        if account.spend:
+            nusd = next_spend(previous, worst, now)
+            if account.has_hard_spend:
+                nusd = fit(nusd, spend_room, spec.headroom, MIN_BLOCK_REQUESTS * max(1, worst), False)
+                if not nusd:
+                    return
         self._asked.add(key)
-        command = self._ledger.admit_command(account, tokens, self._ids.next(), slots)
+        command = self._ledger.admit_command(account, tokens, self._ids.next(), slots, nusd)
         self._batcher.submit_detached(command, partial(self._granted, tenant_slot))
 
-    def end(self, lease: Lease, estimate: int, actual_tokens: int | None, reached: bool = True) -> None:
-        """A request admitted from ``lease`` ended: count its charge into the block (settled with it)."""
+    def end(self, lease: Lease, estimate: int, actual_tokens: int | None, reached: bool = True, worst: int = 0,
+            cost: int | None = None) -> None:
+        """A request admitted from ``lease`` ended: count its charge (tokens, and ``cost`` nano-USD; None:
+        its ``worst`` case) into the block (settled with it)."""
         charged = estimate if actual_tokens is None else actual_tokens if actual_tokens > 0 else 0
         self._counters.count_settled(estimate, charged)
-        if lease.end(estimate, charged, reached):
+        if lease.end(estimate, charged, reached, worst, cost if reached else 0):
             self._return(lease)
 
     def close(self) -> None:
@@ -157,14 +174,16 @@ class LeaseBook:
         if reservation is None:
             return  # no room for a block: requests go to the ledger one by one
         block = LeaseReservation(reservation.zkey, reservation.prefix, reservation.member, reservation.estimate,
-                                 reservation.slots)
+                                 reservation.slots, reservation.worst, reservation.spend)
         if self._closing:  # granted while the gate shuts down: give it straight back
-            self._reconciler.enqueue(block, 0, block.slots)
+            self._reconciler.enqueue(block, 0, block.slots, 0)
             return
         spec = self.spec
         now = _monotonic()
         to_window_end = ms_to_window_end(account, answer.now_ms)
         window_end_s = spec.ttl_s + 1 if to_window_end is None else to_window_end / 1000
+        if account.spend:  # nor past the end of a USD budget's period: it reserved in this one
+            window_end_s = min(window_end_s, max(0.0, account.spend_until - _time()))
         life_s = min(spec.ttl_s, window_end_s)
         tokens = slots = None
         if account.has_budgets:
@@ -173,7 +192,11 @@ class LeaseBook:
         if account.has_requests:
             limit, remaining, reset_ms = answer.triple(F_RQ_LIMIT)
             slots = request_allowance(command.slots, limit, remaining, now + reset_ms / 1000)
-        lease = Lease(block, tokens, now + life_s, tenant_slot, slots, now)
+        spend = None
+        if account.spend:
+            room = int(answer.fields[F_SPEND_ROOM])
+            spend = SpendAllowance(command.worst, room if room >= 0 else 1 << 62)
+        lease = Lease(block, tokens, now + life_s, tenant_slot, slots, spend, opened_at=now)
         replaced = self.open.get(key)
         self.open[key] = self._last[key] = lease
         self._held.add(lease)
@@ -191,9 +214,10 @@ class LeaseBook:
     def _renew(self, account: Account, key: LeaseKey, lease: Lease) -> None:
         """Ask for the successor of a block that is still open and was used."""
         if self.open.get(key) is lease and not lease.closed and lease.taken:
-            tokens, slots = lease.tokens, lease.slots
+            tokens, slots, spend = lease.tokens, lease.slots, lease.spend
             self.want(account, lease.tenant_slot, lease.last_estimate, tokens.remaining if tokens is not None else 0,
-                      slots.remaining if slots is not None else 0, renewing=True)
+                      slots.remaining if slots is not None else 0, renewing=True, worst=lease.last_worst,
+                      spend_room=spend.remaining if spend is not None else -1)
 
     def _expired(self, key: LeaseKey, lease: Lease) -> None:
         if self.open.get(key) is lease:
@@ -207,4 +231,4 @@ class LeaseBook:
         if lease in self._held:
             self._held.discard(lease)
             self._keeper.discard(lease.reservation)
-            self._reconciler.enqueue(lease.reservation, lease.tokens_charged, lease.slots_unused)
+            self._reconciler.enqueue(lease.reservation, lease.tokens_charged, lease.slots_unused, lease.spend_charged)

@@ -15,23 +15,27 @@ runs (``extend_many``, driven by ``gateway.quota.keeper``), so only a reservatio
 of expires. An ``<id>`` starts with its worker's owner tag (``gateway.quota.owner``).
 
 ``Account``: what meters one (tenant, rule, key): its scopes, their limits in the call's order
-(``limits.LimitRef``), and its admit call prepared once by the transport.
+(``limits.LimitRef``), and its admit call prepared once by the transport. An account with USD budgets
+names their current calendar periods in its admit call, so it is made again when the first of them ends
+(``spend_until``): the period arithmetic runs once per period, not per request.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from gateway.pricing.period import PeriodSpan, rfc3339
 from gateway.quota.ledger_script import (  # noqa: F401 - deny_set_key re-exported: importers use the ledger
     KEY_PREFIX,
     deny_set_key,
     escape_key_part,
 )
-from gateway.quota.limits import LimitRef, Scope, limit_refs
+from gateway.quota.limits import LimitRef, Scope, SpendBudget, limit_refs, usd_text
 from gateway.quota.rules import QuotaRule
 from gateway.quota.transport import SLOT, LedgerTransport, Reply, Template, UnexpectedReply, Wire
 
@@ -47,8 +51,9 @@ SETTLE_EXPIRED = 2  # past its deadline: charged at the estimate
 F_VERDICT, F_NOW, F_EXPIRED, F_REFUSED, F_RETRY = 0, 1, 2, 3, 4
 F_RQ_LIMIT, F_RQ_REMAINING, F_RQ_RESET = 5, 6, 7
 F_TK_LIMIT, F_TK_REMAINING, F_TK_RESET = 8, 9, 10
-F_SHADOW, F_MEMBER = 11, 12
-ADMIT_FIELDS = 13
+F_SHADOW, F_SPEND_ROOM, F_MEMBER = 11, 12, 13
+ADMIT_FIELDS = 14  # admitted; a refusal has the first 12
+REFUSED_FIELDS = 12
 # A managed key in its tenant's deny set: ``D <now> blocked|revoked`` (nothing written).
 F_KEY_STATUS = 2
 KEY_STATUSES = (b"blocked", b"revoked")
@@ -57,15 +62,27 @@ KEY_STATUSES = (b"blocked", b"revoked")
 # constructor is a Python function), and hold nothing that could point back at them (gc=False).
 
 
+class SpendWindow(msgspec.Struct, frozen=True, gc=False):
+    """One USD budget of an account in its current period: what an alert of its window names."""
+
+    tenant: str
+    scope: Scope
+    budget: SpendBudget
+    span: PeriodSpan
+
+
 class Reservation(msgspec.Struct, frozen=True, gc=False):
     """What settling needs: the tenant's keys, the member the script returned, the tokens it reserved
-    and the request slots it took."""
+    and the request slots it took; with USD budgets, the worst-case cost it reserved (nano-USD) and its
+    spend windows in the member's order (an alert in the settle reply names one by its number)."""
 
     zkey: bytes
     prefix: bytes
     member: bytes
     estimate: int
     slots: int = 1
+    worst: int = 0
+    spend: tuple[SpendWindow, ...] = ()
 
 
 class Account(msgspec.Struct, frozen=True, gc=False):
@@ -86,8 +103,11 @@ class Account(msgspec.Struct, frozen=True, gc=False):
     has_requests: bool  # some enforced request limit: responses carry x-ratelimit-*-requests
     has_budgets: bool  # some enforced token budget: responses carry x-ratelimit-*-tokens
     leasable: bool  # no in-flight cap, no shadow limit, not a managed key: a worker may hold blocks of it
+    has_hard_spend: bool  # some hard USD budget: a block's spend must leave it headroom
     first_window_s: int  # the shortest token window (0: none): a block never outlives its end
     lease_key: tuple[str, str, str]  # (tenant, rule, key): one open block each
+    spend: tuple[SpendWindow, ...] = ()  # USD budgets in the call's order, in their current periods
+    spend_until: float = 0.0  # Unix seconds the first of those periods ends (0: no USD budget)
 
 
 class AdmitCommand(msgspec.Struct, frozen=True, gc=False):
@@ -99,6 +119,7 @@ class AdmitCommand(msgspec.Struct, frozen=True, gc=False):
     reservation_id: bytes
     estimate: int
     slots: int = 1
+    worst: int = 0  # nano-USD: the request's worst-case cost (USD budgets only)
 
 
 class AdmitReply(msgspec.Struct, frozen=True, gc=False):
@@ -142,6 +163,20 @@ class RequestReport:
 
 
 @dataclass(frozen=True, slots=True)
+class SpendReport:
+    usd: str  # $5.00
+    period: str
+    tz: str
+    enforce: str  # hard | soft
+    limit_nusd: int
+    spent_nusd: int
+    reserved_nusd: int
+    remaining_nusd: int
+    resets_at: str  # RFC 3339
+    reset_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class ScopeReport:
     kind: str  # rule | key
     name: str
@@ -149,6 +184,7 @@ class ScopeReport:
     max_in_flight: int
     requests: tuple[RequestReport, ...]
     windows: tuple[WindowReport, ...]
+    spend: tuple[SpendReport, ...] = ()
 
 
 def key_prefix(tenant: str) -> str:
@@ -198,8 +234,8 @@ class QuotaLedger:
         self._fill = transport.fill
         self._timeout_ms = max(1, int(reservation_timeout_s * 1000))
         self._accounts: dict[tuple[str, object, object], Account] = {}
-        # zkey, prefix, member, tokens, slots back
-        self._settle = transport.template((SLOT, "settle", SLOT, SLOT, SLOT, SLOT))
+        # zkey, prefix, member, tokens, slots back, cost (nano-USD; empty: the worst case)
+        self._settle = transport.template((SLOT, "settle", SLOT, SLOT, SLOT, SLOT, SLOT))
 
     @property
     def transport(self) -> LedgerTransport:
@@ -222,12 +258,16 @@ class QuotaLedger:
 
     # -- admissions (request path)
 
-    def account(self, tenant: str, rule: QuotaRule | None, key: KeyIdentity | None = None) -> Account | None:
-        """What meters (tenant, rule, key), made on first use and memoised; None when nothing does."""
+    def account(self, tenant: str, rule: QuotaRule | None, key: KeyIdentity | None = None,
+                now: float | None = None) -> Account | None:
+        """What meters (tenant, rule, key), made on first use and memoised; None when nothing does. With
+        USD budgets, made again once ``now`` (Unix seconds) reaches the end of one of its periods."""
         memo = (tenant, rule, key)
         account = self._accounts.get(memo)
+        if account is not None and account.spend_until and (now or time.time()) >= account.spend_until:
+            account = None
         if account is None:
-            account = self._make_account(tenant, rule, key)
+            account = self._make_account(tenant, rule, key, time.time() if now is None else now)
             if account is None:
                 return None
             if len(self._accounts) >= _MAX_ACCOUNTS:
@@ -235,16 +275,21 @@ class QuotaLedger:
             self._accounts[memo] = account
         return account
 
-    def _make_account(self, tenant: str, rule: QuotaRule | None, key: KeyIdentity | None) -> Account | None:
+    def _make_account(self, tenant: str, rule: QuotaRule | None, key: KeyIdentity | None,
+                      now: float) -> Account | None:
         scopes = scopes_of(rule, key)
         if not scopes:
             return None
         zkey, prefix = keys_of(tenant)
         kid = None if key is None else key.kid
-        # ARGV: mode, prefix, id, estimate, timeout, slots, scopes, deny set, kid, then per scope
-        # (ledger_script). A managed key's admit reads its tenant's deny set in the same call.
+        spend = tuple(SpendWindow(tenant, scope, budget, budget.clock.at(now))
+                      for scope in scopes for budget in scope.limits.spend)
+        # ARGV: mode, prefix, id, estimate, timeout, slots, scopes, deny set, kid, worst, then per scope
+        # (ledger_script). A managed key's admit reads its tenant's deny set in the same call. The worst
+        # case is a slot of the call only where a USD budget applies.
         args: list[Any] = [zkey, "admit", prefix, SLOT, SLOT, self._timeout_ms, SLOT, len(scopes),
-                           "" if kid is None else deny_set_key(tenant), kid or ""]
+                           "" if kid is None else deny_set_key(tenant), kid or "", SLOT if spend else 0]
+        spans = iter(spend)
         for scope in scopes:
             limits = scope.limits
             args += [scope_part(scope), limits.max_in_flight, len(limits.requests)]
@@ -253,6 +298,10 @@ class QuotaLedger:
             args.append(len(limits.budgets))
             for budget in limits.budgets:
                 args += [budget.window_s, budget.tokens, int(budget.shadow)]
+            args.append(len(limits.spend))
+            for spent in limits.spend:
+                span = next(spans).span
+                args += [spent.period, span.id, span.end * 1000, spent.nusd, int(spent.hard), spent.thresholds]
         refs = limit_refs(scopes)
         windows = [budget.window_s for scope in scopes for budget in scope.limits.budgets]
         return Account(
@@ -262,11 +311,20 @@ class QuotaLedger:
             has_budgets=any(ref.kind == "tokens" and not ref.shadow for ref in refs),
             # A managed key never leases: a block would admit it without the deny set for up to lease.ttl.
             leasable=kid is None and not any(s.limits.max_in_flight or s.limits.has_shadow for s in scopes),
+            has_hard_spend=any(window.budget.hard for window in spend),
             first_window_s=min(windows, default=0),
             lease_key=(tenant, rule.name if rule is not None else "", scopes[0].name if scopes[0].kind == "key" else ""),
+            spend=spend,
+            spend_until=min((window.span.end for window in spend), default=0),
         )
 
-    def admit_command(self, account: Account, estimate: int, reservation_id: bytes, slots: int = 1) -> AdmitCommand:
+    def admit_command(self, account: Account, estimate: int, reservation_id: bytes, slots: int = 1,
+                      worst: int = 0) -> AdmitCommand:
+        """``worst``: the request's worst-case cost in nano-USD (only an account with USD budgets reads it)."""
+        if account.spend:
+            return AdmitCommand(self._fill(account.admit, (reservation_id, b"%d" % estimate,
+                                                           _ONE if slots == 1 else b"%d" % slots, b"%d" % worst)),
+                                account, reservation_id, estimate, slots, worst)
         return AdmitCommand(self._fill(account.admit, (reservation_id, b"%d" % estimate,
                                                        _ONE if slots == 1 else b"%d" % slots)),
                             account, reservation_id, estimate, slots)
@@ -282,30 +340,35 @@ class QuotaLedger:
         ValueError) for a reply the script cannot have written: the caller treats it as a backend error."""
         fields = reply.split(b" ", F_MEMBER)
         admitted = fields[0] == b"1"
-        if len(fields) != ADMIT_FIELDS - (not admitted) or not (admitted or fields[0] == b"0"):
+        if len(fields) != (ADMIT_FIELDS if admitted else REFUSED_FIELDS) or not (admitted or fields[0] == b"0"):
             if fields[0] == b"D" and len(fields) == 3 and fields[F_KEY_STATUS] in KEY_STATUSES:
                 return AdmitReply(False, fields, None, fields[F_KEY_STATUS])
             raise UnexpectedReply(f"unexpected admit reply {reply[:80]!r}")
         reservation = None
         if admitted:
             account = command.account
-            reservation = Reservation(account.zkey, account.prefix, fields[F_MEMBER], command.estimate, command.slots)
+            reservation = Reservation(account.zkey, account.prefix, fields[F_MEMBER], command.estimate, command.slots,
+                                      command.worst, account.spend)
         return AdmitReply(admitted, fields, reservation)
 
     # -- settling (off the request path)
 
-    async def settle(self, reservation: Reservation, actual_tokens: int, slots_back: int = 0) -> int:
-        """Charge ``actual_tokens`` for a reservation and give back ``slots_back`` request slots; returns
-        the outcome (SETTLE_*). Idempotent."""
-        return await self._transport.run_one(self._settle_wire(reservation, actual_tokens, slots_back))  # type: ignore[return-value]
+    async def settle(self, reservation: Reservation, actual_tokens: int, slots_back: int = 0,
+                     cost_nusd: int | None = None) -> Reply:
+        """Charge ``actual_tokens`` (and, with USD budgets, ``cost_nusd``; None: its worst case) for a
+        reservation and give back ``slots_back`` request slots; returns the outcome (SETTLE_*), or
+        ``[outcome, crossing...]`` when alert thresholds were crossed (``settle_outcome``). Idempotent."""
+        return await self._transport.run_one(self._settle_wire(reservation, actual_tokens, slots_back, cost_nusd))
 
-    async def settle_many(self, items: Sequence[tuple[Reservation, int, int]]) -> list[Reply]:
-        """Settle a batch in one pipelined round trip; per item its outcome (SETTLE_*) or exception."""
+    async def settle_many(self, items: Sequence[tuple[Reservation, int, int, int | None]]) -> list[Reply]:
+        """Settle a batch in one pipelined round trip; per item its reply (as ``settle``) or exception."""
         return await self._transport.run_batch([self._settle_wire(*item) for item in items])
 
-    def _settle_wire(self, reservation: Reservation, actual_tokens: int, slots_back: int) -> Wire:
+    def _settle_wire(self, reservation: Reservation, actual_tokens: int, slots_back: int,
+                     cost_nusd: int | None = None) -> Wire:
+        cost = b"" if cost_nusd is None else b"%d" % max(0, cost_nusd)
         return self._fill(self._settle, (reservation.zkey, reservation.prefix, reservation.member,
-                                         b"%d" % max(0, actual_tokens), b"%d" % slots_back))
+                                         b"%d" % max(0, actual_tokens), b"%d" % slots_back, cost))
 
     async def extend_many(self, reservations: Sequence[Reservation], per_call: int = 256) -> int:
         """Move the deadline of these reservations (requests still running) to now + the timeout: one
@@ -381,6 +444,10 @@ class QuotaLedger:
                 args += [request.window_s, request.count, request.burst]
             args.append(len(limits.budgets))
             args += [budget.window_s for budget in limits.budgets]
+            args.append(len(limits.spend))
+            for spent in limits.spend:
+                span = spent.clock.at(time.time())
+                args += [spent.period, span.id, span.end * 1000]
         reply: Any = await self._transport.run_one(self._transport.wire(args))
         try:
             values = [int(value) for value in reply]
@@ -402,8 +469,17 @@ class QuotaLedger:
                     at += 3
                     windows.append(WindowReport(budget.window_s, budget.tokens, used, reserved,
                                                 max(0, budget.tokens - used - reserved), reset_ms / 1000, budget.shadow))
+                spends = []
+                for spent in limits.spend:
+                    used, reserved, reset_ms = values[at:at + 3]
+                    at += 3
+                    used, reserved = max(0, used), max(0, reserved)
+                    spends.append(SpendReport(usd_text(spent.nusd), spent.period, spent.tz,
+                                              "hard" if spent.hard else "soft", spent.nusd, used, reserved,
+                                              max(0, spent.nusd - used - reserved), rfc3339(spent.clock.at(time.time()).end),
+                                              max(0, reset_ms) / 1000))
                 reports.append(ScopeReport(scope.kind, scope.name, in_flight, limits.max_in_flight, tuple(requests),
-                                           tuple(windows)))
+                                           tuple(windows), tuple(spends)))
             if at != len(values):
                 raise ValueError("reply length")
         except (TypeError, ValueError, IndexError):

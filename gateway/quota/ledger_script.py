@@ -14,13 +14,19 @@ one Valkey Cluster slot, whatever limits apply)::
     gg:q:v2:{<tenant>}:<scope>:g:<win_s>        STRING  a request limit's theoretical arrival time (GCRA)
     gg:q:v2:{<tenant>}:<scope>:f                ZSET  reservation id -> deadline: the scope's requests in
                                                       flight (only scopes with max_in_flight)
+    gg:q:v2:{<tenant>}:<scope>:s:<period>:<id>  HASH  a USD budget's calendar period (v7): u = nano-USD
+                                                      charged, r = nano-USD reserved, a<t> = threshold
+                                                      t (thousandths) reported (the u that crossed it)
 
 ``<scope>`` is ``r:<rule>`` (a rule's limits for this tenant) or ``a:<alias>`` / ``k:<kid>`` (a key's own
 limits). Names are percent-escaped (``escape_key_part`` below), so they never split a key or a member.
 
 A reservation member is ``<id>|<estimate>|<slots>|<windows>|<flights>|<clocks>``: the window keys it
 reserved its estimate in, the in-flight sets it holds a place in, and the request-limit clocks it took
-``slots`` from (each with its emission interval). So settling, expiring, cancelling or sweeping it
+``slots`` from (each with its emission interval). A member of a request with USD budgets (v7) has a
+seventh field, ``<worst>,<suffix>=<taken>=<limit>=<thresholds>,...``: the request's worst-case cost in
+nano-USD and, per spend window, what it reserved there (the worst case for a hard budget, 0 for a soft
+one), the budget and its alert thresholds (``500/800/1000``). So settling, expiring, cancelling or sweeping it
 undoes exactly what its admit did, even after a config change; removing the member from the tenant's
 set is the idempotency check (settling twice charges once).
 
@@ -35,14 +41,21 @@ new gateways run side by side during a rolling upgrade, each with its own. v5 ha
 what that means during a roll), and v4 gateways keep settling their own reservations in their own keys.
 v6 keeps v5's layout (v5 and v6 gateways share counters during a roll): its admit also reads the tenant's
 deny set of managed keys (two more arguments) and refuses a blocked or revoked kid in the same call.
+v7 keeps the layout too and adds USD budgets: spend windows per calendar period (the gateway computes
+the period's id and end and passes them), the worst-case cost as an admit argument, the real cost as a
+settle argument, and alert thresholds reported once per period (``HSETNX``) in the settle reply. A v7
+member without spend has v6's six fields, so v6 gateways settle and expire it during a roll; v7 reads
+v6 members as members without spend.
 """
 
 from __future__ import annotations
 
 import hashlib
 
+from gateway.quota.key_names import deny_set_key, escape_key_part  # noqa: F401 - re-exported: importers use these
+
 SCRIPT_NAME = "gridgate-quota-ledger"
-SCRIPT_VERSION = 6
+SCRIPT_VERSION = 7
 KEY_PREFIX = "gg:q:v2"
 # Request-limit clocks count microseconds from this epoch (2025-01-01T00:00:00Z): a double holds them
 # to a hundredth of a microsecond for decades.
@@ -58,6 +71,7 @@ local zkey = KEYS[1]      -- every open reservation of one tenant: member -> dea
 local prefix = ARGV[2]    -- gg:q:v2:{<tenant>}: (same hash tag): every other key is prefix .. suffix
 local SLACK_MS = 60000    -- keys outlive their last use by this much so late settles still land
 local EXPIRE_BATCH = 128  -- bound the work one call does on stale reservations
+local SPEND_GRACE_MS = 3600000  -- a spend window outlives its period's end (+ the timeout) by this much
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -70,9 +84,40 @@ local function keep_for(key, ms)
 end
 
 local function parse(member)
-  local id, est, slots, wins, flights, clocks =
-    string.match(member, '^([^|]*)|(%d+)|(%d+)|([^|]*)|([^|]*)|([^|]*)$')
-  return id, tonumber(est), tonumber(slots), wins, flights, clocks
+  local id, est, slots, wins, flights, clocks, spend =
+    string.match(member, '^([^|]*)|(%d+)|(%d+)|([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
+  if id == nil then  -- no spend: six fields (what v5 and v6 write too)
+    id, est, slots, wins, flights, clocks = string.match(member, '^([^|]*)|(%d+)|(%d+)|([^|]*)|([^|]*)|([^|]*)$')
+    spend = ''
+  end
+  return id, tonumber(est), tonumber(slots), wins, flights, clocks, spend
+end
+
+-- Undo a member's spend part: release what it reserved in each spend window and charge `cost` nano-USD
+-- (a decimal string; nil = its worst case). With `crossings` (a table: settle only), each alert
+-- threshold the window's spend has reached is marked once per window (HSETNX) and appended as
+-- "<window number>:<threshold>:<spent>"; expiry and sweep leave the marking to the next settle.
+local function release_spend(spend, cost, crossings)
+  local worst, rest = string.match(spend, '^(%d+)(.*)$')
+  if worst == nil then return end
+  if cost == nil then cost = worst end
+  local j = 0
+  for suffix, taken, limit, th in string.gmatch(rest, ',([^,=]+)=(%d+)=(%d+)=([%d/]*)') do
+    j = j + 1
+    local k = prefix .. suffix
+    if redis.call('EXISTS', k) == 1 then
+      if taken ~= '0' then redis.call('HINCRBY', k, 'r', '-' .. taken) end
+      local used = 0
+      if cost ~= '0' then used = redis.call('HINCRBY', k, 'u', cost) end
+      if crossings and used > 0 then
+        for t in string.gmatch(th, '%d+') do
+          if used * 1000 >= tonumber(limit) * tonumber(t) and redis.call('HSETNX', k, 'a' .. t, used) == 1 then
+            crossings[#crossings + 1] = string.format('%d:%s:%d', j, t, used)
+          end
+        end
+      end
+    end
+  end
 end
 
 -- Give `n` request slots back to every clock the member took from: the clock moves back by n
@@ -95,9 +140,10 @@ end
 
 -- Undo a reservation (already out of the tenant's set): take its estimate out of "reserved" and
 -- charge `charge` tokens (nil = its estimate) in every window it reserved in (an expired window is not
--- recreated), free its in-flight places, give back `slots_back` of its request slots.
-local function release(member, charge, slots_back)
-  local id, est, slots, wins, flights, clocks = parse(member)
+-- recreated), free its in-flight places, give back `slots_back` of its request slots; its spend windows
+-- as `release_spend` (`cost`, `crossings`).
+local function release(member, charge, slots_back, cost, crossings)
+  local id, est, slots, wins, flights, clocks, spend = parse(member)
   if est == nil then return 0 end  -- not a member this version wrote: nothing to undo
   if charge == nil then charge = est end
   for suffix in string.gmatch(wins, '[^,]+') do
@@ -109,6 +155,7 @@ local function release(member, charge, slots_back)
   end
   for suffix in string.gmatch(flights, '[^,]+') do redis.call('ZREM', prefix .. suffix, id) end
   if slots_back > 0 then give_back(clocks, math.min(slots_back, slots)) end
+  if spend ~= '' then release_spend(spend, cost, crossings) end
   return est
 end
 
@@ -123,8 +170,10 @@ end
 local function fmt(x) return string.format('%.17g', x) end
 
 if mode == 'admit' then
-  -- ARGV: mode, prefix, id, estimate, timeout_ms, slots, scopes, deny set, kid, then per scope:
-  --   scope, max_in_flight, #requests, {window_s, count, burst, shadow}..., #budgets, {window_s, tokens, shadow}...
+  -- ARGV: mode, prefix, id, estimate, timeout_ms, slots, scopes, deny set, kid, worst, then per scope:
+  --   scope, max_in_flight, #requests, {window_s, count, burst, shadow}..., #budgets, {window_s, tokens, shadow}...,
+  --   #spend, {period, period id, period end (ms), limit (nano-USD), hard (0|1), thresholds}...
+  -- worst: the request's worst-case cost in nano-USD (what a hard spend limit reserves).
   -- deny set: the tenant's blocked and revoked managed keys (gateway.keys.store; same hash tag), '' for
   -- a config key or an anonymous request. A kid in it is refused before anything else, writing nothing
   -- (not even lazy expiry): -> "D now blocked|revoked".
@@ -132,20 +181,27 @@ if mode == 'admit' then
     local status = redis.call('HGET', ARGV[8], ARGV[9])
     if status then return string.format('D %d %s', now, status == 'revoked' and 'revoked' or 'blocked') end
   end
-  -- Limits are numbered 1.. in that order (per scope: requests, budgets, then the in-flight cap).
+  -- Limits are numbered 1.. in that order (per scope: requests, budgets, spend, then the in-flight cap).
+  -- A spend limit refuses until its period ends (retry_ms), or never when the worst case exceeds it.
   -- -> "<1|0> now expired refused retry_ms rq_limit rq_remaining rq_reset_ms tk_limit tk_remaining
-  --     tk_reset_ms shadow [member]": refused = the limit that refused (0: none), retry_ms -1 = never fits;
-  --    rq_* / tk_*: the tightest request limit and token budget (limit 0: none), shadow = the shadow
-  --    limits that would have refused ("-": none). One bulk string: the client parses one reply.
+  --     tk_reset_ms shadow [spend_room member]": refused = the limit that refused (0: none), retry_ms -1 =
+  --    never fits; rq_* / tk_*: the tightest request limit and token budget (limit 0: none), shadow = the
+  --    shadow limits that would have refused ("-": none); admitted only: spend_room = nano-USD left in the
+  --    tightest hard spend window after this admit (-1: none), then the member. One bulk string: the
+  --    client parses one reply.
   local expired = expire_stale()
   local id, est, timeout_ms, slots = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-  local a = 10
+  local worst = ARGV[10]
+  local worst_n = tonumber(worst)
+  local a = 11
   local index = 0
   local refused, retry, never = 0, 0, false
   local rq_lim, rq_rem, rq_reset, tk_lim, tk_rem, tk_reset = 0, 0, 0, 0, 0, 0
   local deny_rq, deny_tk = nil, nil
   local shadow = {}
   local clocks, clock_parts, wins, win_resets, win_parts, flights, flight_parts = {}, {}, {}, {}, {}, {}, {}
+  local spends, spend_parts = {}, {}
+  local spend_room = -1
   -- a refusal by the limit `i`: the one reported is a limit the request can never fit, else the one
   -- that frees last
   local function refuse(i, wait_ms, never_fits)
@@ -213,6 +269,33 @@ if mode == 'admit' then
         end
       end
     end
+    local nspend = tonumber(ARGV[a])
+    a = a + 1
+    for j = 1, nspend do
+      local period, pid, end_ms, limit, hard = ARGV[a], ARGV[a + 1], tonumber(ARGV[a + 2]), ARGV[a + 3], ARGV[a + 4] == '1'
+      local thresholds = ARGV[a + 5]
+      a = a + 6
+      index = index + 1
+      local suffix = scope .. ':s:' .. period .. ':' .. pid
+      local taken = '0'
+      local fits = true
+      if hard and worst_n > 0 then
+        local v = redis.call('HMGET', prefix .. suffix, 'u', 'r')
+        local limit_n = tonumber(limit)
+        local room = limit_n - (tonumber(v[1]) or 0) - (tonumber(v[2]) or 0)
+        if worst_n > room then
+          fits = false
+          refuse(index, math.max(end_ms - now, 1000), worst_n > limit_n)
+        else
+          taken = worst
+          if spend_room < 0 or room - worst_n < spend_room then spend_room = room - worst_n end
+        end
+      end
+      if fits then
+        spends[#spends + 1] = {prefix .. suffix, taken, end_ms}
+        spend_parts[#spend_parts + 1] = suffix .. '=' .. taken .. '=' .. limit .. '=' .. thresholds
+      end
+    end
     if max_in_flight > 0 then
       index = index + 1
       local suffix = scope .. ':f'
@@ -243,6 +326,10 @@ if mode == 'admit' then
     redis.call('HINCRBY', wins[i], 'r', est)
     keep_for(wins[i], win_resets[i] + timeout_ms + SLACK_MS)
   end
+  for i = 1, #spends do  -- a soft window is created too (r += 0): settling charges it
+    redis.call('HINCRBY', spends[i][1], 'r', spends[i][2])
+    keep_for(spends[i][1], spends[i][3] - now + timeout_ms + SPEND_GRACE_MS)
+  end
   local deadline = now + timeout_ms
   for i = 1, #flights do
     redis.call('ZADD', flights[i], deadline, id)
@@ -250,23 +337,33 @@ if mode == 'admit' then
   end
   local member = id .. '|' .. est .. '|' .. slots .. '|' .. table.concat(win_parts, ',') .. '|'
     .. table.concat(flight_parts, ',') .. '|' .. table.concat(clock_parts, ',')
+  if #spend_parts > 0 then member = member .. '|' .. worst .. ',' .. table.concat(spend_parts, ',') end
   redis.call('ZADD', zkey, deadline, member)
   keep_for(zkey, timeout_ms + SLACK_MS)
-  return string.format('1 %d %d 0 0 %d %d %d %d %d %d %s ', now, expired, rq_lim, rq_rem, rq_reset,
-    tk_lim, tk_rem, tk_reset, shadow_text) .. member
+  return string.format('1 %d %d 0 0 %d %d %d %d %d %d %s %d ', now, expired, rq_lim, rq_rem, rq_reset,
+    tk_lim, tk_rem, tk_reset, shadow_text, spend_room) .. member
 
 elseif mode == 'settle' then
   -- ARGV: mode, prefix, member, actual_tokens, slots_back (request slots of work that never reached a
-  -- provider) -> the outcome: 0 no-op, 1 charged as asked, 2 expired (charged at the estimate)
+  -- provider), cost (nano-USD; '' or absent: the worst case) -> the outcome: 0 no-op, 1 charged as
+  -- asked, 2 expired (charged at the estimate); with alert thresholds crossed, {outcome, crossing...}
+  -- (``release_spend``)
   local deadline = redis.call('ZSCORE', zkey, ARGV[3])
   if not deadline then return 0 end  -- settled before, or expired and charged: a no-op
   redis.call('ZREM', zkey, ARGV[3])
+  local crossings = {}
+  local outcome = 1
   if tonumber(deadline) <= now then
-    release(ARGV[3], nil, 0)
-    return 2
+    release(ARGV[3], nil, 0, nil, crossings)
+    outcome = 2
+  else
+    local cost = ARGV[6]
+    if cost == '' then cost = nil end
+    release(ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5]), cost, crossings)
   end
-  release(ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5]))
-  return 1
+  if #crossings == 0 then return outcome end
+  table.insert(crossings, 1, outcome)
+  return crossings
 
 elseif mode == 'extend' then
   -- ARGV: mode, prefix, timeout_ms, member... -> how many were extended. The members of requests
@@ -304,7 +401,7 @@ elseif mode == 'cancel' then
       local member = page[2][1]
       redis.call('ZREM', zkey, member)
       local _, _, slots = parse(member)
-      release(member, 0, slots or 0)
+      release(member, 0, slots or 0, '0')
       return 1
     end
   until cursor == '0'
@@ -333,8 +430,9 @@ elseif mode == 'sweep' then
 
 elseif mode == 'report' then
   -- ARGV: mode, prefix, scopes, then per scope: scope, capped (0|1), #requests, {window_s, count, burst}...,
-  --   #budgets, {window_s}... -> {now, open reservations, per scope: in_flight,
-  --   per request limit: {remaining, full_in_ms}, per budget: {used, reserved, reset_ms}}
+  --   #budgets, {window_s}..., #spend, {period, period id, period end (ms)}... -> {now, open reservations,
+  --   per scope: in_flight, per request limit: {remaining, full_in_ms}, per budget: {used, reserved,
+  --   reset_ms}, per spend limit: {spent, reserved, reset_ms}}
   -- In flight: a capped scope's set; else the tenant's open reservations that name the scope (a scan of
   -- the tenant's set: this page is not on the request path).
   expire_stale()
@@ -373,6 +471,15 @@ elseif mode == 'report' then
       out[#out + 1] = tonumber(v[2]) or 0
       out[#out + 1] = (idx + 1) * wms - now
     end
+    local nspend = tonumber(ARGV[a])
+    a = a + 1
+    for j = 1, nspend do
+      local v = redis.call('HMGET', prefix .. scope .. ':s:' .. ARGV[a] .. ':' .. ARGV[a + 1], 'u', 'r')
+      out[#out + 1] = tonumber(v[1]) or 0
+      out[#out + 1] = tonumber(v[2]) or 0
+      out[#out + 1] = tonumber(ARGV[a + 2]) - now
+      a = a + 3
+    end
   end
   return out
 end
@@ -382,16 +489,3 @@ return redis.error_reply('gridgate quota ledger: unknown mode ' .. tostring(mode
 
 LEDGER_SHA = hashlib.sha1(LEDGER_SCRIPT.encode()).hexdigest()
 
-
-def deny_set_key(tenant: str) -> str:
-    """The tenant's deny set of managed keys (kid -> ``blocked``|``revoked``), which the key store writes
-    (``gateway.keys.store``) and the admit reads: in the tenant's hash slot, like every ledger key."""
-    return f"gg:keys:v1:{{{escape_key_part(tenant)}}}:deny"
-
-
-def escape_key_part(value: str) -> str:
-    """Make a tenant, rule or key name safe inside ``{...}``, around ``:`` and inside a member."""
-    for char, code in (("%", "%25"), (":", "%3A"), ("{", "%7B"), ("}", "%7D"), ("|", "%7C"), (",", "%2C"),
-                       ("=", "%3D"), (" ", "%20")):
-        value = value.replace(char, code)
-    return value

@@ -13,10 +13,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from gateway.pricing.period import PeriodClock
+from gateway.pricing.units import NANO_PER_USD, format_usd
+
 MAX_LIMITS_PER_KIND = 8
 
 ScopeKind = Literal["rule", "key"]
-LimitKind = Literal["requests", "tokens", "in_flight"]
+LimitKind = Literal["requests", "tokens", "spend", "in_flight"]
 
 
 def window_text(seconds: int) -> str:
@@ -56,6 +59,49 @@ class Budget:
         return f"{self.tokens}/{window_text(self.window_s)}"
 
 
+def usd_text(nusd: int) -> str:
+    """``$5.00``; a budget finer than a cent in full (``$0.125``)."""
+    return f"${nusd // NANO_PER_USD}.{nusd % NANO_PER_USD // 10**7:02d}" if nusd % 10**7 == 0 else f"${format_usd(nusd)}"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SpendBudget:
+    """``nusd`` nano-USD may be spent per calendar ``period`` of zone ``tz`` (docs/limits.md, "USD
+    budgets"). ``hard``: admission reserves the request's worst-case cost and refuses what no longer
+    fits; soft: counts and alerts only. ``alert_at``: thresholds in thousandths of the budget.
+    ``clock`` remembers the current period (compared by identity: one per configured limit)."""
+
+    nusd: int
+    period: str
+    tz: str
+    hard: bool
+    alert_at: tuple[int, ...]
+    clock: PeriodClock
+
+    @property
+    def text(self) -> str:
+        """``$5.00/1d (UTC)``."""
+        return f"{self.budget_text} ({self.tz})"
+
+    @property
+    def budget_text(self) -> str:
+        """``$5.00/1d``."""
+        return f"{usd_text(self.nusd)}/{self.period}"
+
+    @property
+    def thresholds(self) -> str:
+        """``alert_at`` as the ledger stores it: ``500/800/1000``."""
+        return "/".join(str(t) for t in self.alert_at)
+
+
+def spend_from_config(entries: Sequence[Any]) -> tuple[SpendBudget, ...]:
+    """``spend`` entries (``gateway.config_spend.SpendLimit``, duck-typed) as ``SpendBudget``s."""
+    return tuple(
+        SpendBudget(entry.nusd, entry.period, entry.tz or "UTC", entry.enforce == "hard",
+                    tuple(sorted({round(t * 1000) for t in entry.alert_at})), PeriodClock(entry.period, entry.tz))
+        for entry in entries)
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """One owner's limits; ``max_in_flight`` 0 = no cap."""
@@ -63,10 +109,11 @@ class Limits:
     requests: tuple[RequestLimit, ...] = ()
     budgets: tuple[Budget, ...] = ()
     max_in_flight: int = 0
+    spend: tuple[SpendBudget, ...] = ()
 
     @property
     def empty(self) -> bool:
-        return not self.requests and not self.budgets and not self.max_in_flight
+        return not self.requests and not self.budgets and not self.max_in_flight and not self.spend
 
     @property
     def has_shadow(self) -> bool:
@@ -89,6 +136,10 @@ class Scope:
         """How a 429 names the owner: ``rule team-a``; a key is the caller's own: ``key``."""
         return f"rule {self.name}" if self.kind == "rule" else "key"
 
+    def owner(self) -> str:
+        """How an alert names the owner: ``rule team-a``, ``key <kid or alias>``."""
+        return f"{self.kind} {self.name}"
+
 
 @dataclass(frozen=True, slots=True)
 class LimitRef:
@@ -96,7 +147,7 @@ class LimitRef:
 
     scope: Scope
     kind: LimitKind
-    limit: RequestLimit | Budget | None
+    limit: RequestLimit | Budget | SpendBudget | None
     shadow: bool
 
     @property
@@ -108,12 +159,14 @@ class LimitRef:
 
 
 def limit_refs(scopes: Sequence[Scope]) -> tuple[LimitRef, ...]:
-    """Every limit of ``scopes`` in the ledger call's order: per scope its requests, budgets, in-flight cap."""
+    """Every limit of ``scopes`` in the ledger call's order: per scope its requests, budgets, spend
+    limits, in-flight cap."""
     refs: list[LimitRef] = []
     for scope in scopes:
         limits = scope.limits
         refs += [LimitRef(scope, "requests", limit, limit.shadow) for limit in limits.requests]
         refs += [LimitRef(scope, "tokens", budget, budget.shadow) for budget in limits.budgets]
+        refs += [LimitRef(scope, "spend", spend, False) for spend in limits.spend]
         if limits.max_in_flight:
             refs.append(LimitRef(scope, "in_flight", None, False))
     return tuple(refs)
@@ -142,13 +195,18 @@ def limits_problems(limits: Limits, where: str) -> list[str]:
             problems.append(f"{where}.budgets[{j}].tokens: must be at least 1")
     if limits.max_in_flight < 0:
         problems.append(f"{where}.max_in_flight: must be >= 0")
+    periods = [spend.period for spend in limits.spend]
+    if len(set(periods)) != len(periods):
+        problems.append(f"{where}.spend: two spend limits with the same period (one budget per period)")
     return problems
 
 
-def limits_from_config(requests: Sequence[Any], budgets: Sequence[Any], max_in_flight: int | None) -> Limits:
-    """A config block's ``requests``/``budgets``/``max_in_flight`` (gateway.config structs, duck-typed) as
-    ``Limits``."""
+def limits_from_config(requests: Sequence[Any], budgets: Sequence[Any], max_in_flight: int | None,
+                       spend: Sequence[Any] = ()) -> Limits:
+    """A config block's ``requests``/``budgets``/``max_in_flight``/``spend`` (gateway.config structs,
+    duck-typed) as ``Limits``."""
     return Limits(
+        spend=spend_from_config(spend),
         requests=tuple(RequestLimit(int(r.window), r.count, r.count if r.burst is None else r.burst, r.shadow)
                        for r in requests),
         budgets=tuple(Budget(int(b.window), b.tokens, b.shadow) for b in budgets),

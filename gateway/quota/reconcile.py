@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from gateway.quota.backend import BACKEND_ERRORS, describe_error
 from gateway.quota.counters import QuotaCounters
@@ -21,7 +21,10 @@ from gateway.quota.ledger import SETTLE_APPLIED, SETTLE_EXPIRED, SETTLE_NOOP, Qu
 
 log = logging.getLogger("gridgate.quota")
 
-Settlement = tuple[Reservation, int, int]  # the reservation, tokens to charge, request slots to give back
+# The reservation, tokens to charge, request slots to give back, nano-USD to charge (None: its worst case).
+Settlement = tuple[Reservation, int, int, int | None]
+# Called with a settled reservation and the alert thresholds its settle crossed (``b"<n>:<t>:<spent>"``).
+OnCrossings = Callable[[Reservation, list[bytes]], None]
 # A settlement waits this long for others to share its round trip (the batch is sent at once when full):
 # under load one write and one reply then settle dozens; the ledger just sees them a few ms later.
 LINGER_S = 0.005
@@ -37,8 +40,10 @@ class Reconciler:
         queue_size: int = 10000,
         batch: int = 128,
         retry_delays_s: Sequence[float] = (0.05, 0.25, 1.0),
+        on_crossings: OnCrossings | None = None,
     ) -> None:
         self._ledger = ledger
+        self._on_crossings = on_crossings
         self._counters = counters
         self._timeout_s = max(timeout_s * 4, 1.0)
         self._pending: list[Settlement] = []
@@ -57,13 +62,14 @@ class Reconciler:
     def start(self) -> None:
         self._drainer = asyncio.get_running_loop().create_task(self._reconcile_forever())
 
-    def enqueue(self, reservation: Reservation, actual: int, slots_back: int = 0) -> None:
-        """Charge ``actual`` tokens for ``reservation`` (0: release it unused) and give back ``slots_back``
-        of its request slots (work that never reached a provider). Never blocks."""
+    def enqueue(self, reservation: Reservation, actual: int, slots_back: int = 0, cost_nusd: int | None = None) -> None:
+        """Charge ``actual`` tokens for ``reservation`` (0: release it unused) and ``cost_nusd`` to its USD
+        budgets (None: its worst case), and give back ``slots_back`` of its request slots (work that
+        never reached a provider). Never blocks."""
         if len(self._pending) >= self._capacity:
             self._counters.reconcile_drops += 1
             return
-        self._pending.append((reservation, actual, slots_back))
+        self._pending.append((reservation, actual, slots_back, cost_nusd))
         wakeup = self._wakeup
         if wakeup is not None:
             self._wakeup = None
@@ -132,6 +138,9 @@ class Reconciler:
             for item, outcome in zip(pending, outcomes, strict=True):
                 if outcome.__class__ is int:
                     self._count_settled(item, outcome)
+                elif outcome.__class__ is list and outcome and outcome[0].__class__ is int:  # type: ignore[index]
+                    self._count_settled(item, outcome[0])  # type: ignore[index]
+                    self._crossed(item[0], outcome[1:])  # type: ignore[index]
                 else:
                     retry.append(item)
             if not retry:
@@ -143,10 +152,18 @@ class Reconciler:
             "quota: %d settlements failed after retries (charged at estimate on expiry)", len(pending)
         )
 
+    def _crossed(self, reservation: Reservation, crossings: list[bytes]) -> None:
+        if self._on_crossings is None:
+            return
+        try:
+            self._on_crossings(reservation, crossings)
+        except Exception:  # an alert that cannot be made never undoes the settlement
+            log.exception("quota: spend alert failed")
+
     def _count_settled(self, item: Settlement, outcome: int) -> None:
         counters = self._counters
         if outcome == SETTLE_APPLIED:
-            reservation, actual, _ = item
+            reservation, actual = item[0], item[1]
             if reservation.__class__ is not LeaseReservation:  # a block's requests counted as they ended
                 counters.count_settled(reservation.estimate, actual)
         elif outcome == SETTLE_EXPIRED:

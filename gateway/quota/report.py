@@ -2,7 +2,8 @@
 
 Per rule that can apply to the tenant, and per key of the tenant with its own limits: request limits
 (slots left now, seconds until every slot is back) beside token budgets (used, reserved, remaining, seconds
-to the window's end) and requests in flight. One ledger call reads all of them (one hash slot).
+to the window's end), USD budgets (limit, spent and reserved this period in nano-USD, when it resets) and
+requests in flight. One ledger call reads all of them (one hash slot).
 """
 
 from __future__ import annotations
@@ -35,8 +36,19 @@ def _entries(items: tuple[Any, ...]) -> list[dict[str, Any]]:
 
 def _scope_entry(report: ScopeReport) -> dict[str, Any]:
     name = {"rule": report.name} if report.kind == "rule" else {"key": report.name}
-    return {**name, "in_flight": report.in_flight, "max_in_flight": report.max_in_flight,
-            "requests": _entries(report.requests), "windows": _entries(report.windows)}
+    entry = {**name, "in_flight": report.in_flight, "max_in_flight": report.max_in_flight,
+             "requests": _entries(report.requests), "windows": _entries(report.windows)}
+    if report.spend:
+        entry["spend"] = [asdict(spend) for spend in report.spend]
+    return entry
+
+
+def spend_of(report: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Every USD budget of a ``quota_report``, each naming its owner (``key``, ``rule team-a``): the
+    ``spend`` of ``GET /v1/gridgate/key``; None when none applies."""
+    spend = [{"scope": "key" if "key" in entry else f"rule {entry['rule']}", **item}
+             for entry in (*report["keys"], *report["rules"]) for item in entry.get("spend", ())]
+    return spend or None
 
 
 async def quota_report(ledger: QuotaLedger, rules: RuleSet, tenant: str, timeout_s: float = 1.0,

@@ -12,7 +12,15 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any, Protocol
 
-from gateway.quota.limits import Budget, Limits, RequestLimit, Scope, limits_from_config, limits_problems
+from gateway.quota.limits import (
+    Budget,
+    Limits,
+    RequestLimit,
+    Scope,
+    SpendBudget,
+    limits_from_config,
+    limits_problems,
+)
 
 __all__ = ["Budget", "KeyLike", "QuotaRule", "RequestLimit", "RuleSet", "rules_from_config", "validate_rules"]
 
@@ -45,6 +53,7 @@ class QuotaRule:
     max_in_flight: int = 0
     requests: tuple[RequestLimit, ...] = ()
     match_key: str | None = None
+    spend: tuple[SpendBudget, ...] = ()
 
     @property
     def is_default(self) -> bool:
@@ -52,7 +61,7 @@ class QuotaRule:
 
     @property
     def limits(self) -> Limits:
-        return Limits(self.requests, self.budgets, self.max_in_flight)
+        return Limits(self.requests, self.budgets, self.max_in_flight, self.spend)
 
     @property
     def scope(self) -> Scope:
@@ -86,7 +95,7 @@ def validate_rules(rules: Sequence[QuotaRule]) -> list[str]:
         if rule.is_default and i != len(rules) - 1:
             problems.append(f"{where}.match: a rule without match is the default and must be last")
         if rule.limits.empty:
-            problems.append(f"{where}.budgets: a rule needs budgets, requests or max_in_flight")
+            problems.append(f"{where}.budgets: a rule needs budgets, requests, spend or max_in_flight")
         problems += limits_problems(rule.limits, where)
         if rule.default_max_tokens < 0:
             problems.append(f"{where}.estimate.default_max_tokens: must be >= 0")
@@ -143,7 +152,7 @@ def rules_from_config(quota: Any) -> list[QuotaRule]:
     """The config's ``quota.rules`` (gateway.config structs) as the ledger's rule structs."""
     rules = []
     for rule in quota.rules:
-        limits = limits_from_config(rule.requests, rule.budgets, rule.max_in_flight)
+        limits = limits_from_config(rule.requests, rule.budgets, rule.max_in_flight, rule.spend)
         match = rule.match
         rules.append(QuotaRule(
             name=rule.name,
@@ -154,5 +163,6 @@ def rules_from_config(quota: Any) -> list[QuotaRule]:
             max_in_flight=limits.max_in_flight,
             requests=limits.requests,
             match_key=match.key if match else None,
+            spend=limits.spend,
         ))
     return rules

@@ -6,6 +6,9 @@ each kind that applies (the numbers are the reply's own bytes: no conversion but
 Refused: 429 ``rate_limit_exceeded`` naming the limit (``rule team-a tokens 30000/1m``), ``Retry-After``
 when its next slot frees (a request limit), its window ends (a token budget) or one second (an in-flight
 cap); a request whose estimate exceeds a whole window can never fit and carries no ``Retry-After``.
+A hard USD budget: 429 ``budget_exceeded`` naming the budget and when its period resets (``key spend
+$5.00/1d (UTC) exceeded; resets 2026-12-02T00:00:00Z``), ``Retry-After`` until then; a request whose
+worst-case cost exceeds the whole budget can never fit and carries no ``Retry-After``.
 A managed key the admit found in its tenant's deny set: 401 ``key_blocked`` / ``key_revoked``, the codes and
 words of the head gate's refusal (``gateway.keys.answers``), whatever this host's key table still says.
 """
@@ -13,6 +16,7 @@ words of the head gate's refusal (``gateway.keys.answers``), whatever this host'
 from __future__ import annotations
 
 from gateway.keys.answers import KEY_BLOCKED, KEY_REVOKED
+from gateway.pricing.period import rfc3339
 from gateway.quota.admission import (
     H_LIMIT,
     H_LIMIT_REQUESTS,
@@ -40,11 +44,13 @@ from gateway.quota.ledger import (
     Account,
     AdmitReply,
 )
+from gateway.quota.limits import LimitRef, usd_text
 
 Headers = tuple[tuple[bytes, bytes], ...]
 _KEY_REFUSAL_HEADERS: Headers = ((b"www-authenticate", b'Bearer realm="gridgate"'),)
 _NO_SHADOW = b"-"
 _REASONS = {"tokens": "denied", "requests": "denied_requests", "in_flight": "denied_concurrency"}
+BUDGET_EXCEEDED = "budget_exceeded"
 
 
 def rate_headers(account: Account, fields: list[bytes]) -> Headers:
@@ -67,7 +73,7 @@ def shadow_names(account: Account, fields: list[bytes]) -> tuple[str, ...] | Non
     return tuple(account.limits[int(index) - 1].text for index in shadow.split(b","))
 
 
-def refused(account: Account, answer: AdmitReply, estimate: int, counters: QuotaCounters) -> Admission:
+def refused(account: Account, answer: AdmitReply, estimate: int, counters: QuotaCounters, worst: int = 0) -> Admission:
     """The 429 of an admit the ledger refused (``answer.admitted`` False), counted; the 401 of a managed key
     the admit found blocked or revoked."""
     if answer.key_status is not None:
@@ -82,6 +88,10 @@ def refused(account: Account, answer: AdmitReply, estimate: int, counters: Quota
     shadow = shadow_names(account, fields)
     if shadow is not None:
         counters.shadow_refusals += len(shadow)
+    if ref.kind == "spend":
+        counters.denied += 1
+        counters.denied_budget += 1
+        return budget_refused(account, ref, retry_ms, worst, headers, shadow)
     if ref.kind == "in_flight":
         counters.denied_concurrency += 1
     else:
@@ -96,6 +106,21 @@ def refused(account: Account, answer: AdmitReply, estimate: int, counters: Quota
     return Admission(False, _REASONS[ref.kind], 429, ((H_RETRY_AFTER, b"%d" % retry_s), *headers), None, estimate,
                      message=refusal_message(ref, retry_s), shadow=shadow,
                      error_type="tokens" if ref.kind == "tokens" else "requests")
+
+
+def budget_refused(account: Account, ref: LimitRef, retry_ms: int, worst: int, headers: Headers,
+                   shadow: tuple[str, ...] | None) -> Admission:
+    """The 429 of a hard USD budget: when its period resets, or that the request can never fit."""
+    resets = next((window.span.end for window in account.spend if window.budget is ref.limit), 0)
+    if retry_ms < 0:
+        message = (f"{ref.text} exceeded by this request alone: its worst-case cost {usd_text(worst)} is more than "
+                   f"the whole budget; lower max_tokens or shorten the prompt.")
+        return Admission(False, BUDGET_EXCEEDED, 429, headers, None, message=message, shadow=shadow,
+                         error_type="insufficient_quota", code=BUDGET_EXCEEDED)
+    retry_s = max(1, -(-retry_ms // 1000))
+    message = f"{ref.text} exceeded; resets {rfc3339(resets)}"
+    return Admission(False, BUDGET_EXCEEDED, 429, ((H_RETRY_AFTER, b"%d" % retry_s), *headers), None,
+                     message=message, shadow=shadow, error_type="insufficient_quota", code=BUDGET_EXCEEDED)
 
 
 def key_refused(account: Account, status: bytes, estimate: int) -> Admission:

@@ -306,3 +306,59 @@ def test_a_key_and_its_rule_are_taken_together_in_one_slot_on_a_cluster(cluster_
 
     asyncio.run(scenario())
     assert len({valkey.cluster.key_slot(key_prefix(t).encode()) // 5461 for t in tenants}) > 1
+
+
+def test_usd_budgets_are_exact_and_alert_once_on_a_cluster(cluster_url: str) -> None:
+    # A key's and its rule's USD budgets, in the tenant's slot beside its other counters: hard budgets
+    # refuse past the worst cases they hold, settles charge real costs across the nodes in one pipeline,
+    # each threshold is reported once.
+    from gateway.auth import KeyIdentity
+    from gateway.config import PriceOverride, Pricing
+    from gateway.pricing import alerts
+    from gateway.pricing.book import PriceBook
+    from gateway.pricing.period import PeriodClock
+    from gateway.pricing.table import shipped_table
+    from gateway.quota.limits import Limits, SpendBudget
+
+    prices = PriceBook.from_config(Pricing(overrides={"m": PriceOverride(input=1000, output=2000)}), shipped_table())
+    worst = 20_000_000  # 10 completion tokens at $2,000 per million, an empty prompt
+
+    def budget(nusd: int, hard: bool = True) -> SpendBudget:
+        return SpendBudget(nusd, "1d", "UTC", hard, (500,), PeriodClock("1d", None))
+
+    tenants = [f"t-{uuid.uuid4().hex[:8]}" for _ in range(6)]
+    rules = [QuotaRule(f"r-{t}", (), 100, t, spend=(budget(10 * worst),)) for t in tenants]
+    keys = {t: KeyIdentity(t, "ci", None, Limits(spend=(budget(3 * worst),))) for t in tenants}
+    alerts.published.clear()
+
+    async def scenario() -> None:
+        gate = QuotaGate(QuotaLedger(create_client(cluster_url), reservation_timeout_s=120), rules,
+                         request_timeout_s=2, prices=prices)
+        await gate.start()
+        try:
+            async def admit_key(tenant: str) -> Any:
+                admission = gate.admission(tenant, "m", 0, 10, keys[tenant])
+                return admission if admission.__class__ is Admission else await admission  # type: ignore[misc]
+
+            results = await asyncio.gather(*(admit_key(t) for t in tenants for _ in range(5)))
+            for i, tenant in enumerate(tenants):
+                mine = results[i * 5:(i + 1) * 5]
+                assert sum(a.allowed for a in mine) == 3
+                assert all(a.error[2] == "budget_exceeded" for a in mine if not a.allowed)
+                spend = (await gate.quota_report(tenant))["rules"][0]["spend"][0]
+                assert (spend["reserved_nusd"], spend["spent_nusd"]) == (3 * worst, 0)
+            for admission in results:
+                gate.settle(admission, 10, cost_nusd=worst // 2)
+            await gate.drain()
+            assert gate.counters.reconcile_failures == 0
+            for tenant in tenants:
+                report = await gate.key_report(keys[tenant])
+                assert (report["keys"][0]["spend"][0]["spent_nusd"], report["rules"][0]["spend"][0]["spent_nusd"],
+                        report["rules"][0]["spend"][0]["reserved_nusd"]) == (3 * worst // 2, 3 * worst // 2, 0)
+        finally:
+            await gate.close()
+
+    asyncio.run(scenario())
+    # the keys' budgets (3 worst cases) crossed 50 % at 1.5 worst cases: once per key, never for the rules
+    assert sorted(alert.tenant for alert in alerts.published) == sorted(tenants)
+    assert {alert.scope for alert in alerts.published} == {"key ci"}

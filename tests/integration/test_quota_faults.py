@@ -157,8 +157,22 @@ def test_the_pre_encoded_admit_and_settle_are_exactly_the_commands() -> None:
     assert account is not None and b"%25d" in account.prefix and b"{t%7Bx%7D%25d}" in account.prefix
     command = ledger.admit_command(account, 123, b"ab.1.0.7.f")
     assert command.wire == encode_command(("EVALSHA", LEDGER_SHA, 1, account.zkey, "admit", account.prefix,
-                                           b"ab.1.0.7.f", 123, 120_000, 1, 1, "", "", "r:r%3A1%25d", 3, 1, 60, 50, 10, 0,
-                                           2, 60, 1000, 0, 86400, 5000, 0))
+                                           b"ab.1.0.7.f", 123, 120_000, 1, 1, "", "", 0, "r:r%3A1%25d", 3, 1, 60, 50, 10,
+                                           0, 2, 60, 1000, 0, 86400, 5000, 0, 0))
     reservation = Reservation(account.zkey, account.prefix, b"ab.1.0.7.f|123|1|r:r%3A1%25d:w:60:1||", 123)
     assert ledger._settle_wire(reservation, 42, 1) == encode_command(
-        ("EVALSHA", LEDGER_SHA, 1, reservation.zkey, "settle", reservation.prefix, reservation.member, 42, 1))
+        ("EVALSHA", LEDGER_SHA, 1, reservation.zkey, "settle", reservation.prefix, reservation.member, 42, 1, b""))
+    assert ledger._settle_wire(reservation, 42, 0, 1_234) == encode_command(
+        ("EVALSHA", LEDGER_SHA, 1, reservation.zkey, "settle", reservation.prefix, reservation.member, 42, 0, 1234))
+    # A USD budget: the worst case is a slot of the call, the period's id and end are part of the template.
+    from gateway.pricing.period import PeriodClock
+    from gateway.quota.limits import SpendBudget
+
+    clock = PeriodClock("1d", None)
+    spender = QuotaRule("s", (), 10, spend=(SpendBudget(5_000_000_000, "1d", "UTC", True, (500, 1000), clock),))
+    account = ledger.account("t", spender, now=1_796_083_200.0)  # 2026-12-01T00:00:00Z
+    assert account is not None and account.spend_until == 1_796_169_600
+    command = ledger.admit_command(account, 50, b"id", 1, 7_000)
+    assert command.wire == encode_command(("EVALSHA", LEDGER_SHA, 1, account.zkey, "admit", account.prefix, b"id", 50,
+                                           120_000, 1, 1, "", "", 7000, "r:s", 0, 0, 0, 1, "1d", "20261201",
+                                           1_796_169_600_000, 5_000_000_000, 1, "500/1000"))

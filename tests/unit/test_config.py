@@ -277,7 +277,7 @@ def test_a_rule_may_hold_request_limits_alone_and_burst_defaults_to_count() -> N
     (rule,) = rules_from_config(quota)
     assert (rule.requests[0].count, rule.requests[0].burst, rule.requests[0].window_s) == (60, 60, 60)
     assert problems(BASE + "quota: {rules: [{name: r}]}\n") == [
-        "quota.rules[0].budgets: a rule needs budgets, requests or max_in_flight"]
+        "quota.rules[0].budgets: a rule needs budgets, requests, spend or max_in_flight"]
 
 
 def test_key_limits_need_an_alias_a_quota_block_and_unique_aliases() -> None:

@@ -47,10 +47,11 @@ BASE_CONFIG: dict[str, Any] = {
     "access_log": {},
     "auth": {"keys": [{"tenant": "t", "key": "sha256:" + "0" * 64, "alias": "a", "limits": {
         "requests": [{"window": "1m", "count": 5, "burst": 5}], "budgets": [{"window": "1m", "tokens": 10}],
-        "max_in_flight": 2}}]},
+        "max_in_flight": 2, "spend": [{"usd": 5, "period": "1d", "alert_at": [0.5]}]}}]},
     "quota": {
         "rules": [{"name": "r", "budgets": [{"window": "1m", "tokens": 10}], "estimate": {}, "max_in_flight": 5,
-                   "requests": [{"window": "1m", "count": 5, "burst": 5}]}],
+                   "requests": [{"window": "1m", "count": 5, "burst": 5}],
+                   "spend": [{"usd": 5, "period": "1d", "alert_at": [0.5]}]}],
         "breaker": {},
         "lease": {"tokens": 10, "requests": 10},
     },
@@ -154,6 +155,9 @@ def with_value(base: dict[str, Any], path: Path_, value: Any) -> dict[str, Any] 
             return None
         if not isinstance(node, dict | list):
             return None
+    if isinstance(node, list) and isinstance(path[-1], int) and path[-1] < len(node):  # a list of numbers
+        node[path[-1]] = value
+        return document
     if not isinstance(node, dict):
         return None
     node[path[-1]] = value

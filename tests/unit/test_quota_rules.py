@@ -190,5 +190,5 @@ def test_rules_with_request_limits_alone_are_valid_and_their_limits_are_checked(
     assert "quota.rules[0].requests[0].window: must be 1s..1d" in problems
     assert "quota.rules[0].requests[0].count: must be at least 1" in problems
     assert "quota.rules[0].requests[0].burst: must be at least 1" in problems
-    assert validate_rules([rule("r", budgets=())]) == ["quota.rules[0].budgets: a rule needs budgets, requests or "
+    assert validate_rules([rule("r", budgets=())]) == ["quota.rules[0].budgets: a rule needs budgets, requests, spend or "
                                                         "max_in_flight"]

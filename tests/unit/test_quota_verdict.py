@@ -39,7 +39,7 @@ def command(estimate: int = 100) -> AdmitCommand:
 
 def test_an_admitted_reply_carries_the_tightest_limit_of_each_kind_as_the_script_wrote_it() -> None:
     cmd = command()
-    answer = QuotaLedger.read(cmd, b"1 1700000000000 0 0 0 60 41 19500 30000 29900 12250 2 id|100|1|a:ci:w:60:1||")
+    answer = QuotaLedger.read(cmd, b"1 1700000000000 0 0 0 60 41 19500 30000 29900 12250 2 -1 id|100|1|a:ci:w:60:1||")
     assert answer.admitted and answer.reservation is not None
     assert answer.reservation.member == b"id|100|1|a:ci:w:60:1||"
     assert rate_headers(cmd.account, answer.fields) == (
