@@ -8,7 +8,8 @@ of loadtest/configs/bench.yaml (`VARIANTS`): the routing core only (the access l
 checks and outlier detection, + session affinity, + auth and token quota with every request decided in
 Valkey (embedded Valkey, `quota.lease: null`), + the access log (to a file), everything that way, everything
 with the default worker-held blocks, and the production config of docs/limits.md (auth, a request limit
-and token budgets, the access log to a file, session affinity; defaults otherwise). For each: the
+and token budgets, the access log to a file, session affinity; defaults otherwise), and that config with a
+hard USD budget on a priced model (docs/pricing.md). For each: the
 worker's CPU time per request and "vs core" = core's CPU per
 request / the variant's; req/s (32 connections); the gateway overhead p50/p99 at one connection
 (``x-gridgate-overhead-ms``). CPU per request, not req/s: with quota on, the load core also runs
@@ -91,6 +92,9 @@ QUOTA_EXACT = None
 # The production variant's request limit: far above what the bench sends, so it never refuses, but checked
 # and taken (in blocks) like any other.
 PRODUCTION_REQUESTS = {"window": "1m", "count": 50_000_000}
+# Its USD budget (the spend variant): a day's hard budget it never nears, on the bench model priced as gpt-4o.
+PRODUCTION_SPEND = {"usd": 1_000_000, "period": "1d", "enforce": "hard"}
+PRODUCTION_PRICES = {"input": "2.50", "output": "10.00"}
 
 Address = tuple[str, int]
 
@@ -129,6 +133,13 @@ def _request_limit(config: dict[str, Any], _work_dir: str) -> None:
     config["quota"]["rules"][0]["requests"] = [dict(PRODUCTION_REQUESTS)]
 
 
+def _spend(config: dict[str, Any], _work_dir: str) -> None:
+    # A hard USD budget far above what the bench spends, on a priced model: every request reserves its worst
+    # case and settles its real cost (in blocks, as tokens are), in the same ledger call (docs/limits.md).
+    config["pricing"] = {"overrides": {"demo-model": dict(PRODUCTION_PRICES)}}
+    config["quota"]["rules"][0]["spend"] = [dict(PRODUCTION_SPEND)]
+
+
 def _access_log(config: dict[str, Any], work_dir: str) -> None:
     # A regular file, as on a host that logs to disk (one variant with a log runs at a time).
     config["access_log"] = {"enabled": True, "path": os.path.join(work_dir, "access.log")}
@@ -151,6 +162,7 @@ VARIANTS: tuple[tuple[str, tuple[Feature, ...]], ...] = (
     # docs/limits.md's production config: the defaults, with a request limit beside the token budgets.
     ("production: auth + request limit + token budgets + access log + sessions, defaults",
      (_affinity, _quota, _request_limit, _access_log)),
+    ("production + a hard USD budget (a priced model)", (_affinity, _quota, _request_limit, _access_log, _spend)),
 )
 VARIANT_NAMES = tuple(name for name, _ in VARIANTS)
 
@@ -391,7 +403,7 @@ def run(args: argparse.Namespace) -> int:
                                "rounds": args.rounds, "duration_s": args.duration, "warm_up_s": WARM_UP_S,
                                "connections": args.connections, "gateway_cpus": sorted(gateway_cpus or []),
                                "load_cpus": sorted(load_cpus or []), "quota_lease": "default",
-                               "production_requests": PRODUCTION_REQUESTS, "variants": []}
+                               "production_requests": PRODUCTION_REQUESTS, "production_spend": PRODUCTION_SPEND, "variants": []}
     work_dir = tempfile.mkdtemp(prefix="gridgate-bench-")
     try:
         configs = variant_configs(args.variants, args.method, work_dir)
