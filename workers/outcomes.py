@@ -22,6 +22,8 @@ from workers.cooling import cool_for_answer
 from workers.head_gate import HeadRefusal
 from workers.providers import Endpoint, ProviderStates
 from workers.request_record import RequestRecord
+from workers.spend_record import price_record
+from workers.spend_tracker import SpendTracker
 
 _monotonic = time.monotonic
 _ATTEMPTS = tuple((b"x-gridgate-attempts", b"%d" % n) for n in range(64))
@@ -47,10 +49,12 @@ def served_model_headers(record: RequestRecord) -> list[tuple[bytes, bytes]]:
 class Outcomes:
     """One per worker: the end of every request the proxy handled, and the answers it makes itself."""
 
-    __slots__ = ("quota", "metrics", "access_log", "providers", "cooling", "route_headers")
+    __slots__ = ("quota", "metrics", "access_log", "providers", "cooling", "route_headers", "spend")
 
     def __init__(self, quota: QuotaGate | None, metrics: WorkerMetrics, access_log: AccessLog,
-                 providers: ProviderStates, cooling: Cooling, route_headers: bool) -> None:
+                 providers: ProviderStates, cooling: Cooling, route_headers: bool,
+                 spend: SpendTracker | None = None) -> None:
+        self.spend = spend  # rollups and spend metrics (docs/pricing.md); None: a test's bare outcomes
         self.quota = quota
         self.metrics = metrics
         self.access_log = access_log
@@ -77,6 +81,11 @@ class Outcomes:
                 self.quota.settle(admission, *self._charge(record, result, served))
             else:  # it never reached a provider: nothing is charged, and its request slots go back too
                 self.quota.settle(admission, 0, reached=False)
+        spend = self.spend
+        if spend is not None:
+            if served:
+                price_record(record, result, spend.book)  # until the settlement prices it
+            spend.count(record)
         if record.trace is not None:  # its spans end and go to the exporter's queue (docs/tracing.md)
             record.trace.end(record, result)
         self.access_log.record(record)

@@ -81,6 +81,13 @@ class RequestRecord(msgspec.Struct, gc=False):
     bytes_out: int = 0
     tokens_prompt: int | None = None
     tokens_completion: int | None = None
+    # -- spend (docs/pricing.md): the cost of the usage that served, at the served model's price, and the
+    # usage's cached and reasoning parts; None when unknown (not metered, no usage). ``spend_alert``: a
+    # budget threshold this request crossed first in its period (the access line's field).
+    cost_nusd: int | None = None
+    tokens_cached: int | None = None
+    tokens_reasoning: int | None = None
+    spend_alert: str | None = None
     closed: bool = False
 
     @property

@@ -1,0 +1,149 @@
+"""The supervisor's side of spend (docs/pricing.md): where the rollups live, the spend metric families,
+and the ``/admin/spend`` report's reads.
+
+- The rollups' store is the quota backend's Valkey (embedded by default), else the managed keys'
+  ``auth.store``; without either there are no rollups (and ``/admin/spend`` answers 404).
+- ``SpendMetrics`` sums what the workers report (``spend_counts`` status messages: cumulative per
+  worker, folded into retired totals when a worker exits) and the alert sender's counts.
+- ``SpendReporter`` reads the rollups with its own client, made lazily on the supervisor's loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from gateway.config import Config
+from gateway.config_keys import managed_keys_enabled
+from gateway.process_protocol import SpendCounts
+from gateway.spend.report import SpendQuery, parse_query, spend_report
+from gateway.spend.rollups import DAY_S
+from gateway.spend.series import SpendSums
+from gateway.supervisor.keys import key_store_url_for
+from gateway.supervisor.quota_backend import EmbeddedQuotaBackend, quota_url_for
+from gateway.supervisor.spend_alerts import OUTCOMES, AlertSender
+
+log = logging.getLogger("gridgate.supervisor")
+
+UNPRICED_OUTCOMES = ("zero", "estimated", "rejected")
+
+
+def spend_store_url_for(config: Config, embedded: EmbeddedQuotaBackend) -> str | None:
+    """The rollups' store: the quota backend's Valkey, else ``auth.store``; None: rollups are off."""
+    if config.quota is not None:
+        return quota_url_for(config, embedded)
+    if managed_keys_enabled(config):
+        return key_store_url_for(config, embedded)
+    return None
+
+
+def budget_remaining(config: Config) -> dict[str, int]:
+    """TODO(spend budgets): nano-USD left per tenant in its USD budgets' current period, for
+    ``gridgate_budget_remaining_nanousd{tenant}``. The quota ledger's spend windows (``quota.rules[].spend``,
+    ``limits.spend``) are built apart; until the quota report exposes them, this hook has nothing to
+    read and the family has no samples."""
+    return {}
+
+
+class SpendMetrics:
+    """The spend families of ``/metrics``; a prometheus_client collector."""
+
+    def __init__(self, alerts: AlertSender, running_config: Callable[[], Config]) -> None:
+        self.sums = SpendSums()
+        self._alerts = alerts
+        self._running_config = running_config
+        self._worker_drops_live: dict[int, int] = {}  # alerts each worker's outbox dropped (cumulative)
+        self._worker_drops_retired = 0
+
+    def on_counts(self, pid: int, message: SpendCounts) -> None:
+        self.sums.update(pid, message.series)
+        if message.unpriced is not None:
+            self.sums.unpriced_live[pid] = message.unpriced
+        self._worker_drops_live[pid] = message.alerts_dropped
+
+    def worker_exited(self, pid: int) -> None:
+        self.sums.worker_exited(pid)
+        self._worker_drops_retired += self._worker_drops_live.pop(pid, 0)
+
+    def collect(self) -> Iterator[Any]:
+        per_key = self._running_config().pricing.metrics_per_key
+        labels = ["tenant", "model", "key"] if per_key else ["tenant", "model"]
+        spend = CounterMetricFamily("gridgate_spend_nanousd", "Spend at the served model's price, in nano-USD "
+                                    "(integer), per tenant and model (and key, with pricing.metrics_per_key).",
+                                    labels=labels)
+        folded: dict[tuple[str, ...], int] = {}
+        for (tenant, model, key), value in self.sums.totals():
+            name = (tenant, model, key or "-") if per_key else (tenant, model)
+            folded[name] = folded.get(name, 0) + value  # a series of the other form (before a reload)
+        for name, value in sorted(folded.items()):
+            spend.add_metric(list(name), value)
+        yield spend
+        unpriced = CounterMetricFamily("gridgate_unpriced_requests", "Requests of models without a price of "
+                                       "their own: charged nothing, priced as a relative, or rejected.",
+                                       labels=["outcome"])
+        for outcome, value in zip(UNPRICED_OUTCOMES, self.sums.unpriced(), strict=True):
+            unpriced.add_metric([outcome], value)
+        yield unpriced
+        deliveries = CounterMetricFamily("gridgate_spend_alert_deliveries", "Spend alerts posted to "
+                                         "pricing.alerts_webhook: delivered, failed (retries ran out), dropped "
+                                         "(queue full, or left at shutdown).", labels=["outcome"])
+        counts = self._alerts.counts
+        for outcome in OUTCOMES:
+            value = counts[outcome] + (self.worker_drops() if outcome == "dropped" else 0)
+            deliveries.add_metric([outcome], value)
+        yield deliveries
+        yield GaugeMetricFamily("gridgate_spend_alerts_queued", "Spend alerts waiting for the webhook.",
+                                self._alerts.queued)
+        remaining = GaugeMetricFamily("gridgate_budget_remaining_nanousd", "Nano-USD left in the tenant's USD "
+                                      "budgets' current period (the tightest one).", labels=["tenant"])
+        for tenant, value in sorted(budget_remaining(self._running_config()).items()):
+            remaining.add_metric([tenant], value)
+        yield remaining
+
+    def worker_drops(self) -> int:
+        return sum(self._worker_drops_live.values()) + self._worker_drops_retired
+
+
+class SpendReporter:
+    """``/admin/spend``'s reads, over its own client of the rollups' store (reconnects when it moves)."""
+
+    def __init__(self, running_config: Callable[[], Config], embedded: EmbeddedQuotaBackend,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._running_config = running_config
+        self._embedded = embedded
+        self._clock = clock
+        self._url: str | None = None
+        self._client: Any = None
+
+    def enabled(self) -> bool:
+        config = self._running_config()
+        return config.quota is not None or managed_keys_enabled(config)
+
+    def query(self, query: dict[str, list[str]]) -> SpendQuery:
+        """Raises ``gateway.spend.report.QueryProblem`` (400) for a bad parameter."""
+        return parse_query(query, int(self._clock() // DAY_S))
+
+    async def report(self, query: SpendQuery) -> dict[str, Any]:
+        """Raises the backend's errors (``gateway.quota.backend.BACKEND_ERRORS``: 503)."""
+        from gateway.quota.backend import create_client
+        from gateway.spend.store import read_rows
+
+        url = spend_store_url_for(self._running_config(), self._embedded)
+        if url != self._url:
+            await self.close()
+        if self._client is None:
+            self._client = create_client(url, timeout_s=5.0)  # type: ignore[arg-type]
+            self._url = url
+        return spend_report(query, await read_rows(self._client, query))
+
+    async def close(self) -> None:
+        if self._client is not None:
+            try:
+                await self._client.aclose()
+            except Exception:  # a client that failed closes as it can
+                pass
+        self._client = self._url = None
