@@ -18,7 +18,9 @@ import os
 import time
 from typing import Any
 
-from gateway.pricing.alerts import AlertOutbox, SpendAlert, install_outbox
+import msgspec
+
+from gateway.pricing.alerts import AlertOutbox, SpendAlert, install_outbox, publish_alert
 from gateway.pricing.book import PriceBook
 from gateway.pricing.table import shipped_table
 from gateway.process_protocol import SpendAlertReport, SpendCounts, encode_status, try_send_status
@@ -31,6 +33,9 @@ log = logging.getLogger("gridgate.worker")
 _time = time.time
 FLUSH_TIMEOUT_S = 5.0
 CLOSE_TIMEOUT_S = 3.0
+# Test-only: a JSON list of SpendAlert objects each worker publishes at its first tick, so the delivery
+# path (worker -> status pipe -> supervisor -> webhook) is tested before the ledger detects crossings.
+TEST_ALERTS_ENV = "GRIDGATE_TEST_SPEND_ALERTS"
 
 
 class SpendTracker:
@@ -54,6 +59,8 @@ class SpendTracker:
         self._dropped_sent = 0
         self._closed = False
         install_outbox(self.outbox)
+        test_alerts = os.environ.get(TEST_ALERTS_ENV)
+        self._test_alerts = msgspec.json.decode(test_alerts, type=list[SpendAlert]) if test_alerts else []
 
     @classmethod
     def from_config(cls, config: Any, status_fd: int | None, store_url: str | None) -> SpendTracker:
@@ -79,6 +86,10 @@ class SpendTracker:
     def tick(self) -> None:
         """Swap the batch out (its costs into the metrics; to the store in the background), resend the
         alerts the pipe could not take, and send the metric counters that changed."""
+        if self._test_alerts:
+            for alert in self._test_alerts:
+                publish_alert(alert)
+            self._test_alerts = []
         flushing = self._task is not None and not self._task.done()
         if self.batch.cells and not flushing and self._failed is None:
             batch, self.batch = self.batch, RollupBatch()

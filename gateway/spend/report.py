@@ -117,3 +117,22 @@ def _columns(counts: list[int]) -> dict[str, Any]:
     values: dict[str, Any] = dict(zip(COLUMNS, counts, strict=True))
     values["cost_usd"] = format_usd(counts[COLUMNS.index("cost_nusd")])
     return values
+
+
+TABLE_COLUMNS = (("requests", "requests"), ("prompt", "tokens_prompt"), ("cached", "tokens_cached"),
+                 ("completion", "tokens_completion"), ("reasoning", "tokens_reasoning"), ("cost_usd", "cost_usd"))
+
+
+def spend_table(report: dict[str, Any]) -> str:
+    """The report as an aligned table (``gridgate spend``): one line per group, the totals last; the
+    group column left-aligned, the numbers right-aligned."""
+    group = report["group_by"]
+    lines = [[group, *(title for title, _ in TABLE_COLUMNS)]]
+    lines += [[str(row[group]), *(str(row[name]) for _, name in TABLE_COLUMNS)] for row in report["data"]]
+    lines.append(["total", *(str(report["totals"][name]) for _, name in TABLE_COLUMNS)])
+    widths = [max(len(line[index]) for line in lines) for index in range(len(lines[0]))]
+    rule = "  ".join("-" * width for width in widths)
+    text = ["  ".join(cell.ljust(width) if index == 0 else cell.rjust(width)
+                      for index, (cell, width) in enumerate(zip(line, widths, strict=True))).rstrip()
+            for line in lines]
+    return "\n".join([*text[:-1], rule, text[-1]])

@@ -7,12 +7,14 @@ import datetime as dt
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import time
 from typing import Any
 
 import valkey
 
-from tests.harness import candidate, chat, envelope, metric_value, request
+from tests.harness import ROOT, candidate, chat, envelope, metric_value, request
 
 SPEND, VIEWER = "spend-reader-token", "keys-only-token"
 TOKENS = [
@@ -191,3 +193,32 @@ def test_a_store_that_is_down_answers_503(gateway_factory, providers, keys_store
     keys_store.stop()
     status, answer = spend(gateway)
     assert status == 503 and answer["error"]["code"] == "spend_store_unavailable"
+
+
+def test_gridgate_spend_prints_the_table_of_a_real_gateways_spend(gateway_factory, providers, keys_store):
+    gateway, path = spend_gateway(gateway_factory, providers, keys_store.url)
+    for key, model in (("sk-team-a-ci", "m"), ("sk-team-b", "n"), ("sk-team-b", "n")):
+        ask(gateway.port, key, model, cached=2, reasoning=1)
+    lines = lines_of(path, 3)
+    wait_spend(gateway, "", 3)
+    env = {**os.environ, "GRIDGATE_ADMIN_TOKEN": SPEND}
+    command = [sys.executable, "-m", "gateway", "spend", "-c", gateway.config_path, "--group-by", "tenant"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=30, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    title, header, *rows, rule, total = done.stdout.splitlines()
+    assert title.startswith("spend ") and title.endswith("by tenant")
+    assert header.split() == ["tenant", "requests", "prompt", "cached", "completion", "reasoning", "cost_usd"]
+    cost = {tenant: sum(line["cost_nusd"] for line in lines if line["tenant"] == tenant) for tenant in ("team-a", "team-b")}
+    assert [row.split()[:2] for row in rows] == [["team-a", "1"], ["team-b", "2"]]
+    assert [row.split()[3] for row in rows] == ["2", "4"]  # cached tokens
+    assert [row.split()[-1] for row in rows] == [f"{cost['team-a'] / 1e9:.9f}".rstrip("0"),
+                                                 f"{cost['team-b'] / 1e9:.9f}".rstrip("0")]
+    assert set(rule) == {"-", " "}
+    assert total.split()[:2] == ["total", "3"]
+    assert len({len(line) for line in (header, *rows, total)}) == 1  # aligned: numbers end in one column
+    # --json prints the API's answer; without the token's scope the command says why.
+    as_json = subprocess.run([*command, "--json"], capture_output=True, text=True, env=env, timeout=30, cwd=ROOT)
+    assert json.loads(as_json.stdout)["totals"]["requests"] == 3
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=30, cwd=ROOT,
+                             env={**env, "GRIDGATE_ADMIN_TOKEN": VIEWER})
+    assert refused.returncode == 1 and "403 insufficient_scope" in refused.stderr
