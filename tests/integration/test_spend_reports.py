@@ -222,3 +222,12 @@ def test_gridgate_spend_prints_the_table_of_a_real_gateways_spend(gateway_factor
     refused = subprocess.run(command, capture_output=True, text=True, timeout=30, cwd=ROOT,
                              env={**env, "GRIDGATE_ADMIN_TOKEN": VIEWER})
     assert refused.returncode == 1 and "403 insufficient_scope" in refused.stderr
+    # The plot tool reads the same report: a text chart with one bar per day that had spend.
+    plot = subprocess.run([sys.executable, "-m", "loadtest.spend_plot", "--admin", f"127.0.0.1:{gateway.admin_port}",
+                           "--text"], capture_output=True, text=True, env=env, timeout=30, cwd=ROOT)
+    assert plot.returncode == 0, plot.stderr
+    legend_b, legend_a, day_line = plot.stdout.splitlines()
+    assert (legend_b, legend_a) == ("A = team-b", "B = team-a")  # the dearest first
+    assert day_line.startswith(dt.datetime.now(dt.UTC).date().isoformat())
+    assert f"{(cost['team-a'] + cost['team-b']) / 1e9:.6f} USD" in day_line
+    assert set(day_line.split()[-1]) == {"A", "B"}
