@@ -186,3 +186,38 @@ def test_spend_messages_cross_the_status_pipe_and_a_full_pipe_says_so():
     finally:
         os.close(read_fd)
         os.close(write_fd)
+
+
+# ---------------------------------------------------------------------------------------------- alert sender
+
+
+def test_the_sender_backs_off_doubling_up_to_the_cap_then_counts_a_failure_and_bounds_its_queue():
+    import asyncio
+
+    from gateway.config_pricing import AlertsWebhook
+    from gateway.supervisor.spend_alerts import AlertSender, WebhookFailed
+
+    hook = AlertsWebhook(url="http://127.0.0.1:9/", retries=4, backoff=1.0, max_backoff=4.0)
+    pauses: list[float] = []
+    posted: list[bytes] = []
+
+    async def post(_hook: AlertsWebhook, body: bytes) -> int:
+        posted.append(body)
+        if len(posted) <= 5:  # the first alert's five attempts fail
+            raise WebhookFailed("connection refused")
+        return 200
+
+    async def sleep(seconds: float) -> None:
+        pauses.append(seconds)
+
+    async def scenario() -> AlertSender:
+        sender = AlertSender(lambda: hook, post=post, sleep=sleep, queue_size=2)
+        for budget in ("a", "b", "c"):
+            sender.submit(SpendAlert("t", "tenant", budget, "p", 0.5, 1, 2))
+        await sender._task  # type: ignore[misc]
+        return sender
+
+    sender = asyncio.run(scenario())
+    assert pauses == [1.0, 2.0, 4.0, 4.0]
+    assert sender.counts == {"delivered": 1, "failed": 1, "dropped": 1}
+    assert b'"budget":"b"' in posted[-1] and b'"type":"gridgate.spend_alert"' in posted[-1]
