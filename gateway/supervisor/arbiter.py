@@ -56,7 +56,7 @@ from gateway.supervisor.policy import SIGNAL_ACTIONS, TICK, WAKE
 from gateway.supervisor.quota_backend import EmbeddedQuotaBackend, ReservationSweeper, quota_url_for
 from gateway.supervisor.readiness import Readiness
 from gateway.supervisor.reload import GenerationSwap
-from gateway.supervisor.spend import SpendMetrics, SpendReporter, spend_store_url_for
+from gateway.supervisor.spend import BudgetRemaining, SpendMetrics, SpendReporter, spend_store_url_for
 from gateway.supervisor.spend_alerts import AlertSender
 from gateway.supervisor.startup import (
     RunOverrides,
@@ -119,6 +119,7 @@ class Arbiter:
         self._alerts: AlertSender
         self._spend_metrics: SpendMetrics
         self._spend_reporter: SpendReporter
+        self._budgets: BudgetRemaining
 
     # ------------------------------------------------------------------ running
 
@@ -172,7 +173,8 @@ class Arbiter:
         self._quota_reporter = QuotaReporter()
         running = lambda: self._swap.config  # noqa: E731 - the swap exists once _compose returns
         self._alerts = AlertSender(lambda: running().pricing.webhook)
-        self._spend_metrics = SpendMetrics(self._alerts, running)
+        self._budgets = BudgetRemaining(running, self._quota_backend, self._quota_reporter)
+        self._spend_metrics = SpendMetrics(self._alerts, running, self._budgets)
         self._spend_reporter = SpendReporter(running, self._quota_backend)
         self._admin = AdminServer(AdminApp(
             SupervisorAdminSources(self._readiness, lambda: self._swap.config, self._segment,
@@ -243,6 +245,7 @@ class Arbiter:
             await self._reservation_sweeper.close()
             await self._quota_reporter.close()
             await self._spend_reporter.close()
+            await self._budgets.close()
             await self._alerts.close()
         if self._fatal:
             raise StartupError(self._fatal)

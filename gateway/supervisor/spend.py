@@ -4,12 +4,14 @@ and the ``/admin/spend`` report's reads.
 - The rollups' store is the quota backend's Valkey (embedded by default), else the managed keys'
   ``auth.store``; without either there are no rollups (and ``/admin/spend`` answers 404).
 - ``SpendMetrics`` sums what the workers report (``spend_counts`` status messages: cumulative per
-  worker, folded into retired totals when a worker exits) and the alert sender's counts.
+  worker, folded into retired totals when a worker exits) and the alert sender's counts;
+  ``BudgetRemaining`` reads what is left of each tenant's USD budgets from the quota report.
 - ``SpendReporter`` reads the rollups with its own client, made lazily on the supervisor's loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -20,9 +22,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from gateway.config import Config
 from gateway.config_keys import managed_keys_enabled
 from gateway.process_protocol import SpendCounts
+from gateway.quota.counters import configured_tenants
 from gateway.spend.report import SpendQuery, parse_query, spend_report
 from gateway.spend.rollups import DAY_S
-from gateway.spend.series import SpendSums
+from gateway.spend.series import MAX_TENANTS, SpendSums
 from gateway.supervisor.keys import key_store_url_for
 from gateway.supervisor.quota_backend import EmbeddedQuotaBackend, quota_url_for
 from gateway.supervisor.spend_alerts import OUTCOMES, AlertSender
@@ -41,19 +44,70 @@ def spend_store_url_for(config: Config, embedded: EmbeddedQuotaBackend) -> str |
     return None
 
 
-def budget_remaining(config: Config) -> dict[str, int]:
-    """TODO(spend budgets): nano-USD left per tenant in its USD budgets' current period, for
-    ``gridgate_budget_remaining_nanousd{tenant}``. The quota ledger's spend windows (``quota.rules[].spend``,
-    ``limits.spend``) are built apart; until the quota report exposes them, this hook has nothing to
-    read and the family has no samples."""
-    return {}
+def tightest_remaining(report: dict[str, Any]) -> int | None:
+    """The nano-USD left in the tightest USD budget of the rules in a ``/admin/quota`` report (their
+    ``spend`` entries' ``remaining_nusd``, this period); None when no rule of the tenant has one. Keys'
+    own budgets are per key, not the tenant's, and are left out."""
+    left = [item["remaining_nusd"] for entry in report.get("rules", ()) for item in entry.get("spend", ())
+            if isinstance(item.get("remaining_nusd"), int)]
+    return min(left) if left else None
+
+
+class BudgetRemaining:
+    """``gridgate_budget_remaining_nanousd{tenant}``: read from the quota report of each configured tenant
+    (``QuotaReporter``, the supervisor's ledger client), refreshed in the background at most every
+    ``REFRESH_S`` while somebody scrapes; a scrape returns the last values and never waits on Valkey."""
+
+    REFRESH_S = 10.0
+
+    def __init__(self, running_config: Callable[[], Config], embedded: EmbeddedQuotaBackend,
+                 reporter: Any, clock: Callable[[], float] = time.monotonic) -> None:
+        self._running_config = running_config
+        self._embedded = embedded
+        self._reporter = reporter  # gateway.admin.quota.QuotaReporter
+        self._clock = clock
+        self._values: dict[str, int] = {}
+        self._refreshed = -self.REFRESH_S
+        self._task: asyncio.Task[None] | None = None
+
+    def values(self) -> dict[str, int]:
+        """The last values; starts a refresh when they are older than ``REFRESH_S``."""
+        now = self._clock()
+        config = self._running_config()
+        if config.quota is None:
+            self._values = {}
+        elif now - self._refreshed >= self.REFRESH_S and (self._task is None or self._task.done()):
+            self._refreshed = now
+            self._task = asyncio.get_running_loop().create_task(self._refresh(config))
+        return self._values
+
+    async def _refresh(self, config: Config) -> None:
+        from gateway.admin.pages import ReportUnavailable
+
+        url = quota_url_for(config, self._embedded)
+        assert url is not None and config.quota is not None
+        values: dict[str, int] = {}
+        for tenant in configured_tenants(config)[:MAX_TENANTS]:
+            try:
+                left = tightest_remaining(await self._reporter.report(url, config.quota, tenant, config.auth))
+            except ReportUnavailable:
+                return  # the ledger is down: keep the last values until it answers again
+            if left is not None:
+                values[tenant] = left
+        self._values = values
+
+    async def close(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
 
 
 class SpendMetrics:
     """The spend families of ``/metrics``; a prometheus_client collector."""
 
-    def __init__(self, alerts: AlertSender, running_config: Callable[[], Config]) -> None:
+    def __init__(self, alerts: AlertSender, running_config: Callable[[], Config],
+                 budgets: BudgetRemaining | None = None) -> None:
         self.sums = SpendSums()
+        self._budgets = budgets
         self._alerts = alerts
         self._running_config = running_config
         self._worker_drops_live: dict[int, int] = {}  # alerts each worker's outbox dropped (cumulative)
@@ -100,7 +154,8 @@ class SpendMetrics:
                                 self._alerts.queued)
         remaining = GaugeMetricFamily("gridgate_budget_remaining_nanousd", "Nano-USD left in the tenant's USD "
                                       "budgets' current period (the tightest one).", labels=["tenant"])
-        for tenant, value in sorted(budget_remaining(self._running_config()).items()):
+        values = {} if self._budgets is None else self._budgets.values()
+        for tenant, value in sorted(values.items()):
             remaining.add_metric([tenant], value)
         yield remaining
 

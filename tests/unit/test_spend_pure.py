@@ -221,3 +221,15 @@ def test_the_sender_backs_off_doubling_up_to_the_cap_then_counts_a_failure_and_b
     assert pauses == [1.0, 2.0, 4.0, 4.0]
     assert sender.counts == {"delivered": 1, "failed": 1, "dropped": 1}
     assert b'"budget":"b"' in posted[-1] and b'"type":"gridgate.spend_alert"' in posted[-1]
+
+
+def test_the_tightest_rule_budget_of_a_quota_report_is_what_remains_for_the_tenant():
+    from gateway.supervisor.spend import tightest_remaining
+
+    report = {"tenant": "team-a", "rules": [
+        {"rule": "daily", "spend": [{"usd": "$5.00", "period": "1d", "remaining_nusd": 3_000_000_000},
+                                    {"usd": "$100.00", "period": "1mo", "remaining_nusd": 1_500_000_000}]},
+        {"rule": "tokens-only", "windows": []}],
+        "keys": [{"key": "ci", "spend": [{"remaining_nusd": 1}]}]}  # a key's budget is not the tenant's
+    assert tightest_remaining(report) == 1_500_000_000
+    assert tightest_remaining({"tenant": "t", "rules": [{"rule": "r", "windows": []}], "keys": []}) is None
