@@ -71,8 +71,8 @@ class SpendTracker:
     def count(self, record: RequestRecord) -> None:
         """A closed request that reached a provider goes into the day's rollup (priced or not)."""
         model = record.served
-        if model is None or not record.reached_provider:
-            return
+        if model is None or not record.reached_provider or (self._store_url is None and not record.cost_nusd):
+            return  # without a store only a cost is worth counting (the metric)
         exchange = record.exchange
         admitted = None if exchange is None else exchange.admitted
         identity = None if admitted is None else admitted.key
