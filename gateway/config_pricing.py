@@ -41,6 +41,7 @@ class PriceOverride(StrictStruct):
 
 
 MAX_WEBHOOK_HEADERS = 32
+_FRAMING_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "content-type"})
 
 
 class AlertsWebhook(StrictStruct):
@@ -66,8 +67,10 @@ class AlertsWebhook(StrictStruct):
         for name, value in self.headers.items():
             if not name or not all(c.isalnum() or c in "-_" for c in name):
                 raise ValueError(f"headers: {name!r} is not a header name")
+            if name.lower() in _FRAMING_HEADERS:
+                raise ValueError(f"headers: {name} is set by the gateway")
             if any(c in value for c in "\r\n\0"):
-                raise ValueError(f"headers.{name}: must not hold CR, LF or NUL")
+                raise ValueError(f"headers: the value of {name} must not hold CR, LF or NUL")
 
 
 def webhook_url_problem(url: str) -> str | None:

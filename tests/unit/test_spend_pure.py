@@ -233,3 +233,38 @@ def test_the_tightest_rule_budget_of_a_quota_report_is_what_remains_for_the_tena
         "keys": [{"key": "ci", "spend": [{"remaining_nusd": 1}]}]}  # a key's budget is not the tenant's
     assert tightest_remaining(report) == 1_500_000_000
     assert tightest_remaining({"tenant": "t", "rules": [{"rule": "r", "windows": []}], "keys": []}) is None
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(("pricing", "problem"), [
+    ("{alerts_webhook: ftp://hooks.example.com/x}", "pricing.alerts_webhook: must be an http:// or https:// URL"),
+    ("{alerts_webhook: 'http:///x'}", "pricing.alerts_webhook: names no host"),
+    ("{alerts_webhook: {url: 'https://h:99999/'}}", "pricing.alerts_webhook.url: has an invalid port"),
+    ("{alerts_webhook: {url: 'https://h/', retries: -1}}", "pricing.alerts_webhook.retries: must be >= 0"),
+    ("{alerts_webhook: {url: 'https://h/', backoff: 0ms}}", "pricing.alerts_webhook.backoff: must be >= 1ms"),
+    ("{alerts_webhook: {url: 'https://h/', headers: {Host: evil}}}",
+     "pricing.alerts_webhook.headers: Host is set by the gateway"),
+    ("{alerts_webhook: {url: 'https://h/', headers: {X-A: \"a\\r\\nb\"}}}",
+     "pricing.alerts_webhook.headers: the value of X-A must not hold CR, LF or NUL"),
+    ("{alerts_webhook: {url: 'https://h/', colour: red}}", "pricing.alerts_webhook.colour: unknown key"),
+    ("{metrics_per_key: maybe}", "pricing.metrics_per_key: expected true or false"),
+])
+def test_a_bad_webhook_or_metrics_setting_is_an_error_naming_the_field(pricing, problem):
+    from gateway.config import ConfigError, parse_config
+
+    base = 'clusters: [{name: a, endpoints: ["127.0.0.1:9001"]}]\nrouting: {overlay_file: o.json}\n'
+    with pytest.raises(ConfigError) as caught:
+        parse_config(base + f"pricing: {pricing}\n")
+    assert caught.value.problems[0].startswith(problem), caught.value.problems
+
+
+def test_a_webhook_url_alone_takes_the_defaults():
+    from gateway.config import parse_config
+
+    config = parse_config('clusters: [{name: a, endpoints: ["127.0.0.1:9001"]}]\nrouting: {overlay_file: o.json}\n'
+                          "pricing: {alerts_webhook: 'https://hooks.example.com/gg'}\n")
+    hook = config.pricing.webhook
+    assert (hook.url, hook.timeout, hook.retries, hook.backoff, hook.max_backoff, hook.headers) == (
+        "https://hooks.example.com/gg", 5.0, 8, 1.0, 60.0, {})
