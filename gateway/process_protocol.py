@@ -113,11 +113,14 @@ class SpendAlertReport(msgspec.Struct, tag="spend_alert", tag_field="kind", froz
 class SpendCounts(msgspec.Struct, tag="spend_counts", tag_field="kind", frozen=True, omit_defaults=True):
     """The worker's spend counters that changed (cumulative for its life: a lost message loses nothing):
     ``series`` as (tenant, model, key or "", nano-USD); ``unpriced`` the price book's counts (zero,
-    estimated, rejected); ``alerts_dropped`` alerts its outbox could not keep."""
+    estimated, rejected); ``alerts_dropped`` alerts its outbox could not keep; ``rollups_dropped``
+    requests not rolled up (its batch was full), ``rollup_flushes_failed`` flushes the store refused."""
 
     series: list[tuple[str, str, str, int]] = []
     unpriced: tuple[int, int, int] | None = None
     alerts_dropped: int = 0
+    rollups_dropped: int = 0
+    rollup_flushes_failed: int = 0
 
 
 StatusMessage = Ready | Heartbeat | OverlayRejected | Draining | SpendAlertReport | SpendCounts

@@ -56,7 +56,7 @@ class SpendTracker:
         self._flush_prefix = os.urandom(6).hex()
         self._flushes = 0
         self._unpriced_sent: tuple[int, int, int] | None = None
-        self._dropped_sent = 0
+        self._dropped_sent = (0, 0, 0)
         self._closed = False
         install_outbox(self.outbox)
         test_alerts = os.environ.get(TEST_ALERTS_ENV)
@@ -128,7 +128,7 @@ class SpendTracker:
             return
         counts = self.book.counts
         unpriced = (counts.zero, counts.estimated, counts.rejected)
-        dropped = self.outbox.dropped
+        dropped = (self.outbox.dropped, self.cells_dropped, self.flushes_failed)
         series = self.counters.changed()
         if not series and unpriced == self._unpriced_sent and dropped == self._dropped_sent:
             return
@@ -145,7 +145,8 @@ class SpendTracker:
             size += entry_size
         chunks.append(chunk)
         for index, part in enumerate(chunks):
-            message = SpendCounts(series=part, unpriced=unpriced, alerts_dropped=dropped)
+            message = SpendCounts(series=part, unpriced=unpriced, alerts_dropped=dropped[0], rollups_dropped=dropped[1],
+                                  rollup_flushes_failed=dropped[2])
             if encode_status(message) is None:  # a series too long to send (names of kilobytes): skip it
                 continue
             if not try_send_status(fd, message):

@@ -23,9 +23,9 @@ class SpendAlert(msgspec.Struct, frozen=True):
     ``period_start`` the start of the budget's period (RFC 3339)."""
 
     tenant: str
-    scope: str
-    budget: str
-    period_start: str
+    scope: str  # "rule team-a" | "key <kid or alias>"
+    budget: str  # "$5.00/1d"
+    period_start: str  # RFC 3339
     threshold: float
     spent_nusd: int
     limit_nusd: int

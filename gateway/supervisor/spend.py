@@ -110,18 +110,20 @@ class SpendMetrics:
         self._budgets = budgets
         self._alerts = alerts
         self._running_config = running_config
-        self._worker_drops_live: dict[int, int] = {}  # alerts each worker's outbox dropped (cumulative)
-        self._worker_drops_retired = 0
+        # Per worker pid, cumulative: alerts its outbox dropped, requests not rolled up, failed flushes.
+        self._worker_losses: dict[int, tuple[int, int, int]] = {}
+        self._retired_losses = (0, 0, 0)
 
     def on_counts(self, pid: int, message: SpendCounts) -> None:
         self.sums.update(pid, message.series)
         if message.unpriced is not None:
             self.sums.unpriced_live[pid] = message.unpriced
-        self._worker_drops_live[pid] = message.alerts_dropped
+        self._worker_losses[pid] = (message.alerts_dropped, message.rollups_dropped, message.rollup_flushes_failed)
 
     def worker_exited(self, pid: int) -> None:
         self.sums.worker_exited(pid)
-        self._worker_drops_retired += self._worker_drops_live.pop(pid, 0)
+        losses = self._worker_losses.pop(pid, (0, 0, 0))
+        self._retired_losses = tuple(a + b for a, b in zip(self._retired_losses, losses, strict=True))  # type: ignore[assignment]
 
     def collect(self) -> Iterator[Any]:
         per_key = self._running_config().pricing.metrics_per_key
@@ -146,10 +148,14 @@ class SpendMetrics:
                                          "pricing.alerts_webhook: delivered, failed (retries ran out), dropped "
                                          "(queue full, or left at shutdown).", labels=["outcome"])
         counts = self._alerts.counts
+        alerts_dropped, rollups_dropped, flushes_failed = self.worker_losses()
         for outcome in OUTCOMES:
-            value = counts[outcome] + (self.worker_drops() if outcome == "dropped" else 0)
-            deliveries.add_metric([outcome], value)
+            deliveries.add_metric([outcome], counts[outcome] + (alerts_dropped if outcome == "dropped" else 0))
         yield deliveries
+        yield CounterMetricFamily("gridgate_spend_rollups_dropped", "Requests not rolled up: a worker's batch was "
+                                  "full while the store was down.", rollups_dropped)
+        yield CounterMetricFamily("gridgate_spend_rollup_flush_failures", "Rollup flushes the store did not take "
+                                  "(each is tried again a second later).", flushes_failed)
         yield GaugeMetricFamily("gridgate_spend_alerts_queued", "Spend alerts waiting for the webhook.",
                                 self._alerts.queued)
         remaining = GaugeMetricFamily("gridgate_budget_remaining_nanousd", "Nano-USD left in the tenant's USD "
@@ -159,8 +165,11 @@ class SpendMetrics:
             remaining.add_metric([tenant], value)
         yield remaining
 
-    def worker_drops(self) -> int:
-        return sum(self._worker_drops_live.values()) + self._worker_drops_retired
+    def worker_losses(self) -> tuple[int, int, int]:
+        summed = self._retired_losses
+        for losses in self._worker_losses.values():
+            summed = tuple(a + b for a, b in zip(summed, losses, strict=True))  # type: ignore[assignment]
+        return summed
 
 
 class SpendReporter:

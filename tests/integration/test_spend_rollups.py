@@ -81,11 +81,13 @@ def test_rollups_wait_out_a_store_outage_in_the_workers(gateway_factory, provide
     for _ in range(3):
         ask(gateway.port, key, "m")
     time.sleep(2.5)  # flushes fail meanwhile, and are kept
+    assert metric_value(gateway.admin_port, "gridgate_spend_rollup_flush_failures_total") >= 1
     keys_store.restart()
     deadline = time.monotonic() + 15
     while stored_requests(keys_store.url, "team-o") < 4 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert stored_requests(keys_store.url, "team-o") == 4
+    assert metric_value(gateway.admin_port, "gridgate_spend_rollups_dropped_total") == 0
 
 
 def test_spend_metrics_survive_a_worker_killed(gateway_factory, providers, keys_store):
