@@ -16,7 +16,7 @@ from typing import Any
 
 from tests.harness import candidate, envelope, free_port, metric_value
 
-ALERT = {"tenant": "team-a", "scope": "tenant", "budget": "daily-usd", "period_start": "2026-12-01T00:00:00Z",
+ALERT = {"tenant": "team-a", "scope": "rule team-a", "budget": "$10.00/1d", "period_start": "2026-12-01T00:00:00Z",
          "threshold": 0.8, "spent_nusd": 8_000_000_000, "limit_nusd": 10_000_000_000}
 
 
@@ -102,7 +102,7 @@ def test_a_webhook_down_for_a_while_gets_the_alert_after_retries(gateway_factory
         assert wait_for(lambda: hook.attempts >= 2)
         hook.status = 200
         assert wait_for(lambda: len(hook.received) == 2)
-        assert [entry["body"]["budget"] for entry in hook.received] == ["daily-usd", "daily-usd"]
+        assert [entry["body"]["budget"] for entry in hook.received] == ["$10.00/1d", "$10.00/1d"]
         assert wait_for(lambda: deliveries(gateway, "delivered") == 2)
         assert deliveries(gateway, "failed") == 0
     finally:
