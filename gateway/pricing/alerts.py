@@ -59,6 +59,10 @@ class AlertOutbox:
 
 
 _outbox: AlertOutbox | None = None
+# The last alerts this process published (at most ``PUBLISHED_KEPT``; oldest first): for logs of a
+# worker run on its own, and for tests that drive the quota gate without a supervisor.
+published: list[SpendAlert] = []
+PUBLISHED_KEPT = 256
 
 
 def install_outbox(outbox: AlertOutbox | None) -> None:
@@ -69,6 +73,9 @@ def install_outbox(outbox: AlertOutbox | None) -> None:
 
 def publish_alert(alert: SpendAlert) -> None:
     """Report a threshold crossing to the supervisor; never blocks, never raises."""
+    published.append(alert)
+    if len(published) > PUBLISHED_KEPT:
+        del published[:PUBLISHED_KEPT // 2]
     outbox = _outbox
     if outbox is not None:
         outbox.put(alert)

@@ -268,3 +268,19 @@ def test_a_webhook_url_alone_takes_the_defaults():
     hook = config.pricing.webhook
     assert (hook.url, hook.timeout, hook.retries, hook.backoff, hook.max_backoff, hook.headers) == (
         "https://hooks.example.com/gg", 5.0, 8, 1.0, 60.0, {})
+
+
+def test_published_alerts_go_to_the_installed_outbox_and_the_last_ones_are_kept():
+    from gateway.pricing import alerts
+
+    taken: list[SpendAlert] = []
+    alerts.published.clear()
+    alerts.install_outbox(AlertOutbox(lambda alert: taken.append(alert) is None))
+    try:
+        for index in range(alerts.PUBLISHED_KEPT + 1):
+            alerts.publish_alert(SpendAlert("t", "rule r", f"b{index}", "p", 0.5, 1, 2))
+    finally:
+        alerts.install_outbox(None)
+    assert len(taken) == alerts.PUBLISHED_KEPT + 1
+    assert len(alerts.published) == alerts.PUBLISHED_KEPT // 2 + 1 and alerts.published[-1].budget == "b256"
+    alerts.published.clear()
