@@ -195,6 +195,26 @@ def _list_keys(client, args: argparse.Namespace) -> tuple[dict, str]:
     return {"object": "list", "data": rows, "next_cursor": cursor}, table(rows)
 
 
+def cmd_spend(args: argparse.Namespace) -> int:
+    """spend: the admin API's spend report (``GET /admin/spend``) as a table, or its JSON."""
+    from gateway.keys.admin_client import AdminCallFailed
+    from gateway.spend.report import spend_table
+
+    client = _admin_client(args)
+    try:
+        answer = client.call("GET", "/admin/spend", query={
+            "tenant": args.tenant, "kid": args.kid, "model": args.model, "from": args.from_day, "to": args.to_day,
+            "group_by": args.group_by})
+    except AdminCallFailed as exc:
+        raise CommandError(f"spend: {exc}") from None
+    if args.json:
+        print(json.dumps(answer, indent=2))
+    else:
+        print(f"spend {answer['from']} .. {answer['to']} (UTC days), by {answer['group_by']}")
+        print(spend_table(answer))
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------- parser
 
 
@@ -263,6 +283,22 @@ def build_parser() -> argparse.ArgumentParser:
                      "Paste the output into auth.keys[].key; the key itself never goes into the config.")
     hash_.set_defaults(handler=cmd_keys_hash)
     _keys_admin_commands(keys_commands)
+
+    spend = _command(commands, "spend", "print what was spent, from the daily rollups",
+                     "Reads the admin API's GET /admin/spend (scope spend:read; the token from "
+                     "GRIDGATE_ADMIN_TOKEN) and prints one line per day, model, key or tenant, the totals last.")
+    spend.add_argument("-c", "--config", metavar="FILE", help="gateway config: the admin API is its admin.listen")
+    spend.add_argument("--admin", metavar="HOST:PORT", help="the admin API's address (default: from -c, else "
+                       "127.0.0.1:9901)")
+    spend.add_argument("--tenant", help="only this tenant")
+    spend.add_argument("--kid", help="only this key: a kid, a YAML key's alias, or - (no key)")
+    spend.add_argument("--model", help="only this served model")
+    spend.add_argument("--from", dest="from_day", metavar="YYYY-MM-DD", help="first UTC day (default: 29 days "
+                       "before --to)")
+    spend.add_argument("--to", dest="to_day", metavar="YYYY-MM-DD", help="last UTC day (default: today)")
+    spend.add_argument("--group-by", default="day", choices=["day", "model", "key", "tenant"])
+    spend.add_argument("--json", action="store_true", help="print the API's JSON answer (for scripts)")
+    spend.set_defaults(handler=cmd_spend)
     return parser
 
 

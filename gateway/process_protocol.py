@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import msgspec
 
 from gateway.config import Config
+from gateway.pricing.alerts import SpendAlert
 from shm.keys import KeyTable
 from shm.segment import Segment
 
@@ -71,6 +72,9 @@ class WorkerContext:
     # The host's managed-key table (shm.keys), created before the first fork; None: managed keys are
     # off (no store configured at start) or a worker runs on its own. Read it with gateway.keys.lookup.
     key_table: KeyTable | None = None
+    # Where the daily spend rollups go (docs/pricing.md): the quota backend's Valkey, else the managed
+    # keys' ``auth.store``; None: rollups are off (no store configured).
+    spend_url: str | None = None
 
 
 # ---------------------------------------------------------------------------------------- status messages
@@ -100,7 +104,26 @@ class Draining(msgspec.Struct, tag="draining", tag_field="kind", frozen=True):
     """Stopped accepting; finishing the requests in flight."""
 
 
-StatusMessage = Ready | Heartbeat | OverlayRejected | Draining
+class SpendAlertReport(msgspec.Struct, tag="spend_alert", tag_field="kind", frozen=True):
+    """A spend threshold was crossed (gateway/pricing/alerts.py): the supervisor posts it to the webhook."""
+
+    alert: SpendAlert
+
+
+class SpendCounts(msgspec.Struct, tag="spend_counts", tag_field="kind", frozen=True, omit_defaults=True):
+    """The worker's spend counters that changed (cumulative for its life: a lost message loses nothing):
+    ``series`` as (tenant, model, key or "", nano-USD); ``unpriced`` the price book's counts (zero,
+    estimated, rejected); ``alerts_dropped`` alerts its outbox could not keep; ``rollups_dropped``
+    requests not rolled up (its batch was full), ``rollup_flushes_failed`` flushes the store refused."""
+
+    series: list[tuple[str, str, str, int]] = []
+    unpriced: tuple[int, int, int] | None = None
+    alerts_dropped: int = 0
+    rollups_dropped: int = 0
+    rollup_flushes_failed: int = 0
+
+
+StatusMessage = Ready | Heartbeat | OverlayRejected | Draining | SpendAlertReport | SpendCounts
 
 PIPE_BUF = select.PIPE_BUF
 _REASON_LIMIT = 1024  # an overlay rejection reason is cut to this many characters if it would not fit
@@ -123,13 +146,22 @@ def encode_status(message: StatusMessage) -> bytes | None:
 
 def send_status(fd: int, message: StatusMessage) -> None:
     """Write one message to the status pipe; never blocks, never raises (a full or closed pipe drops it)."""
+    try_send_status(fd, message)
+
+
+def try_send_status(fd: int, message: StatusMessage) -> bool:
+    """``send_status`` that says whether the message is done with: False only when the pipe is full now
+    (the caller may send it again later); a message too large or a closed pipe count as done."""
     data = encode_status(message)
     if data is None:
-        return
+        return True
     try:
         os.write(fd, data)
-    except OSError:  # BlockingIOError (full), BrokenPipeError (supervisor gone), EBADF
+    except BlockingIOError:
+        return False
+    except OSError:  # BrokenPipeError (supervisor gone), EBADF
         pass
+    return True
 
 
 class StatusReader:

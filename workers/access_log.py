@@ -80,6 +80,12 @@ class AccessLine(msgspec.Struct, omit_defaults=True, gc=False):
     fallback_hops: int = 0
     fallback_reasons: list[str] | None = None
     fallback_skipped: int = 0
+    # Spend (docs/pricing.md): the request's cost in nano-USD at the served model's price, the cached
+    # and reasoning parts of its usage, and a budget threshold it crossed; present when known.
+    cost_nusd: int | None = None
+    tokens_cached: int | None = None
+    tokens_reasoning: int | None = None
+    spend_alert: str | None = None
 
 
 _NO_ROUTE = (None, None, None, None, None, None)
@@ -203,6 +209,12 @@ class AccessLog:
                 line.requested_model, line.served_model = entry.requested_model, entry.served
                 line.fallback_hops, line.fallback_reasons = entry.fallback_hops, entry.fallback_reasons
                 line.fallback_skipped = entry.fallback_skipped
+            cost = entry.cost_nusd
+            if cost is not None:  # priced: the served model (an alias's target, or a chain's) and the parts
+                line.served_model, line.cost_nusd = entry.served, cost
+                line.tokens_cached, line.tokens_reasoning = entry.tokens_cached, entry.tokens_reasoning
+            if entry.spend_alert is not None:
+                line.spend_alert = entry.spend_alert
             encode_into(line, buffer, -1)
             buffer.append(10)  # "\n"
         writer.trim(start)

@@ -24,6 +24,7 @@ from workers.head_gate import HeadRefusal
 from workers.providers import Endpoint, ProviderStates
 from workers.request_cost import attempts_cost
 from workers.request_record import RequestRecord
+from workers.spend_tracker import SpendTracker
 
 _monotonic = time.monotonic
 _ATTEMPTS = tuple((b"x-gridgate-attempts", b"%d" % n) for n in range(64))
@@ -50,11 +51,12 @@ class Outcomes:
     """One per worker: the end of every request the proxy handled, and the answers it makes itself."""
 
     __slots__ = ("quota", "metrics", "access_log", "providers", "cooling", "route_headers", "prices",
-                 "reject_unpriced")
+                 "reject_unpriced", "spend")
 
     def __init__(self, quota: QuotaGate | None, metrics: WorkerMetrics, access_log: AccessLog,
                  providers: ProviderStates, cooling: Cooling, route_headers: bool,
-                 prices: PriceBook | None = None) -> None:
+                 prices: PriceBook | None = None, spend: SpendTracker | None = None) -> None:
+        self.spend = spend  # rollups and spend metrics (docs/pricing.md); None: a test's bare outcomes
         self.quota = quota
         self.prices = prices  # None: requests are not priced (cost_nusd stays None)
         # ``pricing.unpriced: reject``: the proxy asks ``prices.admits`` before a request leaves
@@ -91,6 +93,9 @@ class Outcomes:
                 self.quota.settle(admission, *self._charge(record, result, served), cost_nusd=record.cost_nusd)
             else:  # it never reached a provider: nothing is charged, and its request slots go back too
                 self.quota.settle(admission, 0, reached=False)
+        spend = self.spend
+        if spend is not None:  # the day's rollups and the spend metrics (docs/pricing.md)
+            spend.count(record)
         if record.trace is not None:  # its spans end and go to the exporter's queue (docs/tracing.md)
             record.trace.end(record, result)
         self.access_log.record(record)

@@ -49,6 +49,7 @@ from workers.providers import ProviderStates
 from workers.proxy import Proxy
 from workers.proxy_settings import ProxySettings
 from workers.server import ServerSettings, ServerState
+from workers.spend_tracker import SpendTracker
 from workers.tracing import TRACE_HEADERS, Tracer
 
 log = logging.getLogger("gridgate.worker")
@@ -87,6 +88,7 @@ class RequestPath:
     outcomes: Outcomes
     proxy: Proxy
     tracer: Tracer | None = None  # tracing configured (docs/tracing.md)
+    spend: SpendTracker | None = None  # rollups, spend metrics, alerts (docs/pricing.md)
 
     @classmethod
     async def build(cls, ctx: WorkerContext, segment: Segment, row: WorkerRow) -> RequestPath:
@@ -121,13 +123,17 @@ class RequestPath:
         quota = await _quota_gate(ctx, prices)
         access_log = AccessLog.from_config(config)
         settings = ProxySettings.from_config(config)
-        outcomes = Outcomes(quota, metrics, access_log, providers, settings.cooling, settings.route_headers, prices)
+        spend = SpendTracker.from_config(config, ctx.status_fd if ctx.status_fd >= 0 else None, ctx.spend_url,
+                                         prices)
+        outcomes = Outcomes(quota, metrics, access_log, providers, settings.cooling, settings.route_headers, prices,
+                            spend)
         tracer = Tracer.from_config(config)
         proxy = Proxy(settings=settings, tenants=TenantPolicies(config.tenants), overlay=overlay, router=router,
                       clusters=clusters, providers=providers, quota=quota, metrics=metrics, outcomes=outcomes,
                       tracer=tracer)
         return cls(config, metrics, overlay, clusters, providers, router, quota, access_log,
-                   _head_gate(config, clusters, settings, provider_index, ctx.key_table), outcomes, proxy, tracer)
+                   _head_gate(config, clusters, settings, provider_index, ctx.key_table), outcomes, proxy, tracer,
+                   spend)
 
     def server_state(self) -> ServerState:
         """The per-worker server state that hands this path every request: the head gate decides on each
@@ -151,6 +157,8 @@ class RequestPath:
         metrics.publish_access_log(self.access_log.dropped)
         if self.tracer is not None:
             metrics.publish_trace_drops(self.tracer.exporter.dropped)
+        if self.spend is not None:  # rollups to the store, spend counters and alerts to the supervisor
+            self.spend.tick()
 
     async def close(self) -> None:
         """Pools, the quota gate (its queued settlements first) and the access log (its last lines)."""
@@ -158,6 +166,8 @@ class RequestPath:
         if self.quota is not None:
             await self.quota.close()
         await self.access_log.close()
+        if self.spend is not None:  # the last rollups (bounded wait)
+            await self.spend.close()
         if self.tracer is not None:  # its queued spans go out first (bounded by the export timeout)
             await asyncio.get_running_loop().run_in_executor(None, self.tracer.exporter.close)
         self.publish_counters()  # the last settlements and log lines, before the row is retired

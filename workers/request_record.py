@@ -86,6 +86,7 @@ class RequestRecord(msgspec.Struct, gc=False):
     # What the request's attempts cost, in nano-USD, priced as ``served`` (docs/pricing.md); None: it
     # reached no provider, or has no model to price.
     cost_nusd: int | None = None
+    spend_alert: str | None = None  # a budget threshold this request crossed first in its period
     closed: bool = False
 
     @property

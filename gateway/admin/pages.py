@@ -130,7 +130,7 @@ class AdminApp:
 
     def __init__(self, sources: AdminSources, metrics: MetricsExposition, *,
                  tokens: Callable[[], AdminTokens] | None = None, keys: KeyPages | None = None,
-                 throttle: FailedTokenThrottle | None = None) -> None:
+                 throttle: FailedTokenThrottle | None = None, spend: Handler | None = None) -> None:
         self._sources = sources
         self._metrics = metrics
         self._tokens = tokens
@@ -144,6 +144,8 @@ class AdminApp:
             "/admin/endpoints": self._endpoints,
             "/admin/quota": self._quota,
         }
+        if spend is not None:  # gateway.admin.spend_api.SpendApi.handle
+            self._routes["/admin/spend"] = spend
 
     async def handle(self, method: str, target: str, *, authorization: str | None = None, body: bytes = b"",
                      peer: str = "") -> AdminResponse:

@@ -22,6 +22,7 @@ from gateway.admin.keys_api import KeysApi
 from gateway.admin.pages import AdminApp, MetricsExposition
 from gateway.admin.quota import QuotaReporter
 from gateway.admin.server import AdminServer
+from gateway.admin.spend_api import SpendApi
 from gateway.check import validate_deployment
 from gateway.config import Config, ConfigError
 from gateway.host_segment import AFFINITY_REGION, METRICS_REGION, create_segment, endpoint_ids
@@ -29,7 +30,16 @@ from gateway.metrics.catalogue import MAX_CLUSTERS, MAX_FALLBACK_EDGES, MAX_TENA
 from gateway.metrics.labels import LabelRegistry
 from gateway.models.aliases import fallback_edges
 from gateway.notify import Notifier
-from gateway.process_protocol import Draining, Heartbeat, OverlayRejected, Ready, StatusMessage, WorkerContext
+from gateway.process_protocol import (
+    Draining,
+    Heartbeat,
+    OverlayRejected,
+    Ready,
+    SpendAlertReport,
+    SpendCounts,
+    StatusMessage,
+    WorkerContext,
+)
 from gateway.quota.counters import configured_tenants
 from gateway.supervisor.children import (
     _default_health_entry,
@@ -46,6 +56,8 @@ from gateway.supervisor.policy import SIGNAL_ACTIONS, TICK, WAKE
 from gateway.supervisor.quota_backend import EmbeddedQuotaBackend, ReservationSweeper, quota_url_for
 from gateway.supervisor.readiness import Readiness
 from gateway.supervisor.reload import GenerationSwap
+from gateway.supervisor.spend import BudgetRemaining, SpendMetrics, SpendReporter, spend_store_url_for
+from gateway.supervisor.spend_alerts import AlertSender
 from gateway.supervisor.startup import (
     RunOverrides,
     StartupError,
@@ -104,6 +116,10 @@ class Arbiter:
         self._swap: GenerationSwap
         self._admin: AdminServer
         self._quota_reporter: QuotaReporter
+        self._alerts: AlertSender
+        self._spend_metrics: SpendMetrics
+        self._spend_reporter: SpendReporter
+        self._budgets: BudgetRemaining
 
     # ------------------------------------------------------------------ running
 
@@ -155,12 +171,18 @@ class Arbiter:
         self._readiness = Readiness(self._workers, self._notifier, wake=lambda: self._events.put_nowait(WAKE))
         metrics = MetricsExposition()
         self._quota_reporter = QuotaReporter()
+        running = lambda: self._swap.config  # noqa: E731 - the swap exists once _compose returns
+        self._alerts = AlertSender(lambda: running().pricing.webhook)
+        self._budgets = BudgetRemaining(running, self._quota_backend, self._quota_reporter)
+        self._spend_metrics = SpendMetrics(self._alerts, running, self._budgets)
+        self._spend_reporter = SpendReporter(running, self._quota_backend)
         self._admin = AdminServer(AdminApp(
             SupervisorAdminSources(self._readiness, lambda: self._swap.config, self._segment,
                                    self._quota_backend, self._quota_reporter),
             metrics,
             tokens=admin_tokens_of(lambda: self._swap.config),
             keys=KeysApi(SupervisorKeyHost(self._keys, lambda: self._swap.config)),
+            spend=SpendApi(self._spend_reporter).handle,
         ))
         self._swap = GenerationSwap(
             self._config_path, self._overrides, self._start_config,
@@ -171,6 +193,7 @@ class Arbiter:
         metrics.register(SupervisorCollector(self._workers, self._swap))
         metrics.register(self._overlay_feed)
         metrics.register(self._keys)
+        metrics.register(self._spend_metrics)
         metrics.register_text(lambda: counters.render(self._workers.worker_slots(), self._clusters.names,
                                                       self._tenants.names, self._fallbacks.names))
 
@@ -221,6 +244,9 @@ class Arbiter:
             await self._admin.close()
             await self._reservation_sweeper.close()
             await self._quota_reporter.close()
+            await self._spend_reporter.close()
+            await self._budgets.close()
+            await self._alerts.close()
         if self._fatal:
             raise StartupError(self._fatal)
         log.info("supervisor stopped")
@@ -248,6 +274,7 @@ class Arbiter:
     def _child_exited(self, child: Child, status: int, now: float) -> None:
         if child.role == "worker":  # its open reservations: slots freed now, tokens at the estimate
             self._reservation_sweeper.worker_exited(self._swap.config, child.generation, child.slot, child.pid)
+            self._spend_metrics.worker_exited(child.pid)  # its spend counters join the retired totals
         if child.retiring:
             log.info("%s pid %d exited (%s) after retiring", child.role, child.pid, describe_exit(status))
             return
@@ -268,6 +295,10 @@ class Arbiter:
                 self._readiness.on_overlay_rejected(child, message, now)
             case Draining():  # the worker may decide to drain on its own
                 self._workers.draining(child, now, self._swap.config.timeouts.graceful_shutdown)
+            case SpendCounts():
+                self._spend_metrics.on_counts(child.pid, message)
+            case SpendAlertReport():  # posted to pricing.alerts_webhook, off every request path
+                self._alerts.submit(message.alert)
 
     def _context_for(
         self, config: Config, slot: int, generation: int, status_fd: int, listen_fd: int | None,
@@ -285,6 +316,7 @@ class Arbiter:
             metric_fallbacks=self._fallbacks.names,
             overlay_fallback=self._last_good_overlay.data,
             key_table=self._keys.table,
+            spend_url=spend_store_url_for(config, self._quota_backend),
         )
 
     def _inherited_fds(self) -> list[int]:

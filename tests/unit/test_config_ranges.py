@@ -56,7 +56,8 @@ BASE_CONFIG: dict[str, Any] = {
         "lease": {"tokens": 10, "requests": 10},
     },
     "pricing": {"overrides": {"private-*": {"input": 1, "output": 2, "cached_input": 0.5, "cache_write": "1",
-                                            "reasoning": 2}}},
+                                            "reasoning": 2}},
+                "alerts_webhook": {"url": "http://127.0.0.1:9/alerts"}},
     "cors": {"allowed_origins": ["https://app.example.com"]},
     "models": {"fallbacks": {"m": {"chain": ["n"], "max_hops": 1}}},
     "tracing": {"endpoint": "http://127.0.0.1:4318"},
@@ -77,6 +78,7 @@ BASE_SPEC: dict[str, Any] = {
 ZERO_MEANS_SOMETHING = {
     "clusters[0].outlier_detection.consecutive_failures",  # never eject
     "timeouts.graceful_shutdown",  # cut what is in flight at once
+    "pricing.alerts_webhook.retries",  # one attempt per alert, no retry
     "routing.reload_debounce",  # re-read at once
     "routing.retry.backoff.base",  # no pause between attempts
     "quota.rules[0].estimate.default_max_tokens",  # estimate the prompt only
