@@ -154,6 +154,13 @@ class AccessLog:
                 target=target, closed=True,
             ))
 
+    def spend_alert(self, tenant: str, text: str) -> None:
+        """A USD budget threshold was crossed (docs/pricing.md, "Alerts"): a line of its own, with
+        ``tenant``, ``spend_alert`` and ``status`` 0 (it answers no request; the request fields are null)."""
+        if self.writer is not None:
+            self._keep(self.writer, RequestRecord(tenant=tenant, status=0, spend_alert=text, ended=_perf(),
+                                                  closed=True))
+
     def _keep(self, writer: LineWriter, entry: RequestRecord) -> None:
         """Hold a line's values for the next write-out (dropped and counted past the bound). The first
         line after a write-out asks for the next one; the others find it coming (``_fill`` empties the list)."""

@@ -125,6 +125,7 @@ class RequestPath:
         settings = ProxySettings.from_config(config)
         spend = SpendTracker.from_config(config, ctx.status_fd if ctx.status_fd >= 0 else None, ctx.spend_url,
                                          prices)
+        spend.access_log = access_log
         outcomes = Outcomes(quota, metrics, access_log, providers, settings.cooling, settings.route_headers, prices,
                             spend)
         tracer = Tracer.from_config(config)

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.pricing.alerts import AlertOutbox, SpendAlert, install_outbox, publish_alert
+from gateway.pricing.alerts import AlertOutbox, SpendAlert, alert_text, install_outbox, publish_alert
 from gateway.pricing.book import PriceBook
 from gateway.pricing.table import shipped_table
 from gateway.process_protocol import SpendAlertReport, SpendCounts, encode_status, try_send_status
@@ -33,8 +33,9 @@ log = logging.getLogger("gridgate.worker")
 _time = time.time
 FLUSH_TIMEOUT_S = 5.0
 CLOSE_TIMEOUT_S = 3.0
-# Test-only: a JSON list of SpendAlert objects each worker publishes at its first tick, so the delivery
-# path (worker -> status pipe -> supervisor -> webhook) is tested before the ledger detects crossings.
+# Test-only: a JSON list of SpendAlert objects each worker publishes at its first tick, so tests of the
+# delivery path (worker -> status pipe -> supervisor -> webhook: retries, backoff, failures) choose their
+# alerts; the ledger's own crossings are tested end to end too (tests/integration/test_spend_e2e.py).
 TEST_ALERTS_ENV = "GRIDGATE_TEST_SPEND_ALERTS"
 
 
@@ -46,7 +47,8 @@ class SpendTracker:
         self.batch = RollupBatch()
         self.counters = SpendCounters(per_key)
         self.status_fd = status_fd
-        self.outbox = AlertOutbox(self._send_alert)
+        self.outbox = AlertOutbox(self._send_alert, noted=self._log_alert)
+        self.access_log: Any = None  # workers.access_log.AccessLog: each alert gets a line of its own
         self.cells_dropped = 0  # requests not rolled up: the batch was full (the store down a while)
         self.flushes_failed = 0
         self._store_url = store_url
@@ -157,6 +159,10 @@ class SpendTracker:
                     self.counters.unsent(rest)
                 return
         self._unpriced_sent, self._dropped_sent = unpriced, dropped
+
+    def _log_alert(self, alert: SpendAlert) -> None:
+        if self.access_log is not None:
+            self.access_log.spend_alert(alert.tenant, alert_text(alert))
 
     def _send_alert(self, alert: SpendAlert) -> bool:
         return True if self.status_fd is None else try_send_status(self.status_fd, SpendAlertReport(alert))

@@ -43,6 +43,7 @@ from gateway.metrics.catalogue import (
     QUOTA_LEASES,
     QUOTA_RECONCILE_DROPS,
     QUOTA_SHADOW,
+    QUOTA_SPEND,
     QUOTA_TOKEN_KINDS,
     QUOTA_TOKENS,
     REQUESTS,
@@ -202,6 +203,14 @@ def _quota_families(totals: list[int], tenant_names: Sequence[str]) -> Iterator:
     yield CounterMetricFamily(
         "gridgate_quota_shadow_refusals", "Limits marked shadow that would have refused a request (docs/limits.md).",
         value=totals[QUOTA_SHADOW],
+    )
+    yield CounterMetricFamily(
+        "gridgate_quota_budget_refusals", "Requests refused by a hard USD budget (429 budget_exceeded; docs/limits.md).",
+        value=totals[QUOTA_SPEND],
+    )
+    yield CounterMetricFamily(
+        "gridgate_spend_usage_clamped", "Reported usages charged the worst case instead: not an integer, negative, "
+        "or over 10 times the reservation (docs/pricing.md).", value=totals[QUOTA_SPEND + 1],
     )
 
 

@@ -39,6 +39,7 @@ from gateway.metrics.catalogue import (
     QUOTA_LEASES,
     QUOTA_RECONCILE_DROPS,
     QUOTA_SHADOW,
+    QUOTA_SPEND,
     QUOTA_TOKENS,
     RETRIES,
     ROUTE_FILTERED,
@@ -159,6 +160,8 @@ class WorkerMetrics:
         row[QUOTA_LEASES] = counters.leases_granted
         row[QUOTA_LEASES + 1] = counters.leased
         row[QUOTA_SHADOW] = counters.shadow_refusals
+        row[QUOTA_SPEND] = counters.denied_budget
+        row[QUOTA_SPEND + 1] = counters.spend_usage_clamped
 
     def publish_tenant_tokens(self, tokens: Any) -> None:
         """Copy the quota gate's per-tenant tokens (gateway.quota.counters.TenantTokens) into the

@@ -35,13 +35,17 @@ class AlertOutbox:
     """A worker's alerts not yet taken by its status pipe. ``send`` writes one message and says whether
     the pipe took it (it never blocks)."""
 
-    def __init__(self, send: Callable[[SpendAlert], bool], size: int = OUTBOX_SIZE) -> None:
+    def __init__(self, send: Callable[[SpendAlert], bool], size: int = OUTBOX_SIZE,
+                 noted: Callable[[SpendAlert], None] | None = None) -> None:
         self._send = send
+        self._noted = noted  # told of each alert once, as it is put (the worker's access log)
         self._pending: deque[SpendAlert] = deque()
         self._size = size
         self.dropped = 0  # alerts lost because the outbox was full (the supervisor was not reading)
 
     def put(self, alert: SpendAlert) -> None:
+        if self._noted is not None:
+            self._noted(alert)
         if self._pending or not self._send(alert):
             if len(self._pending) >= self._size:
                 self.dropped += 1
@@ -56,6 +60,11 @@ class AlertOutbox:
 
     def __len__(self) -> int:
         return len(self._pending)
+
+
+def alert_text(alert: SpendAlert) -> str:
+    """The access log's ``spend_alert``: ``rule team-a spend $5.00/1d 80%``."""
+    return f"{alert.scope} spend {alert.budget} {alert.threshold * 100:g}%"
 
 
 _outbox: AlertOutbox | None = None

@@ -152,6 +152,12 @@ class SpendMetrics:
         for outcome in OUTCOMES:
             deliveries.add_metric([outcome], counts[outcome] + (alerts_dropped if outcome == "dropped" else 0))
         yield deliveries
+        reported = CounterMetricFamily("gridgate_spend_alerts", "USD budget thresholds crossed (each once per "
+                                       "period across every gateway), per tenant and threshold (alert_at).",
+                                       labels=["tenant", "threshold"])
+        for (tenant, threshold), value in sorted(self._alerts.reported.items()):
+            reported.add_metric([tenant, threshold], value)
+        yield reported
         yield CounterMetricFamily("gridgate_spend_rollups_dropped", "Requests not rolled up: a worker's batch was "
                                   "full while the store was down.", rollups_dropped)
         yield CounterMetricFamily("gridgate_spend_rollup_flush_failures", "Rollup flushes the store did not take "

@@ -26,6 +26,7 @@ from gateway.pricing.alerts import SpendAlert
 log = logging.getLogger("gridgate.supervisor")
 
 QUEUE_SIZE = 10_000
+MAX_ALERT_SERIES = 4096  # (tenant, threshold) pairs of gridgate_spend_alerts_total
 OUTCOMES = ("delivered", "failed", "dropped")
 _MAX_RESPONSE_HEAD = 16 * 1024
 
@@ -92,11 +93,18 @@ class AlertSender:
         self._task: asyncio.Task[None] | None = None
         self.counts = dict.fromkeys(OUTCOMES, 0)
         self.worker_drops = 0  # alerts a worker's outbox could not keep (summed from their reports)
+        # Alerts reported, per (tenant, threshold): gridgate_spend_alerts_total, webhook or not. Bounded:
+        # past MAX_ALERT_SERIES pairs, new ones count under tenant "other".
+        self.reported: dict[tuple[str, str], int] = {}
 
     def submit(self, alert: SpendAlert) -> None:
         """An alert a worker reported; never blocks."""
         log.info("spend alert: tenant %s, %s budget %s reached %g (%d of %d nano-USD)", alert.tenant, alert.scope,
                  alert.budget, alert.threshold, alert.spent_nusd, alert.limit_nusd)
+        series = (alert.tenant, f"{alert.threshold:g}")
+        if series not in self.reported and len(self.reported) >= MAX_ALERT_SERIES:
+            series = ("other", series[1])
+        self.reported[series] = self.reported.get(series, 0) + 1
         if self._webhook() is None:
             return
         if len(self._queue) >= self._queue_size:

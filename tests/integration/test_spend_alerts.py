@@ -1,9 +1,11 @@
 """Spend alerts delivered (docs/pricing.md, "Alerts"): a worker publishes an alert, its status pipe takes
 it to the supervisor, and the supervisor posts it to a real local webhook with retries and backoff.
 
-Until the quota ledger detects threshold crossings, the alerts are published through the worker's
-test-only hook: ``GRIDGATE_TEST_SPEND_ALERTS`` (workers/spend_tracker.py) holds alerts each worker
-publishes with ``publish_alert`` at its first tick. Everything after ``publish_alert`` is the real path.
+Here the alerts are published through the worker's test-only hook, so each test chooses how many arrive
+and when: ``GRIDGATE_TEST_SPEND_ALERTS`` (workers/spend_tracker.py) holds alerts each worker publishes
+with ``publish_alert`` at its first tick. Everything after ``publish_alert`` is the real path. Alerts
+found by the ledger when real requests cross a budget's thresholds are tested end to end in
+test_spend_e2e.py (webhook, metric and access log).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ unpriced model is refused when asked to be, and the key answer and /admin/quota 
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from typing import Any
@@ -21,7 +22,17 @@ from gateway.pricing.table import shipped_table
 from gateway.quota.ledger import key_prefix
 from gateway.quota.ledger_script import escape_key_part
 from gateway.quota.limits import usd_text
-from tests.harness import Client, admin_get, candidate, chat, envelope, metric_value, mock_served, wait_until
+from tests.harness import (
+    Client,
+    admin_get,
+    candidate,
+    chat,
+    envelope,
+    free_port,
+    metric_value,
+    mock_served,
+    wait_until,
+)
 from tests.integration.test_limits_e2e import _together
 
 # Model "m" at $1,000 input and $2,000 output per million tokens: 1,000,000 and 2,000,000 nano-USD a token.
@@ -187,3 +198,44 @@ def test_requests_admitted_from_worker_held_blocks_are_charged_their_real_costs(
     gateway.stop()  # its blocks are settled as the workers stop
     window = _window(valkey_url, tenant)
     assert (window[b"r"], window[b"u"]) == (0, sum(_cost(a) for a in answers))
+
+
+def test_thresholds_crossed_by_real_requests_reach_the_webhook_the_access_log_and_the_metric(
+        valkey_url, mock_provider, gateway_factory):
+    # The ledger finds the crossings when the request settles; the worker hands each alert to the
+    # supervisor (webhook, gridgate_spend_alerts_total) and writes it to the access log as a line of its own.
+    from tests.integration.test_access_log import wait_lines
+    from tests.integration.test_spend_alerts import Webhook, wait_for
+
+    handle = mock_provider("p")
+    tenant = _tenant()
+    hook = Webhook(free_port())
+    try:
+        worst = _worst()
+        # Soft, so every request goes on; one request's cost is enough for 50 %, ten are past 100 %.
+        budget = {"usd": 2 * worst / 1e9, "period": "1d", "enforce": "soft", "alert_at": [0.5, 1.0]}
+        options = _options(valkey_url, tenant, budget)
+        options["pricing"] = {**PRICING, "alerts_webhook": f"http://127.0.0.1:{hook.server.server_port}/a"}
+        options["access_log"] = {"path": "access.log"}
+        gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]), workers=2,
+                                  extra=options)
+        for _ in range(10):
+            assert chat(gateway.port, "m", headers=_bearer("sk-1"), max_tokens=MAX_TOKENS).status == 200
+        assert wait_for(lambda: len(hook.received) >= 2), hook.received
+        time.sleep(0.5)  # no third alert comes: each threshold once per period
+        bodies = sorted((a["body"] for a in hook.received), key=lambda body: body["threshold"])
+        assert [(b["tenant"], b["scope"], b["threshold"]) for b in bodies] == [
+            (tenant, f"rule team-{tenant}", 0.5), (tenant, f"rule team-{tenant}", 1.0)]
+        assert all(b["limit_nusd"] == 2 * worst and b["spent_nusd"] >= b["threshold"] * 2 * worst for b in bodies)
+        for threshold in ("0.5", "1"):
+            assert metric_value(gateway.admin_port,
+                                f'gridgate_spend_alerts_total{{tenant="{tenant}",threshold="{threshold}"}}') == 1
+        lines = wait_lines(os.path.join(gateway.directory, "access.log"), 12)
+        alerts = sorted(line["spend_alert"] for line in lines if line.get("spend_alert"))
+        text = f"rule team-{tenant} spend {usd_text(2 * worst)}/1d"
+        assert alerts == [f"{text} 100%", f"{text} 50%"]
+        assert all(line["status"] == 0 and line["tenant"] == tenant and line["request_id"] is None
+                   for line in lines if line.get("spend_alert"))
+        assert sum(line["status"] == 200 for line in lines) == 10
+    finally:
+        hook.stop()
