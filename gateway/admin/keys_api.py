@@ -30,6 +30,7 @@ from gateway.keys.record import (
     public_record,
 )
 from gateway.keys.store import KeyConflict, KeyNotFound, KeyStore, audit_entry, is_stream_id
+from gateway.query_params import QueryProblem, single_params
 from gateway.yaml_config import StrictStruct
 
 log = logging.getLogger("gridgate.admin")
@@ -52,10 +53,6 @@ class KeyHost(Protocol):
         ...
 
     def backend_errors(self) -> tuple[type[BaseException], ...]: ...
-
-
-class QueryProblem(Exception):
-    """A query parameter the page refuses (400); the message names it."""
 
 
 class KeysApi:
@@ -150,7 +147,7 @@ class KeysApi:
         return json_response(200, await store.public(record, now))
 
     async def _list(self, store: KeyStore, query: dict[str, list[str]], now: float) -> AdminResponse:
-        params = _params(query, ("tenant", "alias", "status", "cursor", "limit"))
+        params = single_params(query, ("tenant", "alias", "status", "cursor", "limit"))
         for name in ("tenant", "alias"):
             if name in params and NAME_PATTERN.fullmatch(params[name]) is None:
                 raise QueryProblem(f"{name}: must be 1..64 characters of A-Z a-z 0-9 . _ -")
@@ -166,7 +163,7 @@ class KeysApi:
         return json_response(200, {"object": "list", "data": data, "next_cursor": cursor})
 
     async def _audit(self, store: KeyStore, query: dict[str, list[str]]) -> AdminResponse:
-        params = _params(query, ("since", "limit"))
+        params = single_params(query, ("since", "limit"))
         since = params.get("since")
         if since is not None and not is_stream_id(since):
             raise QueryProblem("since: must be an audit entry id (such as 1767225600000-0)")
@@ -183,15 +180,6 @@ class _Empty(StrictStruct):
     """The body of block, unblock and revoke: nothing (or an empty object)."""
 
 
-def _params(query: dict[str, list[str]], allowed: tuple[str, ...]) -> dict[str, str]:
-    params = {}
-    for name, values in query.items():
-        if name not in allowed:
-            raise QueryProblem(f"{name}: unknown query parameter (this page takes {', '.join(allowed)})")
-        if len(values) != 1:
-            raise QueryProblem(f"{name}: give it once")
-        params[name] = values[0]
-    return params
 
 
 def _no_query(query: dict[str, list[str]]) -> None:

@@ -14,16 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.pricing.units import format_usd
+from gateway.query_params import QueryProblem, single_params
 from gateway.spend.rollups import COLUMNS, RETENTION_DAYS, RollupRow, day_number, day_text
 
 GROUPS = ("day", "model", "key", "tenant")
 DEFAULT_DAYS = 30
 PARAMETERS = ("tenant", "kid", "model", "from", "to", "group_by")
 MAX_NAME = 256
-
-
-class QueryProblem(ValueError):
-    """A query parameter the page refuses (400); the message names it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,13 +43,7 @@ class SpendQuery:
 
 def parse_query(query: dict[str, list[str]], today: int) -> SpendQuery:
     """The page's query string (``parse_qs`` form) -> a ``SpendQuery``; ``today``: days since the epoch."""
-    params: dict[str, str] = {}
-    for name, values in query.items():
-        if name not in PARAMETERS:
-            raise QueryProblem(f"{name}: unknown query parameter (this page takes {', '.join(PARAMETERS)})")
-        if len(values) != 1:
-            raise QueryProblem(f"{name}: give it once")
-        params[name] = values[0]
+    params = single_params(query, PARAMETERS)
     for name in ("tenant", "kid", "model"):
         value = params.get(name)
         if value is not None and not 0 < len(value) <= MAX_NAME:

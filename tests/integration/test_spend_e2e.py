@@ -24,7 +24,6 @@ from gateway.quota.ledger_script import escape_key_part
 from gateway.quota.limits import usd_text
 from tests.harness import (
     Client,
-    admin_get,
     candidate,
     chat,
     envelope,
@@ -33,7 +32,7 @@ from tests.harness import (
     mock_served,
     wait_until,
 )
-from tests.integration.test_limits_e2e import _together
+from tests.integration.test_limits_e2e import _report, _together
 
 # Model "m" at $1,000 input and $2,000 output per million tokens: 1,000,000 and 2,000,000 nano-USD a token.
 PRICING = {"overrides": {"m": {"input": 1000, "output": 2000}}}
@@ -158,7 +157,7 @@ def test_the_key_answer_and_admin_quota_show_spend_beside_token_budgets(valkey_u
     answer = chat(gateway.port, "m", headers=_bearer("sk-1"), max_tokens=MAX_TOKENS)
     assert answer.status == 200
     cost = _cost(answer)
-    wait_until(lambda: _settled_report(gateway, tenant)["rules"][0]["spend"][0]["spent_nusd"] == cost, "charged")
+    wait_until(lambda: _report(gateway, tenant)["rules"][0]["spend"][0]["spent_nusd"] == cost, "charged")
     key = Client(gateway.port)
     try:
         body = key.request("GET", "/v1/gridgate/key", None, _bearer("sk-1")).json()
@@ -175,12 +174,6 @@ def test_the_key_answer_and_admin_quota_show_spend_beside_token_budgets(valkey_u
         "$5.00", "1mo", "America/New_York", "hard", cost)
     assert rule["resets_at"] == time.strftime(
         "%Y-%m-%dT%H:%M:%SZ", time.gmtime(period_span("1mo", "America/New_York", time.time()).end))
-
-
-def _settled_report(gateway: Any, tenant: str) -> dict[str, Any]:
-    status, _, body = admin_get(gateway.admin_port, f"/admin/quota?tenant={tenant}")
-    assert status == 200, body
-    return json.loads(body)
 
 
 def test_requests_admitted_from_worker_held_blocks_are_charged_their_real_costs(

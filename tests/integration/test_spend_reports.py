@@ -15,6 +15,7 @@ from typing import Any
 import valkey
 
 from tests.harness import ROOT, candidate, chat, envelope, metric_value, request
+from tests.integration.test_access_log import wait_lines
 
 SPEND, VIEWER = "spend-reader-token", "keys-only-token"
 TOKENS = [
@@ -57,19 +58,6 @@ def ask(port: int, key: str, model: str, cached: int = 0, reasoning: int = 0, st
     return response
 
 
-def lines_of(path: str, count: int, timeout: float = 10.0) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with open(path, "rb") as handle:
-                lines = [json.loads(line) for line in handle if line.startswith(b"{")]
-        except FileNotFoundError:
-            lines = []
-        if len(lines) >= count or time.monotonic() > deadline:
-            return lines
-        time.sleep(0.05)
-
-
 def spend(gateway, query: str = "", token: str | None = SPEND) -> tuple[int, Any]:
     headers = [] if token is None else [("Authorization", f"Bearer {token}")]
     status, _, body = request("127.0.0.1", gateway.admin_port, "GET", f"/admin/spend{query}", headers=headers,
@@ -94,7 +82,7 @@ def test_access_lines_carry_the_cost_and_the_usage_parts_of_each_request(gateway
     ask(gateway.port, "sk-team-b", "n", cached=3, reasoning=2, stream=True)
     ask(gateway.port, "sk-team-a-web", "m")  # no details in the usage: no cached/reasoning fields
 
-    lines = lines_of(path, 3)
+    lines = wait_lines(path, 3, timeout=10.0)
     assert len(lines) == 3, lines
     by_model_and_tenant = {(line["served_model"], line["tenant"]): line for line in lines}
     detailed = next(line for line in lines if line.get("tokens_cached") == 5)
@@ -122,7 +110,7 @@ def test_the_spend_report_groups_the_rollups_each_way(gateway_factory, providers
     gateway, path = spend_gateway(gateway_factory, providers, keys_store.url)
     for key, model in (("sk-team-a-ci", "m"), ("sk-team-a-ci", "m"), ("sk-team-a-web", "n"), ("sk-team-b", "m")):
         ask(gateway.port, key, model, cached=2, reasoning=1)
-    lines = lines_of(path, 4)
+    lines = wait_lines(path, 4, timeout=10.0)
     total = sum(line["cost_nusd"] for line in lines)
     today = dt.datetime.now(dt.UTC).date().isoformat()
 
@@ -199,7 +187,7 @@ def test_gridgate_spend_prints_the_table_of_a_real_gateways_spend(gateway_factor
     gateway, path = spend_gateway(gateway_factory, providers, keys_store.url)
     for key, model in (("sk-team-a-ci", "m"), ("sk-team-b", "n"), ("sk-team-b", "n")):
         ask(gateway.port, key, model, cached=2, reasoning=1)
-    lines = lines_of(path, 3)
+    lines = wait_lines(path, 3, timeout=10.0)
     wait_spend(gateway, "", 3)
     env = {**os.environ, "GRIDGATE_ADMIN_TOKEN": SPEND}
     command = [sys.executable, "-m", "gateway", "spend", "-c", gateway.config_path, "--group-by", "tenant"]
