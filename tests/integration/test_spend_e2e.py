@@ -32,6 +32,7 @@ from tests.harness import (
     mock_served,
     wait_until,
 )
+from tests.integration.test_access_log import read_lines, wait_lines
 from tests.integration.test_limits_e2e import _report, _together
 
 # Model "m" at $1,000 input and $2,000 output per million tokens: 1,000,000 and 2,000,000 nano-USD a token.
@@ -91,6 +92,7 @@ def test_48_concurrent_requests_on_two_gateways_never_spend_past_a_hard_budget_t
     worst = _worst()
     usd = 8 * worst / 1e9  # fits exactly 8 worst cases
     options = _options(valkey_url, tenant, {"usd": usd, "period": "1d"})
+    options["access_log"] = {"path": "access.log"}
     gateways = [gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]), workers=2, extra=options)
                 for _ in range(2)]
     served = mock_served(handle)
@@ -103,6 +105,15 @@ def test_48_concurrent_requests_on_two_gateways_never_spend_past_a_hard_budget_t
     window = _settled(valkey_url, tenant)
     assert window[b"u"] <= 8 * worst  # never past the budget
     assert window[b"u"] == sum(_cost(a) for a in admitted)  # to the nano-USD
+    # The access lines of both gateways say the same: their cost_nusd add up to the counter. (The budget's
+    # alert thresholds were crossed too: each alert is a line of its own, status 0, without a cost.)
+    def request_lines() -> list[dict[str, Any]]:
+        return [line for gateway in gateways for line in read_lines(os.path.join(gateway.directory, "access.log"))
+                if line["status"]]
+
+    lines = wait_until(lambda: len(found := request_lines()) >= 48 and found, "every request's line")
+    assert len(lines) == 48 and sum(line.get("cost_nusd", 0) for line in lines) == window[b"u"]
+    assert sorted(line["status"] for line in lines if "cost_nusd" in line) == [200] * len(admitted)
     error = refused[0].json()["error"]
     resets = period_span("1d", None, time.time()).end
     assert error["code"] == "budget_exceeded"
@@ -197,7 +208,6 @@ def test_thresholds_crossed_by_real_requests_reach_the_webhook_the_access_log_an
         valkey_url, mock_provider, gateway_factory):
     # The ledger finds the crossings when the request settles; the worker hands each alert to the
     # supervisor (webhook, gridgate_spend_alerts_total) and writes it to the access log as a line of its own.
-    from tests.integration.test_access_log import wait_lines
     from tests.integration.test_spend_alerts import Webhook, wait_for
 
     handle = mock_provider("p")
