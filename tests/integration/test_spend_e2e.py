@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import uuid
 from typing import Any
 
 import valkey
@@ -33,20 +32,12 @@ from tests.harness import (
     wait_until,
 )
 from tests.integration.test_access_log import read_lines, wait_lines
-from tests.integration.test_limits_e2e import _report, _together
+from tests.integration.test_limits_e2e import _bearer, _report, _tenant, _together
 
 # Model "m" at $1,000 input and $2,000 output per million tokens: 1,000,000 and 2,000,000 nano-USD a token.
 PRICING = {"overrides": {"m": {"input": 1000, "output": 2000}}}
 PRICES = PriceBook.from_config(Pricing(overrides={"m": PriceOverride(input=1000, output=2000)}), shipped_table())
 MAX_TOKENS = 10
-
-
-def _tenant() -> str:
-    return f"t-{uuid.uuid4().hex[:8]}"
-
-
-def _bearer(key: str) -> list[tuple[str, str]]:
-    return [("Authorization", f"Bearer {key}")]
 
 
 def _worst(**fields: Any) -> int:
