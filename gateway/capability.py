@@ -42,7 +42,7 @@ import msgspec
 
 from gateway.http.errors import ErrorReply
 from gateway.http.media import is_json_content_type
-from gateway.quota.estimate import completion_allowance
+from gateway.quota.estimate import MAX_ALLOWANCE, completion_allowance
 from gateway.request.headers import VISIBLE_ASCII
 from gateway.request.surfaces import (
     API_SURFACES,
@@ -87,7 +87,15 @@ class BodyFields(msgspec.Struct):
     @property
     def completion_allowance(self) -> int | None:
         """The largest completion allowance the body names (``gateway.quota.estimate``)."""
-        return completion_allowance(self.max_tokens, self.max_completion_tokens, self.max_output_tokens)
+        max_tokens, max_completion_tokens, max_output_tokens = \
+            self.max_tokens, self.max_completion_tokens, self.max_output_tokens
+        # The usual body names max_tokens alone, a plain count (or nothing): answered without the call.
+        if max_completion_tokens is None and max_output_tokens is None:
+            if max_tokens is None:
+                return None
+            if max_tokens.__class__ is int and 0 <= max_tokens <= MAX_ALLOWANCE:
+                return max_tokens
+        return completion_allowance(max_tokens, max_completion_tokens, max_output_tokens)
 
 
 _ABSENT = msgspec.Raw()  # raw fields default to empty bytes: absent

@@ -132,12 +132,15 @@ class Outcomes:
             return owed, None, None
         if not served:  # sent, and no answer came: the provider may be working on it
             return owed + attempt_tokens(0, None, record.estimate), None, None
-        charged = owed + served_tokens(result, record.estimate, record.bytes_in, record.bytes_out)
+        usage = result.usage
+        tokens = None if usage is None else usage.total_tokens
         prompt, completion = record.tokens_prompt, record.tokens_completion
-        tokens = result.total_tokens
-        if owed and tokens is not None:  # the tenant's tokens in/out split this usage, not the other attempts'
+        if tokens is None:
+            return owed + served_tokens(result, record.estimate, record.bytes_in, record.bytes_out), prompt, completion
+        # The usage that served it: ``served_tokens`` without its calls (the common case, every request).
+        if owed:  # the tenant's tokens in/out split this usage, not the other attempts'
             prompt, completion = usage_split(tokens, prompt, completion)
-        return charged, prompt, completion
+        return owed + tokens, prompt, completion
 
     def observe(self, provider: int, cluster: str, endpoint: Endpoint, result: AttemptResult) -> None:
         """What an answer says about its provider: its first-byte latency (least_loaded), and a 429/503

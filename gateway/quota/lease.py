@@ -198,14 +198,15 @@ class Lease:
             tokens.committed = committed
             self.last_estimate = estimate
             # ``remaining`` without its max(): committed <= capacity here, so it cannot be negative.
+            # The reset header as ``reset_header`` gives it, without the call while it still holds.
             headers = (tokens.limit_header, (tokens.remaining_name, b"%d" % (tokens.room - committed)),
-                       tokens.reset_header(now))
+                       tokens._reset_header if now <= tokens._reset_until else tokens.reset_header(now))
         else:
             headers = ()
         if slots is not None:
             slots.committed += 1
             headers += (slots.limit_header, (slots.remaining_name, b"%d" % (slots.room - slots.committed)),
-                        slots.reset_header(now))
+                        slots._reset_header if now <= slots._reset_until else slots.reset_header(now))
         self.in_flight += 1
         self.taken += 1
         return headers

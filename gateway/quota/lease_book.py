@@ -25,7 +25,6 @@ import time
 from functools import partial
 
 from gateway.ids import CounterIds
-from gateway.quota.admission import Admission
 from gateway.quota.batcher import AdmitBatcher
 from gateway.quota.breaker import Breaker
 from gateway.quota.counters import QuotaCounters
@@ -78,31 +77,18 @@ class LeaseBook:
 
     # -- request path
 
-    def take(self, account: Account, tenant_slot: int, estimate: int, worst: int = 0) -> Admission | None:
-        """The request's Admission from its open block, or None (no block, or it does not fit: the
-        request goes to the ledger; a block with no room left is closed, and its successor asked for).
-        ``worst``: the request's worst-case cost in nano-USD (an account with USD budgets)."""
-        key = account.lease_key
-        lease = self.open.get(key)
-        if lease is None:
-            return None
-        headers = lease.take(estimate, _monotonic(), worst)
-        if headers is not None:
-            counters = self._counters
-            counters.admitted += 1
-            counters.leased += 1
-            counters.tokens_estimated += estimate
-            return Admission(True, "admitted", None, headers, None, estimate, lease.tenant_slot, None, lease, True,
-                             worst_nusd=worst)
+    def missed(self, account: Account, tenant_slot: int, estimate: int, worst: int, lease: Lease) -> None:
+        """The open block ``lease`` did not take a request (``Lease.take`` said None; the gate admits from
+        a block itself): a block that closed leaves ``open`` (its requests still end and settle into it),
+        and its successor is asked for. ``worst``: the request's worst-case cost in nano-USD."""
         if lease.closed:
-            del self.open[key]  # its requests still end and settle into it
+            del self.open[account.lease_key]
             if lease.in_flight == 0:
-                self._return(lease)
+                self.settle(lease)
             self.want(account, tenant_slot, estimate,
                       lease.tokens.remaining if lease.tokens is not None else 0,
                       lease.slots.remaining if lease.slots is not None else 0, worst=worst,
                       spend_room=lease.spend.remaining if lease.spend is not None else -1)
-        return None
 
     def want(self, account: Account, tenant_slot: int, estimate: int, tokens_room: int, slots_room: int,
              renewing: bool = False, worst: int = 0, spend_room: int = -1) -> None:
@@ -140,22 +126,13 @@ class LeaseBook:
         command = self._ledger.admit_command(account, tokens, self._ids.next(), slots, nusd)
         self._batcher.submit_detached(command, partial(self._granted, tenant_slot))
 
-    def end(self, lease: Lease, estimate: int, actual_tokens: int | None, reached: bool = True, worst: int = 0,
-            cost: int | None = None) -> None:
-        """A request admitted from ``lease`` ended: count its charge (tokens, and ``cost`` nano-USD; None:
-        its ``worst`` case) into the block (settled with it)."""
-        charged = estimate if actual_tokens is None else actual_tokens if actual_tokens > 0 else 0
-        self._counters.count_settled(estimate, charged)
-        if lease.end(estimate, charged, reached, worst, cost if reached else 0):
-            self._return(lease)
-
     def close(self) -> None:
         """Settle every block now; requests still in flight are charged at their estimate."""
         self._closing = True
         self.open.clear()
         for lease in list(self._held):
             lease.close()
-            self._return(lease)
+            self.settle(lease)
 
     # -- a block's life
 
@@ -203,7 +180,7 @@ class LeaseBook:
         self._keeper.add(block)
         self._counters.leases_granted += 1
         if replaced is not None and replaced.close():  # renewed: the old block takes no more requests
-            self._return(replaced)
+            self.settle(replaced)
         loop = asyncio.get_running_loop()
         loop.call_later(life_s, self._expired, key, lease)
         if spec.ttl_s < window_end_s:
@@ -223,9 +200,9 @@ class LeaseBook:
         if self.open.get(key) is lease:
             del self.open[key]
             if lease.close():
-                self._return(lease)
+                self.settle(lease)
 
-    def _return(self, lease: Lease) -> None:
+    def settle(self, lease: Lease) -> None:
         """Settle a block with what its requests were charged and the slots they did not use (once: the
         block leaves ``_held``)."""
         if lease in self._held:
