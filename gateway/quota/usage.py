@@ -140,6 +140,29 @@ class _UsageDocument(msgspec.Struct, gc=False):
 
 
 _usage_document = msgspec.json.Decoder(_UsageDocument)
+_USAGE_KEY = b'"usage"'
+_OPEN = b"{"
+
+
+def top_level_usage(document: bytes) -> _UsageCounts | None:
+    """The top-level ``usage`` of a whole JSON object (None: absent, or not a usage object).
+
+    Providers put ``usage`` last, after the choices: the object from its last ``"usage"`` key on, given
+    an opening brace back (``{"usage": {...}}``, with any members after it), is decoded alone, so an
+    answer of many kilobytes costs what its usage costs. That tail is valid JSON exactly when the key
+    sits at the top level: one found inside a nested object or array leaves unbalanced closing brackets
+    (and a raw ``"`` never occurs inside a JSON string), and the whole document is decoded instead.
+    """
+    at = document.rfind(_USAGE_KEY)
+    if at > 0:
+        try:
+            return _usage_document.decode(_OPEN + document[at:]).usage
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            pass
+    try:
+        return _usage_document.decode(document).usage
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
 
 
 class UsageScanner(msgspec.Struct, gc=False):
@@ -167,10 +190,7 @@ class UsageScanner(msgspec.Struct, gc=False):
             # A whole JSON response in one chunk (the usual non-streamed answer): its top-level `usage`
             # decoded in C, ten times cheaper than the scan below, which takes anything else. A whole
             # document carries the whole usage: its counts are taken as they are (None where absent).
-            try:
-                usage = _usage_document.decode(chunk).usage
-            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-                usage = None
+            usage = top_level_usage(chunk)
             if usage is not None and usage.total_tokens is not None:
                 self.total_tokens, self.prompt_tokens, self.completion_tokens = usage.total_tokens, \
                     usage.prompt_tokens, usage.completion_tokens
