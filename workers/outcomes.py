@@ -82,10 +82,12 @@ class Outcomes:
             self.metrics.request(record.provider, record.status)
         admission = record.admission
         prices = self.prices
-        if prices is not None and record.reached_provider:
-            record.cost_nusd, clamped = attempts_cost(prices, record.served, result, served, record.owed,
-                                                      record.estimate, 0 if admission is None else admission.worst_nusd,
-                                                      admission is not None)
+        # ``reached_provider``, ``served`` and ``estimate`` written out: a property is a call, per request
+        if prices is not None and (record.reached or record.attempt is not None):
+            metered = admission is not None
+            record.cost_nusd, clamped = attempts_cost(prices, record.served_model or record.capability, result, served,
+                                                      record.owed, admission.estimate if metered else 0,
+                                                      admission.worst_nusd if metered else 0, metered)
             if clamped and self.quota is not None:
                 self.quota.counters.spend_usage_clamped += 1
         if admission is not None and self.quota is not None:

@@ -18,29 +18,13 @@ from gateway.pricing.book import PriceBook
 ABSURD_FACTOR = 10
 
 
-def _counts_ok(usage: Any) -> bool:
-    for value in (usage.total_tokens, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens,
-                  usage.cache_write_tokens, usage.reasoning_tokens):
-        if value is not None and (value.__class__ is not int or value < 0):
-            return False
-    return True
-
-
 def usage_cost(prices: PriceBook, model: str, usage: Any, worst: int) -> tuple[int, bool]:
     """(nano-USD, clamped) of one reported usage; ``worst``: what the admission reserved (0: nothing,
     then only an impossible count is clamped, to 0)."""
-    if not _counts_ok(usage):
-        return worst, True
-    cost = prices.cost(model, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens,
-                       usage.cache_write_tokens, usage.reasoning_tokens, usage.total_tokens)
-    if worst and cost > ABSURD_FACTOR * worst:
+    cost = prices.usage_cost(model, usage)
+    if cost is None or (worst and cost > ABSURD_FACTOR * worst):
         return worst, True
     return cost, False
-
-
-def has_usage(usage: Any) -> bool:
-    return usage is not None and (usage.total_tokens is not None or usage.prompt_tokens is not None
-                                  or usage.completion_tokens is not None)
 
 
 def attempts_cost(prices: PriceBook, model: str | None, result: Any, served: bool, owed_tokens: int,
@@ -49,17 +33,23 @@ def attempts_cost(prices: PriceBook, model: str | None, result: Any, served: boo
     attempt's ``AttemptResult`` (None: every attempt ended without one); ``owed_tokens``: the tokens the
     attempts that did not serve cost (each nothing or the estimate), so as many of them cost the worst
     case. None when there is no model to price, or when a request no quota metered (so nothing was
-    reserved, and its stream was not asked for usage) ended without usage: its cost is not known."""
+    reserved, and its stream was not asked for usage) ended without usage: its cost is not known.
+
+    Runs once per request that reached a provider, so ``usage_cost`` is written out in it."""
     if model is None:
         return None, False
-    cost = owed_tokens // estimate * worst if estimate > 0 else 0
+    cost = owed_tokens // estimate * worst if owed_tokens and estimate > 0 else 0
     if result is None:
         return cost, False
-    usage = result.usage
-    if served and has_usage(usage):
-        extra, clamped = usage_cost(prices, model, usage, worst)
-        return cost + extra, clamped
-    if served and 400 <= result.status < 500:
-        return cost, False
+    if served:
+        usage = result.usage
+        if usage is not None and (usage.total_tokens is not None or usage.prompt_tokens is not None
+                                  or usage.completion_tokens is not None):
+            extra = prices.usage_cost(model, usage)
+            if extra is None or (worst and extra > ABSURD_FACTOR * worst):
+                return cost + worst, True
+            return cost + extra, False
+        if 400 <= result.status < 500:
+            return cost, False
     # No usage: a 5xx, a cut stream, or sent and no answer came (the provider may be working on it).
     return (cost + worst, False) if metered else (None, False)

@@ -75,17 +75,32 @@ class SpendTracker:
     # -- per request --------------------------------------------------------------------------------
     def count(self, record: RequestRecord) -> None:
         """A closed request that reached a provider goes into the day's rollup (priced or not)."""
-        model = record.served
-        if model is None or not record.reached_provider or (self._store_url is None and not record.cost_nusd):
+        # Once per request: ``record.served``, ``record.reached_provider`` and, for a cell the batch already
+        # holds (nearly every request), ``RollupBatch.add`` are written out (each would be a call).
+        model = record.served_model or record.capability
+        cost = record.cost_nusd
+        if model is None or not (record.reached or record.attempt is not None) or (self._store_url is None
+                                                                                    and not cost):
             return  # without a store only a cost is worth counting (the metric)
         exchange = record.exchange
         admitted = None if exchange is None else exchange.admitted
         identity = None if admitted is None else admitted.key
         key = (identity.kid or identity.alias or NO_KEY) if identity is not None else NO_KEY
         cell = (int(_time() // DAY_S), record.tenant or NO_KEY, key, model)
-        if not self.batch.add(cell, record.tokens_prompt or 0, record.tokens_cached or 0,
-                              record.tokens_completion or 0, record.tokens_reasoning or 0, record.cost_nusd or 0):
-            self.cells_dropped += 1
+        batch = self.batch
+        counts = batch.cells.get(cell)
+        if counts is None:  # a new cell (or a full batch: not rolled up)
+            if not batch.add(cell, record.tokens_prompt or 0, record.tokens_cached or 0,
+                             record.tokens_completion or 0, record.tokens_reasoning or 0, cost or 0):
+                self.cells_dropped += 1
+            return
+        counts[0] += 1
+        counts[1] += record.tokens_prompt or 0
+        counts[2] += record.tokens_cached or 0
+        counts[3] += record.tokens_completion or 0
+        counts[4] += record.tokens_reasoning or 0
+        if cost:  # an unpriced request (or one that cost nothing) leaves the cost column as it is
+            counts[5] += cost
 
     # -- once a second ------------------------------------------------------------------------------
     def tick(self) -> None:

@@ -80,7 +80,8 @@ class RollupBatch:
 
     def add(self, cell: Cell, prompt: int, cached: int, completion: int, reasoning: int, cost: int) -> bool:
         """Count one request; False when the cell is new and the batch is full (``MAX_CELLS``: the store
-        has been down a while), and the request is not rolled up."""
+        has been down a while), and the request is not rolled up. ``SpendTracker.count`` (per request)
+        writes out the known-cell half of it: change both together."""
         counts = self.cells.get(cell)
         if counts is None:
             if len(self.cells) >= MAX_CELLS:
