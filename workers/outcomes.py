@@ -83,7 +83,8 @@ class Outcomes:
         admission = record.admission
         prices = self.prices
         # ``reached_provider``, ``served`` and ``estimate`` written out: a property is a call, per request
-        if prices is not None and (record.reached or record.attempt is not None):
+        reached = record.reached or relay is not None
+        if prices is not None and reached:
             metered = admission is not None
             record.cost_nusd, clamped = attempts_cost(prices, record.served_model or record.capability, result, served,
                                                       record.owed, admission.estimate if metered else 0,
@@ -91,7 +92,7 @@ class Outcomes:
             if clamped and self.quota is not None:
                 self.quota.counters.spend_usage_clamped += 1
         if admission is not None and self.quota is not None:
-            if record.reached_provider:
+            if reached:
                 self.quota.settle(admission, *self._charge(record, result, served), cost_nusd=record.cost_nusd)
             else:  # it never reached a provider: nothing is charged, and its request slots go back too
                 self.quota.settle(admission, 0, reached=False)
