@@ -198,8 +198,7 @@ class AccessLog:
             millis = int((ended + wall_offset) * 1000)
             if millis != millis_done:  # _timestamp written out for the common case, a second already formatted
                 millis_done = millis
-                fraction = millis % 1000
-                ts = (self._second_text + _MILLIS_TEXT[fraction] if millis // 1000 == self._second
+                ts = (self._second_text + _MILLIS_TEXT[millis % 1000] if millis // 1000 == self._second
                       else self._timestamp(millis))
             route, request_id, method, overhead_s = entry.route, entry.request_id, entry.method, entry.overhead_s
             if route is None:
