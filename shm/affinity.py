@@ -24,6 +24,8 @@ Each process remembers the bindings it read (``key -> (record, sequence, binding
 sequence only grows, with every write to it, so while it is unchanged the remembered binding is
 exactly what the record holds, and a lookup costs one word read instead of a hash, a bucket scan
 and a checksum. A rebind or an eviction by any worker changes the sequence and forces a fresh read.
+``seen`` and ``words`` are public so the router can make that check without a call per request
+(gateway/routing/router.py); ``lookup`` is the same check followed by ``read``.
 
 Record words (little-endian u64; expiry is a float64 of the caller's clock)::
 
@@ -74,7 +76,7 @@ def _split_key(key: bytes) -> tuple[int, int]:
 class AffinityTable:
     """Bounded key -> (stable_id_hash, capability_hash, expires_at) map in shared memory."""
 
-    __slots__ = ("capacity", "_buckets", "_bytes", "_words", "_floats", "_seen", "_seen_limit")
+    __slots__ = ("capacity", "_buckets", "_bytes", "words", "_floats", "seen", "_seen_limit")
 
     @staticmethod
     def bucket_count(capacity: int) -> int:
@@ -95,18 +97,18 @@ class AffinityTable:
             raise ValueError(f"affinity table needs {size} bytes, buffer has {len(view)}")
         view = view[:size]
         self._bytes = view
-        self._words = view.cast("Q")
+        self.words = view.cast("Q")
         self._floats = view.cast("d")
         self._buckets = buckets
         self.capacity = buckets * WAYS
-        self._seen: dict[bytes, tuple[int, int, Binding]] = {}
+        self.seen: dict[bytes, tuple[int, int, Binding]] = {}
         self._seen_limit = min(self.capacity, SEEN_LIMIT)
         header = (_MAGIC, _LAYOUT_VERSION, WAYS, buckets)
-        current = tuple(self._words[0:4])
+        current = tuple(self.words[0:4])
         if current == (0, 0, 0, 0):
             # Fresh zeroed mapping: every worker may race here, all writing the same values.
-            self._words[1], self._words[2], self._words[3] = _LAYOUT_VERSION, WAYS, buckets
-            self._words[0] = _MAGIC
+            self.words[1], self.words[2], self.words[3] = _LAYOUT_VERSION, WAYS, buckets
+            self.words[0] = _MAGIC
         elif current != header:
             raise ValueError("shared memory does not hold an affinity table of this capacity")
 
@@ -117,7 +119,7 @@ class AffinityTable:
     def _read(self, rec: int, key_lo: int, key_hi: int) -> tuple[int, Binding] | None:
         """(sequence, binding) of record ``rec`` if it holds the key, read consistently; else None."""
         start = rec * 8
-        words = self._words
+        words = self.words
         for _ in range(_READ_ATTEMPTS):
             seq = words[rec]  # before the payload, and again after it: a seqlock
             if seq & 1:
@@ -134,10 +136,14 @@ class AffinityTable:
 
     def lookup(self, key: bytes, now: float) -> Binding | None:
         """The live binding of ``key`` at ``now``, or None (absent, expired or unreadable)."""
-        seen = self._seen.get(key)
-        if seen is not None and self._words[seen[0]] == seen[1]:
+        seen = self.seen.get(key)
+        if seen is not None and self.words[seen[0]] == seen[1]:
             found = seen[2]  # the record has not been written since this process read it
             return found if found.expires_at > now else None
+        return self.read(key, now)
+
+    def read(self, key: bytes, now: float) -> Binding | None:
+        """``lookup`` from shared memory, past this process's memory (which it updates)."""
         key_lo, key_hi = _split_key(key)
         base = self._bucket_base(key_lo)
         tags = _BUCKET_TAGS.unpack_from(self._bytes, base * 8)
@@ -148,9 +154,9 @@ class AffinityTable:
             read = self._read(rec, key_lo, key_hi)
             if read is None:
                 return None
-            if len(self._seen) >= self._seen_limit:
-                self._seen.clear()
-            self._seen[key] = (rec, read[0], read[1])
+            if len(self.seen) >= self._seen_limit:
+                self.seen.clear()
+            self.seen[key] = (rec, read[0], read[1])
             return read[1] if read[1].expires_at > now else None
         # Two racing writers can leave one key in two ways: the later binding wins (not remembered:
         # a rebind rewrites only the first of them).
@@ -166,10 +172,10 @@ class AffinityTable:
         """Bind ``key`` until ``expires_at`` (absolute, same clock as ``lookup``'s ``now``)."""
         # Forget what this process read: after a write race left the key in two ways, the one
         # remembered may not be the one rewritten here.
-        self._seen.pop(key, None)
+        self.seen.pop(key, None)
         key_lo, key_hi = _split_key(key)
         base = self._bucket_base(key_lo)
-        words = self._words
+        words = self.words
         tags = _BUCKET_TAGS.unpack_from(self._bytes, base * 8)
         if key_lo in tags:
             way = tags.index(key_lo)  # re-bind in place
@@ -192,13 +198,13 @@ class AffinityTable:
         live = 0
         for slot in range(self._buckets * WAYS):
             rec = _HEADER_WORDS + slot * _WORDS
-            key_lo = self._words[rec + 1]
+            key_lo = self.words[rec + 1]
             if key_lo:
-                read = self._read(rec, key_lo, self._words[rec + 2])
+                read = self._read(rec, key_lo, self.words[rec + 2])
                 live += read is not None and read[1].expires_at > now
         return live
 
     def release(self) -> None:
         """Drop the views so the owner can close the mapping."""
-        for view in (self._floats, self._words, self._bytes):
+        for view in (self._floats, self.words, self._bytes):
             view.release()

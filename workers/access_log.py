@@ -89,8 +89,9 @@ class AccessLine(msgspec.Struct, omit_defaults=True, gc=False):
 
 
 _NO_ROUTE = (None, None, None, None, None, None)
-_NO_EVIDENCE = (None, None, None, None, None)
 _MAX_PATHS = 256
+# A timestamp's end after the second: "123Z" for millisecond 123 (a lookup, not a format, per millisecond).
+_MILLIS_TEXT = tuple(f"{fraction:03d}Z" for fraction in range(1000))
 
 
 class AccessLog:
@@ -125,12 +126,12 @@ class AccessLog:
 
     def _timestamp(self, millis: int) -> str:
         """RFC 3339 UTC with milliseconds (``millis`` since the epoch); the date part is formatted once
-        per second (``_fill`` asks once per millisecond)."""
+        per second (``_fill`` has this written out, per millisecond)."""
         second, fraction = divmod(millis, 1000)
         if second != self._second:
             self._second = second
             self._second_text = time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(second))
-        return f"{self._second_text}{fraction:03d}Z"
+        return self._second_text + _MILLIS_TEXT[fraction]
 
     def record(self, record: RequestRecord) -> None:
         """One request ended (a closed record: ``status`` as answered, 499 when the client left before
@@ -142,7 +143,14 @@ class AccessLog:
             sample = self.sample
             if sample < 1.0 and (sample <= 0.0 or _random() >= sample):
                 return
-        self._keep(writer, record)
+        # _keep written out: this runs once per request, on the request path.
+        pending = self._pending
+        if len(pending) >= self._max_pending:
+            writer.dropped += 1
+            return
+        if not pending:
+            writer.wrote()
+        pending.append(record)
 
     def rejected(self, status: int, error: str, request_id: bytes | None = None, method: bytes | None = None,
                  target: bytes | None = None, tenant: str | None = None) -> None:
@@ -188,8 +196,10 @@ class AccessLog:
         for entry in pending:
             ended, t_start, t_first_byte, target = entry.ended, entry.t_start, entry.t_first_byte, entry.target
             millis = int((ended + wall_offset) * 1000)
-            if millis != millis_done:
-                millis_done, ts = millis, self._timestamp(millis)
+            if millis != millis_done:  # _timestamp written out for the common case, a second already formatted
+                millis_done = millis
+                ts = (self._second_text + _MILLIS_TEXT[millis % 1000] if millis // 1000 == self._second
+                      else self._timestamp(millis))
             route, request_id, method, overhead_s = entry.route, entry.request_id, entry.method, entry.overhead_s
             if route is None:
                 provider, stable_id, group, mode, affinity, revision = _NO_ROUTE
@@ -209,9 +219,16 @@ class AccessLog:
                 int((t_first_byte - t_start) * 1e6 + 0.5) / 1000 if t_first_byte and t_start is not None else None,
                 None if t_start is None else int((ended - t_start) * 1e6 + 0.5) / 1000,
                 entry.error, filtered, reason_names(entry.filtered_reasons) if filtered else None,
-                *(_NO_EVIDENCE if evidence is None else _astuple(evidence)), None if trace is None else trace.trace_id,
-                entry.shadow,
             )
+            # The rarer fields are set after the fact (the same line: keys follow the struct's order): a call
+            # with every field spelled out, or unpacked from a tuple, costs more on every line.
+            if evidence is not None:
+                line.site, line.admission_state, line.candidates, line.excluded, line.picker_inputs = (
+                    _astuple(evidence))
+            if trace is not None:
+                line.trace_id = trace.trace_id
+            if entry.shadow is not None:
+                line.shadow = entry.shadow
             if entry.model_route is not None:
                 line.requested_model, line.served_model = entry.requested_model, entry.served
                 line.fallback_hops, line.fallback_reasons = entry.fallback_hops, entry.fallback_reasons

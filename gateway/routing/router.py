@@ -209,7 +209,13 @@ class Router:
                 blocked: set[Option] | None) -> RouteDecision | ErrorReply:
         """The session's bound candidate while it is usable (docs/routing.md), else a selection that
         (re)binds the session."""
-        bound = table.lookup(session_key, now)
+        # table.lookup written out: the common case (the session asks again, its record unchanged since
+        # this process read it) is one dict get and one word read, without a call per request.
+        seen = table.seen.get(session_key)
+        if seen is not None and table.words[seen[0]] == seen[1]:
+            bound = seen[2] if seen[2].expires_at > now else None
+        else:
+            bound = table.read(session_key, now)
         outcome = NEW
         if bound is not None:
             if bound.capability_hash == plan.capability_hash or plan.accepts_any_binding:

@@ -67,3 +67,51 @@ def test_a_line_written_later_keeps_the_times_and_values_of_when_it_was_recorded
     assert (served["tokens_prompt"], served["tokens_completion"]) == (7, 16)
     assert (rejected["status"], rejected["error"], rejected["method"], rejected["duration_ms"]) == (
         431, "header_too_large", None, None)
+
+
+def test_timestamps_follow_the_end_times_across_second_boundaries(tmp_path: Path) -> None:
+    # `_fill` formats a millisecond of an already formatted second itself, and asks `_timestamp` otherwise:
+    # every line's time must be its end time (on the wall clock) to the millisecond, both ways.
+    async def write() -> tuple[list[float], list[str], str]:
+        access_log = AccessLog(LineWriter(str(tmp_path / "access.log"), flush_delay_s=10.0))
+        start = time.perf_counter()
+        ends = [start + i * 0.000_37 for i in range(6000)]  # 2.2 s: two or three second boundaries
+        for ended in ends:
+            access_log.record(RequestRecord(request_id=b"r", status=200, ended=ended, closed=True))
+        await access_log.close()
+        lines = (tmp_path / "access.log").read_text().splitlines()
+        return ends, [json.loads(text)["ts"] for text in lines], access_log._timestamp(1_700_000_000_005)
+
+    ends, stamps, general = asyncio.run(write())
+    assert general == "2023-11-14T22:13:20.005Z"
+    assert len(stamps) == len(ends)
+    wall = [datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp() for ts in stamps]
+    offsets = [stamp - ended for stamp, ended in zip(wall, ends, strict=True)]
+    assert max(offsets) - min(offsets) < 0.0011  # one wall offset for all, truncated to the millisecond
+    assert len({ts[:19] for ts in stamps}) >= 3 and all(len(ts) == 24 for ts in stamps)
+
+
+def test_a_sampled_traced_and_shadowed_line_carries_every_field_in_the_documented_order(tmp_path: Path) -> None:
+    # Evidence, trace and shadow are set on the line after it is built (most lines have none of them).
+    from gateway.routing.evidence import RouteEvidence
+    from workers.access_log import AccessLine
+
+    async def write() -> list[dict]:
+        access_log = AccessLog(LineWriter(str(tmp_path / "access.log"), flush_delay_s=10.0))
+        evidence = RouteEvidence("site-a", "existing_only", 3, {"cooled": 1}, None)
+        for fields in ({"evidence": evidence, "trace": SimpleNamespace(trace_id="t-1"), "shadow": ("a 1/1m",)},
+                       {"trace": SimpleNamespace(trace_id="t-2")}, {}):
+            access_log.record(RequestRecord(request_id=b"r", status=200, ended=time.perf_counter(), closed=True,
+                                            **fields))
+        await access_log.close()
+        return [json.loads(text) for text in (tmp_path / "access.log").read_text().splitlines()]
+
+    full, traced, plain = asyncio.run(write())
+    assert [key for key in full if key in ("site", "admission_state", "candidates", "excluded", "trace_id",
+                                           "shadow")] == ["site", "admission_state", "candidates", "excluded",
+                                                          "trace_id", "shadow"]
+    assert list(full) == [key for key in AccessLine.__struct_fields__ if key in full]
+    assert (full["site"], full["admission_state"], full["candidates"], full["excluded"]) == (
+        "site-a", "existing_only", 3, {"cooled": 1})
+    assert (full["trace_id"], full["shadow"], traced["trace_id"]) == ("t-1", ["a 1/1m"], "t-2")
+    assert "site" not in traced and "shadow" not in traced and "trace_id" not in plain
