@@ -74,7 +74,8 @@ class KeyFollower:
         self._last_id: str | None = None  # None: a full load is due
         self._last_n = 0  # the sequence number of the last entry applied
         self._grace_ends: list[tuple[int, bytes]] = []  # (until, digest): a heap of secrets to drop
-        self._used_from_minute = int(clock() // 60)
+        self._used_from_minute = int(clock() // 60)  # marks at or after it are collected next
+        self._collected_minute = self._used_from_minute  # the minute of the last collection
         self.stats = FollowerStats()
         self.loaded = asyncio.Event()
         self.settled = asyncio.Event()  # the first load either succeeded or failed
@@ -129,7 +130,7 @@ class KeyFollower:
         minute = int(now // 60)
         self._writer.set_minute(minute)
         self.end_graces(now)
-        if minute > self._used_from_minute:
+        if minute > self._collected_minute:  # once a minute: the scan reads every slot of the table
             await self.flush_used(minute)
 
     # ------------------------------------------------------------------ loading and following
@@ -227,6 +228,7 @@ class KeyFollower:
                 kid = decode_entry(self._writer.blob_at(slot), slot).kid
                 seconds_by_kid[kid] = max(seconds_by_kid.get(kid, 0), used * 60)
         await self._store.mark_used(seconds_by_kid)
+        self._collected_minute = minute
         self._used_from_minute = minute - 1  # a mark racing the minute's end is caught next time
 
     def _lost(self, exc: BaseException) -> None:
