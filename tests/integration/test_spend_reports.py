@@ -95,15 +95,15 @@ def test_access_lines_carry_the_cost_and_the_usage_parts_of_each_request(gateway
     plain = next(line for line in lines if line["served_model"] == "m" and "tokens_cached" not in line)
     assert "tokens_reasoning" not in plain
     assert plain["cost_nusd"] == cost_of(plain["tokens_prompt"], 0, plain["tokens_completion"], 0)
-    # The metric sums the same costs, per tenant and model.
+    # The metric sums the same costs, per tenant and model. Each of the two workers sends its counts once a
+    # second: wait until both series are in (the requests may have gone to different workers).
+    expected = {'gridgate_spend_nanousd_total{model="m",tenant="team-a"}': detailed["cost_nusd"] + plain["cost_nusd"],
+                'gridgate_spend_nanousd_total{model="n",tenant="team-b"}': streamed["cost_nusd"]}
     deadline = time.monotonic() + 5
-    expected_a = detailed["cost_nusd"] + plain["cost_nusd"]
-    while metric_value(gateway.admin_port, 'gridgate_spend_nanousd_total{model="m",tenant="team-a"}') \
-            != expected_a and time.monotonic() < deadline:
+    while any(metric_value(gateway.admin_port, series) != value for series, value in expected.items()) \
+            and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert metric_value(gateway.admin_port, 'gridgate_spend_nanousd_total{model="m",tenant="team-a"}') == expected_a
-    assert metric_value(gateway.admin_port, 'gridgate_spend_nanousd_total{model="n",tenant="team-b"}') == \
-        streamed["cost_nusd"]
+    assert {series: metric_value(gateway.admin_port, series) for series in expected} == expected
 
 
 def test_the_spend_report_groups_the_rollups_each_way(gateway_factory, providers, keys_store):
