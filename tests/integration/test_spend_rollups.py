@@ -20,13 +20,14 @@ from gateway.spend.store import write_batch
 from tests.harness import candidate, envelope, metric_value, request
 from tests.integration.test_spend_reports import PRICES, SPEND, ask, spend_gateway, wait_spend
 
-TODAY = dt.datetime.now(dt.UTC).date().isoformat()
-
 
 def stored_requests(url: str, tenant: str) -> int:
+    """The requests stored in today's rollup of ``tenant`` (today when asked: a suite run crosses midnight UTC
+    now and then, and the workers roll up into the day a request ended in)."""
+    today = dt.datetime.now(dt.UTC).date().isoformat()
     client = valkey.Valkey.from_url(url)
     try:
-        fields = client.hgetall(f"gridgate:spend:{{{TODAY}}}:{tenant}")
+        fields = client.hgetall(f"gridgate:spend:{{{today}}}:{tenant}")
     finally:
         client.close()
     return sum(int(value) for field, value in fields.items() if field.startswith(b"r\x1f"))
