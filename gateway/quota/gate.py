@@ -259,15 +259,9 @@ class QuotaGate:
         lease: Lease | None = admission.lease
         if lease is not None:  # a block's share: counted here, settled with the block
             admission.lease = None
-            # ``LeaseBook.end`` and ``QuotaCounters.count_settled`` written out (every leased request).
             estimate = admission.estimate
             charged = estimate if actual_tokens is None else actual_tokens if actual_tokens > 0 else 0
-            counters = self.counters
-            counters.tokens_actual += charged
-            if charged < estimate:
-                counters.tokens_refunded += estimate - charged
-            else:
-                counters.tokens_overage += charged - estimate
+            self.counters.count_settled(estimate, charged)
             if lease.end(estimate, charged, reached, admission.worst_nusd, cost_nusd if reached else 0):
                 self._leases.settle(lease)  # type: ignore[union-attr]
         else:
@@ -278,11 +272,7 @@ class QuotaGate:
             self._keeper.discard(reservation)
             self._reconciler.enqueue(reservation, reservation.estimate if actual_tokens is None else actual_tokens,
                                      0 if reached else reservation.slots, cost_nusd if reached else 0)
-        if prompt_tokens is not None and completion_tokens is not None:  # both sides: counted here
-            tenant_tokens = self.tenant_tokens
-            tenant_tokens.tokens_in[admission.tenant_slot] += prompt_tokens
-            tenant_tokens.tokens_out[admission.tenant_slot] += completion_tokens
-        elif prompt_tokens is not None or completion_tokens is not None:
+        if prompt_tokens is not None or completion_tokens is not None:
             self.tenant_tokens.add(admission.tenant_slot, prompt_tokens, completion_tokens, actual_tokens)
 
     # --
