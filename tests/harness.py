@@ -29,6 +29,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Sockets that hold refused_port()'s ports for the life of the test process.
+_HELD_PORTS: list[socket.socket] = []
+
+
+def refused_port() -> int:
+    """A loopback port where every connection is refused, for as long as the tests run.
+
+    free_port()'s port is free only until someone binds it: a gateway or mock started later in the same
+    test may get it, and a "dead" provider then answers (CI once saw a 404 where a 502 was due). A bound
+    socket that never listens refuses every connect and keeps the port from anyone else.
+    """
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    _HELD_PORTS.append(sock)
+    return sock.getsockname()[1]
+
+
 def envelope(candidates: list[dict[str, Any]], mode: str | None = "roundRobin", *, network: str = "test-net",
              local_site: str = "site-a", generation: int = 1) -> dict[str, Any]:
     """A valid envelope-v1 overlay with its digest stamped."""

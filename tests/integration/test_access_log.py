@@ -11,7 +11,7 @@ import time
 from datetime import datetime
 from typing import Any
 
-from tests.harness import Client, candidate, chat, envelope, free_port, raw_exchange, request, status_of
+from tests.harness import Client, candidate, chat, envelope, raw_exchange, refused_port, request, status_of
 
 FIELDS = (
     "ts", "request_id", "tenant", "method", "path", "status", "capability", "provider", "stable_id",
@@ -164,7 +164,7 @@ def test_failover_and_cut_streams_are_logged_with_attempts_and_errors(mock_provi
     cut = mock_provider("cut", mid_reset_rate=1.0, tokens=40)
     overlay = envelope([candidate("m", "bad"), candidate("m", "good"), candidate("s", "cut"), candidate("x", "dead"),
                         candidate("x", "bad")], "deterministic")
-    clusters = {"bad": [bad.address], "good": [good.address], "cut": [cut.address], "dead": [f"127.0.0.1:{free_port()}"]}
+    clusters = {"bad": [bad.address], "good": [good.address], "cut": [cut.address], "dead": [f"127.0.0.1:{refused_port()}"]}
     gateway = gateway_factory(clusters, overlay, extra={
         "routing": {"retry": {"attempts": 3, "deadline": "10s", "backoff": {"base": "1ms", "max": "5ms"}}},
         "access_log": {"path": "access.log"},

@@ -34,7 +34,7 @@ from gateway.overlay.digest import semantic_revision
 from gateway.overlay.snapshot import Snapshot, snapshot_from_bytes
 from gateway.overlay.watch import write_atomically
 from loadtest.mock_provider import MockProviderHandle
-from tests.harness import Client, Gateway, candidate, envelope, free_port, mock_served
+from tests.harness import Client, Gateway, candidate, envelope, free_port, mock_served, refused_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCOPE = {"network": "net", "gateway": "gw", "namespace": "ns", "local_site": "east"}
@@ -305,7 +305,7 @@ def test_a_metrics_listen_port_in_use_is_one_line_and_exit_1(tmp_path: Path, tri
 def test_unreachable_provider_and_broken_metrics_never_stop_the_loop(
     tmp_path: Path, trio: dict[str, MockProviderHandle], control_threads: Callable[[str], ControlThread]
 ) -> None:
-    closed_port = free_port()
+    closed_port = refused_port()
     providers = [
         provider_entry(trio["provider-a"], "east"),
         provider_entry(trio["provider-b"], "east", metrics_url=f"{trio['provider-b'].base_url}/nope"),

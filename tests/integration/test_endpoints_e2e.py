@@ -10,7 +10,7 @@ import threading
 import time
 from collections import Counter
 
-from tests.harness import admin_get, candidate, chat, envelope, free_port, mock_served, request
+from tests.harness import admin_get, candidate, chat, envelope, mock_served, refused_port, request
 
 
 def _set_health(handle, status: int) -> None:
@@ -142,7 +142,7 @@ def test_health_probes_do_not_multiply_with_workers(mock_provider, gateway_facto
 
 def test_connect_failure_is_retried_on_another_endpoint(mock_provider, gateway_factory):
     good = mock_provider("good")
-    dead = f"127.0.0.1:{free_port()}"
+    dead = f"127.0.0.1:{refused_port()}"
     gateway = gateway_factory({"c": [dead, good.address]}, envelope([candidate("m", "c")]))
     for _ in range(6):
         response = chat(gateway.port, "m")

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from loadtest.fault_proxy import FaultProxyThread
-from tests.harness import Client, admin_get, candidate, chat, envelope, free_port, mock_served, request
+from tests.harness import Client, admin_get, candidate, chat, envelope, mock_served, refused_port, request
 
 FAST_RETRY = {"routing": {"retry": {"attempts": 3, "deadline": "10s", "backoff": {"base": "1ms", "max": "5ms"}}}}
 
@@ -44,7 +44,7 @@ FAILURES = {
 @pytest.mark.parametrize("kind", sorted(FAILURES))
 def test_each_failure_kind_fails_over_inside_one_request(kind, mock_provider, gateway_factory):
     good = mock_provider("good")
-    bad_address = f"127.0.0.1:{free_port()}" if kind == "refused" else mock_provider("bad", **FAILURES[kind]).address
+    bad_address = f"127.0.0.1:{refused_port()}" if kind == "refused" else mock_provider("bad", **FAILURES[kind]).address
     extra = {"routing": {"retry": {**FAST_RETRY["routing"]["retry"], "first_byte_timeout": "300ms"}}}
     gateway = gateway_factory({"bad": [bad_address], "good": [good.address]}, deterministic("bad", "good"),
                               extra=extra)
@@ -112,7 +112,7 @@ def test_every_provider_failing_gives_one_clear_error_with_the_last_retry_after(
 
 
 def test_all_refused_names_the_provider_in_plain_words(gateway_factory):
-    dead = f"127.0.0.1:{free_port()}"
+    dead = f"127.0.0.1:{refused_port()}"
     gateway = gateway_factory({"provider-a": [dead]}, deterministic("provider-a"), extra=FAST_RETRY)
     response = chat(gateway.port, "m")
     assert response.status == 502

@@ -23,7 +23,7 @@ import yaml
 from gateway.overlay.snapshot import snapshot_from_bytes
 from gateway.quota.embedded import EmbeddedValkey
 from loadtest.mock_provider import MockProviderHandle
-from tests.harness import ROOT, Gateway, admin_get, candidate, chat, envelope, free_port, wait_until
+from tests.harness import ROOT, Gateway, admin_get, candidate, chat, envelope, refused_port, wait_until
 
 SCOPE = {"network": "net", "gateway": "gw", "namespace": "ns", "local_site": "east"}
 INTERVAL_MS = 200
@@ -289,7 +289,7 @@ def test_start_without_valkey_fails_in_one_line_or_serves_the_cache_or_the_fallb
     tmp_path: Path, key: str, providers: dict[str, MockProviderHandle], gateway_factory: Callable[..., Gateway],
     valkey_url: str, store: valkey.Valkey,
 ) -> None:
-    dead = f"valkey://127.0.0.1:{free_port()}/0"
+    dead = f"valkey://127.0.0.1:{refused_port()}/0"
     cache = str(tmp_path / "cache.json")
     gateway = source_gateway(gateway_factory, providers, dead, key, start=False, cache_file=cache)
     with pytest.raises(RuntimeError) as info:

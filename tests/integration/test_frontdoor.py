@@ -16,7 +16,16 @@ import pytest
 
 from gateway.auth import hash_api_key
 from loadtest.mock_provider import MockProviderHandle, start_mock_provider_process
-from tests.harness import Client, Gateway, candidate, envelope, free_port, metric_value, request, wait_until
+from tests.harness import (
+    Client,
+    Gateway,
+    candidate,
+    envelope,
+    metric_value,
+    refused_port,
+    request,
+    wait_until,
+)
 
 KEY_A = "sk-front-team-a"
 KEY_PIN = "sk-front-pinner"
@@ -320,7 +329,7 @@ def test_unauthenticated_uploads_do_not_grow_the_worker(mock_provider, gateway_f
 
 def test_a_restricted_route_never_fails_over_to_a_cluster_that_does_not_allow_it(mock_provider, gateway_factory):
     live = mock_provider("live")
-    dead = f"127.0.0.1:{free_port()}"  # nothing listens: every attempt on cluster a fails to connect
+    dead = f"127.0.0.1:{refused_port()}"  # nothing listens: every attempt on cluster a fails to connect
     gateway = gateway_factory({"a": [dead], "b": [live.address]},
                               envelope([candidate("m", "a", group=0), candidate("m", "b", group=1)], "deterministic"),
                               start=False)

@@ -22,9 +22,9 @@ from tests.harness import (
     candidate,
     chat,
     envelope,
-    free_port,
     metric_value,
     mock_served,
+    refused_port,
     wait_until,
 )
 
@@ -185,7 +185,7 @@ def test_requests_that_could_not_connect_to_their_provider_give_their_slots_back
     tenant = _tenant()
     options = {"auth": _keys({"tenant": tenant, "key": "sk-1"}),
                "quota": _quota(valkey_url, {"name": f"r-{tenant}", "requests": [{"window": "1m", "count": 2}]})}
-    dead = f"127.0.0.1:{free_port()}"  # nothing listens: every connection is refused
+    dead = f"127.0.0.1:{refused_port()}"  # nothing listens: every connection is refused
     gateway = gateway_factory({"p": [handle.address], "dead": [dead]},
                               envelope([candidate("m", "p"), candidate("down", "dead")]), extra=options)
     for _ in range(2):  # admitted, then no connection came: the request never reached a provider

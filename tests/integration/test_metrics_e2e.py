@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness import admin_get, candidate, chat, envelope, free_port
+from tests.harness import admin_get, candidate, chat, envelope, refused_port
 from tests.integration.test_quota_e2e import _auth, _bearer, _quota
 
 FAST_RETRY = {"attempts": 3, "deadline": "10s", "backoff": {"base": "1ms", "max": "5ms"}}
@@ -72,7 +72,7 @@ def test_a_failover_counts_under_the_provider_that_failed_and_only_the_served_re
         mock_provider, gateway_factory):
     busy = mock_provider("busy", fail_rate=1.0, fail_status=503, retry_after="7")
     good = mock_provider("good")
-    dead = f"127.0.0.1:{free_port()}"
+    dead = f"127.0.0.1:{refused_port()}"
     overlay = envelope([candidate("m", "busy", group=0), candidate("m", "good", group=1),
                         candidate("split", "half-dead")], mode="deterministic")
     models = [{"match": {"capability": "m", "cluster": "busy"}, "context_window": 4000}]

@@ -17,10 +17,10 @@ from tests.harness import (
     candidate,
     chat,
     envelope,
-    free_port,
     mock_in_flight,
     mock_served,
     raw_exchange,
+    refused_port,
     request,
     status_of,
 )
@@ -155,7 +155,7 @@ def test_keepalive_reuses_one_connection(gateway_factory):
 
 
 def test_upstream_connect_failure_is_502(gateway_factory):
-    dead = f"127.0.0.1:{free_port()}"
+    dead = f"127.0.0.1:{refused_port()}"
     gateway = gateway_factory({"dead": [dead]}, envelope([candidate("m", "dead")]))
     response = chat(gateway.port, "m")
     assert response.status == 502

@@ -27,6 +27,7 @@ from gateway.quota.backend import create_client
 from gateway.quota.embedded import EmbeddedValkey
 from gateway.quota.resp import INCOMPLETE, RespClient, encode_command, read_reply
 from gateway.quota.resp_transport import RespTransport
+from tests.harness import free_port, refused_port
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
 
@@ -39,18 +40,12 @@ def run(request: pytest.FixtureRequest) -> Run:
 @pytest.fixture(scope="module")
 def tcp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedValkey]:
     """A Valkey on loopback TCP, which EmbeddedValkey protects with a random password."""
-    server = EmbeddedValkey(tmp_path_factory.mktemp("valkey-tcp"), port=_free_port())
+    server = EmbeddedValkey(tmp_path_factory.mktemp("valkey-tcp"), port=free_port())
     server.start()
     try:
         yield server
     finally:
         server.stop()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _key() -> str:
@@ -278,7 +273,7 @@ def test_auth_uses_the_password_from_the_url(tcp_server: EmbeddedValkey, run: Ru
 
 
 def test_restart_fails_pending_commands_and_the_next_command_reconnects(tmp_path: Path, run: Run) -> None:
-    server = EmbeddedValkey(tmp_path / "valkey", port=_free_port())
+    server = EmbeddedValkey(tmp_path / "valkey", port=free_port())
     url = server.start()
 
     async def scenario() -> None:
@@ -329,7 +324,7 @@ def test_a_silent_server_times_out_replies_and_connection_setup(silent_port: int
 
 def test_connection_refused_and_tls_to_a_plain_server_are_connection_errors(run: Run) -> None:
     async def scenario() -> None:
-        refused = RespClient.from_url(f"valkey://127.0.0.1:{_free_port()}/0", timeout_s=1)
+        refused = RespClient.from_url(f"valkey://127.0.0.1:{refused_port()}/0", timeout_s=1)
         with pytest.raises(ConnectionError, match="Error connecting"):
             await refused.execute_command("PING")
         # Proves rediss:// really speaks TLS: a plain-text server cannot complete the handshake.

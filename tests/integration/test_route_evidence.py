@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any
 
-from tests.harness import admin_get, candidate, chat, envelope, free_port, wait_until
+from tests.harness import admin_get, candidate, chat, envelope, refused_port, wait_until
 from tests.integration.test_access_log import wait_lines
 
 CHECKS = {"health_check": {"type": "http", "path": "/health", "interval": "200ms", "timeout": "150ms",
@@ -31,7 +31,7 @@ def test_excluded_candidates_are_counted_by_reason(mock_provider, gateway_factor
     cooled, serving, filtered = mock_provider("cooled"), mock_provider("serving"), mock_provider("filtered")
     overlay = envelope([candidate("m", name) for name in ("cooled", "down", "ghost", "filtered", "serving")],
                        "deterministic")
-    clusters = {"cooled": [cooled.address], "down": [f"127.0.0.1:{free_port()}"], "filtered": [filtered.address],
+    clusters = {"cooled": [cooled.address], "down": [f"127.0.0.1:{refused_port()}"], "filtered": [filtered.address],
                 "serving": [serving.address]}  # "ghost" is not configured here
     gateway = gateway_factory(clusters, overlay, cluster_options=CHECKS, extra={
         "access_log": {"path": "access.log", "evidence_sample": 1.0},

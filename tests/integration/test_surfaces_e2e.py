@@ -21,9 +21,9 @@ from tests.harness import (
     admin_get,
     candidate,
     envelope,
-    free_port,
     mock_served,
     raw_exchange,
+    refused_port,
     request,
     status_of,
 )
@@ -182,7 +182,7 @@ def test_gateway_errors_on_messages_use_anthropics_shape(valkey_url, mock_provid
 
 
 def test_upstream_failure_on_messages_uses_anthropics_shape(mock_provider, gateway_factory):
-    gateway = _gateway(gateway_factory, f"127.0.0.1:{free_port()}", "t-down")
+    gateway = _gateway(gateway_factory, f"127.0.0.1:{refused_port()}", "t-down")
     with pytest.raises(anthropic.InternalServerError) as failed:
         _anthropic(gateway).messages.create(model="m", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
     assert failed.value.status_code == 502
