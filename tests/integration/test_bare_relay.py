@@ -9,7 +9,7 @@ import pytest
 
 from loadtest.bare_relay import start_bare_relay_process
 from loadtest.mock_provider import MockProviderHandle, start_mock_provider_process, terminate
-from tests.harness import Client, free_port
+from tests.harness import Client, free_port, refused_port
 
 
 def established_to(port: int) -> int:
@@ -49,7 +49,7 @@ def test_two_requests_on_one_connection_reuse_one_upstream_connection(upstream: 
 
 def test_an_unreachable_upstream_is_a_502_with_an_error_body() -> None:
     port = free_port()
-    relay = start_bare_relay_process(port, free_port())  # nothing listens there
+    relay = start_bare_relay_process(port, refused_port())  # nothing listens there, nor ever will
     try:
         response = Client(port).request("POST", "/v1/chat/completions", b"{}")
         assert response.status == 502

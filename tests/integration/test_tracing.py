@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import candidate, chat, envelope, free_port, metric_value, wait_until
+from tests.harness import candidate, chat, envelope, metric_value, refused_port, wait_until
 from tests.integration.test_access_log import wait_lines
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -164,7 +164,7 @@ def test_an_unsampled_client_trace_is_left_alone(gateway_factory, providers, rec
 
 
 def test_a_collector_that_is_down_costs_no_request_and_counts_the_drops(gateway_factory, providers):
-    gateway, _ = traced_gateway(gateway_factory, providers, f"http://127.0.0.1:{free_port()}", queue_size=4,
+    gateway, _ = traced_gateway(gateway_factory, providers, f"http://127.0.0.1:{refused_port()}", queue_size=4,
                                 timeout="200ms")
     statuses = [chat(gateway.port, "m").status for _ in range(20)]
     assert statuses == [200] * 20
