@@ -16,16 +16,20 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from tests.harness import candidate, envelope, free_port, metric_value
+from tests.harness import candidate, envelope, metric_value
 
 ALERT = {"tenant": "team-a", "scope": "rule team-a", "budget": "$10.00/1d", "period_start": "2026-12-01T00:00:00Z",
          "threshold": 0.8, "spent_nusd": 8_000_000_000, "limit_nusd": 10_000_000_000}
 
 
 class Webhook:
-    """A local HTTP server that records the JSON bodies POSTed to it; ``status`` is what it answers."""
+    """A local HTTP server that records the JSON bodies POSTed to it; ``status`` is what it answers.
 
-    def __init__(self, port: int, status: int = 200) -> None:
+    With ``listening=False`` its port is bound but refuses every connection until ``listen()``: a webhook
+    that is down, then comes up on the same port. (A port found free and left unbound meanwhile could be
+    taken by any process of the run, a gateway started in the test among them.)"""
+
+    def __init__(self, status: int = 200, *, listening: bool = True) -> None:
         self.received: list[dict[str, Any]] = []
         self.status = status
         self.attempts = 0
@@ -44,12 +48,20 @@ class Webhook:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler, bind_and_activate=False)
+        self.server.server_bind()
+        self.thread: threading.Thread | None = None
+        if listening:
+            self.listen()
+
+    def listen(self) -> None:
+        self.server.server_activate()
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
     def stop(self) -> None:
-        self.server.shutdown()
+        if self.thread is not None:
+            self.server.shutdown()
         self.server.server_close()
 
 
@@ -74,7 +86,7 @@ def wait_for(predicate, timeout: float = 15.0) -> bool:
 
 
 def test_a_webhook_receives_every_alert_of_every_worker(gateway_factory, providers):
-    hook = Webhook(free_port())
+    hook = Webhook()
     try:
         url = f"http://127.0.0.1:{hook.server.server_port}/alerts"
         second = {**ALERT, "tenant": "team-b", "threshold": 1.0}
@@ -93,14 +105,14 @@ def test_a_webhook_receives_every_alert_of_every_worker(gateway_factory, provide
 
 
 def test_a_webhook_down_for_a_while_gets_the_alert_after_retries(gateway_factory, providers):
-    port = free_port()  # nothing listens there yet: connections are refused
-    gateway = alerting_gateway(gateway_factory, providers,
-                               {"url": f"http://127.0.0.1:{port}/", "retries": 30, "backoff": "100ms",
-                                "max_backoff": "400ms"}, [ALERT])
-    time.sleep(1.5)  # a few attempts fail meanwhile
-    assert deliveries(gateway, "delivered") == 0 and deliveries(gateway, "failed") == 0
-    hook = Webhook(port, status=503)  # up, but failing: still retried
+    hook = Webhook(status=503, listening=False)  # nothing listens there yet: connections are refused
     try:
+        gateway = alerting_gateway(gateway_factory, providers,
+                                   {"url": f"http://127.0.0.1:{hook.server.server_port}/", "retries": 30,
+                                    "backoff": "100ms", "max_backoff": "400ms"}, [ALERT])
+        time.sleep(1.5)  # a few attempts fail meanwhile
+        assert deliveries(gateway, "delivered") == 0 and deliveries(gateway, "failed") == 0
+        hook.listen()  # up, but failing: still retried
         assert wait_for(lambda: hook.attempts >= 2)
         hook.status = 200
         assert wait_for(lambda: len(hook.received) == 2)
@@ -112,13 +124,14 @@ def test_a_webhook_down_for_a_while_gets_the_alert_after_retries(gateway_factory
 
 
 def test_a_webhook_down_past_the_retries_counts_a_failure(gateway_factory, providers):
-    port = free_port()
-    gateway = alerting_gateway(gateway_factory, providers,
-                               {"url": f"http://127.0.0.1:{port}/", "retries": 2, "backoff": "100ms"}, [ALERT])
-    assert wait_for(lambda: deliveries(gateway, "failed") == 2)  # one alert per worker, 3 attempts each
-    assert deliveries(gateway, "delivered") == 0
-    hook = Webhook(port)  # up again later: the failed alerts are gone, as counted
+    hook = Webhook(listening=False)
     try:
+        gateway = alerting_gateway(gateway_factory, providers,
+                                   {"url": f"http://127.0.0.1:{hook.server.server_port}/", "retries": 2,
+                                    "backoff": "100ms"}, [ALERT])
+        assert wait_for(lambda: deliveries(gateway, "failed") == 2)  # one alert per worker, 3 attempts each
+        assert deliveries(gateway, "delivered") == 0
+        hook.listen()  # up again later: the failed alerts are gone, as counted
         time.sleep(1.0)
         assert hook.received == []
     finally:

@@ -26,7 +26,6 @@ from tests.harness import (
     candidate,
     chat,
     envelope,
-    free_port,
     metric_value,
     mock_served,
     wait_until,
@@ -203,7 +202,7 @@ def test_thresholds_crossed_by_real_requests_reach_the_webhook_the_access_log_an
 
     handle = mock_provider("p")
     tenant = _tenant()
-    hook = Webhook(free_port())
+    hook = Webhook()
     try:
         worst = _worst()
         # Soft, so every request goes on; one request's cost is enough for 50 %, ten are past 100 %.
