@@ -123,11 +123,15 @@ def test_unpriced_requests_and_per_key_series_are_counted(gateway_factory, provi
     ask(gateway.port, "sk-team-a-ci", "m")
     ask(gateway.port, "sk-team-a-web", "m")
     ask(gateway.port, "sk-team-b", "n")
+    # Each of the two workers sends its counts once a second, and the three requests may have gone to
+    # either: wait for every series, not only the one the unpriced request's worker sends.
+    unpriced = 'gridgate_unpriced_requests_total{outcome="zero"}'
+    per_key = [f'gridgate_spend_nanousd_total{{key="{key}",model="m",tenant="team-a"}}' for key in ("ci", "web")]
     deadline = time.monotonic() + 10
-    sample = 'gridgate_unpriced_requests_total{outcome="zero"}'
-    while metric_value(gateway.admin_port, sample) < 1 and time.monotonic() < deadline:
+    while (metric_value(gateway.admin_port, unpriced) < 1
+           or not all(metric_value(gateway.admin_port, sample) > 0 for sample in per_key)) \
+            and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert metric_value(gateway.admin_port, sample) == 1
-    for key in ("ci", "web"):
-        assert metric_value(gateway.admin_port,
-                            f'gridgate_spend_nanousd_total{{key="{key}",model="m",tenant="team-a"}}') > 0
+    assert metric_value(gateway.admin_port, unpriced) == 1
+    for sample in per_key:
+        assert metric_value(gateway.admin_port, sample) > 0
