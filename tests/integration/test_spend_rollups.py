@@ -81,7 +81,12 @@ def test_rollups_wait_out_a_store_outage_in_the_workers(gateway_factory, provide
     keys_store.stop()
     for _ in range(3):
         ask(gateway.port, key, "m")
-    time.sleep(2.5)  # flushes fail meanwhile, and are kept
+    # Flushes fail meanwhile, and are kept. (The worker flushes, and sends its counts, once a second each:
+    # wait for the first failure to show rather than for a fixed time a slow machine may need more than.)
+    deadline = time.monotonic() + 15
+    while metric_value(gateway.admin_port, "gridgate_spend_rollup_flush_failures_total") < 1 \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert metric_value(gateway.admin_port, "gridgate_spend_rollup_flush_failures_total") >= 1
     keys_store.restart()
     deadline = time.monotonic() + 15
