@@ -22,15 +22,17 @@ from tests.integration.test_spend_reports import PRICES, SPEND, ask, spend_gatew
 
 
 def stored_requests(url: str, tenant: str) -> int:
-    """The requests stored in today's rollup of ``tenant`` (today when asked: a suite run crosses midnight UTC
-    now and then, and the workers roll up into the day a request ended in)."""
-    today = dt.datetime.now(dt.UTC).date().isoformat()
+    """The requests stored in yesterday's and today's rollups of ``tenant`` (UTC days, when asked). The workers
+    roll a request up into the day it ended in, and a test that runs across midnight has requests in both;
+    the store is the test's own (``keys_store``), so nothing else is in them."""
+    today = dt.datetime.now(dt.UTC).date()
     client = valkey.Valkey.from_url(url)
     try:
-        fields = client.hgetall(f"gridgate:spend:{{{today}}}:{tenant}")
+        rollups = [client.hgetall(f"gridgate:spend:{{{day.isoformat()}}}:{tenant}")
+                   for day in (today - dt.timedelta(days=1), today)]
     finally:
         client.close()
-    return sum(int(value) for field, value in fields.items() if field.startswith(b"r\x1f"))
+    return sum(int(value) for fields in rollups for field, value in fields.items() if field.startswith(b"r\x1f"))
 
 
 def test_a_flush_retried_under_the_same_id_counts_once(keys_store):
