@@ -10,7 +10,16 @@ import threading
 import time
 from collections import Counter
 
-from tests.harness import admin_get, candidate, chat, envelope, mock_served, refused_port, request
+from tests.harness import (
+    admin_get,
+    candidate,
+    chat,
+    envelope,
+    mock_in_flight,
+    mock_served,
+    refused_port,
+    request,
+)
 
 
 def _set_health(handle, status: int) -> None:
@@ -56,7 +65,10 @@ def test_panic_mode_serves_when_every_endpoint_is_unhealthy(mock_provider, gatew
                               cluster_options={"health_check": FAST_HEALTH})
     _set_health(a, 503)
     _set_health(b, 503)
-    time.sleep(1.0)
+    # Both judged unhealthy by the health process (checks every 200 ms) before the spread is asked for; a
+    # fixed second was not always enough on a slow machine, and a spread over one endpoint is no panic.
+    assert _wait(lambda: {e["health"] for c in _endpoints(gateway)["clusters"] for e in c["endpoints"]}
+                 == {"unhealthy"})
     spread = _spread(gateway.port, 8)
     assert set(spread) == {"ep-a", "ep-b"}  # still served, across all endpoints
     assert "panic mode" in gateway.log()
@@ -155,7 +167,9 @@ def test_connection_limit_waits_then_503(mock_provider, gateway_factory):
     gateway = gateway_factory({"c": [slow.address]}, envelope([candidate("m", "c")]),
                               cluster_options={"max_connections": 1, "connect_timeout": "500ms"})
     threading.Thread(target=lambda: chat(gateway.port, "m"), daemon=True).start()
-    time.sleep(0.3)
+    # Until the first request holds the only connection (it reached the provider), not a fixed 0.3 s: a
+    # second request that got there first would take the connection itself and be served.
+    assert _wait(lambda: mock_in_flight(slow) == 1, timeout=5)
     started = time.monotonic()
     response = chat(gateway.port, "m")
     assert response.status == 503
