@@ -11,7 +11,7 @@ import uuid
 
 from gateway.auth import hash_api_key
 from gateway.quota.embedded import EmbeddedValkey
-from tests.harness import Client, admin_get, candidate, chat, envelope, mock_served
+from tests.harness import Client, admin_get, candidate, chat, envelope, mock_in_flight, mock_served
 
 
 def _auth(tenants: dict[str, str]) -> dict:
@@ -231,7 +231,12 @@ def test_tenant_concurrency_cap_applies_across_workers(valkey_url, mock_provider
     slow: list[int] = []
     first = threading.Thread(target=lambda: slow.append(chat(gateway.port, "m", headers=_bearer("sk-c")).status))
     first.start()
-    time.sleep(0.4)
+    # Until the first request is admitted and at the provider (1.5 s there), not a fixed 0.4 s: on a slow
+    # machine the second could be admitted first, and the first then refused.
+    deadline = time.monotonic() + 10
+    while mock_in_flight(handle) != 1:
+        assert time.monotonic() < deadline, "the first request never reached the provider"
+        time.sleep(0.02)
     second = chat(gateway.port, "m", headers=_bearer("sk-c"))
     assert second.status == 429
     assert second.headers["retry-after"] == "1"
