@@ -8,7 +8,6 @@ import json
 import os
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -163,6 +162,13 @@ def test_a_key_limit_applies_on_top_of_its_rule_and_its_429_names_it(valkey_url,
     assert (bot["key"], bot["requests"][0]["remaining"], bot["windows"][0]["limit"]) == ("ci-bot", 0, 900)
 
 
+def _slots_back(gateway: Any, tenant: str, remaining: int) -> None:
+    """Until the tenant's first request limit has ``remaining`` slots: a request that never reached a provider
+    gives its slot back off the response path, moments after its answer."""
+    wait_until(lambda: _report(gateway, tenant)["rules"][0]["requests"][0]["remaining"] == remaining,
+               f"{remaining} request slots left")
+
+
 def test_a_request_that_never_reached_a_provider_gives_its_slot_back(valkey_url, mock_provider, gateway_factory):
     handle = mock_provider("p")
     tenant = _tenant()
@@ -172,7 +178,7 @@ def test_a_request_that_never_reached_a_provider_gives_its_slot_back(valkey_url,
     # No provider serves "unknown": admitted, then answered 404 without reaching one; the slot goes back.
     for _ in range(3):
         assert chat(gateway.port, "unknown", headers=_bearer("sk-1")).status == 404
-        time.sleep(0.2)  # the slot goes back off the response path
+        _slots_back(gateway, tenant, 2)
     # A provider's 400 reached it: that slot is spent, though nothing is charged.
     assert chat(gateway.port, "m", headers=[*_bearer("sk-1"), ("X-Mock-Status", "400")]).status == 400
     assert chat(gateway.port, "m", headers=_bearer("sk-1")).status == 200
@@ -191,7 +197,7 @@ def test_requests_that_could_not_connect_to_their_provider_give_their_slots_back
     for _ in range(2):  # admitted, then no connection came: the request never reached a provider
         response = chat(gateway.port, "down", headers=_bearer("sk-1"))
         assert response.status == 502 and "connection refused" in response.json()["error"]["message"]
-        time.sleep(0.2)  # the slot goes back off the response path
+        _slots_back(gateway, tenant, 2)
     assert [chat(gateway.port, "m", headers=_bearer("sk-1")).status for _ in range(2)] == [200, 200]
     refused = chat(gateway.port, "m", headers=_bearer("sk-1"))
     assert refused.status == 429 and f"rule r-{tenant} requests 2/1m" in refused.json()["error"]["message"]
@@ -233,7 +239,7 @@ def test_a_request_only_a_stale_pooled_connection_took_gives_its_slot_back(valke
         assert client.request("POST", "/v1/chat/completions", body, _bearer("sk-1")).status == 502
     finally:
         client.close()
-    time.sleep(0.2)  # the slot goes back off the response path
+    _slots_back(gateway, tenant, 1)
     assert chat(gateway.port, "m", headers=_bearer("sk-1")).status == 200  # slot 2
     assert chat(gateway.port, "m", headers=_bearer("sk-1")).status == 429
 
