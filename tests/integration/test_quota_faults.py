@@ -111,11 +111,14 @@ def test_sweep_settles_a_dead_workers_reservations_once_and_leaves_the_others(va
 def test_an_admit_whose_request_gave_up_is_released_when_its_reply_arrives(valkey_url: str) -> None:
     tenant = new_tenant()
 
-    async def stall_backend() -> None:
+    async def stall_backend(stalling: asyncio.Event) -> None:
         client = create_client(valkey_url, timeout_s=30)
-        try:  # a busy script: Valkey reads nothing else for ~0.5 s (see test_quota_ledger)
-            await client.execute_command("EVAL", "local x = 0 for i = 1, tonumber(ARGV[1]) do x = x + i end return 1",
-                                         0, 150_000_000)
+        try:  # a busy script: Valkey reads nothing else for 0.3 to 0.8 s (see test_quota_ledger)
+            await client.execute_command("PING")  # connected: the script is written the moment it is sent
+            stalled = client.execute_command(
+                "EVAL", "local x = 0 for i = 1, tonumber(ARGV[1]) do x = x + i end return 1", 0, 80_000_000)
+            stalling.set()
+            await stalled
         finally:
             await client.aclose()
 
@@ -125,7 +128,9 @@ def test_an_admit_whose_request_gave_up_is_released_when_its_reply_arrives(valke
         gate = QuotaGate(ledger, [rule_for(tenant, (LONG, 1000), max_in_flight=1)])
         await gate.start()
         try:
-            stall = asyncio.create_task(stall_backend())
+            stalling = asyncio.Event()
+            stall = asyncio.create_task(stall_backend(stalling))
+            await stalling.wait()  # the script goes first, whatever connecting its client took
             await asyncio.sleep(0.05)
             waiting = asyncio.create_task(admit(gate, tenant, 100))
             await asyncio.sleep(0.05)

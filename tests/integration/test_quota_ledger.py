@@ -628,20 +628,26 @@ def test_an_admit_whose_reply_was_lost_is_released_once_the_backend_catches_up(v
     tenant = new_tenant()
     rule = rule_for(tenant, (LONG, 1000), max_in_flight=1)
 
-    async def stall_backend() -> None:
+    async def stall_backend(stalling: asyncio.Event) -> None:
         # A busy script: Valkey reads nothing else meanwhile, like an overloaded server. (TIME is frozen
-        # inside scripts, so it counts instead: ~1.5 s here, well under the 5 s busy-script threshold
-        # after which Valkey would refuse, not queue, other commands.)
+        # inside scripts, so it counts instead: 0.5 to 1.5 s by the machine, well under the 5 s busy-script
+        # threshold after which Valkey would refuse, not queue, other commands: 450 million took 4.4 s on
+        # an idle 2-core test machine, and a loaded one goes past it.)
         client = create_client(valkey_url, timeout_s=30)
         script = "local x = 0 for i = 1, tonumber(ARGV[1]) do x = x + i end return 1"
         try:
-            await client.execute_command("EVAL", script, 0, 450_000_000)
+            await client.execute_command("PING")  # connected: the script is written the moment it is sent
+            stalled = client.execute_command("EVAL", script, 0, 150_000_000)
+            stalling.set()
+            await stalled
         finally:
             await client.aclose()
 
     async def scenario() -> None:
         async with open_gate(valkey_url, [rule], request_timeout_s=0.25) as gate:
-            stall = asyncio.create_task(stall_backend())
+            stalling = asyncio.Event()
+            stall = asyncio.create_task(stall_backend(stalling))
+            await stalling.wait()  # the script goes first, whatever connecting its client took
             await asyncio.sleep(0.1)
             lost = await admit(gate, tenant, 100)
             assert lost.reason == "backend_error_rejected" and lost.status == 503
