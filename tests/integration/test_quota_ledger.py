@@ -308,10 +308,12 @@ def test_a_request_running_past_the_timeout_keeps_counting_and_is_charged_its_us
     rule = rule_for(tenant, (LONG, 1000), max_in_flight=1)
 
     async def scenario() -> None:
-        async with open_gate(valkey_url, [rule], reservation_timeout_s=0.4) as gate:
+        # A 1 s timeout: the keeper extends a reservation within half of it (a pass every quarter), so this
+        # process may stall for 0.5 s before the reservation lapses; with 0.4 s it was 0.2 s.
+        async with open_gate(valkey_url, [rule], reservation_timeout_s=1.0) as gate:
             running = await admit(gate, tenant, 300)
             assert running.allowed
-            await asyncio.sleep(1.3)  # over three timeouts
+            await asyncio.sleep(3.2)  # over three timeouts
             report = await gate.quota_report(tenant)
             assert (window(report)["used"], window(report)["reserved"]) == (0, 300)
             assert report["rules"][0]["in_flight"] == 1
@@ -323,7 +325,7 @@ def test_a_request_running_past_the_timeout_keeps_counting_and_is_charged_its_us
             assert (window(report)["used"], window(report)["reserved"]) == (42, 0)
             assert report["rules"][0]["in_flight"] == 0
             assert gate.counters.reservations_extended >= 2 and gate.counters.reservations_expired == 0
-            await asyncio.sleep(0.5)  # a settled reservation is no longer extended, nor charged again
+            await asyncio.sleep(1.2)  # a settled reservation is no longer extended, nor charged again
             assert window(await gate.quota_report(tenant))["used"] == 42
 
     asyncio.run(scenario())
@@ -334,7 +336,9 @@ def test_extending_moves_only_live_reservations(valkey_url: str) -> None:
     rule = rule_for(tenant, (LONG, 1000))
 
     async def scenario() -> None:
-        ledger = QuotaLedger(create_client(valkey_url), reservation_timeout_s=0.3)
+        # Seconds, not tenths: each step below must land on its side of a deadline, and with a 0.3 s timeout
+        # and 0.2 s steps a slow machine had 0.1 s to spare.
+        ledger = QuotaLedger(create_client(valkey_url), reservation_timeout_s=1.0)
         await ledger.load_script()
 
         async def reserve(tokens: int) -> Reservation:
@@ -347,9 +351,9 @@ def test_extending_moves_only_live_reservations(valkey_url: str) -> None:
         try:
             settled, lapsing, live = await reserve(100), await reserve(200), await reserve(300)
             assert await ledger.settle(settled, 7) == SETTLE_APPLIED
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.5)
             assert await ledger.extend_many([live]) == 1
-            await asyncio.sleep(0.2)  # `lapsing` is past its deadline now, `live` is not
+            await asyncio.sleep(0.6)  # `lapsing` is past its deadline now, `live` is not
             assert await ledger.extend_many([settled, lapsing, live]) == 1  # neither comes back
             report = await rule_report(ledger, rule, tenant)
             assert (report.in_flight, report.windows[0].used, report.windows[0].reserved) == (1, 207, 300)
