@@ -584,7 +584,9 @@ def test_a_backend_that_hangs_costs_at_most_the_timeout_until_the_breaker_opens(
                 timings.append(time.perf_counter() - started)
                 assert admission.status == 503
             assert all(t < 0.3 for t in timings[:2])  # bounded by the request timeout
-            assert max(timings[2:]) < 0.01  # then the breaker answers at once
+            # Then the breaker answers at once: well under the 0.1 s a call to the backend would wait (not
+            # 10 ms: a process that loses the CPU for a slice or two on a loaded machine takes longer).
+            assert max(timings[2:]) < 0.05
 
     try:
         asyncio.run(scenario())
