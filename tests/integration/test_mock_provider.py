@@ -345,9 +345,14 @@ def metric(text: str, name: str, absent: float | None = None) -> float:
 def test_metrics_report_in_flight_kv_cache_and_served(mock: MockProviderHandle) -> None:
     before = request(mock, "GET", "/metrics").body.decode()
     with socket.create_connection((mock.host, mock.port), timeout=5) as slow:
-        slow.sendall(build_request("POST", CHAT, chat_body(stream=True), {"X-Mock-Latency-Ms": "400"}))
-        time.sleep(0.1)
+        slow.sendall(build_request("POST", CHAT, chat_body(stream=True), {"X-Mock-Latency-Ms": "1000"}))
+        # Read while the mock holds it (a second), once it has taken it in: not after a fixed 0.1 s, which a
+        # slow machine may need to get the request to the mock at all.
+        deadline = time.monotonic() + 5
         during = request(mock, "GET", "/metrics").body.decode()
+        while metric(during, "mock_requests_in_flight") != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+            during = request(mock, "GET", "/metrics").body.decode()
         assert read_response(slow.makefile("rb")).status == 200
     after = request(mock, "GET", "/metrics").body.decode()
     assert metric(during, "mock_requests_in_flight") == 1
