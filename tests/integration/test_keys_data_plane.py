@@ -79,7 +79,9 @@ def test_expired_keys_and_models_outside_the_globs_are_refused_before_any_provid
                                                                                    keys_store):
     (gateway,) = gateways(gateway_factory, providers, keys_store.url, count=1)
     handle = providers["provider-a"]
-    expires = int(time.time()) + 2
+    # Four seconds or more: the key must reach the table and serve, and the two requests below be refused
+    # and served, before it expires (with two, as little as one second was left for all of it).
+    expires = int(time.time()) + 5
     status, created = admin(gateway, "POST", "/admin/keys", {
         "tenant": "team-a", "models": ["m"],
         "expires_at": datetime.fromtimestamp(expires, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")})
