@@ -202,6 +202,16 @@ def wait_until(predicate: Callable[[], Any], what: str, timeout: float = 10.0) -
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def clear_of_window_end(window_s: float, margin_s: float) -> None:
+    """Return at once when more than ``margin_s`` seconds are left of the current ``window_s`` window (aligned
+    to the epoch, as the quota ledger's token windows are; UTC hours and days are such windows), else once
+    the next window has begun. A test that fills a window, or reads back what one holds, and runs across its
+    end finds a new, empty one: started clear of the end, it stays inside one window."""
+    left = window_s - time.time() % window_s
+    if left < margin_s:
+        time.sleep(left + 0.05)
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -1,4 +1,5 @@
-"""Integration fixtures: a real Valkey from the bundled binary, one per test session."""
+"""Integration fixtures: a real Valkey from the bundled binary, one per test session; every test started clear
+of the end of an hour."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import valkey
 
 from gateway.quota.embedded import EmbeddedValkey
+from tests.harness import clear_of_window_end
 
 
 @pytest.fixture(scope="session")
@@ -37,3 +39,12 @@ def store(valkey_url: str) -> Iterator[valkey.Valkey]:
     client = valkey.Valkey.from_url(valkey_url)
     yield client
     client.close()
+
+
+@pytest.fixture(autouse=True)
+def clear_of_the_hour() -> None:
+    """Each test starts at least 30 s before the end of a UTC hour (waiting the end out when it is closer).
+    Hourly token budgets and UTC days (rollups, "1d" budgets and spend periods) end on the hour, and a test
+    that fills one of those windows, or reads back what it holds, across its end finds a new, empty one.
+    The tests here take seconds; waiting costs at most 30 s, once in a run that crosses an hour."""
+    clear_of_window_end(3600, 30)
