@@ -30,6 +30,7 @@ from gateway.quota.ledger import (
 )
 from gateway.quota.rules import Budget, QuotaRule
 from gateway.request.attempts import attempt_tokens
+from tests.harness import clear_of_window_end
 
 # Windows this long never roll over during a test run (they are aligned to the epoch).
 LONG = 10_000_000
@@ -458,6 +459,7 @@ def test_report_covers_every_rule_that_can_apply(valkey_url: str) -> None:
 def test_every_key_has_a_ttl(valkey_url: str) -> None:
     tenant = new_tenant()
     rule = rule_for(tenant, (60, 1000), (LONG, 5000))
+    clear_of_window_end(60, 5)  # the minute's window must not roll over between the two admits: one hash
 
     async def scenario() -> None:
         async with open_gate(valkey_url, [rule], reservation_timeout_s=120) as gate:
