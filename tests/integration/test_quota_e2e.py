@@ -11,7 +11,16 @@ import uuid
 
 from gateway.auth import hash_api_key
 from gateway.quota.embedded import EmbeddedValkey
-from tests.harness import Client, admin_get, candidate, chat, envelope, mock_in_flight, mock_served
+from tests.harness import (
+    Client,
+    admin_get,
+    candidate,
+    chat,
+    envelope,
+    mock_in_flight,
+    mock_served,
+    wait_until,
+)
 
 
 def _auth(tenants: dict[str, str]) -> dict:
@@ -233,10 +242,7 @@ def test_tenant_concurrency_cap_applies_across_workers(valkey_url, mock_provider
     first.start()
     # Until the first request is admitted and at the provider (1.5 s there), not a fixed 0.4 s: on a slow
     # machine the second could be admitted first, and the first then refused.
-    deadline = time.monotonic() + 10
-    while mock_in_flight(handle) != 1:
-        assert time.monotonic() < deadline, "the first request never reached the provider"
-        time.sleep(0.02)
+    wait_until(lambda: mock_in_flight(handle) == 1, "the first request at the provider")
     second = chat(gateway.port, "m", headers=_bearer("sk-c"))
     assert second.status == 429
     assert second.headers["retry-after"] == "1"

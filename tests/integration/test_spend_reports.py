@@ -14,7 +14,7 @@ from typing import Any
 
 import valkey
 
-from tests.harness import ROOT, candidate, chat, envelope, metric_value, request
+from tests.harness import ROOT, candidate, chat, envelope, metric_value, request, wait_until
 from tests.integration.test_access_log import wait_lines
 
 SPEND, VIEWER = "spend-reader-token", "keys-only-token"
@@ -99,10 +99,8 @@ def test_access_lines_carry_the_cost_and_the_usage_parts_of_each_request(gateway
     # second: wait until both series are in (the requests may have gone to different workers).
     expected = {'gridgate_spend_nanousd_total{model="m",tenant="team-a"}': detailed["cost_nusd"] + plain["cost_nusd"],
                 'gridgate_spend_nanousd_total{model="n",tenant="team-b"}': streamed["cost_nusd"]}
-    deadline = time.monotonic() + 5
-    while any(metric_value(gateway.admin_port, series) != value for series, value in expected.items()) \
-            and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: all(metric_value(gateway.admin_port, series) == value for series, value in expected.items()),
+               "both tenants' spend series", timeout=5)
     assert {series: metric_value(gateway.admin_port, series) for series in expected} == expected
 
 

@@ -17,7 +17,7 @@ import valkey
 from gateway.quota.backend import create_client
 from gateway.spend.rollups import DAY_S, RollupBatch, tenant_hash
 from gateway.spend.store import write_batch
-from tests.harness import candidate, envelope, metric_value, request
+from tests.harness import candidate, envelope, metric_value, request, wait_until
 from tests.integration.test_spend_reports import PRICES, SPEND, ask, spend_gateway, wait_spend
 
 
@@ -85,10 +85,8 @@ def test_rollups_wait_out_a_store_outage_in_the_workers(gateway_factory, provide
         ask(gateway.port, key, "m")
     # Flushes fail meanwhile, and are kept. (The worker flushes, and sends its counts, once a second each:
     # wait for the first failure to show rather than for a fixed time a slow machine may need more than.)
-    deadline = time.monotonic() + 15
-    while metric_value(gateway.admin_port, "gridgate_spend_rollup_flush_failures_total") < 1 \
-            and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: metric_value(gateway.admin_port, "gridgate_spend_rollup_flush_failures_total") >= 1,
+               "a failed flush counted", timeout=15)
     assert metric_value(gateway.admin_port, "gridgate_spend_rollup_flush_failures_total") >= 1
     keys_store.restart()
     deadline = time.monotonic() + 15
@@ -134,11 +132,8 @@ def test_unpriced_requests_and_per_key_series_are_counted(gateway_factory, provi
     # either: wait for every series, not only the one the unpriced request's worker sends.
     unpriced = 'gridgate_unpriced_requests_total{outcome="zero"}'
     per_key = [f'gridgate_spend_nanousd_total{{key="{key}",model="m",tenant="team-a"}}' for key in ("ci", "web")]
-    deadline = time.monotonic() + 10
-    while (metric_value(gateway.admin_port, unpriced) < 1
-           or not all(metric_value(gateway.admin_port, sample) > 0 for sample in per_key)) \
-            and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: metric_value(gateway.admin_port, unpriced) >= 1
+               and all(metric_value(gateway.admin_port, sample) > 0 for sample in per_key), "every series")
     assert metric_value(gateway.admin_port, unpriced) == 1
     for sample in per_key:
         assert metric_value(gateway.admin_port, sample) > 0
