@@ -11,6 +11,10 @@ their life: asked for, granted, taken from, renewed, expired, returned. The arit
 - **Take**: a request that fits is admitted from the block in memory, with no await.
 - **Renew**: shortly before a used block expires its successor is asked for, so steady traffic never
   waits on a round trip between blocks; an idle (tenant, rule, key) lets its block expire and holds nothing.
+  A block whose successor is still on its way when it expires (a slow or busy Valkey) keeps admitting
+  until the successor is granted or refused, for at most ``RENEW_GRACE_S`` (and a ``ttl``) more, never past
+  its window's end: otherwise every request of a busy key would go to Valkey one by one at the moment
+  Valkey is slow. What it admits was reserved when it was granted, so no limit is exceeded.
 - **Return**: a block that is closed (expired, full, replaced) and has no request in flight is settled
   with what its requests were charged, and the slots they did not use go back.
 
@@ -53,11 +57,14 @@ LeaseKey = tuple[str, str, str]  # (tenant, rule, key): ``Account.lease_key``
 
 # A block's successor is asked for this long before the block expires (at most a quarter of its life).
 RENEW_LEAD_S = 0.1
+# A block whose successor has not arrived when it expires admits this much longer at most (nor more than
+# its own life, nor past its window's end) while the successor's admit is under way.
+RENEW_GRACE_S = 1.0
 
 
 class LeaseBook:
-    __slots__ = ("spec", "open", "_asked", "_held", "_last", "_ledger", "_batcher", "_breaker", "_keeper",
-                 "_reconciler", "_counters", "_ids", "_closing")
+    __slots__ = ("spec", "open", "_asked", "_held", "_last", "_graced", "_ledger", "_batcher", "_breaker",
+                 "_keeper", "_reconciler", "_counters", "_ids", "_closing")
 
     def __init__(self, spec: LeaseSpec, ledger: QuotaLedger, batcher: AdmitBatcher, breaker: Breaker,
                  keeper: ReservationKeeper, reconciler: Reconciler, counters: QuotaCounters, ids: CounterIds) -> None:
@@ -66,6 +73,8 @@ class LeaseBook:
         self._asked: set[LeaseKey] = set()  # blocks asked for, not granted yet
         self._held: set[Lease] = set()  # every block not settled yet (open, or closed with requests)
         self._last: dict[LeaseKey, Lease] = {}  # the latest block of each key: the next one's size
+        # The blocks whose successor is on its way, with the end of their own life: each may admit past it.
+        self._graced: dict[LeaseKey, tuple[Lease, float]] = {}
         self._ledger = ledger
         self._batcher = batcher
         self._breaker = breaker
@@ -140,15 +149,19 @@ class LeaseBook:
         account = command.account
         key = account.lease_key
         self._asked.discard(key)
+        graced = self._graced.pop(key, None)
         if reply.__class__ is not bytes:
+            self._no_successor(key, graced)
             return  # the batch failed: counted there; requests go to the ledger one by one
         try:
             answer = QuotaLedger.read(command, reply)  # type: ignore[arg-type]
         except ValueError:
+            self._no_successor(key, graced)
             self._breaker.failed("an admit reply the ledger cannot have written")
             return
         reservation = answer.reservation
         if reservation is None:
+            self._no_successor(key, graced)
             return  # no room for a block: requests go to the ledger one by one
         block = LeaseReservation(reservation.zkey, reservation.prefix, reservation.member, reservation.estimate,
                                  reservation.slots, reservation.worst, reservation.spend)
@@ -182,25 +195,47 @@ class LeaseBook:
         if replaced is not None and replaced.close():  # renewed: the old block takes no more requests
             self.settle(replaced)
         loop = asyncio.get_running_loop()
-        loop.call_later(life_s, self._expired, key, lease)
         if spec.ttl_s < window_end_s:
             # The next block is asked for shortly before this one expires. Not across a window's end: a
-            # block reserved now would count in the window that is ending.
-            loop.call_later(max(0.0, life_s - min(life_s / 4, RENEW_LEAD_S)), self._renew, account, key, lease)
+            # block reserved now would count in the window that is ending (nor does its grace reach it).
+            grace_until = now + min(window_end_s, life_s + min(life_s, RENEW_GRACE_S))
+            loop.call_later(max(0.0, life_s - min(life_s / 4, RENEW_LEAD_S)), self._renew, account, key, lease,
+                            grace_until)
+        loop.call_later(life_s, self._expired, key, lease)
 
-    def _renew(self, account: Account, key: LeaseKey, lease: Lease) -> None:
-        """Ask for the successor of a block that is still open and was used."""
+    def _renew(self, account: Account, key: LeaseKey, lease: Lease, grace_until: float) -> None:
+        """Ask for the successor of a block that is still open and was used; while it is on its way the
+        block may admit until ``grace_until`` (monotonic), past its own life."""
         if self.open.get(key) is lease and not lease.closed and lease.taken:
             tokens, slots, spend = lease.tokens, lease.slots, lease.spend
             self.want(account, lease.tenant_slot, lease.last_estimate, tokens.remaining if tokens is not None else 0,
                       slots.remaining if slots is not None else 0, renewing=True, worst=lease.last_worst,
                       spend_room=spend.remaining if spend is not None else -1)
+            if key in self._asked:
+                self._graced[key] = (lease, lease.closes_at)
+                lease.closes_at = grace_until
 
     def _expired(self, key: LeaseKey, lease: Lease) -> None:
-        if self.open.get(key) is lease:
-            del self.open[key]
-            if lease.close():
-                self.settle(lease)
+        """The block's life (or its grace: ``_renew``) is over: it closes, unless it is in its grace."""
+        if self.open.get(key) is not lease:
+            return
+        now = _monotonic()
+        graced = self._graced.get(key)
+        if graced is not None and graced[0] is lease and now < lease.closes_at:
+            asyncio.get_running_loop().call_later(lease.closes_at - now, self._expired, key, lease)
+            return
+        del self.open[key]
+        if lease.close():
+            self.settle(lease)
+
+    def _no_successor(self, key: LeaseKey, graced: tuple[Lease, float] | None) -> None:
+        """The successor of a block did not come (refused, or the call failed): the block's grace ends,
+        so it closes at the end of its own life (now, if that has passed)."""
+        if graced is not None:
+            lease, life_end = graced
+            lease.closes_at = life_end
+            if _monotonic() >= life_end:
+                self._expired(key, lease)
 
     def settle(self, lease: Lease) -> None:
         """Settle a block with what its requests were charged and the slots they did not use (once: the

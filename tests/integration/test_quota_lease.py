@@ -10,6 +10,7 @@ import time
 import uuid
 
 from gateway.quota.embedded import EmbeddedValkey
+from loadtest.fault_proxy import FaultProxyThread
 from tests.harness import Client, admin_get, candidate, chat, envelope, metric_value, wait_until
 from tests.integration.test_quota_e2e import _auth, _bearer
 
@@ -204,6 +205,22 @@ def test_an_open_block_keeps_admitting_while_valkey_is_down(tmp_path, mock_provi
         server.stop()  # idempotent: only if a failure came first
 
 
+def _steady_stream(port: int, key: str, seconds: float) -> int:
+    """Requests one after another on one connection (5 ms apart) for ``seconds``, each answered 200: how many."""
+    client = Client(port)
+    sent = 0
+    try:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            response = client.request("POST", "/v1/chat/completions", BODY, _bearer(key))
+            assert response.status == 200, response.body
+            sent += 1
+            time.sleep(0.005)
+    finally:
+        client.close()
+    return sent
+
+
 def test_the_next_block_is_taken_before_the_open_one_expires(valkey_url, mock_provider, gateway_factory):
     """A steady stream of requests never falls back to Valkey between blocks: each block's successor is
     asked for shortly before it expires, so only the very first request reserves in Valkey."""
@@ -211,20 +228,34 @@ def test_the_next_block_is_taken_before_the_open_one_expires(valkey_url, mock_pr
     gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
                               extra={"auth": _auth({"t-renew": "sk-r"}),
                                      "quota": _lease_quota(valkey_url, 10**9, block=100_000, ttl="400ms")})
-    client = Client(gateway.port)
-    sent = 0
-    try:
-        deadline = time.monotonic() + 2.0  # five blocks' worth of time
-        while time.monotonic() < deadline:
-            response = client.request("POST", "/v1/chat/completions", BODY, _bearer("sk-r"))
-            assert response.status == 200, response.body
-            sent += 1
-            time.sleep(0.005)
-    finally:
-        client.close()
+    sent = _steady_stream(gateway.port, "sk-r", 2.0)  # five blocks' worth of time
     wait_until(lambda: metric_value(gateway.admin_port, LEASED) >= sent - 1, "the metrics published", timeout=3)
     assert metric_value(gateway.admin_port, LEASED) == sent - 1
     assert metric_value(gateway.admin_port, GRANTED) >= 4
     # Replaced blocks were settled with what their requests used: nothing stays reserved beyond the open one.
     window = _window(gateway, "t-renew")
     assert window["reserved"] <= 100_000
+
+
+def test_a_block_admits_until_its_late_successor_arrives(keys_store, mock_provider, gateway_factory):
+    """Valkey answering slowly (every reply 150 ms late, through a fault proxy): each block's successor,
+    asked for 100 ms before the block expires, arrives after it. The block keeps admitting until the
+    successor is there, so a steady stream still goes to Valkey only for its first request, rather than
+    one request at a time whenever Valkey is slow."""
+    handle = mock_provider("p", tokens=5)
+    credentials, _, address = keys_store.url.removeprefix("valkey://").rpartition("@")  # a TCP Valkey of its own
+    with FaultProxyThread(address.split("/")[0]) as proxy:
+        quota = _lease_quota(f"valkey://{credentials}@{proxy.address}/0", 10**9, block=100_000, ttl="1s")
+        gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
+                                  extra={"auth": _auth({"t-late": "sk-late"}), "quota": quota})
+        sent = _steady_stream(gateway.port, "sk-late", 0.3)  # the first block, granted at once
+        proxy.set_fault(chunk_delay_s=0.15)  # under the 250 ms a ledger call may take
+        sent += _steady_stream(gateway.port, "sk-late", 3.5)  # three successors, each late
+        wait_until(lambda: metric_value(gateway.admin_port, LEASED) >= sent - 1, "the metrics published",
+                   timeout=3)
+        assert metric_value(gateway.admin_port, LEASED) == sent - 1
+        assert metric_value(gateway.admin_port, GRANTED) >= 4
+        proxy.set_fault()
+        # The blocks it replaced are settled (the last one's settle may still be on its way): nothing stays
+        # reserved beyond the open one.
+        wait_until(lambda: _window(gateway, "t-late")["reserved"] <= 100_000, "the replaced blocks settled")
