@@ -47,16 +47,33 @@ def spend_store_url_for(config: Config, embedded: EmbeddedQuotaBackend) -> str |
 def tightest_remaining(report: dict[str, Any]) -> int | None:
     """The nano-USD left in the tightest USD budget of the rules in a ``/admin/quota`` report (their
     ``spend`` entries' ``remaining_nusd``, this period); None when no rule of the tenant has one. Keys'
-    own budgets are per key, not the tenant's, and are left out."""
-    left = [item["remaining_nusd"] for entry in report.get("rules", ()) for item in entry.get("spend", ())
+    own budgets are per key, not the tenant's, and are left out (``keys_remaining``)."""
+    return _tightest(report.get("rules", ()))
+
+
+def keys_remaining(report: dict[str, Any]) -> dict[str, int]:
+    """Key name -> the nano-USD left in the tightest of its own USD budgets, for the keys of a
+    ``/admin/quota`` report that have any."""
+    left = {}
+    for entry in report.get("keys", ()):
+        tightest = _tightest((entry,))
+        if tightest is not None and isinstance(entry.get("key"), str):
+            left[entry["key"]] = tightest
+    return left
+
+
+def _tightest(entries: Any) -> int | None:
+    left = [item["remaining_nusd"] for entry in entries for item in entry.get("spend", ())
             if isinstance(item.get("remaining_nusd"), int)]
     return min(left) if left else None
 
 
 class BudgetRemaining:
-    """``gridgate_budget_remaining_nanousd{tenant}``: read from the quota report of each configured tenant
-    (``QuotaReporter``, the supervisor's ledger client), refreshed in the background at most every
-    ``REFRESH_S`` while somebody scrapes; a scrape returns the last values and never waits on Valkey."""
+    """``gridgate_budget_remaining_nanousd{tenant}`` (with ``pricing.metrics_per_key``, ``{tenant,key}``:
+    the rules' under key ``-``, and each configured key's own): read from the quota report of each
+    configured tenant (``QuotaReporter``, the supervisor's ledger client), refreshed in the background at
+    most every ``REFRESH_S`` while somebody scrapes; a scrape returns the last values and never waits on
+    Valkey. Values are keyed (tenant, key name), None for the tenant's rules."""
 
     REFRESH_S = 10.0
 
@@ -66,11 +83,11 @@ class BudgetRemaining:
         self._embedded = embedded
         self._reporter = reporter  # gateway.admin.quota.QuotaReporter
         self._clock = clock
-        self._values: dict[str, int] = {}
+        self._values: dict[tuple[str, str | None], int] = {}
         self._refreshed = -self.REFRESH_S
         self._task: asyncio.Task[None] | None = None
 
-    def values(self) -> dict[str, int]:
+    def values(self) -> dict[tuple[str, str | None], int]:
         """The last values; starts a refresh when they are older than ``REFRESH_S``."""
         now = self._clock()
         config = self._running_config()
@@ -86,14 +103,17 @@ class BudgetRemaining:
 
         url = quota_url_for(config, self._embedded)
         assert url is not None and config.quota is not None
-        values: dict[str, int] = {}
+        values: dict[tuple[str, str | None], int] = {}
         for tenant in configured_tenants(config)[:MAX_TENANTS]:
             try:
-                left = tightest_remaining(await self._reporter.report(url, config.quota, tenant, config.auth))
+                report = await self._reporter.report(url, config.quota, tenant, config.auth)
             except ReportUnavailable:
                 return  # the ledger is down: keep the last values until it answers again
+            left = tightest_remaining(report)
             if left is not None:
-                values[tenant] = left
+                values[(tenant, None)] = left
+            for key, key_left in keys_remaining(report).items():
+                values[(tenant, key)] = key_left
         self._values = values
 
     async def close(self) -> None:
@@ -164,11 +184,16 @@ class SpendMetrics:
                                   "(each is tried again a second later).", flushes_failed)
         yield GaugeMetricFamily("gridgate_spend_alerts_queued", "Spend alerts waiting for the webhook.",
                                 self._alerts.queued)
-        remaining = GaugeMetricFamily("gridgate_budget_remaining_nanousd", "Nano-USD left in the tenant's USD "
-                                      "budgets' current period (the tightest one).", labels=["tenant"])
+        remaining = GaugeMetricFamily("gridgate_budget_remaining_nanousd", "Nano-USD left in the current period "
+                                      "of the tightest USD budget of the tenant's rules (and, with "
+                                      "pricing.metrics_per_key, of each key's own).",
+                                      labels=["tenant", "key"] if per_key else ["tenant"])
         values = {} if self._budgets is None else self._budgets.values()
-        for tenant, value in sorted(values.items()):
-            remaining.add_metric([tenant], value)
+        for (tenant, key), value in sorted(values.items(), key=lambda item: (item[0][0], item[0][1] or "")):
+            if per_key:
+                remaining.add_metric([tenant, key or "-"], value)
+            elif key is None:
+                remaining.add_metric([tenant], value)
         yield remaining
 
     def worker_losses(self) -> tuple[int, int, int]:

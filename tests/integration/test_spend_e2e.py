@@ -11,6 +11,7 @@ import os
 import time
 from typing import Any
 
+import pytest
 import valkey
 
 from gateway.auth import hash_api_key
@@ -23,6 +24,7 @@ from gateway.quota.ledger_script import escape_key_part
 from gateway.quota.limits import usd_text
 from tests.harness import (
     Client,
+    admin_get,
     candidate,
     chat,
     envelope,
@@ -175,6 +177,33 @@ def test_the_key_answer_and_admin_quota_show_spend_beside_token_budgets(valkey_u
         "$5.00", "1mo", "America/New_York", "hard", cost)
     assert rule["resets_at"] == time.strftime(
         "%Y-%m-%dT%H:%M:%SZ", time.gmtime(period_span("1mo", "America/New_York", time.time()).end))
+
+
+@pytest.mark.parametrize("per_key", [False, True])
+def test_the_budget_remaining_gauge_reads_what_is_left_of_the_tenants_and_each_keys_budgets(
+        valkey_url, mock_provider, gateway_factory, per_key):
+    # gridgate_budget_remaining_nanousd: the tightest USD budget of the tenant's rules; with
+    # pricing.metrics_per_key also each key's own, the rules' under key "-".
+    handle = mock_provider("p")
+    tenant = _tenant()
+    options = _options(valkey_url, tenant, {"usd": 5, "period": "1mo"}, alias="ci",
+                       limits={"spend": [{"usd": 2.5, "period": "1d", "enforce": "soft"}]})
+    options["pricing"] = {**PRICING, "metrics_per_key": per_key}
+    gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]), extra=options)
+    answer = chat(gateway.port, "m", headers=_bearer("sk-1"), max_tokens=MAX_TOKENS)
+    assert answer.status == 200
+    cost = _cost(answer)
+    wait_until(lambda: _report(gateway, tenant)["rules"][0]["spend"][0]["spent_nusd"] == cost, "charged")
+    if per_key:
+        expected = {f'gridgate_budget_remaining_nanousd{{key="-",tenant="{tenant}"}}': 5_000_000_000 - cost,
+                    f'gridgate_budget_remaining_nanousd{{key="ci",tenant="{tenant}"}}': 2_500_000_000 - cost}
+    else:
+        expected = {f'gridgate_budget_remaining_nanousd{{tenant="{tenant}"}}': 5_000_000_000 - cost}
+    # The first scrape starts the read (a scrape never waits on Valkey); a later one shows it.
+    wait_until(lambda: all(metric_value(gateway.admin_port, sample) == value for sample, value in expected.items()),
+               "the gauge read back", timeout=15)
+    if not per_key:  # no key series without the opt-in
+        assert b'key="ci"' not in admin_get(gateway.admin_port, "/metrics")[2]
 
 
 def test_requests_admitted_from_worker_held_blocks_are_charged_their_real_costs(

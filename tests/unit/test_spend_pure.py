@@ -235,6 +235,16 @@ def test_the_tightest_rule_budget_of_a_quota_report_is_what_remains_for_the_tena
     assert tightest_remaining({"tenant": "t", "rules": [{"rule": "r", "windows": []}], "keys": []}) is None
 
 
+def test_each_keys_own_tightest_budget_is_what_remains_for_that_key():
+    from gateway.supervisor.spend import keys_remaining
+
+    report = {"tenant": "team-a", "rules": [{"rule": "daily", "spend": [{"remaining_nusd": 7}]}], "keys": [
+        {"key": "ci", "spend": [{"remaining_nusd": 30}, {"remaining_nusd": 20}]},
+        {"key": "tokens-only", "windows": []}]}
+    assert keys_remaining(report) == {"ci": 20}
+    assert keys_remaining({"tenant": "t", "rules": []}) == {}
+
+
 # ---------------------------------------------------------------------------------------------- config
 
 
