@@ -221,9 +221,11 @@ class LeaseBook:
             return
         now = _monotonic()
         graced = self._graced.get(key)
-        if graced is not None and graced[0] is lease and now < lease.closes_at:
-            asyncio.get_running_loop().call_later(lease.closes_at - now, self._expired, key, lease)
-            return
+        if graced is not None and graced[0] is lease:
+            if now < lease.closes_at:
+                asyncio.get_running_loop().call_later(lease.closes_at - now, self._expired, key, lease)
+                return
+            del self._graced[key]  # its grace ran out: the successor's answer finds nothing left to end
         del self.open[key]
         if lease.close():
             self.settle(lease)
