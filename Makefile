@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test fuzz fuzz-upstream conformance bench bench-core bench-tls bench-relay bench-features bench-surfaces lint clean wrk prices
+.PHONY: install run test fuzz fuzz-upstream conformance bench bench-core bench-tls bench-relay bench-features bench-opcodes bench-surfaces lint clean wrk prices
 
 install: $(STAMP)
 
@@ -52,6 +52,11 @@ bench-relay: install wrk
 # Run a subset with: python -m loadtest.bench_features --variants 0,5
 bench-features: install wrk
 	$(BIN)/python -m loadtest.bench_features --rounds 4
+
+# Opcodes per request of the core and the production variant: a deterministic stand-in for CPU per
+# request (the same figures on any machine), to rank Python-level changes the wall-clock bench cannot see.
+bench-opcodes: install wrk
+	$(BIN)/python -m loadtest.bench_opcodes --variants 0,7
 
 # What a Responses or Messages request costs a worker against a chat completion (issue 25, item 6): one
 # production-like gateway (auth, token quota, access log), each surface plain and streamed, 4 rounds.

@@ -93,7 +93,8 @@ class GatewayProcess:
     """`python -m gateway run` as a child process, optionally pinned to cores (workers inherit it)."""
 
     def __init__(self, topology: Topology, workers: int | None, cpus: set[int] | None,
-                 quiet: bool = True, log_name: str = "gateway-bench.log") -> None:
+                 quiet: bool = True, log_name: str = "gateway-bench.log", env: dict[str, str] | None = None) -> None:
+        """``env``: variables added to this process's environment for the gateway's."""
         cmd = [sys.executable, "-m", "gateway", "run", "-c", topology.config_path]
         if workers is not None:
             cmd += ["--workers", str(workers)]
@@ -102,7 +103,7 @@ class GatewayProcess:
         os.makedirs(REPORTS_DIR, exist_ok=True)
         self.log = open(self.log_path, "wb") if quiet else None  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT if quiet else None,
-                                        preexec_fn=child_setup(cpus))
+                                        preexec_fn=child_setup(cpus), env=None if env is None else {**os.environ, **env})
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
