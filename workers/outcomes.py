@@ -1,6 +1,7 @@
 """How a request ends, in one place: ``Outcomes.close`` takes a closed ``RequestRecord``
 (workers/request_record.py), prices what its attempts cost (``request_cost.attempts_cost``, with the
-worker's price book), settles its quota reservation with that cost and its tokens (one ``settle`` call:
+worker's price book; written out for the usual metered request, served by its only costly attempt),
+settles its quota reservation with that cost and its tokens (one ``settle`` call:
 docs/configuration.md, "What a request is charged"), counts its metrics and writes its access line. ``refuse`` answers with a gateway-made error (the record closes as the answer ends);
 ``observe`` is what an attempt that got a head tells about its provider (first-byte latency, cooling).
 Requests refused before the proxy (malformed, or on their head) end in ``rejected``.
@@ -22,7 +23,7 @@ from workers.access_log import AccessLog
 from workers.cooling import cool_for_answer
 from workers.head_gate import HeadRefusal
 from workers.providers import Endpoint, ProviderStates
-from workers.request_cost import attempts_cost
+from workers.request_cost import ABSURD_FACTOR, CHECKED_OBSERVERS, attempts_cost
 from workers.request_record import RequestRecord
 from workers.spend_tracker import SpendTracker
 
@@ -82,20 +83,38 @@ class Outcomes:
             self.metrics.request(record.provider, record.status)
         admission = record.admission
         prices = self.prices
-        # ``reached_provider``, ``served`` and ``estimate`` written out: a property is a call, per request
-        reached = record.reached or relay is not None
-        if prices is not None and reached:
-            metered = admission is not None
-            record.cost_nusd, clamped = attempts_cost(prices, record.served_model or record.capability, result, served,
-                                                      record.owed, admission.estimate if metered else 0,
-                                                      admission.worst_nusd if metered else 0, metered)
-            if clamped and self.quota is not None:
-                self.quota.counters.spend_usage_clamped += 1
-        if admission is not None and self.quota is not None:
-            if reached:
-                self.quota.settle(admission, *self._charge(record, result, served), cost_nusd=record.cost_nusd)
-            else:  # it never reached a provider: nothing is charged, and its request slots go back too
-                self.quota.settle(admission, 0, reached=False)
+        if (admission is not None and served and prices is not None and (quota := self.quota) is not None
+                and not record.owed
+                and (usage := result.usage).__class__ in CHECKED_OBSERVERS  # type: ignore[union-attr]
+                and (tokens := usage.total_tokens) is not None
+                and (model := record.served_model or record.capability) is not None):
+            # The metered request as nearly every one ends: the attempt that served it was its only one
+            # to cost anything, and reported its usage, in counts known to be counts. ``attempts_cost``
+            # and ``_charge`` written out for it (two calls fewer per request, and no count checked
+            # again): its usage's cost, clamped to the worst case past ABSURD_FACTOR times it, and its
+            # usage's tokens; tests/unit/test_outcomes_fast.py holds it equal to the general path below.
+            cost = prices.usage_cost(model, usage, True)
+            worst = admission.worst_nusd
+            if worst and cost > ABSURD_FACTOR * worst:  # type: ignore[operator]
+                cost = worst
+                quota.counters.spend_usage_clamped += 1
+            record.cost_nusd = cost
+            quota.settle(admission, tokens, record.tokens_prompt, record.tokens_completion, cost_nusd=cost)
+        else:
+            # ``reached_provider``, ``served`` and ``estimate`` written out: a property is a call, per request
+            reached = record.reached or relay is not None
+            if prices is not None and reached:
+                metered = admission is not None
+                record.cost_nusd, clamped = attempts_cost(prices, record.served_model or record.capability, result,
+                                                          served, record.owed, admission.estimate if metered else 0,
+                                                          admission.worst_nusd if metered else 0, metered)
+                if clamped and self.quota is not None:
+                    self.quota.counters.spend_usage_clamped += 1
+            if admission is not None and self.quota is not None:
+                if reached:
+                    self.quota.settle(admission, *self._charge(record, result, served), cost_nusd=record.cost_nusd)
+                else:  # it never reached a provider: nothing is charged, and its request slots go back too
+                    self.quota.settle(admission, 0, reached=False)
         spend = self.spend
         if spend is not None:  # the day's rollups and the spend metrics (docs/pricing.md)
             spend.count(record)

@@ -1,7 +1,7 @@
 """A worker's spend bookkeeping (docs/pricing.md): daily rollups, the spend metrics, the alerts' outbox.
 
-Per request (``count``, from ``Outcomes.close``): one dict lookup and six integer additions into the
-rollup batch, nothing else: no I/O, no clock but ``time.time``. Once a second (``tick``, from the
+Per request (``count``, from ``Outcomes.close``): one dict lookup and at most six integer additions into
+the rollup batch, nothing else: no I/O, no clock but ``time.time``. Once a second (``tick``, from the
 heartbeat) the batch is swapped for an empty one: its costs go into the metric counters and it is
 flushed to the store in the background (``gateway.spend.store``: one script per day, applied once per
 flush id). A flush that fails is tried again, the same batch under the same id, at the next tick;
@@ -79,7 +79,8 @@ class SpendTracker:
         # holds (nearly every request), ``RollupBatch.add`` are written out (each would be a call).
         model = record.served_model or record.capability
         cost = record.cost_nusd
-        if model is None or not (record.reached or record.attempt is not None) or (self._store_url is None
+        # (``reached_provider`` with its terms swapped: the attempt that served is there in nearly every one)
+        if model is None or not (record.attempt is not None or record.reached) or (self._store_url is None
                                                                                     and not cost):
             return  # without a store only a cost is worth counting (the metric)
         exchange = record.exchange
@@ -87,19 +88,23 @@ class SpendTracker:
         identity = None if admitted is None else admitted.key
         key = (identity.kid or identity.alias or NO_KEY) if identity is not None else NO_KEY
         cell = (int(_time() // DAY_S), record.tenant or NO_KEY, key, model)
-        batch = self.batch
-        counts = batch.cells.get(cell)
-        if counts is None:  # a new cell (or a full batch: not rolled up)
-            if not batch.add(cell, record.tokens_prompt or 0, record.tokens_cached or 0,
-                             record.tokens_completion or 0, record.tokens_reasoning or 0, cost or 0):
+        try:  # a cell the batch holds (nearly every request): no method call; a new one raises, once a batch
+            counts = self.batch.cells[cell]
+        except KeyError:  # a new cell (or a full batch: not rolled up)
+            if not self.batch.add(cell, record.tokens_prompt or 0, record.tokens_cached or 0,
+                                  record.tokens_completion or 0, record.tokens_reasoning or 0, cost or 0):
                 self.cells_dropped += 1
             return
         counts[0] += 1
         counts[1] += record.tokens_prompt or 0
-        counts[2] += record.tokens_cached or 0
         counts[3] += record.tokens_completion or 0
-        counts[4] += record.tokens_reasoning or 0
-        if cost:  # an unpriced request (or one that cost nothing) leaves the cost column as it is
+        # Cached and reasoning tokens are mostly not reported, or 0: a column they would add 0 to is left
+        # as it is (the same, for a third of the work), as an unpriced request leaves the cost column.
+        if cached := record.tokens_cached:
+            counts[2] += cached
+        if reasoning := record.tokens_reasoning:
+            counts[4] += reasoning
+        if cost:
             counts[5] += cost
 
     # -- once a second ------------------------------------------------------------------------------

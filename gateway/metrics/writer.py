@@ -43,7 +43,6 @@ from gateway.metrics.catalogue import (
     QUOTA_TOKENS,
     RETRIES,
     ROUTE_FILTERED,
-    TENANT_SLOTS,
     TENANT_TOKENS,
     TOKEN_DIRECTIONS,
     TRACE_SPANS_DROPPED,
@@ -168,16 +167,19 @@ class WorkerMetrics:
         registry's tenant slots. The gate's names are its own config's; a name the registry has no
         slot for (and ``other`` itself) adds up under ``other``."""
         directions = len(TOKEN_DIRECTIONS)
-        per_slot = [0] * (TENANT_SLOTS * directions)  # in the row's order: slot t, direction d at t*2 + d
+        # The cells of the gate's names only (slot t, direction d at TENANT_TOKENS + t*2 + d), summed: not
+        # a pass over every slot of the registry, once a second.
+        per_cell: dict[int, int] = {}
         index = self.tenant_index
+        tokens_in, tokens_out = tokens.tokens_in, tokens.tokens_out
         for position, name in enumerate(tokens.names):
-            at = index.get(name, OTHER_TENANT) * directions
-            per_slot[at] += tokens.tokens_in[position]
-            per_slot[at + 1] += tokens.tokens_out[position]
+            at = TENANT_TOKENS + index.get(name, OTHER_TENANT) * directions
+            per_cell[at] = per_cell.get(at, 0) + tokens_in[position]
+            per_cell[at + 1] = per_cell.get(at + 1, 0) + tokens_out[position]
         row = self.row
-        for offset, value in enumerate(per_slot):
+        for cell, value in per_cell.items():
             if value:  # every cell only grows: a zero has nothing to overwrite
-                row[TENANT_TOKENS + offset] = value
+                row[cell] = value
 
     def publish_panic(self, entries_by_cluster: dict[str, int]) -> None:
         """Copy each cluster balancer's panic-mode entry count (per process, monotonic)."""

@@ -132,16 +132,22 @@ class PriceBook:
         return request_cost(price, prompt_tokens, completion_tokens, cached_tokens, cache_write_tokens,
                             reasoning_tokens)
 
-    def usage_cost(self, model: str, usage: Any) -> int | None:
+    def usage_cost(self, model: str, usage: Any, checked: bool = False) -> int | None:
         """``cost`` of a provider's reported usage (an object with ``total_tokens``, ``prompt_tokens``,
         ``completion_tokens``, ``cached_tokens``, ``cache_write_tokens``, ``reasoning_tokens``), checked
         and priced in one call: None, counting nothing, when a count is not a plain non-negative
-        integer (it cannot be a provider's count). Same result and counts as ``cost``.
+        integer (it cannot be a provider's count). Same result and counts as ``cost``. ``checked``: the
+        usage's counts are known to be such integers or None (``request_cost.CHECKED_OBSERVERS``), so
+        they are not checked again, and a model known to be unpriced does not read them at all.
 
-        The request path's (``workers/request_cost.attempts_cost``, once per request that reached a
-        provider), so its steps are written out: the memo read directly, and ``cost.request_cost``
-        inline for counts known to be non-negative integers (tests/unit/test_pricing_fast.py holds it
-        equal to ``cost``)."""
+        The request path's (``workers/outcomes.py``, directly or through ``request_cost.attempts_cost``,
+        once per request that reached a provider), so its steps are written out: the memo read
+        directly, and ``cost.request_cost`` inline for counts known to be non-negative integers
+        (tests/unit/test_pricing_fast.py holds it equal to ``cost``)."""
+        price = self._memo.get(model, _UNKNOWN)
+        if price is None and checked:  # unpriced (memoised), and no count to check: it costs nothing
+            self.counts.zero += 1
+            return 0
         total = usage.total_tokens
         prompt = usage.prompt_tokens
         completion = usage.completion_tokens
@@ -150,14 +156,14 @@ class PriceBook:
         reasoning = usage.reasoning_tokens
         # Each count None or a plain int >= 0 (a bool or a float is no provider's count); one condition
         # rather than a loop over a tuple of the six: a third of the time.
-        if not ((total is None or total.__class__ is int and total >= 0)
+        if not (checked
+                or (total is None or total.__class__ is int and total >= 0)
                 and (prompt is None or prompt.__class__ is int and prompt >= 0)
                 and (completion is None or completion.__class__ is int and completion >= 0)
                 and (cached is None or cached.__class__ is int and cached >= 0)
                 and (written is None or written.__class__ is int and written >= 0)
                 and (reasoning is None or reasoning.__class__ is int and reasoning >= 0)):
             return None
-        price = self._memo.get(model, _UNKNOWN)
         if price is _UNKNOWN:
             price = self.price(model)
         if price is None:

@@ -215,7 +215,8 @@ class Lease:
         """A request of this block ended and was charged ``charged`` tokens (its estimate, the
         provider's usage, or 0) and ``cost`` nano-USD (None: its ``worst`` case); ``reached`` False: it
         never reached a provider, its slot goes back with the block. True when the block is now closed
-        and idle: settle it."""
+        and idle: settle it. ``QuotaGate.settle`` writes it out for a request that reached its provider
+        in a block without USD budgets: change both together."""
         if self.tokens is not None:
             self.tokens.committed += charged - estimate
         if self.spend is not None and cost is not None:

@@ -4,6 +4,7 @@ under stable labels, and every family is documented with its type and labels."""
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 from pathlib import Path
 
@@ -192,3 +193,31 @@ def test_the_cluster_and_tenant_label_sets_are_bounded():
     assert len(clusters) == MAX_CLUSTERS + 2  # the registry's names, other, gateway
     assert {"other", "gateway", "c63"} <= clusters and "c64" not in clusters
     assert len(tenants) == MAX_TENANTS + 1 and "other" in tenants and f"t{MAX_TENANTS}" not in tenants
+
+
+def test_published_tenant_tokens_are_the_per_slot_sums_of_the_gate_tenants():
+    """``publish_tenant_tokens`` writes only the cells of the gate's tenants: the row is what a sum over
+    every slot of the registry gives (names past it and ``other`` added up under ``other``; a zero sum
+    leaves its cell as it is), whatever the registry and the gate's names."""
+    from gateway.metrics.catalogue import OTHER_TENANT, TENANT_TOKENS
+
+    pick = random.Random(5)
+    names = [f"team-{n}" for n in range(8)] + ["other"]
+    for _ in range(300):
+        registry = pick.sample(names[:-1], pick.randint(0, 6))
+        tokens = TenantTokens(pick.sample(names, pick.randint(0, 9)))
+        for slot in range(len(tokens.names)):
+            tokens.add(slot, pick.choice((None, 0, 3, 70)), pick.choice((None, 0, 5)), 80)
+        row = [pick.choice((0, 1, 99)) for _ in range(COUNTERS)]
+        expected = list(row)
+        per_slot = [0] * ((MAX_TENANTS + 1) * 2)
+        index = {name: i for i, name in enumerate(registry)}
+        for position, name in enumerate(tokens.names):
+            at = index.get(name, OTHER_TENANT) * 2
+            per_slot[at] += tokens.tokens_in[position]
+            per_slot[at + 1] += tokens.tokens_out[position]
+        for offset, value in enumerate(per_slot):
+            if value:
+                expected[TENANT_TOKENS + offset] = value
+        WorkerMetrics(row, (), registry).publish_tenant_tokens(tokens)
+        assert row == expected

@@ -122,6 +122,23 @@ def test_the_fast_usage_cost_is_the_general_one_for_every_usage(unpriced: str) -
     assert fast.counts.zero and (fast.counts.estimated if unpriced == "estimate" else True)
 
 
+@pytest.mark.parametrize("unpriced", ["zero", "estimate"])
+def test_a_usage_known_to_hold_counts_is_priced_as_one_that_is_checked(unpriced: str) -> None:
+    """``usage_cost(..., checked=True)`` (an observer whose counts are counts by construction) skips the
+    check, and an unpriced model's counts: same cost and counts, memoised or first seen."""
+    checked, general = book(unpriced), book(unpriced)
+    plain = [found for found in usages() if all(value is None or value.__class__ is int and value >= 0
+                                                    for value in vars(found).values())]
+    assert len(plain) > 3_000
+    for found in plain:
+        for model in (*MODELS, "flat/" + "x" * 300):  # and one too long to be memoised
+            assert checked.usage_cost(model, found, True) == general.cost(
+                model, found.prompt_tokens, found.completion_tokens, found.cached_tokens, found.cache_write_tokens,
+                found.reasoning_tokens, found.total_tokens), (model, vars(found))
+            assert counts(checked) == counts(general)
+    assert checked.counts.zero and (checked.counts.estimated if unpriced == "estimate" else True)
+
+
 def test_an_impossible_count_counts_no_unpriced_request() -> None:
     fast = book("estimate")
     assert fast.usage_cost("nothing", usage(prompt_tokens=-1, completion_tokens=3)) is None
