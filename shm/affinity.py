@@ -67,10 +67,8 @@ class Binding(NamedTuple):
     expires_at: float
 
 
-def _split_key(key: bytes) -> tuple[int, int]:
-    digest = _xxh3_128(key)
-    # Tag 0 marks a never-written slot, so a live key's low half is never 0.
-    return (digest & _MASK64) or 1, digest >> 64
+# ``Binding(a, b, c)`` as its generated ``__new__`` makes it, without that Python-level call: a read builds one.
+_new_tuple = tuple.__new__
 
 
 class AffinityTable:
@@ -112,9 +110,12 @@ class AffinityTable:
         elif current != header:
             raise ValueError("shared memory does not hold an affinity table of this capacity")
 
-    def _bucket_base(self, key_lo: int) -> int:
-        """Word index of the first record of the key's bucket."""
-        return _HEADER_WORDS + (key_lo % self._buckets) * _BUCKET_WORDS
+    def _locate(self, key: bytes) -> tuple[int, int, int]:
+        """The key's halves (key_lo, key_hi) and the word index of the first record of its bucket: one call
+        for the three, which every read and bind of a key needs."""
+        digest = _xxh3_128(key)
+        key_lo = (digest & _MASK64) or 1  # tag 0 marks a never-written slot, so a live key's is never 0
+        return key_lo, digest >> 64, _HEADER_WORDS + (key_lo % self._buckets) * _BUCKET_WORDS
 
     def _read(self, rec: int, key_lo: int, key_hi: int) -> tuple[int, Binding] | None:
         """(sequence, binding) of record ``rec`` if it holds the key, read consistently; else None."""
@@ -131,7 +132,7 @@ class AffinityTable:
                 return None
             if _xxh3_64(self._bytes[start + _PAYLOAD_OFFSET : start + _PAYLOAD_END]) != checksum:
                 return None  # torn, interleaved by two writers, or never written
-            return seq, Binding(stable, capability, expires_at)
+            return seq, _new_tuple(Binding, (stable, capability, expires_at))
         return None
 
     def lookup(self, key: bytes, now: float) -> Binding | None:
@@ -144,8 +145,7 @@ class AffinityTable:
 
     def read(self, key: bytes, now: float) -> Binding | None:
         """``lookup`` from shared memory, past this process's memory (which it updates)."""
-        key_lo, key_hi = _split_key(key)
-        base = self._bucket_base(key_lo)
+        key_lo, key_hi, base = self._locate(key)
         tags = _BUCKET_TAGS.unpack_from(self._bytes, base * 8)
         if key_lo not in tags:
             return None
@@ -154,10 +154,12 @@ class AffinityTable:
             read = self._read(rec, key_lo, key_hi)
             if read is None:
                 return None
-            if len(self.seen) >= self._seen_limit:
-                self.seen.clear()
-            self.seen[key] = (rec, read[0], read[1])
-            return read[1] if read[1].expires_at > now else None
+            seen = self.seen
+            if len(seen) >= self._seen_limit:
+                seen.clear()
+            sequence, binding = read
+            seen[key] = (rec, sequence, binding)
+            return binding if binding.expires_at > now else None
         # Two racing writers can leave one key in two ways: the later binding wins (not remembered:
         # a rebind rewrites only the first of them).
         best: Binding | None = None
@@ -173,8 +175,7 @@ class AffinityTable:
         # Forget what this process read: after a write race left the key in two ways, the one
         # remembered may not be the one rewritten here.
         self.seen.pop(key, None)
-        key_lo, key_hi = _split_key(key)
-        base = self._bucket_base(key_lo)
+        key_lo, key_hi, base = self._locate(key)
         words = self.words
         tags = _BUCKET_TAGS.unpack_from(self._bytes, base * 8)
         if key_lo in tags:

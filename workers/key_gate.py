@@ -56,11 +56,12 @@ class ManagedKeyGate:
         authorization = headers.authorization or b""
         api_key = headers.api_key or b""
         memo = conn.auth_memo
-        if memo is not None and compare_digest(memo[0], authorization) and compare_digest(memo[1], api_key):
-            known = memo[2]
-            if known.__class__ is KeyIdentity:
-                return known  # type: ignore[return-value]
-            return self.admit(known)  # type: ignore[arg-type]
+        if memo is not None:
+            memo_authorization, memo_api_key, known = memo
+            if compare_digest(memo_authorization, authorization) and compare_digest(memo_api_key, api_key):
+                if known.__class__ is KeyIdentity:
+                    return known  # type: ignore[return-value]
+                return self.admit(known)  # type: ignore[arg-type]
         digest = presented_digest(headers.authorization, headers.api_key)
         if digest is None:
             return None

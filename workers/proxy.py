@@ -22,7 +22,7 @@ from gateway.capability import (
 )
 from gateway.http.errors import ErrorReply
 from gateway.metrics.writer import WorkerMetrics
-from gateway.quota.estimate import estimate_prompt_tokens
+from gateway.quota.estimate import MAX_ALLOWANCE, estimate_prompt_tokens
 from gateway.quota.gate import Admission, QuotaGate
 from gateway.quota.report import QuotaBackendUnavailable, spend_of
 from gateway.quota.usage import rewrite_request_for_usage
@@ -116,8 +116,16 @@ class Proxy:
             if quota is not None and surface.metered:  # count_tokens generates no tokens: never metered
                 # Reserve tokens before routing: a denial never reaches a provider (429/503 with headers).
                 fields = capability.body
-                admission = quota.admission(admitted.tenant, capability.name, len(exchange.body),
-                                            fields.completion_allowance if fields is not None else None, admitted.key)
+                allowance = None
+                if fields is not None:
+                    # ``BodyFields.completion_allowance`` written out for the usual body, which names
+                    # ``max_tokens`` alone, a plain count: one call fewer per request.
+                    allowance = fields.max_tokens
+                    if (allowance.__class__ is not int or not 0 <= allowance <= MAX_ALLOWANCE  # type: ignore[operator]
+                            or fields.max_completion_tokens is not None or fields.max_output_tokens is not None):
+                        allowance = fields.completion_allowance
+                admission = quota.admission(admitted.tenant, capability.name, len(exchange.body), allowance,
+                                            admitted.key)
                 if admission is not None:
                     if admission.__class__ is not Admission:  # the ledger decides: await this tick's batch
                         admission = await admission
@@ -166,7 +174,9 @@ class Proxy:
         # The session fact: for affinity, and for a stable_hash key that names it (affinity on or not).
         session = None
         if settings.session_fact:
-            session = session_key(headers.session, headers.cookie, settings.affinity_cookie)
+            session = headers.session  # the header's key, checked by the scan (gateway/request/headers.py)
+            if session is None and settings.affinity_cookie is not None:  # else the cookie's
+                session = session_key(None, headers.cookie, settings.affinity_cookie)
         needs = record.needs = self.needs(record.exchange, capability, policy) if settings.filters else None
         key = record.key = (self.hash_key(admitted.tenant, session, record.request_id, headers)
                             if settings.stable_hash_key else b"")

@@ -23,7 +23,7 @@ import time
 from gateway.http.errors import sse_error_event_in
 from gateway.http.media import is_event_stream
 from gateway.models.fallbacks import MAX_REFUSAL_BYTES, refusal_code
-from gateway.quota.usage import UsageObserver, usage_observer
+from gateway.quota.usage import SseUsageFilter, UsageObserver, UsageScanner
 from gateway.quota.usage_surfaces import AnswerUsage, observer_for
 from gateway.request.attempts import AttemptResult
 from gateway.request.failover import RETRYABLE_STATUSES
@@ -166,7 +166,9 @@ class ResponseRelay:
         if metered:
             # The chat path's observer at once; the Responses and Messages APIs' by their surface.
             if usage_kind == OPENAI_USAGE:
-                self.usage = usage_observer(self.is_sse, bool(self.metering))
+                # ``usage_observer`` written out (one call fewer per request): the SSE filter for a stream
+                # the gateway rewrote to report usage, else the pass-through scanner.
+                self.usage = SseUsageFilter() if self.metering and self.is_sse else UsageScanner()
             else:
                 self.usage = self.answer_usage = observer_for(  # type: ignore[assignment]
                     usage_kind, self.is_sse, bool(self.metering))

@@ -45,6 +45,8 @@ _ALWAYS: dict[bytes, int] = {
     b"x-ai-routing-revision": _DROP,
 }
 _MAX_REQUEST_ID = 128
+MAX_SESSION_BYTES = 256  # a session key (header or cookie) longer than this is ignored
+_OWS = b" \t"
 # Names the gateway reads from the client and never forwards anyway: a credential header may share them.
 _CONSUMED = (_AUTHORIZATION, _API_KEY)
 
@@ -94,7 +96,9 @@ class RequestHeaders:
         self.cookie: bytes | None = None
         self.content_type: bytes | None = None
         self.model: bytes | None = None  # the configured capability header
-        self.session: bytes | None = None  # the configured session-affinity header
+        # The configured session-affinity header trimmed of OWS, when it is a valid session key (1..256
+        # visible ASCII: ``gateway.capability.session_key``), else None (the cookie may name the session).
+        self.session: bytes | None = None
         self.pin: bytes | None = None  # the configured pin header
         self.balance_keys: dict[bytes, bytes] | None = None  # consistent-hash headers of the clusters
         self.accept_encoding: bytes | None = None  # forwarded last (see ask_identity_encoding)
@@ -153,7 +157,11 @@ class HeaderPlan:
             elif kind == _AUTHORIZATION:
                 found.authorization = value
             elif kind == _SESSION:
-                found.session = value
+                # The session key read here, where the header is met (``gateway.capability.session_key``'s
+                # test of a header written out): the proxy makes no call for it. An invalid one is None.
+                key = value.strip(_OWS)
+                found.session = key if key and len(key) <= MAX_SESSION_BYTES and not key.translate(
+                    None, VISIBLE_ASCII) else None
                 forward.append((name, value))
             elif kind == _MODEL:
                 found.model = value

@@ -212,19 +212,26 @@ class Router:
         # table.lookup written out: the common case (the session asks again, its record unchanged since
         # this process read it) is one dict get and one word read, without a call per request.
         seen = table.seen.get(session_key)
-        if seen is not None and table.words[seen[0]] == seen[1]:
-            bound = seen[2] if seen[2].expires_at > now else None
+        if seen is not None:
+            record, sequence, bound = seen
+            if table.words[record] != sequence:
+                bound = table.read(session_key, now)
+            elif not bound.expires_at > now:  # (not <=: the same answer for a NaN as lookup gives)
+                bound = None
         else:
             bound = table.read(session_key, now)
-        outcome = NEW
-        if bound is not None:
+        if bound is None:
+            outcome = NEW
+        else:
             if bound.capability_hash == plan.capability_hash or plan.accepts_any_binding:
                 option = plan.reusable.get(bound.stable_id_hash)
                 # Reuse keeps the original expiry: it is absolute from binding time.
-                if (option is not None and option.provider >= 0 and self.providers.usable[option.provider]
-                        and (needs is None or not needs.reasons(option.facts))
-                        and (excluded is None or option.provider not in excluded)):
-                    return option.decisions[REUSED]
+                if option is not None:
+                    provider = option.provider
+                    if (provider >= 0 and self.providers.usable[provider]
+                            and (needs is None or not needs.reasons(option.facts))
+                            and (excluded is None or provider not in excluded)):
+                        return option.decisions[REUSED]
             outcome = FAILOVER
         decision = self._select(plan, outcome, excluded, blocked, key)
         if decision is None:
