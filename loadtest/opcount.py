@@ -10,7 +10,8 @@ wall-clock ratio of two configs within about a point (docs/benchmarks.md). It do
 forks (its workers). It traces the process; once ``warm_requests`` requests have ended (the warm-up:
 sessions bound, blocks held, caches filled) it counts the next ``requests`` and writes
 ``<out>.<pid>.loaded``; the measuring side then stops the load, and after ``idle_s`` more seconds of no
-load (counted from when the requests in flight have ended) it writes ``<out>.<pid>.json``: ``{"loaded": {"ops", "calls", "seconds"}, "idle": {"ops", "seconds"}}``.
+load (counted from when the requests in flight have ended) it writes ``<out>.<pid>.json``: ``{"loaded": {"ops",
+"calls", "periodic_ops", "seconds"}, "idle": {"ops", "seconds"}}`` (``PERIODIC_FUNCTIONS``: below).
 The idle window measures what runs whatever the load (timers, heartbeats), which ``per_request``
 subtracts: under tracing a worker serves a hundred requests a second, so a second's timers would
 otherwise weigh twenty times what they weigh at full speed. Counting by requests, not seconds, makes the
@@ -31,6 +32,11 @@ from typing import Any
 
 # The function whose calls count the requests: one call per request that ends (workers/outcomes.py).
 REQUEST_FUNCTION = "workers/outcomes.py:close"
+# Work the request path starts at most once per interval, whatever the rate (the providers' view is
+# refreshed every 0.1 s): traced, a worker serves about a hundred requests a second, so its share per
+# request would weigh twenty times what it weighs at full speed. Its whole call tree is counted apart
+# (``periodic_ops``), not per request.
+PERIODIC_FUNCTIONS = frozenset({"workers/providers.py:refresh"})
 
 
 def function_key(frame: FrameType) -> str:
@@ -40,12 +46,15 @@ def function_key(frame: FrameType) -> str:
 
 
 def start_counting(out: str, warm_requests: int, requests: int, idle_s: float,
-                   request_function: str = REQUEST_FUNCTION) -> None:
+                   request_function: str = REQUEST_FUNCTION,
+                   periodic_functions: frozenset[str] = PERIODIC_FUNCTIONS) -> None:
     """Trace this process (its calling thread) from now; see the module's docstring. A request is a call
     of ``request_function`` (``function_key`` form)."""
     ops: collections.Counter[str] = collections.Counter()
+    periodic: collections.Counter[str] = collections.Counter()
     calls: collections.Counter[str] = collections.Counter()
     on = [True]
+    inside_periodic = [0]  # depth of periodic_functions frames on the stack (they are plain functions)
 
     def tracer(frame: FrameType, _event: str, _arg: Any) -> Any:
         if not on[0]:
@@ -53,10 +62,20 @@ def start_counting(out: str, warm_requests: int, requests: int, idle_s: float,
         frame.f_trace_opcodes = True
         key = function_key(frame)
         calls[key] += 1
+        if key in periodic_functions:
+            inside_periodic[0] += 1
+
+            def periodic_root(_frame: FrameType, event: str, _arg: Any) -> Any:
+                if event == "opcode":
+                    periodic[key] += 1
+                elif event == "return":
+                    inside_periodic[0] -= 1
+                return periodic_root
+            return periodic_root
 
         def local(_frame: FrameType, event: str, _arg: Any) -> Any:
             if event == "opcode":
-                ops[key] += 1
+                (periodic if inside_periodic[0] else ops)[key] += 1
             return local
         return local
 
@@ -67,10 +86,12 @@ def start_counting(out: str, warm_requests: int, requests: int, idle_s: float,
     def windows() -> None:
         until(warm_requests)
         ops.clear()
+        periodic.clear()
         calls.clear()
         started = time.monotonic()
         until(requests)
-        loaded = {"ops": dict(ops), "calls": dict(calls), "seconds": time.monotonic() - started}
+        loaded = {"ops": dict(ops), "calls": dict(calls), "periodic_ops": dict(periodic),
+                  "seconds": time.monotonic() - started}
         with open(f"{out}.{os.getpid()}.loaded", "w") as file:
             json.dump({}, file)  # the sign to stop the load
         ended = -1

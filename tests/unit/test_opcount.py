@@ -47,10 +47,21 @@ def one_request(n):
     total = 0
     for i in range(n):
         total += i
+    if n == 10:
+        periodic()
     return total
 
+
+def periodic():
+    return sum(helper(i) for i in range(3))
+
+
+def helper(i):
+    return i * 2
+
 out = sys.argv[1]
-start_counting(out, warm_requests=2, requests=3, idle_s=0.3, request_function="<string>:one_request")
+start_counting(out, warm_requests=2, requests=3, idle_s=0.3, request_function="<string>:one_request",
+               periodic_functions=frozenset({"<string>:periodic"}))
 for _ in range(40):
     one_request(10)
     time.sleep(0.05)
@@ -70,3 +81,7 @@ def test_a_traced_process_counts_the_opcodes_of_each_request_after_the_warm_up(t
     assert per_call == counted["loaded"]["ops"]["<string>:one_request"] / requests
     assert 40 < per_call < 200 and per_call == int(per_call)
     assert counted["idle"]["ops"].get("<string>:one_request", 0) == 0
+    # The periodic function's whole call tree (its generator and helper) is counted apart, not per request.
+    assert not {"<string>:periodic", "<string>:helper", "<string>:<genexpr>"} & set(functions)
+    periodic = counted["loaded"]["periodic_ops"]
+    assert periodic["<string>:periodic"] > 0 and periodic["<string>:helper"] > 0
