@@ -8,7 +8,7 @@ route decision, the outcome): it keeps the record and returns. Before each write
 records are formatted and encoded with msgspec straight into its bounded buffer, in one tight loop.
 The work is the same, but a batch runs with warm caches, where one line at the end of each request
 ran cold: a third of the CPU per line on the request path. Most lines share all but a dozen values
-with others (the same tenant, path, route and endpoint): such a line is written from a template, the
+with others (the same path, route, endpoint and model): such a line is written from a template, the
 line as msgspec encodes it with its per-request values left as ``%`` specs, made once per set of
 shared values and kept in a small bounded dict; lines with the rarer fields are encoded whole.
 Never keys, prompts or bodies: a closed record holds none (it lets go of the body and headers when it
@@ -96,16 +96,19 @@ class AccessLine(msgspec.Struct, omit_defaults=True, gc=False):
 
 _NO_ROUTE = (None, None, None, None, None, None, None)  # a RouteDecision's fields up to _ROUTE_FIELDS' end
 _MAX_PATHS = 256
-_MAX_TEMPLATES = 256
+# Templates kept, at most (about 1 kB each with its key): paths x routes x endpoints x models in use. The
+# tenant is not among the shared values (a store of managed keys may hold many): a line's own, like its id.
+_MAX_TEMPLATES = 1024
 
 # A line from a template (`_template`): what it takes from its record as it is, read in one C call each.
 # `_fill`'s own values; the per-request numbers, in the line's order; the values the line shares with
-# others (with the route's, the path and which spend fields are None: its template's key), the rarer
-# fields among them: a line with one set is encoded whole (no template is kept under its key).
-_line_values = attrgetter("ended", "t_start", "t_first_byte", "overhead_s", "request_id", "route", "target",
-                          "cost_nusd", "tokens_cached", "tokens_reasoning")
+# others (with the route's, the path and which spend fields are None: its template's key; the endpoint as
+# itself: the worker's own for its life, its address fixed), the rarer fields among them: a line with one
+# set is encoded whole (no template is kept under its key).
+_line_values = attrgetter("ended", "t_start", "t_first_byte", "overhead_s", "request_id", "tenant", "route",
+                          "target", "cost_nusd", "tokens_cached", "tokens_reasoning")
 _numbers = attrgetter("status", "attempts", "bytes_in", "bytes_out", "tokens_prompt", "tokens_completion")
-_shared = attrgetter("tenant", "method", "capability", "endpoint", "error", "served_model",
+_shared = attrgetter("method", "capability", "endpoint", "error", "served_model",
                      "filtered", "evidence", "trace", "shadow", "model_route", "spend_alert")
 _rare_fields = attrgetter("filtered", "evidence", "trace", "shadow", "model_route", "spend_alert")
 _PLAIN = (0, None, None, None, None, None)
@@ -115,15 +118,17 @@ assert RouteDecision._fields[_ROUTE_FIELDS] == (
     "cluster", "stable_id", "selection_group", "mode", "revision", "affinity")
 # The per-request fields of a template's line, in the line's order, and their ``%`` specs: the arguments
 # `_fill` formats a template with follow this order (the timestamp's date and millisecond, the request id
-# encoded by msgspec, the numbers, the times encoded by msgspec, the spend fields). The spend fields are
-# the only ones a template's line may lack (on a line only when priced, each only when not None).
+# and the tenant encoded by msgspec, the numbers, the times encoded by msgspec, the spend fields). Of these,
+# a template's line may have the tenant None (null, as msgspec encodes None) and lack spend fields (on a
+# line only when priced, each only when not None); any other None: no template.
 _TEMPLATE_FIELDS = (
-    ("ts", b'"%s%03dZ"'), ("request_id", b"%s"), ("status", b"%d"), ("attempts", b"%d"), ("bytes_in", b"%d"),
-    ("bytes_out", b"%d"), ("tokens_prompt", b"%d"), ("tokens_completion", b"%d"), ("overhead_ms", b"%s"),
-    ("first_byte_ms", b"%s"), ("duration_ms", b"%s"), ("cost_nusd", b"%d"), ("tokens_cached", b"%d"),
-    ("tokens_reasoning", b"%d"),
+    ("ts", b'"%s%03dZ"'), ("request_id", b"%s"), ("tenant", b"%s"), ("status", b"%d"), ("attempts", b"%d"),
+    ("bytes_in", b"%d"), ("bytes_out", b"%d"), ("tokens_prompt", b"%d"), ("tokens_completion", b"%d"),
+    ("overhead_ms", b"%s"), ("first_byte_ms", b"%s"), ("duration_ms", b"%s"), ("cost_nusd", b"%d"),
+    ("tokens_cached", b"%d"), ("tokens_reasoning", b"%d"),
 )
 _SPEND_FIELDS = frozenset(("cost_nusd", "tokens_cached", "tokens_reasoning"))
+_NULLABLE = "tenant"
 _SKIP = b"%.0a"  # takes its argument and writes nothing: a spend field that is not on the line
 
 
@@ -249,7 +254,7 @@ class AccessLog:
         wall_offset = _time() - _perf()  # perf_counter -> epoch seconds, for the lines' timestamps
         second, date = -1, b""  # the date part of the lines' timestamps, formatted once per second
         for entry in pending:
-            ended, t_start, t_first_byte, overhead_s, request_id, route, target, cost, cached, reasoning = (
+            ended, t_start, t_first_byte, overhead_s, request_id, tenant, route, target, cost, cached, reasoning = (
                 _line_values(entry))
             millis = int((ended + wall_offset) * 1000)
             if millis // 1000 != second:  # _timestamp written out, its date formatted once per second
@@ -264,7 +269,7 @@ class AccessLog:
                 # The times in milliseconds with three decimals: whole microseconds, a quarter of the cost of
                 # round().
                 buffer += templates[key] % (
-                    (date, millis % 1000, _encode(request_id.decode("latin-1"))) + _numbers(entry) + (
+                    (date, millis % 1000, _encode(request_id.decode("latin-1")), _encode(tenant)) + _numbers(entry) + (
                         _encode(int(overhead_s * 1e6 + 0.5) / 1000),
                         _encode(int((t_first_byte - t_start) * 1e6 + 0.5) / 1000),
                         _encode(int((ended - t_start) * 1e6 + 0.5) / 1000), cost, cached, reasoning))
@@ -332,12 +337,12 @@ class AccessLog:
         (_TEMPLATE_FIELDS) in as unique markers, each marker then replaced by its ``%`` spec (a literal
         ``%`` doubled first). A spend field not on the line takes its argument with ``_SKIP`` after the
         spec before it. ``key`` holds every other value the line is made of (those read only with a rarer
-        field set aside): nothing of one request's own reaches another's line. None is made of a line with
-        another per-request value None, or should a marker not come out exactly once (a shared value that
-        holds one)."""
+        field set aside): nothing of one request's own reaches another's line. No template is made of a
+        line with another per-request value None, or should a marker not come out exactly once (a shared
+        value that holds one)."""
         replaced: list[tuple[bytes, bytes]] = []
         for index, (name, spec) in enumerate(_TEMPLATE_FIELDS):
-            if getattr(line, name) is not None:
+            if getattr(line, name) is not None or name == _NULLABLE:
                 marker = f"\0{index}"
                 setattr(line, name, marker)
                 replaced.append((_encode(marker), spec))

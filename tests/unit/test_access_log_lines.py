@@ -155,7 +155,7 @@ def varied_records(count: int, seed: int = 7) -> list[RequestRecord]:
     request_ids = [b"a7985488122f-1f4", b'q"uo\\te', b"%s%d%%", b"\x00", b"", None, b"\xff\xfe"]
     times = [1e-7, 0.000335, 0.0004567, 0.002, 1.5, 12345.6789, 1e6, 3e13]  # 3e13 s: 3e16 ms, in exponent form
     # A few sets of shared values, as a gateway sees (its lines repeat them), some of them priced.
-    profiles = [dict(tenant=pick(tenants), capability=pick([None, "demo-model", "m-ü"]), route=pick(routes),
+    profiles = [dict(capability=pick([None, "demo-model", "m-ü"]), route=pick(routes),
                      endpoint=pick(endpoints), error=pick([None, None, "client_closed", "upstream_timeout"]),
                      method=pick([b"POST", b"POST", b"GET", None]), target=pick(targets),
                      served_model=pick([None, None, "fallback-m"]), priced=rng.random() < 0.6) for _ in range(16)]
@@ -166,7 +166,7 @@ def varied_records(count: int, seed: int = 7) -> list[RequestRecord]:
         t_start = None if rng.random() < 0.05 else start - pick(times)
         ended = start + index * 0.0007 if t_start is None else t_start + pick(times)
         fields = dict(
-            request_id=pick(request_ids) if rng.random() < 0.2 else b"a7985488122f-%x" % index,
+            request_id=pick(request_ids) if rng.random() < 0.2 else b"a7985488122f-%x" % index, tenant=pick(tenants),
             attempts=rng.randrange(0, 4), status=pick([200, 200, 200, 429, 499, 502]), ended=ended,
             t_start=t_start, t_first_byte=0.0 if rng.random() < 0.1 or t_start is None else t_start + pick(times) / 2,
             bytes_in=rng.randrange(0, 10**9), bytes_out=rng.randrange(0, 10**12),
