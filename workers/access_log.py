@@ -102,9 +102,9 @@ _MAX_TEMPLATES = 1024
 
 # A line from a template (`_template`): what it takes from its record as it is, read in one C call each.
 # `_fill`'s own values; the per-request numbers, in the line's order; the values the line shares with
-# others (with the route's, the path and which spend fields are None: its template's key; the endpoint as
-# itself: the worker's own for its life, its address fixed), the rarer fields among them: a line with one
-# set is encoded whole (no template is kept under its key).
+# others (with the route's, the path, how many token counts and which spend fields are None: its
+# template's key; the endpoint as itself: the worker's own for its life, its address fixed), the rarer
+# fields among them: a line with one set is encoded whole (no template is kept under its key).
 _line_values = attrgetter("ended", "t_start", "t_first_byte", "overhead_s", "request_id", "tenant", "route",
                           "target", "cost_nusd", "tokens_cached", "tokens_reasoning")
 _numbers = attrgetter("status", "attempts", "bytes_in", "bytes_out", "tokens_prompt", "tokens_completion")
@@ -119,17 +119,22 @@ assert RouteDecision._fields[_ROUTE_FIELDS] == (
 # The per-request fields of a template's line, in the line's order, and their ``%`` specs: the arguments
 # `_fill` formats a template with follow this order (the timestamp's date and millisecond, the request id
 # and the tenant encoded by msgspec, the numbers, the times encoded by msgspec, the spend fields). Of these,
-# a template's line may have the tenant None (null, as msgspec encodes None) and lack spend fields (on a
-# line only when priced, each only when not None); any other None: no template.
+# a template's line may have the tenant or both token counts None (null: `_NULL_SPECS`; usage not reported)
+# and lack spend fields (on a line only when priced, each only when not None); with any other None (or one
+# token count), no template is made of it.
 _TEMPLATE_FIELDS = (
     ("ts", b'"%s%03dZ"'), ("request_id", b"%s"), ("tenant", b"%s"), ("status", b"%d"), ("attempts", b"%d"),
     ("bytes_in", b"%d"), ("bytes_out", b"%d"), ("tokens_prompt", b"%d"), ("tokens_completion", b"%d"),
     ("overhead_ms", b"%s"), ("first_byte_ms", b"%s"), ("duration_ms", b"%s"), ("cost_nusd", b"%d"),
     ("tokens_cached", b"%d"), ("tokens_reasoning", b"%d"),
 )
-_SPEND_FIELDS = frozenset(("cost_nusd", "tokens_cached", "tokens_reasoning"))
-_NULLABLE = "tenant"
 _SKIP = b"%.0a"  # takes its argument and writes nothing: a spend field that is not on the line
+_SPEND_FIELDS = frozenset(("cost_nusd", "tokens_cached", "tokens_reasoning"))
+# A per-request field None on a template's line, written as msgspec writes None (the tenant: encoded by it).
+_NULL_SPECS = {"tenant": b"%s", "tokens_prompt": b"null" + _SKIP, "tokens_completion": b"null" + _SKIP}
+# The others of a template's line: none of them may be None.
+_required = attrgetter(*(name for name, _ in _TEMPLATE_FIELDS
+                          if name not in _SPEND_FIELDS and name not in _NULL_SPECS))
 
 
 class _Paths(dict[bytes | None, str | None]):
@@ -201,7 +206,8 @@ class AccessLog:
         if writer is None:
             return
         sample = self.sample  # asked first: a line is kept unsampled (1.0) without reading the record
-        if sample < 1.0 and record.status < 400 and record.error is None and (sample <= 0.0 or _random() >= sample):
+        if (sample < 1.0 and record.status < 400 and record.error is None
+                and (sample <= 0.0 or _random() >= sample)):
             return
         # _keep written out: this runs once per request, on the request path.
         pending = self._pending
@@ -263,20 +269,21 @@ class AccessLog:
             if not t_first_byte:  # no answer was sent (or the record has no exchange): no first_byte_ms
                 self._encode_line(entry, millis, buffer, None)
                 continue
-            key = ((route or _NO_ROUTE)[_ROUTE_FIELDS], paths[target], _shared(entry), cost is None,
-                   cached is None, reasoning is None)
+            numbers = _numbers(entry)
+            key = ((route or _NO_ROUTE)[_ROUTE_FIELDS], paths[target], _shared(entry), numbers.count(None),
+                   cost is None, cached is None, reasoning is None)
             try:
                 # The times in milliseconds with three decimals: whole microseconds, a quarter of the cost of
                 # round().
                 buffer += templates[key] % (
-                    (date, millis % 1000, _encode(request_id.decode("latin-1")), _encode(tenant)) + _numbers(entry) + (
+                    (date, millis % 1000, _encode(request_id.decode("latin-1")), _encode(tenant)) + numbers + (
                         _encode(int(overhead_s * 1e6 + 0.5) / 1000),
                         _encode(int((t_first_byte - t_start) * 1e6 + 0.5) / 1000),
                         _encode(int((ended - t_start) * 1e6 + 0.5) / 1000), cost, cached, reasoning))
             except (KeyError, TypeError, AttributeError):
                 # No template yet for its shared values (the line makes it), a rarer field set (its key is
-                # unhashable or never kept), or a None among its request id, times and numbers (refused,
-                # cut short, no usage reported: no template is made of such a line): encoded whole.
+                # unhashable or never kept), or a None among its request id and times (refused, cut short:
+                # no template is made of such a line): encoded whole.
                 self._encode_line(entry, millis, buffer, key)
         writer.trim(start)
 
@@ -328,29 +335,30 @@ class AccessLog:
         line = self._line(entry, self._timestamp(millis))
         self._encode_into(line, buffer, -1)
         buffer.append(10)  # "\n"
-        if key is not None and _rare_fields(entry) == _PLAIN and key not in self._templates:
+        if (key is not None and _rare_fields(entry) == _PLAIN and None not in _required(line)
+                and (line.tokens_prompt is None) == (line.tokens_completion is None)
+                and key not in self._templates):
             self._template(key, line)
 
     def _template(self, key: tuple, line: AccessLine) -> None:
         """The template of the lines that share ``key``, made of ``line`` (one of them, with no rarer
-        field), kept under ``key`` (bounded): the line as msgspec encodes it, with its per-request values
-        (_TEMPLATE_FIELDS) in as unique markers, each marker then replaced by its ``%`` spec (a literal
-        ``%`` doubled first). A spend field not on the line takes its argument with ``_SKIP`` after the
-        spec before it. ``key`` holds every other value the line is made of (those read only with a rarer
-        field set aside): nothing of one request's own reaches another's line. No template is made of a
-        line with another per-request value None, or should a marker not come out exactly once (a shared
-        value that holds one)."""
+        field and no None where `_required`), kept under ``key`` (bounded): the line as msgspec encodes it,
+        with its per-request values (_TEMPLATE_FIELDS) in as unique markers, each marker then replaced by
+        its ``%`` spec (a literal ``%`` doubled first). A spend field not on the line takes its argument
+        with ``_SKIP`` after the spec before it. ``key`` holds every other value the line is made of
+        (those read only with a rarer field set aside): nothing of one request's own reaches another's
+        line. No template is made should a marker not come out exactly once (a shared value holds one)."""
         replaced: list[tuple[bytes, bytes]] = []
         for index, (name, spec) in enumerate(_TEMPLATE_FIELDS):
-            if getattr(line, name) is not None or name == _NULLABLE:
-                marker = f"\0{index}"
-                setattr(line, name, marker)
-                replaced.append((_encode(marker), spec))
-            elif name in _SPEND_FIELDS:
-                marker, previous = replaced[-1]
-                replaced[-1] = (marker, previous + _SKIP)
-            else:
-                return
+            if getattr(line, name) is None:
+                if name in _SPEND_FIELDS:
+                    marker, previous = replaced[-1]
+                    replaced[-1] = (marker, previous + _SKIP)
+                    continue
+                spec = _NULL_SPECS[name]
+            marker = f"\0{index}"
+            setattr(line, name, marker)
+            replaced.append((_encode(marker), spec))
         text = _encode(line).replace(b"%", b"%%")
         template = text + b"\n"
         for marker, spec in replaced:

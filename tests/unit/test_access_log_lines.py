@@ -165,13 +165,15 @@ def varied_records(count: int, seed: int = 7) -> list[RequestRecord]:
         shared = dict(pick(profiles))
         t_start = None if rng.random() < 0.05 else start - pick(times)
         ended = start + index * 0.0007 if t_start is None else t_start + pick(times)
+        usage = rng.random()
         fields = dict(
             request_id=pick(request_ids) if rng.random() < 0.2 else b"a7985488122f-%x" % index, tenant=pick(tenants),
             attempts=rng.randrange(0, 4), status=pick([200, 200, 200, 429, 499, 502]), ended=ended,
             t_start=t_start, t_first_byte=0.0 if rng.random() < 0.1 or t_start is None else t_start + pick(times) / 2,
             bytes_in=rng.randrange(0, 10**9), bytes_out=rng.randrange(0, 10**12),
-            tokens_prompt=None if rng.random() < 0.1 else rng.randrange(0, 10**6),
-            tokens_completion=None if rng.random() < 0.1 else rng.randrange(0, 10**6),
+            # Usage not reported (not metered: most often both None), or one count only.
+            tokens_prompt=None if usage < 0.2 else rng.randrange(0, 10**6),
+            tokens_completion=None if usage < 0.17 or usage > 0.97 else rng.randrange(0, 10**6),
             overhead_s=None if rng.random() < 0.1 else pick(times) / 3, closed=True,
         )
         if shared.pop("priced"):
@@ -233,11 +235,12 @@ def test_a_line_from_a_template_is_byte_for_byte_the_line_encoded_whole(tmp_path
         ts = json.loads(text)["ts"]
         assert text == msgspec.json.encode(access_log._line(record, ts)) + b"\n", text
     # Every line of a template's shape came from one, but the first of each template: a line with no rarer
-    # field, an answer sent, and its request id, times and numbers all there.
+    # field, an answer sent, its request id and times all there, and both token counts or neither.
     rare = ("filtered", "evidence", "trace", "shadow", "model_route", "spend_alert")
-    own = ("request_id", "t_start", "overhead_s", "tokens_prompt", "tokens_completion")
+    own = ("request_id", "t_start", "overhead_s")
     templated = [r for r in records if not any(getattr(r, name) for name in rare) and r.t_first_byte
-                 and all(getattr(r, name) is not None for name in own)]
+                 and all(getattr(r, name) is not None for name in own)
+                 and (r.tokens_prompt is None) == (r.tokens_completion is None)]
     assert len(templated) > len(records) / 3
     assert whole == len(records) - len(templated) + len(access_log._templates)
     assert all(b"secret" not in repr(key).encode() for key in access_log._templates)
