@@ -7,7 +7,10 @@ route decision, the outcome): it keeps the record and returns. Before each write
 (every ``flush_delay_s``, at reopen and at close) the ``LineWriter`` asks for the lines: the pending
 records are formatted and encoded with msgspec straight into its bounded buffer, in one tight loop.
 The work is the same, but a batch runs with warm caches, where one line at the end of each request
-ran cold: a third of the CPU per line on the request path.
+ran cold: a third of the CPU per line on the request path. Most lines share all but a dozen values
+with others (the same path, route, endpoint and model): such a line is written from a template, the
+line as msgspec encodes it with its per-request values left as ``%`` specs, made once per set of
+shared values and kept in a small bounded dict; lines with the rarer fields are encoded whole.
 Never keys, prompts or bodies: a closed record holds none (it lets go of the body and headers when it
 closes), the line has no field that could, and ``path`` stops before the query string (some APIs take
 keys there).
@@ -20,11 +23,13 @@ from __future__ import annotations
 
 import random
 import time
+from operator import attrgetter
 
 import msgspec
 
 from gateway.config import AccessLog as AccessLogConfig
 from gateway.config import Config
+from gateway.routing.decision import RouteDecision
 from gateway.routing.eligibility import reason_names
 from gateway.routing.evidence import PickerInput
 from workers.line_writer import LineWriter
@@ -34,6 +39,7 @@ _perf = time.perf_counter
 _time = time.time
 _random = random.random
 _astuple = msgspec.structs.astuple
+_encode = msgspec.json.encode
 
 
 class AccessLine(msgspec.Struct, omit_defaults=True, gc=False):
@@ -88,10 +94,65 @@ class AccessLine(msgspec.Struct, omit_defaults=True, gc=False):
     spend_alert: str | None = None
 
 
-_NO_ROUTE = (None, None, None, None, None, None)
+_NO_ROUTE = (None, None, None, None, None, None, None)  # a RouteDecision's fields up to _ROUTE_FIELDS' end
 _MAX_PATHS = 256
-# A timestamp's end after the second: "123Z" for millisecond 123 (a lookup, not a format, per millisecond).
-_MILLIS_TEXT = tuple(f"{fraction:03d}Z" for fraction in range(1000))
+# Templates kept, at most (about 1 kB each with its key): paths x routes x endpoints x models in use. The
+# tenant is not among the shared values (a store of managed keys may hold many): a line's own, like its id.
+_MAX_TEMPLATES = 1024
+
+# A line from a template (`_template`): what it takes from its record as it is, read in one C call each.
+# `_fill`'s own values; the per-request numbers, in the line's order; the values the line shares with
+# others (with the route's, the path, how many token counts and which spend fields are None: its
+# template's key; the endpoint as itself: the worker's own for its life, its address fixed), the rarer
+# fields among them: a line with one set is encoded whole (no template is kept under its key).
+_line_values = attrgetter("ended", "t_start", "t_first_byte", "overhead_s", "request_id", "tenant", "route",
+                          "target", "cost_nusd", "tokens_cached", "tokens_reasoning")
+_numbers = attrgetter("status", "attempts", "bytes_in", "bytes_out", "tokens_prompt", "tokens_completion")
+_shared = attrgetter("method", "capability", "endpoint", "error", "served_model",
+                     "filtered", "evidence", "trace", "shadow", "model_route", "spend_alert")
+_rare_fields = attrgetter("filtered", "evidence", "trace", "shadow", "model_route", "spend_alert")
+_PLAIN = (0, None, None, None, None, None)
+# The route's values on the line, a slice of the decision (a tuple): cluster .. affinity.
+_ROUTE_FIELDS = slice(1, 7)
+assert RouteDecision._fields[_ROUTE_FIELDS] == (
+    "cluster", "stable_id", "selection_group", "mode", "revision", "affinity")
+# The per-request fields of a template's line, in the line's order, and their ``%`` specs: the arguments
+# `_fill` formats a template with follow this order (the timestamp's date and millisecond, the request id
+# and the tenant encoded by msgspec, the numbers, the times encoded by msgspec, the spend fields). Of these,
+# a template's line may have the tenant or both token counts None (null: `_NULL_SPECS`; usage not reported)
+# and lack spend fields (on a line only when priced, each only when not None); with any other None (or one
+# token count), no template is made of it.
+_TEMPLATE_FIELDS = (
+    ("ts", b'"%s%03dZ"'), ("request_id", b"%s"), ("tenant", b"%s"), ("status", b"%d"), ("attempts", b"%d"),
+    ("bytes_in", b"%d"), ("bytes_out", b"%d"), ("tokens_prompt", b"%d"), ("tokens_completion", b"%d"),
+    ("overhead_ms", b"%s"), ("first_byte_ms", b"%s"), ("duration_ms", b"%s"), ("cost_nusd", b"%d"),
+    ("tokens_cached", b"%d"), ("tokens_reasoning", b"%d"),
+)
+_SKIP = b"%.0a"  # takes its argument and writes nothing: a spend field that is not on the line
+_SPEND_FIELDS = frozenset(("cost_nusd", "tokens_cached", "tokens_reasoning"))
+# A per-request field None on a template's line, written as msgspec writes None (the tenant: encoded by it).
+_NULL_SPECS = {"tenant": b"%s", "tokens_prompt": b"null" + _SKIP, "tokens_completion": b"null" + _SKIP}
+# The others of a template's line: none of them may be None.
+_required = attrgetter(*(name for name, _ in _TEMPLATE_FIELDS
+                          if name not in _SPEND_FIELDS and name not in _NULL_SPECS))
+
+
+class _Paths(dict[bytes | None, str | None]):
+    """Request target -> its logged path: up to the query string (some APIs take keys there). A target
+    without a query is remembered (a gateway serves a handful of paths; bounded all the same); one with a
+    query never is, so no key sent in one stays in memory. No target (no exchange): no path."""
+
+    def __missing__(self, target: bytes | None) -> str | None:
+        if target is None:
+            return None
+        query = target.find(b"?")
+        if query >= 0:
+            return target[:query].decode("latin-1")
+        path = target.decode("latin-1")
+        if len(self) >= _MAX_PATHS:
+            self.clear()
+        self[target] = path
+        return path
 
 
 class AccessLog:
@@ -103,10 +164,12 @@ class AccessLog:
         self._encode_into = msgspec.json.Encoder().encode_into
         self._pending: list[RequestRecord] = []  # what `record` keeps until `_fill`
         self._second = -1
-        self._second_text = ""
+        self._second_text = b""
         # Lines waiting for a write-out, at most: about what the writer's buffer holds.
         self._max_pending = 16 if writer is None else max(16, writer.max_buffer_bytes // 512)
-        self._paths: dict[bytes, str] = {}  # request target -> its logged path
+        self._paths = _Paths()
+        # The values a line shares with others (`_fill`'s key) -> its template (`_template`).
+        self._templates: dict[tuple, bytes] = {}
         if writer is not None:
             writer.fill = self._fill
 
@@ -124,14 +187,17 @@ class AccessLog:
         """Lines lost since start (buffer full or output failing), for the metrics."""
         return 0 if self.writer is None else self.writer.dropped
 
-    def _timestamp(self, millis: int) -> str:
-        """RFC 3339 UTC with milliseconds (``millis`` since the epoch); the date part is formatted once
-        per second (``_fill`` has this written out, per millisecond)."""
-        second, fraction = divmod(millis, 1000)
+    def _date(self, second: int) -> bytes:
+        """b"YYYY-MM-DDTHH:MM:SS." (RFC 3339 UTC) of ``second`` since the epoch, formatted once per second."""
         if second != self._second:
             self._second = second
-            self._second_text = time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(second))
-        return self._second_text + _MILLIS_TEXT[fraction]
+            self._second_text = time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(second)).encode()
+        return self._second_text
+
+    def _timestamp(self, millis: int) -> str:
+        """RFC 3339 UTC with milliseconds (``millis`` since the epoch); ``_fill`` has this written out."""
+        second, fraction = divmod(millis, 1000)
+        return (b"%s%03dZ" % (self._date(second), fraction)).decode()
 
     def record(self, record: RequestRecord) -> None:
         """One request ended (a closed record: ``status`` as answered, 499 when the client left before
@@ -139,10 +205,10 @@ class AccessLog:
         writer = self.writer
         if writer is None:
             return
-        if record.status < 400 and record.error is None:
-            sample = self.sample
-            if sample < 1.0 and (sample <= 0.0 or _random() >= sample):
-                return
+        sample = self.sample  # asked first: a line is kept unsampled (1.0) without reading the record
+        if (sample < 1.0 and record.status < 400 and record.error is None
+                and (sample <= 0.0 or _random() >= sample)):
+            return
         # _keep written out: this runs once per request, on the request path.
         pending = self._pending
         if len(pending) >= self._max_pending:
@@ -189,72 +255,119 @@ class AccessLog:
         self._pending = []
         writer = self.writer
         assert writer is not None
-        buffer, encode_into, paths = writer.buffer, self._encode_into, self._paths
+        buffer, paths, templates = writer.buffer, self._paths, self._templates
         start = len(buffer)
         wall_offset = _time() - _perf()  # perf_counter -> epoch seconds, for the lines' timestamps
-        millis_done, ts = -1, ""  # lines ending in the same millisecond share one timestamp
+        second, date = -1, b""  # the date part of the lines' timestamps, formatted once per second
         for entry in pending:
-            ended, t_start, t_first_byte, target = entry.ended, entry.t_start, entry.t_first_byte, entry.target
+            ended, t_start, t_first_byte, overhead_s, request_id, tenant, route, target, cost, cached, reasoning = (
+                _line_values(entry))
             millis = int((ended + wall_offset) * 1000)
-            if millis != millis_done:  # _timestamp written out for the common case, a second already formatted
-                millis_done = millis
-                ts = (self._second_text + _MILLIS_TEXT[millis % 1000] if millis // 1000 == self._second
-                      else self._timestamp(millis))
-            route, request_id, method, overhead_s = entry.route, entry.request_id, entry.method, entry.overhead_s
-            if route is None:
-                provider, stable_id, group, mode, affinity, revision = _NO_ROUTE
-            else:
-                provider, stable_id, group = route.cluster, route.stable_id, route.selection_group
-                mode, affinity, revision = route.mode, route.affinity, route.revision
-            filtered, evidence, trace = entry.filtered, entry.evidence, entry.trace
-            line = AccessLine(
-                ts, None if request_id is None else request_id.decode("latin-1"), entry.tenant,
-                None if method is None else method.decode("latin-1"),
-                None if target is None else paths.get(target) or self._path(target), entry.status, entry.capability,
-                provider, stable_id, group, mode, affinity, entry.attempts,
-                None if entry.endpoint is None else entry.endpoint.address, revision, entry.bytes_in,
-                entry.bytes_out, entry.tokens_prompt, entry.tokens_completion,
-                # Milliseconds with three decimals: whole microseconds, a quarter of the cost of round().
-                None if overhead_s is None else int(overhead_s * 1e6 + 0.5) / 1000,
-                int((t_first_byte - t_start) * 1e6 + 0.5) / 1000 if t_first_byte and t_start is not None else None,
-                None if t_start is None else int((ended - t_start) * 1e6 + 0.5) / 1000,
-                entry.error, filtered, reason_names(entry.filtered_reasons) if filtered else None,
-            )
-            # The rarer fields are set after the fact (the same line: keys follow the struct's order): a call
-            # with every field spelled out, or unpacked from a tuple, costs more on every line.
-            if evidence is not None:
-                line.site, line.admission_state, line.candidates, line.excluded, line.picker_inputs = (
-                    _astuple(evidence))
-            if trace is not None:
-                line.trace_id = trace.trace_id
-            if entry.shadow is not None:
-                line.shadow = entry.shadow
-            if entry.model_route is not None:
-                line.requested_model, line.served_model = entry.requested_model, entry.served
-                line.fallback_hops, line.fallback_reasons = entry.fallback_hops, entry.fallback_reasons
-                line.fallback_skipped = entry.fallback_skipped
-            cost = entry.cost_nusd
-            if cost is not None:  # priced: the served model (an alias's target, or a chain's) and the parts
-                line.served_model, line.cost_nusd = entry.served, cost
-                line.tokens_cached, line.tokens_reasoning = entry.tokens_cached, entry.tokens_reasoning
-            if entry.spend_alert is not None:
-                line.spend_alert = entry.spend_alert
-            encode_into(line, buffer, -1)
-            buffer.append(10)  # "\n"
+            if millis // 1000 != second:  # _timestamp written out, its date formatted once per second
+                second = millis // 1000
+                date = self._date(second)
+            if not t_first_byte:  # no answer was sent (or the record has no exchange): no first_byte_ms
+                self._encode_line(entry, millis, buffer, None)
+                continue
+            numbers = _numbers(entry)
+            key = ((route or _NO_ROUTE)[_ROUTE_FIELDS], paths[target], _shared(entry), numbers.count(None),
+                   cost is None, cached is None, reasoning is None)
+            try:
+                # The times in milliseconds with three decimals: whole microseconds, a quarter of the cost of
+                # round().
+                buffer += templates[key] % (
+                    (date, millis % 1000, _encode(request_id.decode("latin-1")), _encode(tenant)) + numbers + (
+                        _encode(int(overhead_s * 1e6 + 0.5) / 1000),
+                        _encode(int((t_first_byte - t_start) * 1e6 + 0.5) / 1000),
+                        _encode(int((ended - t_start) * 1e6 + 0.5) / 1000), cost, cached, reasoning))
+            except (KeyError, TypeError, AttributeError):
+                # No template yet for its shared values (the line makes it), a rarer field set (its key is
+                # unhashable or never kept), or a None among its request id and times (refused, cut short:
+                # no template is made of such a line): encoded whole.
+                self._encode_line(entry, millis, buffer, key)
         writer.trim(start)
 
-    def _path(self, target: bytes) -> str:
-        """The logged path of a request target: up to the query string (some APIs take keys there).
-        A target without a query is remembered (a gateway serves a handful of paths; bounded all the
-        same); one with a query never is, so no key sent in one stays in memory."""
-        query = target.find(b"?")
-        if query >= 0:
-            return target[:query].decode("latin-1")
-        path = target.decode("latin-1")
-        if len(self._paths) >= _MAX_PATHS:
-            self._paths.clear()
-        self._paths[target] = path
-        return path
+    def _line(self, entry: RequestRecord, ts: str) -> AccessLine:
+        """The line of ``entry``, field by field."""
+        ended, t_start, t_first_byte, target = entry.ended, entry.t_start, entry.t_first_byte, entry.target
+        route, request_id, method, overhead_s = entry.route, entry.request_id, entry.method, entry.overhead_s
+        if route is None:
+            provider, stable_id, group, mode, revision, affinity = _NO_ROUTE[_ROUTE_FIELDS]
+        else:
+            provider, stable_id, group, mode, revision, affinity = route[_ROUTE_FIELDS]
+        filtered, evidence, trace = entry.filtered, entry.evidence, entry.trace
+        line = AccessLine(
+            ts, None if request_id is None else request_id.decode("latin-1"), entry.tenant,
+            None if method is None else method.decode("latin-1"), self._paths[target], entry.status,
+            entry.capability, provider, stable_id, group, mode, affinity, entry.attempts,
+            None if entry.endpoint is None else entry.endpoint.address, revision, entry.bytes_in,
+            entry.bytes_out, entry.tokens_prompt, entry.tokens_completion,
+            # Milliseconds with three decimals: whole microseconds, a quarter of the cost of round().
+            None if overhead_s is None else int(overhead_s * 1e6 + 0.5) / 1000,
+            int((t_first_byte - t_start) * 1e6 + 0.5) / 1000 if t_first_byte and t_start is not None else None,
+            None if t_start is None else int((ended - t_start) * 1e6 + 0.5) / 1000,
+            entry.error, filtered, reason_names(entry.filtered_reasons) if filtered else None,
+        )
+        # The rarer fields are set after the fact (the same line: keys follow the struct's order): a call
+        # with every field spelled out, or unpacked from a tuple, costs more on every line.
+        if evidence is not None:
+            line.site, line.admission_state, line.candidates, line.excluded, line.picker_inputs = (
+                _astuple(evidence))
+        if trace is not None:
+            line.trace_id = trace.trace_id
+        if entry.shadow is not None:
+            line.shadow = entry.shadow
+        if entry.model_route is not None:
+            line.requested_model, line.served_model = entry.requested_model, entry.served
+            line.fallback_hops, line.fallback_reasons = entry.fallback_hops, entry.fallback_reasons
+            line.fallback_skipped = entry.fallback_skipped
+        cost = entry.cost_nusd
+        if cost is not None:  # priced: the served model (an alias's target, or a chain's) and the parts
+            line.served_model, line.cost_nusd = entry.served, cost
+            line.tokens_cached, line.tokens_reasoning = entry.tokens_cached, entry.tokens_reasoning
+        if entry.spend_alert is not None:
+            line.spend_alert = entry.spend_alert
+        return line
+
+    def _encode_line(self, entry: RequestRecord, millis: int, buffer: bytearray, key: tuple | None) -> None:
+        """The line of ``entry`` (ended at ``millis`` since the epoch) encoded whole, into ``buffer``; and
+        the template of ``key`` made of it, when a line can have one and ``key`` has none yet."""
+        line = self._line(entry, self._timestamp(millis))
+        self._encode_into(line, buffer, -1)
+        buffer.append(10)  # "\n"
+        if (key is not None and _rare_fields(entry) == _PLAIN and None not in _required(line)
+                and (line.tokens_prompt is None) == (line.tokens_completion is None)
+                and key not in self._templates):
+            self._template(key, line)
+
+    def _template(self, key: tuple, line: AccessLine) -> None:
+        """The template of the lines that share ``key``, made of ``line`` (one of them, with no rarer
+        field and no None where `_required`), kept under ``key`` (bounded): the line as msgspec encodes it,
+        with its per-request values (_TEMPLATE_FIELDS) in as unique markers, each marker then replaced by
+        its ``%`` spec (a literal ``%`` doubled first). A spend field not on the line takes its argument
+        with ``_SKIP`` after the spec before it. ``key`` holds every other value the line is made of
+        (those read only with a rarer field set aside): nothing of one request's own reaches another's
+        line. No template is made should a marker not come out exactly once (a shared value holds one)."""
+        replaced: list[tuple[bytes, bytes]] = []
+        for index, (name, spec) in enumerate(_TEMPLATE_FIELDS):
+            if getattr(line, name) is None:
+                if name in _SPEND_FIELDS:
+                    marker, previous = replaced[-1]
+                    replaced[-1] = (marker, previous + _SKIP)
+                    continue
+                spec = _NULL_SPECS[name]
+            marker = f"\0{index}"
+            setattr(line, name, marker)
+            replaced.append((_encode(marker), spec))
+        text = _encode(line).replace(b"%", b"%%")
+        template = text + b"\n"
+        for marker, spec in replaced:
+            if text.count(marker) != 1:
+                return
+            template = template.replace(marker, spec)
+        if len(self._templates) >= _MAX_TEMPLATES:
+            self._templates.clear()
+        self._templates[key] = template
 
     def reopen(self) -> None:
         if self.writer is not None:

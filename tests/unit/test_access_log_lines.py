@@ -119,3 +119,128 @@ def test_a_sampled_traced_and_shadowed_line_carries_every_field_in_the_documente
         "site-a", "existing_only", 3, {"cooled": 1})
     assert (full["trace_id"], full["shadow"], traced["trace_id"]) == ("t-1", ["a 1/1m"], "t-2")
     assert "site" not in traced and "shadow" not in traced and "trace_id" not in plain
+
+
+class _Endpoint:
+    """An upstream endpoint as the line sees it (hashable by identity, as workers.clusters.UpstreamEndpoint)."""
+
+    __slots__ = ("address",)
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+
+def varied_records(count: int, seed: int = 7) -> list[RequestRecord]:
+    """Closed records of many shapes: a few shared values (tenants, paths, routes, endpoints) that repeat,
+    quotes, backslashes, ``%`` and unicode in them, None and set per-request values, tiny and large times,
+    priced or not, and now and then a rarer field."""
+    import random
+
+    from gateway.models.aliases import ModelRoute
+    from gateway.routing.decision import RouteDecision
+    from gateway.routing.evidence import RouteEvidence
+
+    rng = random.Random(seed)
+    pick = rng.choice
+
+    def route(cluster: str, stable_id: str, group: int | None, mode: str, affinity: str) -> RouteDecision:
+        return RouteDecision(None, cluster, stable_id, group, mode, "rev-%1", affinity, 0, (), 0, None, b"")
+
+    routes = [None, route("bench-a", "inference_model/m/local/a", 0, "roundRobin", "new"),
+              route("bench-b", "im/m/b", None, "stable_hash", "reused"),
+              route('q"uote\\d', "id-é-β-%d", 3, "pinned", "none")]
+    endpoints = [None, _Endpoint("127.0.0.1:19001"), _Endpoint("[::1]:8080")]
+    tenants = [None, "team-a", "équipe-β", 'a"b\\c%s', "\x01ctl"]
+    targets = [None, b"/v1/chat/completions", b"/v1/embeddings?key=secret%20x", b"/p%20ath/\xe9\"x", b"/"]
+    request_ids = [b"a7985488122f-1f4", b'q"uo\\te', b"%s%d%%", b"\x00", b"", None, b"\xff\xfe"]
+    times = [1e-7, 0.000335, 0.0004567, 0.002, 1.5, 12345.6789, 1e6, 3e13]  # 3e13 s: 3e16 ms, in exponent form
+    # A few sets of shared values, as a gateway sees (its lines repeat them), some of them priced.
+    profiles = [dict(capability=pick([None, "demo-model", "m-ü"]), route=pick(routes),
+                     endpoint=pick(endpoints), error=pick([None, None, "client_closed", "upstream_timeout"]),
+                     method=pick([b"POST", b"POST", b"GET", None]), target=pick(targets),
+                     served_model=pick([None, None, "fallback-m"]), priced=rng.random() < 0.6) for _ in range(16)]
+    records = []
+    start = time.perf_counter()
+    for index in range(count):
+        shared = dict(pick(profiles))
+        t_start = None if rng.random() < 0.05 else start - pick(times)
+        ended = start + index * 0.0007 if t_start is None else t_start + pick(times)
+        usage = rng.random()
+        fields = dict(
+            request_id=pick(request_ids) if rng.random() < 0.2 else b"a7985488122f-%x" % index, tenant=pick(tenants),
+            attempts=rng.randrange(0, 4), status=pick([200, 200, 200, 429, 499, 502]), ended=ended,
+            t_start=t_start, t_first_byte=0.0 if rng.random() < 0.1 or t_start is None else t_start + pick(times) / 2,
+            bytes_in=rng.randrange(0, 10**9), bytes_out=rng.randrange(0, 10**12),
+            # Usage not reported (not metered: most often both None), or one count only.
+            tokens_prompt=None if usage < 0.2 else rng.randrange(0, 10**6),
+            tokens_completion=None if usage < 0.17 or usage > 0.97 else rng.randrange(0, 10**6),
+            overhead_s=None if rng.random() < 0.1 else pick(times) / 3, closed=True,
+        )
+        if shared.pop("priced"):
+            fields.update(cost_nusd=pick([0, 17, 123456789012]), tokens_cached=pick([None, 0, 5]),
+                          tokens_reasoning=pick([None, 0, 9]))
+        elif rng.random() < 0.3:  # usage details, not priced: not on the line
+            fields.update(tokens_cached=5, tokens_reasoning=9)
+        fields.update(shared)
+        rare = rng.random()
+        if rare < 0.03:
+            fields["evidence"] = RouteEvidence("site-a", "existing_only", 3, {"cooled": 1}, None)
+        elif rare < 0.06:
+            fields["trace"] = SimpleNamespace(trace_id=f"t-{index}")
+        elif rare < 0.09:
+            fields["shadow"] = ("key requests 60/1m",)
+        elif rare < 0.12:
+            fields.update(model_route=ModelRoute("alias-m", "demo-model", True), fallback_hops=1,
+                          fallback_reasons=["status_429"])
+        elif rare < 0.14:
+            fields.update(filtered=2, filtered_reasons=1)
+        elif rare < 0.15:
+            fields["spend_alert"] = "tenant team-a 80% of 10 USD/1d"
+        records.append(RequestRecord(**fields))
+    return records
+
+
+def test_a_line_from_a_template_is_byte_for_byte_the_line_encoded_whole(tmp_path: Path) -> None:
+    # Lines sharing their tenant, path, route, endpoint ... are written from a template (`_template`); each
+    # must be exactly what encoding its AccessLine writes, for every shape of record, in several batches.
+    import msgspec
+
+    records = varied_records(4000)
+
+    async def write() -> tuple[AccessLog, list[bytes], int]:
+        access_log = AccessLog(LineWriter(str(tmp_path / "access.log"), flush_delay_s=10.0))
+        whole = 0
+        encode_line = access_log._encode_line
+
+        def counted(*args: object) -> None:
+            nonlocal whole
+            whole += 1
+            encode_line(*args)  # type: ignore[arg-type]
+
+        access_log._encode_line = counted  # type: ignore[method-assign]
+        lines: list[bytes] = []
+        for batch in range(0, len(records), 500):
+            for record in records[batch:batch + 500]:
+                access_log.record(record)
+            access_log._fill()
+            buffer = access_log.writer.buffer  # type: ignore[union-attr]
+            lines += bytes(buffer).splitlines(keepends=True)
+            buffer.clear()
+        await access_log.close()
+        return access_log, lines, whole
+
+    access_log, lines, whole = asyncio.run(write())
+    assert len(lines) == len(records)
+    for record, text in zip(records, lines, strict=True):
+        ts = json.loads(text)["ts"]
+        assert text == msgspec.json.encode(access_log._line(record, ts)) + b"\n", text
+    # Every line of a template's shape came from one, but the first of each template: a line with no rarer
+    # field, an answer sent, its request id and times all there, and both token counts or neither.
+    rare = ("filtered", "evidence", "trace", "shadow", "model_route", "spend_alert")
+    own = ("request_id", "t_start", "overhead_s")
+    templated = [r for r in records if not any(getattr(r, name) for name in rare) and r.t_first_byte
+                 and all(getattr(r, name) is not None for name in own)
+                 and (r.tokens_prompt is None) == (r.tokens_completion is None)]
+    assert len(templated) > len(records) / 3
+    assert whole == len(records) - len(templated) + len(access_log._templates)
+    assert all(b"secret" not in repr(key).encode() for key in access_log._templates)
