@@ -3,7 +3,7 @@
 Wall-clock benchmarks on a shared machine spread by a few percent from run to run, more than most single
 changes on the request path are worth. The number of CPython opcodes a request executes does not move with
 the machine: it changes only when the code does, and for gridgate's request path it predicts the
-wall-clock ratio of two configs within about a point (docs/benchmarks.md). It does not see C work
+wall-clock ratio of two configs only roughly (README.md, "Benchmarks"). It does not see C work
 (h11's regexes, msgspec, syscalls), so it ranks Python-level changes, never replaces the wall-clock bench.
 
 ``start_counting`` is what ``loadtest/opcount_site/sitecustomize.py`` runs in every process the gateway
