@@ -43,7 +43,7 @@ import msgspec
 from gateway.http.errors import ErrorReply
 from gateway.http.media import is_json_content_type
 from gateway.quota.estimate import MAX_ALLOWANCE, completion_allowance
-from gateway.request.headers import VISIBLE_ASCII
+from gateway.request.headers import MAX_TOKEN_BYTES, OWS, VISIBLE_ASCII
 from gateway.request.surfaces import (
     API_SURFACES,
     EMBEDDINGS_BODY,
@@ -53,9 +53,8 @@ from gateway.request.surfaces import (
 )
 from gateway.routing.eligibility import AUDIO, EMBEDDINGS, JSON_SCHEMA, TOOLS, VISION
 
-MAX_NAME_BYTES = 256
+MAX_NAME_BYTES = MAX_TOKEN_BYTES
 MCP_SESSION_NAME = ""  # see gateway.overlay.snapshot.MCP_SESSION_CAPABILITY
-_OWS = b" \t"
 
 
 class StreamOptions(msgspec.Struct):
@@ -225,7 +224,7 @@ def header_token(raw: bytes | str | None, max_bytes: int = MAX_NAME_BYTES) -> by
                 raw = raw.encode("latin-1")
             except UnicodeEncodeError:
                 return None
-    value = raw.strip(_OWS)  # type: ignore[union-attr]
+    value = raw.strip(OWS)  # type: ignore[union-attr]
     if not value or len(value) > max_bytes or value.translate(None, VISIBLE_ASCII):  # not visible ASCII
         return None
     return value
@@ -298,8 +297,8 @@ def _cookie_value(cookie_header: bytes, name: bytes) -> bytes | None:
     """First value of cookie ``name`` in a ``Cookie`` header (RFC 6265 ``a=b; c=d``)."""
     for pair in cookie_header.split(b";"):
         key, sep, value = pair.partition(b"=")
-        if sep and key.strip(_OWS) == name:
-            value = value.strip(_OWS)
+        if sep and key.strip(OWS) == name:
+            value = value.strip(OWS)
             if len(value) >= 2 and value[0] == 0x22 and value[-1] == 0x22:
                 value = value[1:-1]
             return value
@@ -318,7 +317,7 @@ def session_key(
     """
     if header_value.__class__ is bytes:
         # header_token's test written out for the bytes the request path passes: one call fewer per request.
-        key = header_value.strip(_OWS)  # type: ignore[union-attr]
+        key = header_value.strip(OWS)  # type: ignore[union-attr]
         if key and len(key) <= MAX_NAME_BYTES and not key.translate(None, VISIBLE_ASCII):
             return key
     else:

@@ -45,8 +45,9 @@ _ALWAYS: dict[bytes, int] = {
     b"x-ai-routing-revision": _DROP,
 }
 _MAX_REQUEST_ID = 128
-MAX_SESSION_BYTES = 256  # a session key (header or cookie) longer than this is ignored
-_OWS = b" \t"
+# A header token (a capability name, a session key) longer than this is ignored (gateway/capability.py).
+MAX_TOKEN_BYTES = 256
+OWS = b" \t"  # optional whitespace around a header value (RFC 9110 section 5.6.3)
 # Names the gateway reads from the client and never forwards anyway: a credential header may share them.
 _CONSUMED = (_AUTHORIZATION, _API_KEY)
 
@@ -159,8 +160,8 @@ class HeaderPlan:
             elif kind == _SESSION:
                 # The session key read here, where the header is met (``gateway.capability.session_key``'s
                 # test of a header written out): the proxy makes no call for it. An invalid one is None.
-                key = value.strip(_OWS)
-                found.session = key if key and len(key) <= MAX_SESSION_BYTES and not key.translate(
+                key = value.strip(OWS)
+                found.session = key if key and len(key) <= MAX_TOKEN_BYTES and not key.translate(
                     None, VISIBLE_ASCII) else None
                 forward.append((name, value))
             elif kind == _MODEL:
