@@ -1,4 +1,5 @@
-PY ?= python3
+# The interpreter of a new virtualenv: a PGO/LTO build when the machine has one (deploy/pick-python.sh).
+PY ?= $(shell sh deploy/pick-python.sh)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed

@@ -26,6 +26,7 @@ from gateway.admin.spend_api import SpendApi
 from gateway.check import validate_deployment
 from gateway.config import Config, ConfigError
 from gateway.host_segment import AFFINITY_REGION, METRICS_REGION, create_segment, endpoint_ids
+from gateway.interpreter import interpreter_build, slow_build_warning
 from gateway.metrics.catalogue import MAX_CLUSTERS, MAX_FALLBACK_EDGES, MAX_TENANTS
 from gateway.metrics.labels import LabelRegistry
 from gateway.models.aliases import fallback_edges
@@ -226,6 +227,8 @@ class Arbiter:
             "supervisor pid %d: listen %s, admin %s, %d workers",
             os.getpid(), config.listen, config.admin.listen, self._workers.target,
         )
+        if (slow_build := slow_build_warning(interpreter_build())) is not None:
+            log.warning("%s", slow_build)
         watchdog = self._notifier.watchdog_interval
         tick = TICK if watchdog is None else min(TICK, watchdog / 2)
         try:

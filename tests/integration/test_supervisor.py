@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from gateway.interpreter import interpreter_build
 from gateway.supervisor import CrashBackoff, SlotPool
 from tests.contract_fixtures import OVERLAY_FIXTURES
 from tests.harness import (
@@ -156,6 +157,9 @@ def test_admin_pages(start_gateway):
     status, headers, body = admin_get(gateway.admin_port, "/metrics")
     assert status == 200 and headers["content-type"].startswith("text/plain")
     assert b"gridgate_workers_live 2.0" in body and b"gridgate_worker_restarts_total 0.0" in body
+    # The start-up warning about a slow interpreter build, exactly when this interpreter is one (the
+    # gateway runs on the tests' own: docs/operations.md, "The interpreter").
+    assert ("runs from a shared libpython" in gateway.log()) == bool(interpreter_build().shared_libpython)
 
 
 def test_admin_listener_keeps_alive_pipelines_and_answers_head(start_gateway):
