@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.interpreter import interpreter_build
+
 REPORTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reports")
 
 
@@ -166,8 +168,14 @@ def write_report(name: str, results: Any, title: str, command: str, text: str) -
     """``loadtest/reports/<name>-<time>.{json,md}``: the raw results, and the table under its title and
     the command that made it; prints the table and where both went."""
     stamp = timestamp()
+    # The gateways run on this interpreter, whose build moves every figure (docs/operations.md).
+    build = interpreter_build()
+    if isinstance(results, dict):
+        results.setdefault("interpreter", build.as_dict())
+    kind = {True: "shared libpython", False: "static", None: "build unknown"}[build.shared_libpython]
     json_path = write_json(os.path.join(REPORTS_DIR, f"{name}-{stamp}.json"), results)
-    md_path = write_text(os.path.join(REPORTS_DIR, f"{name}-{stamp}.md"), f"# {title}\n\n`{command}`\n\n{text}")
+    md_path = write_text(os.path.join(REPORTS_DIR, f"{name}-{stamp}.md"),
+                         f"# {title}\n\n`{command}`\n\nPython {build.version} ({build.executable}, {kind})\n\n{text}")
     print(text)
     print(f"{name.replace('-', '_')}: wrote {json_path} and {md_path}")
 

@@ -1,10 +1,17 @@
-"""The benchmark report's arithmetic: time bins, percentiles, and what a worker can hold."""
+"""The benchmark report: time bins, percentiles, what a worker can hold, and what a report records."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pytest
+
+import loadtest.report
+from gateway.interpreter import interpreter_build
 from loadtest.bench import class_env_name
 from loadtest.bench_streams import streams_that_fit
-from loadtest.report import percentile, time_bins
+from loadtest.report import percentile, time_bins, write_report
 
 
 def test_time_bins_count_requests_and_failures_per_second_from_the_start() -> None:
@@ -42,3 +49,16 @@ def test_locust_class_names_map_to_environment_names() -> None:
     assert class_env_name("InteractiveUser") == "INTERACTIVE"
     assert class_env_name("LongStreamUser") == "LONG_STREAM"
     assert class_env_name("ChatUser") == "CHAT"
+
+
+def test_a_report_names_the_interpreter_the_gateways_ran_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(loadtest.report, "REPORTS_DIR", str(tmp_path))
+    write_report("bench-x", {"rows": [1]}, "A title", "python -m loadtest.bench_x", "| a |\n")
+    (json_path,) = tmp_path.glob("bench-x-*.json")
+    (md_path,) = tmp_path.glob("bench-x-*.md")
+    build = interpreter_build()
+    assert json.loads(json_path.read_text()) == {"rows": [1], "interpreter": build.as_dict()}
+    kind = "shared libpython" if build.shared_libpython else "static"
+    assert f"Python {build.version} ({build.executable}, {kind})" in md_path.read_text()
+    assert "| a |" in capsys.readouterr().out
