@@ -2,7 +2,7 @@
 # Print the Python interpreter `make install` builds the virtualenv with (docs/operations.md, "The
 # interpreter"). Among python3.11, python3.12 and python3.13 (in that order, on PATH and in /usr/bin), the
 # first that can make a virtualenv and does not run from a shared libpython: a distribution's python3 is
-# such a build, optimized with PGO and LTO, and spends about a quarter less CPU per request than the
+# such a build, optimized with PGO and LTO, and spends about 13 % less CPU per request than the
 # shared-library builds pyenv and most builds from source make. Else `python3`. `make PY=...` overrides.
 # Arguments, when given, replace that list of candidates (the tests' way in).
 [ $# -gt 0 ] || set -- python3.11 /usr/bin/python3.11 python3.12 /usr/bin/python3.12 python3.13 /usr/bin/python3.13

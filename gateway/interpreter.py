@@ -2,8 +2,9 @@
 
 A distribution's python3 (Debian's, Ubuntu's, Fedora's) links the interpreter statically, optimized with
 PGO and LTO. pyenv and most builds from source make a shared ``libpython`` without PGO: on the same
-machine a worker spent about a third more CPU per request on one (``loadtest.bench_features``, core
-path: 474 against 353 µs). The supervisor logs a warning at start when it runs from a shared libpython.
+machine, the two side by side on one core, a worker on Debian's build served 15-16 % more requests than
+on pyenv's, at 12-15 % less CPU per request (docs/operations.md). The supervisor logs a warning at start
+when it runs from a shared libpython.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 SHARED_LIBPYTHON_WARNING = (
     "this Python ({executable}, {version}) runs from a shared libpython, as pyenv and most builds from "
-    "source do, usually without PGO: the same gateway spends about a quarter less CPU per request on a "
+    "source do, usually without PGO: the same gateway spends about 13 % less CPU per request on a "
     "distribution's python3 (docs/operations.md, 'The interpreter'; `make install` picks one when the "
     "machine has it)"
 )
