@@ -26,6 +26,11 @@ class InterpreterBuild:
     version: str
     shared_libpython: bool | None  # None: not known (no /proc)
 
+    @property
+    def kind(self) -> str:
+        """The build in words, as reports print it."""
+        return {True: "shared libpython", False: "static", None: "build unknown"}[self.shared_libpython]
+
     def as_dict(self) -> dict[str, str | bool | None]:
         return {"executable": self.executable, "version": self.version,
                 "shared_libpython": self.shared_libpython}

@@ -166,16 +166,16 @@ def write_json(path: str, data: Any) -> str:
 
 def write_report(name: str, results: Any, title: str, command: str, text: str) -> None:
     """``loadtest/reports/<name>-<time>.{json,md}``: the raw results, and the table under its title and
-    the command that made it; prints the table and where both went."""
+    the command that made it, under the interpreter the gateways ran on (also added to ``results`` when it
+    is a dict); prints the table and where both went."""
     stamp = timestamp()
     # The gateways run on this interpreter, whose build moves every figure (docs/operations.md).
     build = interpreter_build()
     if isinstance(results, dict):
         results.setdefault("interpreter", build.as_dict())
-    kind = {True: "shared libpython", False: "static", None: "build unknown"}[build.shared_libpython]
     json_path = write_json(os.path.join(REPORTS_DIR, f"{name}-{stamp}.json"), results)
     md_path = write_text(os.path.join(REPORTS_DIR, f"{name}-{stamp}.md"),
-                         f"# {title}\n\n`{command}`\n\nPython {build.version} ({build.executable}, {kind})\n\n{text}")
+                         f"# {title}\n\n`{command}`\n\nPython {build.version} ({build.executable}, {build.kind})\n\n{text}")
     print(text)
     print(f"{name.replace('-', '_')}: wrote {json_path} and {md_path}")
 

@@ -57,7 +57,9 @@ def _fake_python(directory: Path, name: str, exit_code: int) -> str:
 
 
 def _pick(*candidates: str) -> str:
-    done = subprocess.run(["sh", str(PICK), *candidates], capture_output=True, text=True, timeout=60, check=True)
+    """The script's choice, run from elsewhere than the checkout (it finds the checkout itself)."""
+    done = subprocess.run(["sh", str(PICK), *candidates], capture_output=True, text=True, timeout=60, check=True,
+                          cwd="/")
     return done.stdout.strip()
 
 
@@ -75,3 +77,7 @@ def test_the_scripts_check_agrees_with_the_supervisors_on_this_interpreter() -> 
     (a venv's python can always make a venv, so only the libpython decides)."""
     shared = interpreter_build().shared_libpython
     assert _pick(sys.executable) == (sys.executable if not shared else "python3")
+    # The venv's base interpreter (the same binary, without the project installed): the script reads the
+    # build with the checkout's own module all the same.
+    base = sys._base_executable
+    assert _pick(base) == (base if not shared else "python3")
