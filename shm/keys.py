@@ -212,6 +212,9 @@ class KeyTableWriter:
         self._meta_word = table._meta_word
         self._count = 0
         self._heap = _ChunkHeap(layout.heap_bytes // CHUNK_BYTES)
+        # Puts and removes so far (a put refused as full counts too): readers of the whole table (the
+        # budget gauge's scan) read it again only when this moved.
+        self.changes = 0
 
     def __contains__(self, digest: bytes) -> bool:
         return self.slot_of(digest) is not None
@@ -230,11 +233,18 @@ class KeyTableWriter:
         digest = self._map[at : at + DIGEST_BYTES]
         return None if digest == _EMPTY else digest
 
-    def occupied(self) -> list[tuple[int, bytes]]:
-        """``(slot, digest)`` of every digest in the table (a scan: for full reloads)."""
-        data, size = self._map[self._layout.digests : self._layout.meta], DIGEST_BYTES
-        return [(slot, data[slot * size : slot * size + size]) for slot in range(self._layout.slots)
-                if data[slot * size : slot * size + size] != _EMPTY]
+    def occupied(self, start: int = 0, stop: int | None = None) -> list[tuple[int, bytes]]:
+        """``(slot, digest)`` of every digest in slots ``start`` to ``stop`` (default: the whole table; a
+        scan, for full reloads and the budget gauge, which reads it a range at a time)."""
+        size = DIGEST_BYTES
+        stop = self._layout.slots if stop is None else min(stop, self._layout.slots)
+        data = self._map[self._layout.digests + start * size : self._layout.digests + stop * size]
+        return [(start + index, data[index * size : index * size + size]) for index in range(stop - start)
+                if data[index * size : index * size + size] != _EMPTY]
+
+    @property
+    def slots(self) -> int:
+        return self._layout.slots
 
     def blob_at(self, slot: int) -> bytes:
         """The blob of ``slot`` (the writer reads its own writes: no seqlock needed)."""
@@ -256,6 +266,7 @@ class KeyTableWriter:
             raise ValueError("a key table digest is 32 bytes, not all zero")
         if len(blob) > MAX_BLOB_BYTES:
             raise KeyTableFull(f"record of {len(blob)} bytes exceeds {MAX_BLOB_BYTES}")
+        self.changes += 1
         chunks = max(1, -(-len(blob) // CHUNK_BYTES))
         slot = self.slot_of(digest)
         if slot is not None:
@@ -295,6 +306,7 @@ class KeyTableWriter:
             return False
         offset, _, held = self._block(slot)
         words = self._words
+        self.changes += 1
         self._count -= 1
         seq = _begin(words)
         self._write_digest(slot, _EMPTY)

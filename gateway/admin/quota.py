@@ -22,7 +22,10 @@ class QuotaReporter:
         self._rules: RuleSet | None = None
         self._key_scopes: dict[str, tuple[Scope, ...]] = {}
 
-    async def report(self, url: str, quota: Quota, tenant: str, auth: Auth | None = None) -> dict[str, Any]:
+    async def report(self, url: str, quota: Quota, tenant: str, auth: Auth | None = None,
+                     managed_scopes: tuple[Scope, ...] = ()) -> dict[str, Any]:
+        """The tenant's rules and its configured keys with limits (``auth``), and ``managed_scopes`` (its
+        managed keys' own, which the caller read from the key table) beside them."""
         # Imported here: the quota client (valkey) is loaded only once somebody asks for this page.
         from gateway.quota.backend import create_client
         from gateway.quota.ledger import QuotaLedger
@@ -37,7 +40,8 @@ class QuotaReporter:
             self._key_scopes = key_scopes_by_tenant(auth)
             self._key = (url, quota, auth)
         try:
-            return await quota_report(self._ledger, self._rules, tenant, key_scopes=self._key_scopes.get(tenant, ()))
+            return await quota_report(self._ledger, self._rules, tenant,
+                                      key_scopes=(*self._key_scopes.get(tenant, ()), *managed_scopes))
         except QuotaBackendUnavailable as exc:
             raise ReportUnavailable(f"quota backend unavailable: {exc}") from None
 

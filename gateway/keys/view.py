@@ -82,6 +82,8 @@ class KeyEntry:
 
 def quota_limits(limits: KeyLimits) -> Limits | None:
     """A record's ``limits`` as the quota counts them; None when none."""
+    if not (limits.requests or limits.budgets or limits.max_in_flight or limits.spend):
+        return None  # most keys: nothing to convert
     converted = Limits(
         requests=tuple(RequestLimit(int(parse_duration(r.window)), r.count, r.count if r.burst is None else r.burst,
                                     r.shadow) for r in limits.requests),
@@ -99,6 +101,13 @@ def _one_pattern(globs: list[str]) -> re.Pattern[str]:
 
 def decode_entry(blob: bytes, slot: int) -> KeyEntry:
     return KeyEntry(_decode(blob), slot)
+
+
+def decode_identity(blob: bytes) -> tuple[KeyIdentity, Status]:
+    """A table blob as the quota sees its key, with the key's status: for reading every key of a table
+    (the supervisor's budget gauge) without compiling each key's ``models`` globs as ``KeyEntry`` does."""
+    view = _decode(blob)
+    return KeyIdentity(view.tenant, view.alias, view.kid, quota_limits(view.limits)), view.status
 
 
 def _key_origins(entries: list[str]) -> OriginList:

@@ -34,6 +34,7 @@ log = logging.getLogger("gridgate.keys")
 ADMIN_TIMEOUT_S = 1.0
 FIRST_LOAD_WAIT_S = 5.0
 STREAM_TIMEOUT_S = 5.0  # above the follower's 1 s blocking read
+SCAN_BATCH = 2000  # table slots read between yields to the loop when the budget gauge reads every key
 
 
 def key_store_url_for(config: Config, embedded: EmbeddedQuotaBackend) -> str | None:
@@ -67,6 +68,7 @@ class KeyService:
         self._admin_store: Any = None  # gateway.keys.store.KeyStore
         self._admin_url: str | None = None
         self._warned_restart = False
+        self._keys_read: tuple[int, list[Any]] | None = None  # (the writer's changes, its keys) when read
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -169,6 +171,17 @@ class KeyService:
                 status, held = decode_entry(blob, found[0]).status, held + 1
         return None if status is None else {"status": status, "secrets": held}
 
+    async def managed_keys(self) -> list[Any]:
+        """Every managed key of this host's table (``keys_in_table``); empty when managed keys are off.
+        For ``gridgate_budget_remaining_nanousd``: read again only after the table changed."""
+        writer = self._writer
+        if writer is None:
+            return []
+        if self._keys_read is None or self._keys_read[0] != writer.changes:
+            changes = writer.changes  # as the scan starts: a change during it is read by the next one
+            self._keys_read = (changes, await keys_in_table(writer))
+        return self._keys_read[1]
+
     # ------------------------------------------------------------------ metrics
 
     def collect(self) -> Iterator[Any]:
@@ -220,6 +233,27 @@ class KeyService:
             follower, self._follower = self._follower, None
             if close:
                 asyncio.get_running_loop().create_task(follower.close())
+
+
+async def keys_in_table(writer: KeyTableWriter, batch: int = SCAN_BATCH) -> list[Any]:
+    """Every managed key ``writer``'s table holds, once per kid, as the quota sees it (a ``KeyIdentity``):
+    revoked keys left out, blocked ones kept (their budgets still count). Read ``batch`` slots at a time
+    with a yield to the loop between, so a large table never holds up the admin listener; a slot the
+    follower changed meanwhile is read as it is then, or skipped when it no longer holds a record."""
+    from gateway.keys.record import REVOKED
+    from gateway.keys.view import decode_identity
+
+    keys: dict[str, Any] = {}
+    for start in range(0, writer.slots, batch):
+        for slot, _digest in writer.occupied(start, start + batch):
+            try:
+                identity, status = decode_identity(writer.blob_at(slot))
+            except ValueError:  # not a record (msgspec's errors are ValueErrors): freed while the scan yielded
+                continue
+            if status != REVOKED and identity.kid not in keys:
+                keys[identity.kid] = identity
+        await asyncio.sleep(0)
+    return list(keys.values())
 
 
 async def _close_quietly(store: Any) -> None:

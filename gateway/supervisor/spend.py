@@ -14,18 +14,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from gateway.auth import KeyIdentity
 from gateway.config import Config
 from gateway.config_keys import managed_keys_enabled
 from gateway.process_protocol import SpendCounts
 from gateway.quota.counters import configured_tenants
+from gateway.quota.limits import Scope
 from gateway.spend.report import SpendQuery, parse_query, spend_report
 from gateway.spend.rollups import DAY_S
-from gateway.spend.series import MAX_TENANTS, SpendSums
+from gateway.spend.series import MAX_KEYS, MAX_TENANTS, SpendSums
 from gateway.supervisor.keys import key_store_url_for
 from gateway.supervisor.quota_backend import EmbeddedQuotaBackend, quota_url_for
 from gateway.supervisor.spend_alerts import OUTCOMES, AlertSender
@@ -68,20 +70,49 @@ def _tightest(entries: Any) -> int | None:
     return min(left) if left else None
 
 
+def gauge_tenants(config: Config, managed: list[KeyIdentity]) -> list[str]:
+    """The tenants of the budget gauge: the config's (its keys', its rules'), then those of the managed
+    keys (in table order), once each and at most ``MAX_TENANTS``, the spend counter's own bound."""
+    names = dict.fromkeys(configured_tenants(config))
+    names.update(dict.fromkeys(key.tenant for key in managed))
+    return list(names)[:MAX_TENANTS]
+
+
+def managed_spend_scopes(managed: list[KeyIdentity]) -> dict[str, tuple[Scope, ...]]:
+    """Per tenant, the quota scopes of its managed keys that have a USD budget of their own: the key
+    series of the gauge with ``pricing.metrics_per_key``, at most ``MAX_KEYS`` (the spend counter's
+    bound on key labels), in table order."""
+    from gateway.quota.ledger import scopes_of  # here: the ledger loads the valkey client
+
+    scopes: dict[str, tuple[Scope, ...]] = {}
+    taken = 0
+    for key in managed:
+        if key.limits is None or not key.limits.spend:
+            continue
+        if taken == MAX_KEYS:
+            break
+        scopes[key.tenant] = scopes.get(key.tenant, ()) + scopes_of(None, key)
+        taken += 1
+    return scopes
+
+
 class BudgetRemaining:
     """``gridgate_budget_remaining_nanousd{tenant}`` (with ``pricing.metrics_per_key``, ``{tenant,key}``:
-    the rules' under key ``-``, and each configured key's own): read from the quota report of each
-    configured tenant (``QuotaReporter``, the supervisor's ledger client), refreshed in the background at
-    most every ``REFRESH_S`` while somebody scrapes; a scrape returns the last values and never waits on
-    Valkey. Values are keyed (tenant, key name), None for the tenant's rules."""
+    the rules' under key ``-``, and each key's own, configured or managed): read from the quota report of
+    each tenant of ``gauge_tenants`` (the config's and the managed keys') with ``QuotaReporter``, the
+    supervisor's ledger client, refreshed in the background at most every ``REFRESH_S`` while somebody
+    scrapes; a scrape returns the last values and never waits on Valkey. Values are keyed (tenant, key
+    name: a YAML key's alias, a managed key's kid), None for the tenant's rules."""
 
     REFRESH_S = 10.0
 
     def __init__(self, running_config: Callable[[], Config], embedded: EmbeddedQuotaBackend,
-                 reporter: Any, clock: Callable[[], float] = time.monotonic) -> None:
+                 reporter: Any, clock: Callable[[], float] = time.monotonic,
+                 managed_keys: Callable[[], Awaitable[list[KeyIdentity]]] | None = None) -> None:
         self._running_config = running_config
         self._embedded = embedded
         self._reporter = reporter  # gateway.admin.quota.QuotaReporter
+        self._managed_keys = managed_keys  # KeyService.managed_keys: the host's key table, read in full
         self._clock = clock
         self._values: dict[tuple[str, str | None], int] = {}
         self._refreshed = -self.REFRESH_S
@@ -103,10 +134,12 @@ class BudgetRemaining:
 
         url = quota_url_for(config, self._embedded)
         assert url is not None and config.quota is not None
+        managed = [] if self._managed_keys is None else await self._managed_keys()
+        scopes = managed_spend_scopes(managed) if config.pricing.metrics_per_key else {}
         values: dict[tuple[str, str | None], int] = {}
-        for tenant in configured_tenants(config)[:MAX_TENANTS]:
+        for tenant in gauge_tenants(config, managed):
             try:
-                report = await self._reporter.report(url, config.quota, tenant, config.auth)
+                report = await self._reporter.report(url, config.quota, tenant, config.auth, scopes.get(tenant, ()))
             except ReportUnavailable:
                 return  # the ledger is down: keep the last values until it answers again
             left = tightest_remaining(report)

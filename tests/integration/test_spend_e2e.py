@@ -206,6 +206,42 @@ def test_the_budget_remaining_gauge_reads_what_is_left_of_the_tenants_and_each_k
         assert b'key="ci"' not in admin_get(gateway.admin_port, "/metrics")[2]
 
 
+def test_the_budget_remaining_gauge_covers_managed_keys_and_the_tenants_only_they_name(
+        mock_provider, gateway_factory, keys_store):
+    # A tenant that only managed keys name (no YAML key, no rule naming it) gets the series of the rules
+    # that apply to it; with metrics_per_key each managed key with a USD budget of its own gets one under
+    # its kid. A revoked key has none, and a key without a USD budget of its own none either.
+    from tests.integration.test_keys_e2e import TOKENS, admin
+
+    handle = mock_provider("p")
+    tenant = _tenant()
+    everyone = {"name": "everyone", "spend": [{"usd": 5, "period": "1mo"}]}  # no match: every tenant
+    gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]), extra={
+        "auth": {}, "admin": {"tokens": TOKENS},  # managed keys live in the quota backend's Valkey
+        "quota": {"backend": {"kind": "valkey", "url": keys_store.url}, "reservation_timeout": "10s",
+                  "rules": [everyone]},
+        "pricing": {**PRICING, "metrics_per_key": True}})
+    made = {}
+    for alias, limits in (("spender", {"spend": [{"usd": 2.5, "period": "1d", "enforce": "soft"}]}),
+                          ("plain", {}), ("gone", {"spend": [{"usd": 1, "period": "1d"}]})):
+        status, created = admin(gateway, "POST", "/admin/keys", {"tenant": tenant, "alias": alias, "limits": limits})
+        assert status == 201, created
+        made[alias] = (created["key"], created["record"]["kid"])
+    assert admin(gateway, "POST", f"/admin/keys/{made['gone'][1]}/revoke")[0] == 200
+    key, kid = made["spender"]
+    answer = wait_until(lambda: (a := chat(gateway.port, "m", headers=_bearer(key), max_tokens=MAX_TOKENS))
+                        .status == 200 and a, "the key in the table")
+    cost = _cost(answer)
+    expected = {f'gridgate_budget_remaining_nanousd{{key="-",tenant="{tenant}"}}': 5_000_000_000 - cost,
+                f'gridgate_budget_remaining_nanousd{{key="{kid}",tenant="{tenant}"}}': 2_500_000_000 - cost}
+    wait_until(lambda: all(metric_value(gateway.admin_port, sample) == value for sample, value in expected.items()),
+               "the gauge read back", timeout=15)
+    exposed = admin_get(gateway.admin_port, "/metrics")[2].decode()
+    series = [line for line in exposed.splitlines() if line.startswith("gridgate_budget_remaining_nanousd{")
+              and f'tenant="{tenant}"' in line]
+    assert len(series) == 2, series  # neither the revoked key nor the one without a budget of its own
+
+
 def test_requests_admitted_from_worker_held_blocks_are_charged_their_real_costs(
         valkey_url, mock_provider, gateway_factory):
     # Far from a hard budget, blocks (on by default) hold nano-USD: requests are admitted without a round
