@@ -58,17 +58,21 @@ class KeyIdentity:
 
     ``kid`` is a managed key's public id (none for YAML keys), ``alias`` its configured name; quota rules
     match either (``match.key``), and the key's own limits count under ``name`` (kid, else alias).
-    ``limits`` is None when the key has none. Compared and hashed by identity: one object per key.
+    ``limits`` is None when the key has none. ``tenant_index``: the supervisor's metrics index of the
+    tenant, which a managed key's table entry carries (its tenant may be new since the worker forked);
+    -1 for a YAML key, whose tenant the worker knows from its config. Compared and hashed by identity:
+    one object per key.
     """
 
-    __slots__ = ("tenant", "kid", "alias", "limits")
+    __slots__ = ("tenant", "kid", "alias", "limits", "tenant_index")
 
     def __init__(self, tenant: str, alias: str | None = None, kid: str | None = None,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, tenant_index: int = -1) -> None:
         self.tenant = tenant
         self.alias = alias
         self.kid = kid
         self.limits = limits
+        self.tenant_index = tenant_index
 
     @property
     def name(self) -> str | None:

@@ -63,14 +63,17 @@ class KeyFollower:
     """Loads and follows the store into the table; the table's one writer."""
 
     def __init__(self, store: KeyStore, stream_store: KeyStore, writer: KeyTableWriter, *,
-                 clock: Callable[[], float] = time.time, backend_errors: tuple[type[BaseException], ...] = ()) -> None:
+                 clock: Callable[[], float] = time.time, backend_errors: tuple[type[BaseException], ...] = (),
+                 tenant_index: Callable[[str], int] = lambda _tenant: -1) -> None:
         """``store`` answers commands; ``stream_store`` is a second client for the blocking reads
-        (a blocked read would hold up every command behind it on one connection)."""
+        (a blocked read would hold up every command behind it on one connection). ``tenant_index``: the
+        supervisor's metrics index of a tenant (registered on first sight), written into each entry."""
         self._store = store
         self._stream = stream_store
         self._writer = writer
         self._clock = clock
         self._errors = backend_errors or (OSError, TimeoutError)
+        self._tenant_index = tenant_index
         self._last_id: str | None = None  # None: a full load is due
         self._last_n = 0  # the sequence number of the last entry applied
         self._grace_ends: list[tuple[int, bytes]] = []  # (until, digest): a heap of secrets to drop
@@ -199,7 +202,7 @@ class KeyFollower:
         for ended in record.ended(now):
             self._writer.remove(bytes.fromhex(ended))
         written = []
-        for digest, blob in views_of(record, now).items():
+        for digest, blob in views_of(record, now, self._tenant_index(record.tenant)).items():
             try:
                 self._writer.put(digest, blob)
             except KeyTableFull as exc:

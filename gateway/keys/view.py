@@ -31,18 +31,22 @@ class KeyView(msgspec.Struct, array_like=True, frozen=True):
     limits: KeyLimits
     expires_at: int | None  # Unix seconds; for a previous secret, the end of its grace
     allowed_origins: list[str] | None
+    # The supervisor's metrics index of the tenant (``gridgate_tenant_tokens_total``), -1 for none; last,
+    # with a default, so a blob written without it still decodes.
+    tenant_index: int = -1
 
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(KeyView).decode
 
 
-def views_of(record: KeyRecord, now: float) -> dict[bytes, bytes]:
-    """Table blobs by 32-byte digest, for every secret of ``record`` that still opens it."""
+def views_of(record: KeyRecord, now: float, tenant_index: int = -1) -> dict[bytes, bytes]:
+    """Table blobs by 32-byte digest, for every secret of ``record`` that still opens it; ``tenant_index``:
+    the supervisor's metrics index of the record's tenant."""
     blobs: dict[bytes, bytes] = {}
     for digest, expires_at in record.secrets(now):
         view = KeyView(record.kid, record.tenant, record.alias, record.status, record.models, record.limits,
-                       expires_at, record.allowed_origins)
+                       expires_at, record.allowed_origins, tenant_index)
         blobs[bytes.fromhex(digest)] = _encode(view)
     return blobs
 
@@ -68,7 +72,7 @@ class KeyEntry:
         self.slot = slot  # where the table keeps it (for marking it used)
         # Who the request is, for the quota (docs/limits.md): made once per decoded version, so the
         # quota's memo of (tenant, model, key) sees one object per key version, as for a YAML key.
-        self.identity = KeyIdentity(view.tenant, view.alias, view.kid, quota_limits(view.limits))
+        self.identity = KeyIdentity(view.tenant, view.alias, view.kid, quota_limits(view.limits), view.tenant_index)
         self._models = None if view.models is None else _one_pattern(view.models)
 
     def allows_model(self, model: str) -> bool:

@@ -18,6 +18,7 @@ class LabelRegistry:
         self._capacity = capacity
         self._names: list[str] = []
         self._seen: set[str] = set()  # every name registered, labelled or not
+        self._index: dict[str, int] = {}
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -32,7 +33,12 @@ class LabelRegistry:
                 continue
             self._seen.add(name)
             if len(self._names) < self._capacity:
+                self._index[name] = len(self._names)
                 self._names.append(name)
             else:
                 unlabelled.append(name)
         return unlabelled
+
+    def index_of(self, name: str) -> int | None:
+        """The metrics index of a labelled name; None for a name never registered or past the capacity."""
+        return self._index.get(name)

@@ -164,16 +164,17 @@ class WorkerMetrics:
 
     def publish_tenant_tokens(self, tokens: Any) -> None:
         """Copy the quota gate's per-tenant tokens (gateway.quota.counters.TenantTokens) into the
-        registry's tenant slots. The gate's names are its own config's; a name the registry has no
-        slot for (and ``other`` itself) adds up under ``other``."""
+        registry's tenant slots. The gate's names are its own config's, and the managed keys' tenants it
+        learned with their index; a name the registry has no slot for (and ``other`` itself) adds up
+        under ``other``."""
         directions = len(TOKEN_DIRECTIONS)
         # The cells of the gate's names only (slot t, direction d at TENANT_TOKENS + t*2 + d), summed: not
         # a pass over every slot of the registry, once a second.
         per_cell: dict[int, int] = {}
-        index = self.tenant_index
+        index, learned = self.tenant_index, tokens.learned
         tokens_in, tokens_out = tokens.tokens_in, tokens.tokens_out
         for position, name in enumerate(tokens.names):
-            at = TENANT_TOKENS + index.get(name, OTHER_TENANT) * directions
+            at = TENANT_TOKENS + index.get(name, learned.get(name, OTHER_TENANT)) * directions
             per_cell[at] = per_cell.get(at, 0) + tokens_in[position]
             per_cell[at + 1] = per_cell.get(at + 1, 0) + tokens_out[position]
         row = self.row

@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from gateway.config import Config
 
 OTHER_TENANT = "other"
+MAX_LEARNED = 128  # tenants of managed keys a worker labels (the supervisor's registry holds as many)
 
 
 @dataclass(slots=True)
@@ -67,19 +68,35 @@ def configured_tenants(config: Config) -> list[str]:
 class TenantTokens:
     """Tokens in (prompt) and out (completion) per tenant, counted by one worker from the usage the
     provider reported. Label set bounded by construction: the configured tenants (auth keys, quota
-    rules), everything else under ``other`` (the last name)."""
+    rules), then ``other`` (everything else), then the tenants of managed keys this worker met, each
+    with the supervisor's metrics index its key's table entry carried (``learned``, at most
+    ``MAX_LEARNED``): their tenant may be newer than the worker."""
 
-    __slots__ = ("names", "index", "tokens_in", "tokens_out")
+    __slots__ = ("names", "index", "tokens_in", "tokens_out", "learned", "_other")
 
     def __init__(self, tenants: Iterable[str]) -> None:
         names = [name for name in dict.fromkeys(tenants) if name != OTHER_TENANT]
-        self.names: tuple[str, ...] = (*names, OTHER_TENANT)
+        self.names: list[str] = [*names, OTHER_TENANT]
         self.index = {name: i for i, name in enumerate(self.names)}
+        self._other = len(names)
         self.tokens_in = [0] * len(self.names)
         self.tokens_out = [0] * len(self.names)
+        self.learned: dict[str, int] = {}  # tenant -> the supervisor's metrics index
 
-    def slot(self, tenant: str) -> int:
-        return self.index.get(tenant, len(self.names) - 1)
+    def slot(self, tenant: str, tenant_index: int = -1) -> int:
+        """The tenant's slot; a tenant not configured gets one of its own when ``tenant_index`` (a managed
+        key's ``KeyIdentity.tenant_index``) says where the supervisor counts it, else ``other``'s."""
+        found = self.index.get(tenant)
+        if found is not None:
+            return found
+        if tenant_index < 0 or len(self.learned) >= MAX_LEARNED:
+            return self._other
+        self.learned[tenant] = tenant_index
+        self.index[tenant] = slot = len(self.names)
+        self.names.append(tenant)
+        self.tokens_in.append(0)
+        self.tokens_out.append(0)
+        return slot
 
     def add(self, slot: int, prompt_tokens: int | None, completion_tokens: int | None,
             total_tokens: int | None) -> None:

@@ -316,7 +316,8 @@ class QuotaGate:
     def _meter(self, tenant: str, model: str | None, key: KeyIdentity | None) -> Metered | None:
         rule = self._rules.match(tenant, model, key)
         account = self._ledger.account(tenant, rule, key)
-        metered = None if account is None else (account, self.tenant_tokens.slot(tenant))
+        metered = None if account is None else (account, self.tenant_tokens.slot(tenant, -1 if key is None
+                                                                                 else key.tenant_index))
         if len(self._metered) >= _MAX_METERED:
             self._metered.clear()
         self._metered[(tenant, model, key)] = metered

@@ -99,7 +99,8 @@ class Arbiter:
         self._notifier = Notifier()
         self._quota_backend = EmbeddedQuotaBackend()
         self._reservation_sweeper = ReservationSweeper(self._quota_backend)
-        self._keys = KeyService(self._quota_backend)  # managed keys: the host table and its follower
+        # managed keys: the host table and its follower (which labels each key's tenant for the metrics)
+        self._keys = KeyService(self._quota_backend, tenant_index=self._tenant_index)
         self._keys_config: Config | None = None  # the config the key service follows
         self._last_good_overlay = LastGoodOverlay()
         # Stable metrics label indexes (shared-memory cells), for the life of the supervisor.
@@ -223,6 +224,8 @@ class Arbiter:
         }
         await self._admin.start(admin_sock)
         self._overlay_feed.start()
+        # The config's tenants take their metrics indexes before the managed keys' tenants do.
+        _register_labels(self._tenants, "tenant", configured_tenants(config))
         await self._keys.start()  # before the first fork: the first workers already know the keys
         log.info(
             "supervisor pid %d: listen %s, admin %s, %d workers",
@@ -303,6 +306,13 @@ class Arbiter:
                 self._spend_metrics.on_counts(child.pid, message)
             case SpendAlertReport():  # posted to pricing.alerts_webhook, off every request path
                 self._alerts.submit(message.alert)
+
+    def _tenant_index(self, tenant: str) -> int:
+        """A managed key's tenant's metrics index, registered on first sight (the key table carries it
+        to the workers, which may have forked before the tenant existed); -1 past the registry's room."""
+        _register_labels(self._tenants, "tenant", [tenant])
+        index = self._tenants.index_of(tenant)
+        return -1 if index is None else index
 
     def _context_for(
         self, config: Config, slot: int, generation: int, status_fd: int, listen_fd: int | None,

@@ -58,8 +58,10 @@ def _is_cluster(url: str) -> bool:
 class KeyService:
     """The supervisor's managed keys: one table, one follower, one admin store client."""
 
-    def __init__(self, embedded: EmbeddedQuotaBackend) -> None:
+    def __init__(self, embedded: EmbeddedQuotaBackend, tenant_index: Callable[[str], int] = lambda _tenant: -1) -> None:
+        """``tenant_index``: the metrics index of a managed key's tenant, which its table entry carries."""
         self._embedded = embedded
+        self._tenant_index = tenant_index
         self.table: KeyTable | None = None
         self._writer: KeyTableWriter | None = None
         self._url: str | None = None
@@ -220,7 +222,7 @@ class KeyService:
         self._follower = KeyFollower(
             KeyStore(create_client(url, timeout_s=2.0), cluster=cluster),
             KeyStore(create_client(url, timeout_s=STREAM_TIMEOUT_S), cluster=cluster),
-            self._writer, backend_errors=BACKEND_ERRORS,
+            self._writer, backend_errors=BACKEND_ERRORS, tenant_index=self._tenant_index,
         )
         loop = asyncio.get_running_loop()
         self._tasks += [loop.create_task(self._follower.run()), loop.create_task(self._follower.housekeeping())]

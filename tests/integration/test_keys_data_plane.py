@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 
 from gateway.auth import hash_api_key
 from gateway.keys.keyformat import key_digest
-from tests.harness import Client, candidate, chat, envelope, mock_served, request
+from tests.harness import Client, candidate, chat, envelope, metric_value, mock_served, request
 from tests.integration.test_keys_e2e import TOKENS, admin, wait_for
 
 YAML_KEY = "sk-yaml-team"
@@ -185,3 +185,29 @@ def test_a_key_with_allowed_origins_is_refused_from_other_pages(gateway_factory,
     assert chat(gateway.port, "m", [*bearer(key), ("Origin", "https://pages.example.org")]).status == 200
     assert chat(gateway.port, "m", [*bearer(key), ("Origin", "https://pages.example.org.evil.com")]).status == 403
     assert chat(gateway.port, "m", [*bearer(YAML_KEY), ("Origin", "https://evil.example.com")]).status == 200
+
+
+def test_a_tenant_made_with_the_admin_api_after_the_workers_started_has_its_own_token_counts(
+        gateway_factory, providers, keys_store):
+    # gridgate_tenant_tokens_total labels tenants by the supervisor's registry, which workers get when they
+    # fork; a managed key's tenant is new to them, so its table entry carries its index: counted under its
+    # own name, not under "other".
+    handle = providers["provider-a"]
+    gateway = gateway_factory({"provider-a": [handle.address]}, envelope([candidate("m", "provider-a")]), workers=2,
+                              extra={"auth": {"keys": [{"tenant": "yaml-team", "key": hash_api_key(YAML_KEY)}]},
+                                     "admin": {"tokens": TOKENS},
+                                     "quota": {"backend": {"kind": "valkey", "url": keys_store.url},
+                                               "rules": [{"name": "all", "budgets": [{"window": "1m", "tokens": 10**9}]}]}})
+    tenant = f"made-{time.monotonic_ns()}"
+    status, created = admin(gateway, "POST", "/admin/keys", {"tenant": tenant})
+    assert status == 201, created
+    key = created["key"]
+    wait_for(lambda: chat(gateway.port, "m", bearer(key)).status == 200, "the key to serve", 2.0)
+    prompts = 0
+    for _ in range(5):  # both workers, most likely
+        answer = chat(gateway.port, "m", bearer(key), max_tokens=10)
+        assert answer.status == 200
+        prompts += answer.json()["usage"]["prompt_tokens"]
+    sample = f'gridgate_tenant_tokens_total{{direction="in",tenant="{tenant}"}}'  # the wait's requests count too
+    wait_for(lambda: metric_value(gateway.admin_port, sample) >= prompts, "the tenant's own series", 5.0)
+    assert metric_value(gateway.admin_port, 'gridgate_tenant_tokens_total{direction="in",tenant="other"}') == 0

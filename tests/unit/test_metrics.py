@@ -127,6 +127,23 @@ def test_tenant_tokens_keep_their_labels_across_generations_with_different_tenan
     }
 
 
+def test_a_managed_keys_tenant_registered_after_the_worker_forked_is_counted_under_its_own_name():
+    # The supervisor registers the tenant when its key reaches the table (after this worker forked, so the
+    # worker's registry names lack it) and the key's entry carries the index: the worker counts it there.
+    registry = LabelRegistry(MAX_TENANTS)
+    registry.register(["team-a"])
+    worker = WorkerMetrics(row := [0] * COUNTERS, (), registry.names)  # forked now
+    registry.register(["team-m"])
+    tokens = TenantTokens(["team-a"])
+    tokens.add(tokens.slot("team-m", registry.index_of("team-m")), 30, 3, 33)
+    tokens.add(tokens.slot("team-a"), 1, 1, 2)
+    worker.publish_tenant_tokens(tokens)
+    families = parsed(row, (), registry.names)
+    for tenant, value in (("team-m", 30.0), ("team-a", 1.0), ("other", 0.0)):
+        assert sample(families, "gridgate_tenant_tokens", "gridgate_tenant_tokens_total", tenant=tenant,
+                      direction="in") == value
+
+
 def test_tenants_past_the_registry_capacity_add_up_under_other():
     registry = LabelRegistry(capacity=1)
     assert registry.register(["team-a", "team-b", "team-c"]) == ["team-b", "team-c"]

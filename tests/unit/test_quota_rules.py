@@ -147,12 +147,29 @@ def test_reset_header_uses_openai_duration_form(ms: int, text: bytes) -> None:
 
 def test_tenant_tokens_are_bounded_to_the_configured_tenants() -> None:
     tokens = TenantTokens(["team-a", "team-b", "team-a", "other"])
-    assert tokens.names == ("team-a", "team-b", "other")
+    assert tokens.names == ["team-a", "team-b", "other"]
     tokens.add(tokens.slot("team-a"), 10, 5, 15)
     tokens.add(tokens.slot("team-a"), None, 7, 10)  # prompt derived from the total
     tokens.add(tokens.slot("stranger"), 3, None, 4)  # completion derived; an unknown tenant is "other"
     tokens.add(tokens.slot("team-b"), None, None, 99)  # a total alone cannot be split: not counted
     assert tokens.snapshot() == {"team-a": (13, 12), "team-b": (0, 0), "other": (3, 1)}
+    assert tokens.learned == {}
+
+
+def test_a_managed_keys_tenant_gets_a_slot_of_its_own_with_the_supervisors_index_up_to_a_bound() -> None:
+    from gateway.quota.counters import MAX_LEARNED
+
+    tokens = TenantTokens(["team-a"])
+    other = tokens.slot("stranger")
+    new = tokens.slot("team-m", 7)  # a managed key's tenant: the index its table entry carried
+    assert new != other and tokens.slot("team-m") == new  # learned once, found by name after
+    assert tokens.slot("team-a", 9) == 0  # a configured tenant keeps its own slot
+    tokens.add(new, 4, 2, 6)
+    assert tokens.snapshot()["team-m"] == (4, 2) and tokens.learned == {"team-m": 7}
+    for n in range(MAX_LEARNED):
+        tokens.slot(f"team-{n}", 10 + n)
+    assert len(tokens.learned) == MAX_LEARNED
+    assert tokens.slot("one-too-many", 500) == other  # past the bound: under "other"
 
 
 def test_model_and_key_matches_are_globs_and_a_key_glob_reads_kid_or_alias() -> None:
