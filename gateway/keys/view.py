@@ -72,7 +72,7 @@ class KeyEntry:
         self.slot = slot  # where the table keeps it (for marking it used)
         # Who the request is, for the quota (docs/limits.md): made once per decoded version, so the
         # quota's memo of (tenant, model, key) sees one object per key version, as for a YAML key.
-        self.identity = KeyIdentity(view.tenant, view.alias, view.kid, quota_limits(view.limits), view.tenant_index)
+        self.identity = identity_of(view)
         self._models = None if view.models is None else _one_pattern(view.models)
 
     def allows_model(self, model: str) -> bool:
@@ -82,6 +82,11 @@ class KeyEntry:
 
     def __repr__(self) -> str:  # the kid is public; nothing else worth showing
         return f"KeyEntry(kid={self.kid!r}, tenant={self.tenant!r}, status={self.status!r})"
+
+
+def identity_of(view: KeyView) -> KeyIdentity:
+    """Who a request on this key is, for the quota and the tenant's metrics."""
+    return KeyIdentity(view.tenant, view.alias, view.kid, quota_limits(view.limits), view.tenant_index)
 
 
 def quota_limits(limits: KeyLimits) -> Limits | None:
@@ -111,7 +116,7 @@ def decode_identity(blob: bytes) -> tuple[KeyIdentity, Status]:
     """A table blob as the quota sees its key, with the key's status: for reading every key of a table
     (the supervisor's budget gauge) without compiling each key's ``models`` globs as ``KeyEntry`` does."""
     view = _decode(blob)
-    return KeyIdentity(view.tenant, view.alias, view.kid, quota_limits(view.limits)), view.status
+    return identity_of(view), view.status
 
 
 def _key_origins(entries: list[str]) -> OriginList:

@@ -175,8 +175,7 @@ class Arbiter:
         self._quota_reporter = QuotaReporter()
         running = lambda: self._swap.config  # noqa: E731 - the swap exists once _compose returns
         self._alerts = AlertSender(lambda: running().pricing.webhook)
-        self._budgets = BudgetRemaining(running, self._quota_backend, self._quota_reporter,
-                                        managed_keys=self._keys.managed_keys)
+        self._budgets = BudgetRemaining(running, self._quota_backend, self._quota_reporter, self._keys.managed_keys)
         self._spend_metrics = SpendMetrics(self._alerts, running, self._budgets)
         self._spend_reporter = SpendReporter(running, self._quota_backend)
         self._admin = AdminServer(AdminApp(

@@ -24,6 +24,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from gateway.admin.tokens import AdminTokens
+from gateway.auth import KeyIdentity
 from gateway.config import QUOTA_CLUSTER_SCHEMES, Config, managed_keys_enabled
 from gateway.supervisor.quota_backend import EmbeddedQuotaBackend, quota_url_for
 from gateway.supervisor.startup import StartupError
@@ -70,7 +71,7 @@ class KeyService:
         self._admin_store: Any = None  # gateway.keys.store.KeyStore
         self._admin_url: str | None = None
         self._warned_restart = False
-        self._keys_read: tuple[int, list[Any]] | None = None  # (the writer's changes, its keys) when read
+        self._keys_read: tuple[int, list[KeyIdentity]] | None = None  # (the writer's changes, its keys) when read
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -173,7 +174,7 @@ class KeyService:
                 status, held = decode_entry(blob, found[0]).status, held + 1
         return None if status is None else {"status": status, "secrets": held}
 
-    async def managed_keys(self) -> list[Any]:
+    async def managed_keys(self) -> list[KeyIdentity]:
         """Every managed key of this host's table (``keys_in_table``); empty when managed keys are off.
         For ``gridgate_budget_remaining_nanousd``: read again only after the table changed."""
         writer = self._writer
@@ -237,7 +238,7 @@ class KeyService:
                 asyncio.get_running_loop().create_task(follower.close())
 
 
-async def keys_in_table(writer: KeyTableWriter, batch: int = SCAN_BATCH) -> list[Any]:
+async def keys_in_table(writer: KeyTableWriter, batch: int = SCAN_BATCH) -> list[KeyIdentity]:
     """Every managed key ``writer``'s table holds, once per kid, as the quota sees it (a ``KeyIdentity``):
     revoked keys left out, blocked ones kept (their budgets still count). Read ``batch`` slots at a time
     with a yield to the loop between, so a large table never holds up the admin listener; a slot the
@@ -245,7 +246,7 @@ async def keys_in_table(writer: KeyTableWriter, batch: int = SCAN_BATCH) -> list
     from gateway.keys.record import REVOKED
     from gateway.keys.view import decode_identity
 
-    keys: dict[str, Any] = {}
+    keys: dict[str | None, KeyIdentity] = {}
     for start in range(0, writer.slots, batch):
         for slot, _digest in writer.occupied(start, start + batch):
             try:

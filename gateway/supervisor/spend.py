@@ -107,8 +107,8 @@ class BudgetRemaining:
     REFRESH_S = 10.0
 
     def __init__(self, running_config: Callable[[], Config], embedded: EmbeddedQuotaBackend,
-                 reporter: Any, clock: Callable[[], float] = time.monotonic,
-                 managed_keys: Callable[[], Awaitable[list[KeyIdentity]]] | None = None) -> None:
+                 reporter: Any, managed_keys: Callable[[], Awaitable[list[KeyIdentity]]],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._running_config = running_config
         self._embedded = embedded
         self._reporter = reporter  # gateway.admin.quota.QuotaReporter
@@ -134,7 +134,7 @@ class BudgetRemaining:
 
         url = quota_url_for(config, self._embedded)
         assert url is not None and config.quota is not None
-        managed = [] if self._managed_keys is None else await self._managed_keys()
+        managed = await self._managed_keys()
         scopes = managed_spend_scopes(managed) if config.pricing.metrics_per_key else {}
         values: dict[tuple[str, str | None], int] = {}
         for tenant in gauge_tenants(config, managed):

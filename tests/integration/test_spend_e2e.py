@@ -33,6 +33,7 @@ from tests.harness import (
     wait_until,
 )
 from tests.integration.test_access_log import read_lines, wait_lines
+from tests.integration.test_keys_e2e import TOKENS, admin
 from tests.integration.test_limits_e2e import _bearer, _report, _tenant, _together
 
 # Model "m" at $1,000 input and $2,000 output per million tokens: 1,000,000 and 2,000,000 nano-USD a token.
@@ -211,8 +212,6 @@ def test_the_budget_remaining_gauge_covers_managed_keys_and_the_tenants_only_the
     # A tenant that only managed keys name (no YAML key, no rule naming it) gets the series of the rules
     # that apply to it; with metrics_per_key each managed key with a USD budget of its own gets one under
     # its kid. A revoked key has none, and a key without a USD budget of its own none either.
-    from tests.integration.test_keys_e2e import TOKENS, admin
-
     handle = mock_provider("p")
     tenant = _tenant()
     everyone = {"name": "everyone", "spend": [{"usd": 5, "period": "1mo"}]}  # no match: every tenant

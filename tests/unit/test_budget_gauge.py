@@ -12,12 +12,13 @@ import msgspec
 from gateway.auth import KeyIdentity, hash_api_key
 from gateway.config import parse_config
 from gateway.keys.keyformat import key_digest, new_key
-from gateway.keys.record import KeyLimits, KeyRecord, PreviousSecret
+from gateway.keys.record import KeyLimits, PreviousSecret
 from gateway.keys.view import quota_limits, views_of
 from gateway.spend.series import MAX_KEYS, MAX_TENANTS
 from gateway.supervisor.keys import KeyService, keys_in_table
 from gateway.supervisor.spend import gauge_tenants, managed_spend_scopes
 from shm.keys import KeyTable, KeyTableWriter
+from tests.unit.test_key_table import record as key_record
 
 ONE_USD_A_DAY = msgspec.convert({"spend": [{"usd": 1, "period": "1d"}]}, KeyLimits)
 SPEND = quota_limits(ONE_USD_A_DAY)
@@ -59,28 +60,22 @@ def test_only_managed_keys_with_a_usd_budget_of_their_own_get_a_key_series_at_mo
     assert sum(len(found) for found in managed_spend_scopes(crowd).values()) == MAX_KEYS
 
 
-def _record(key: str, **fields) -> KeyRecord:
-    base = dict(kid=key.split("-")[1], tenant="team-a", status="active", digest=key_digest(key).hex(),
-                created_at=1, created_by="ops", updated_at=1, version=1)
-    return KeyRecord(**{**base, **fields})
-
-
 def test_every_key_of_the_table_is_read_once_per_kid_and_revoked_ones_are_left_out():
     table = KeyTable.create(100)
     writer = KeyTableWriter(table)
     old = new_key("AAAAAAAAAAAA")
-    rotated = _record(new_key("AAAAAAAAAAAA"), previous=[PreviousSecret(key_digest(old).hex(), until=2000)],
+    rotated = key_record(new_key("AAAAAAAAAAAA"), previous=[PreviousSecret(key_digest(old).hex(), until=2000)],
                       limits=ONE_USD_A_DAY)
-    records = [rotated, _record(new_key("BBBBBBBBBBBB"), tenant="team-b", status="blocked"),
-               _record(new_key("CCCCCCCCCCCC"), status="revoked")]
-    records += [_record(new_key(f"D{n:011d}"), tenant="team-d") for n in range(30)]
-    for record in records:
-        for digest, blob in views_of(record, now=1000).items():
+    records = [rotated, key_record(new_key("BBBBBBBBBBBB"), tenant="team-b", status="blocked"),
+               key_record(new_key("CCCCCCCCCCCC"), status="revoked")]
+    records += [key_record(new_key(f"D{n:011d}"), tenant="team-d") for n in range(30)]
+    for made in records:
+        for digest, blob in views_of(made, now=1000).items():
             writer.put(digest, blob)
     assert len(table) == len(records) + 1  # the rotated key's two secrets
     keys = asyncio.run(keys_in_table(writer, batch=7))  # yields to the loop on the way
     by_kid = {key.kid: key for key in keys}
-    assert sorted(by_kid) == sorted(record.kid for record in records if record.status != "revoked")
+    assert sorted(by_kid) == sorted(made.kid for made in records if made.status != "revoked")
     assert len(keys) == len(by_kid)  # one per kid: the rotated key's two secrets are one key
     spender = by_kid[rotated.kid]
     assert (spender.tenant, spender.limits.spend[0].nusd) == ("team-a", 1_000_000_000)
@@ -90,11 +85,11 @@ def test_every_key_of_the_table_is_read_once_per_kid_and_revoked_ones_are_left_o
 def test_a_slot_freed_while_the_scan_yields_is_skipped():
     table = KeyTable.create(10)
     writer = KeyTableWriter(table)
-    record = _record(new_key("AAAAAAAAAAAA"))
-    ((digest, blob),) = views_of(record, now=1000).items()
+    made = key_record(new_key("AAAAAAAAAAAA"))
+    ((digest, blob),) = views_of(made, now=1000).items()
     writer.put(digest, blob)
     writer.put(b"\x01" * 32, b"not a record")
-    assert [key.kid for key in asyncio.run(keys_in_table(writer))] == [record.kid]
+    assert [key.kid for key in asyncio.run(keys_in_table(writer))] == [made.kid]
 
 
 def test_the_supervisor_reads_its_table_again_only_after_a_change():
@@ -108,7 +103,7 @@ def test_the_supervisor_reads_its_table_again_only_after_a_change():
     assert writer is not None
 
     def put(key: str, tenant: str) -> None:
-        for digest, blob in views_of(_record(key, tenant=tenant), now=1000).items():
+        for digest, blob in views_of(key_record(key, tenant=tenant), now=1000).items():
             writer.put(digest, blob)
 
     async def reads() -> list[list[str]]:
