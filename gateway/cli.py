@@ -125,7 +125,7 @@ def cmd_overlay_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_hash(args: argparse.Namespace) -> int:
-    from gateway.auth import hash_api_key
+    from gateway.identity.auth import hash_api_key
 
     key = sys.stdin.read()
     if not key.strip():

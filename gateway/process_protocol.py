@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import msgspec
 
 from gateway.config import Config
-from gateway.pricing.alerts import SpendAlert
+from gateway.spend.alerts import SpendAlert
 from shm.keys import KeyTable
 from shm.segment import Segment
 
@@ -105,7 +105,7 @@ class Draining(msgspec.Struct, tag="draining", tag_field="kind", frozen=True):
 
 
 class SpendAlertReport(msgspec.Struct, tag="spend_alert", tag_field="kind", frozen=True):
-    """A spend threshold was crossed (gateway/pricing/alerts.py): the supervisor posts it to the webhook."""
+    """A spend threshold was crossed (gateway/spend/alerts.py): the supervisor posts it to the webhook."""
 
     alert: SpendAlert
 

@@ -111,7 +111,7 @@ def convert_yaml(text: str, kind: type[T], extra: dict[str, Any] | None = None, 
 
     ``extra`` holds fields the loader sets (never the file); ``source`` (the file name) prefixes
     YAML syntax errors as ``file:line:column``, the form editors jump to. ``prepare`` may adjust the
-    loaded mapping first (YAML 1.1 reads a key ``on`` as ``true``: gateway/config_models.py).
+    loaded mapping first (YAML 1.1 reads a key ``on`` as ``true``: gateway/config/models.py).
     """
     try:
         raw = yaml.safe_load(text)

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.auth import hash_api_key
+from gateway.identity.auth import hash_api_key
 from loadtest.mock_provider import MockProviderHandle, start_mock_provider_process
 from loadtest.report import (
     REPORTS_DIR,

@@ -59,8 +59,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from gateway.auth import hash_api_key
 from gateway.config import load_config
+from gateway.identity.auth import hash_api_key
 from gateway.yaml_config import ConfigError
 from loadtest.bench_core import run_wrk
 from loadtest.feature_report import Figures, render, summarize_paired, summarize_rounds

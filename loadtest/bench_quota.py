@@ -21,15 +21,15 @@ from collections.abc import Callable
 
 import uvloop
 
-from gateway.auth import Authenticator, KeyIdentity, hash_api_key
-from gateway.quota.backend import create_client
-from gateway.quota.embedded import EmbeddedValkey
-from gateway.quota.estimate import estimate_tokens
+from gateway.identity.auth import Authenticator, KeyIdentity, hash_api_key
+from gateway.identity.limits import Limits, RequestLimit
 from gateway.quota.gate import Admission, QuotaGate
 from gateway.quota.ledger import QuotaLedger
-from gateway.quota.limits import Limits, RequestLimit
 from gateway.quota.rules import Budget, QuotaRule
-from gateway.quota.usage import SseUsageFilter, UsageScanner, rewrite_request_for_usage
+from gateway.request.estimate import estimate_tokens
+from gateway.request.usage import SseUsageFilter, UsageScanner, rewrite_request_for_usage
+from gateway.valkey.client import create_client
+from gateway.valkey.embedded import EmbeddedValkey
 
 SSE_CHUNK = (
     b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m",'

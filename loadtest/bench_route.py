@@ -17,9 +17,9 @@ import mmap
 import time
 from collections.abc import Callable
 
-from gateway.capability import lookup_capability, request_features, session_key
 from gateway.config import ModelFacts, ModelMatch
 from gateway.overlay.snapshot import Snapshot, snapshot_from_bytes
+from gateway.request.capability import lookup_capability, request_features, session_key
 from gateway.routing import ProviderView, Router
 from gateway.routing.eligibility import TOOLS, FactsTable, Needs
 from shm.affinity import AffinityTable

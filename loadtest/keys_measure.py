@@ -35,12 +35,12 @@ from typing import Any
 import valkey
 import yaml
 
-from gateway.auth import hash_api_key
-from gateway.keys.keyformat import key_digest, new_key, new_kid
+from gateway.identity.auth import hash_api_key
+from gateway.identity.keyformat import key_digest, new_key, new_kid
 from gateway.keys.record import KeyRecord, encode_record
 from gateway.keys.store import ALL, BY_TENANT, RECORD, KeyStore, deny_set_key
-from gateway.quota.backend import BACKEND_ERRORS, create_client
-from gateway.quota.embedded import EmbeddedValkey
+from gateway.valkey.client import BACKEND_ERRORS, create_client
+from gateway.valkey.embedded import EmbeddedValkey
 from loadtest.report import rss_kib
 from loadtest.topology import ROOT, free_port, http_get
 

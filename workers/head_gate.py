@@ -22,8 +22,8 @@ from __future__ import annotations
 from hmac import compare_digest
 from typing import Protocol
 
-from gateway.auth import Authenticator, KeyIdentity
 from gateway.http.errors import ErrorReply
+from gateway.identity.auth import Authenticator, KeyIdentity
 from gateway.ids import CounterIds
 from gateway.keys.view import KeyEntry
 from gateway.request.cors import key_origin_reply

@@ -1,7 +1,7 @@
 """Managed keys on the request path (docs/keys.md): the head gate's authentication when the host has a
 key table, the model check, and ``GET /v1/gridgate/key``.
 
-Authentication hashes the presented key once (``gateway.auth.presented_digest``); that digest probes
+Authentication hashes the presented key once (``gateway.identity.auth.presented_digest``); that digest probes
 the YAML keys (a dict) and, on a miss, the host's key table (``gateway.keys.lookup``: one probe in
 shared memory, a decode once per change). A key the table knows but refuses is answered 401 with its
 reason (``key_blocked``, ``key_revoked``, ``key_expired``).
@@ -22,12 +22,12 @@ from typing import Any, Protocol
 
 import msgspec
 
-from gateway.auth import Authenticator, KeyIdentity, presented_digest
 from gateway.http.errors import ErrorReply
+from gateway.identity.auth import Authenticator, KeyIdentity, presented_digest
+from gateway.identity.limits import Limits, window_text
 from gateway.keys.answers import key_report, model_refusal, refusal
 from gateway.keys.lookup import KeyLookup
 from gateway.keys.view import KeyEntry
-from gateway.quota.limits import Limits, window_text
 from gateway.request.headers import RequestHeaders
 
 # A key the table knows but refuses: (code, message) of its 401, and the key's tenant (its access line).

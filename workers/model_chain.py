@@ -18,11 +18,11 @@ import random
 import time
 from typing import TYPE_CHECKING
 
-from gateway.capability import CapabilityRequest
 from gateway.http.errors import ErrorReply
 from gateway.keys.answers import model_refusal
 from gateway.models.aliases import retarget_body
 from gateway.models.fallbacks import failure_reason, provider_reason, refusal_reason
+from gateway.request.capability import CapabilityRequest
 from gateway.request.failover import Failover
 from gateway.routing import RouteDecision
 from gateway.routing.decision import RouteRefusal

@@ -13,21 +13,21 @@ import random
 import time
 from urllib.parse import unquote_to_bytes
 
-from gateway.capability import (
+from gateway.http.errors import ErrorReply
+from gateway.metrics.writer import WorkerMetrics
+from gateway.quota.gate import Admission, QuotaGate
+from gateway.quota.report import QuotaBackendUnavailable, spend_of
+from gateway.request.capability import (
     MCP_SESSION_NAME,
     CapabilityRequest,
     body_features,
     lookup_capability,
     session_key,
 )
-from gateway.http.errors import ErrorReply
-from gateway.metrics.writer import WorkerMetrics
-from gateway.quota.estimate import MAX_ALLOWANCE, estimate_prompt_tokens
-from gateway.quota.gate import Admission, QuotaGate
-from gateway.quota.report import QuotaBackendUnavailable, spend_of
-from gateway.quota.usage import rewrite_request_for_usage
+from gateway.request.estimate import MAX_ALLOWANCE, estimate_prompt_tokens
 from gateway.request.headers import ACCEPT_ENCODING, RequestHeaders
 from gateway.request.routes import MCP, MODELS, AllowedRoute
+from gateway.request.usage import rewrite_request_for_usage
 from gateway.routing import RouteDecision, Router
 from gateway.routing.decision import RouteRefusal
 from gateway.routing.eligibility import Needs

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.pricing.book import PriceBook
-from gateway.quota.usage import SseUsageFilter, UsageScanner
+from gateway.request.usage import SseUsageFilter, UsageScanner
+from gateway.spend.price_book import PriceBook
 
 ABSURD_FACTOR = 10
 # The usage observers whose counts are each None or a plain int >= 0 by construction, so pricing them
 # needs no check (``PriceBook.usage_cost(..., checked=True)``): ``UsageScanner`` sets them only from
 # msgspec-decoded ``int >= 0`` fields or from the ASCII digits of ``\d+``, ``SseUsageFilter`` only from
 # values ``_is_count`` accepted or from its scanner's (tests/unit/test_outcomes_fast.py feeds them
-# anything). The others (gateway/quota/usage_surfaces.py: counts summed from several fields) are checked.
+# anything). The others (gateway/request/usage_surfaces.py: counts summed from several fields) are checked.
 CHECKED_OBSERVERS = (UsageScanner, SseUsageFilter)
 
 

@@ -12,17 +12,15 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from gateway.auth import Authenticator
 from gateway.config import Config
 from gateway.host_segment import MAX_PROVIDERS, PROVIDERS_REGION
+from gateway.identity.auth import Authenticator
 from gateway.keys.lookup import KeyLookup
 from gateway.metrics.catalogue import COUNTERS
 from gateway.metrics.writer import WorkerMetrics
 from gateway.models.aliases import fallback_edges
-from gateway.pricing.book import PriceBook
 from gateway.pricing.table import shipped_table
 from gateway.process_protocol import WorkerContext
-from gateway.quota.backend import create_client
 from gateway.quota.counters import configured_tenants
 from gateway.quota.gate import QuotaGate
 from gateway.quota.ledger import QuotaLedger
@@ -32,6 +30,8 @@ from gateway.request.routes import RouteTable
 from gateway.routing import Router
 from gateway.routing.eligibility import FactsTable
 from gateway.routing.tenants import TenantPolicies
+from gateway.spend.price_book import PriceBook
+from gateway.valkey.client import create_client
 from shm.affinity import AffinityTable
 from shm.counters import WorkerRow
 from shm.keys import KeyTable

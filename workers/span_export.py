@@ -19,7 +19,7 @@ import time
 from collections import deque
 from urllib.parse import urlsplit
 
-from gateway.config_tracing import Tracing
+from gateway.config.tracing import Tracing
 from gateway.tracing.otlp import OtlpEncoder, Span
 
 log = logging.getLogger("gridgate.tracing")

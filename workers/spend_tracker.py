@@ -20,10 +20,10 @@ from typing import Any
 
 import msgspec
 
-from gateway.pricing.alerts import AlertOutbox, SpendAlert, alert_text, install_outbox, publish_alert
-from gateway.pricing.book import PriceBook
 from gateway.pricing.table import shipped_table
 from gateway.process_protocol import SpendAlertReport, SpendCounts, encode_status, try_send_status
+from gateway.spend.alerts import AlertOutbox, SpendAlert, alert_text, install_outbox, publish_alert
+from gateway.spend.price_book import PriceBook
 from gateway.spend.rollups import DAY_S, NO_KEY, RollupBatch
 from gateway.spend.series import SpendCounters
 from workers.request_record import RequestRecord
@@ -132,8 +132,8 @@ class SpendTracker:
     async def _flush(self) -> None:
         assert self._failed is not None
         flush_id, batch = self._failed
-        from gateway.quota.backend import BACKEND_ERRORS, create_client, describe_error
         from gateway.spend.store import write_batch
+        from gateway.valkey.client import BACKEND_ERRORS, create_client, describe_error
 
         try:
             if self._client is None:

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from gateway.admin.pages import AdminResponse, error_response, json_response
 from gateway.admin.tokens import Caller
-from gateway.keys.keyformat import is_kid, redact
+from gateway.identity.keyformat import is_kid, redact
 from gateway.keys.record import (
     NAME_PATTERN,
     BodyProblem,

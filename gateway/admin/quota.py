@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.admin.pages import ReportUnavailable
 from gateway.config import Auth, Quota
-from gateway.quota.limits import Scope
+from gateway.identity.limits import Scope
 from gateway.quota.rules import RuleSet, rules_from_config
 
 if TYPE_CHECKING:
@@ -27,9 +27,9 @@ class QuotaReporter:
         """The tenant's rules and its configured keys with limits (``auth``), and ``managed_scopes`` (its
         managed keys' own, which the caller read from the key table) beside them."""
         # Imported here: the quota client (valkey) is loaded only once somebody asks for this page.
-        from gateway.quota.backend import create_client
         from gateway.quota.ledger import QuotaLedger
         from gateway.quota.report import QuotaBackendUnavailable, key_scopes_by_tenant, quota_report
+        from gateway.valkey.client import create_client
 
         if self._key != (url, quota, auth):
             await self.close()

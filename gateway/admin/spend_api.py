@@ -32,7 +32,7 @@ class SpendApi:
         self._source = source
 
     async def handle(self, query: dict[str, list[str]]) -> AdminResponse:
-        from gateway.quota.backend import BACKEND_ERRORS, describe_error
+        from gateway.valkey.client import BACKEND_ERRORS, describe_error
 
         if not self._source.enabled():
             return error_response(404, "spend reports need a store for their rollups: a quota block, or "

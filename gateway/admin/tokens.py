@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from gateway.auth import KEY_DIGEST_PREFIX
 from gateway.config import AdminToken
+from gateway.identity.auth import KEY_DIGEST_PREFIX
 
 _BEARER = b"bearer "
 

@@ -17,7 +17,7 @@ instance paused for longer than the lease between the two could write one stale 
 the new holder's next round replaces (it compares the key with its own decision every round).
 
 Valkey errors raise :class:`ValkeyUnavailable`; the caller logs and retries next round. The
-client is the quota backend's (:func:`gateway.quota.backend.create_client`), so URLs mean the
+client is the quota backend's (:func:`gateway.valkey.client.create_client`), so URLs mean the
 same there and here: ``valkeys://`` for TLS, ``user:password@`` for auth, ``/db``.
 """
 
@@ -43,7 +43,7 @@ from gateway.control.publish import (
 )
 from gateway.control.spec import ControlSpec, ValkeyTarget
 from gateway.overlay.valkey_source import events_channel, lease_key, redact_url
-from gateway.quota.backend import create_client
+from gateway.valkey.client import create_client
 
 log = logging.getLogger("gridgate.control")
 

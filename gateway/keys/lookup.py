@@ -1,7 +1,7 @@
 """A worker's lookup of managed keys in the host table: digest -> ``KeyEntry`` (docs/keys.md).
 
 The request path's one call (the head gate makes it after the YAML keys missed, with the digest
-those were probed with: ``gateway.auth.presented_digest``)::
+those were probed with: ``gateway.identity.auth.presented_digest``)::
 
     entry = lookup(digest)
 

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
-from gateway.config_spend import MAX_USD, SpendLimit  # noqa: F401 - re-exported: the records' schema
+from gateway.config.spend import MAX_USD, SpendLimit  # noqa: F401 - re-exported: the records' schema
 from gateway.request.cors import parse_key_origins
 from gateway.yaml_config import (
     DAY,

@@ -35,7 +35,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.keys.keyformat import is_kid, key_digest, new_key, new_kid
+from gateway.identity.keyformat import is_kid, key_digest, new_key, new_kid
 from gateway.keys.record import (
     ACTIVE,
     BLOCKED,
@@ -137,10 +137,10 @@ class LogEntry(msgspec.Struct, frozen=True):
 
 
 class KeyStore:
-    """The store's operations over one Valkey client (``gateway.quota.backend.create_client``).
+    """The store's operations over one Valkey client (``gateway.valkey.client.create_client``).
 
     ``cluster``: the client talks to a Valkey Cluster, so the deny set is written by its own call.
-    Errors of the backend propagate (``gateway.quota.backend.BACKEND_ERRORS``): the admin API answers
+    Errors of the backend propagate (``gateway.valkey.client.BACKEND_ERRORS``): the admin API answers
     them with 503, the follower retries.
     """
 

@@ -13,9 +13,9 @@ from fnmatch import translate
 
 import msgspec
 
-from gateway.auth import KeyIdentity
+from gateway.identity.auth import KeyIdentity
+from gateway.identity.limits import Budget, Limits, RequestLimit, spend_from_config
 from gateway.keys.record import KeyLimits, KeyRecord, Status
-from gateway.quota.limits import Budget, Limits, RequestLimit, spend_from_config
 from gateway.request.cors import OriginList, parse_key_origins
 from gateway.yaml_config import parse_duration
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-from gateway.config_models import FALLBACK_REASONS
+from gateway.config.models import FALLBACK_REASONS
 from gateway.routing.eligibility import REASONS
 
 MAX_CLUSTERS = 64

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from gateway.config_models import Models
+from gateway.config.models import Models
 from gateway.metrics.catalogue import fallback_edge_name
 from gateway.models.fallbacks import refusals_to_hold
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from gateway.config_models import IMMEDIATE_REASONS
+from gateway.config.models import IMMEDIATE_REASONS
 from gateway.http.errors import ErrorReply
 
 # A provider failure's error code (workers/forwarding.py, gateway/request/attempts.py) -> its reason.

@@ -27,7 +27,7 @@ Startup (:meth:`ValkeyOverlaySource.open`): Valkey's document if it is valid; el
 a previous run left (last-known-good across restarts); else the config's ``overlay_file`` when it
 gives one; else :class:`OverlaySourceError` with one line saying why.
 
-Commands go through the quota backend's client (:func:`gateway.quota.backend.create_client`), so
+Commands go through the quota backend's client (:func:`gateway.valkey.client.create_client`), so
 a URL means the same here (``valkeys://`` TLS, ``user:password@`` auth, ``/db``); the subscription
 is valkey-py's pub/sub on the same URL (the lean client has no subscribe mode).
 """
@@ -310,7 +310,7 @@ class ValkeyOverlaySource:
     def _commands(self) -> Any:
         """The command client; raises ValueError for a URL the quota backend would refuse too."""
         if self._client is None:
-            from gateway.quota.backend import create_client  # valkey-py loads only where a source is used
+            from gateway.valkey.client import create_client  # valkey-py loads only where a source is used
 
             self._client = create_client(self.url, timeout_s=self.timeout)
         return self._client

@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from gateway.identity.limits import LimitRef, window_text
 from gateway.quota.ledger import Reservation
-from gateway.quota.limits import LimitRef, window_text
 from gateway.quota.rules import QuotaRule
 
 if TYPE_CHECKING:

@@ -26,12 +26,12 @@ from typing import Any, Generic, TypeVar
 from valkey.exceptions import NoScriptError
 
 from gateway.quota.admission import Admission
-from gateway.quota.backend import BACKEND_ERRORS, describe_error
 from gateway.quota.breaker import BackendBreaker
 from gateway.quota.counters import QuotaCounters
 from gateway.quota.ledger import AdmitCommand, QuotaLedger
 from gateway.quota.reconcile import Reconciler
-from gateway.quota.transport import Reply
+from gateway.valkey.client import BACKEND_ERRORS, describe_error
+from gateway.valkey.transport import Reply
 
 Context = TypeVar("Context")
 # An entry: the command, the future its request awaits (None: detached), and what its reply needs (the

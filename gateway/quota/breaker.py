@@ -17,8 +17,8 @@ import logging
 from typing import TYPE_CHECKING, Literal
 
 from gateway.quota.admission import ALLOWED_UNMETERED, REJECTED, Admission
-from gateway.quota.backend import BACKEND_ERRORS
 from gateway.quota.counters import QuotaCounters
+from gateway.valkey.client import BACKEND_ERRORS
 
 if TYPE_CHECKING:
     from gateway.quota.ledger import QuotaLedger

@@ -24,7 +24,7 @@ USD budgets (docs/limits.md, "USD budgets") are limits of the same call: the adm
 worst-case cost (``PriceBook.worst_case_cost`` of the model it asks for), which a hard budget reserves;
 settling carries its real cost (``workers/outcomes.py`` prices the usage) and returns the alert
 thresholds it crossed, once per period across every gateway (``_alerted``: counted, logged and handed to
-``gateway.pricing.alerts.publish_alert``). A worker-held block of an account with USD budgets holds
+``gateway.spend.alerts.publish_alert``). A worker-held block of an account with USD budgets holds
 nano-USD too (``lease.SpendAllowance``): its requests take their worst case from it and end charging
 their real cost into it.
 """
@@ -38,16 +38,13 @@ import time
 from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from gateway.identity.limits import Scope
 from gateway.ids import CounterIds
-from gateway.pricing.alerts import SpendAlert, publish_alert
-from gateway.pricing.book import PriceBook
 from gateway.pricing.period import rfc3339
 from gateway.quota.admission import Admission
-from gateway.quota.backend import BACKEND_ERRORS, describe_error
 from gateway.quota.batcher import AdmitBatcher
 from gateway.quota.breaker import BackendBreaker, BackendPolicy
 from gateway.quota.counters import QuotaCounters, TenantTokens, configured_tenants
-from gateway.quota.estimate import PROMPT_BYTES_PER_TOKEN
 from gateway.quota.keeper import ReservationKeeper
 from gateway.quota.lease import Lease, LeaseSpec
 from gateway.quota.lease_book import LeaseBook
@@ -62,16 +59,19 @@ from gateway.quota.ledger import (
     Reservation,
     scopes_of,
 )
-from gateway.quota.limits import Scope
 from gateway.quota.owner import owner_tag
 from gateway.quota.reconcile import Reconciler
 from gateway.quota.report import key_scopes_by_tenant, quota_report
 from gateway.quota.rules import QuotaRule, RuleSet, rules_from_config
 from gateway.quota.verdict import rate_headers, refused, shadow_names
+from gateway.request.estimate import PROMPT_BYTES_PER_TOKEN
+from gateway.spend.alerts import SpendAlert, publish_alert
+from gateway.spend.price_book import PriceBook
+from gateway.valkey.client import BACKEND_ERRORS, describe_error
 
 if TYPE_CHECKING:
-    from gateway.auth import KeyIdentity
     from gateway.config import Config
+    from gateway.identity.auth import KeyIdentity
 
 __all__ = ["Admission", "QuotaGate"]
 
@@ -206,7 +206,7 @@ class QuotaGate:
         settle); an ``Admission`` decided here (from a worker-held block, or by the breaker's policy)
         with no await; else the awaitable of the ledger's decision (this loop tick's batch).
         ``completion_allowance``: the largest the body names (``estimate.completion_allowance``), None for
-        the rule's default. ``key``: who the request is (``gateway.auth.KeyIdentity``; None without auth)."""
+        the rule's default. ``key``: who the request is (``gateway.identity.auth.KeyIdentity``; None without auth)."""
         try:
             metered = self._metered[(tenant, model, key)]
         except KeyError:

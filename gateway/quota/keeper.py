@@ -23,10 +23,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from gateway.quota.backend import BACKEND_ERRORS, describe_error
 from gateway.quota.breaker import Breaker
 from gateway.quota.counters import QuotaCounters
 from gateway.quota.ledger import QuotaLedger, Reservation
+from gateway.valkey.client import BACKEND_ERRORS, describe_error
 
 log = logging.getLogger("gridgate.quota")
 

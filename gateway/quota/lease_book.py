@@ -48,7 +48,7 @@ from gateway.quota.lease import (
 )
 from gateway.quota.ledger import F_RQ_LIMIT, F_SPEND_ROOM, F_TK_LIMIT, Account, AdmitCommand, QuotaLedger
 from gateway.quota.reconcile import Reconciler
-from gateway.quota.transport import Reply
+from gateway.valkey.transport import Reply
 
 _monotonic = time.monotonic
 _time = time.time

@@ -29,18 +29,18 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from gateway.identity.limits import LimitRef, Scope, SpendBudget, limit_refs, usd_text
 from gateway.pricing.period import PeriodSpan, rfc3339
 from gateway.quota.ledger_script import (  # noqa: F401 - deny_set_key re-exported: importers use the ledger
     KEY_PREFIX,
     deny_set_key,
     escape_key_part,
 )
-from gateway.quota.limits import LimitRef, Scope, SpendBudget, limit_refs, usd_text
 from gateway.quota.rules import QuotaRule
-from gateway.quota.transport import SLOT, LedgerTransport, Reply, Template, UnexpectedReply, Wire
+from gateway.valkey.transport import SLOT, LedgerTransport, Reply, Template, UnexpectedReply, Wire
 
 if TYPE_CHECKING:
-    from gateway.auth import KeyIdentity
+    from gateway.identity.auth import KeyIdentity
 
 # Settle outcomes (what the script did).
 SETTLE_NOOP = 0  # already settled, or expired earlier and charged at the estimate
@@ -93,7 +93,7 @@ class Account(msgspec.Struct, frozen=True, gc=False):
 
     tenant: str
     rule: QuotaRule | None
-    key: Any  # gateway.auth.KeyIdentity | None
+    key: Any  # gateway.identity.auth.KeyIdentity | None
     scopes: tuple[Scope, ...]
     limits: tuple[LimitRef, ...]
     zkey: bytes

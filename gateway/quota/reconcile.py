@@ -14,10 +14,10 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
-from gateway.quota.backend import BACKEND_ERRORS, describe_error
 from gateway.quota.counters import QuotaCounters
 from gateway.quota.lease import LeaseReservation
 from gateway.quota.ledger import SETTLE_APPLIED, SETTLE_EXPIRED, SETTLE_NOOP, QuotaLedger, Reservation
+from gateway.valkey.client import BACKEND_ERRORS, describe_error
 
 log = logging.getLogger("gridgate.quota")
 

@@ -12,10 +12,10 @@ import asyncio
 from dataclasses import asdict
 from typing import Any
 
-from gateway.quota.backend import BACKEND_ERRORS, describe_error
+from gateway.identity.limits import Scope
 from gateway.quota.ledger import QuotaLedger, ScopeReport
-from gateway.quota.limits import Scope
 from gateway.quota.rules import KeyLike, RuleSet, key_matches
+from gateway.valkey.client import BACKEND_ERRORS, describe_error
 
 
 class QuotaBackendUnavailable(Exception):
@@ -75,7 +75,7 @@ async def quota_report(ledger: QuotaLedger, rules: RuleSet, tenant: str, timeout
 
 def key_scopes_by_tenant(auth: Any) -> dict[str, tuple[Scope, ...]]:
     """The scopes of the configured keys that have limits, per tenant (``auth``: the config's, duck-typed)."""
-    from gateway.auth import Authenticator  # the one place a key's limits are read from the config
+    from gateway.identity.auth import Authenticator  # the one place a key's limits are read from the config
     from gateway.quota.ledger import scopes_of
 
     by_tenant: dict[str, tuple[Scope, ...]] = {}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any, Protocol
 
-from gateway.quota.limits import (
+from gateway.identity.limits import (
     Budget,
     Limits,
     RequestLimit,
@@ -28,7 +28,7 @@ MAX_BUDGETS_PER_RULE = 8
 
 
 class KeyLike(Protocol):
-    """What a rule reads of the request's key (``gateway.auth.KeyIdentity``)."""
+    """What a rule reads of the request's key (``gateway.identity.auth.KeyIdentity``)."""
 
     @property
     def kid(self) -> str | None: ...

@@ -15,6 +15,7 @@ words of the head gate's refusal (``gateway.keys.answers``), whatever this host'
 
 from __future__ import annotations
 
+from gateway.identity.limits import LimitRef, usd_text
 from gateway.keys.answers import KEY_BLOCKED, KEY_REVOKED
 from gateway.pricing.period import rfc3339
 from gateway.quota.admission import (
@@ -44,7 +45,6 @@ from gateway.quota.ledger import (
     Account,
     AdmitReply,
 )
-from gateway.quota.limits import LimitRef, usd_text
 
 Headers = tuple[tuple[bytes, bytes], ...]
 _KEY_REFUSAL_HEADERS: Headers = ((b"www-authenticate", b'Bearer realm="gridgate"'),)

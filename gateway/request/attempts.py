@@ -14,9 +14,9 @@ from typing import Generic, TypeVar
 import msgspec
 
 from gateway.http.errors import ErrorReply
-from gateway.quota.estimate import estimate_prompt_tokens
-from gateway.quota.usage import UsageObserver
+from gateway.request.estimate import estimate_prompt_tokens
 from gateway.request.failures import Failure
+from gateway.request.usage import UsageObserver
 
 E = TypeVar("E")
 

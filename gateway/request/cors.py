@@ -169,7 +169,7 @@ class CorsPolicy:
 
     @classmethod
     def from_config(cls, block: object | None) -> CorsPolicy | None:
-        """From the config's ``cors`` block (gateway.config_cors.Cors); None when CORS is off."""
+        """From the config's ``cors`` block (gateway.config.cors.Cors); None when CORS is off."""
         if block is None:
             return None
         return cls(block.allowed_origins, block.max_age, block.expose_headers)  # type: ignore[attr-defined]

@@ -45,7 +45,7 @@ _ALWAYS: dict[bytes, int] = {
     b"x-ai-routing-revision": _DROP,
 }
 _MAX_REQUEST_ID = 128
-# A header token (a capability name, a session key) longer than this is ignored (gateway/capability.py).
+# A header token (a capability name, a session key) longer than this is ignored (gateway/request/capability.py).
 MAX_TOKEN_BYTES = 256
 OWS = b" \t"  # optional whitespace around a header value (RFC 9110 section 5.6.3)
 # Names the gateway reads from the client and never forwards anyway: a credential header may share them.
@@ -98,7 +98,7 @@ class RequestHeaders:
         self.content_type: bytes | None = None
         self.model: bytes | None = None  # the configured capability header
         # The configured session-affinity header trimmed of OWS, when it is a valid session key (1..256
-        # visible ASCII: ``gateway.capability.session_key``), else None (the cookie may name the session).
+        # visible ASCII: ``gateway.request.capability.session_key``), else None (the cookie may name the session).
         self.session: bytes | None = None
         self.pin: bytes | None = None  # the configured pin header
         self.balance_keys: dict[bytes, bytes] | None = None  # consistent-hash headers of the clusters
@@ -158,7 +158,7 @@ class HeaderPlan:
             elif kind == _AUTHORIZATION:
                 found.authorization = value
             elif kind == _SESSION:
-                # The session key read here, where the header is met (``gateway.capability.session_key``'s
+                # The session key read here, where the header is met (``gateway.request.capability.session_key``'s
                 # test of a header written out): the proxy makes no call for it. An invalid one is None.
                 key = value.strip(OWS)
                 found.session = key if key and len(key) <= MAX_TOKEN_BYTES and not key.translate(

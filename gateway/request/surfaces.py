@@ -3,12 +3,12 @@
 A row (``Surface``) says what the request path needs to know about one API:
 
 - ``body``: which request-body fields the gateway reads: a family (``CHAT_BODY`` ...) that
-  gateway/capability.py turns into the fields it decodes and the features the filters see;
+  gateway/request/capability.py turns into the fields it decodes and the features the filters see;
 - ``rewrites_stream``: whether a streamed request may be rewritten to ask for usage
   (``stream_options.include_usage``). Only APIs that define that member: a provider of any other
   answers 400 to it (the Responses and Messages APIs report usage in every stream anyway);
 - ``usage``: where the answer carries its usage (``OPENAI_USAGE``, ``RESPONSES_USAGE``,
-  ``MESSAGES_USAGE``, ``NO_USAGE``), which picks the response-side parser (gateway/quota/usage.py);
+  ``MESSAGES_USAGE``, ``NO_USAGE``), which picks the response-side parser (gateway/request/usage.py);
 - ``errors``: the shape of gateway-made errors (``OPENAI_SHAPE`` or ``ANTHROPIC_SHAPE``,
   gateway/http/errors.py): a client's SDK parses only its own API's shape;
 - ``metered``: whether its tokens count against token quotas and budgets (counting a prompt's
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from gateway.http.errors import ANTHROPIC_SHAPE, OPENAI_SHAPE
 
-# Body families: which fields the gateway reads (gateway/capability.py).
+# Body families: which fields the gateway reads (gateway/request/capability.py).
 CHAT_BODY = 0  # chat completions and legacy completions: max_tokens, max_completion_tokens, messages, tools ...
 EMBEDDINGS_BODY = 1  # model, input; the request needs the embeddings feature
 RESPONSES_BODY = 2  # max_output_tokens, input items (input_image parts), tools, text.format
@@ -33,7 +33,7 @@ MESSAGES_BODY = 3  # Anthropic: max_tokens, messages (image blocks), tools
 MCP_BODY = 4  # JSON-RPC: method, params.name
 OTHER_BODY = 5  # routes beyond the defaults: model and stream only, as read for any body
 
-# Where the usage of an answer lives (gateway/quota/usage.py picks the parser).
+# Where the usage of an answer lives (gateway/request/usage.py picks the parser).
 OPENAI_USAGE = 0  # the body's `usage`; streamed: the usage chunk (`"choices": []`) before [DONE]
 RESPONSES_USAGE = 1  # the body's `usage`; streamed: `response.usage` of response.completed/incomplete/failed
 MESSAGES_USAGE = 2  # the body's `usage`; streamed: message_start's `message.usage`, then message_delta's `usage`

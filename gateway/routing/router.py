@@ -179,7 +179,7 @@ class Router:
     ) -> RouteDecision | ErrorReply:
         """Route one request for capability ``(kind, name)``.
 
-        ``session_key`` is the affinity key (see ``gateway.capability.session_key``) and ``now`` the
+        ``session_key`` is the affinity key (see ``gateway.request.capability.session_key``) and ``now`` the
         shared clock (``time.monotonic()`` is system-wide on Linux, so every worker agrees on expiries).
         ``needs`` (request facts and tenant regions) filters candidates; the decision says how many it
         removed and why (``RouteDecision.filtered``), and so does the ``RouteRefusal`` when none is left.

@@ -1,4 +1,4 @@
-"""The rollups' reads and writes over a quota-backend client (``gateway.quota.backend.create_client``:
+"""The rollups' reads and writes over a quota-backend client (``gateway.valkey.client.create_client``:
 the lean single-node client or valkey-py's Cluster client; both take ``pipeline(transaction=False)``).
 
 Commands go in pipelined batches of at most ``BATCH`` (the single-node client bounds what may be

@@ -24,8 +24,8 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from gateway.admin.tokens import AdminTokens
-from gateway.auth import KeyIdentity
 from gateway.config import QUOTA_CLUSTER_SCHEMES, Config, managed_keys_enabled
+from gateway.identity.auth import KeyIdentity
 from gateway.supervisor.quota_backend import EmbeddedQuotaBackend, quota_url_for
 from gateway.supervisor.startup import StartupError
 from shm.keys import KeyTable, KeyTableWriter
@@ -151,7 +151,7 @@ class KeyService:
             return None
         if url != self._admin_url or self._admin_store is None:
             from gateway.keys.store import KeyStore
-            from gateway.quota.backend import create_client
+            from gateway.valkey.client import create_client
 
             if self._admin_store is not None:
                 asyncio.get_running_loop().create_task(_close_quietly(self._admin_store))
@@ -216,7 +216,7 @@ class KeyService:
         self._tasks = [task for task in self._tasks if not task.done()]
         from gateway.keys.follower import KeyFollower
         from gateway.keys.store import KeyStore
-        from gateway.quota.backend import BACKEND_ERRORS, create_client
+        from gateway.valkey.client import BACKEND_ERRORS, create_client
 
         assert self._writer is not None
         cluster = _is_cluster(url)
@@ -278,7 +278,7 @@ class SupervisorKeyHost:
         return self._service.on_this_host(record)
 
     def backend_errors(self) -> tuple[type[BaseException], ...]:
-        from gateway.quota.backend import BACKEND_ERRORS
+        from gateway.valkey.client import BACKEND_ERRORS
 
         return BACKEND_ERRORS
 

@@ -38,7 +38,7 @@ class EmbeddedQuotaBackend:
     def ensure_started(self, data_dir: str | None) -> str:
         if self.url is not None:
             return self.url
-        from gateway.quota.embedded import EmbeddedValkey
+        from gateway.valkey.embedded import EmbeddedValkey
 
         # quota.backend.data_dir, else systemd's StateDirectory=, else a private temp dir (not persistent).
         state = os.environ.get("STATE_DIRECTORY", "").split(":")[0]
@@ -151,7 +151,7 @@ class ReservationSweeper:
             await self._sweep(url, sorted(tags), time.monotonic() + self._give_up_after_s.get(url, 120.0))
 
     async def _sweep(self, url: str, tags: list[bytes], give_up_at: float) -> None:
-        from gateway.quota.backend import BACKEND_ERRORS, describe_error
+        from gateway.valkey.client import BACKEND_ERRORS, describe_error
 
         delay = 0.1
         while True:
@@ -176,8 +176,8 @@ class ReservationSweeper:
     def _ledger(self, url: str) -> QuotaLedger:
         ledger = self._ledgers.get(url)
         if ledger is None:
-            from gateway.quota.backend import create_client
             from gateway.quota.ledger import QuotaLedger
+            from gateway.valkey.client import create_client
 
             client = create_client(url, timeout_s=self._CLIENT_TIMEOUT_S)
             ledger = self._ledgers[url] = QuotaLedger(client, reservation_timeout_s=1)

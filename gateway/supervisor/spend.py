@@ -19,12 +19,12 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from gateway.auth import KeyIdentity
 from gateway.config import Config
-from gateway.config_keys import managed_keys_enabled
+from gateway.config.keys import managed_keys_enabled
+from gateway.identity.auth import KeyIdentity
+from gateway.identity.limits import Scope
 from gateway.process_protocol import SpendCounts
 from gateway.quota.counters import configured_tenants
-from gateway.quota.limits import Scope
 from gateway.spend.report import SpendQuery, parse_query, spend_report
 from gateway.spend.rollups import DAY_S
 from gateway.spend.series import MAX_KEYS, MAX_TENANTS, SpendSums
@@ -256,9 +256,9 @@ class SpendReporter:
         return parse_query(query, int(self._clock() // DAY_S))
 
     async def report(self, query: SpendQuery) -> dict[str, Any]:
-        """Raises the backend's errors (``gateway.quota.backend.BACKEND_ERRORS``: 503)."""
-        from gateway.quota.backend import create_client
+        """Raises the backend's errors (``gateway.valkey.client.BACKEND_ERRORS``: 503)."""
         from gateway.spend.store import read_rows
+        from gateway.valkey.client import create_client
 
         url = spend_store_url_for(self._running_config(), self._embedded)
         if url != self._url:

@@ -20,8 +20,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from gateway.config_pricing import AlertsWebhook
-from gateway.pricing.alerts import SpendAlert
+from gateway.config.pricing import AlertsWebhook
+from gateway.spend.alerts import SpendAlert
 
 log = logging.getLogger("gridgate.supervisor")
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import valkey
 
-from gateway.quota.embedded import EmbeddedValkey
+from gateway.valkey.embedded import EmbeddedValkey
 from tests.harness import clear_of_window_end
 
 

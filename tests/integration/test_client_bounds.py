@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from gateway.auth import hash_api_key
+from gateway.identity.auth import hash_api_key
 from tests.harness import candidate, envelope, mock_served, raw_exchange, status_of
 
 MiB = 1024 * 1024

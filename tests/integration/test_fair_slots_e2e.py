@@ -8,7 +8,7 @@ import json
 import threading
 import time
 
-from gateway.auth import hash_api_key
+from gateway.identity.auth import hash_api_key
 from tests.harness import admin_get, candidate, chat, envelope
 
 LATENCY_MS = 300  # one slot's turn: long beside the gateway's own work, short enough for a quick test

@@ -21,7 +21,7 @@ import valkey
 import yaml
 
 from gateway.overlay.snapshot import snapshot_from_bytes
-from gateway.quota.embedded import EmbeddedValkey
+from gateway.valkey.embedded import EmbeddedValkey
 from loadtest.mock_provider import MockProviderHandle
 from tests.harness import ROOT, Gateway, admin_get, candidate, chat, envelope, refused_port, wait_until
 

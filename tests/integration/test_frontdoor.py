@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from gateway.auth import hash_api_key
+from gateway.identity.auth import hash_api_key
 from loadtest.mock_provider import MockProviderHandle, start_mock_provider_process
 from tests.harness import (
     Client,

@@ -9,8 +9,8 @@ import json
 import time
 from datetime import UTC, datetime
 
-from gateway.auth import hash_api_key
-from gateway.keys.keyformat import key_digest
+from gateway.identity.auth import hash_api_key
+from gateway.identity.keyformat import key_digest
 from tests.harness import Client, candidate, chat, envelope, metric_value, mock_served, request
 from tests.integration.test_keys_e2e import TOKENS, admin, wait_for
 

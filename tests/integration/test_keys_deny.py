@@ -12,12 +12,12 @@ import signal
 import pytest
 import valkey
 
-from gateway.auth import KeyIdentity
+from gateway.identity.auth import KeyIdentity
+from gateway.identity.limits import Budget, Limits, RequestLimit
 from gateway.keys.store import deny_set_key
 from gateway.quota.lease import LeaseSpec
 from gateway.quota.ledger import QuotaLedger
-from gateway.quota.limits import Budget, Limits, RequestLimit
-from gateway.quota.resp_transport import RespTransport
+from gateway.valkey.resp_transport import RespTransport
 from tests.harness import candidate, envelope, mock_served, request
 from tests.integration.test_keys_e2e import TOKENS, admin, host_status, wait_for
 from tests.integration.test_limits_ledger import DAY, admit, counters, new_tenant, open_gate, rule

@@ -12,8 +12,8 @@ from typing import Any
 
 import valkey
 
-from gateway.auth import hash_api_key
-from gateway.keys.keyformat import KEY_PATTERN, key_digest
+from gateway.identity.auth import hash_api_key
+from gateway.identity.keyformat import KEY_PATTERN, key_digest
 from gateway.keys.store import deny_set_key
 from tests.harness import ROOT, candidate, envelope, metric_value, request
 

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 import valkey
 
+from gateway.identity.keyformat import key_digest
 from gateway.keys.follower import KeyFollower
-from gateway.keys.keyformat import key_digest
 from gateway.keys.lookup import KeyLookup
 from gateway.keys.record import CreateKey, KeyLimits
 from gateway.keys.store import (
@@ -24,8 +24,8 @@ from gateway.keys.store import (
     KeyStore,
     deny_set_key,
 )
-from gateway.quota.backend import BACKEND_ERRORS, create_client
-from gateway.quota.embedded import EmbeddedValkey
+from gateway.valkey.client import BACKEND_ERRORS, create_client
+from gateway.valkey.embedded import EmbeddedValkey
 from shm.keys import KeyTable, KeyTableWriter
 from tests.integration.test_quota_cluster import cluster_url  # noqa: F401 - the 3-node cluster fixture
 from workers.key_gate import ManagedKeyGate

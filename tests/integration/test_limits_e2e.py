@@ -13,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from gateway.auth import hash_api_key
+from gateway.identity.auth import hash_api_key
 from tests.harness import (
     Client,
     Response,
@@ -113,10 +113,10 @@ def test_a_burst_of_1000_across_four_workers_never_admits_more_than_the_limit(
 def _limits_left(url: str, tenant: str, rule: dict[str, Any]) -> int:
     import asyncio
 
-    from gateway.quota.backend import create_client
+    from gateway.identity.limits import RequestLimit, Scope
     from gateway.quota.ledger import QuotaLedger
-    from gateway.quota.limits import RequestLimit, Scope
     from gateway.quota.rules import QuotaRule
+    from gateway.valkey.client import create_client
 
     limit = RequestLimit(86400, rule["requests"][0]["count"], rule["requests"][0]["count"])
     scope = QuotaRule(rule["name"], (), 0, requests=(limit,)).scope

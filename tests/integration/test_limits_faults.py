@@ -10,13 +10,13 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
 
+from gateway.identity.limits import Budget, RequestLimit
 from gateway.quota.admission import Admission
-from gateway.quota.backend import create_client
 from gateway.quota.gate import QuotaGate
 from gateway.quota.ledger import QuotaLedger
 from gateway.quota.ledger_script import LEDGER_SHA
-from gateway.quota.limits import Budget, RequestLimit
 from gateway.quota.rules import QuotaRule
+from gateway.valkey.client import create_client
 from tests.harness import candidate, chat, envelope, mock_served
 
 # What the fake server answers to an EVALSHA (the ledger's every call), by name.

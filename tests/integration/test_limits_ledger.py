@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 import valkey
 
-from gateway.auth import KeyIdentity
+from gateway.identity.auth import KeyIdentity
+from gateway.identity.limits import Budget, Limits, RequestLimit
 from gateway.quota.admission import Admission
-from gateway.quota.backend import create_client
 from gateway.quota.gate import QuotaGate
 from gateway.quota.lease import LeaseSpec
 from gateway.quota.ledger import QuotaLedger, key_prefix
-from gateway.quota.limits import Budget, Limits, RequestLimit
 from gateway.quota.rules import QuotaRule
+from gateway.valkey.client import create_client
 from tests.integration.test_quota_ledger import LONG
 
 DAY = 86400

@@ -1,7 +1,7 @@
 """The mock provider's Responses and Messages APIs, checked with the official ``openai`` and
 ``anthropic`` SDKs pointed at it directly (loadtest/mock_surfaces.py): the answers parse as the real
 APIs' do, the refusals are the real ones, and the usage the gateway's parsers read from the raw bytes
-(gateway/quota/usage_surfaces.py) is the usage the SDKs report."""
+(gateway/request/usage_surfaces.py) is the usage the SDKs report."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import anthropic
 import openai
 import pytest
 
-from gateway.quota.usage_surfaces import MessagesUsage, ResponsesUsage
+from gateway.request.usage_surfaces import MessagesUsage, ResponsesUsage
 from loadtest.mock_provider import MockProviderHandle, start_mock_provider_process
 
 VERSION = {"anthropic-version": "2023-06-01"}

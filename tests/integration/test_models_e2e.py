@@ -283,7 +283,7 @@ def test_an_alias_with_a_chain_walks_it(mock_provider, gateway_factory):
 def test_a_chain_is_admitted_once_and_charged_what_its_attempts_cost(valkey_url, mock_provider, gateway_factory):
     """One admission for the whole chain; the first model's 429 costs nothing (a 4xx), the serving model
     its usage; the reservation settles once, for both attempts."""
-    from gateway.auth import hash_api_key
+    from gateway.identity.auth import hash_api_key
 
     big, small = mock_provider("big", fail_rate=1.0, fail_status=429), mock_provider("small", tokens=5)
     quota = {"backend": {"kind": "valkey", "url": valkey_url}, "reservation_timeout": "2s",

@@ -22,7 +22,7 @@ from gateway.overlay.valkey_source import (
     events_channel,
     redact_url,
 )
-from gateway.quota.embedded import EmbeddedValkey
+from gateway.valkey.embedded import EmbeddedValkey
 from tests.harness import candidate, envelope
 
 SCOPE = {"network": "test-net", "local_site": "site-a"}

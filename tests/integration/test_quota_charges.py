@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from gateway.quota.estimate import estimate_prompt_tokens
+from gateway.request.estimate import estimate_prompt_tokens
 from tests.harness import admin_get, candidate, chat, envelope, metric_value, mock_served, wait_until
 
 FAST_RETRY = {"attempts": 3, "deadline": "10s", "backoff": {"base": "1ms", "max": "5ms"}}

@@ -17,13 +17,13 @@ import valkey
 import valkey.asyncio
 
 from gateway.quota.admission import Admission
-from gateway.quota.backend import create_client
-from gateway.quota.cluster_transport import ClusterTransport
-from gateway.quota.embedded import bundled_server_binary
 from gateway.quota.gate import QuotaGate
 from gateway.quota.ledger import QuotaLedger, key_prefix
 from gateway.quota.owner import owner_tag
 from gateway.quota.rules import Budget, QuotaRule
+from gateway.valkey.client import create_client
+from gateway.valkey.cluster_transport import ClusterTransport
+from gateway.valkey.embedded import bundled_server_binary
 from tests.integration.test_quota_ledger import admit, flush_scripts
 from tests.integration.test_quota_parts import check_transport
 
@@ -264,8 +264,8 @@ def test_the_cluster_transport_does_what_the_ledger_relies_on(cluster_url: str) 
 def test_a_key_and_its_rule_are_taken_together_in_one_slot_on_a_cluster(cluster_url: str) -> None:
     # Every limit of a request (the key's request rate and budget, the rule's request rate, budget and
     # in-flight cap) lives under the tenant's hash tag: one script call, one node, all or nothing.
-    from gateway.auth import KeyIdentity
-    from gateway.quota.limits import Limits, RequestLimit
+    from gateway.identity.auth import KeyIdentity
+    from gateway.identity.limits import Limits, RequestLimit
 
     tenants = [f"t-{uuid.uuid4().hex[:8]}" for _ in range(6)]
     rules = [QuotaRule(f"r-{t}", (Budget(LONG, 10_000),), 100, t, max_in_flight=50,
@@ -312,13 +312,13 @@ def test_usd_budgets_are_exact_and_alert_once_on_a_cluster(cluster_url: str) -> 
     # A key's and its rule's USD budgets, in the tenant's slot beside its other counters: hard budgets
     # refuse past the worst cases they hold, settles charge real costs across the nodes in one pipeline,
     # each threshold is reported once.
-    from gateway.auth import KeyIdentity
     from gateway.config import PriceOverride, Pricing
-    from gateway.pricing import alerts
-    from gateway.pricing.book import PriceBook
+    from gateway.identity.auth import KeyIdentity
+    from gateway.identity.limits import Limits, SpendBudget
     from gateway.pricing.period import PeriodClock
     from gateway.pricing.table import shipped_table
-    from gateway.quota.limits import Limits, SpendBudget
+    from gateway.spend import alerts
+    from gateway.spend.price_book import PriceBook
 
     prices = PriceBook.from_config(Pricing(overrides={"m": PriceOverride(input=1000, output=2000)}), shipped_table())
     worst = 20_000_000  # 10 completion tokens at $2,000 per million, an empty prompt

@@ -9,8 +9,8 @@ import threading
 import time
 import uuid
 
-from gateway.auth import hash_api_key
-from gateway.quota.embedded import EmbeddedValkey
+from gateway.identity.auth import hash_api_key
+from gateway.valkey.embedded import EmbeddedValkey
 from tests.harness import (
     Client,
     admin_get,

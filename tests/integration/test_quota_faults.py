@@ -6,14 +6,14 @@ from __future__ import annotations
 import asyncio
 import time
 
-from gateway.quota.backend import create_client
 from gateway.quota.gate import QuotaGate
 from gateway.quota.ledger import QuotaLedger, Reservation
 from gateway.quota.ledger_script import LEDGER_SHA
 from gateway.quota.owner import owner_tag
-from gateway.quota.resp import encode_command
-from gateway.quota.resp_transport import RespTransport
 from gateway.quota.rules import Budget, QuotaRule, RequestLimit
+from gateway.valkey.client import create_client
+from gateway.valkey.resp import encode_command
+from gateway.valkey.resp_transport import RespTransport
 from tests.harness import clear_of_window_end
 from tests.integration.test_quota_ledger import (
     LONG,
@@ -172,8 +172,8 @@ def test_the_pre_encoded_admit_and_settle_are_exactly_the_commands() -> None:
     assert ledger._settle_wire(reservation, 42, 0, 1_234) == encode_command(
         ("EVALSHA", LEDGER_SHA, 1, reservation.zkey, "settle", reservation.prefix, reservation.member, 42, 0, 1234))
     # A USD budget: the worst case is a slot of the call, the period's id and end are part of the template.
+    from gateway.identity.limits import SpendBudget
     from gateway.pricing.period import PeriodClock
-    from gateway.quota.limits import SpendBudget
 
     clock = PeriodClock("1d", None)
     spender = QuotaRule("s", (), 10, spend=(SpendBudget(5_000_000_000, "1d", "UTC", True, (500, 1000), clock),))

@@ -9,7 +9,7 @@ import threading
 import time
 import uuid
 
-from gateway.quota.embedded import EmbeddedValkey
+from gateway.valkey.embedded import EmbeddedValkey
 from loadtest.fault_proxy import FaultProxyThread
 from tests.harness import Client, admin_get, candidate, chat, envelope, metric_value, wait_until
 from tests.integration.test_quota_e2e import _auth, _bearer

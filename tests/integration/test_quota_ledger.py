@@ -17,8 +17,6 @@ from pathlib import Path
 import pytest
 
 from gateway.quota.admission import Admission
-from gateway.quota.backend import create_client
-from gateway.quota.embedded import EmbeddedValkey, EmbeddedValkeyError
 from gateway.quota.gate import QuotaGate
 from gateway.quota.ledger import (
     SETTLE_APPLIED,
@@ -30,6 +28,8 @@ from gateway.quota.ledger import (
 )
 from gateway.quota.rules import Budget, QuotaRule
 from gateway.request.attempts import attempt_tokens
+from gateway.valkey.client import create_client
+from gateway.valkey.embedded import EmbeddedValkey, EmbeddedValkeyError
 from tests.harness import clear_of_window_end
 
 # Windows this long never roll over during a test run (they are aligned to the epoch).
@@ -135,7 +135,7 @@ _OTHER_PROCESS = textwrap.dedent(
     """
     import asyncio, sys
     from gateway.quota.admission import Admission
-    from gateway.quota.backend import create_client
+    from gateway.valkey.client import create_client
     from gateway.quota.gate import QuotaGate
     from gateway.quota.ledger import QuotaLedger
     from gateway.quota.rules import Budget, QuotaRule

@@ -16,16 +16,16 @@ import pytest
 from valkey.exceptions import ResponseError
 
 from gateway.quota.admission import Admission
-from gateway.quota.backend import create_client
 from gateway.quota.breaker import BackendBreaker
 from gateway.quota.counters import QuotaCounters
-from gateway.quota.embedded import EmbeddedValkey
 from gateway.quota.gate import QuotaGate
 from gateway.quota.lease import LeaseSpec
 from gateway.quota.ledger import F_TK_LIMIT, QuotaLedger, key_prefix
-from gateway.quota.resp_transport import RespTransport
 from gateway.quota.rules import QuotaRule
-from gateway.quota.transport import SLOT, LedgerTransport, Reply, Wire
+from gateway.valkey.client import create_client
+from gateway.valkey.embedded import EmbeddedValkey
+from gateway.valkey.resp_transport import RespTransport
+from gateway.valkey.transport import SLOT, LedgerTransport, Reply, Wire
 from tests.integration.test_quota_ledger import (
     LONG,
     _free_port,

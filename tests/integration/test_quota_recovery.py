@@ -17,7 +17,7 @@ from pathlib import Path
 import h11
 import pytest
 
-from gateway.quota.embedded import _answers_ping
+from gateway.valkey.embedded import _answers_ping
 from tests.harness import Client, admin_get, candidate, chat, envelope, metric_value
 from tests.integration.test_quota_e2e import _auth, _bearer, _children
 

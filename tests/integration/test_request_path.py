@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from gateway.quota.estimate import estimate_prompt_tokens
+from gateway.request.estimate import estimate_prompt_tokens
 from tests.harness import candidate, envelope
 from tests.inprocess import InProcessGateway, Provider, start_provider, until, value
 

@@ -23,10 +23,10 @@ from valkey.exceptions import (
     TimeoutError,
 )
 
-from gateway.quota.backend import create_client
-from gateway.quota.embedded import EmbeddedValkey
-from gateway.quota.resp import INCOMPLETE, RespClient, encode_command, read_reply
-from gateway.quota.resp_transport import RespTransport
+from gateway.valkey.client import create_client
+from gateway.valkey.embedded import EmbeddedValkey
+from gateway.valkey.resp import INCOMPLETE, RespClient, encode_command, read_reply
+from gateway.valkey.resp_transport import RespTransport
 from tests.harness import free_port, refused_port
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]

@@ -9,7 +9,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-from gateway.auth import hash_api_key
+from gateway.identity.auth import hash_api_key
 from tests.harness import Client, candidate, chat, envelope, mock_served, request, write_json_atomic
 
 KEYS = {"team-eu": "sk-eu", "team-us": "sk-us", "ops": "sk-ops"}

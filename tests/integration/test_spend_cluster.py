@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.quota.backend import create_client
 from gateway.spend.report import parse_query, spend_report
 from gateway.spend.rollups import RollupBatch, day_number, tenant_hash
 from gateway.spend.store import read_rows, write_batch
+from gateway.valkey.client import create_client
 from tests.integration.test_quota_cluster import cluster_url  # noqa: F401 - the module's cluster fixture
 
 DAYS = [day_number(f"2026-0{month}-1{index}") for month in (1, 3) for index in range(5)]

@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 import valkey
 
-from gateway.auth import hash_api_key
 from gateway.config import PriceOverride, Pricing
-from gateway.pricing.book import PriceBook
+from gateway.identity.auth import hash_api_key
+from gateway.identity.limits import usd_text
 from gateway.pricing.period import period_span
 from gateway.pricing.table import shipped_table
 from gateway.quota.ledger import key_prefix
 from gateway.quota.ledger_script import escape_key_part
-from gateway.quota.limits import usd_text
+from gateway.spend.price_book import PriceBook
 from tests.harness import (
     Client,
     admin_get,

@@ -17,18 +17,18 @@ from typing import Any
 import pytest
 import valkey
 
-from gateway.auth import KeyIdentity
 from gateway.config import PriceOverride, Pricing
-from gateway.pricing import alerts
-from gateway.pricing.book import PriceBook
+from gateway.identity.auth import KeyIdentity
+from gateway.identity.limits import Limits, SpendBudget
 from gateway.pricing.period import PeriodClock, period_span
 from gateway.pricing.table import shipped_table
-from gateway.quota.backend import create_client
 from gateway.quota.lease import LeaseSpec
 from gateway.quota.ledger import SETTLE_APPLIED, QuotaLedger, Reservation, key_prefix
 from gateway.quota.ledger_script import escape_key_part
-from gateway.quota.limits import Limits, SpendBudget
 from gateway.quota.rules import QuotaRule
+from gateway.spend import alerts
+from gateway.spend.price_book import PriceBook
+from gateway.valkey.client import create_client
 from tests.integration.test_limits_ledger import admit, counters, open_gate
 
 # Model "m": $1,000 input, $2,000 output per million tokens: 1 and 2 milli-USD a token. A request with

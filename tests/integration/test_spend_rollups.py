@@ -14,9 +14,9 @@ import time
 
 import valkey
 
-from gateway.quota.backend import create_client
 from gateway.spend.rollups import DAY_S, RollupBatch, tenant_hash
 from gateway.spend.store import write_batch
+from gateway.valkey.client import create_client
 from tests.harness import candidate, envelope, metric_value, request, wait_until
 from tests.integration.test_spend_reports import PRICES, SPEND, ask, spend_gateway, wait_spend
 

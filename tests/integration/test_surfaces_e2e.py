@@ -15,7 +15,7 @@ import anthropic
 import openai
 import pytest
 
-from gateway.auth import hash_api_key
+from gateway.identity.auth import hash_api_key
 from tests.harness import (
     Client,
     admin_get,

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from gateway.auth import hash_api_key
+from gateway.identity.auth import hash_api_key
 from loadtest.broken_upstream import BrokenUpstream
 from tests.harness import Client, Response, candidate, envelope
 

@@ -10,8 +10,8 @@ from typing import Any
 from gateway.admin.keys_api import KeysApi
 from gateway.admin.pages import AdminApp, MetricsExposition
 from gateway.admin.tokens import AdminTokens, FailedTokenThrottle
-from gateway.auth import hash_api_key
 from gateway.config import AdminToken
+from gateway.identity.auth import hash_api_key
 from tests.unit.test_admin_pages import Sources
 
 TOKENS = [

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from gateway.auth import Authenticator, hash_api_key, is_key_digest
+from gateway.identity.auth import Authenticator, hash_api_key, is_key_digest
 
 KEY_A = "sk-team-a-0123456789"
 KEY_B = "sk-team-b-9876543210"

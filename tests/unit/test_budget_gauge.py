@@ -9,9 +9,9 @@ import json
 
 import msgspec
 
-from gateway.auth import KeyIdentity, hash_api_key
 from gateway.config import parse_config
-from gateway.keys.keyformat import key_digest, new_key
+from gateway.identity.auth import KeyIdentity, hash_api_key
+from gateway.identity.keyformat import key_digest, new_key
 from gateway.keys.record import KeyLimits, PreviousSecret
 from gateway.keys.view import quota_limits, views_of
 from gateway.spend.series import MAX_KEYS, MAX_TENANTS

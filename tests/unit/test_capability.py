@@ -6,15 +6,15 @@ import json
 
 import pytest
 
-from gateway.capability import (
+from gateway.http.errors import ErrorReply
+from gateway.http.media import is_json_content_type
+from gateway.overlay.snapshot import MCP_SESSION_CAPABILITY
+from gateway.request.capability import (
     CapabilityRequest,
     header_token,
     lookup_capability,
     session_key,
 )
-from gateway.http.errors import ErrorReply
-from gateway.http.media import is_json_content_type
-from gateway.overlay.snapshot import MCP_SESSION_CAPABILITY
 
 JSON = b"application/json"
 

@@ -1,4 +1,4 @@
-"""The body fields the filters read on each API (gateway/capability.py, docs/api-surfaces.md): the
+"""The body fields the filters read on each API (gateway/request/capability.py, docs/api-surfaces.md): the
 Responses API's ``max_output_tokens``, ``tools``, ``input_image`` parts and ``text.format``; Anthropic's
 ``max_tokens``, ``tools`` and image blocks. Requests decoded as the request path does (``facts``)."""
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from gateway.capability import CapabilityRequest, body_features, lookup_capability, request_features
 from gateway.request import surfaces
+from gateway.request.capability import CapabilityRequest, body_features, lookup_capability, request_features
 from gateway.routing.eligibility import EMBEDDINGS, JSON_SCHEMA, TOOLS, VISION
 
 JSON = b"application/json"

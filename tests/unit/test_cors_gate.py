@@ -5,7 +5,7 @@ server's connection."""
 
 from __future__ import annotations
 
-from gateway.auth import Authenticator, hash_api_key
+from gateway.identity.auth import Authenticator, hash_api_key
 from gateway.request.cors import CorsPolicy
 from gateway.request.headers import HeaderPlan
 from gateway.request.routes import RouteTable

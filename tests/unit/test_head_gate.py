@@ -4,7 +4,7 @@ server's connection (the gate only reads and writes its ``auth_memo``)."""
 
 from __future__ import annotations
 
-from gateway.auth import Authenticator, hash_api_key
+from gateway.identity.auth import Authenticator, hash_api_key
 from gateway.request.headers import HeaderPlan
 from gateway.request.routes import API, MODELS, RouteTable
 from workers.head_gate import ANONYMOUS_TENANT, Admitted, HeadGate, HeadRefusal

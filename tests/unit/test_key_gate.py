@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import time
 
-from gateway.auth import Authenticator, KeyIdentity, hash_api_key
-from gateway.keys.keyformat import key_digest, new_key, new_kid
+from gateway.identity.auth import Authenticator, KeyIdentity, hash_api_key
+from gateway.identity.keyformat import key_digest, new_key, new_kid
 from gateway.keys.lookup import KeyLookup
 from gateway.keys.record import KeyLimits, KeyRecord, RequestLimit
 from gateway.keys.view import KeyEntry, views_of

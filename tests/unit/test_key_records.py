@@ -8,8 +8,8 @@ import json
 import msgspec
 import pytest
 
+from gateway.identity.keyformat import KEY_PATTERN, is_kid, key_digest, new_key, new_kid
 from gateway.keys.answers import key_report, model_refusal, refusal
-from gateway.keys.keyformat import KEY_PATTERN, is_kid, key_digest, new_key, new_kid
 from gateway.keys.record import (
     BodyProblem,
     CreateKey,

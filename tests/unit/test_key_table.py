@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from gateway.keys.keyformat import key_digest, new_key, new_kid
+from gateway.identity.keyformat import key_digest, new_key, new_kid
 from gateway.keys.lookup import KeyLookup
 from gateway.keys.record import KeyRecord, PreviousSecret
 from gateway.keys.view import views_of

@@ -3,7 +3,7 @@ counts are known to be counts (``request_cost.CHECKED_OBSERVERS``): pricing with
 and settling without ``attempts_cost`` and ``_charge``. It must leave what the general path leaves, over
 every case: the record the access line reads, the quota's counters, blocks and settlements, the tenant
 tokens, the unpriced counts, the spend rollups and the metrics row. The general path is taken by handing
-the same counts in an observer of another class (as gateway/quota/usage_surfaces.py's are), which the
+the same counts in an observer of another class (as gateway/request/usage_surfaces.py's are), which the
 fast path does not trust.
 
 And what lets it trust them: whatever bytes a provider sends, a ``UsageScanner``'s and an
@@ -23,15 +23,15 @@ import pytest
 from gateway.config import Cooling, PriceOverride, Pricing
 from gateway.metrics.catalogue import COUNTERS
 from gateway.metrics.writer import WorkerMetrics
-from gateway.pricing.alerts import install_outbox
-from gateway.pricing.book import PriceBook
 from gateway.pricing.table import shipped_table
 from gateway.quota.admission import Admission
 from gateway.quota.gate import QuotaGate
 from gateway.quota.lease import Allowance, Lease, LeaseSpec, SpendAllowance, request_allowance
 from gateway.quota.ledger import Reservation
-from gateway.quota.usage import SseUsageFilter, UsageScanner
 from gateway.request.attempts import AttemptResult
+from gateway.request.usage import SseUsageFilter, UsageScanner
+from gateway.spend.alerts import install_outbox
+from gateway.spend.price_book import PriceBook
 from workers import spend_tracker
 from workers.outcomes import Outcomes
 from workers.request_cost import CHECKED_OBSERVERS

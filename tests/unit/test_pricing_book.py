@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from gateway.config import ConfigError, Pricing, parse_config
-from gateway.pricing.book import MAX_MODEL_NAME, MEMO_SIZE, PriceBook, override_warnings
 from gateway.pricing.table import parse_table, shipped_table
 from gateway.pricing.units import parse_usd_per_million
+from gateway.spend.price_book import MAX_MODEL_NAME, MEMO_SIZE, PriceBook, override_warnings
 
 BASE = """
 clusters: [{name: a, endpoints: ["127.0.0.1:1"]}]

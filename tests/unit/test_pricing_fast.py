@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from gateway.config import PriceOverride, Pricing
-from gateway.pricing.book import PriceBook
 from gateway.pricing.cost import PriceRow
 from gateway.pricing.table import PriceTable
 from gateway.pricing.units import parse_usd_per_million
+from gateway.spend.price_book import PriceBook
 from workers.request_cost import ABSURD_FACTOR, attempts_cost, usage_cost
 
 FIELDS = ("total_tokens", "prompt_tokens", "completion_tokens", "cached_tokens", "cache_write_tokens",

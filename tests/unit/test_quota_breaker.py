@@ -7,7 +7,7 @@ import pytest
 from gateway.quota.breaker import BackendBreaker, Breaker
 from gateway.quota.counters import QuotaCounters
 from gateway.quota.ledger import QuotaLedger
-from gateway.quota.resp_transport import RespTransport
+from gateway.valkey.resp_transport import RespTransport
 
 
 def test_consecutive_failures_open_it_and_one_answer_closes_it() -> None:

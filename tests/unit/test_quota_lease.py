@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from gateway.auth import KeyIdentity
+from gateway.identity.auth import KeyIdentity
+from gateway.identity.limits import Budget, Limits, RequestLimit
 from gateway.quota.lease import (
     MAX_GROWTH,
     MIN_BLOCK_REQUESTS,
@@ -16,7 +17,6 @@ from gateway.quota.lease import (
     request_allowance,
 )
 from gateway.quota.ledger import scopes_of
-from gateway.quota.limits import Budget, Limits, RequestLimit
 from gateway.quota.rules import QuotaRule
 
 

@@ -7,7 +7,7 @@ import asyncio
 from gateway.quota.counters import QuotaCounters
 from gateway.quota.ledger import QuotaLedger, Reservation
 from gateway.quota.reconcile import Reconciler
-from gateway.quota.resp_transport import RespTransport
+from gateway.valkey.resp_transport import RespTransport
 
 
 def test_a_settlement_handed_over_after_the_stop_is_kept_and_raises_nothing() -> None:

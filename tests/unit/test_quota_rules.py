@@ -5,13 +5,13 @@ import pytest
 from gateway.quota.admission import duration_text, never_fits_message, window_text
 from gateway.quota.breaker import Breaker
 from gateway.quota.counters import TenantTokens
-from gateway.quota.estimate import (
+from gateway.quota.rules import Budget, QuotaRule, RuleSet, validate_rules
+from gateway.request.estimate import (
     MAX_ALLOWANCE,
     completion_allowance,
     estimate_prompt_tokens,
     estimate_tokens,
 )
-from gateway.quota.rules import Budget, QuotaRule, RuleSet, validate_rules
 
 MINUTE = (Budget(60, 1000),)
 
@@ -173,7 +173,7 @@ def test_a_managed_keys_tenant_gets_a_slot_of_its_own_with_the_supervisors_index
 
 
 def test_model_and_key_matches_are_globs_and_a_key_glob_reads_kid_or_alias() -> None:
-    from gateway.auth import KeyIdentity
+    from gateway.identity.auth import KeyIdentity
 
     rules = RuleSet([
         QuotaRule("bots", MINUTE, 100, match_key="ci-*"),

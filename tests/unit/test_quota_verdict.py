@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.auth import KeyIdentity
+from gateway.identity.auth import KeyIdentity
+from gateway.identity.limits import Budget, Limits, RequestLimit
 from gateway.quota.counters import QuotaCounters
 from gateway.quota.ledger import AdmitCommand, QuotaLedger
-from gateway.quota.limits import Budget, Limits, RequestLimit
 from gateway.quota.rules import QuotaRule
-from gateway.quota.transport import UnexpectedReply
 from gateway.quota.verdict import rate_headers, refused, shadow_names
+from gateway.valkey.transport import UnexpectedReply
 
 
 class Transport:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.quota.usage import UsageScanner
 from gateway.request.attempts import (
     AttemptResult,
     Next,
@@ -16,6 +15,7 @@ from gateway.request.attempts import (
     usage_split,
 )
 from gateway.request.failures import Failure
+from gateway.request.usage import UsageScanner
 
 
 def test_connect_failures_move_to_other_endpoints_then_stop_with_502_naming_the_provider():

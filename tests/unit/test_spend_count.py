@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from gateway.config import Pricing
-from gateway.pricing.alerts import install_outbox
-from gateway.pricing.book import PriceBook
 from gateway.pricing.table import shipped_table
 from gateway.spend import rollups
+from gateway.spend.alerts import install_outbox
+from gateway.spend.price_book import PriceBook
 from gateway.spend.rollups import DAY_S, NO_KEY, RollupBatch
 from workers import spend_tracker
 from workers.request_record import RequestRecord

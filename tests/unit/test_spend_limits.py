@@ -14,12 +14,12 @@ import pytest
 import yaml
 
 from gateway.config import ConfigError, PriceOverride, Pricing, parse_config
+from gateway.identity.limits import limits_from_config, limits_problems, usd_text
 from gateway.keys.record import KeyLimits
-from gateway.pricing.book import PriceBook
 from gateway.pricing.period import PeriodClock, period_span
 from gateway.pricing.table import shipped_table
-from gateway.quota.limits import limits_from_config, limits_problems, usd_text
 from gateway.quota.rules import rules_from_config
+from gateway.spend.price_book import PriceBook
 from workers.request_cost import attempts_cost, usage_cost
 
 

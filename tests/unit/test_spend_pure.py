@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from gateway.pricing.alerts import AlertOutbox, SpendAlert
 from gateway.process_protocol import SpendAlertReport, SpendCounts, StatusReader, try_send_status
 from gateway.spend import rollups, series
+from gateway.spend.alerts import AlertOutbox, SpendAlert
 from gateway.spend.report import QueryProblem, parse_query, spend_report, spend_table
 from gateway.spend.rollups import RollupBatch, RollupRow, day_number, parse_hash, tenant_hash, tenants_set
 from gateway.spend.series import OTHER, SpendCounters, SpendSums
@@ -194,7 +194,7 @@ def test_spend_messages_cross_the_status_pipe_and_a_full_pipe_says_so():
 def test_the_sender_backs_off_doubling_up_to_the_cap_then_counts_a_failure_and_bounds_its_queue():
     import asyncio
 
-    from gateway.config_pricing import AlertsWebhook
+    from gateway.config.pricing import AlertsWebhook
     from gateway.supervisor.spend_alerts import AlertSender, WebhookFailed
 
     hook = AlertsWebhook(url="http://127.0.0.1:9/", retries=4, backoff=1.0, max_backoff=4.0)
@@ -281,7 +281,7 @@ def test_a_webhook_url_alone_takes_the_defaults():
 
 
 def test_published_alerts_go_to_the_installed_outbox_and_the_last_ones_are_kept():
-    from gateway.pricing import alerts
+    from gateway.spend import alerts
 
     taken: list[SpendAlert] = []
     alerts.published.clear()

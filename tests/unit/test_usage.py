@@ -6,7 +6,7 @@ import random
 import msgspec
 import pytest
 
-from gateway.quota.usage import (
+from gateway.request.usage import (
     SseUsageFilter,
     UsageScanner,
     needs_usage_rewrite,

@@ -1,4 +1,4 @@
-"""Usage of the Responses and Messages APIs (gateway/quota/usage_surfaces.py).
+"""Usage of the Responses and Messages APIs (gateway/request/usage_surfaces.py).
 
 The streams and bodies in tests/fixtures/surfaces are written event for event after the providers'
 documented answers (OpenAI's Responses streaming events, Anthropic's Messages streaming), with the
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from gateway.pricing.cost import ModelPrice, PriceRow, request_cost
-from gateway.quota import usage_surfaces
-from gateway.quota.usage import SseUsageFilter, UsageScanner
-from gateway.quota.usage_surfaces import MessagesUsage, ResponsesUsage, observer_for
+from gateway.request import usage_surfaces
 from gateway.request import surfaces
+from gateway.request.usage import SseUsageFilter, UsageScanner
+from gateway.request.usage_surfaces import MessagesUsage, ResponsesUsage, observer_for
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "surfaces"
 

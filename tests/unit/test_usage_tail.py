@@ -1,12 +1,12 @@
 """``top_level_usage`` decodes only the tail of an answer from its last ``"usage"`` key: it must find what a
-decode of the whole document finds, wherever the key and look-alikes sit (gateway/quota/usage.py)."""
+decode of the whole document finds, wherever the key and look-alikes sit (gateway/request/usage.py)."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
-from gateway.quota.usage import UsageScanner, _usage_document, top_level_usage
+from gateway.request.usage import UsageScanner, _usage_document, top_level_usage
 
 USAGE = {"prompt_tokens": 10, "completion_tokens": 16, "total_tokens": 26,
          "prompt_tokens_details": {"cached_tokens": 4}, "completion_tokens_details": {"reasoning_tokens": 2}}

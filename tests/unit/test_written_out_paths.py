@@ -9,9 +9,9 @@ import random
 from types import SimpleNamespace
 from typing import Any
 
-from gateway.capability import BodyFields, session_key
 from gateway.quota.admission import Admission
-from gateway.quota.estimate import MAX_ALLOWANCE
+from gateway.request.capability import BodyFields, session_key
+from gateway.request.estimate import MAX_ALLOWANCE
 from gateway.request.headers import HeaderPlan
 from workers.proxy import Proxy
 

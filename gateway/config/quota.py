@@ -13,10 +13,10 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from gateway.auth import is_key_digest
-from gateway.config_keys import KeyStoreBackend
-from gateway.config_spend import SpendLimit
-from gateway.quota.limits import limits_from_config, limits_problems
+from gateway.config.keys import KeyStoreBackend
+from gateway.config.spend import SpendLimit
+from gateway.identity.auth import is_key_digest
+from gateway.identity.limits import limits_from_config, limits_problems
 from gateway.yaml_config import DAY, MINUTE, Range, Seconds, StrictStruct, check_ranges
 
 if TYPE_CHECKING:

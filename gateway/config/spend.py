@@ -1,7 +1,7 @@
 """USD budgets as the config and the key records write them: ``quota.rules[].spend``, ``auth.keys[].limits.spend``
 and a managed key's ``limits.spend`` (docs/limits.md, "USD budgets"; docs/pricing.md).
 
-One schema for all three, in a module of its own so the quota config (gateway/config_quota.py) and the
+One schema for all three, in a module of its own so the quota config (gateway/config/quota.py) and the
 key records (gateway/keys/record.py) both import it without importing each other. Pure.
 """
 

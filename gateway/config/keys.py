@@ -9,7 +9,7 @@ from __future__ import annotations
 import ipaddress
 from typing import TYPE_CHECKING, Literal
 
-from gateway.auth import is_key_digest
+from gateway.identity.auth import is_key_digest
 from gateway.net import parse_host_port
 from gateway.yaml_config import StrictStruct
 
@@ -43,7 +43,7 @@ class KeyStoreBackend(StrictStruct):
     data_dir: str | None = None
 
     def __post_init__(self) -> None:
-        from gateway.config_quota import check_backend_url  # the quota's check (config_quota imports us)
+        from gateway.config.quota import check_backend_url  # the quota's check (config_quota imports us)
 
         check_backend_url(self.kind, self.url)
         if self.kind != "valkey" and self.url is not None:

@@ -95,7 +95,7 @@ class SpendBudget:
 
 
 def spend_from_config(entries: Sequence[Any]) -> tuple[SpendBudget, ...]:
-    """``spend`` entries (``gateway.config_spend.SpendLimit``, duck-typed) as ``SpendBudget``s."""
+    """``spend`` entries (``gateway.config.spend.SpendLimit``, duck-typed) as ``SpendBudget``s."""
     return tuple(
         SpendBudget(entry.nusd, entry.period, entry.tz or "UTC", entry.enforce == "hard",
                     tuple(sorted({round(t * 1000) for t in entry.alert_at})), PeriodClock(entry.period, entry.tz))

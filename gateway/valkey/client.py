@@ -18,8 +18,8 @@ from __future__ import annotations
 from valkey.exceptions import ValkeyError
 
 from gateway.config import QUOTA_CLUSTER_SCHEMES, single_node_url
-from gateway.quota.cluster_transport import ClusterTransport
-from gateway.quota.resp_transport import RespTransport
+from gateway.valkey.cluster_transport import ClusterTransport
+from gateway.valkey.resp_transport import RespTransport
 
 DEFAULT_TIMEOUT_S = 0.25
 

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gateway.quota.limits import Limits
+    from gateway.identity.limits import Limits
 
 KEY_DIGEST_PREFIX = "sha256:"
 _DIGEST_FORM = re.compile(r"sha256:[0-9a-f]{64}")
@@ -108,7 +108,7 @@ class Authenticator:
     @classmethod
     def from_config(cls, auth: Any) -> Authenticator:
         """The config's ``auth.keys`` (gateway.config structs, duck-typed), aliases and limits included."""
-        from gateway.quota.limits import limits_from_config  # pure; only a key with limits needs it
+        from gateway.identity.limits import limits_from_config  # pure; only a key with limits needs it
 
         entries: list[tuple[str, str, KeyIdentity]] = []
         for key in auth.keys:

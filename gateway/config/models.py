@@ -22,7 +22,7 @@ PROVIDER_REASONS = ("rate_limited", "unavailable", "timeout", "first_byte_timeou
 IMMEDIATE_REASONS = ("context_length_exceeded", "content_filter")
 FALLBACK_REASONS = PROVIDER_REASONS + IMMEDIATE_REASONS
 MAX_CHAIN = 16  # models in one chain
-MAX_NAME = 256  # bytes of a model name, as a request may send it (gateway/capability.py)
+MAX_NAME = 256  # bytes of a model name, as a request may send it (gateway/request/capability.py)
 
 
 class Alias(StrictStruct):

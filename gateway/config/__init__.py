@@ -11,16 +11,16 @@ from __future__ import annotations
 import os
 from typing import ClassVar, Literal
 
-from gateway.config_cors import Cors  # noqa: F401 - re-exported: importers use gateway.config
-from gateway.config_keys import (  # noqa: F401 - re-exported: importers use gateway.config
+from gateway.config.cors import Cors  # noqa: F401 - re-exported: importers use gateway.config
+from gateway.config.keys import (  # noqa: F401 - re-exported: importers use gateway.config
     AdminToken,
     KeyStoreBackend,
     keys_checks,
     managed_keys_enabled,
 )
-from gateway.config_models import Alias, Fallback, Models, restore_on_keys  # noqa: F401 - re-exported: importers use gateway.config
-from gateway.config_pricing import PriceOverride, Pricing  # noqa: F401 - re-exported: importers use gateway.config
-from gateway.config_quota import (  # noqa: F401 - the auth and quota schema, re-exported like routing's
+from gateway.config.models import Alias, Fallback, Models, restore_on_keys  # noqa: F401 - re-exported: importers use gateway.config
+from gateway.config.pricing import PriceOverride, Pricing  # noqa: F401 - re-exported: importers use gateway.config
+from gateway.config.quota import (  # noqa: F401 - the auth and quota schema, re-exported like routing's
     MAX_COUNT,
     MAX_TOKENS,
     QUOTA_CLUSTER_SCHEMES,
@@ -41,7 +41,7 @@ from gateway.config_quota import (  # noqa: F401 - the auth and quota schema, re
     quota_url_problem,
     single_node_url,
 )
-from gateway.config_routing import (  # noqa: F401 - the routing schema, re-exported: importers use gateway.config
+from gateway.config.routing import (  # noqa: F401 - the routing schema, re-exported: importers use gateway.config
     Backoff,
     Cooling,
     ModelFacts,
@@ -54,7 +54,7 @@ from gateway.config_routing import (  # noqa: F401 - the routing schema, re-expo
     TenantPolicy,
     is_header_name,
 )
-from gateway.config_tracing import Tracing  # noqa: F401 - re-exported: importers use gateway.config
+from gateway.config.tracing import Tracing  # noqa: F401 - re-exported: importers use gateway.config
 from gateway.net import parse_host_port
 from gateway.request.routes import parse_route_rule
 from gateway.yaml_config import (  # noqa: F401 - Seconds, read_text and convert_yaml are re-exported

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Sequence
 
-from gateway.quota.resp import RespClient, encode_command
-from gateway.quota.transport import SLOT, Arg, Reply, ScriptArgs, ScriptCalls
+from gateway.valkey.resp import RespClient, encode_command
+from gateway.valkey.transport import SLOT, Arg, Reply, ScriptArgs, ScriptCalls
 
 _SLOT_FORMAT = b"$%d\r\n%b\r\n"
 

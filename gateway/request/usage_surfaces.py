@@ -2,7 +2,7 @@
 
 Both APIs report usage in every answer, streamed or not, so their requests are never rewritten and
 these observers never change a byte: ``feed`` returns the chunk it was given. They fill the same
-attributes as the chat parsers (gateway/quota/usage.py), counted the OpenAI way (what
+attributes as the chat parsers (gateway/request/usage.py), counted the OpenAI way (what
 gateway/pricing/cost.py expects): ``prompt_tokens`` all input tokens, cached and cache-written ones
 included; ``completion_tokens`` all output tokens, reasoning included.
 
@@ -30,8 +30,8 @@ from typing import Annotated
 
 import msgspec
 
-from gateway.quota.usage import UsageObserver, usage_observer
 from gateway.request.surfaces import MESSAGES_USAGE, NO_USAGE, RESPONSES_USAGE
+from gateway.request.usage import UsageObserver, usage_observer
 
 MAX_HELD_BYTES = 8 * 1024 * 1024  # one whole answer, or one SSE event (the last repeats the output)
 _USAGE_KEY = b'"usage"'

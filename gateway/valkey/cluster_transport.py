@@ -18,7 +18,7 @@ from typing import Any
 
 from valkey.asyncio.cluster import ValkeyCluster
 
-from gateway.quota.transport import SLOT, Arg, Reply, ScriptArgs, ScriptCalls
+from gateway.valkey.transport import SLOT, Arg, Reply, ScriptArgs, ScriptCalls
 
 # A template: the call's arguments with placeholders, and the positions its values go to.
 ClusterTemplate = tuple[tuple[Arg | None, ...], tuple[int, ...]]

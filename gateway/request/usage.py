@@ -13,11 +13,11 @@ what is held back; ``total_tokens`` is the last ``usage.total_tokens`` seen (Non
 prompt, ``prompt_tokens_details.cached_tokens``) and ``reasoning_tokens`` (of the completion,
 ``completion_tokens_details.reasoning_tokens``) are the parts priced apart (gateway/pricing/cost.py);
 None when the provider did not report them; ``cache_write_tokens`` is always None here (OpenAI-style
-usage does not report cache writes; Anthropic's does: gateway/quota/usage_surfaces.py). Chunk
+usage does not report cache writes; Anthropic's does: gateway/request/usage_surfaces.py). Chunk
 boundaries may fall anywhere, including inside ``"total_tokens"`` or its number.
 
 This module serves the APIs whose usage lives where OpenAI's chat completions put it; the Responses
-and Messages APIs have their own observers (gateway/quota/usage_surfaces.py, ``observer_for``).
+and Messages APIs have their own observers (gateway/request/usage_surfaces.py, ``observer_for``).
 """
 
 from __future__ import annotations

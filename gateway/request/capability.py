@@ -42,7 +42,7 @@ import msgspec
 
 from gateway.http.errors import ErrorReply
 from gateway.http.media import is_json_content_type
-from gateway.quota.estimate import MAX_ALLOWANCE, completion_allowance
+from gateway.request.estimate import MAX_ALLOWANCE, completion_allowance
 from gateway.request.headers import MAX_TOKEN_BYTES, OWS, VISIBLE_ASCII
 from gateway.request.surfaces import (
     API_SURFACES,
@@ -85,7 +85,7 @@ class BodyFields(msgspec.Struct):
 
     @property
     def completion_allowance(self) -> int | None:
-        """The largest completion allowance the body names (``gateway.quota.estimate``)."""
+        """The largest completion allowance the body names (``gateway.request.estimate``)."""
         max_tokens, max_completion_tokens, max_output_tokens = \
             self.max_tokens, self.max_completion_tokens, self.max_output_tokens
         # The usual body names max_tokens alone, a plain count (or nothing): answered without the call.
