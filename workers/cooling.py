@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from gateway.config import Cooling
 from gateway.metrics.writer import WorkerMetrics
-from gateway.request.failover import cooling_seconds, parse_retry_after
 from gateway.routing.cooling import Scope
+from gateway.routing.failover import cooling_seconds, parse_retry_after
 from workers.providers import Endpoint, ProviderStates
 
 

@@ -25,9 +25,9 @@ from gateway.request.attempts import (
     never_taken,
     unanswered_tokens,
 )
-from gateway.request.failover import COOLING_STATUSES, Failover
 from gateway.request.headers import ask_identity_encoding
 from gateway.routing import RouteDecision, Router
+from gateway.routing.failover import COOLING_STATUSES, Failover
 from workers.clusters import ClusterManager, EndpointLease, UpstreamCluster, UpstreamEndpoint
 from workers.outcomes import Outcomes, attempts_header, served_model_headers
 from workers.overlay_follower import OverlayFollower

@@ -23,9 +23,9 @@ from gateway.keys.answers import model_refusal
 from gateway.models.aliases import retarget_body
 from gateway.models.fallbacks import failure_reason, provider_reason, refusal_reason
 from gateway.request.capability import CapabilityRequest
-from gateway.request.failover import Failover
 from gateway.routing import RouteDecision
 from gateway.routing.decision import RouteRefusal
+from gateway.routing.failover import Failover
 from gateway.routing.tenants import Policy
 from workers.head_gate import Admitted
 from workers.request_record import RequestRecord

@@ -16,8 +16,8 @@ from gateway.http.errors import ErrorReply
 from gateway.metrics.writer import WorkerMetrics
 from gateway.quota.gate import QuotaGate
 from gateway.request.attempts import AttemptResult, attempt_tokens, served_tokens, usage_split
-from gateway.request.failover import COOLING_STATUSES
 from gateway.routing.decision import header_value
+from gateway.routing.failover import COOLING_STATUSES
 from gateway.spend.price_book import PriceBook
 from workers.access_log import AccessLog
 from workers.cooling import cool_for_answer

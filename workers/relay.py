@@ -24,13 +24,13 @@ from gateway.http.errors import sse_error_event_in
 from gateway.http.media import is_event_stream
 from gateway.models.fallbacks import MAX_REFUSAL_BYTES, refusal_code
 from gateway.request.attempts import AttemptResult
-from gateway.request.failover import RETRYABLE_STATUSES
 from gateway.request.failures import Failure
 from gateway.request.headers import connection_tokens
 from gateway.request.surfaces import MESSAGES_USAGE, OPENAI_USAGE, RESPONSES_USAGE
 from gateway.request.usage import SseUsageFilter, UsageObserver, UsageScanner
 from gateway.request.usage_surfaces import AnswerUsage, observer_for
 from gateway.routing.cooling import cooling_signals
+from gateway.routing.failover import RETRYABLE_STATUSES
 from workers.exchange import Exchange
 from workers.upstream import UpstreamConnection
 

@@ -16,15 +16,12 @@ from gateway.config.keys import (  # noqa: F401 - re-exported: importers use gat
     AdminToken,
     KeyStoreBackend,
     keys_checks,
-    managed_keys_enabled,
 )
 from gateway.config.models import Alias, Fallback, Models, restore_on_keys  # noqa: F401 - re-exported: importers use gateway.config
 from gateway.config.pricing import PriceOverride, Pricing  # noqa: F401 - re-exported: importers use gateway.config
 from gateway.config.quota import (  # noqa: F401 - the auth and quota schema, re-exported like routing's
     MAX_COUNT,
     MAX_TOKENS,
-    QUOTA_CLUSTER_SCHEMES,
-    QUOTA_NODE_SCHEMES,
     ApiKey,
     Auth,
     Budget,
@@ -38,8 +35,6 @@ from gateway.config.quota import (  # noqa: F401 - the auth and quota schema, re
     QuotaRule,
     RequestRate,
     quota_checks,
-    quota_url_problem,
-    single_node_url,
 )
 from gateway.config.routing import (  # noqa: F401 - the routing schema, re-exported: importers use gateway.config
     Backoff,
@@ -324,8 +319,13 @@ def _cross_checks(config: Config) -> list[str]:
     for index, cluster in enumerate(config.clusters):
         if cluster.upstream_auth is not None and not is_header_name(cluster.upstream_auth.header):
             problems.append(f"clusters[{index}].upstream_auth.header: not a valid header name")
-    return (problems + _routing_checks(config, set(names)) + _tenant_checks(config) + quota_checks(config)
-            + keys_checks(config))
+    return (problems + _routing_checks(config, set(names)) + _tenant_checks(config) + quota_checks(config.auth, config.quota)
+            + keys_checks(config.admin.tokens, config.admin.listen))
+
+
+def managed_keys_enabled(config: Config) -> bool:
+    """Managed keys need authentication and a store: the quota backend's Valkey, or ``auth.store``."""
+    return config.auth is not None and (config.quota is not None or config.auth.store is not None)
 
 
 def _routing_checks(config: Config, cluster_names: set[str]) -> list[str]:

@@ -7,14 +7,12 @@ small; the rules are the same: strict Structs, a range for every number, errors 
 from __future__ import annotations
 
 import ipaddress
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from gateway.identity.auth import is_key_digest
 from gateway.net import parse_host_port
+from gateway.valkey.urls import url_problem
 from gateway.yaml_config import StrictStruct
-
-if TYPE_CHECKING:
-    from gateway.config import Config
 
 AdminScope = Literal["keys:read", "keys:write", "spend:read", "quota:read"]
 ADMIN_SCOPES: tuple[str, ...] = ("keys:read", "keys:write", "spend:read", "quota:read")
@@ -43,11 +41,19 @@ class KeyStoreBackend(StrictStruct):
     data_dir: str | None = None
 
     def __post_init__(self) -> None:
-        from gateway.config.quota import check_backend_url  # the quota's check (config_quota imports us)
-
         check_backend_url(self.kind, self.url)
         if self.kind != "valkey" and self.url is not None:
             raise ValueError("url: only with kind valkey (kind embedded runs the bundled Valkey)")
+
+
+def check_backend_url(kind: str, url: str | None) -> None:
+    """A Valkey backend's ``url`` (the quota's and the managed keys' store): ValueError names the field."""
+    if kind == "valkey":
+        if not url:
+            raise ValueError("url: must be set with kind valkey (e.g. valkey://host:6379/0)")
+        problem = url_problem(url)
+        if problem:
+            raise ValueError(f"url: {problem}")
 
 
 def is_loopback(address: str) -> bool:
@@ -60,15 +66,9 @@ def is_loopback(address: str) -> bool:
         return False  # a host name: it may resolve anywhere
 
 
-def managed_keys_enabled(config: Config) -> bool:
-    """Managed keys need authentication and a store: the quota backend's Valkey, or ``auth.store``."""
-    return config.auth is not None and (config.quota is not None or config.auth.store is not None)
-
-
-def keys_checks(config: Config) -> list[str]:
-    """Cross-field checks of admin tokens and the key store; each problem names its field."""
+def keys_checks(tokens: list[AdminToken], admin_listen: str) -> list[str]:
+    """Cross-field checks of the admin tokens; each problem names its field."""
     problems = []
-    tokens = config.admin.tokens
     names = [token.name for token in tokens]
     for index, name in enumerate(names):
         if names.index(name) != index:
@@ -78,12 +78,9 @@ def keys_checks(config: Config) -> list[str]:
         if digests.index(digest) != index:
             problems.append(f"admin.tokens[{index}].key: the same token as admin.tokens[{digests.index(digest)}]")
     try:
-        if not tokens and not is_loopback(config.admin.listen):
+        if not tokens and not is_loopback(admin_listen):
             problems.append("admin.listen: off loopback the admin listener needs admin.tokens (it would "
                             "serve every admin page to anyone who can reach it)")
     except ValueError:
         pass  # the address itself is reported by its own check
-    if config.auth is not None and config.auth.store is not None and config.quota is not None:
-        problems.append("auth.store: with a quota block the keys live in the quota backend's Valkey "
-                        "(the admission call reads their deny set there); remove auth.store")
     return problems

@@ -11,16 +11,13 @@ backend) are ``quota_checks``, run by the config loader with its other cross-fie
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import ClassVar, Literal
 
-from gateway.config.keys import KeyStoreBackend
+from gateway.config.keys import KeyStoreBackend, check_backend_url
 from gateway.config.spend import SpendLimit
 from gateway.identity.auth import is_key_digest
 from gateway.identity.limits import limits_from_config, limits_problems
 from gateway.yaml_config import DAY, MINUTE, Range, Seconds, StrictStruct, check_ranges
-
-if TYPE_CHECKING:
-    from gateway.config import Config
 
 MAX_COUNT = 1_000_000_000  # counts of requests and tokens per request
 MAX_TOKENS = 10**15  # tokens of a budget or a lease block
@@ -100,34 +97,6 @@ class Auth(StrictStruct):
         check_ranges(self, self._RANGES)
 
 
-# Quota backend URL schemes: one node, or a seed node of a Valkey Cluster (the topology is discovered).
-QUOTA_NODE_SCHEMES = ("valkey", "valkeys", "redis", "rediss", "unix")
-QUOTA_CLUSTER_SCHEMES = ("valkey+cluster", "valkeys+cluster")
-
-
-def quota_url_problem(url: str) -> str | None:
-    """None if ``url`` is a backend URL the quota ledger can use, else why not."""
-    scheme, sep, rest = url.partition("://")
-    scheme = scheme.lower()
-    if not sep:
-        return "expected a URL such as valkey://host:6379/0"
-    if scheme not in QUOTA_NODE_SCHEMES + QUOTA_CLUSTER_SCHEMES:
-        allowed = ", ".join(f"{s}://" for s in QUOTA_NODE_SCHEMES + QUOTA_CLUSTER_SCHEMES)
-        return f"unsupported scheme {scheme}:// (use one of {allowed})"
-    if scheme in QUOTA_CLUSTER_SCHEMES and ":" not in rest.rsplit("@", 1)[-1].split("/", 1)[0]:
-        return f"{scheme}:// needs host:port of one cluster node"
-    return None
-
-
-def single_node_url(url: str) -> str:
-    """``url`` for its node alone: a ``valkey+cluster://`` / ``valkeys+cluster://`` seed becomes
-    ``valkey://`` / ``valkeys://``; other URLs stay as they are."""
-    scheme, sep, rest = url.partition("://")
-    if scheme.lower() in QUOTA_CLUSTER_SCHEMES:
-        return f"{scheme.lower().removesuffix('+cluster')}{sep}{rest}"
-    return url
-
-
 class QuotaBackend(StrictStruct):
     kind: Literal["embedded", "valkey"] = "embedded"
     url: str | None = None
@@ -137,16 +106,6 @@ class QuotaBackend(StrictStruct):
 
     def __post_init__(self) -> None:
         check_backend_url(self.kind, self.url)
-
-
-def check_backend_url(kind: str, url: str | None) -> None:
-    """A Valkey backend's ``url`` (the quota's and the managed keys' store): ValueError names the field."""
-    if kind == "valkey":
-        if not url:
-            raise ValueError("url: must be set with kind valkey (e.g. valkey://host:6379/0)")
-        problem = quota_url_problem(url)
-        if problem:
-            raise ValueError(f"url: {problem}")
 
 
 class QuotaBreaker(StrictStruct):
@@ -240,10 +199,13 @@ class Quota(StrictStruct):
         return self.lease is not None and self.lease.enabled
 
 
-def quota_checks(config: Config) -> list[str]:
+def quota_checks(auth: Auth | None, quota: Quota | None) -> list[str]:
     """Checks across ``auth`` and ``quota``; each problem names its field."""
     problems: list[str] = []
-    keys = config.auth.keys if config.auth is not None else []
+    if auth is not None and auth.store is not None and quota is not None:
+        problems.append("auth.store: with a quota block the keys live in the quota backend's Valkey "
+                        "(the admission call reads their deny set there); remove auth.store")
+    keys = auth.keys if auth is not None else []
     aliases: dict[str, int] = {}
     for index, key in enumerate(keys):
         if key.alias is None:
@@ -256,17 +218,17 @@ def quota_checks(config: Config) -> list[str]:
             limits = key.limits
             own = limits_from_config(limits.requests, limits.budgets, limits.max_in_flight, limits.spend)
             problems += limits_problems(own, f"auth.keys[{index}].limits")
-            if config.quota is None:
+            if quota is None:
                 problems.append(f"auth.keys[{index}].limits: needs the quota block (limits are counted in its backend)")
-    if config.quota is None:
+    if quota is None:
         return problems
-    if not config.quota.rules and not any(key.limits is not None for key in keys):
+    if not quota.rules and not any(key.limits is not None for key in keys):
         problems.append("quota.rules: required (no rule and no key with limits: nothing to meter)")
-    for index, rule in enumerate(config.quota.rules):
+    for index, rule in enumerate(quota.rules):
         pattern = rule.match.key if rule.match else None
         if pattern is None:
             continue
-        if config.auth is None:
+        if auth is None:
             problems.append(f"quota.rules[{index}].match.key: there is no auth block, so no request has a key")
         # With auth and a quota block, managed keys are on (docs/keys.md): a glob may name the kids and
         # aliases of keys made at runtime, so matching no auth.keys[].alias is no error.

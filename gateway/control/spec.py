@@ -20,12 +20,13 @@ from urllib.parse import urlsplit
 import msgspec
 
 # One error builder and one strict base for every YAML file gridgate reads: the config's.
-from gateway.config import ConfigError, Seconds, convert_yaml, quota_url_problem, read_text
+from gateway.config import ConfigError, Seconds, convert_yaml, read_text
 from gateway.control import signals as sig
 from gateway.control.metrics_spec import MetricsSource, resolve_signals
 from gateway.control.signals import SignalPlan
 from gateway.net import parse_host_port
 from gateway.overlay.contract import MAX_CANDIDATES, MAX_TEXT_BYTES
+from gateway.valkey.urls import url_problem
 from gateway.yaml_config import DAY, HOUR, MINUTE, Range, check_ranges
 from gateway.yaml_config import StrictStruct as _Strict
 
@@ -349,7 +350,7 @@ def _publish_problems(spec: ControlSpec) -> list[str]:
     if target is None:
         return []
     problems = []
-    if (problem := quota_url_problem(target.url)) is not None:
+    if (problem := url_problem(target.url)) is not None:
         problems.append(f"publish.valkey.url: {problem}")
     if not target.key.strip() or any(c.isspace() for c in target.key):
         problems.append("publish.valkey.key: must be a key name without spaces")

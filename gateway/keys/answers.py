@@ -11,14 +11,9 @@ from typing import Any
 
 import msgspec
 
+from gateway.identity.key_status import KEY_EXPIRED, MODEL_NOT_ALLOWED, status_refusal  # noqa: F401 - re-exported
 from gateway.keys.record import format_time
 from gateway.keys.view import KeyEntry
-
-# 401 codes of a key the table knows but refuses.
-KEY_BLOCKED = "key_blocked"
-KEY_REVOKED = "key_revoked"
-KEY_EXPIRED = "key_expired"
-MODEL_NOT_ALLOWED = "model_not_allowed"
 
 
 def refusal(entry: KeyEntry, now: float) -> tuple[str, str] | None:
@@ -26,10 +21,8 @@ def refusal(entry: KeyEntry, now: float) -> tuple[str, str] | None:
 
     Revoked wins over blocked (final), blocked over expired (an admin's act says more than a date).
     """
-    if entry.status == "revoked":
-        return KEY_REVOKED, f"API key {entry.kid} was revoked"
-    if entry.status == "blocked":
-        return KEY_BLOCKED, f"API key {entry.kid} is blocked"
+    if (status := status_refusal(entry.kid, entry.status)) is not None:
+        return status
     if entry.expires_at is not None and now >= entry.expires_at:
         return KEY_EXPIRED, f"API key {entry.kid} expired at {format_time(entry.expires_at)}"
     return None

@@ -35,6 +35,8 @@ from typing import Any
 
 import msgspec
 
+# The deny sets' key names are the ledger's, so the admit reads exactly the hash this store writes.
+from gateway.identity.key_names import deny_set_key
 from gateway.identity.keyformat import is_kid, key_digest, new_key, new_kid
 from gateway.keys.record import (
     ACTIVE,
@@ -51,11 +53,6 @@ from gateway.keys.record import (
     format_time,
     parse_time,
     public_record,
-)
-
-# The deny sets' key names are the ledger's, so the admit reads exactly the hash this store writes.
-from gateway.quota.ledger_script import (
-    deny_set_key,  # not via the ledger, which loads valkey: the supervisor must not (tests/integration/test_layers.py)
 )
 
 log = logging.getLogger("gridgate.keys")

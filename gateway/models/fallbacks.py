@@ -1,7 +1,7 @@
 """Sans-IO decisions of a fallback chain (docs/models.md, "Reasons"): why a model could not serve a
 request, in the vocabulary of ``models.fallbacks.*.on``, and whether that moves the request on.
 
-The provider failover (gateway/request/failover.py) walks the providers of one model; when it ends
+The provider failover (gateway/routing/failover.py) walks the providers of one model; when it ends
 without an answer, ``failure_reason`` names what every provider failed for (None when they did not all
 fail for one listed reason: the request does not move). Refusals before any provider was tried (the
 eligibility filter's context window, no admissible candidate) move at once (``refusal_reason``).

@@ -92,10 +92,10 @@ def redact_url(url: str) -> str:
 def source_problems(url: str, cache_file: str | None, field: str = "routing.overlay_source") -> list[str]:
     """What ``gridgate check`` and start-up refuse in a source: a URL the quota backend would refuse
     too, a cache file whose directory does not exist."""
-    from gateway.config import quota_url_problem  # the one rule for Valkey URLs
+    from gateway.valkey.urls import url_problem  # the one rule for Valkey URLs
 
     problems = []
-    if (problem := quota_url_problem(url)) is not None:
+    if (problem := url_problem(url)) is not None:
         problems.append(f"{field}.url: {problem}")
     if cache_file is not None and not os.path.isdir(os.path.dirname(os.path.abspath(cache_file))):
         problems.append(f"{field}.cache_file: directory {os.path.dirname(os.path.abspath(cache_file))} does not exist")
@@ -172,7 +172,7 @@ class OverlayCache:
 
 def _node_url(url: str) -> str:
     """A URL for one node: pub/sub messages reach every node of a Valkey Cluster, so the seed will do."""
-    from gateway.config import single_node_url
+    from gateway.valkey.urls import single_node_url
 
     return single_node_url(url)
 

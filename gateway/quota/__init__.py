@@ -16,7 +16,7 @@ Import the submodules directly; this package imports nothing so the pure rooms s
     ledger_script                                     the one Lua script, versioned, and its key prefix
     ledger     QuotaLedger, Account, Reservation      the script's calls and their replies; an Account is what
                                                       meters a (tenant, rule, key)
-    transport  LedgerTransport                        the protocol the ledger speaks to Valkey through
+    transport  ScriptTransport                        the protocol the ledger speaks to Valkey through
     resp_transport     RespTransport                  ... one node, over the lean pipelined RespClient
     cluster_transport  ClusterTransport               ... Valkey Cluster, over valkey-py's ValkeyCluster
     backend    create_client                          the transport for a backend URL (chosen once, here)

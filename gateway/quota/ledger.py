@@ -33,11 +33,12 @@ from gateway.identity.limits import LimitRef, Scope, SpendBudget, limit_refs, us
 from gateway.pricing.period import PeriodSpan, rfc3339
 from gateway.quota.ledger_script import (  # noqa: F401 - deny_set_key re-exported: importers use the ledger
     KEY_PREFIX,
+    LEDGER,
     deny_set_key,
     escape_key_part,
 )
 from gateway.quota.rules import QuotaRule
-from gateway.valkey.transport import SLOT, LedgerTransport, Reply, Template, UnexpectedReply, Wire
+from gateway.valkey.transport import SLOT, Reply, ScriptTransport, Template, UnexpectedReply, Wire
 
 if TYPE_CHECKING:
     from gateway.identity.auth import KeyIdentity
@@ -229,7 +230,8 @@ class QuotaLedger:
     for every admit of a loop tick, batched by ``batcher.AdmitBatcher``) and read back (``read``).
     """
 
-    def __init__(self, transport: LedgerTransport, *, reservation_timeout_s: float) -> None:
+    def __init__(self, transport: ScriptTransport, *, reservation_timeout_s: float) -> None:
+        transport.use_script(LEDGER)
         self._transport = transport
         self._fill = transport.fill
         self._timeout_ms = max(1, int(reservation_timeout_s * 1000))
@@ -238,7 +240,7 @@ class QuotaLedger:
         self._settle = transport.template((SLOT, "settle", SLOT, SLOT, SLOT, SLOT, SLOT))
 
     @property
-    def transport(self) -> LedgerTransport:
+    def transport(self) -> ScriptTransport:
         return self._transport
 
     @property

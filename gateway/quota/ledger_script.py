@@ -50,9 +50,8 @@ v6 members as members without spend.
 
 from __future__ import annotations
 
-import hashlib
-
-from gateway.quota.key_names import deny_set_key, escape_key_part  # noqa: F401 - re-exported: importers use these
+from gateway.identity.key_names import deny_set_key, escape_key_part  # noqa: F401 - re-exported: importers use these
+from gateway.valkey.transport import Script
 
 SCRIPT_NAME = "gridgate-quota-ledger"
 SCRIPT_VERSION = 7
@@ -487,5 +486,6 @@ return redis.error_reply('gridgate quota ledger: unknown mode ' .. tostring(mode
 """
 )
 
-LEDGER_SHA = hashlib.sha1(LEDGER_SCRIPT.encode()).hexdigest()
+LEDGER = Script(LEDGER_SCRIPT)
+LEDGER_SHA = LEDGER.sha
 

@@ -15,8 +15,8 @@ words of the head gate's refusal (``gateway.keys.answers``), whatever this host'
 
 from __future__ import annotations
 
+from gateway.identity.key_status import KEY_BLOCKED, status_refusal
 from gateway.identity.limits import LimitRef, usd_text
-from gateway.keys.answers import KEY_BLOCKED, KEY_REVOKED
 from gateway.pricing.period import rfc3339
 from gateway.quota.admission import (
     H_LIMIT,
@@ -126,9 +126,6 @@ def budget_refused(account: Account, ref: LimitRef, retry_ms: int, worst: int, h
 def key_refused(account: Account, status: bytes, estimate: int) -> Admission:
     """The 401 of a managed key in its tenant's deny set (``status``: ``blocked`` or ``revoked``)."""
     kid = account.key.kid
-    if status == b"revoked":
-        code, message = KEY_REVOKED, f"API key {kid} was revoked"
-    else:
-        code, message = KEY_BLOCKED, f"API key {kid} is blocked"
+    code, message = status_refusal(kid, status.decode(errors="replace")) or (KEY_BLOCKED, f"API key {kid} is blocked")
     return Admission(False, code, 401, _KEY_REFUSAL_HEADERS, None, estimate, message=message, error_type=None,
                      code=code)

@@ -43,6 +43,7 @@ import msgspec
 from gateway.http.errors import ErrorReply
 from gateway.http.media import is_json_content_type
 from gateway.request.estimate import MAX_ALLOWANCE, completion_allowance
+from gateway.request.features import AUDIO, EMBEDDINGS, JSON_SCHEMA, TOOLS, VISION
 from gateway.request.headers import MAX_TOKEN_BYTES, OWS, VISIBLE_ASCII
 from gateway.request.surfaces import (
     API_SURFACES,
@@ -51,7 +52,6 @@ from gateway.request.surfaces import (
     OTHER_BODY,
     RESPONSES_BODY,
 )
-from gateway.routing.eligibility import AUDIO, EMBEDDINGS, JSON_SCHEMA, TOOLS, VISION
 
 MAX_NAME_BYTES = MAX_TOKEN_BYTES
 MCP_SESSION_NAME = ""  # see gateway.overlay.snapshot.MCP_SESSION_CAPABILITY

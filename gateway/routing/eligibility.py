@@ -14,11 +14,16 @@ from fnmatch import fnmatchcase
 
 from gateway.config import ModelFacts
 from gateway.http.errors import ErrorReply
-
-FEATURES = ("tools", "vision", "json_schema", "audio", "embeddings")
-FEATURE_BIT = {name: 1 << index for index, name in enumerate(FEATURES)}
-ALL_FEATURES = (1 << len(FEATURES)) - 1
-TOOLS, VISION, JSON_SCHEMA, AUDIO, EMBEDDINGS = (FEATURE_BIT[name] for name in FEATURES)
+from gateway.request.features import (  # noqa: F401 - re-exported: the bits are routing's vocabulary too
+    ALL_FEATURES,
+    AUDIO,
+    EMBEDDINGS,
+    FEATURE_BIT,
+    FEATURES,
+    JSON_SCHEMA,
+    TOOLS,
+    VISION,
+)
 
 # Why a candidate was filtered (bits, so one candidate can fail several ways), and their names in the
 # access log and the metrics.

@@ -24,10 +24,11 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from gateway.admin.tokens import AdminTokens
-from gateway.config import QUOTA_CLUSTER_SCHEMES, Config, managed_keys_enabled
+from gateway.config import Config, managed_keys_enabled
 from gateway.identity.auth import KeyIdentity
 from gateway.supervisor.quota_backend import EmbeddedQuotaBackend, quota_url_for
 from gateway.supervisor.startup import StartupError
+from gateway.valkey.urls import is_cluster_url
 from shm.keys import KeyTable, KeyTableWriter
 
 log = logging.getLogger("gridgate.keys")
@@ -53,7 +54,7 @@ def key_store_url_for(config: Config, embedded: EmbeddedQuotaBackend) -> str | N
 
 
 def _is_cluster(url: str) -> bool:
-    return url.partition("://")[0].lower() in QUOTA_CLUSTER_SCHEMES
+    return is_cluster_url(url)
 
 
 class KeyService:

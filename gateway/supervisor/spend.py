@@ -19,8 +19,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from gateway.config import Config
-from gateway.config.keys import managed_keys_enabled
+from gateway.config import Config, managed_keys_enabled
 from gateway.identity.auth import KeyIdentity
 from gateway.identity.limits import Scope
 from gateway.process_protocol import SpendCounts

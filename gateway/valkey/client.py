@@ -1,6 +1,6 @@
 """Building the quota ledger's Valkey client from the configured backend.
 
-Accepted URLs (the config validates them: ``gateway.config.quota_url_problem``): ``valkey://``,
+Accepted URLs (the config validates them: ``gateway.valkey.urls.url_problem``): ``valkey://``,
 ``valkeys://``, ``redis://``, ``rediss://``, ``unix://`` (a single node) and ``valkey+cluster://host:port``
 / ``valkeys+cluster://host:port`` (Valkey Cluster; the node is a seed, the topology is discovered).
 ``{kind: embedded}`` resolves to the URL the supervisor's ``EmbeddedValkey.start()`` returned.
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from valkey.exceptions import ValkeyError
 
-from gateway.config import QUOTA_CLUSTER_SCHEMES, single_node_url
 from gateway.valkey.cluster_transport import ClusterTransport
 from gateway.valkey.resp_transport import RespTransport
+from gateway.valkey.urls import is_cluster_url, single_node_url
 
 DEFAULT_TIMEOUT_S = 0.25
 
@@ -42,7 +42,7 @@ def create_client(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> RespTran
     CPU per admit and per settle of valkey-py's pooled client, whose per-command machinery dominated
     the quota's cost per request). Cluster: valkey-py, which knows slots, redirections and topology;
     it initialises lazily on first use."""
-    if url.partition("://")[0].lower() not in QUOTA_CLUSTER_SCHEMES:
+    if not is_cluster_url(url):
         return RespTransport.from_url(url, timeout_s=timeout_s)
     # The pool is not capped: the transport bounds its batches in flight, and that bounds the connections.
     return ClusterTransport.from_url(

@@ -27,7 +27,7 @@ DEFAULT_MAX_CONCURRENT_CALLS = 64
 
 
 class ClusterTransport(ScriptCalls, ValkeyCluster):
-    """``ValkeyCluster`` speaking the ``LedgerTransport`` protocol; still every command of the client."""
+    """``ValkeyCluster`` speaking the ``ScriptTransport`` protocol; still every command of the client."""
 
     def __init__(self, *args: Any, max_concurrent_calls: int = DEFAULT_MAX_CONCURRENT_CALLS, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -16,7 +16,7 @@ _SLOT_FORMAT = b"$%d\r\n%b\r\n"
 
 
 class RespTransport(ScriptCalls, RespClient):
-    """``RespClient`` speaking the ``LedgerTransport`` protocol; still every command of the client."""
+    """``RespClient`` speaking the ``ScriptTransport`` protocol; still every command of the client."""
 
     def template(self, args: ScriptArgs) -> bytes:  # type: ignore[override]
         call = ("EVALSHA", self.sha, 1, *args)

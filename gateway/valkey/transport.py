@@ -1,7 +1,8 @@
-"""How the ledger's script calls reach Valkey: one protocol, two implementations.
+"""How a user's Lua script calls reach Valkey: one protocol, two implementations.
 
-``QuotaLedger`` knows the key layout, the script's arguments and what its replies mean; a transport knows
-the wire. It turns a script call (the script's ``KEYS[1]`` then its ``ARGV``) into what its client sends,
+The transport knows the wire, not the script: its user hands it one (``use_script``). The quota ledger
+(``gateway.quota.ledger``) is today's only user; it knows the key layout, the script's arguments and what
+its replies mean. It turns a script call (the script's ``KEYS[1]`` then its ``ARGV``) into what its client sends,
 pipelines a batch of them, reloads the script when the server lost it, and reads the keyspace.
 
 Two implementations, chosen once, where the client is made (``backend.create_client``, by the URL):
@@ -19,12 +20,12 @@ on the single-node wire). Both implementations are also full command clients (``
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from valkey.exceptions import NoScriptError, ValkeyError
-
-from gateway.quota.ledger_script import LEDGER_SCRIPT, LEDGER_SHA
 
 Arg = bytes | str | int
 # A script call's arguments: KEYS[1] (one key: every call touches one (rule, tenant) and one Cluster slot),
@@ -39,14 +40,29 @@ Template = bytes | tuple[tuple[Arg | None, ...], tuple[int, ...]]
 Reply = bytes | int | list[Any] | Exception | None
 
 
+@dataclass(frozen=True)
+class Script:
+    """A Lua script and the SHA1 that EVALSHA names it by."""
+
+    source: str
+    sha: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
+
+
 class UnexpectedReply(ValkeyError, ValueError):
     """The backend answered what the ledger's script cannot have written (a server that is not the
     Valkey the ledger expects, or a broken one): a backend error like any other, never a crash."""
 
 
-class LedgerTransport(Protocol):
-    """The ledger's only way to Valkey. Errors are valkey-py's exception classes (``backend.BACKEND_ERRORS``);
+class ScriptTransport(Protocol):
+    """A script user's only way to Valkey (the quota ledger's). Errors are valkey-py's exception classes (``backend.BACKEND_ERRORS``);
     timeouts belong to the caller."""
+
+    def use_script(self, script: Script) -> None:
+        """The script every call of this transport runs (set once, by its user, before the first call)."""
+        ...
 
     def template(self, args: ScriptArgs) -> Template:
         """A call prepared once: ``args`` with ``SLOT`` where each call differs (filled by ``fill``)."""
@@ -94,19 +110,29 @@ class ScriptCalls:
     """What both transports do the same way on top of their ``_pipelined``: the script, batches that survive
     a lost script cache, one call. A mixin in front of the client class: ``class X(ScriptCalls, Client)``."""
 
-    script = LEDGER_SCRIPT
-    sha = LEDGER_SHA
+    script: Script | None = None
 
     if TYPE_CHECKING:  # provided by the transport (``_pipelined``) and by its client class (``script_load``)
         async def _pipelined(self, wires: Sequence[Wire]) -> list[Reply]: ...
         async def script_load(self, script: str) -> str | bytes: ...
 
+    def use_script(self, script: Script) -> None:
+        self.script = script
+
+    @property
+    def sha(self) -> str:
+        if self.script is None:
+            raise RuntimeError("no script: the transport's user calls use_script() first")
+        return self.script.sha
+
     async def load_script(self) -> None:
-        sha = await self.script_load(self.script)
+        expected = self.sha
+        assert self.script is not None
+        sha = await self.script_load(self.script.source)
         if isinstance(sha, bytes):
             sha = sha.decode()
-        if sha != self.sha:  # would mean the server hashes differently: refuse to guess
-            raise UnexpectedReply(f"unexpected script sha {sha!r:.80} (expected {self.sha})")
+        if sha != expected:  # would mean the server hashes differently: refuse to guess
+            raise UnexpectedReply(f"unexpected script sha {sha!r:.80} (expected {expected})")
 
     async def run_batch(self, wires: Sequence[Wire]) -> list[Reply]:
         if not wires:

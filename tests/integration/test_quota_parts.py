@@ -25,7 +25,7 @@ from gateway.quota.rules import QuotaRule
 from gateway.valkey.client import create_client
 from gateway.valkey.embedded import EmbeddedValkey
 from gateway.valkey.resp_transport import RespTransport
-from gateway.valkey.transport import SLOT, LedgerTransport, Reply, Wire
+from gateway.valkey.transport import SLOT, Reply, ScriptTransport, Wire
 from tests.integration.test_quota_ledger import (
     LONG,
     _free_port,
@@ -337,7 +337,7 @@ def test_the_breaker_opens_answers_by_policy_and_its_probe_closes_it_once_the_ba
 # -- the transport ------------------------------------------------------------------------------------------
 
 
-async def check_transport(transport: LedgerTransport, url: str) -> None:
+async def check_transport(transport: ScriptTransport, url: str) -> None:
     """What the ledger relies on, for either transport (``url`` reaches the same server, for a flush)."""
     tenant = f"t-{uuid.uuid4().hex[:10]}"
     rule = rule_for(tenant, (LONG, 1000))

@@ -14,7 +14,7 @@ from gateway.http.errors import ErrorReply
 from gateway.models.aliases import fallback_edges, model_routes, retarget_body, visible_aliases
 from gateway.models.fallbacks import failure_reason, provider_reason, refusal_reason
 from gateway.overlay.watch import load_inline_overlay
-from gateway.request.failover import Failover
+from gateway.routing.failover import Failover
 
 BASE = """
 clusters: [{name: a, endpoints: ["127.0.0.1:9001"]}]

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 
 from gateway.pricing.cost import ModelPrice, PriceRow, request_cost
-from gateway.request import usage_surfaces
-from gateway.request import surfaces
+from gateway.request import surfaces, usage_surfaces
 from gateway.request.usage import SseUsageFilter, UsageScanner
 from gateway.request.usage_surfaces import MessagesUsage, ResponsesUsage, observer_for
 
