@@ -125,6 +125,9 @@ def test_a_block_ends_with_the_first_token_window_of_its_limits() -> None:
     from gateway.quota.ledger import QuotaLedger
 
     class Transport:
+        def use_script(self, script: object) -> None:  # the ledger hands its script; nothing runs
+            pass
+
         def template(self, args: object) -> object:
             return args
 
@@ -147,6 +150,9 @@ def test_capped_or_shadowed_accounts_never_lease() -> None:
     from gateway.quota.ledger import QuotaLedger
 
     class Transport:
+        def use_script(self, script: object) -> None:  # the ledger hands its script; nothing runs
+            pass
+
         def template(self, args: object) -> object:
             return args
 
