@@ -26,12 +26,31 @@ output). Anthropic's ``input_tokens`` excludes the cache parts, as the real API'
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
-if TYPE_CHECKING:
-    from loadtest.mock_provider import Completion, Request
+
+class Request(Protocol):
+    """What a shape reads of the mock provider's request (``loadtest.mock_provider.Request``)."""
+
+    fields: dict[str, str]  # header name (lower case) -> value
+
+
+class MockCounter(Protocol):
+    def next_id(self) -> int: ...
+
+
+class Completion(Protocol):
+    """What a shape reads of the mock provider's completion (``loadtest.mock_provider.Completion``)."""
+
+    req: Request
+    state: MockCounter
+    body: dict[str, Any]
+    model: str
+    prompt_tokens: int
+    tokens: int
+    truncated: bool
 
 _encode = msgspec.json.Encoder().encode
 

@@ -29,9 +29,9 @@ import msgspec
 
 from gateway.config import AccessLog as AccessLogConfig
 from gateway.config import Config
-from gateway.routing.decision import RouteDecision
 from gateway.routing.eligibility import reason_names
 from gateway.routing.evidence import PickerInput
+from gateway.routing.plan import RouteDecision
 from workers.line_writer import LineWriter
 from workers.request_record import RequestRecord
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from functools import cache
 from urllib.parse import urlsplit
 
+from gateway.http.client_codec import ClientCodec
 from gateway.http.codec import (
     NEED_DATA,
     Body,
-    ClientCodec,
     ConnectionClosed,
     EndOfMessage,
     ParseError,

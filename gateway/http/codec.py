@@ -9,7 +9,7 @@ next message:
 - server side (``ServerCodec``): the codec keeps the connection's receive buffer, finds each request
   head in it (size and line count checked first) and gives h11 that head alone, in a fresh parser per
   request, so responses never pass through it and pipelined bytes are never copied per request;
-- client side (``ClientCodec``, in gateway/http/client_codec.py, also reachable here): a fresh parser
+- client side (``ClientCodec``, in gateway/http/client_codec.py): a fresh parser
   per response; only a HEAD request (its answer has no
   body) or a 1xx head needs a canned request event passed through h11 first.
 
@@ -383,13 +383,3 @@ class ServerCodec:
             raise FramingError("fewer body bytes than the declared Content-Length")
         return b""
 
-
-def __getattr__(name: str):  # -> the client side's public names, which live in their own module
-    if name in _CLIENT_NAMES:
-        from gateway.http import client_codec
-
-        return getattr(client_codec, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-_CLIENT_NAMES = frozenset(("ClientCodec", "RefusedResponse", "MAX_INFORMATIONAL_HEADS"))

@@ -2,28 +2,28 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import msgspec
 
 from gateway.identity.limits import LimitRef, window_text
+from gateway.quota.lease import Lease
 from gateway.quota.ledger import Reservation
+from gateway.quota.rate_headers import (  # noqa: F401 - re-exported
+    H_LIMIT,
+    H_LIMIT_REQUESTS,
+    H_REMAINING,
+    H_REMAINING_REQUESTS,
+    H_RESET,
+    H_RESET_REQUESTS,
+    H_RETRY_AFTER,
+    REQUEST_HEADERS,
+    TOKEN_HEADERS,
+    duration_text,
+)
 from gateway.quota.rules import QuotaRule
-
-if TYPE_CHECKING:
-    from gateway.quota.lease import Lease
 
 __all__ = ["ALLOWED_UNMETERED", "REJECTED", "Admission", "duration_text", "refusal_message", "window_text"]
 
-H_RETRY_AFTER = b"retry-after"
-H_LIMIT = b"x-ratelimit-limit-tokens"
-H_REMAINING = b"x-ratelimit-remaining-tokens"
-H_RESET = b"x-ratelimit-reset-tokens"
-H_LIMIT_REQUESTS = b"x-ratelimit-limit-requests"
-H_REMAINING_REQUESTS = b"x-ratelimit-remaining-requests"
-H_RESET_REQUESTS = b"x-ratelimit-reset-requests"
-TOKEN_HEADERS = (H_LIMIT, H_REMAINING, H_RESET)
-REQUEST_HEADERS = (H_LIMIT_REQUESTS, H_REMAINING_REQUESTS, H_RESET_REQUESTS)
+# What the rate-limit headers are and how a reset reads (rate_headers.py), re-exported for the gate's users.
 
 
 class Admission(msgspec.Struct, gc=False):
@@ -108,19 +108,3 @@ def never_fits_message(rule: QuotaRule | LimitRef, estimate: int, limit: int) ->
         f"(prompt + max_tokens), the budget is {limit} tokens{per}. It can never be admitted, so "
         f"retrying will not help: lower max_tokens or shorten the prompt."
     )
-
-
-def duration_text(ms: int) -> bytes:
-    """``x-ratelimit-reset-*`` in the duration form OpenAI uses (``250ms``, ``17.5s``, ``6m0s``,
-    ``1h2m3s``), so clients that already parse OpenAI's headers parse ours."""
-    ms = max(0, ms)
-    if ms < 1000:
-        return b"%dms" % ms
-    minutes, ms = divmod(ms, 60000)
-    hours, minutes = divmod(minutes, 60)
-    seconds = (b"%d.%03d" % divmod(ms, 1000)).rstrip(b"0").rstrip(b".") + b"s"
-    if hours:
-        return b"%dh%dm" % (hours, minutes) + seconds
-    if minutes:
-        return b"%dm" % minutes + seconds
-    return seconds

@@ -36,8 +36,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gateway.quota.admission import REQUEST_HEADERS, TOKEN_HEADERS, duration_text
 from gateway.quota.ledger import Account, Reservation
+from gateway.quota.rate_headers import REQUEST_HEADERS, TOKEN_HEADERS, duration_text
 
 MIN_BLOCK_REQUESTS = 4  # the floor of a block: fewer is not worth a round trip
 GROWTH_WHEN_FULL = 2.0  # a block that filled up: at least this many times its requests

@@ -1,6 +1,6 @@
 """Provider selection: overlay snapshot -> capability plan -> groups -> picker -> route decision."""
 
-from gateway.routing.decision import RouteDecision
+from gateway.routing.plan import RouteDecision
 from gateway.routing.providers import ProviderView
 from gateway.routing.router import Router
 

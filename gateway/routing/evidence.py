@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import msgspec
 
-from gateway.routing.decision import REUSED, RouteDecision
+from gateway.routing.decision import REUSED
 from gateway.routing.eligibility import Needs
-from gateway.routing.plan import LEAST_LOADED, GroupPlan
+from gateway.routing.plan import LEAST_LOADED, GroupPlan, RouteDecision
 from gateway.routing.providers import ProviderView
 
 

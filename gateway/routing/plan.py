@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import xxhash
 
 from gateway.http.errors import ErrorReply
 from gateway.overlay.contract import NEW_AND_EXISTING, Candidate
 from gateway.overlay.snapshot import Capability, Snapshot
-from gateway.routing.decision import AFFINITY_OUTCOMES, RouteDecision, route_decision
+from gateway.routing.decision import AFFINITY_OUTCOMES, header_value
 from gateway.routing.eligibility import UNRESTRICTED, Facts, FactsTable
 from gateway.routing.providers import LoadCost
 
@@ -33,6 +34,59 @@ DETERMINISTIC, ROUND_ROBIN, RANDOM, WEIGHTED, STABLE_HASH, LEAST_LOADED = range(
 MODES = {"deterministic": DETERMINISTIC, "roundRobin": ROUND_ROBIN, "random": RANDOM, "weighted": WEIGHTED,
          "stable_hash": STABLE_HASH, "least_loaded": LEAST_LOADED}
 _xxh3 = xxhash.xxh3_64_intdigest
+
+
+class RouteDecision(NamedTuple):
+    """The chosen candidate, its provider and the evidence the proxy reports. Immutable.
+
+    ``evidence`` is the prebuilt ``x-gridgate-*`` header list (provider, stable id, selection group,
+    mode, overlay revision, affinity, and ``x-gridgate-filtered`` when filters removed candidates); the
+    proxy adds attempts, overhead and request id. ``stable_id_header`` is the stable id as a header value
+    (the provider-hop candidate header). ``selection_group`` is None for an ungrouped capability (its
+    header value is ``none``). ``provider`` is the provider's index in the worker's provider table (-1:
+    not configured here). ``filtered``: candidates the request's eligibility filters removed;
+    ``filtered_reasons``: why (``gateway.routing.eligibility`` reason bits, or-ed).
+    """
+
+    candidate: Candidate
+    cluster: str
+    stable_id: str
+    selection_group: int | None
+    mode: str
+    revision: str
+    affinity: str
+    outcome: int
+    evidence: tuple[tuple[bytes, bytes], ...]
+    provider: int
+    plan: CapabilityPlan
+    stable_id_header: bytes
+    filtered: int = 0
+    filtered_reasons: int = 0
+
+
+def with_filtered(decision: RouteDecision, filtered: int, reasons: int) -> RouteDecision:
+    """``decision`` for a request whose filters removed ``filtered`` candidates (for ``reasons``): the
+    count travels in the decision and in its evidence (``x-gridgate-filtered``)."""
+    return decision._replace(filtered=filtered, filtered_reasons=reasons,
+                             evidence=(*decision.evidence, (b"x-gridgate-filtered", b"%d" % filtered)))
+
+
+def route_decision(
+    candidate: Candidate, provider: int, plan: CapabilityPlan, selection_group: int | None, mode: str,
+    revision: str, outcome: int,
+) -> RouteDecision:
+    affinity = AFFINITY_OUTCOMES[outcome]
+    stable_id = header_value(candidate.stable_id)
+    evidence = (
+        (b"x-gridgate-provider", header_value(candidate.cluster)),
+        (b"x-gridgate-stable-id", stable_id),
+        (b"x-gridgate-selection-group", b"none" if selection_group is None else b"%d" % selection_group),
+        (b"x-gridgate-selection-mode", mode.encode()),
+        (b"x-gridgate-overlay-revision", revision.encode()),
+        (b"x-gridgate-affinity", affinity.encode()),
+    )
+    return RouteDecision(candidate, candidate.cluster, candidate.stable_id, selection_group, mode, revision, affinity,
+                         outcome, evidence, provider, plan, stable_id)
 
 
 class Option:

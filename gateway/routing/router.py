@@ -22,13 +22,17 @@ from gateway.routing.decision import (
     NEW,
     NONE,
     REUSED,
-    RouteDecision,
     RouteRefusal,
+)
+from gateway.routing.eligibility import Facts, FactsTable, Needs, no_eligible_provider
+from gateway.routing.plan import (
+    CapabilityPlan,
+    Option,
+    RouteDecision,
+    model_not_found,
     route_decision,
     with_filtered,
 )
-from gateway.routing.eligibility import Facts, FactsTable, Needs, no_eligible_provider
-from gateway.routing.plan import CapabilityPlan, Option, model_not_found
 from gateway.routing.providers import ProviderView
 
 if TYPE_CHECKING:

@@ -50,7 +50,7 @@ from gateway.supervisor.children import (
 )
 from gateway.supervisor.keys import KeyService, SupervisorKeyHost, admin_tokens_of
 from gateway.supervisor.lifecycle import Child, max_workers_for
-from gateway.supervisor.observability import SupervisorAdminSources, SupervisorCollector, WorkerCounters
+from gateway.supervisor.observability import SupervisorAdminSources, SupervisorCollector
 from gateway.supervisor.overlay_feed import OverlayFeed
 from gateway.supervisor.overlay_keeper import LastGoodOverlay
 from gateway.supervisor.policy import SIGNAL_ACTIONS, TICK, WAKE
@@ -66,6 +66,7 @@ from gateway.supervisor.startup import (
     bind_error,
     check_listen_address,
 )
+from gateway.supervisor.worker_counters import WorkerCounters
 from gateway.supervisor.worker_set import WorkerSet
 from shm.segment import Segment
 

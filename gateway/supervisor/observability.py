@@ -1,10 +1,11 @@
-"""What the supervisor shows: the workers' summed counters, its admin sources and its own metric families."""
+"""What the supervisor shows: its admin sources and its own metric families (the workers' summed counters
+are ``worker_counters.py``)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -12,36 +13,11 @@ from gateway.admin.quota import QuotaReporter
 from gateway.cluster.report import endpoints_report
 from gateway.cluster.spec import cluster_specs_from_config
 from gateway.config import Config
-from gateway.host_segment import METRICS_REGION
-from gateway.metrics.catalogue import COUNTERS
-from gateway.metrics.render import render_prometheus
 from gateway.supervisor.quota_backend import EmbeddedQuotaBackend, quota_url_for
-from shm.metrics import MetricsTable
+from gateway.supervisor.readiness import Readiness
+from gateway.supervisor.reload import GenerationSwap
+from gateway.supervisor.worker_set import WorkerSet
 from shm.segment import Segment
-
-if TYPE_CHECKING:  # annotations only: these modules import this one
-    from gateway.supervisor.readiness import Readiness
-    from gateway.supervisor.reload import GenerationSwap
-    from gateway.supervisor.worker_set import WorkerSet
-
-
-class WorkerCounters:
-    """The workers' request counters in shared memory, summed when /metrics is scraped."""
-
-    def __init__(self, segment: Segment) -> None:
-        self.table = MetricsTable(segment.region(METRICS_REGION), segment.max_workers, COUNTERS)
-        self.retired = [0] * COUNTERS  # dead workers' counts: totals must never go backwards
-
-    def retire(self, slot: int) -> None:
-        self.table.retire(slot, self.retired)
-
-    def render(self, slots: list[int], cluster_names: Sequence[str], tenant_names: Sequence[str],
-               fallback_edges: Sequence[str] = ()) -> bytes:
-        """``cluster_names``/``tenant_names``/``fallback_edges``: the supervisor's registries, the ones the
-        workers index by."""
-        live = self.table.sum_rows(slots)
-        return render_prometheus([a + b for a, b in zip(live, self.retired, strict=True)], cluster_names,
-                                 tenant_names, fallback_edges)
 
 
 class SupervisorAdminSources:

@@ -22,8 +22,8 @@ from gateway.process_protocol import StatusMessage, WorkerContext
 from gateway.supervisor.children import describe_exit, fork_child, needs_health_process
 from gateway.supervisor.lifecycle import Child, CrashBackoff, SlotPool, StartupGuard
 from gateway.supervisor.listeners import ListenerKey, ListenerSockets, lowest_free_position
-from gateway.supervisor.observability import WorkerCounters
 from gateway.supervisor.policy import BOOT_TIMEOUT, HUNG_AFTER, KILL_GRACE
+from gateway.supervisor.worker_counters import WorkerCounters
 from shm.segment import Segment
 
 log = logging.getLogger("gridgate.supervisor")

@@ -137,8 +137,8 @@ def varied_records(count: int, seed: int = 7) -> list[RequestRecord]:
     import random
 
     from gateway.models.aliases import ModelRoute
-    from gateway.routing.decision import RouteDecision
     from gateway.routing.evidence import RouteEvidence
+    from gateway.routing.plan import RouteDecision
 
     rng = random.Random(seed)
     pick = rng.choice

@@ -6,6 +6,7 @@ import h11
 import pytest
 
 from gateway.http import codec
+from gateway.http.client_codec import ClientCodec
 
 
 def parse_all(server: codec.ServerCodec) -> list:
@@ -136,7 +137,7 @@ def test_a_tls_handshake_is_not_http_and_other_garbage_is_a_plain_parse_error(ra
 
 
 def test_client_codec_round_trip_and_reuse():
-    client = codec.ClientCodec()
+    client = ClientCodec()
     head = client.encode_request(b"POST", b"/v1/x", b"up", [(b"content-length", b"2")])
     assert head.startswith(b"POST /v1/x HTTP/1.1\r\nhost: up\r\ncontent-length: 2\r\n") and head.endswith(b"\r\n\r\n")
     client.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
@@ -151,7 +152,7 @@ def test_client_codec_round_trip_and_reuse():
 
 
 def test_client_codec_bad_response_is_a_parse_error():
-    client = codec.ClientCodec()
+    client = ClientCodec()
     client.encode_request(b"GET", b"/", b"up", [])
     client.feed(b"NOT HTTP\r\n\r\n")
     with pytest.raises(codec.ParseError):
@@ -165,7 +166,7 @@ def test_raw_response_is_complete():
 
 @pytest.mark.parametrize("step", [None, 1, 4])
 def test_client_codec_parses_informational_heads_and_split_status_lines(step):
-    client = codec.ClientCodec()
+    client = ClientCodec()
     client.encode_request(b"POST", b"/", b"up", [(b"content-length", b"0")])
     wire = b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
     for start in range(0, len(wire), step or len(wire)):
@@ -223,7 +224,7 @@ def test_body_reader_reports_a_connection_closed_mid_body():
 
 
 def test_client_counts_off_length_bodies_and_refuses_reuse_after_extra_bytes():
-    client = codec.ClientCodec()
+    client = ClientCodec()
     client.encode_request(b"POST", b"/", b"up", [])
     client.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokEXTRA")
     assert client.next_event().status_code == 200
@@ -232,12 +233,12 @@ def test_client_counts_off_length_bodies_and_refuses_reuse_after_extra_bytes():
 
 
 def test_client_sees_connection_close_and_both_framings():
-    client = codec.ClientCodec()
+    client = ClientCodec()
     client.encode_request(b"GET", b"/", b"up", [])
     client.feed(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
     assert client.next_event().status_code == 200 and client.next_event() is codec.END
     assert not client.reusable
-    doubtful = codec.ClientCodec()
+    doubtful = ClientCodec()
     doubtful.encode_request(b"GET", b"/", b"up", [])
     doubtful.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n")
     assert doubtful.next_event().status_code == 200 and doubtful.framing_doubt
