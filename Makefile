@@ -17,7 +17,9 @@ $(STAMP): pyproject.toml
 run: install
 	$(BIN)/python -m loadtest.demo
 
+# The layer contracts first (pyproject.toml [tool.importlinter]: seconds), then the suite.
 test: install
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q tests
 
 # The codec fuzzers' long run (hypothesis profile "long" in tests/fuzz_http.py; a short, derandomized
@@ -71,6 +73,7 @@ fuzz-upstream: install
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-cache
 
 # Regenerates gateway/pricing/data/ (the price table and its notice) from the LiteLLM release pinned in
 # gateway/pricing/generate.py: downloads that one wheel, installs and runs none of it (docs/pricing.md).
