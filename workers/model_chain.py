@@ -16,36 +16,45 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from gateway.http.errors import ErrorReply
 from gateway.keys.answers import model_refusal
+from gateway.metrics.writer import WorkerMetrics
 from gateway.models.aliases import retarget_body
 from gateway.models.fallbacks import failure_reason, provider_reason, refusal_reason
 from gateway.request.capability import CapabilityRequest
 from gateway.routing import RouteDecision
 from gateway.routing.decision import RouteRefusal
+from gateway.routing.eligibility import Needs
 from gateway.routing.failover import Failover
 from gateway.routing.tenants import Policy
+from workers.forwarding import Forwarder
 from workers.head_gate import Admitted
+from workers.overlay_follower import OverlayFollower
+from workers.proxy_settings import ProxySettings
 from workers.request_record import RequestRecord
 
-if TYPE_CHECKING:
-    from workers.proxy import Proxy
+# How the chain routes each next model: the proxy's ``route`` (request, session, needs, key, bars).
+RouteModel = Callable[[CapabilityRequest, bytes | None, Needs | None, bytes, frozenset[int] | None],
+                      RouteDecision | ErrorReply]
 
 _monotonic = time.monotonic
 
 
 class ModelChain:
-    """One per worker, beside the proxy it routes each next model with."""
+    """One per worker, beside the proxy: the parts it forwards with and the callable it routes each next
+    model with (``route``), never the proxy itself."""
 
-    def __init__(self, proxy: Proxy) -> None:
-        self.proxy = proxy
-        self.forwarder = proxy.forwarder
-        self.metrics = proxy.metrics
-        self.retry = proxy.settings.retry
-        self.first_byte_timeout = proxy.settings.first_byte_timeout is not None
-        self.model_header = proxy.settings.model_header
+    def __init__(self, *, settings: ProxySettings, overlay: OverlayFollower, forwarder: Forwarder,
+                 metrics: WorkerMetrics, route: RouteModel) -> None:
+        self.overlay = overlay
+        self.forwarder = forwarder
+        self.metrics = metrics
+        self.route = route
+        self.retry = settings.retry
+        self.first_byte_timeout = settings.first_byte_timeout is not None
+        self.model_header = settings.model_header
         self.rng = random.Random()
         self.kind = "inference_model"  # only models have aliases and chains (workers/proxy.py)
 
@@ -96,7 +105,7 @@ class ModelChain:
                       admitted: Admitted) -> str | None:
         """The next model of the chain the overlay serves and the tenant and the key may use; the others
         are skipped (counted), never tried."""
-        served = self.proxy.overlay.snapshot.capabilities
+        served = self.overlay.snapshot.capabilities
         for candidate in following:  # type: ignore[attr-defined]
             if ((self.kind, candidate) in served and policy.allows(candidate)
                     and (admitted.managed is None or model_refusal(admitted.managed, candidate) is None)):
@@ -118,7 +127,7 @@ class ModelChain:
         """The next model's route, with the request's filters, key and bars; no session: a binding belongs
         to the model the session asked for."""
         record.session = None
-        route = self.proxy.route(CapabilityRequest(capability.kind, model, capability.body), None, record.needs,
+        route = self.route(CapabilityRequest(capability.kind, model, capability.body), None, record.needs,
                                  record.key, record.barred)
         if type(route) is RouteDecision or type(route) is RouteRefusal:
             record.filtered, record.filtered_reasons = route.filtered, route.filtered_reasons

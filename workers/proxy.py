@@ -75,7 +75,8 @@ class Proxy:
         self.forwarder = Forwarder(settings=settings, overlay=overlay, router=router, clusters=clusters,
                                    outcomes=outcomes)
         self.model_routes = settings.models
-        self.chain = ModelChain(self)
+        self.chain = ModelChain(settings=settings, overlay=overlay, forwarder=self.forwarder, metrics=metrics,
+                                route=self.route)
 
     async def handle(self, exchange: Exchange) -> None:
         """One request, from its admitted head to its end. Its record closes exactly once: as its answer
