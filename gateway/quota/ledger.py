@@ -23,7 +23,7 @@ names their current calendar periods in its admit call, so it is made again when
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -230,8 +230,15 @@ class QuotaLedger:
     for every admit of a loop tick, batched by ``batcher.AdmitBatcher``) and read back (``read``).
     """
 
-    def __init__(self, transport: ScriptTransport, *, reservation_timeout_s: float) -> None:
+    def __init__(self, transport: ScriptTransport, *, reservation_timeout_s: float,
+                 clock: Callable[[], float] | None = None) -> None:
         transport.use_script(LEDGER)
+        # ``clock``, tests only: the Unix seconds each script call passes as now (``StampedCalls``) and
+        # calendar periods are read at, so a test moves windows on instead of waiting. The gateway sets none.
+        if clock is not None:
+            from gateway.valkey.transport import StampedCalls  # tests only: off the gateway's imports
+            transport = StampedCalls(transport, clock)  # type: ignore[assignment]
+        self._time = clock or time.time
         self._transport = transport
         self._fill = transport.fill
         self._timeout_ms = max(1, int(reservation_timeout_s * 1000))
@@ -266,10 +273,10 @@ class QuotaLedger:
         USD budgets, made again once ``now`` (Unix seconds) reaches the end of one of its periods."""
         memo = (tenant, rule, key)
         account = self._accounts.get(memo)
-        if account is not None and account.spend_until and (now or time.time()) >= account.spend_until:
+        if account is not None and account.spend_until and (now or self._time()) >= account.spend_until:
             account = None
         if account is None:
-            account = self._make_account(tenant, rule, key, time.time() if now is None else now)
+            account = self._make_account(tenant, rule, key, self._time() if now is None else now)
             if account is None:
                 return None
             if len(self._accounts) >= _MAX_ACCOUNTS:
@@ -448,7 +455,7 @@ class QuotaLedger:
             args += [budget.window_s for budget in limits.budgets]
             args.append(len(limits.spend))
             for spent in limits.spend:
-                span = spent.clock.at(time.time())
+                span = spent.clock.at(self._time())
                 args += [spent.period, span.id, span.end * 1000]
         reply: Any = await self._transport.run_one(self._transport.wire(args))
         try:
@@ -478,7 +485,7 @@ class QuotaLedger:
                     used, reserved = max(0, used), max(0, reserved)
                     spends.append(SpendReport(usd_text(spent.nusd), spent.period, spent.tz,
                                               "hard" if spent.hard else "soft", spent.nusd, used, reserved,
-                                              max(0, spent.nusd - used - reserved), rfc3339(spent.clock.at(time.time()).end),
+                                              max(0, spent.nusd - used - reserved), rfc3339(spent.clock.at(self._time()).end),
                                               max(0, reset_ms) / 1000))
                 reports.append(ScopeReport(scope.kind, scope.name, in_flight, limits.max_in_flight, tuple(requests),
                                            tuple(windows), tuple(spends)))

@@ -30,7 +30,8 @@ one), the budget and its alert thresholds (``500/800/1000``). So settling, expir
 undoes exactly what its admit did, even after a config change; removing the member from the tenant's
 set is the idempotency check (settling twice charges once).
 
-Request limits are GCRA on Valkey's clock (``TIME``), in microseconds from 2025-01-01 (doubles stay
+Request limits are GCRA on Valkey's clock (``TIME``; a test may pass its own, ``<mode>@<unix µs>`` in
+``ARGV[1]``, read nowhere else), in microseconds from 2025-01-01 (doubles stay
 exact to well under a microsecond there): a request takes ``slots`` emission intervals
 (``window / count``) from the limit's clock and is admitted when the clock stays within ``burst``
 intervals of now. Giving slots back moves the clock back, never below now.
@@ -65,14 +66,22 @@ LEDGER_SCRIPT = (
 local CLOCK_EPOCH_S = {CLOCK_EPOCH_S}
 """
     + r"""
-local mode = ARGV[1]
+-- A mode may carry a clock, ``<mode>@<unix microseconds>`` (tests only: ``QuotaLedger(clock=...)``), taken as
+-- now instead of TIME so a test moves windows and deadlines on without waiting; the gateway never sends one.
+local mode, stamp = string.match(ARGV[1], '^([a-z]+)@?(%d*)$')
 local zkey = KEYS[1]      -- every open reservation of one tenant: member -> deadline (ms)
 local prefix = ARGV[2]    -- gg:q:v2:{<tenant>}: (same hash tag): every other key is prefix .. suffix
 local SLACK_MS = 60000    -- keys outlive their last use by this much so late settles still land
 local EXPIRE_BATCH = 128  -- bound the work one call does on stale reservations
 local SPEND_GRACE_MS = 3600000  -- a spend window outlives its period's end (+ the timeout) by this much
 
-local t = redis.call('TIME')
+local t
+if stamp ~= nil and stamp ~= '' then
+  local us = tonumber(stamp)
+  t = {math.floor(us / 1000000), us % 1000000}
+else
+  t = redis.call('TIME')
+end
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local now_us = (tonumber(t[1]) - CLOCK_EPOCH_S) * 1000000 + tonumber(t[2])
 
@@ -482,7 +491,7 @@ elseif mode == 'report' then
   end
   return out
 end
-return redis.error_reply('gridgate quota ledger: unknown mode ' .. tostring(mode))
+return redis.error_reply('gridgate quota ledger: unknown mode ' .. tostring(ARGV[1]))
 """
 )
 

@@ -21,7 +21,7 @@ on the single-node wire). Both implementations are also full command clients (``
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -150,3 +150,29 @@ class ScriptCalls:
         if isinstance(reply, Exception):
             raise reply
         return reply
+
+
+class StampedCalls:
+    """A transport whose script calls carry a test's clock (``QuotaLedger(clock=...)``, never the gateway's):
+    the mode (``ARGV[1]``) goes as ``<mode>@<unix µs>``, which the script takes as now instead of ``TIME``.
+    A template stays the argument tuple, so each call is encoded when it is made; the rest is the wrapped
+    transport's."""
+
+    def __init__(self, transport: ScriptTransport, clock: Callable[[], float]) -> None:
+        self._inner = transport
+        self._clock = clock
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def template(self, args: ScriptArgs) -> Template:
+        return tuple(args), ()
+
+    def fill(self, template: Template, values: Sequence[bytes]) -> Wire:
+        given = iter(values)
+        return self.wire([next(given) if arg is SLOT else arg for arg in template[0]])  # type: ignore[union-attr]
+
+    def wire(self, args: Sequence[Arg]) -> Wire:
+        key, mode, *rest = args
+        stamp = b"%s@%d" % (mode.encode() if isinstance(mode, str) else mode, round(self._clock() * 1_000_000))
+        return self._inner.wire((key, stamp, *rest))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -20,6 +21,7 @@ from gateway.quota.lease import LeaseSpec
 from gateway.quota.ledger import QuotaLedger, key_prefix
 from gateway.quota.rules import QuotaRule
 from gateway.valkey.client import create_client
+from tests.clock import TestClock
 from tests.integration.test_quota_ledger import LONG
 
 DAY = 86400
@@ -41,8 +43,9 @@ def key(tenant: str, alias: str = "ci", **limits: Any) -> KeyIdentity:
 
 @contextlib.asynccontextmanager
 async def open_gate(url: str, rules: Sequence[QuotaRule], **options: Any) -> AsyncIterator[QuotaGate]:
-    gate = QuotaGate(QuotaLedger(create_client(url), reservation_timeout_s=options.pop("timeout_s", 120)), rules,
-                     **options)
+    ledger = QuotaLedger(create_client(url), reservation_timeout_s=options.pop("timeout_s", 120),
+                         clock=options.pop("clock", None))
+    gate = QuotaGate(ledger, rules, **options)
     await gate.start()
     try:
         yield gate
@@ -110,24 +113,26 @@ def test_a_request_limit_admits_its_burst_then_one_slot_per_interval(valkey_url:
 
 def test_gcra_has_no_window_boundary_and_burst_bounds_what_comes_at_once(valkey_url: str) -> None:
     tenant = new_tenant()
+    clock = TestClock()
+    start = clock.to_next(1, 0.75)  # three quarters into a second: the next slot falls across its end
 
     async def scenario() -> None:
         # 2 per second, at most 1 at once: one slot every 500 ms, whatever the wall clock's seconds say.
-        async with open_gate(valkey_url, [rule(tenant, requests=[RequestLimit(1, 2, 1)])]) as gate:
+        async with open_gate(valkey_url, [rule(tenant, requests=[RequestLimit(1, 2, 1)])], clock=clock) as gate:
             assert (await admit(gate, tenant)).allowed
             assert not (await admit(gate, tenant)).allowed  # a burst of one: the second waits its interval
-            await asyncio.sleep(0.52)
+            clock.now = start + 0.499
+            assert not (await admit(gate, tenant)).allowed  # a millisecond early, across the second's end
+            clock.now = start + 0.5
             assert (await admit(gate, tenant)).allowed
-            times = []
-            started = asyncio.get_running_loop().time()
-            while len(times) < 3:
+            # Asked every 50 ms for 2 s (each instant computed afresh: no float drift): one admitted every
+            # 500 ms, never two in a row across a second boundary as a fixed window of 2 per second would.
+            admitted = []
+            for step in range(1, 41):
+                clock.now = start + 0.5 + step * 0.05
                 if (await admit(gate, tenant)).allowed:
-                    times.append(asyncio.get_running_loop().time() - started)
-                await asyncio.sleep(0.02)
-            gaps = [b - a for a, b in zip([0.0, *times], times, strict=False)][1:]
-            # One every 500 ms (as the client sees them: the replies' delays add some jitter), never two
-            # in a row across a second boundary as a fixed window of 2 per second would let through.
-            assert all(0.35 <= gap <= 1.2 for gap in gaps), gaps
+                    admitted.append(step * 50)
+            assert admitted == [500, 1000, 1500, 2000], admitted
 
     asyncio.run(scenario())
 
@@ -306,3 +311,33 @@ def test_concurrent_admits_against_a_request_limit_never_exceed_it(valkey_url: s
         return admitted
 
     assert asyncio.run(scenario()) > 0
+
+
+def test_the_script_reads_valkeys_time_unless_a_test_clock_is_given(valkey_url: str) -> None:
+    """The windows tests move a ``TestClock``; production passes none, and the script reads ``TIME``."""
+    tenant = new_tenant()
+    the_rule = rule(tenant, requests=[RequestLimit(DAY, 10, 10)], budgets=[Budget(LONG, 1000)])
+
+    async def now_ms(clock: TestClock | None) -> int:
+        ledger = QuotaLedger(create_client(valkey_url), reservation_timeout_s=120, clock=clock)
+        try:
+            await ledger.load_script()
+            account = ledger.account(tenant, the_rule)
+            assert account is not None
+            command = ledger.admit_command(account, 10, uuid.uuid4().hex.encode())
+            (reply,) = await ledger.send_admits([command])
+            admitted = QuotaLedger.read(command, reply)  # type: ignore[arg-type]
+            assert admitted.admitted
+            return admitted.now_ms
+        finally:
+            await ledger.close()
+
+    async def scenario() -> None:
+        before = time.time()
+        real = await now_ms(None)
+        after = time.time()
+        assert int(before * 1000) - 1 <= real <= int(after * 1000) + 1  # Valkey's clock is this machine's
+        assert await now_ms(TestClock(1_900_000_000.25)) == 1_900_000_000_250
+        assert await now_ms(TestClock(1_900_000_001.5)) == 1_900_000_001_500
+
+    asyncio.run(scenario())

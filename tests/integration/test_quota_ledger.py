@@ -30,7 +30,9 @@ from gateway.quota.rules import Budget, QuotaRule
 from gateway.request.attempts import attempt_tokens
 from gateway.valkey.client import create_client
 from gateway.valkey.embedded import EmbeddedValkey, EmbeddedValkeyError
+from tests.clock import TestClock
 from tests.harness import clear_of_window_end
+from tests.inprocess import until
 
 # Windows this long never roll over during a test run (they are aligned to the epoch).
 LONG = 10_000_000
@@ -53,9 +55,10 @@ def rule_for(tenant: str, *budgets: tuple[int, int], max_in_flight: int = 0) -> 
 
 @contextlib.asynccontextmanager
 async def open_gate(
-    url: str, rules: Sequence[QuotaRule], *, reservation_timeout_s: float = 120, **options: object
+    url: str, rules: Sequence[QuotaRule], *, reservation_timeout_s: float = 120, clock: TestClock | None = None,
+    **options: object
 ) -> AsyncIterator[QuotaGate]:
-    ledger = QuotaLedger(create_client(url), reservation_timeout_s=reservation_timeout_s)
+    ledger = QuotaLedger(create_client(url), reservation_timeout_s=reservation_timeout_s, clock=clock)
     gate = QuotaGate(ledger, rules, **options)  # type: ignore[arg-type]
     await gate.start()
     try:
@@ -267,14 +270,17 @@ def test_abandoned_reservation_is_charged_at_its_estimate_after_the_timeout(valk
     tenant = new_tenant()
     rule = rule_for(tenant, (LONG, 1000))
 
+    clock = TestClock()
+
     async def scenario() -> None:
-        async with open_gate(valkey_url, [rule], reservation_timeout_s=0.5) as gate:
-            async with open_gate(valkey_url, [rule], reservation_timeout_s=0.5) as lost:
+        async with open_gate(valkey_url, [rule], reservation_timeout_s=0.5, clock=clock) as gate:
+            async with open_gate(valkey_url, [rule], reservation_timeout_s=0.5, clock=clock) as lost:
                 abandoned = await admit(lost, tenant, 300)  # that gate stops without settling it
             assert abandoned.allowed
+            clock.advance(0.499)
             report = await gate.quota_report(tenant)
             assert (window(report)["reserved"], report["rules"][0]["in_flight"]) == (300, 1)
-            await asyncio.sleep(0.6)
+            clock.advance(0.002)
             report = await gate.quota_report(tenant)
             assert (window(report)["used"], window(report)["reserved"]) == (300, 0)
             assert report["rules"][0]["in_flight"] == 0
@@ -289,11 +295,13 @@ def test_an_expired_reservation_settled_before_anyone_noticed_is_charged_at_esti
     tenant = new_tenant()
     rule = rule_for(tenant, (LONG, 1000))
 
+    clock = TestClock()
+
     async def scenario() -> None:
-        async with open_gate(valkey_url, [rule], reservation_timeout_s=0.3) as gate:
-            async with open_gate(valkey_url, [rule], reservation_timeout_s=0.3) as lost:
+        async with open_gate(valkey_url, [rule], reservation_timeout_s=0.3, clock=clock) as gate:
+            async with open_gate(valkey_url, [rule], reservation_timeout_s=0.3, clock=clock) as lost:
                 admission = await admit(lost, tenant, 300)  # nothing keeps it alive from now on
-            await asyncio.sleep(0.4)
+            clock.advance(0.301)
             gate.settle(admission, 5)
             await gate.drain()
             assert gate.counters.reservations_expired == 1
@@ -308,13 +316,21 @@ def test_a_request_running_past_the_timeout_keeps_counting_and_is_charged_its_us
     tenant = new_tenant()
     rule = rule_for(tenant, (LONG, 1000), max_in_flight=1)
 
+    clock = TestClock()
+
     async def scenario() -> None:
-        # A 1 s timeout: the keeper extends a reservation within half of it (a pass every quarter), so this
-        # process may stall for 0.5 s before the reservation lapses; with 0.4 s it was 0.2 s.
-        async with open_gate(valkey_url, [rule], reservation_timeout_s=1.0) as gate:
+        # The ledger's time is the test's clock, so a stalled process cannot let the reservation lapse: the
+        # keeper's passes (every quarter of the 0.2 s timeout, in real time) extend it to the clock's now +
+        # 0.2 s, and the clock moves on 0.15 s at a time, each step once a pass has extended it.
+        async with open_gate(valkey_url, [rule], reservation_timeout_s=0.2, clock=clock) as gate:
             running = await admit(gate, tenant, 300)
             assert running.allowed
-            await asyncio.sleep(3.2)  # over three timeouts
+            for _ in range(6):  # 0.9 s of the ledger's time: over four timeouts
+                clock.advance(0.15)
+                # only a pass stamped after the step extends it (one stamped before finds its deadline
+                # already at that now + 0.2 s, and moves nothing)
+                extended = gate.counters.reservations_extended
+                await until(lambda seen=extended: gate.counters.reservations_extended > seen, "an extension")
             report = await gate.quota_report(tenant)
             assert (window(report)["used"], window(report)["reserved"]) == (0, 300)
             assert report["rules"][0]["in_flight"] == 1
@@ -325,8 +341,13 @@ def test_a_request_running_past_the_timeout_keeps_counting_and_is_charged_its_us
             report = await gate.quota_report(tenant)
             assert (window(report)["used"], window(report)["reserved"]) == (42, 0)
             assert report["rules"][0]["in_flight"] == 0
-            assert gate.counters.reservations_extended >= 2 and gate.counters.reservations_expired == 0
-            await asyncio.sleep(1.2)  # a settled reservation is no longer extended, nor charged again
+            assert gate.counters.reservations_extended == 6 and gate.counters.reservations_expired == 0
+            # A settled reservation is no longer extended (over two passes), nor charged again once past
+            # any deadline it had.
+            extended = gate.counters.reservations_extended
+            await asyncio.sleep(2.5 * 0.05)
+            assert gate.counters.reservations_extended == extended
+            clock.advance(1.0)
             assert window(await gate.quota_report(tenant))["used"] == 42
 
     asyncio.run(scenario())
@@ -336,10 +357,11 @@ def test_extending_moves_only_live_reservations(valkey_url: str) -> None:
     tenant = new_tenant()
     rule = rule_for(tenant, (LONG, 1000))
 
+    clock = TestClock()
+
     async def scenario() -> None:
-        # Seconds, not tenths: each step below must land on its side of a deadline, and with a 0.3 s timeout
-        # and 0.2 s steps a slow machine had 0.1 s to spare.
-        ledger = QuotaLedger(create_client(valkey_url), reservation_timeout_s=1.0)
+        # The ledger's time is the test's clock: each step lands exactly on its side of a deadline.
+        ledger = QuotaLedger(create_client(valkey_url), reservation_timeout_s=1.0, clock=clock)
         await ledger.load_script()
 
         async def reserve(tokens: int) -> Reservation:
@@ -352,9 +374,9 @@ def test_extending_moves_only_live_reservations(valkey_url: str) -> None:
         try:
             settled, lapsing, live = await reserve(100), await reserve(200), await reserve(300)
             assert await ledger.settle(settled, 7) == SETTLE_APPLIED
-            await asyncio.sleep(0.5)
+            clock.advance(0.5)
             assert await ledger.extend_many([live]) == 1
-            await asyncio.sleep(0.6)  # `lapsing` is past its deadline now, `live` is not
+            clock.advance(0.501)  # `lapsing` is past its deadline now, `live` is not (0.499 s left)
             assert await ledger.extend_many([settled, lapsing, live]) == 1  # neither comes back
             report = await rule_report(ledger, rule, tenant)
             assert (report.in_flight, report.windows[0].used, report.windows[0].reserved) == (1, 207, 300)

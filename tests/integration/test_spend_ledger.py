@@ -29,6 +29,7 @@ from gateway.quota.rules import QuotaRule
 from gateway.spend import alerts
 from gateway.spend.price_book import PriceBook
 from gateway.valkey.client import create_client
+from tests.clock import TestClock
 from tests.integration.test_limits_ledger import admit, counters, open_gate
 
 # Model "m": $1,000 input, $2,000 output per million tokens: 1 and 2 milli-USD a token. A request with
@@ -233,10 +234,11 @@ async def test_a_v7_ledger_settles_a_reservation_a_v6_ledger_admitted(valkey_url
 async def test_an_expired_reservation_is_charged_its_worst_case_and_a_cancelled_one_nothing(valkey_url: str) -> None:
     tenant = new_tenant()
     rules = [spend_rule(tenant, spend(10 * WORST_10), spend(10 * WORST_10, hard=False, period="1w"))]
-    async with open_gate(valkey_url, rules, prices=PRICES, timeout_s=1) as gate:
+    clock = TestClock()
+    async with open_gate(valkey_url, rules, prices=PRICES, timeout_s=1, clock=clock) as gate:
         lost = await admit(gate, tenant, 10)  # never settled: the gateway lost track of it
         gate._keeper.discard(lost.reservation)  # type: ignore[attr-defined]  # nobody extends it either
-        await asyncio.sleep(1.2)
+        clock.advance(1.001)
         await admit(gate, tenant, 10)  # the next call of the tenant expires the first
         assert window(valkey_url, tenant, rule_scope(tenant)) == {b"r": b"%d" % WORST_10, b"u": b"%d" % WORST_10}
         assert window(valkey_url, tenant, rule_scope(tenant), "1w") == {b"r": b"0", b"u": b"%d" % WORST_10}
