@@ -35,9 +35,20 @@ def mock_provider() -> Iterator[Callable[..., MockProviderHandle]]:
         handle.stop()
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """Stop the test's gateways before any fixture is torn down. Fixtures end in the reverse order of their
+    setup, so a Valkey (or a fake server) the test asked for after ``gateway_factory`` would stop first, and
+    each gateway would then spend seconds of its shutdown retrying settlements against a dead store."""
+    for gateway in getattr(item, "gateways", ()):
+        gateway.stop()
+    return (yield)
+
+
 @pytest.fixture
-def gateway_factory(tmp_path) -> Iterator[Callable[..., Gateway]]:
+def gateway_factory(request: pytest.FixtureRequest, tmp_path) -> Iterator[Callable[..., Gateway]]:
     gateways: list[Gateway] = []
+    request.node.gateways = gateways  # stopped first at teardown (pytest_runtest_teardown above)
 
     def create(clusters: dict[str, list[str]], overlay: dict[str, Any], start: bool = True, **kwargs: Any) -> Gateway:
         directory = tmp_path / f"gw{len(gateways)}"
