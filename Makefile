@@ -17,10 +17,11 @@ $(STAMP): pyproject.toml
 run: install
 	$(BIN)/python -m loadtest.demo
 
-# The layer contracts first (pyproject.toml [tool.importlinter]: seconds), then the suite.
+# The layer contracts first (pyproject.toml [tool.importlinter]: seconds), then the suite on every core
+# (pytest-xdist; --dist loadfile keeps a file's tests, and the fixtures they share, in one process).
 test: install
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n auto --dist loadfile tests
 
 # The codec fuzzers' long run (hypothesis profile "long" in tests/fuzz_http.py; a short, derandomized
 # run is part of `make test`). More examples: make fuzz GRIDGATE_FUZZ_EXAMPLES=50000. Paste the seed of
