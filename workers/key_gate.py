@@ -1,5 +1,5 @@
 """Managed keys on the request path (docs/keys.md): the head gate's authentication when the host has a
-key table, the model check, and ``GET /v1/gridgate/key``.
+key table, and the body of ``GET /v1/gridgate/key`` (its model check: workers/model_access.py).
 
 Authentication hashes the presented key once (``gateway.identity.auth.presented_digest``); that digest probes
 the YAML keys (a dict) and, on a miss, the host's key table (``gateway.keys.lookup``: one probe in
@@ -22,10 +22,9 @@ from typing import Any, Protocol
 
 import msgspec
 
-from gateway.http.errors import ErrorReply
 from gateway.identity.auth import Authenticator, KeyIdentity, presented_digest
 from gateway.identity.limits import Limits, window_text
-from gateway.keys.answers import key_report, model_refusal, refusal
+from gateway.keys.answers import key_report, refusal
 from gateway.keys.lookup import KeyLookup
 from gateway.keys.view import KeyEntry
 from gateway.request.headers import RequestHeaders
@@ -87,12 +86,6 @@ class ManagedKeyGate:
                 return refused[0], refused[1], entry.tenant
         lookup.mark_used(entry)
         return entry
-
-
-def model_not_allowed_for_key(entry: KeyEntry, model: str) -> ErrorReply | None:
-    """403 ``model_not_allowed`` for a model outside the key's ``models`` globs, or None."""
-    refused = model_refusal(entry, model)
-    return None if refused is None else ErrorReply(403, refused[0], refused[1])
 
 
 def key_answer(key: KeyIdentity, entry: KeyEntry | None, *, remaining: dict[str, Any] | None = None,

@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable
 
 from gateway.http.errors import ErrorReply
-from gateway.keys.answers import model_refusal
 from gateway.metrics.writer import WorkerMetrics
 from gateway.models.aliases import retarget_body
 from gateway.models.fallbacks import failure_reason, provider_reason, refusal_reason
@@ -31,6 +30,7 @@ from gateway.routing.failover import Failover
 from gateway.routing.tenants import Policy
 from workers.forwarding import Forwarder
 from workers.head_gate import Admitted
+from workers.model_access import may_use
 from workers.overlay_follower import OverlayFollower
 from workers.proxy_settings import ProxySettings
 from workers.request_record import RequestRecord
@@ -107,8 +107,7 @@ class ModelChain:
         are skipped (counted), never tried."""
         served = self.overlay.snapshot.capabilities
         for candidate in following:  # type: ignore[attr-defined]
-            if ((self.kind, candidate) in served and policy.allows(candidate)
-                    and (admitted.managed is None or model_refusal(admitted.managed, candidate) is None)):
+            if (self.kind, candidate) in served and may_use(policy, admitted.managed, candidate):
                 return candidate
             record.fallback_skipped += 1
             self.metrics.fallback_skipped(model, candidate)

@@ -94,24 +94,31 @@ class OverlayFollower:
         log.info("serving overlay revision %s", self.snapshot.revision)
         return ReloadResult(changed=True)
 
-    def models_body(self, policy: Policy) -> bytes:
-        """``GET /v1/models``: the serving overlay's models this tenant may use (OpenAI list shape)."""
-        body = self._models.get(policy.tenant)
+    def models_body(self, policy: Policy, narrowed: Callable[[str], bool] | None = None) -> bytes:
+        """``GET /v1/models``: the serving overlay's models this tenant may use (OpenAI list shape),
+        memoised per tenant; ``narrowed``: a managed key's own ``models`` test, which narrows the list
+        further (not memoised: few keys have one)."""
+        body = self._models.get(policy.tenant) if narrowed is None else None
         if body is None:
+            def allowed(name: str) -> bool:
+                return policy.allows(name) and (narrowed is None or narrowed(name))
+
             served = self.snapshot.model_names
             aliases = self._alias_targets
-            data = [_model_object(name) for name in served if name not in aliases and policy.allows(name)]
-            # A listed alias appears when the tenant may use the model it names and the overlay serves it.
+            data = [_model_object(name) for name in served if name not in aliases and allowed(name)]
+            # A listed alias appears when the caller may use the model it names and the overlay serves it.
             data += [_model_object(alias) for alias, target in self._listed_aliases
-                     if target in served and policy.allows(target)]
-            body = self._models[policy.tenant] = msgspec.json.encode({"object": "list", "data": data})
+                     if target in served and allowed(target)]
+            body = msgspec.json.encode({"object": "list", "data": data})
+            if narrowed is None:
+                self._models[policy.tenant] = body
         return body
 
-    def model_body(self, model: str, policy: Policy) -> bytes | None:
-        """``GET /v1/models/{id}``: one model object, or None when it is not served (or not allowed). An
-        alias, hidden or not, answers for the model it names (it resolves first: docs/models.md)."""
+    def model_body(self, model: str, allowed: Callable[[str], bool]) -> bytes | None:
+        """``GET /v1/models/{id}``: one model object, or None when it is not served or ``allowed`` refuses
+        it. An alias, hidden or not, answers for the model it names (it resolves first: docs/models.md)."""
         target = self._alias_targets.get(model, model)
-        if target not in self.snapshot.model_names or not policy.allows(target):
+        if target not in self.snapshot.model_names or not allowed(target):
             return None
         return msgspec.json.encode(_model_object(model))
 

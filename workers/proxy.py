@@ -1,22 +1,31 @@
-"""The request lifecycle, top to bottom: admitted on its head (workers/head_gate.py: key, allowed
-route, header scan) -> capability -> tenant policy -> pin -> route -> admit (quota) -> forward
-(workers/forwarding.py: providers, endpoints, relay) -> the record closes (workers/outcomes.py: settle
-the reservation, metrics, access line).
+"""The request lifecycle as a filter chain (docs/architecture.md, "A request's path").
 
-Each step returns its result or an ``ErrorReply``; the first reply ends the request. What the end
-needs is gathered on the request's ``RequestRecord`` (workers/request_record.py).
+The head gate (workers/head_gate.py, workers/cors_gate.py) admits the head: key, allowed route, header
+scan, a CORS preflight answered there. ``Proxy.handle`` then chooses by the route's kind:
+
+- a route the gateway answers itself (the model list, the key record) goes to its handler
+  (workers/local_answers.py), and no step of the proxied path runs;
+- a proxied request runs ``Proxy.steps`` in order: an explicit list built once from the configuration, so
+  a feature that is off is not a step at all (no alias step without ``models``, no quota step without a
+  ``quota`` block). A step reads and writes the request's ``Flow`` and returns None (go on), an
+  ``ErrorReply`` (the request ends with that local answer) or, when it must wait, an awaitable of either.
+
+The steps: capability -> aliases -> permission and pin -> unpriced -> quota admission -> route ->
+forward (workers/forwarding.py, or the model chain of workers/model_chain.py). The record closes once
+(workers/outcomes.py: settle the reservation, metrics, access line).
 """
 
 from __future__ import annotations
 
 import random
 import time
-from urllib.parse import unquote_to_bytes
+from collections.abc import Awaitable, Callable
+
+import msgspec
 
 from gateway.http.errors import ErrorReply
 from gateway.metrics.writer import WorkerMetrics
 from gateway.quota.gate import Admission, QuotaGate
-from gateway.quota.report import QuotaBackendUnavailable, spend_of
 from gateway.request.capability import (
     MCP_SESSION_NAME,
     CapabilityRequest,
@@ -32,13 +41,13 @@ from gateway.routing import RouteDecision, Router
 from gateway.routing.decision import RouteRefusal
 from gateway.routing.eligibility import Needs
 from gateway.routing.evidence import route_evidence
-from gateway.routing.plan import model_not_found
-from gateway.routing.tenants import Policy, TenantPolicies, model_not_allowed
+from gateway.routing.tenants import Policy, TenantPolicies
 from workers.clusters import ClusterManager
 from workers.exchange import Exchange
 from workers.forwarding import Forwarder
 from workers.head_gate import Admitted
-from workers.key_gate import key_answer, model_not_allowed_for_key
+from workers.local_answers import LocalAnswers
+from workers.model_access import model_refusal
 from workers.model_chain import ModelChain
 from workers.outcomes import Outcomes
 from workers.overlay_follower import OverlayFollower
@@ -50,9 +59,27 @@ from workers.tracing import Tracer
 _monotonic = time.monotonic
 _random = random.random
 _FORM_URLENCODED = b"application/x-www-form-urlencoded"
-_JSON_HEADER = (b"content-type", b"application/json")
 _BODYLESS_METHODS = (b"GET", b"HEAD", b"DELETE", b"OPTIONS")
 INFERENCE_MODEL = "inference_model"
+
+
+class Flow(msgspec.Struct, gc=False):
+    """What the steps of one proxied request hand each other (the record holds what its end needs).
+    Built in C (no Python ``__init__`` per request) and part of no cycle."""
+
+    record: RequestRecord
+    exchange: Exchange
+    admitted: Admitted
+    policy: Policy
+    request: CapabilityRequest = None  # type: ignore[assignment]  # the capability step sets it
+    pinned: RouteDecision | None = None  # a pinned route (docs/routing.md)
+    route: RouteDecision | ErrorReply | None = None
+
+
+# A step's verdict: None (the next step runs), the local answer that ends the request, or an awaitable of
+# either (a step that must wait: the quota's ledger, the forwarding).
+Verdict = ErrorReply | Awaitable[ErrorReply | None] | None
+Step = Callable[[Flow], Verdict]
 
 
 class Proxy:
@@ -74,9 +101,23 @@ class Proxy:
         self.outcomes = outcomes
         self.forwarder = Forwarder(settings=settings, overlay=overlay, router=router, clusters=clusters,
                                    outcomes=outcomes)
-        self.model_routes = settings.models
         self.chain = ModelChain(settings=settings, overlay=overlay, forwarder=self.forwarder, metrics=metrics,
                                 route=self.route)
+        self.answers = LocalAnswers(overlay=overlay, quota=quota, outcomes=outcomes).by_kind
+        self.steps = self.build_steps()
+
+    def build_steps(self) -> tuple[Step, ...]:
+        """The proxied path's steps, in order; the features the configuration leaves off are left out."""
+        steps: list[Step] = [self.read_capability]
+        if self.settings.models:
+            steps.append(self.resolve_alias)
+        steps.append(self.permit)
+        if self.outcomes.reject_unpriced:
+            steps.append(self.refuse_unpriced)
+        if self.quota is not None:
+            steps.append(self.admit)
+        steps += (self.choose_route, self.forward)
+        return tuple(steps)
 
     async def handle(self, exchange: Exchange) -> None:
         """One request, from its admitted head to its end. Its record closes exactly once: as its answer
@@ -92,85 +133,136 @@ class Proxy:
                                              exchange.t_start)
         try:
             policy = self.tenants.get(admitted.tenant)
-            if admitted.route.kind <= MODELS:  # answered by the gateway: the model list, or the key
-                if admitted.route.kind == MODELS:
-                    return self.models(record, policy)
-                return await self.key(record, admitted)
-            capability = self.capability(exchange, admitted.headers, admitted.route)
-            if type(capability) is ErrorReply:
-                return self.outcomes.refuse(record, capability)
-            models = self.model_routes
-            if models:  # an alias resolves before policy, quota rules and prices (docs/models.md)
-                chosen = models.get(capability.name)
-                if chosen is not None and capability.kind == INFERENCE_MODEL:
-                    record.model_route = chosen
-                    capability = CapabilityRequest(INFERENCE_MODEL, chosen.target, capability.body)
-            record.capability = capability.name
+            kind = admitted.route.kind
+            if kind <= MODELS:  # the kinds below the proxied ones: answered by the gateway itself
+                return await self.answers[kind](record, admitted, policy)
             record.batch = policy.batch
-            pinned = self.permit(capability, admitted, policy)
-            if type(pinned) is ErrorReply:
-                return self.outcomes.refuse(record, pinned)
-            if self.outcomes.reject_unpriced and not self.outcomes.prices.admits(capability.name):  # type: ignore[union-attr]
-                return self.outcomes.refuse(record, model_not_priced(capability.name))
-            quota = self.quota
-            surface = admitted.route.surface
-            if quota is not None and surface.metered:  # count_tokens generates no tokens: never metered
-                # Reserve tokens before routing: a denial never reaches a provider (429/503 with headers).
-                fields = capability.body
-                allowance = None
-                if fields is not None:
-                    # ``BodyFields.completion_allowance`` written out for the usual body, which names
-                    # ``max_tokens`` alone, a plain count: one call fewer per request.
-                    allowance = fields.max_tokens
-                    if (allowance.__class__ is not int or not 0 <= allowance <= MAX_ALLOWANCE  # type: ignore[operator]
-                            or fields.max_completion_tokens is not None or fields.max_output_tokens is not None):
-                        allowance = fields.completion_allowance
-                admission = quota.admission(admitted.tenant, capability.name, len(exchange.body), allowance,
-                                            admitted.key)
-                if admission is not None:
-                    if admission.__class__ is not Admission:  # the ledger decides: await this tick's batch
-                        admission = await admission
-                    record.shadow = admission.shadow  # limits in shadow mode that would have refused it
-                    if not admission.allowed:
-                        return self.outcomes.refuse(record, refusal(admission))
-                    record.admission = admission
-            route = pinned or self.decide(record, capability, admitted, policy)
-            chained = record.model_route is not None  # an alias, or a fallback chain: walked even unrouted
-            if chained or type(route) is RouteDecision:
-                record.body, record.metering = upstream_body(capability, exchange.body, record.admission,
-                                                             surface.rewrites_stream)
-                record.forward = forwarded_headers(exchange, admitted.headers, record.request_id, record.body)
-                record.balance_keys = admitted.headers.balance_keys
-                if chained:
-                    route = await self.chain.walk(record, capability, admitted, policy, route, pinned is not None)
-                else:
-                    route = await self.forwarder.forward(record, route)  # type: ignore[arg-type]
-            if route is not None and not exchange.client_gone:
-                self.outcomes.refuse(record, route)
+            flow = Flow(record, exchange, admitted, policy)
+            for step in self.steps:
+                verdict = step(flow)
+                if verdict is None:
+                    continue
+                if not isinstance(verdict, ErrorReply):  # (a refusal may be a subclass: RouteRefusal)
+                    verdict = await verdict
+                    if verdict is None:
+                        continue
+                if not exchange.client_gone:
+                    self.outcomes.refuse(record, verdict)  # type: ignore[arg-type]
+                return
         finally:
             record.close()
 
-    # -- steps ------------------------------------------------------------------------------------
-    def permit(self, capability: CapabilityRequest, admitted: Admitted,
-               policy: Policy) -> RouteDecision | ErrorReply | None:
-        """The tenant's policy for the capability, and its pin: None (route it), the pinned route, or the
-        refusal."""
-        if not policy.allows(capability.name):
-            return model_not_allowed(admitted.tenant, capability.name)
-        managed = admitted.managed
-        if managed is not None and managed.models is not None:  # the key's own models globs
-            refused = model_not_allowed_for_key(managed, capability.name)
+    # -- the steps, in their order ------------------------------------------------------------------
+    def read_capability(self, flow: Flow) -> ErrorReply | None:
+        """What the request asks for (model, tool, ...), from its model header or its body."""
+        exchange = flow.exchange
+        headers = flow.admitted.headers
+        body = exchange.body
+        if not body and headers.model is None and exchange.method in _BODYLESS_METHODS:
+            return self.bodyless_capability(flow)
+        content_type = headers.content_type
+        if content_type is not None and content_type.startswith(_FORM_URLENCODED) and body[:1] == b"{":
+            content_type = None  # `curl -d '{...}'` sends JSON under the form type; read it as JSON
+        request = lookup_capability(headers.model, body, content_type, self.settings.filters)
+        if type(request) is ErrorReply:
+            return request
+        flow.request = request  # type: ignore[assignment]
+        flow.record.capability = request.name  # type: ignore[union-attr]
+        return None
+
+    def bodyless_capability(self, flow: Flow) -> ErrorReply | None:
+        """A request without a body or a model header: an MCP session's own requests, else a 400."""
+        exchange = flow.exchange
+        if flow.admitted.route.kind == MCP:
+            # The MCP session's event stream (GET) and its end (DELETE) carry no JSON-RPC message:
+            # they belong to the session, routed like its messages that name no tool.
+            flow.request = CapabilityRequest("mcp_tool", MCP_SESSION_NAME, None)
+            flow.record.capability = MCP_SESSION_NAME
+            return None
+        return ErrorReply(400, "missing_capability", f"{exchange.method.decode()} "
+                          f"{exchange.target.split(b'?', 1)[0].decode('latin-1')} names no model: "
+                          "send the model header so the gateway knows where to route it")
+
+    def resolve_alias(self, flow: Flow) -> None:
+        """An alias resolves before policy, quota rules and prices (docs/models.md)."""
+        request = flow.request
+        chosen = self.settings.models.get(request.name)
+        if chosen is not None and request.kind == INFERENCE_MODEL:
+            record = flow.record
+            record.model_route = chosen
+            flow.request = CapabilityRequest(INFERENCE_MODEL, chosen.target, request.body)
+            record.capability = chosen.target
+
+    def permit(self, flow: Flow) -> ErrorReply | None:
+        """Whether the tenant and the key may use the capability, and the route's pin."""
+        admitted = flow.admitted
+        request = flow.request
+        if not flow.policy.open or admitted.managed is not None:  # else no rule could refuse it
+            refused = model_refusal(admitted.tenant, flow.policy, admitted.managed, request.name)
             if refused is not None:
                 return refused
         pin = admitted.headers.pin
-        return None if pin is None else self.pin(capability, pin, policy, admitted.route)
+        if pin is None:
+            return None
+        pinned = self.pin(request, pin, flow.policy, admitted.route)
+        if type(pinned) is ErrorReply:
+            return pinned
+        flow.pinned = pinned  # type: ignore[assignment]
+        return None
 
-    def decide(self, record: RequestRecord, capability: CapabilityRequest, admitted: Admitted,
-               policy: Policy) -> RouteDecision | ErrorReply:
-        """The route: session, filters and stable_hash key first (they go to the record for failover)."""
-        allowed = admitted.route
+    def refuse_unpriced(self, flow: Flow) -> ErrorReply | None:
+        """``pricing.unpriced: reject``: a model nothing prices never reaches a provider."""
+        name = flow.request.name
+        return None if self.outcomes.prices.admits(name) else model_not_priced(name)  # type: ignore[union-attr]
+
+    def admit(self, flow: Flow) -> Verdict:
+        """Reserve tokens before routing: a denial never reaches a provider (429/503 with headers).
+        ``count_tokens`` generates no tokens: never metered."""
+        admitted = flow.admitted
+        if not admitted.route.surface.metered:
+            return None
+        request = flow.request
+        fields = request.body
+        allowance = None
+        if fields is not None:
+            # ``BodyFields.completion_allowance`` written out for the usual body, which names
+            # ``max_tokens`` alone, a plain count: one call fewer per request.
+            allowance = fields.max_tokens
+            if (allowance.__class__ is not int or not 0 <= allowance <= MAX_ALLOWANCE  # type: ignore[operator]
+                    or fields.max_completion_tokens is not None or fields.max_output_tokens is not None):
+                allowance = fields.completion_allowance
+        admission = self.quota.admission(admitted.tenant, request.name,  # type: ignore[union-attr]
+                                         len(flow.exchange.body), allowance, admitted.key)
+        if admission is None:
+            return None
+        if admission.__class__ is not Admission:  # the ledger decides: await this tick's batch
+            return self.admitted_later(flow.record, admission)
+        record = flow.record
+        record.shadow = admission.shadow  # limits in shadow mode that would have refused it
+        if not admission.allowed:
+            return refusal(admission)
+        record.admission = admission
+        return None
+
+    async def admitted_later(self, record: RequestRecord, pending: Awaitable[Admission]) -> ErrorReply | None:
+        """The ledger's decision, once this tick's batch has it (as ``admit`` takes a worker-held one)."""
+        admission = await pending
+        record.shadow = admission.shadow
+        if not admission.allowed:
+            return refusal(admission)
+        record.admission = admission
+        return None
+
+    def choose_route(self, flow: Flow) -> ErrorReply | None:
+        """The pinned route, or the router's: session, filters and stable_hash key first (they go to the
+        record for failover). Unrouted ends here unless a model chain may walk on."""
+        if flow.pinned is not None:
+            flow.route = flow.pinned
+            return None
+        record = flow.record
+        admitted = flow.admitted
         headers = admitted.headers
-        barred = allowed.barred or None  # the route is allowed only on some clusters: never the others
+        barred = admitted.route.barred or None  # the route is allowed only on some clusters: never the others
         settings = self.settings
         # The session fact: for affinity, and for a stable_hash key that names it (affinity on or not).
         session = None
@@ -178,79 +270,50 @@ class Proxy:
             session = headers.session  # the header's key, checked by the scan (gateway/request/headers.py)
             if session is None and settings.affinity_cookie is not None:  # else the cookie's
                 session = session_key(None, headers.cookie, settings.affinity_cookie)
-        needs = record.needs = self.needs(record.exchange, capability, policy) if settings.filters else None
+        needs = record.needs = self.needs(flow) if settings.filters else None
         key = record.key = (self.hash_key(admitted.tenant, session, record.request_id, headers)
                             if settings.stable_hash_key else b"")
         if not settings.affinity_enabled:
             session = None
         record.barred = barred
         record.session = session if barred is None else None  # a barred request never moves a binding
-        route = self.route(capability, session, needs, key, barred)
-        if type(route) is RouteDecision or type(route) is RouteRefusal:
-            # The filters' counts: evidence on the response and the access line (a 400/422 from them too).
-            record.filtered, record.filtered_reasons = route.filtered, route.filtered_reasons
-        if type(route) is RouteDecision and (record.trace is not None or self.evidence_sampled()):
-            record.evidence = route_evidence(route, self.providers.view, needs, barred)
-        if type(route) is not RouteDecision and barred is not None and not self.served_on(allowed, capability):
-            return no_allowed_provider(record.exchange, allowed, capability.name)
-        return route
+        route = flow.route = self.route(flow.request, session, needs, key, barred)
+        if type(route) is RouteDecision:
+            if route.filtered:  # the filters' counts: evidence on the response and the access line
+                record.filtered, record.filtered_reasons = route.filtered, route.filtered_reasons
+            if record.trace is not None or self.evidence_sampled():
+                record.evidence = route_evidence(route, self.providers.view, needs, barred)
+            return None
+        return self.unrouted(flow, route, barred)
 
+    def unrouted(self, flow: Flow, route: ErrorReply, barred: frozenset[int] | None) -> ErrorReply | None:
+        """No provider: the refusal (a 400/422 of the filters counts them), unless a chain walks on."""
+        record = flow.record
+        if type(route) is RouteRefusal:
+            record.filtered, record.filtered_reasons = route.filtered, route.filtered_reasons
+        if barred is not None and not self.served_on(flow.admitted.route, flow.request):
+            flow.route = route = no_allowed_provider(flow.exchange, flow.admitted.route, flow.request.name)
+        return route if record.model_route is None else None
+
+    def forward(self, flow: Flow) -> Awaitable[ErrorReply | None]:
+        """Send the request upstream: one model's providers, or an alias's chain (walked even unrouted)."""
+        record = flow.record
+        exchange = flow.exchange
+        admitted = flow.admitted
+        record.body, record.metering = upstream_body(flow.request, exchange.body, record.admission,
+                                                     admitted.route.surface.rewrites_stream)
+        record.forward = forwarded_headers(exchange, admitted.headers, record.request_id, record.body)
+        record.balance_keys = admitted.headers.balance_keys
+        if record.model_route is not None:
+            return self.chain.walk(record, flow.request, admitted, flow.policy, flow.route,  # type: ignore[arg-type]
+                                   flow.pinned is not None)
+        return self.forwarder.forward(record, flow.route)  # type: ignore[arg-type]
+
+    # -- what the steps use -----------------------------------------------------------------------
     def evidence_sampled(self) -> bool:
         """Whether this request's access line carries the route evidence (``access_log.evidence_sample``)."""
         sample = self.settings.evidence_sample
         return sample >= 1.0 or (sample > 0.0 and _random() < sample)
-
-    def models(self, record: RequestRecord, policy: Policy) -> None:
-        """``GET /v1/models`` (the list the tenant may use) and ``GET /v1/models/{id}``, from the overlay."""
-        exchange = record.exchange
-        target = exchange.target.split(b"?", 1)[0]
-        if target == b"/v1/models":
-            body = self.overlay.models_body(policy)
-        else:
-            model = unquote_to_bytes(target[len(b"/v1/models/"):]).decode("utf-8", "replace")
-            body = self.overlay.model_body(model, policy) if target.startswith(b"/v1/models/") else None
-            if body is None:
-                return self.outcomes.refuse(record, model_not_found("inference_model", model))
-        record.status = 200
-        exchange.respond(200, [_JSON_HEADER, (b"x-request-id", record.request_id)], body)
-
-    async def key(self, record: RequestRecord, admitted: Admitted) -> None:
-        """``GET /v1/gridgate/key``: the caller's own key (docs/keys.md); 401 without one. ``remaining``
-        is the quota's reading of the key's limits and its tenant's rules (one ledger call), null
-        without a quota block or when its backend does not answer in time."""
-        key = admitted.key
-        if key is None:
-            return self.outcomes.refuse(record, ErrorReply(401, "invalid_api_key", "GET /v1/gridgate/key "
-                                                           "needs an API key: auth is not configured"))
-        remaining = spend = None
-        if self.quota is not None:
-            try:
-                report = await self.quota.key_report(key)
-                remaining = {"rules": report["rules"], "keys": report["keys"]}
-                spend = spend_of(report)
-            except QuotaBackendUnavailable:
-                pass
-        if record.exchange.client_gone:
-            return None
-        record.status = 200
-        record.exchange.respond(200, [_JSON_HEADER, (b"x-request-id", record.request_id)],
-                                key_answer(key, admitted.managed, remaining=remaining, spend=spend))
-
-    def capability(self, exchange: Exchange, headers: RequestHeaders,
-                   allowed: AllowedRoute) -> CapabilityRequest | ErrorReply:
-        body = exchange.body
-        if not body and headers.model is None and exchange.method in _BODYLESS_METHODS:
-            if allowed.kind == MCP:
-                # The MCP session's event stream (GET) and its end (DELETE) carry no JSON-RPC message:
-                # they belong to the session, routed like its messages that name no tool.
-                return CapabilityRequest("mcp_tool", MCP_SESSION_NAME, None)
-            return ErrorReply(400, "missing_capability", f"{exchange.method.decode()} "
-                              f"{exchange.target.split(b'?', 1)[0].decode('latin-1')} names no model: "
-                              "send the model header so the gateway knows where to route it")
-        content_type = headers.content_type
-        if content_type is not None and content_type.startswith(_FORM_URLENCODED) and body[:1] == b"{":
-            content_type = None  # `curl -d '{...}'` sends JSON under the form type; read it as JSON
-        return lookup_capability(headers.model, body, content_type, self.settings.filters)
 
     def pin(self, request: CapabilityRequest, pin: bytes, policy: Policy,
             allowed: AllowedRoute) -> RouteDecision | ErrorReply:
@@ -265,15 +328,14 @@ class Proxy:
                               f"{decision.cluster!r} (only on {', '.join(sorted(allowed.clusters or ()))}).")
         return decision
 
-    def needs(self, exchange: Exchange, request: CapabilityRequest, policy: Policy) -> Needs:
+    def needs(self, flow: Flow) -> Needs:
         """What the request needs from a provider: context, features, the tenant's regions."""
-        fields = request.body
+        fields = flow.request.body
         completion = 0
         if fields is not None:
             completion = fields.completion_allowance or 0  # the allowance the quota reserves for
-        surface = exchange.admitted.route.surface  # type: ignore[attr-defined]
-        return Needs(estimate_prompt_tokens(len(exchange.body)) + completion,
-                     body_features(fields, surface.body), policy.regions)
+        return Needs(estimate_prompt_tokens(len(flow.exchange.body)) + completion,
+                     body_features(fields, flow.admitted.route.surface.body), flow.policy.regions)
 
     def hash_key(self, tenant: str, session: bytes | None, request_id: bytes, headers: RequestHeaders) -> bytes:
         """The stable_hash picker's key, from the configured request facts."""

@@ -1,7 +1,7 @@
 """What the data plane answers about a managed key (docs/keys.md), as pure functions of a ``KeyEntry``.
 
-The head gate (workers) calls ``refusal`` right after a successful lookup; the model step calls
-``model_refusal``; ``GET /v1/gridgate/key`` answers ``key_report``. None of them does I/O, reads a
+The head gate (workers) calls ``refusal`` right after a successful lookup; ``GET /v1/gridgate/key``
+answers ``key_report`` (a key's model check: workers/model_access.py). None of them does I/O, reads a
 clock or ever shows the key or its digest.
 """
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.identity.key_status import KEY_EXPIRED, MODEL_NOT_ALLOWED, status_refusal  # noqa: F401 - re-exported
+from gateway.identity.key_status import KEY_EXPIRED, status_refusal
 from gateway.keys.record import format_time
 from gateway.keys.view import KeyEntry
 
@@ -26,14 +26,6 @@ def refusal(entry: KeyEntry, now: float) -> tuple[str, str] | None:
     if entry.expires_at is not None and now >= entry.expires_at:
         return KEY_EXPIRED, f"API key {entry.kid} expired at {format_time(entry.expires_at)}"
     return None
-
-
-def model_refusal(entry: KeyEntry, model: str) -> tuple[str, str] | None:
-    """``(code, message)`` of the 403 for a model outside the key's ``models``, or None."""
-    if entry.allows_model(model):
-        return None
-    shown = model if len(model) <= 200 else model[:200] + "..."
-    return MODEL_NOT_ALLOWED, f"API key {entry.kid} may not use model {shown!r}"
 
 
 def key_report(entry: KeyEntry, *, remaining: dict[str, Any] | None = None,

@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from fnmatch import fnmatchcase
 
 from gateway.config import TenantPolicy
-from gateway.http.errors import ErrorReply
 
 _MEMO_LIMIT = 4096  # capability names remembered per tenant (bounded: names come from clients)
 
@@ -17,11 +16,12 @@ _MEMO_LIMIT = 4096  # capability names remembered per tenant (bounded: names com
 class Policy:
     """One tenant's policy, ready for the request path."""
 
-    __slots__ = ("tenant", "patterns", "regions", "may_pin", "batch", "_allowed")
+    __slots__ = ("tenant", "patterns", "open", "regions", "may_pin", "batch", "_allowed")
 
     def __init__(self, config: TenantPolicy) -> None:
         self.tenant = config.tenant
         self.patterns = tuple(config.allowed_capabilities) if config.allowed_capabilities is not None else None
+        self.open = self.patterns is None  # every capability allowed: nothing to check per request
         self.regions = frozenset(config.allowed_regions) if config.allowed_regions is not None else None
         self.may_pin = config.may_pin
         self.batch = config.priority == "batch"
@@ -52,6 +52,3 @@ class TenantPolicies:
     def get(self, tenant: str) -> Policy:
         return self._by_tenant.get(tenant, OPEN)
 
-
-def model_not_allowed(tenant: str, capability: str) -> ErrorReply:
-    return ErrorReply(403, "model_not_allowed", f"The API key of tenant {tenant!r} may not use {capability!r}.")

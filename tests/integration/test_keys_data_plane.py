@@ -93,6 +93,13 @@ def test_expired_keys_and_models_outside_the_globs_are_refused_before_any_provid
     assert (other.status, error_code(other)) == (403, "model_not_allowed")
     assert json.loads(other.body)["error"]["type"] == "permission_error"
     assert chat(gateway.port, "other", bearer(YAML_KEY)).status == 200  # the globs are the key's, not the tenant's
+    # The model list is narrowed the same way: what the key may use, not all its tenant may.
+    status, _, listed = request("127.0.0.1", gateway.port, "GET", "/v1/models", headers=bearer(key))
+    assert status == 200 and [model["id"] for model in json.loads(listed)["data"]] == ["m"]
+    status, _, unlisted = request("127.0.0.1", gateway.port, "GET", "/v1/models/other", headers=bearer(key))
+    assert (status, json.loads(unlisted)["error"]["code"]) == (404, "model_not_found")
+    status, _, listed = request("127.0.0.1", gateway.port, "GET", "/v1/models", headers=bearer(YAML_KEY))
+    assert status == 200 and sorted(model["id"] for model in json.loads(listed)["data"]) == ["m", "other"]
     while time.time() < expires:
         time.sleep(0.05)
     served += 1

@@ -1,5 +1,5 @@
 """Managed-key records (gateway.keys): the key format, body checks naming the field, the request path's
-answers (401 codes, model globs, the key report)."""
+answers (401 codes, the key report; the model globs: test_model_access.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from gateway.identity.keyformat import KEY_PATTERN, is_kid, key_digest, new_key, new_kid
-from gateway.keys.answers import key_report, model_refusal, refusal
+from gateway.keys.answers import key_report, refusal
 from gateway.keys.record import (
     BodyProblem,
     CreateKey,
@@ -104,16 +104,6 @@ def test_refusals_name_why_a_known_key_may_not_be_used():
     assert refusal(entry(expires_at=100), now=99) is None
     code, message = refusal(entry(expires_at=100), now=100)
     assert code == "key_expired" and "1970-01-01T00:01:40Z" in message
-
-
-def test_model_globs_allow_and_refuse():
-    assert model_refusal(entry(), "anything") is None  # no models: the tenant's policy decides
-    scoped = entry(models=["gpt-4*", "claude-3-haiku"])
-    assert model_refusal(scoped, "gpt-4o") is None
-    assert model_refusal(scoped, "claude-3-haiku") is None
-    assert model_refusal(scoped, "claude-3-haiku-x")[0] == "model_not_allowed"
-    assert model_refusal(scoped, "GPT-4o")[0] == "model_not_allowed"  # case-sensitive, as capabilities are
-    assert model_refusal(entry(models=[]), "gpt-4o")[0] == "model_not_allowed"
 
 
 def test_the_key_report_holds_the_record_and_the_quota_parts_never_a_secret():

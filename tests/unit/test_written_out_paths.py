@@ -3,17 +3,18 @@
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import random
 from types import SimpleNamespace
 from typing import Any
 
+from gateway.http.errors import ErrorReply
 from gateway.quota.admission import Admission
-from gateway.request.capability import BodyFields, session_key
+from gateway.request.capability import BodyFields, CapabilityRequest, session_key
 from gateway.request.estimate import MAX_ALLOWANCE
 from gateway.request.headers import HeaderPlan
-from workers.proxy import Proxy
+from workers.proxy import Flow, Proxy
+from workers.request_record import RequestRecord
 
 _COUNTS: tuple[Any, ...] = (None, 0, 1, 16, 4096, -1, -(2**63), MAX_ALLOWANCE - 1, MAX_ALLOWANCE, MAX_ALLOWANCE + 1,
                             2**64, True, False, 1.5, "16")
@@ -44,7 +45,7 @@ def test_the_scan_reads_the_session_header_as_session_key_does() -> None:
 
 
 class _Quota:
-    """Records the allowance ``Proxy.handle`` passes, and refuses (the request ends there)."""
+    """Records the allowance the quota step passes, and refuses (the request ends there)."""
 
     def __init__(self) -> None:
         self.allowances: list[int | None] = []
@@ -55,29 +56,16 @@ class _Quota:
         return Admission(False, "denied", 429, ())
 
 
-class _Outcomes:
-    reject_unpriced = False
-
-    def refuse(self, record: Any, reply: Any) -> None:
-        pass
-
-    def close(self, record: Any) -> None:
-        pass
-
-
 def _allowance_passed(fields: BodyFields) -> int | None:
+    """The allowance ``Proxy.admit`` (the quota step) passes for a body with these fields."""
     proxy = object.__new__(Proxy)
-    quota = _Quota()
-    policy = SimpleNamespace(batch=False, allows=lambda name: True)
-    proxy.tracer, proxy.quota, proxy.outcomes, proxy.model_routes = None, quota, _Outcomes(), None
-    proxy.tenants = SimpleNamespace(get=lambda tenant: policy)
-    proxy.capability = lambda exchange, headers, route: SimpleNamespace(kind="inference_model", name="m", body=fields)
+    quota = proxy.quota = _Quota()  # type: ignore[assignment]
     route = SimpleNamespace(kind=99, surface=SimpleNamespace(metered=True), barred=frozenset())
-    admitted = SimpleNamespace(request_id=b"r", tenant="t", route=route, managed=None, key=None,
-                               headers=SimpleNamespace(pin=None, balance_keys=None))
-    exchange = SimpleNamespace(admitted=admitted, body=b"{}", record=None, t_start=0.0, t_first_byte=0.0, method=b"POST",
-                               target=b"/v1/chat/completions", bytes_out=0)
-    asyncio.run(proxy.handle(exchange))  # type: ignore[arg-type]
+    admitted = SimpleNamespace(request_id=b"r", tenant="t", route=route, managed=None, key=None)
+    flow = Flow(RequestRecord(), SimpleNamespace(body=b"{}"), admitted, None)  # type: ignore[arg-type]
+    flow.request = CapabilityRequest("inference_model", "m", fields)
+    verdict = proxy.admit(flow)
+    assert type(verdict) is ErrorReply and verdict.status == 429  # the stand-in refuses: the request ends
     (allowance,) = quota.allowances
     return allowance
 
