@@ -9,6 +9,7 @@ import pytest
 
 from loadtest.mock_provider import MockProviderHandle, start_mock_provider_process
 from tests.harness import Gateway
+from tests.inprocess import LoopbackGateway
 
 
 @pytest.fixture(scope="session")
@@ -56,6 +57,25 @@ def gateway_factory(request: pytest.FixtureRequest, tmp_path) -> Iterator[Callab
         gateway = Gateway(str(directory), clusters, overlay, **kwargs)
         gateways.append(gateway)
         return gateway.start() if start else gateway
+
+    yield create
+    for gateway in gateways:
+        gateway.stop()
+
+
+@pytest.fixture
+def loopback_gateway_factory(request: pytest.FixtureRequest, tmp_path) -> Iterator[Callable[..., LoopbackGateway]]:
+    """``gateway_factory`` for one request's behaviour: the same worker in a thread of this process, on a
+    real loopback socket (tests/inprocess.py ``LoopbackGateway``: no fork, no supervisor, one worker)."""
+    gateways: list[LoopbackGateway] = []
+    request.node.gateways = gateways
+
+    def create(clusters: dict[str, list[str]], overlay: dict[str, Any], **kwargs: Any) -> LoopbackGateway:
+        directory = tmp_path / f"lgw{len(gateways)}"
+        directory.mkdir()
+        gateway = LoopbackGateway(str(directory), clusters, overlay, **kwargs)
+        gateways.append(gateway)
+        return gateway.start()
 
     yield create
     for gateway in gateways:

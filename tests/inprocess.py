@@ -12,13 +12,17 @@ sockets by the same loop. Quota tests point the config at the session's real Val
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
+import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import uvloop
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -29,7 +33,7 @@ from gateway.process_protocol import WorkerContext
 from loadtest.mock_provider import INFERENCE_PATHS, MockHTTPProtocol, MockSettings, MockState, SharedHealth
 from shm.counters import WorkerRow
 from tests.sansio_server import StandInTransport
-from workers.main import _private_segment
+from workers.main import Worker, _private_segment
 from workers.request_path import RequestPath
 from workers.server import ServerConnection, ServerState
 
@@ -247,4 +251,85 @@ async def until(predicate: Callable[[], Any], what: str, timeout: float = 10.0) 
 
 def value(samples: Samples, name: str, **labels: str) -> float | None:
     return samples.get((name, tuple(sorted(labels.items()))))
+
+
+
+# -- the same worker on a real loopback socket, in a thread ---------------------------------------------
+
+class LoopbackGateway:
+    """One worker of a real config serving a real loopback socket from a thread of the test process: the
+    tests of one request's behaviour that talk HTTP to ``port``, as to ``tests.harness.Gateway``, without
+    the fork and the supervisor (0.6-0.8 s a gateway). What only a supervisor has is absent: the admin
+    listener, active health checks, the embedded Valkey (a quota names its Valkey by URL), managed keys,
+    more than one worker. The worker runs exactly ``Worker.serve`` (workers/main.py), signals aside."""
+
+    def __init__(self, directory: str, clusters: dict[str, list[str]], overlay: dict[str, Any], *,
+                 extra: dict[str, Any] | None = None, cluster_options: dict[str, Any] | None = None) -> None:
+        self.directory = Path(directory)
+        self.config_dict: dict[str, Any] = {
+            "listen": "127.0.0.1:1",  # not bound: the worker serves the socket start() binds
+            "clusters": [{"name": name, "endpoints": endpoints, **copy.deepcopy(cluster_options or {})}
+                         for name, endpoints in clusters.items()],
+            "routing": {"overlay_file": "overlay.json"},
+            "access_log": {"path": "access.log"},  # the process's stdout is the test runner's
+        }
+        for key, setting in (extra or {}).items():
+            if isinstance(setting, dict) and isinstance(self.config_dict.get(key), dict):
+                self.config_dict[key].update(setting)
+            else:
+                self.config_dict[key] = setting
+        self.overlay_path = str(self.directory / "overlay.json")  # rewritten by a test: the worker polls it
+        Path(self.overlay_path).write_text(json.dumps(overlay))
+        self.port = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+
+    def start(self, timeout: float = 10.0) -> LoopbackGateway:
+        config = parse_config(yaml.safe_dump(self.config_dict), str(self.directory))
+        quota = config.quota
+        if quota is not None and quota.backend.kind == "embedded":
+            raise ValueError("a LoopbackGateway's quota needs backend.kind valkey and its url (no supervisor "
+                             "starts the embedded one)")
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        self.port = listener.getsockname()[1]
+        segment = _private_segment(config)
+        ctx = WorkerContext(
+            config=config, slot=0, generation=1, segment=segment, status_fd=-1, listen_fd=listener.detach(),
+            quota_url=None if quota is None else quota.backend.url, affinity_region=AFFINITY_REGION,
+            affinity_capacity=config.routing.session_affinity.capacity, metrics_region=METRICS_REGION,
+            metric_clusters=tuple(cluster.name for cluster in config.clusters),
+        )
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(Worker(ctx), started), daemon=True,
+                                        name=f"loopback-gateway-{self.port}")
+        self._thread.start()
+        if not started.wait(timeout) or self._failure is not None:
+            self.stop()
+            raise RuntimeError(f"the loopback gateway did not start: {self._failure!r}")
+        return self
+
+    def _run(self, worker: Worker, started: threading.Event) -> None:
+        async def serve() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stopping = asyncio.Event()
+            await worker.serve(self._stopping, started.set)
+
+        try:
+            uvloop.run(serve())
+        except BaseException as error:  # start() says why
+            self._failure = error
+            started.set()
+
+    def stop(self) -> None:
+        """Drain (``timeouts.graceful_shutdown``) and stop; idempotent."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        if self._loop is not None and self._stopping is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._stopping.set)
+        thread.join(30)
 

@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 
 import uvloop
 
@@ -67,9 +68,13 @@ class Worker:
         self.tls = None if tls is None else ReloadableServerTls(
             self.config.file_path(tls.cert_file), self.config.file_path(tls.key_file))
 
-    async def serve(self) -> int:
+    async def serve(self, stopping: asyncio.Event | None = None, started: Callable[[], None] | None = None) -> int:
+        """Serve until TERM/INT, then drain. ``stopping``: an event set by whoever runs the worker inside
+        its own process (tests/inprocess.py, ``LoopbackGateway``), told by ``started`` when it serves;
+        then no signal is handled here."""
         loop = asyncio.get_running_loop()
-        stopping = asyncio.Event()
+        own_process = stopping is None
+        stopping = stopping or asyncio.Event()
         path = await RequestPath.build(self.ctx, self.segment, self.row)
         state = path.server_state()
         try:
@@ -83,15 +88,11 @@ class Worker:
             ssl=None if self.tls is None else self.tls.context,
             ssl_handshake_timeout=float(self.config.timeouts.header_read) if self.tls is not None else None,
         )
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stopping.set)
-        loop.add_signal_handler(signal.SIGHUP, self._request_reload)
-        loop.add_signal_handler(signal.SIGUSR1, path.access_log.reopen)  # logrotate
-        # What exists now lives as long as the worker: keep it out of the collector's generations, so a
-        # full collection walks only what requests allocate (gen-2 pauses grow with the heap otherwise).
-        gc.collect()
-        gc.freeze()
+        if own_process:
+            self._own_signals(loop, stopping, path)
         self._send_ready(path)
+        if started is not None:
+            started()
         background = loop.create_task(self._background(path))
         await stopping.wait()
 
@@ -104,6 +105,16 @@ class Worker:
         background.cancel()
         await path.close()
         return 0
+
+    def _own_signals(self, loop: asyncio.AbstractEventLoop, stopping: asyncio.Event, path: RequestPath) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stopping.set)
+        loop.add_signal_handler(signal.SIGHUP, self._request_reload)
+        loop.add_signal_handler(signal.SIGUSR1, path.access_log.reopen)  # logrotate
+        # What exists now lives as long as the worker: keep it out of the collector's generations, so a
+        # full collection walks only what requests allocate (gen-2 pauses grow with the heap otherwise).
+        gc.collect()
+        gc.freeze()
 
     def _listener(self) -> socket.socket:
         """The socket the supervisor bound for this worker's position, or our own when run alone."""

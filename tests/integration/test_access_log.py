@@ -48,19 +48,19 @@ def ask(port: int, request_id: str, headers: list[tuple[str, str]] = AUTH, **fie
                 messages=[{"role": "user", "content": PROMPT}], **fields)
 
 
-def access_gateway(gateway_factory, providers, **access_log: Any):
+def access_gateway(loopback_gateway_factory, providers, **access_log: Any):
     overlay = envelope([candidate("m", "provider-a"), candidate("m", "provider-b")], "roundRobin")
     clusters = {name: [providers[name].address] for name in ("provider-a", "provider-b")}
     key_hash = "sha256:" + hashlib.sha256(KEY.encode()).hexdigest()
-    gateway = gateway_factory(clusters, overlay, extra={
+    gateway = loopback_gateway_factory(clusters, overlay, extra={
         "auth": {"keys": [{"tenant": "team-a", "key": key_hash}]},
         "access_log": {"path": "access.log", "evidence_sample": 1.0, **access_log},
     })
     return gateway, os.path.join(gateway.directory, "access.log")
 
 
-def test_lines_carry_every_field_and_match_the_traffic(gateway_factory, providers):
-    gateway, path = access_gateway(gateway_factory, providers)
+def test_lines_carry_every_field_and_match_the_traffic(loopback_gateway_factory, providers):
+    gateway, path = access_gateway(loopback_gateway_factory, providers)
     served = [ask(gateway.port, "ok-0"), Client(gateway.port).request(
         "POST", "/v1/chat/completions?key=query-secret", {"model": "m", "messages": [{"role": "user", "content": PROMPT}]},
         [*AUTH, ("X-Request-Id", "ok-1")])]
@@ -115,8 +115,8 @@ def test_lines_carry_every_field_and_match_the_traffic(gateway_factory, provider
     assert KEY.encode() not in text and PROMPT.encode() not in text and b"query-secret" not in text
 
 
-def test_sample_zero_logs_only_errors(gateway_factory, providers):
-    gateway, path = access_gateway(gateway_factory, providers, sample=0.0)
+def test_sample_zero_logs_only_errors(loopback_gateway_factory, providers):
+    gateway, path = access_gateway(loopback_gateway_factory, providers, sample=0.0)
     assert [ask(gateway.port, f"ok-{i}").status for i in range(3)] == [200, 200, 200]
     assert ask(gateway.port, "failed", headers=[*AUTH, ("X-Mock-Status", "503")]).status == 503
     assert ask(gateway.port, "refused", headers=[]).status == 401
@@ -158,14 +158,14 @@ def test_standard_output_by_default(gateway_factory, providers):
         (headers["x-request-id"], "/v1/models", "anonymous")]
 
 
-def test_failover_and_cut_streams_are_logged_with_attempts_and_errors(mock_provider, gateway_factory):
+def test_failover_and_cut_streams_are_logged_with_attempts_and_errors(mock_provider, loopback_gateway_factory):
     bad = mock_provider("bad", fail_rate=1.0, fail_status=502)
     good = mock_provider("good")
     cut = mock_provider("cut", mid_reset_rate=1.0, tokens=40)
     overlay = envelope([candidate("m", "bad"), candidate("m", "good"), candidate("s", "cut"), candidate("x", "dead"),
                         candidate("x", "bad")], "deterministic")
     clusters = {"bad": [bad.address], "good": [good.address], "cut": [cut.address], "dead": [f"127.0.0.1:{refused_port()}"]}
-    gateway = gateway_factory(clusters, overlay, extra={
+    gateway = loopback_gateway_factory(clusters, overlay, extra={
         "routing": {"retry": {"attempts": 3, "deadline": "10s", "backoff": {"base": "1ms", "max": "5ms"}}},
         "access_log": {"path": "access.log"},
     })
@@ -185,11 +185,11 @@ def test_failover_and_cut_streams_are_logged_with_attempts_and_errors(mock_provi
         "status": 502, "provider": "bad", "attempts": 2, "error": failed.json()["error"]["code"]}  # all failed
 
 
-def test_candidates_removed_by_the_eligibility_filters_are_counted(providers, gateway_factory):
+def test_candidates_removed_by_the_eligibility_filters_are_counted(providers, loopback_gateway_factory):
     models = [{"match": {"capability": "m", "cluster": "provider-a"}, "context_window": 2000}]
     overlay = envelope([candidate("m", "provider-a"), candidate("m", "provider-b")], "roundRobin")
     clusters = {name: [providers[name].address] for name in ("provider-a", "provider-b")}
-    gateway = gateway_factory(clusters, overlay, extra={"routing": {"models": models},
+    gateway = loopback_gateway_factory(clusters, overlay, extra={"routing": {"models": models},
                                                         "access_log": {"path": "access.log"}})
     big = chat(gateway.port, "m", headers=[("X-Request-Id", "big")], max_tokens=50_000)
     small = chat(gateway.port, "m", headers=[("X-Request-Id", "small")], max_tokens=10)

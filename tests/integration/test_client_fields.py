@@ -67,8 +67,8 @@ def test_a_body_the_decoder_cannot_take_is_400_invalid_json_with_an_access_line(
     assert "Traceback" not in gateway.log() and "request handler failed" not in gateway.log()
 
 
-def test_numbers_out_of_range_are_a_400_not_a_500(providers, gateway_factory):
-    gateway = gateway_factory({"provider-a": [providers["provider-a"].address]},
+def test_numbers_out_of_range_are_a_400_not_a_500(providers, loopback_gateway_factory):
+    gateway = loopback_gateway_factory({"provider-a": [providers["provider-a"].address]},
                               envelope([candidate("m", "provider-a")]))
     client = Client(gateway.port)
     try:

@@ -152,19 +152,19 @@ def test_health_probes_do_not_multiply_with_workers(mock_provider, gateway_facto
     assert len(gateway.worker_pids()) == 3
 
 
-def test_connect_failure_is_retried_on_another_endpoint(mock_provider, gateway_factory):
+def test_connect_failure_is_retried_on_another_endpoint(mock_provider, loopback_gateway_factory):
     good = mock_provider("good")
     dead = f"127.0.0.1:{refused_port()}"
-    gateway = gateway_factory({"c": [dead, good.address]}, envelope([candidate("m", "c")]))
+    gateway = loopback_gateway_factory({"c": [dead, good.address]}, envelope([candidate("m", "c")]))
     for _ in range(6):
         response = chat(gateway.port, "m")
         assert response.status == 200
         assert response.headers["x-mock-provider"] == "good"
 
 
-def test_connection_limit_waits_then_503(mock_provider, gateway_factory):
+def test_connection_limit_waits_then_503(mock_provider, loopback_gateway_factory):
     slow = mock_provider("slow", latency_ms=3000)
-    gateway = gateway_factory({"c": [slow.address]}, envelope([candidate("m", "c")]),
+    gateway = loopback_gateway_factory({"c": [slow.address]}, envelope([candidate("m", "c")]),
                               cluster_options={"max_connections": 1, "connect_timeout": "500ms"})
     threading.Thread(target=lambda: chat(gateway.port, "m"), daemon=True).start()
     # Until the first request holds the only connection (it reached the provider), not a fixed 0.3 s: a

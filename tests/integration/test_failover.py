@@ -42,11 +42,11 @@ FAILURES = {
 
 
 @pytest.mark.parametrize("kind", sorted(FAILURES))
-def test_each_failure_kind_fails_over_inside_one_request(kind, mock_provider, gateway_factory):
+def test_each_failure_kind_fails_over_inside_one_request(kind, mock_provider, loopback_gateway_factory):
     good = mock_provider("good")
     bad_address = f"127.0.0.1:{refused_port()}" if kind == "refused" else mock_provider("bad", **FAILURES[kind]).address
     extra = {"routing": {"retry": {**FAST_RETRY["routing"]["retry"], "first_byte_timeout": "300ms"}}}
-    gateway = gateway_factory({"bad": [bad_address], "good": [good.address]}, deterministic("bad", "good"),
+    gateway = loopback_gateway_factory({"bad": [bad_address], "good": [good.address]}, deterministic("bad", "good"),
                               extra=extra)
     started = time.monotonic()
     response = chat(gateway.port, "m")
@@ -96,10 +96,10 @@ def test_a_black_holed_endpoint_attracts_only_a_handful_of_concurrent_requests(m
         hole.stop()
 
 
-def test_every_provider_failing_gives_one_clear_error_with_the_last_retry_after(mock_provider, gateway_factory):
+def test_every_provider_failing_gives_one_clear_error_with_the_last_retry_after(mock_provider, loopback_gateway_factory):
     first = mock_provider("first", fail_rate=1.0, fail_status=502)
     second = mock_provider("second", fail_rate=1.0, fail_status=503)
-    gateway = gateway_factory({"first": [first.address], "second": [second.address]},
+    gateway = loopback_gateway_factory({"first": [first.address], "second": [second.address]},
                               deterministic("first", "second"), extra=FAST_RETRY)
     response = chat(gateway.port, "m")
     assert response.status == 503
@@ -123,10 +123,10 @@ def test_all_refused_names_the_provider_in_plain_words(gateway_factory):
     assert b'gridgate_requests_total{cluster="provider-a",code="5xx"} 1.0' in metrics
 
 
-def test_a_client_error_from_a_provider_is_returned_once_and_never_retried(mock_provider, gateway_factory):
+def test_a_client_error_from_a_provider_is_returned_once_and_never_retried(mock_provider, loopback_gateway_factory):
     bad = mock_provider("bad", fail_rate=1.0, fail_status=400)
     good = mock_provider("good")
-    gateway = gateway_factory({"bad": [bad.address], "good": [good.address]}, deterministic("bad", "good"),
+    gateway = loopback_gateway_factory({"bad": [bad.address], "good": [good.address]}, deterministic("bad", "good"),
                               extra=FAST_RETRY)
     response = chat(gateway.port, "m")
     assert response.status == 400 and response.json()["error"]["code"] == "injected_400"
@@ -157,10 +157,10 @@ def test_429_cools_the_provider_in_every_worker_until_retry_after(mock_provider,
     assert "limited" in after  # the cooling ended: it serves again
 
 
-def test_a_stream_cut_midway_ends_with_an_error_event_and_is_not_retried(mock_provider, gateway_factory):
+def test_a_stream_cut_midway_ends_with_an_error_event_and_is_not_retried(mock_provider, loopback_gateway_factory):
     cut = mock_provider("cut", mid_reset_rate=1.0, tokens=40)
     good = mock_provider("good")
-    gateway = gateway_factory({"cut": [cut.address], "good": [good.address]}, deterministic("cut", "good"),
+    gateway = loopback_gateway_factory({"cut": [cut.address], "good": [good.address]}, deterministic("cut", "good"),
                               extra=FAST_RETRY)
     response = chat(gateway.port, "m", stream=True)
     assert response.status == 200
@@ -168,11 +168,11 @@ def test_a_stream_cut_midway_ends_with_an_error_event_and_is_not_retried(mock_pr
     assert mock_served(good) == 0
 
 
-def test_a_session_bound_to_a_failing_provider_moves_and_stays_moved(mock_provider, gateway_factory):
+def test_a_session_bound_to_a_failing_provider_moves_and_stays_moved(mock_provider, loopback_gateway_factory):
     a, b = mock_provider("a"), mock_provider("b")
     overlay = envelope([candidate("m", "a"), candidate("m", "b")], mode="roundRobin")
     extra = {"routing": {**FAST_RETRY["routing"], "session_affinity": {"enabled": True}}}
-    gateway = gateway_factory({"a": [a.address], "b": [b.address]}, overlay, extra=extra)
+    gateway = loopback_gateway_factory({"a": [a.address], "b": [b.address]}, overlay, extra=extra)
     session = [("X-Session-Id", "s-1")]
     first = chat(gateway.port, "m", headers=session)
     bound = first.headers["x-gridgate-provider"]
@@ -187,11 +187,11 @@ def test_a_session_bound_to_a_failing_provider_moves_and_stays_moved(mock_provid
         assert (again.headers["x-gridgate-provider"], again.headers["x-gridgate-affinity"]) == (other, "reused")
 
 
-def test_failover_goes_to_the_next_group_when_the_group_is_exhausted(mock_provider, gateway_factory):
+def test_failover_goes_to_the_next_group_when_the_group_is_exhausted(mock_provider, loopback_gateway_factory):
     bad1 = mock_provider("bad1", fail_rate=1.0, fail_status=502)
     bad2 = mock_provider("bad2", reset_rate=1.0)
     spare = mock_provider("spare")
-    gateway = gateway_factory({"bad1": [bad1.address], "bad2": [bad2.address], "spare": [spare.address]},
+    gateway = loopback_gateway_factory({"bad1": [bad1.address], "bad2": [bad2.address], "spare": [spare.address]},
                               deterministic("bad1", "bad2", "spare", groups=[0, 0, 1]), extra=FAST_RETRY)
     response = chat(gateway.port, "m")
     assert response.status == 200 and response.headers["x-gridgate-provider"] == "spare"
@@ -199,10 +199,10 @@ def test_failover_goes_to_the_next_group_when_the_group_is_exhausted(mock_provid
     assert response.headers["x-gridgate-selection-group"] == "1"
 
 
-def test_an_unconfigured_cluster_in_the_overlay_is_never_selected(mock_provider, gateway_factory):
+def test_an_unconfigured_cluster_in_the_overlay_is_never_selected(mock_provider, loopback_gateway_factory):
     good = mock_provider("good")
     overlay = envelope([candidate("m", "elsewhere"), candidate("m", "good")], mode="roundRobin")
-    gateway = gateway_factory({"good": [good.address]}, overlay)
+    gateway = loopback_gateway_factory({"good": [good.address]}, overlay)
     statuses = {chat(gateway.port, "m").status for _ in range(6)}
     assert statuses == {200} and mock_served(good) == 6
 
@@ -244,10 +244,10 @@ def test_clients_leaving_mid_stream_leave_nothing_behind(valkey_url, mock_provid
     assert statuses.count(200) == 100
 
 
-def test_keep_alive_connection_survives_a_held_answer(mock_provider, gateway_factory):
+def test_keep_alive_connection_survives_a_held_answer(mock_provider, loopback_gateway_factory):
     bad = mock_provider("bad", fail_rate=1.0, fail_status=502)
     good = mock_provider("good")
-    gateway = gateway_factory({"bad": [bad.address], "good": [good.address]}, deterministic("bad", "good"),
+    gateway = loopback_gateway_factory({"bad": [bad.address], "good": [good.address]}, deterministic("bad", "good"),
                               extra=FAST_RETRY)
     client = Client(gateway.port)
     for _ in range(5):

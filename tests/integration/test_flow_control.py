@@ -37,9 +37,9 @@ class _FirehoseProvider:
         conn.close()
 
 
-def test_slow_client_pauses_the_provider_and_the_read_timeout_waits(gateway_factory):
+def test_slow_client_pauses_the_provider_and_the_read_timeout_waits(loopback_gateway_factory):
     provider = _FirehoseProvider()
-    gateway = gateway_factory({"fast": [f"127.0.0.1:{provider.port}"]}, envelope([candidate("m", "fast")]),
+    gateway = loopback_gateway_factory({"fast": [f"127.0.0.1:{provider.port}"]}, envelope([candidate("m", "fast")]),
                               cluster_options={"read_timeout": "1s"})
     client = socket.create_connection(("127.0.0.1", gateway.port))
     client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
@@ -60,9 +60,9 @@ def test_slow_client_pauses_the_provider_and_the_read_timeout_waits(gateway_fact
     client.close()
 
 
-def test_stalled_request_body_gets_408(mock_provider, gateway_factory):
+def test_stalled_request_body_gets_408(mock_provider, loopback_gateway_factory):
     handle = mock_provider("p")
-    gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
+    gateway = loopback_gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
                               extra={"timeouts": {"body_read": "1s"}})
     started = time.monotonic()
     raw = raw_exchange(gateway.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Length: 40\r\n\r\n"

@@ -345,9 +345,9 @@ def test_a_restricted_route_never_fails_over_to_a_cluster_that_does_not_allow_it
         "x-gridgate-provider"] == "b"
 
 
-def test_stable_hash_spreads_sessions_when_affinity_is_off(providers, gateway_factory):
+def test_stable_hash_spreads_sessions_when_affinity_is_off(providers, loopback_gateway_factory):
     names = ("provider-a", "provider-b", "provider-c")
-    gateway = gateway_factory({name: [providers[name].address] for name in names},
+    gateway = loopback_gateway_factory({name: [providers[name].address] for name in names},
                               envelope([candidate("m", name) for name in names], "roundRobin"),
                               extra={"routing": {"picker": "stable_hash", "stable_hash_key": ["session"]}})
     served: dict[str, set[str]] = {}

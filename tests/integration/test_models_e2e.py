@@ -27,12 +27,12 @@ def overlay(*models: str) -> dict:
     return envelope([candidate(model, f"{model}-a") for model in models], mode="deterministic")
 
 
-def models_gateway(gateway_factory, providers: dict[str, Any], models: dict, **extra: Any):
+def models_gateway(loopback_gateway_factory, providers: dict[str, Any], models: dict, **extra: Any):
     """A gateway serving each model of ``providers`` from its own cluster, with the ``models`` block."""
     retry = {**FAST_RETRY, **extra.pop("retry", {})}
     config = {"routing": {"retry": retry, **extra.pop("routing", {})}, "models": models,
               "access_log": {"path": "access.log"}, **extra}
-    gateway = gateway_factory({f"{model}-a": [handle.address] for model, handle in providers.items()},
+    gateway = loopback_gateway_factory({f"{model}-a": [handle.address] for model, handle in providers.items()},
                               overlay(*providers), extra=config)
     return gateway, os.path.join(gateway.directory, "access.log")
 
@@ -86,9 +86,9 @@ def test_a_failing_first_model_is_served_by_the_next_one(reason, mock_provider, 
     assert fallbacks_metric(gateway, "big", "small", reason) == 1
 
 
-def test_a_reason_the_chain_does_not_list_never_moves_the_request(mock_provider, gateway_factory):
+def test_a_reason_the_chain_does_not_list_never_moves_the_request(mock_provider, loopback_gateway_factory):
     big, small = mock_provider("big", fail_rate=1.0, fail_status=503), mock_provider("small")
-    gateway, _ = models_gateway(gateway_factory, {"big": big, "small": small},
+    gateway, _ = models_gateway(loopback_gateway_factory, {"big": big, "small": small},
                                 {"fallbacks": {"big": {"chain": ["small"], "on": ["rate_limited"]}}})
     response = chat(gateway.port, "big")
     assert response.status == 503
@@ -97,9 +97,9 @@ def test_a_reason_the_chain_does_not_list_never_moves_the_request(mock_provider,
 
 
 @pytest.mark.parametrize("status", [400, 401, 403])
-def test_client_errors_never_fall_back(status, mock_provider, gateway_factory):
+def test_client_errors_never_fall_back(status, mock_provider, loopback_gateway_factory):
     big, small = mock_provider("big", fail_rate=1.0, fail_status=status), mock_provider("small")
-    gateway, _ = models_gateway(gateway_factory, {"big": big, "small": small},
+    gateway, _ = models_gateway(loopback_gateway_factory, {"big": big, "small": small},
                                 {"fallbacks": {"big": {"chain": ["small"]}}})
     response = chat(gateway.port, "big")
     assert response.status == status
@@ -108,13 +108,13 @@ def test_client_errors_never_fall_back(status, mock_provider, gateway_factory):
 
 
 @pytest.mark.parametrize("code", ["context_length_exceeded", "content_filter"])
-def test_a_provider_refusal_with_a_listed_code_moves_on_at_once(code, mock_provider, gateway_factory):
+def test_a_provider_refusal_with_a_listed_code_moves_on_at_once(code, mock_provider, loopback_gateway_factory):
     small = mock_provider("small", fail_rate=1.0, fail_status=400, fail_code=code)
     small_b = mock_provider("small-b")  # another provider of the same model: never tried for such a refusal
     big = mock_provider("big")
     overlay_doc = envelope([candidate("small", "small-a"), candidate("small", "small-b", group=1),
                             candidate("big", "big-a")], mode="deterministic")
-    gateway = gateway_factory({"small-a": [small.address], "small-b": [small_b.address], "big-a": [big.address]},
+    gateway = loopback_gateway_factory({"small-a": [small.address], "small-b": [small_b.address], "big-a": [big.address]},
                               overlay_doc, extra={"routing": {"retry": FAST_RETRY},
                                                   "models": {"fallbacks": {"small": {"chain": ["big"]}}},
                                                   "access_log": {"path": "access.log"}})
@@ -125,10 +125,10 @@ def test_a_provider_refusal_with_a_listed_code_moves_on_at_once(code, mock_provi
     assert log_line(os.path.join(gateway.directory, "access.log"), code)["fallback_reasons"] == [code]
 
 
-def test_a_provider_refusal_the_chain_does_not_list_is_relayed(mock_provider, gateway_factory):
+def test_a_provider_refusal_the_chain_does_not_list_is_relayed(mock_provider, loopback_gateway_factory):
     small = mock_provider("small", fail_rate=1.0, fail_status=400, fail_code="content_filter")
     big = mock_provider("big")
-    gateway, _ = models_gateway(gateway_factory, {"small": small, "big": big},
+    gateway, _ = models_gateway(loopback_gateway_factory, {"small": small, "big": big},
                                 {"fallbacks": {"small": {"chain": ["big"], "on": ["context_length_exceeded"]}}})
     response = chat(gateway.port, "small")
     assert response.status == 400
@@ -136,10 +136,10 @@ def test_a_provider_refusal_the_chain_does_not_list_is_relayed(mock_provider, ga
     assert mock_served(big) == 0
 
 
-def test_a_too_long_prompt_is_served_by_the_long_context_model(mock_provider, gateway_factory):
+def test_a_too_long_prompt_is_served_by_the_long_context_model(mock_provider, loopback_gateway_factory):
     small, big = mock_provider("small"), mock_provider("big")
     gateway, log = models_gateway(
-        gateway_factory, {"small": small, "big": big}, {"fallbacks": {"small": {"chain": ["big"]}}},
+        loopback_gateway_factory, {"small": small, "big": big}, {"fallbacks": {"small": {"chain": ["big"]}}},
         routing={"models": [{"match": {"capability": "small"}, "context_window": 500},
                             {"match": {"capability": "big"}, "context_window": 100000}]})
     long_prompt = "word " * 2000
@@ -176,11 +176,11 @@ def test_a_model_the_tenant_may_not_use_is_skipped_never_served(mock_provider, g
     assert chat(gateway.port, "small", headers=AUTH).status == 403
 
 
-def test_max_hops_bounds_the_walk(mock_provider, gateway_factory):
+def test_max_hops_bounds_the_walk(mock_provider, loopback_gateway_factory):
     big = mock_provider("big", fail_rate=1.0, fail_status=503)
     small = mock_provider("small", fail_rate=1.0, fail_status=503)
     huge = mock_provider("huge")
-    gateway, _ = models_gateway(gateway_factory, {"big": big, "small": small, "huge": huge},
+    gateway, _ = models_gateway(loopback_gateway_factory, {"big": big, "small": small, "huge": huge},
                                 {"fallbacks": {"big": {"chain": ["small", "huge"], "max_hops": 1}}},
                                 retry={"attempts": 5})
     response = chat(gateway.port, "big")
@@ -199,9 +199,9 @@ def stream(port: int, model: str) -> tuple[int, dict[str, str], bytes]:
         client.close()
 
 
-def test_a_stream_falls_back_before_its_first_byte_like_a_non_stream(mock_provider, gateway_factory):
+def test_a_stream_falls_back_before_its_first_byte_like_a_non_stream(mock_provider, loopback_gateway_factory):
     big, small = mock_provider("big", fail_rate=1.0, fail_status=429), mock_provider("small")
-    gateway, _ = models_gateway(gateway_factory, {"big": big, "small": small},
+    gateway, _ = models_gateway(loopback_gateway_factory, {"big": big, "small": small},
                                 {"fallbacks": {"big": {"chain": ["small"]}}})
     status, headers, body = stream(gateway.port, "big")
     assert status == 200
@@ -211,9 +211,9 @@ def test_a_stream_falls_back_before_its_first_byte_like_a_non_stream(mock_provid
     assert body.rstrip().endswith(b"data: [DONE]")
 
 
-def test_a_stream_cut_after_its_first_byte_is_not_retried(mock_provider, gateway_factory):
+def test_a_stream_cut_after_its_first_byte_is_not_retried(mock_provider, loopback_gateway_factory):
     big, small = mock_provider("big", mid_reset_rate=1.0), mock_provider("small")
-    gateway, log = models_gateway(gateway_factory, {"big": big, "small": small},
+    gateway, log = models_gateway(loopback_gateway_factory, {"big": big, "small": small},
                                   {"fallbacks": {"big": {"chain": ["small"]}}})
     client = Client(gateway.port)
     try:
@@ -230,12 +230,12 @@ def test_a_stream_cut_after_its_first_byte_is_not_retried(mock_provider, gateway
     assert (line["served_model"], line.get("fallback_hops", 0), line["error"]) == ("big", 0, "upstream_reset")
 
 
-def test_the_whole_chain_shares_one_deadline(mock_provider, gateway_factory):
+def test_the_whole_chain_shares_one_deadline(mock_provider, loopback_gateway_factory):
     """Both models stall; each attempt's first-byte timeout (1.4 s) alone would let the chain run 2.8 s:
     the one deadline (2 s) ends it at 2 s."""
     big = mock_provider("big", stall_rate=1.0, stall_ms=10000)
     small = mock_provider("small", stall_rate=1.0, stall_ms=10000)
-    gateway, log = models_gateway(gateway_factory, {"big": big, "small": small},
+    gateway, log = models_gateway(loopback_gateway_factory, {"big": big, "small": small},
                                   {"fallbacks": {"big": {"chain": ["small"]}}},
                                   retry={"deadline": "2s", "first_byte_timeout": "1400ms"})
     started = time.monotonic()
@@ -248,9 +248,9 @@ def test_the_whole_chain_shares_one_deadline(mock_provider, gateway_factory):
     assert log_line(log, "deadline")["fallback_reasons"] == ["first_byte_timeout"]
 
 
-def test_aliases_resolve_and_list(mock_provider, gateway_factory):
+def test_aliases_resolve_and_list(mock_provider, loopback_gateway_factory):
     small, big = mock_provider("small"), mock_provider("big")
-    gateway, log = models_gateway(gateway_factory, {"small": small, "big": big},
+    gateway, log = models_gateway(loopback_gateway_factory, {"small": small, "big": big},
                                   {"aliases": {"fast": "small", "secret": {"target": "big", "hidden": True}}})
     response = chat(gateway.port, "fast", headers=[("X-Request-Id", "alias")])
     assert response.status == 200, response.body
@@ -308,9 +308,9 @@ def test_a_chain_is_admitted_once_and_charged_what_its_attempts_cost(valkey_url,
     assert metric_value(gateway.admin_port, admitted) == 1
 
 
-def test_a_chain_model_the_overlay_does_not_serve_is_skipped(mock_provider, gateway_factory):
+def test_a_chain_model_the_overlay_does_not_serve_is_skipped(mock_provider, loopback_gateway_factory):
     big, small = mock_provider("big", fail_rate=1.0, fail_status=503), mock_provider("small")
-    gateway, log = models_gateway(gateway_factory, {"big": big, "small": small},
+    gateway, log = models_gateway(loopback_gateway_factory, {"big": big, "small": small},
                                   {"fallbacks": {"big": {"chain": ["ghost", "small"], "max_hops": 1}}})
     response = chat(gateway.port, "big", headers=[("X-Request-Id", "ghost")])
     assert response.status == 200, response.body

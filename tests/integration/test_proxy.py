@@ -27,10 +27,10 @@ from tests.harness import (
 
 
 @pytest.fixture
-def one_provider(mock_provider, gateway_factory):
+def one_provider(mock_provider, loopback_gateway_factory):
     handle = mock_provider("solo")
     # The mock's echo page is a route beyond the defaults (docs/security.md): listed for the cluster.
-    gateway = gateway_factory({"solo": [handle.address]}, envelope([candidate("m", "solo")]),
+    gateway = loopback_gateway_factory({"solo": [handle.address]}, envelope([candidate("m", "solo")]),
                               cluster_options={"allowed_routes": ["POST /debug/echo"]})
     return handle, gateway
 
@@ -69,10 +69,10 @@ def test_generates_request_id_when_missing(one_provider):
     assert first.headers["x-request-id"] and first.headers["x-request-id"] != second.headers["x-request-id"]
 
 
-def test_models_list_comes_from_the_overlay(mock_provider, gateway_factory):
+def test_models_list_comes_from_the_overlay(mock_provider, loopback_gateway_factory):
     handle = mock_provider("p")
     overlay = envelope([candidate("alpha", "p"), candidate("beta", "p")])
-    gateway = gateway_factory({"p": [handle.address]}, overlay)
+    gateway = loopback_gateway_factory({"p": [handle.address]}, overlay)
     before = mock_served(handle)
     status, _, body = request("127.0.0.1", gateway.port, "GET", "/v1/models")
     assert status == 200
@@ -107,9 +107,9 @@ def test_gateway_errors_are_openai_json(one_provider, body, headers, status, cod
     assert mock_served(handle) == before
 
 
-def test_stream_arrives_incrementally(mock_provider, gateway_factory):
+def test_stream_arrives_incrementally(mock_provider, loopback_gateway_factory):
     handle = mock_provider("slow", tokens_per_s=10, tokens=10)
-    gateway = gateway_factory({"slow": [handle.address]}, envelope([candidate("m", "slow")]))
+    gateway = loopback_gateway_factory({"slow": [handle.address]}, envelope([candidate("m", "slow")]))
     client = Client(gateway.port)
     started = time.monotonic()
     client.send("POST", "/v1/chat/completions", {"model": "m", "stream": True, "messages": []})
@@ -143,9 +143,9 @@ def test_keepalive_and_pipelining_answer_in_order(one_provider):
     assert received.count(b"HTTP/1.1 200") == 3
 
 
-def test_keepalive_reuses_one_connection(gateway_factory):
+def test_keepalive_reuses_one_connection(loopback_gateway_factory):
     server = _KeepAliveServer()
-    gateway = gateway_factory({"ka": [f"127.0.0.1:{server.port}"]}, envelope([candidate("m", "ka")]))
+    gateway = loopback_gateway_factory({"ka": [f"127.0.0.1:{server.port}"]}, envelope([candidate("m", "ka")]))
     client = Client(gateway.port)
     for _ in range(20):
         response = client.request("POST", "/v1/chat/completions", {"model": "m"})
@@ -154,35 +154,35 @@ def test_keepalive_reuses_one_connection(gateway_factory):
     assert (server.connections, server.requests) == (1, 20)  # one pooled upstream connection served all
 
 
-def test_upstream_connect_failure_is_502(gateway_factory):
+def test_upstream_connect_failure_is_502(loopback_gateway_factory):
     dead = f"127.0.0.1:{refused_port()}"
-    gateway = gateway_factory({"dead": [dead]}, envelope([candidate("m", "dead")]))
+    gateway = loopback_gateway_factory({"dead": [dead]}, envelope([candidate("m", "dead")]))
     response = chat(gateway.port, "m")
     assert response.status == 502
     assert response.json()["error"]["type"] == "upstream_error"
 
 
-def test_upstream_read_timeout_before_response_is_504(mock_provider, gateway_factory):
+def test_upstream_read_timeout_before_response_is_504(mock_provider, loopback_gateway_factory):
     handle = mock_provider("stall")
-    gateway = gateway_factory({"stall": [handle.address]}, envelope([candidate("m", "stall")]),
+    gateway = loopback_gateway_factory({"stall": [handle.address]}, envelope([candidate("m", "stall")]),
                               cluster_options={"read_timeout": "500ms"})
     response = chat(gateway.port, "m", headers=[("X-Mock-Stall-Ms", "3000")])
     assert response.status == 504
     assert response.json()["error"]["code"] == "upstream_timeout"
 
 
-def test_upstream_reset_before_response_is_502(mock_provider, gateway_factory):
+def test_upstream_reset_before_response_is_502(mock_provider, loopback_gateway_factory):
     handle = mock_provider("reset")
-    gateway = gateway_factory({"reset": [handle.address]}, envelope([candidate("m", "reset")]))
+    gateway = loopback_gateway_factory({"reset": [handle.address]}, envelope([candidate("m", "reset")]))
     response = chat(gateway.port, "m", headers=[("X-Mock-Reset", "before")])
     assert response.status == 502
     ok = chat(gateway.port, "m")
     assert ok.status == 200
 
 
-def test_upstream_failure_mid_stream_ends_with_error_event(mock_provider, gateway_factory):
+def test_upstream_failure_mid_stream_ends_with_error_event(mock_provider, loopback_gateway_factory):
     handle = mock_provider("midreset", tokens_per_s=200, tokens=20)
-    gateway = gateway_factory({"midreset": [handle.address]}, envelope([candidate("m", "midreset")]))
+    gateway = loopback_gateway_factory({"midreset": [handle.address]}, envelope([candidate("m", "midreset")]))
     body = b'{"model": "m", "stream": true}'
     raw = raw_exchange(
         gateway.port,
@@ -246,27 +246,27 @@ class _GarbageServer(_RawProvider):
         b"HTTP/1.1 200 OK\r\nBad Header Line\r\n\r\n",
     ],
 )
-def test_malformed_upstream_response_is_502(gateway_factory, reply):
+def test_malformed_upstream_response_is_502(loopback_gateway_factory, reply):
     server = _GarbageServer(reply)
-    gateway = gateway_factory({"bad": [f"127.0.0.1:{server.port}"]}, envelope([candidate("m", "bad")]))
+    gateway = loopback_gateway_factory({"bad": [f"127.0.0.1:{server.port}"]}, envelope([candidate("m", "bad")]))
     response = chat(gateway.port, "m")
     assert response.status == 502
     assert response.json()["error"]["code"] == "bad_upstream_response"
 
 
-def test_ambiguous_upstream_framing_is_not_reused(gateway_factory):
+def test_ambiguous_upstream_framing_is_not_reused(loopback_gateway_factory):
     reply = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n"
     server = _GarbageServer(reply)
-    gateway = gateway_factory({"amb": [f"127.0.0.1:{server.port}"]}, envelope([candidate("m", "amb")]))
+    gateway = loopback_gateway_factory({"amb": [f"127.0.0.1:{server.port}"]}, envelope([candidate("m", "amb")]))
     for _ in range(3):
         response = chat(gateway.port, "m")
         assert response.status == 200 and response.body == b"ok"
     assert server.connections == 3  # each one closed after its response, never reused
 
 
-def test_client_disconnect_closes_upstream(mock_provider, gateway_factory):
+def test_client_disconnect_closes_upstream(mock_provider, loopback_gateway_factory):
     handle = mock_provider("long", tokens_per_s=5, tokens=100)
-    gateway = gateway_factory({"long": [handle.address]}, envelope([candidate("m", "long")]))
+    gateway = loopback_gateway_factory({"long": [handle.address]}, envelope([candidate("m", "long")]))
     client = Client(gateway.port)
     client.send("POST", "/v1/chat/completions", {"model": "m", "stream": True})
     client.sock.recv(65536)
@@ -278,9 +278,9 @@ def test_client_disconnect_closes_upstream(mock_provider, gateway_factory):
     assert mock_in_flight(handle) == 0
 
 
-def test_worker_connection_limit_answers_503(mock_provider, gateway_factory):
+def test_worker_connection_limit_answers_503(mock_provider, loopback_gateway_factory):
     handle = mock_provider("p")
-    gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
+    gateway = loopback_gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
                               extra={"limits": {"max_connections_per_worker": 2}})
     held = [Client(gateway.port), Client(gateway.port)]
     for client in held:

@@ -24,9 +24,9 @@ def test_gateway_error_on_head_keeps_the_connection_usable(mock_provider, gatewa
     assert "Traceback" not in gateway.log()
 
 
-def test_half_closed_client_still_gets_its_answer(mock_provider, gateway_factory):
+def test_half_closed_client_still_gets_its_answer(mock_provider, loopback_gateway_factory):
     handle = mock_provider("p", latency_ms=200)
-    gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]))
+    gateway = loopback_gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]))
     body = b'{"model": "m"}'
     sock = socket.create_connection(("127.0.0.1", gateway.port), timeout=5)
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
@@ -39,9 +39,9 @@ def test_half_closed_client_still_gets_its_answer(mock_provider, gateway_factory
     assert b"chat.completion" in received
 
 
-def test_every_x_forwarded_for_line_is_kept(mock_provider, gateway_factory):
+def test_every_x_forwarded_for_line_is_kept(mock_provider, loopback_gateway_factory):
     handle = mock_provider("p")
-    gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
+    gateway = loopback_gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
                               cluster_options={"allowed_routes": ["POST /debug/echo"]})
     status, _, body = request("127.0.0.1", gateway.port, "POST", "/debug/echo", b"{}",
                               headers=[("X-Model", "m"), ("X-Forwarded-For", "1.1.1.1"),
@@ -51,9 +51,9 @@ def test_every_x_forwarded_for_line_is_kept(mock_provider, gateway_factory):
     assert echoed["x-forwarded-for"] == "1.1.1.1, 2.2.2.2, 127.0.0.1"
 
 
-def test_no_evidence_headers_when_route_headers_are_off(mock_provider, gateway_factory):
+def test_no_evidence_headers_when_route_headers_are_off(mock_provider, loopback_gateway_factory):
     handle = mock_provider("p")
-    gateway = gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
+    gateway = loopback_gateway_factory({"p": [handle.address]}, envelope([candidate("m", "p")]),
                               extra={"routing": {"route_headers": False}})
     response = chat(gateway.port, "m")
     assert response.status == 200

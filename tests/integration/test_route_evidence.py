@@ -56,10 +56,10 @@ def test_excluded_candidates_are_counted_by_reason(mock_provider, gateway_factor
     assert "picker_inputs" not in line  # not least_loaded
 
 
-def test_least_loaded_shows_the_two_scores_it_compared(providers, gateway_factory):
+def test_least_loaded_shows_the_two_scores_it_compared(providers, loopback_gateway_factory):
     overlay = envelope([candidate("m", "provider-a"), candidate("m", "provider-b")], "roundRobin")
     clusters = {name: [providers[name].address] for name in ("provider-a", "provider-b")}
-    gateway = gateway_factory(clusters, overlay, extra={"access_log": {"path": "access.log", "evidence_sample": 1.0},
+    gateway = loopback_gateway_factory(clusters, overlay, extra={"access_log": {"path": "access.log", "evidence_sample": 1.0},
                                                         "routing": {"picker": "least_loaded"}})
     path = os.path.join(gateway.directory, "access.log")
     for index in range(6):
@@ -74,9 +74,9 @@ def test_least_loaded_shows_the_two_scores_it_compared(providers, gateway_factor
         assert line["selection_mode"] == "least_loaded"
 
 
-def test_evidence_sample_zero_leaves_it_out(providers, gateway_factory):
+def test_evidence_sample_zero_leaves_it_out(providers, loopback_gateway_factory):
     overlay = envelope([candidate("m", "provider-a")])
-    gateway = gateway_factory({"provider-a": [providers["provider-a"].address]}, overlay,
+    gateway = loopback_gateway_factory({"provider-a": [providers["provider-a"].address]}, overlay,
                               extra={"access_log": {"path": "access.log", "evidence_sample": 0.0}})
     assert chat(gateway.port, "m", headers=[("X-Request-Id", "plain")]).status == 200
     line = line_of(os.path.join(gateway.directory, "access.log"), "plain")
@@ -84,11 +84,11 @@ def test_evidence_sample_zero_leaves_it_out(providers, gateway_factory):
     assert not {"site", "admission_state", "candidates", "excluded", "picker_inputs"} & set(line)
 
 
-def test_by_default_about_one_line_in_a_hundred_carries_it(providers, gateway_factory):
+def test_by_default_about_one_line_in_a_hundred_carries_it(providers, loopback_gateway_factory):
     # The default (0.01) keeps the evidence's cost off most requests: of 200 lines, expected 2; 20 or more
     # has a probability below 1e-12. Every line keeps the core fields.
     overlay = envelope([candidate("m", "provider-a")])
-    gateway = gateway_factory({"provider-a": [providers["provider-a"].address]}, overlay,
+    gateway = loopback_gateway_factory({"provider-a": [providers["provider-a"].address]}, overlay,
                               extra={"access_log": {"path": "access.log"}})
     for index in range(200):
         assert chat(gateway.port, "m", headers=[("X-Request-Id", f"d-{index}")]).status == 200

@@ -62,10 +62,10 @@ def test_round_robin_over_one_connection_is_exact_and_repeating(providers, gatew
     assert sorted(order[:3]) == sorted(CLUSTERS)
 
 
-def test_route_evidence_headers(providers, gateway_factory):
+def test_route_evidence_headers(providers, loopback_gateway_factory):
     overlay = envelope([candidate("m", "provider-a", group=0), candidate("m", "provider-b", group=1)],
                        mode="deterministic")
-    gateway = gateway_factory(_clusters(providers), overlay)
+    gateway = loopback_gateway_factory(_clusters(providers), overlay)
     response = chat(gateway.port, "m", headers=[("X-Gridgate-Affinity", "spoofed")])
     assert response.status == 200
     headers = response.headers
@@ -79,22 +79,22 @@ def test_route_evidence_headers(providers, gateway_factory):
     assert headers["x-request-id"]
 
 
-def test_unavailable_best_group_falls_through_and_nothing_admissible_is_503(providers, gateway_factory):
+def test_unavailable_best_group_falls_through_and_nothing_admissible_is_503(providers, loopback_gateway_factory):
     overlay = envelope([
         candidate("m", "provider-a", group=0, admission="none"),
         candidate("m", "provider-b", group=1),
         candidate("closed", "provider-c", group=0, admission="existing_only"),
     ])
-    gateway = gateway_factory(_clusters(providers), overlay)
+    gateway = loopback_gateway_factory(_clusters(providers), overlay)
     assert chat(gateway.port, "m").headers["x-mock-provider"] == "provider-b"
     response = chat(gateway.port, "closed")
     assert response.status == 503
     assert response.json()["error"]["code"] == "no_admissible"
 
 
-def test_provider_hop_headers_only_for_listed_clusters(providers, gateway_factory):
+def test_provider_hop_headers_only_for_listed_clusters(providers, loopback_gateway_factory):
     overlay = envelope([candidate("m", "provider-a"), candidate("n", "provider-b")])
-    gateway = gateway_factory(_clusters(providers), overlay, extra={"routing": {"provider_hop_clusters": ["provider-a"]}},
+    gateway = loopback_gateway_factory(_clusters(providers), overlay, extra={"routing": {"provider_hop_clusters": ["provider-a"]}},
                               cluster_options=ECHO_ROUTE)
     status, _, body = request("127.0.0.1", gateway.port, "POST", "/debug/echo", b"{}",
                               headers=[("X-Model", "m"), ("X-Request-Id", "hop-1"),
@@ -110,12 +110,12 @@ def test_provider_hop_headers_only_for_listed_clusters(providers, gateway_factor
     assert not any(name.startswith("x-ai-routing-") for name in echoed)
 
 
-def test_mcp_tools_call_routes_by_tool_name(providers, gateway_factory):
+def test_mcp_tools_call_routes_by_tool_name(providers, loopback_gateway_factory):
     overlay = envelope([
         candidate("search", "provider-b", kind="mcp_tool"),
         candidate("m", "provider-a"),
     ])
-    gateway = gateway_factory(_clusters(providers), overlay, cluster_options=ECHO_ROUTE)
+    gateway = loopback_gateway_factory(_clusters(providers), overlay, cluster_options=ECHO_ROUTE)
     body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "search", "arguments": {}}}
     status, headers, _ = request("127.0.0.1", gateway.port, "POST", "/debug/echo", body,
                                  headers=[("Content-Type", "application/json"), ("X-Model", "m")])

@@ -1,5 +1,6 @@
 """Request-aware selection through a real gateway (docs/routing.md#request-aware-selection): filters,
-tenant policy, pickers, the pinned route."""
+tenant policy, pickers, the pinned route. One request's behaviour runs on a loopback gateway (the worker in
+this process); what needs two workers or load measured apart from the clients runs on a real one."""
 
 from __future__ import annotations
 
@@ -27,14 +28,14 @@ def three(providers) -> dict[str, list[str]]:
     return {name: [handle.address] for name, handle in providers.items()}
 
 
-def test_context_window_and_tools_choose_the_capable_provider(providers, gateway_factory):
+def test_context_window_and_tools_choose_the_capable_provider(providers, loopback_gateway_factory):
     models = [
         {"match": {"capability": "m", "cluster": "provider-a"}, "context_window": 2000, "features": ["tools"]},
         {"match": {"capability": "m", "cluster": "provider-b"}, "context_window": 100000, "features": []},
         {"match": {"capability": "m"}, "context_window": 100000, "features": ["tools", "vision"]},
     ]
     overlay = envelope([candidate("m", name) for name in providers], mode="roundRobin")
-    gateway = gateway_factory(three(providers), overlay, extra={"routing": {"models": models}})
+    gateway = loopback_gateway_factory(three(providers), overlay, extra={"routing": {"models": models}})
     big = [chat(gateway.port, "m", max_tokens=50_000) for _ in range(4)]
     assert {r.headers["x-gridgate-provider"] for r in big} == {"provider-b", "provider-c"}
     assert {r.headers["x-gridgate-filtered"] for r in big} == {"1"}
@@ -52,7 +53,7 @@ def test_context_window_and_tools_choose_the_capable_provider(providers, gateway
     assert sum(mock_served(handle) for handle in providers.values()) == served  # nothing went upstream
 
 
-def test_tenant_regions_and_allowed_capabilities(providers, gateway_factory):
+def test_tenant_regions_and_allowed_capabilities(providers, loopback_gateway_factory):
     models = [{"match": {"capability": "*", "cluster": "provider-a"}, "region": "eu"},
               {"match": {"capability": "*", "cluster": "provider-b"}, "region": "us"},
               {"match": {"capability": "*", "cluster": "provider-c"}, "region": "eu"}]
@@ -60,7 +61,7 @@ def test_tenant_regions_and_allowed_capabilities(providers, gateway_factory):
                {"tenant": "team-us", "allowed_capabilities": ["other"]}]
     overlay = envelope([candidate(model, name) for model in ("m", "other") for name in providers],
                        mode="roundRobin")
-    gateway = gateway_factory(three(providers), overlay,
+    gateway = loopback_gateway_factory(three(providers), overlay,
                               extra={"auth": auth(), "tenants": tenants, "routing": {"models": models}})
     eu = [chat(gateway.port, "m", headers=bearer("team-eu")) for _ in range(6)]
     assert {r.headers["x-gridgate-provider"] for r in eu} == {"provider-a", "provider-c"}
@@ -76,10 +77,10 @@ def test_tenant_regions_and_allowed_capabilities(providers, gateway_factory):
     assert sorted(model["id"] for model in json.loads(everything)["data"]) == ["m", "other"]
 
 
-def test_weighted_three_to_one_is_exact_on_one_worker(providers, gateway_factory):
+def test_weighted_three_to_one_is_exact_on_one_worker(providers, loopback_gateway_factory):
     models = [{"match": {"capability": "m", "cluster": "provider-a"}, "traffic_weight": 3}]
     overlay = envelope([candidate("m", "provider-a"), candidate("m", "provider-b")], mode="roundRobin")
-    gateway = gateway_factory(three(providers), overlay,
+    gateway = loopback_gateway_factory(three(providers), overlay,
                               extra={"routing": {"picker": "weighted", "models": models}})
     client = Client(gateway.port)
     picks = Counter(client.request("POST", "/v1/chat/completions", {"model": "m"}).headers["x-gridgate-provider"]
@@ -103,11 +104,11 @@ def test_stable_hash_keeps_sessions_on_one_provider_across_workers(providers, ga
     assert set().union(*owners.values()) == set(providers)
 
 
-def test_pinned_route_only_for_tenants_allowed_to_pin(providers, gateway_factory):
+def test_pinned_route_only_for_tenants_allowed_to_pin(providers, loopback_gateway_factory):
     overlay = envelope([candidate("m", "provider-a", group=0), candidate("m", "provider-b", group=1)],
                        mode="deterministic")
     tenants = [{"tenant": "ops", "may_pin": True}]
-    gateway = gateway_factory(three(providers), overlay, extra={"auth": auth(), "tenants": tenants})
+    gateway = loopback_gateway_factory(three(providers), overlay, extra={"auth": auth(), "tenants": tenants})
     pinned = chat(gateway.port, "m", headers=[*bearer("ops"), ("X-Gridgate-Pin", "provider-b")])
     assert pinned.status == 200
     assert (pinned.headers["x-gridgate-provider"], pinned.headers["x-gridgate-selection-mode"]) == (

@@ -39,10 +39,10 @@ def _quota(url: str, tokens: int) -> dict[str, Any]:
                        "estimate": {"default_max_tokens": 10}}]}
 
 
-def _gateway(gateway_factory, provider_address: str, tenant: str, extra: dict[str, Any] | None = None):
+def _gateway(loopback_gateway_factory, provider_address: str, tenant: str, extra: dict[str, Any] | None = None):
     options = {"auth": {"keys": [{"tenant": tenant, "key": hash_api_key(KEY)}]},
                "access_log": {"path": "access.log"}, **(extra or {})}
-    return gateway_factory({"p": [provider_address]}, envelope([candidate("m", "p")]), extra=options)
+    return loopback_gateway_factory({"p": [provider_address]}, envelope([candidate("m", "p")]), extra=options)
 
 
 def _used(gateway, tenant: str, timeout: float = 5.0) -> int:
@@ -181,8 +181,8 @@ def test_gateway_errors_on_messages_use_anthropics_shape(valkey_url, mock_provid
     assert status == 400 and json.loads(raw)["error"]["code"] == "invalid_json"
 
 
-def test_upstream_failure_on_messages_uses_anthropics_shape(mock_provider, gateway_factory):
-    gateway = _gateway(gateway_factory, f"127.0.0.1:{refused_port()}", "t-down")
+def test_upstream_failure_on_messages_uses_anthropics_shape(mock_provider, loopback_gateway_factory):
+    gateway = _gateway(loopback_gateway_factory, f"127.0.0.1:{refused_port()}", "t-down")
     with pytest.raises(anthropic.InternalServerError) as failed:
         _anthropic(gateway).messages.create(model="m", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
     assert failed.value.status_code == 502
@@ -261,9 +261,9 @@ def _cors_names(headers: dict[str, str]) -> set[str]:
     return {name for name in headers if name.startswith("access-control-")}
 
 
-def test_cors_preflights_are_answered_before_the_key(mock_provider, gateway_factory):
+def test_cors_preflights_are_answered_before_the_key(mock_provider, loopback_gateway_factory):
     handle = mock_provider("p")
-    gateway = _gateway(gateway_factory, handle.address, "t-cors", CORS)
+    gateway = _gateway(loopback_gateway_factory, handle.address, "t-cors", CORS)
     before = mock_served(handle, SURFACE_ENDPOINTS)
     status, headers, body = _preflight(gateway.port, APP)
     assert (status, body) == (204, b"")
@@ -310,9 +310,9 @@ def test_cors_headers_on_actual_answers(mock_provider, gateway_factory):
     assert answer.status == 200 and not _cors_names(answer.headers)
 
 
-def test_cors_off_changes_nothing(mock_provider, gateway_factory):
+def test_cors_off_changes_nothing(mock_provider, loopback_gateway_factory):
     handle = mock_provider("p", cors_origin="*")
-    gateway = _gateway(gateway_factory, handle.address, "t-nocors")
+    gateway = _gateway(loopback_gateway_factory, handle.address, "t-nocors")
     auth = [("authorization", f"Bearer {KEY}")]
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     plain = _post(gateway.port, "/v1/chat/completions", body, [*auth, ("x-request-id", "same")])
@@ -338,14 +338,14 @@ def _no_proxy_env(monkeypatch: pytest.MonkeyPatch) -> None:
 # --- the filters read each API's own body fields ------------------------------------------------------
 
 
-def test_the_filters_read_each_apis_body_fields(providers, gateway_factory):
+def test_the_filters_read_each_apis_body_fields(providers, loopback_gateway_factory):
     models = [
         {"match": {"capability": "m", "cluster": "provider-a"}, "context_window": 2000, "features": ["tools"]},
         {"match": {"capability": "m", "cluster": "provider-b"}, "context_window": 100000, "features": ["vision"]},
         {"match": {"capability": "m"}, "context_window": 100000, "features": []},
     ]
     overlay = envelope([candidate("m", name) for name in providers], mode="roundRobin")
-    gateway = gateway_factory({name: [handle.address] for name, handle in providers.items()}, overlay,
+    gateway = loopback_gateway_factory({name: [handle.address] for name, handle in providers.items()}, overlay,
                               extra={"auth": {"keys": [{"tenant": "t-filters", "key": hash_api_key(KEY)}]},
                                      "routing": {"models": models}})
     claude, oai = _anthropic(gateway), _openai(gateway)
