@@ -48,6 +48,18 @@ def served_model_headers(record: RequestRecord) -> list[tuple[bytes, bytes]]:
     return headers
 
 
+def _unanswered(record: RequestRecord) -> None:
+    """The status and error of a request that ended with no answer: the client left, or the handler failed."""
+    gone = record.exchange is None or record.exchange.client_gone
+    record.status, record.error = (CLIENT_CLOSED, "client_closed") if gone else (500, "internal_error")
+
+
+def _clamped(quota: QuotaGate, worst: int) -> int:
+    """An absurd usage's cost: the worst case the admission reserved, counted (``request_cost``)."""
+    quota.counters.spend_usage_clamped += 1
+    return worst
+
+
 class Outcomes:
     """One per worker: the end of every request the proxy handled, and the answers it makes itself."""
 
@@ -77,8 +89,7 @@ class Outcomes:
         if served:
             self._served(record, result)  # type: ignore[arg-type]
         elif record.status == 0:  # no answer was given: the client left, or the handler failed
-            gone = record.exchange is None or record.exchange.client_gone
-            record.status, record.error = (CLIENT_CLOSED, "client_closed") if gone else (500, "internal_error")
+            _unanswered(record)
         if record.status != CLIENT_CLOSED:
             self.metrics.request(record.provider, record.status)
         admission = record.admission
@@ -96,8 +107,7 @@ class Outcomes:
             cost = prices.usage_cost(model, usage, True)
             worst = admission.worst_nusd
             if worst and cost > ABSURD_FACTOR * worst:  # type: ignore[operator]
-                cost = worst
-                quota.counters.spend_usage_clamped += 1
+                cost = _clamped(quota, worst)
             record.cost_nusd = cost
             quota.settle(admission, tokens, record.tokens_prompt, record.tokens_completion, cost_nusd=cost)
         else:
@@ -115,8 +125,7 @@ class Outcomes:
                     self.quota.settle(admission, *self._charge(record, result, served), cost_nusd=record.cost_nusd)
                 else:  # it never reached a provider: nothing is charged, and its request slots go back too
                     self.quota.settle(admission, 0, reached=False)
-        spend = self.spend
-        if spend is not None:  # the day's rollups and the spend metrics (docs/pricing.md)
+        if (spend := self.spend) is not None:  # the day's rollups and the spend metrics (docs/pricing.md)
             spend.count(record)
         if record.trace is not None:  # its spans end and go to the exporter's queue (docs/tracing.md)
             record.trace.end(record, result)

@@ -128,16 +128,7 @@ class ResponseRelay:
     def upstream_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.status = status
         self.first_byte_at = _monotonic()
-        if status in RETRYABLE_STATUSES:
-            self.retry_after, self.provider_wide = cooling_signals(headers)
-            if self.hold_retryable:
-                self.held_status = status
-                self.conn.resume()  # its body is read and discarded, whatever the client's pace
-                self._finish()
-                return
-        elif status == 400 and self.hold_refusals:
-            self.held_status, self.held_head, self.held_body = 400, headers, bytearray()
-            self.conn.resume()  # read for its code, whatever the client's pace
+        if (status in RETRYABLE_STATUSES or status == 400) and self._held(status, headers):
             return
         out = []
         metered = self.metering is not None
@@ -163,21 +154,18 @@ class ResponseRelay:
             out.append((name, value))
         self.is_sse = is_event_stream(content_type)
         usage_kind = OPENAI_USAGE if admitted is None else admitted.route.surface.usage
-        if metered:
-            # The chat path's observer at once; the Responses and Messages APIs' by their surface.
-            if usage_kind == OPENAI_USAGE:
+        if usage_kind == OPENAI_USAGE:
+            if metered:
                 # ``usage_observer`` written out (one call fewer per request): the SSE filter for a stream
                 # the gateway rewrote to report usage, else the pass-through scanner.
                 self.usage = SseUsageFilter() if self.metering and self.is_sse else UsageScanner()
-            else:
-                self.usage = self.answer_usage = observer_for(  # type: ignore[assignment]
-                    usage_kind, self.is_sse, bool(self.metering))
-            if self.is_sse:
-                self.events = 0
-        elif usage_kind == RESPONSES_USAGE or usage_kind == MESSAGES_USAGE:
-            # Not metered, these answers are read all the same (they are never changed): the access line
-            # shows their tokens, and an error event in their stream is seen.
-            self.usage = self.answer_usage = observer_for(usage_kind, self.is_sse, False)  # type: ignore[assignment]
+        elif metered or usage_kind == RESPONSES_USAGE or usage_kind == MESSAGES_USAGE:
+            # The Responses and Messages APIs' observer by their surface; not metered, their answers are read
+            # all the same (never changed): the access line shows their tokens, an error event is seen.
+            self.usage = self.answer_usage = observer_for(  # type: ignore[assignment]
+                usage_kind, self.is_sse, bool(self.metering))
+        if metered and self.is_sse:
+            self.events = 0
         # Re-frame as chunked when the provider did, or when the usage filter may shorten the body.
         if chunked or self.metering is True:
             content_length = None
@@ -187,6 +175,23 @@ class ResponseRelay:
         out += self.extra_headers
         self.response_started = True
         self.exchange.start(status, out, content_length)
+
+    def _held(self, status: int, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Whether a 429/502/503/504 or 400 head is held back from the client (the relay then reads its
+        body: discarded, or read for a refusal code); a retryable one's cooling signals are read either way."""
+        if status == 400:
+            if not self.hold_refusals:
+                return False
+            self.held_status, self.held_head, self.held_body = 400, headers, bytearray()
+            self.conn.resume()  # read for its code, whatever the client's pace
+            return True
+        self.retry_after, self.provider_wide = cooling_signals(headers)
+        if not self.hold_retryable:
+            return False
+        self.held_status = status
+        self.conn.resume()  # its body is read and discarded, whatever the client's pace
+        self._finish()
+        return True
 
     def upstream_data(self, data: bytes) -> None:
         if self.held_status:

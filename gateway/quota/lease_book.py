@@ -46,7 +46,15 @@ from gateway.quota.lease import (
     next_spend,
     request_allowance,
 )
-from gateway.quota.ledger import F_RQ_LIMIT, F_SPEND_ROOM, F_TK_LIMIT, Account, AdmitCommand, QuotaLedger
+from gateway.quota.ledger import (
+    F_RQ_LIMIT,
+    F_SPEND_ROOM,
+    F_TK_LIMIT,
+    Account,
+    AdmitCommand,
+    AdmitReply,
+    QuotaLedger,
+)
 from gateway.quota.reconcile import Reconciler
 from gateway.valkey.transport import Reply
 
@@ -170,22 +178,9 @@ class LeaseBook:
             return
         spec = self.spec
         now = _monotonic()
-        to_window_end = ms_to_window_end(account, answer.now_ms)
-        window_end_s = spec.ttl_s + 1 if to_window_end is None else to_window_end / 1000
-        if account.spend:  # nor past the end of a USD budget's period: it reserved in this one
-            window_end_s = min(window_end_s, max(0.0, account.spend_until - _time()))
+        window_end_s = _to_window_end_s(account, answer, spec.ttl_s)
         life_s = min(spec.ttl_s, window_end_s)
-        tokens = slots = None
-        if account.has_budgets:
-            limit, remaining, reset_ms = answer.triple(F_TK_LIMIT)
-            tokens = Allowance(command.estimate, limit, remaining, now + reset_ms / 1000)
-        if account.has_requests:
-            limit, remaining, reset_ms = answer.triple(F_RQ_LIMIT)
-            slots = request_allowance(command.slots, limit, remaining, now + reset_ms / 1000)
-        spend = None
-        if account.spend:
-            room = int(answer.fields[F_SPEND_ROOM])
-            spend = SpendAllowance(command.worst, room if room >= 0 else 1 << 62)
+        tokens, slots, spend = _allowances(command, answer, now)
         lease = Lease(block, tokens, now + life_s, tenant_slot, slots, spend, opened_at=now)
         replaced = self.open.get(key)
         self.open[key] = self._last[key] = lease
@@ -246,3 +241,30 @@ class LeaseBook:
             self._held.discard(lease)
             self._keeper.discard(lease.reservation)
             self._reconciler.enqueue(lease.reservation, lease.tokens_charged, lease.slots_unused, lease.spend_charged)
+
+
+def _to_window_end_s(account: Account, answer: AdmitReply, ttl_s: float) -> float:
+    """Seconds until a granted block must stop admitting: its token windows' first end (past ``ttl_s``
+    when it has none), nor past the end of a USD budget's period (it reserved in this one)."""
+    to_window_end = ms_to_window_end(account, answer.now_ms)
+    window_end_s = ttl_s + 1 if to_window_end is None else to_window_end / 1000
+    if account.spend:
+        window_end_s = min(window_end_s, max(0.0, account.spend_until - _time()))
+    return window_end_s
+
+
+def _allowances(command: AdmitCommand, answer: AdmitReply,
+                now: float) -> tuple[Allowance | None, Allowance | None, SpendAllowance | None]:
+    """(tokens, request slots, nano-USD) a granted block holds, each None when its account has no such limit."""
+    account = command.account
+    tokens = slots = spend = None
+    if account.has_budgets:
+        limit, remaining, reset_ms = answer.triple(F_TK_LIMIT)
+        tokens = Allowance(command.estimate, limit, remaining, now + reset_ms / 1000)
+    if account.has_requests:
+        limit, remaining, reset_ms = answer.triple(F_RQ_LIMIT)
+        slots = request_allowance(command.slots, limit, remaining, now + reset_ms / 1000)
+    if account.spend:
+        room = int(answer.fields[F_SPEND_ROOM])
+        spend = SpendAllowance(command.worst, room if room >= 0 else 1 << 62)
+    return tokens, slots, spend

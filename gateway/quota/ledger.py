@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from gateway.identity.limits import LimitRef, Scope, SpendBudget, limit_refs, usd_text
-from gateway.pricing.period import PeriodSpan, rfc3339
+from gateway.identity.limits import LimitRef, Scope, SpendBudget, limit_refs
+from gateway.pricing.period import PeriodSpan
+from gateway.quota.ledger_report import ScopeReport, read_report
 from gateway.quota.ledger_script import (  # noqa: F401 - deny_set_key re-exported: importers use the ledger
     KEY_PREFIX,
     LEDGER,
@@ -140,52 +140,6 @@ class AdmitReply(msgspec.Struct, frozen=True, gc=False):
         """(limit, remaining, reset_ms) at ``F_RQ_LIMIT`` or ``F_TK_LIMIT``; limit 0: no such limit."""
         fields = self.fields
         return int(fields[at]), int(fields[at + 1]), int(fields[at + 2])
-
-
-@dataclass(frozen=True, slots=True)
-class WindowReport:
-    window_s: int
-    limit: int
-    used: int
-    reserved: int
-    remaining: int
-    reset_s: float
-    shadow: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class RequestReport:
-    window_s: int
-    count: int
-    burst: int
-    remaining: int  # slots a burst could take now
-    full_in_s: float  # until every slot is back
-    shadow: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class SpendReport:
-    usd: str  # $5.00
-    period: str
-    tz: str
-    enforce: str  # hard | soft
-    limit_nusd: int
-    spent_nusd: int
-    reserved_nusd: int
-    remaining_nusd: int
-    resets_at: str  # RFC 3339
-    reset_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class ScopeReport:
-    kind: str  # rule | key
-    name: str
-    in_flight: int  # its open reservations (a block counts once)
-    max_in_flight: int
-    requests: tuple[RequestReport, ...]
-    windows: tuple[WindowReport, ...]
-    spend: tuple[SpendReport, ...] = ()
 
 
 def key_prefix(tenant: str) -> str:
@@ -460,37 +414,7 @@ class QuotaLedger:
         reply: Any = await self._transport.run_one(self._transport.wire(args))
         try:
             values = [int(value) for value in reply]
-            at = 2
-            reports = []
-            for scope in scopes:
-                limits = scope.limits
-                in_flight = values[at]
-                at += 1
-                requests = []
-                for request in limits.requests:
-                    remaining, full_ms = values[at:at + 2]
-                    at += 2
-                    requests.append(RequestReport(request.window_s, request.count, request.burst, remaining,
-                                                  max(0, full_ms) / 1000, request.shadow))
-                windows = []
-                for budget in limits.budgets:
-                    used, reserved, reset_ms = (max(0, x) for x in values[at:at + 3])
-                    at += 3
-                    windows.append(WindowReport(budget.window_s, budget.tokens, used, reserved,
-                                                max(0, budget.tokens - used - reserved), reset_ms / 1000, budget.shadow))
-                spends = []
-                for spent in limits.spend:
-                    used, reserved, reset_ms = values[at:at + 3]
-                    at += 3
-                    used, reserved = max(0, used), max(0, reserved)
-                    spends.append(SpendReport(usd_text(spent.nusd), spent.period, spent.tz,
-                                              "hard" if spent.hard else "soft", spent.nusd, used, reserved,
-                                              max(0, spent.nusd - used - reserved), rfc3339(spent.clock.at(self._time()).end),
-                                              max(0, reset_ms) / 1000))
-                reports.append(ScopeReport(scope.kind, scope.name, in_flight, limits.max_in_flight, tuple(requests),
-                                           tuple(windows), tuple(spends)))
-            if at != len(values):
-                raise ValueError("reply length")
+            reports = read_report(scopes, values, self._time)
         except (TypeError, ValueError, IndexError):
             raise UnexpectedReply(f"unexpected report reply {reply!r:.80}") from None
         return values[1], reports

@@ -13,7 +13,8 @@ from dataclasses import asdict
 from typing import Any
 
 from gateway.identity.limits import Scope
-from gateway.quota.ledger import QuotaLedger, ScopeReport
+from gateway.quota.ledger import QuotaLedger
+from gateway.quota.ledger_report import ScopeReport
 from gateway.quota.rules import KeyLike, RuleSet, key_matches
 from gateway.valkey.client import BACKEND_ERRORS, describe_error
 

@@ -169,8 +169,8 @@ class HeaderPlan:
                 forward.append((name, value))
             elif kind == _API_KEY:
                 found.api_key = value
-            elif kind == _REQUEST_ID:
-                found.request_id = value
+            elif kind == _REQUEST_ID:  # the last one wins, if valid
+                found.request_id = value if valid_request_id(value) else None
             elif kind == _XFF:
                 found.xff = value if found.xff is None else found.xff + b", " + value
             elif kind == _COOKIE:
@@ -178,18 +178,26 @@ class HeaderPlan:
                 forward.append((name, value))
             elif kind == _CONNECTION:
                 listed = connection_tokens(value) if listed is None else listed | connection_tokens(value)
-            elif kind == _BALANCE_KEY:
-                if found.balance_keys is None:
-                    found.balance_keys = {}
-                found.balance_keys[name] = value
-                forward.append((name, value))
-            elif kind == _PIN:
-                found.pin = value
+            else:  # configured routing headers, rare: out of the common path
+                _routing_header(found, kind, name, value)
         if listed:
-            found.forward = [(n, v) for n, v in forward if n not in listed]
-            if ACCEPT_ENCODING in listed:
-                found.accept_encoding = None
-        request_id = found.request_id
-        if request_id is not None and not valid_request_id(request_id):
-            found.request_id = None
+            _drop_listed(found, listed)
         return found
+
+
+def _routing_header(found: RequestHeaders, kind: int, name: bytes, value: bytes) -> None:
+    """A cluster's consistent-hash header (forwarded) or the pin header (consumed)."""
+    if kind == _BALANCE_KEY:
+        if found.balance_keys is None:
+            found.balance_keys = {}
+        found.balance_keys[name] = value
+        found.forward.append((name, value))
+    elif kind == _PIN:
+        found.pin = value
+
+
+def _drop_listed(found: RequestHeaders, listed: set[bytes]) -> None:
+    """Drop the names the client's ``Connection`` header listed (hop-by-hop: RFC 9110 section 7.6.1)."""
+    found.forward = [(n, v) for n, v in found.forward if n not in listed]
+    if ACCEPT_ENCODING in listed:
+        found.accept_encoding = None

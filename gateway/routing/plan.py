@@ -232,18 +232,7 @@ class CapabilityPlan:
             option_facts = facts.facts(candidate.name, candidate.cluster) if facts else UNRESTRICTED
             return Option(candidate, provider, decisions, option_facts)
 
-        groups: list[GroupPlan] = []
-        if cap.grouped:
-            for group in cap.groups:
-                if group.admission == NEW_AND_EXISTING:
-                    options = tuple(option(c, group.number) for c in group.members)
-                    # Each worker starts its rotation at its own offset so N workers spread evenly.
-                    groups.append(GroupPlan(group.number, options, picker_mode, worker_index, rng, cost))
-        else:
-            # Ungrouped: the first new_and_existing candidate in file order, then the next ones (failover).
-            for candidate in cap.members:
-                if candidate.admission == NEW_AND_EXISTING:
-                    groups.append(GroupPlan(None, (option(candidate, None),), DETERMINISTIC, 0, rng))
+        groups = _admitting_groups(cap, option, picker_mode, worker_index, rng, cost)
         self.groups = tuple(groups)
         self.options = tuple(o for g in groups for o in g.options)  # every option new requests may get
         # Distinct configured providers new requests can reach: failover needs at least two.
@@ -269,6 +258,25 @@ class CapabilityPlan:
         # Candidates naming a cluster this gateway does not have (never selected; reported once).
         self.unconfigured = sorted({c.cluster for c in cap.members if provider_index is not None
                                     and c.cluster not in provider_index})
+
+
+def _admitting_groups(cap: Capability, option: Callable[[Candidate, int | None], Option], picker_mode: int,
+                      worker_index: int, rng: random.Random, cost: Cost | None) -> list[GroupPlan]:
+    """The groups new requests may be sent to, in file order: each ``new_and_existing`` selection group, or,
+    ungrouped, each ``new_and_existing`` candidate alone."""
+    groups: list[GroupPlan] = []
+    if cap.grouped:
+        for group in cap.groups:
+            if group.admission == NEW_AND_EXISTING:
+                options = tuple(option(c, group.number) for c in group.members)
+                # Each worker starts its rotation at its own offset so N workers spread evenly.
+                groups.append(GroupPlan(group.number, options, picker_mode, worker_index, rng, cost))
+    else:
+        # Ungrouped: the first new_and_existing candidate in file order, then the next ones (failover).
+        for candidate in cap.members:
+            if candidate.admission == NEW_AND_EXISTING:
+                groups.append(GroupPlan(None, (option(candidate, None),), DETERMINISTIC, 0, rng))
+    return groups
 
 
 def label(kind: str, name: str) -> str:

@@ -23,9 +23,9 @@ from gateway.quota.ledger import (
     SETTLE_NOOP,
     QuotaLedger,
     Reservation,
-    ScopeReport,
     key_prefix,
 )
+from gateway.quota.ledger_report import ScopeReport
 from gateway.quota.rules import Budget, QuotaRule
 from gateway.request.attempts import attempt_tokens
 from gateway.valkey.client import create_client
