@@ -11,9 +11,6 @@ REPO = Path(__file__).resolve().parents[2]
 MAX_LINES = 50
 REQUEST_PATH = ("workers", "gateway/http", "gateway/request", "gateway/routing", "gateway/quota",
                 "gateway/identity", "gateway/keys", "shm")
-# Too long for now, allowed by name (``file:function``). workers/proxy.py's ``handle`` is being rewritten
-# on another branch, which removes it from here when it merges.
-PENDING = {"workers/proxy.py:handle"}
 
 
 def function_spans() -> dict[str, list[int]]:
@@ -36,12 +33,7 @@ def test_the_search_finds_the_request_path():
 
 
 def test_no_request_path_function_is_over_50_lines():
-    too_long = [f"{name}:{lines}" for name, spans in sorted(function_spans().items()) if name not in PENDING
+    too_long = [f"{name}:{lines}" for name, spans in sorted(function_spans().items())
                 for lines in spans if lines > MAX_LINES]
     assert not too_long, f"split these functions (file:function:lines) to at most {MAX_LINES} lines: {too_long}"
 
-
-def test_every_pending_function_is_still_too_long():
-    spans = function_spans()
-    stale = sorted(name for name in PENDING if max(spans.get(name, [0])) <= MAX_LINES)
-    assert not stale, f"these are {MAX_LINES} lines or fewer now (or gone): remove them from PENDING: {stale}"
