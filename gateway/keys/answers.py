@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-
 from gateway.identity.key_status import KEY_EXPIRED, MODEL_NOT_ALLOWED, status_refusal  # noqa: F401 - re-exported
 from gateway.keys.record import format_time
 from gateway.keys.view import KeyEntry
@@ -49,7 +47,7 @@ def key_report(entry: KeyEntry, *, remaining: dict[str, Any] | None = None,
         "models": entry.models,
         "expires_at": format_time(entry.expires_at),
         "allowed_origins": entry.allowed_origins,
-        "limits": msgspec.to_builtins(entry.limits),
+        "limits": entry.limits.body(),
         "remaining": remaining,
         "spend": spend,
     }
