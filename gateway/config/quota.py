@@ -148,9 +148,6 @@ class Quota(StrictStruct):
     def __post_init__(self) -> None:
         check_ranges(self, self._RANGES)
 
-    def lease_enabled(self) -> bool:
-        return self.lease is not None and self.lease.enabled
-
 
 def quota_checks(auth: Auth | None, quota: Quota | None) -> list[str]:
     """Checks across ``auth`` and ``quota``; each problem names its field."""

@@ -4,15 +4,19 @@ answers (401 codes, model globs, the key report)."""
 from __future__ import annotations
 
 import json
+import re
 
 import msgspec
 import pytest
 
 from gateway.identity.key_limits import KeyLimits, RequestRate, TokenBudget
-from gateway.identity.keyformat import KEY_PATTERN, is_kid, key_digest, new_key, new_kid
+from gateway.identity.keyformat import is_kid, key_digest, new_key, new_kid
 from gateway.keys.answers import key_report, model_refusal, refusal
 from gateway.keys.record import BodyProblem, CreateKey, PatchKey, Rotate, decode_body
 from gateway.keys.view import KeyEntry, KeyView, decode_entry
+
+# The documented key format (docs/keys.md): gg-<12 base62 kid>-<43 base62 secret>.
+KEY_PATTERN = re.compile(r"gg-([0-9A-Za-z]{12})-([0-9A-Za-z]{43})")
 
 
 def test_keys_have_the_documented_format_and_only_their_digest_is_kept():
