@@ -4,7 +4,7 @@ The schema (gateway.config) judges the file alone; these checks read other files
 environment. Two callers, one set of rules:
 
 - the supervisor, before it forks and on every reload: :func:`validate_deployment` raises for
-  what would stop the gateway from serving;
+  what would stop the gateway from serving, and answers the overlay it read;
 - ``gridgate check``: :func:`check_problems` also reports overlay candidates whose cluster this
   gateway lacks (the gateway tolerates them and skips those candidates at run time:
   docs/routing.md#usable-providers; a config under review should not carry them) and quota rules whose
@@ -31,11 +31,13 @@ from gateway.overlay.watch import load_inline_overlay, load_overlay_file
 from gateway.quota.rules import model_glob_problems, rules_from_config, validate_rules
 
 
-def validate_deployment(config: Config) -> None:
-    """Raise ConfigError, one line per problem, when the gateway could not serve this config."""
-    problems, _ = _problems_and_overlay(config, os.environ)
+def validate_deployment(config: Config) -> Snapshot | None:
+    """Raise ConfigError, one line per problem, when the gateway could not serve this config; else the
+    overlay it read (None when the config names none), for the supervisor's warnings."""
+    problems, snapshot = _problems_and_overlay(config, os.environ)
     if problems:
         raise ConfigError(problems)
+    return snapshot
 
 
 def check_problems(config: Config, *, environ: Mapping[str, str] | None = os.environ) -> list[str]:

@@ -194,17 +194,6 @@ class AffinityTable:
         words[rec + 6] = _xxh3_64(payload)
         words[rec] = (odd + 1) & _MASK64
 
-    def count_live(self, now: float) -> int:
-        """Readable, unexpired records (a full scan: for metrics and tests, not the request path)."""
-        live = 0
-        for slot in range(self._buckets * WAYS):
-            rec = _HEADER_WORDS + slot * _WORDS
-            key_lo = self.words[rec + 1]
-            if key_lo:
-                read = self._read(rec, key_lo, self.words[rec + 2])
-                live += read is not None and read[1].expires_at > now
-        return live
-
     def release(self) -> None:
         """Drop the views so the owner can close the mapping."""
         for view in (self._floats, self.words, self._bytes):

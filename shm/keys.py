@@ -88,10 +88,6 @@ class TableLayout:
         self.heap_bytes = _align(capacity * HEAP_BYTES_PER_KEY, CHUNK_BYTES)
         self.total = _align(self.heap + self.heap_bytes, mmap.PAGESIZE)
 
-    def index_bytes(self) -> int:
-        """What the table costs whatever it holds: header, digests, meta and used cells."""
-        return self.heap
-
 
 def candidate_slots(digest: bytes, slots: int) -> tuple[int, int]:
     """The two slots ``digest`` may live in."""
@@ -469,9 +465,3 @@ class _ChunkHeap:
             return
         self._starts.insert(index, start)
         self._lengths[start] = chunks
-
-
-def describe_memory(capacity: int) -> dict[str, int]:
-    """The table's sizes for ``capacity`` keys, in bytes (docs/keys.md states them)."""
-    layout = TableLayout(capacity)
-    return {"index": layout.index_bytes(), "heap": layout.heap_bytes, "mapping": layout.total}

@@ -59,10 +59,6 @@ class ShmCapacityError(ValueError):
         self.maximum = maximum
 
 
-class ShmLayoutError(ValueError):
-    """The buffer does not hold a segment of this layout version."""
-
-
 def _align(n: int, to: int = LINE_BYTES) -> int:
     return (n + to - 1) // to * to
 
@@ -117,22 +113,6 @@ class Layout:
             words[base + 1] = int.from_bytes(raw[8:], "little")
             words[base + 2], words[base + 3] = offset, size
         return words
-
-    @classmethod
-    def from_header(cls, words: memoryview) -> Layout:
-        if len(words) < HEADER_BYTES // WORD_BYTES or words[H_MAGIC] != MAGIC:
-            raise ShmLayoutError("not a gridgate shared-memory segment (bad magic)")
-        if words[H_VERSION] != LAYOUT_VERSION:
-            raise ShmLayoutError(f"layout version {words[H_VERSION]} != supported {LAYOUT_VERSION}")
-        extras = []
-        for i in range(words[H_EXTRA_COUNT]):
-            base = H_EXTRAS + 4 * i
-            raw = words[base].to_bytes(8, "little") + words[base + 1].to_bytes(8, "little")
-            extras.append((raw.rstrip(b"\0").decode(), words[base + 2], words[base + 3]))
-        return cls(
-            words[H_MAX_WORKERS], words[H_MAX_ENDPOINTS], words[H_DIRECTORY], words[H_ROWS],
-            words[H_ROW_STRIDE], words[H_HEALTH], tuple(extras), words[H_TOTAL],
-        )
 
     # Word indexes into the segment-wide int64 view.
     def row_word(self, worker: int) -> int:
@@ -254,19 +234,6 @@ class Segment:
         words[: HEADER_BYTES // WORD_BYTES] = array("q", layout.header_words())
         words.release()
         return cls(buffer, layout, mapping)
-
-    @classmethod
-    def attach(cls, buffer: memoryview | mmap.mmap | bytearray) -> Segment:
-        """Wrap an existing segment buffer, validating its header (magic, version, size)."""
-        view = memoryview(buffer).cast("B")
-        if len(view) < HEADER_BYTES:
-            raise ShmLayoutError("buffer smaller than the segment header")
-        header = view[:HEADER_BYTES].cast("q")
-        layout = Layout.from_header(header)
-        header.release()
-        if len(view) < layout.total_size:
-            raise ShmLayoutError(f"buffer of {len(view)} bytes is smaller than the layout ({layout.total_size})")
-        return cls(view[: layout.total_size], layout)
 
     @property
     def max_workers(self) -> int:

@@ -111,7 +111,8 @@ class Outcomes:
             record.cost_nusd = cost
             quota.settle(admission, tokens, record.tokens_prompt, record.tokens_completion, cost_nusd=cost)
         else:
-            # ``reached_provider``, ``served`` and ``estimate`` written out: a property is a call, per request
+            # Whether it reached a provider (workers/request_record.py), ``served`` and ``estimate`` written
+            # out: a property is a call, per request
             reached = record.reached or relay is not None
             if prices is not None and reached:
                 metered = admission is not None

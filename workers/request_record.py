@@ -56,6 +56,10 @@ class RequestRecord(msgspec.Struct, gc=False):
     attempt: Any = None  # workers.relay.ResponseRelay of the attempt in progress, or of the one that served
     owed: int = 0  # tokens the attempts that ended without serving cost (gateway/request/attempts.py)
     reached: bool = False  # one of those attempts reached its provider (its request slot is spent)
+    # The request reached a provider when ``reached`` or ``attempt`` is set (the attempt that served or was
+    # in progress at the end); not when it was refused or not routable, the client left before it was sent,
+    # no connection came, or only pooled connections the provider had closed took it (docs/limits.md,
+    # "Request limits"): then nothing is charged and its request slots go back (workers/outcomes.py).
     overhead_s: float | None = None  # gateway time before the upstream request was written
     # -- a fallback chain (docs/models.md): the model of the latest attempt, the moves and their reasons
     served_model: str | None = None  # None: ``capability`` (no chain moved the request)
@@ -88,14 +92,6 @@ class RequestRecord(msgspec.Struct, gc=False):
     cost_nusd: int | None = None
     spend_alert: str | None = None  # a budget threshold this request crossed first in its period
     closed: bool = False
-
-    @property
-    def reached_provider(self) -> bool:
-        """Some attempt reached a provider: one that ended without serving (``reached``), or the one that
-        served or was in progress at the end (``attempt``). False: it was refused or not routable, the
-        client left before it was sent, no connection came, or only pooled connections the provider had
-        closed took it (docs/limits.md, "Request limits")."""
-        return self.reached or self.attempt is not None
 
     @property
     def served(self) -> str | None:

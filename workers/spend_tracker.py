@@ -75,11 +75,11 @@ class SpendTracker:
     # -- per request --------------------------------------------------------------------------------
     def count(self, record: RequestRecord) -> None:
         """A closed request that reached a provider goes into the day's rollup (priced or not)."""
-        # Once per request: ``record.served``, ``record.reached_provider`` and, for a cell the batch already
-        # holds (nearly every request), ``RollupBatch.add`` are written out (each would be a call).
+        # Once per request: ``record.served``, whether it reached a provider (workers/request_record.py) and,
+        # for a cell the batch already holds (nearly every request), ``RollupBatch.add`` are written out.
         model = record.served_model or record.capability
         cost = record.cost_nusd
-        # (``reached_provider`` with its terms swapped: the attempt that served is there in nearly every one)
+        # (reached a provider: the attempt that served is there in nearly every one, so it is asked first)
         if model is None or not (record.attempt is not None or record.reached) or (self._store_url is None
                                                                                     and not cost):
             return  # without a store only a cost is worth counting (the metric)

@@ -63,10 +63,6 @@ class KeysApi:
         self._clock = clock
 
     @staticmethod
-    def owns(path: str) -> bool:
-        return path == "/admin/keys" or path.startswith("/admin/keys/") or path == "/admin/audit"
-
-    @staticmethod
     def scope_for(method: str) -> str:
         return "keys:read" if method in ("GET", "HEAD") else "keys:write"
 

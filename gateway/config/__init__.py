@@ -24,16 +24,13 @@ from gateway.config.quota import (  # noqa: F401 - the auth and quota schema, re
     MAX_TOKENS,
     ApiKey,
     Auth,
-    Budget,
     Estimate,
-    KeyLimits,
     Quota,
     QuotaBackend,
     QuotaBreaker,
     QuotaLease,
     QuotaMatch,
     QuotaRule,
-    RequestRate,
     quota_checks,
 )
 from gateway.config.routing import (  # noqa: F401 - the routing schema, re-exported: importers use gateway.config

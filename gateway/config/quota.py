@@ -3,9 +3,12 @@ docs/limits.md).
 
 Split from :mod:`gateway.config` (which re-exports every name here) so each schema module stays
 small; the rules are the same: strict Structs, every numeric key with a range (``check_ranges``).
-Checks that span entries or blocks (aliases, key globs, a key's limits: windows given twice, no quota
-backend) are ``quota_checks``, run by the config loader with its other cross-field checks; a rule's are
-``gateway.quota.rules.validate_rules`` (``gridgate check`` and the supervisor run them).
+A key's ``limits`` and a rule's ``requests``, ``budgets`` and ``spend`` entries are
+``gateway.identity.key_limits``'s, the form managed keys write too (a key's limits check themselves,
+windows given twice included). Checks that span entries or blocks (aliases, key globs, key limits
+without a quota block) are ``quota_checks``, run by the config loader with its other cross-field
+checks; a rule's are ``gateway.quota.rules.validate_rules`` (``gridgate check`` and the supervisor run
+them).
 """
 
 from __future__ import annotations
@@ -14,61 +17,11 @@ import re
 from typing import ClassVar, Literal
 
 from gateway.config.keys import KeyStoreBackend, check_backend_url
-from gateway.config.spend import SpendLimit
 from gateway.identity.auth import is_key_digest
-from gateway.identity.limits import limits_from_config, limits_problems
+from gateway.identity.key_limits import MAX_COUNT, MAX_TOKENS, KeyLimits, RequestRate, SpendLimit, TokenBudget
 from gateway.yaml_config import DAY, MINUTE, Range, Seconds, StrictStruct, check_ranges
 
-MAX_COUNT = 1_000_000_000  # counts of requests and tokens per request
-MAX_TOKENS = 10**15  # tokens of a budget or a lease block
-# A request limit's slots are timed in microseconds on Valkey's clock: finer than a million requests
-# a second per limit cannot be metered.
-MAX_REQUESTS_PER_SECOND = 1_000_000
-
 _ALIAS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@/+-]{0,127}")
-
-
-class RequestRate(StrictStruct):
-    """``requests[]``: at most ``count`` requests per ``window``, at most ``burst`` at once (GCRA)."""
-
-    window: Seconds
-    count: int
-    burst: int | None = None  # None: ``count``
-    shadow: bool = False  # counts and reports, never refuses
-
-    _RANGES: ClassVar[dict[str, Range]] = {"window": (1, DAY), "count": (1, MAX_COUNT), "burst": (1, MAX_COUNT)}
-
-    def __post_init__(self) -> None:
-        check_ranges(self, self._RANGES)
-        if self.window != int(self.window):
-            raise ValueError("window: must be whole seconds (1s..1d)")
-        if self.count > self.window * MAX_REQUESTS_PER_SECOND:
-            raise ValueError(f"count: more than {MAX_REQUESTS_PER_SECOND} requests per second cannot be metered")
-
-
-class Budget(StrictStruct):
-    window: Seconds
-    tokens: int
-    shadow: bool = False  # counts and reports, never refuses
-
-    _RANGES: ClassVar[dict[str, Range]] = {"window": (1, 366 * DAY), "tokens": (1, MAX_TOKENS)}
-
-    def __post_init__(self) -> None:
-        check_ranges(self, self._RANGES)
-
-
-class KeyLimits(StrictStruct):
-    """``auth.keys[].limits``: one key's own limits, applied on top of its rule's."""
-
-    requests: list[RequestRate] = []
-    budgets: list[Budget] = []
-    max_in_flight: int | None = None
-    spend: list[SpendLimit] = []  # USD budgets (docs/limits.md, "USD budgets")
-
-    _RANGES: ClassVar[dict[str, Range]] = {"max_in_flight": (1, 1_000_000)}
-
-    def __post_init__(self) -> None:
-        check_ranges(self, self._RANGES)
 
 
 class ApiKey(StrictStruct):
@@ -145,7 +98,7 @@ class Estimate(StrictStruct):
 
 class QuotaRule(StrictStruct):
     name: str
-    budgets: list[Budget] = []
+    budgets: list[TokenBudget] = []
     requests: list[RequestRate] = []
     match: QuotaMatch | None = None
     estimate: Estimate = Estimate()
@@ -195,9 +148,6 @@ class Quota(StrictStruct):
     def __post_init__(self) -> None:
         check_ranges(self, self._RANGES)
 
-    def lease_enabled(self) -> bool:
-        return self.lease is not None and self.lease.enabled
-
 
 def quota_checks(auth: Auth | None, quota: Quota | None) -> list[str]:
     """Checks across ``auth`` and ``quota``; each problem names its field."""
@@ -214,12 +164,8 @@ def quota_checks(auth: Auth | None, quota: Quota | None) -> list[str]:
             problems.append(f"auth.keys[{index}].alias: duplicate alias {key.alias!r} "
                             f"(auth.keys[{aliases[key.alias]}] has it)")
         aliases.setdefault(key.alias, index)
-        if key.limits is not None:
-            limits = key.limits
-            own = limits_from_config(limits.requests, limits.budgets, limits.max_in_flight, limits.spend)
-            problems += limits_problems(own, f"auth.keys[{index}].limits")
-            if quota is None:
-                problems.append(f"auth.keys[{index}].limits: needs the quota block (limits are counted in its backend)")
+        if key.limits is not None and quota is None:
+            problems.append(f"auth.keys[{index}].limits: needs the quota block (limits are counted in its backend)")
     if quota is None:
         return problems
     if not quota.rules and not any(key.limits is not None for key in keys):

@@ -151,13 +151,6 @@ def anthropic_error_body(status: int, code: str, message: str, error_type: str |
     return _encode(anthropic_error_payload(status, code, message, error_type))
 
 
-def error_body_in(shape: int, status: int, code: str, message: str, error_type: str | None = None) -> bytes:
-    """An error body in ``shape`` (``OPENAI_SHAPE`` or ``ANTHROPIC_SHAPE``)."""
-    if shape == OPENAI_SHAPE:
-        return error_body(status, code, message, error_type)
-    return anthropic_error_body(status, code, message, error_type)
-
-
 def error_headers(body: bytes) -> list[tuple[bytes, bytes]]:
     """Content-Type and Content-Length of a complete error body (for raw, codec-less answers)."""
     return [JSON_CONTENT_TYPE, (b"content-length", b"%d" % len(body))]

@@ -107,14 +107,11 @@ class Authenticator:
 
     @classmethod
     def from_config(cls, auth: Any) -> Authenticator:
-        """The config's ``auth.keys`` (gateway.config structs, duck-typed), aliases and limits included."""
-        from gateway.identity.limits import limits_from_config  # pure; only a key with limits needs it
-
+        """The config's ``auth.keys`` (gateway.config structs, duck-typed; their ``limits`` are
+        ``key_limits.KeyLimits``), aliases and limits included."""
         entries: list[tuple[str, str, KeyIdentity]] = []
         for key in auth.keys:
-            limits = key.limits
-            own = None if limits is None else limits_from_config(limits.requests, limits.budgets, limits.max_in_flight,
-                                                                 limits.spend)
+            own = None if key.limits is None else key.limits.counted()
             entries.append((key.tenant, key.key, KeyIdentity(key.tenant, key.alias, None, own)))
         return cls(entries)
 

@@ -1,5 +1,6 @@
-"""Names in the Valkey keys of a tenant: escaped tenant, rule and key names in the ledger's keys and members: escaped tenant, rule and key names, and the tenant's deny set
-of managed keys (same hash tag as every ledger key of the tenant: ``gateway.quota.ledger_script``). Pure."""
+"""Names in the Valkey keys of a tenant: escaped tenant, rule and key names in the ledger's keys and
+members, and the tenant's deny set of managed keys (same hash tag as every ledger key of the tenant:
+``gateway.quota.ledger_script``). Pure."""
 
 from __future__ import annotations
 

@@ -17,7 +17,6 @@ KID_LENGTH = 12
 SECRET_BYTES = 32
 SECRET_LENGTH = 43  # 62**43 > 2**256 > 62**42
 KID_PATTERN = re.compile(r"[0-9A-Za-z]{12}")
-KEY_PATTERN = re.compile(r"gg-([0-9A-Za-z]{12})-([0-9A-Za-z]{43})")
 _KEY_LIKE = re.compile(r"gg-([0-9A-Za-z]{12})-[0-9A-Za-z]{8,}")
 
 
@@ -47,10 +46,6 @@ def key_digest(key: str | bytes) -> bytes:
 
 def is_kid(text: str) -> bool:
     return KID_PATTERN.fullmatch(text) is not None
-
-
-def is_managed_key(key: str) -> bool:
-    return KEY_PATTERN.fullmatch(key) is not None
 
 
 def redact(text: str) -> str:

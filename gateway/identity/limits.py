@@ -1,7 +1,8 @@
 """What can limit a request: request rates, token budgets and a concurrency cap, and whose they are. Pure.
 
-A ``Limits`` is one owner's set (a rule's, or a key's: docs/limits.md). A ``Scope`` is such a set with
-its owner, as the ledger counts it: the rule's limits count per (tenant, rule), a key's per (tenant, key).
+A ``Limits`` is one owner's set (a rule's, or a key's: docs/limits.md) as the quota counts it; their
+written form (the config's, a managed key record's) is ``key_limits.py``'s. A ``Scope`` is such a set
+with its owner, as the ledger counts it: the rule's limits count per (tenant, rule), a key's per (tenant, key).
 A request is metered by at most two scopes, its key's and its rule's, and every limit of both is
 checked and taken in one ledger call (``ledger.py``). ``LimitRef`` names one limit of that call, in the
 call's order, so a reply's index says which limit refused, in the words the 429 uses.
@@ -11,10 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from gateway.pricing.period import PeriodClock
 from gateway.pricing.units import NANO_PER_USD, format_usd
+from gateway.yaml_config import format_duration
 
 MAX_LIMITS_PER_KIND = 8
 
@@ -23,11 +25,9 @@ LimitKind = Literal["requests", "tokens", "spend", "in_flight"]
 
 
 def window_text(seconds: int) -> str:
-    """``60`` -> ``1m``, ``86400`` -> ``1d``, ``90`` -> ``90s`` (the config's own duration form)."""
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds % size == 0:
-            return f"{seconds // size}{unit}"
-    return f"{seconds}s"
+    """``60`` -> ``1m``, ``86400`` -> ``1d``, ``90`` -> ``90s``: the config's own duration form, the one a
+    written window is kept in (``key_limits.py``)."""
+    return format_duration(seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,14 +92,6 @@ class SpendBudget:
     def thresholds(self) -> str:
         """``alert_at`` as the ledger stores it: ``500/800/1000``."""
         return "/".join(str(t) for t in self.alert_at)
-
-
-def spend_from_config(entries: Sequence[Any]) -> tuple[SpendBudget, ...]:
-    """``spend`` entries (``gateway.config.spend.SpendLimit``, duck-typed) as ``SpendBudget``s."""
-    return tuple(
-        SpendBudget(entry.nusd, entry.period, entry.tz or "UTC", entry.enforce == "hard",
-                    tuple(sorted({round(t * 1000) for t in entry.alert_at})), PeriodClock(entry.period, entry.tz))
-        for entry in entries)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,15 +164,26 @@ def limit_refs(scopes: Sequence[Scope]) -> tuple[LimitRef, ...]:
     return tuple(refs)
 
 
+def block_problems(request_windows: Sequence[int], budget_windows: Sequence[int],
+                   periods: Sequence[str]) -> list[str]:
+    """One message per problem across one owner's entries (too many of a kind, two of a kind with the
+    same window or period), each naming its field relative to the owner (``requests: ...``)."""
+    problems: list[str] = []
+    for kind, twice, keys in (("requests", "two request limits with the same window", request_windows),
+                              ("budgets", "two budgets with the same window", budget_windows),
+                              ("spend", "two spend limits with the same period (one budget per period)", periods)):
+        if len(keys) > MAX_LIMITS_PER_KIND:
+            problems.append(f"{kind}: at most {MAX_LIMITS_PER_KIND} entries")
+        if len(set(keys)) != len(keys):
+            problems.append(f"{kind}: {twice}")
+    return problems
+
+
 def limits_problems(limits: Limits, where: str) -> list[str]:
     """One message per problem of one owner's limits, each naming its field under ``where``."""
-    problems: list[str] = []
-    for kind, what, entries in (("requests", "request limits", limits.requests), ("budgets", "budgets", limits.budgets)):
-        if len(entries) > MAX_LIMITS_PER_KIND:
-            problems.append(f"{where}.{kind}: at most {MAX_LIMITS_PER_KIND} entries")
-        windows = [entry.window_s for entry in entries]
-        if len(set(windows)) != len(windows):
-            problems.append(f"{where}.{kind}: two {what} with the same window")
+    problems = [f"{where}.{problem}" for problem in block_problems(
+        [entry.window_s for entry in limits.requests], [entry.window_s for entry in limits.budgets],
+        [spend.period for spend in limits.spend])]
     for j, request in enumerate(limits.requests):
         if not 1 <= request.window_s <= 86400:
             problems.append(f"{where}.requests[{j}].window: must be 1s..1d")
@@ -195,20 +198,4 @@ def limits_problems(limits: Limits, where: str) -> list[str]:
             problems.append(f"{where}.budgets[{j}].tokens: must be at least 1")
     if limits.max_in_flight < 0:
         problems.append(f"{where}.max_in_flight: must be >= 0")
-    periods = [spend.period for spend in limits.spend]
-    if len(set(periods)) != len(periods):
-        problems.append(f"{where}.spend: two spend limits with the same period (one budget per period)")
     return problems
-
-
-def limits_from_config(requests: Sequence[Any], budgets: Sequence[Any], max_in_flight: int | None,
-                       spend: Sequence[Any] = ()) -> Limits:
-    """A config block's ``requests``/``budgets``/``max_in_flight``/``spend`` (gateway.config structs,
-    duck-typed) as ``Limits``."""
-    return Limits(
-        spend=spend_from_config(spend),
-        requests=tuple(RequestLimit(int(r.window), r.count, r.count if r.burst is None else r.burst, r.shadow)
-                       for r in requests),
-        budgets=tuple(Budget(int(b.window), b.tokens, b.shadow) for b in budgets),
-        max_in_flight=max_in_flight or 0,
-    )

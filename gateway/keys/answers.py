@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-
 from gateway.identity.key_status import KEY_EXPIRED, status_refusal
 from gateway.keys.record import format_time
 from gateway.keys.view import KeyEntry
@@ -41,7 +39,7 @@ def key_report(entry: KeyEntry, *, remaining: dict[str, Any] | None = None,
         "models": entry.models,
         "expires_at": format_time(entry.expires_at),
         "allowed_origins": entry.allowed_origins,
-        "limits": msgspec.to_builtins(entry.limits),
+        "limits": entry.limits.body(),
         "remaining": remaining,
         "spend": spend,
     }

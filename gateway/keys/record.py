@@ -5,8 +5,10 @@ answers a ``BodyProblem`` naming the field (``limits.requests[0].count: expected
 and never echoes a value that could be a secret. The store (``store.py``) keeps a ``KeyRecord`` as JSON:
 it holds the digests of the key's secrets, so only ``public_record`` of it ever leaves the store.
 
-Durations in limits are written as in the YAML config (``1m``, ``24h``) and kept in that form,
-normalised (``60s`` becomes ``1m``); times are RFC 3339 in the API and Unix seconds in the store.
+A key's ``limits`` are ``gateway.identity.key_limits.KeyLimits``, the type a YAML key's are: the same
+fields, checks and messages; durations in them are written as in the YAML config (``1m``, ``24h``) and
+kept in that form, normalised (``60s`` becomes ``1m``). Times are RFC 3339 in the API and Unix seconds
+in the store.
 """
 
 from __future__ import annotations
@@ -17,16 +19,9 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
-from gateway.config.spend import MAX_USD, SpendLimit  # noqa: F401 - re-exported: the records' schema
+from gateway.identity.key_limits import KeyLimits
 from gateway.request.cors import parse_key_origins
-from gateway.yaml_config import (
-    DAY,
-    StrictStruct,
-    decode_hook,
-    format_duration,
-    parse_duration,
-    validation_problem,
-)
+from gateway.yaml_config import DAY, StrictStruct, decode_hook, parse_duration, validation_problem
 
 Status = Literal["active", "blocked", "revoked"]
 ACTIVE: Status = "active"
@@ -41,9 +36,6 @@ MAX_ORIGIN_CHARS = 256
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 256
-MAX_LIMITS_PER_KIND = 8
-MAX_COUNT = 1_000_000_000
-MAX_TOKENS = 10**15
 MAX_PREVIOUS_SECRETS = 4  # secrets still in their rotation grace, per key
 MAX_ENDED_SECRETS = 8  # ended ones a record still names (so every host drops them), per key
 ENDED_SECRET_RETENTION_S = 86_400
@@ -51,70 +43,6 @@ ENDED_SECRET_RETENTION_S = 86_400
 
 class BodyProblem(Exception):
     """A request body the admin API refuses (400); the message starts with the field it names."""
-
-
-# ------------------------------------------------------------------------------------------- limits
-
-
-def _window(text: str, field: str, low: float, high: float) -> str:
-    try:
-        seconds = parse_duration(text)
-    except ValueError as exc:
-        raise ValueError(f"{field}: {exc}") from None
-    if not low <= seconds <= high:
-        raise ValueError(f"{field}: must be {format_duration(low)}..{format_duration(high)}")
-    return format_duration(seconds)
-
-
-def _between(value: int | float | None, field: str, low: float, high: float) -> None:
-    if value is not None and not low <= value <= high:
-        raise ValueError(f"{field}: must be {low:g}..{high:g}")
-
-
-class RequestLimit(StrictStruct):
-    """GCRA request limit: ``count`` requests per ``window`` (1s..1d), bursts up to ``burst``."""
-
-    window: str
-    count: int
-    burst: int | None = None  # None: the count
-    shadow: bool = False  # count and report, never refuse
-
-    def __post_init__(self) -> None:
-        msgspec.structs.force_setattr(self, "window", _window(self.window, "window", 1, DAY))
-        _between(self.count, "count", 1, MAX_COUNT)
-        _between(self.burst, "burst", 1, MAX_COUNT)
-
-
-class TokenBudget(StrictStruct):
-    window: str
-    tokens: int
-    shadow: bool = False
-
-    def __post_init__(self) -> None:
-        msgspec.structs.force_setattr(self, "window", _window(self.window, "window", 1, 366 * DAY))
-        _between(self.tokens, "tokens", 1, MAX_TOKENS)
-
-
-class KeyLimits(StrictStruct):
-    """What the key may use, on top of its quota rule's limits (docs/limits.md)."""
-
-    requests: list[RequestLimit] = []
-    budgets: list[TokenBudget] = []
-    max_in_flight: int | None = None
-    spend: list[SpendLimit] = []
-
-    def __post_init__(self) -> None:
-        for name in ("requests", "budgets", "spend"):
-            if len(getattr(self, name)) > MAX_LIMITS_PER_KIND:
-                raise ValueError(f"{name}: at most {MAX_LIMITS_PER_KIND} entries")
-        _between(self.max_in_flight, "max_in_flight", 1, 1_000_000)
-        for name, what in (("requests", "request limits"), ("budgets", "budgets")):
-            windows = [parse_duration(entry.window) for entry in getattr(self, name)]
-            if len(set(windows)) != len(windows):  # the quota counts one limit per window (docs/limits.md)
-                raise ValueError(f"{name}: two {what} with the same window")
-        periods = [entry.period for entry in self.spend]
-        if len(set(periods)) != len(periods):  # one spend counter per period (docs/limits.md)
-            raise ValueError("spend: two spend limits with the same period")
 
 
 # ------------------------------------------------------------------------------------------- fields
@@ -336,7 +264,7 @@ def public_record(record: KeyRecord, last_used_at: int | None, now: float) -> di
         "alias": record.alias,
         "status": record.status,
         "models": record.models,
-        "limits": msgspec.to_builtins(record.limits),
+        "limits": record.limits.body(),
         "expires_at": format_time(record.expires_at),
         "allowed_origins": record.allowed_origins,
         "metadata": record.metadata,

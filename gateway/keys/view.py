@@ -14,10 +14,9 @@ from fnmatch import translate
 import msgspec
 
 from gateway.identity.auth import KeyIdentity
-from gateway.identity.limits import Budget, Limits, RequestLimit, spend_from_config
-from gateway.keys.record import KeyLimits, KeyRecord, Status
+from gateway.identity.key_limits import KeyLimits
+from gateway.keys.record import KeyRecord, Status
 from gateway.request.cors import OriginList, parse_key_origins
-from gateway.yaml_config import parse_duration
 
 
 class KeyView(msgspec.Struct, array_like=True, frozen=True):
@@ -85,22 +84,10 @@ class KeyEntry:
 
 
 def identity_of(view: KeyView) -> KeyIdentity:
-    """Who a request on this key is, for the quota and the tenant's metrics."""
-    return KeyIdentity(view.tenant, view.alias, view.kid, quota_limits(view.limits), view.tenant_index)
-
-
-def quota_limits(limits: KeyLimits) -> Limits | None:
-    """A record's ``limits`` as the quota counts them; None when none."""
-    if not (limits.requests or limits.budgets or limits.max_in_flight or limits.spend):
-        return None  # most keys: nothing to convert
-    converted = Limits(
-        requests=tuple(RequestLimit(int(parse_duration(r.window)), r.count, r.count if r.burst is None else r.burst,
-                                    r.shadow) for r in limits.requests),
-        budgets=tuple(Budget(int(parse_duration(b.window)), b.tokens, b.shadow) for b in limits.budgets),
-        max_in_flight=limits.max_in_flight or 0,
-        spend=spend_from_config(limits.spend),
-    )
-    return None if converted.empty else converted
+    """Who a request on this key is, for the quota and the tenant's metrics; its ``limits`` None when the
+    key has none of its own."""
+    limits = view.limits.counted()
+    return KeyIdentity(view.tenant, view.alias, view.kid, None if limits.empty else limits, view.tenant_index)
 
 
 def _one_pattern(globs: list[str]) -> re.Pattern[str]:

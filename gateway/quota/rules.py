@@ -1,6 +1,7 @@
 """Quota rules: which rule meters a (tenant, model, key). Pure: data in, data out.
 
-``rules_from_config`` maps the config's ``quota.rules`` onto these structs (duck-typed: no config import).
+``rules_from_config`` maps the config's ``quota.rules`` onto these structs (duck-typed: no config import;
+their entries are ``gateway.identity.key_limits``'s).
 ``match.model`` and ``match.key`` are globs (``fnmatch``, case-sensitive: ``*``, ``?``, ``[...]``); a key
 glob matches the key's kid or its alias (docs/limits.md).
 """
@@ -12,19 +13,10 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any, Protocol
 
-from gateway.identity.limits import (
-    Budget,
-    Limits,
-    RequestLimit,
-    Scope,
-    SpendBudget,
-    limits_from_config,
-    limits_problems,
-)
+from gateway.identity.key_limits import counted_limits
+from gateway.identity.limits import Budget, Limits, RequestLimit, Scope, SpendBudget, limits_problems
 
 __all__ = ["Budget", "KeyLike", "QuotaRule", "RequestLimit", "RuleSet", "rules_from_config", "validate_rules"]
-
-MAX_BUDGETS_PER_RULE = 8
 
 
 class KeyLike(Protocol):
@@ -152,7 +144,7 @@ def rules_from_config(quota: Any) -> list[QuotaRule]:
     """The config's ``quota.rules`` (gateway.config structs) as the ledger's rule structs."""
     rules = []
     for rule in quota.rules:
-        limits = limits_from_config(rule.requests, rule.budgets, rule.max_in_flight, rule.spend)
+        limits = counted_limits(rule.requests, rule.budgets, rule.max_in_flight, rule.spend)
         match = rule.match
         rules.append(QuotaRule(
             name=rule.name,

@@ -3,8 +3,8 @@
 A ``CorsPolicy`` is built once per worker from the ``cors`` block (off when the block is absent) and
 answers three questions of the request path:
 
-- a preflight (``is_preflight``: ``OPTIONS`` with ``Origin`` and ``Access-Control-Request-Method``) is
-  answered by the gateway before anything else, with no key, no quota, and never forwarded:
+- a preflight (``OPTIONS`` with ``Origin`` and ``Access-Control-Request-Method``: workers/cors_gate.py
+  tells them apart) is answered by the gateway before anything else, with no key, no quota, and never forwarded:
   ``policy.preflight(...)`` returns the 204 to send (``PreflightReply``) or a 403/400 ``ErrorReply``;
 - every other answer to a request with an ``Origin`` (relayed or gateway-made, errors included, so a
   page can read why it was refused) gets ``policy.response_headers(origin)``: empty for an origin that
@@ -48,7 +48,6 @@ _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 token: a method
 _MAX_ACCESS_LIST = 4096  # bytes of Access-Control-Request-Headers a preflight may name
 _MAX_SEEN = 1024  # origins remembered with their headers; then forgotten all at once
 
-_OPTIONS = b"OPTIONS"
 _VARY_ORIGIN = (b"vary", b"Origin")
 _PREFLIGHT_VARY = (b"vary", b"Origin, Access-Control-Request-Method, Access-Control-Request-Headers")
 
@@ -147,11 +146,6 @@ class PreflightReply:
     def __init__(self, headers: list[tuple[bytes, bytes]]) -> None:
         self.status = 204
         self.headers = headers
-
-
-def is_preflight(method: bytes, origin: bytes | None, request_method: bytes | None) -> bool:
-    """A CORS preflight (Fetch standard): ``OPTIONS`` with ``Origin`` and ``Access-Control-Request-Method``."""
-    return method == _OPTIONS and origin is not None and request_method is not None
 
 
 class CorsPolicy:

@@ -1,5 +1,6 @@
 """``GET /admin/spend`` (docs/keys.md, docs/pricing.md): the query, checked, and the rows it reads,
-grouped. Pure; the reads are ``gateway.spend.reader``.
+grouped. Pure; the reads are ``gateway.spend.store.read_rows`` (the supervisor's ``SpendReporter``
+calls both).
 
 Query: ``tenant``, ``kid`` (the key column: a kid, an alias or ``-``), ``model``, ``from`` and ``to``
 (UTC dates ``YYYY-MM-DD``, both included; default the last 30 days up to today; at most

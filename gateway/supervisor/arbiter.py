@@ -57,7 +57,13 @@ from gateway.supervisor.policy import SIGNAL_ACTIONS, TICK, WAKE
 from gateway.supervisor.quota_backend import EmbeddedQuotaBackend, ReservationSweeper, quota_url_for
 from gateway.supervisor.readiness import Readiness
 from gateway.supervisor.reload import GenerationSwap
-from gateway.supervisor.spend import BudgetRemaining, SpendMetrics, SpendReporter, spend_store_url_for
+from gateway.supervisor.spend import (
+    BudgetRemaining,
+    SpendMetrics,
+    SpendReporter,
+    spend_store_url_for,
+    warn_unmatched_overrides,
+)
 from gateway.supervisor.spend_alerts import AlertSender
 from gateway.supervisor.startup import (
     RunOverrides,
@@ -133,9 +139,10 @@ class Arbiter:
         try:
             self._overlay_feed.open()  # with a source: the overlay to start with, before anything checks it
             try:
-                validate_deployment(config)  # an invalid overlay at startup is a startup error
+                overlay = validate_deployment(config)  # an invalid overlay at startup is a startup error
             except ConfigError as exc:
                 raise StartupError("; ".join(exc.problems)) from None
+            warn_unmatched_overrides(config, overlay)
             self._last_good_overlay.capture(config)
             # Cheap checks first, so a taken port fails before anything was started.
             check_listen_address(config.listen)

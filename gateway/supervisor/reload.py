@@ -32,6 +32,7 @@ from gateway.supervisor.lifecycle import Child, PendingGeneration, in_background
 from gateway.supervisor.policy import RELOAD_TIMEOUT
 from gateway.supervisor.quota_backend import EmbeddedQuotaBackend, quota_url_for
 from gateway.supervisor.readiness import Readiness
+from gateway.supervisor.spend import warn_unmatched_overrides
 from gateway.supervisor.startup import (
     RunOverrides,
     StartupError,
@@ -128,10 +129,11 @@ class GenerationSwap:
             new = self._for_workers(self._overrides.apply(load_config(self._config_path)))
             plan = plan_reload(new, self.config, target=workers.target, max_workers=workers.max_workers,
                                free_rows=workers.free_rows)
-            validate_deployment(new)
+            overlay = validate_deployment(new)
         except ConfigError as exc:
             self._refused(exc.problems)
             return
+        warn_unmatched_overrides(new, overlay)
         if plan.new_generation:
             self._start_generation(new, plan)
         else:

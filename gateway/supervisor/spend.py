@@ -7,6 +7,8 @@ and the ``/admin/spend`` report's reads.
   worker, folded into retired totals when a worker exits) and the alert sender's counts;
   ``BudgetRemaining`` reads what is left of each tenant's USD budgets from the quota report.
 - ``SpendReporter`` reads the rollups with its own client, made lazily on the supervisor's loop.
+- ``warn_unmatched_overrides``: at start and on each reload, one warning per ``pricing.overrides`` glob
+  that matches no model of the shipped table or the overlay (docs/configuration.md).
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from gateway.config import Config, managed_keys_enabled
 from gateway.identity.auth import KeyIdentity
 from gateway.identity.limits import Scope
+from gateway.overlay.snapshot import Snapshot
+from gateway.pricing.table import shipped_table
 from gateway.process_protocol import SpendCounts
 from gateway.quota.counters import configured_tenants
+from gateway.spend.price_book import override_warnings
 from gateway.spend.report import SpendQuery, parse_query, spend_report
 from gateway.spend.rollups import DAY_S
 from gateway.spend.series import MAX_KEYS, MAX_TENANTS, SpendSums
@@ -34,6 +39,19 @@ from gateway.supervisor.spend_alerts import OUTCOMES, AlertSender
 log = logging.getLogger("gridgate.supervisor")
 
 UNPRICED_OUTCOMES = ("zero", "estimated", "rejected")
+
+
+def warn_unmatched_overrides(config: Config, overlay: Snapshot | None) -> list[str]:
+    """Log (and answer) one warning per ``pricing.overrides`` glob that matches no model of the shipped
+    price table or of ``overlay``: accepted, since a private model may be unknown to both, but a typo
+    in a glob leaves its model at the table's price."""
+    if not config.pricing.overrides:
+        return []
+    models = [*shipped_table().models, *(() if overlay is None else (name for _, name in overlay.capability_keys))]
+    warnings = override_warnings(config.pricing.overrides, models)
+    for warning in warnings:
+        log.warning("%s", warning)
+    return warnings
 
 
 def spend_store_url_for(config: Config, embedded: EmbeddedQuotaBackend) -> str | None:

@@ -8,8 +8,8 @@ The rule is the OpenTelemetry SDK's default, parent-based with a trace-id ratio 
 - a client ``traceparent`` with the *sampled* flag: the request is traced, in the client's trace;
 - one without the flag: the request is not traced (the client decided; its header is forwarded as it
   came, so the trace stays whole downstream);
-- none (or a malformed one, which the W3C rule says to ignore): traced when the new trace id's low
-  64 bits fall under ``sample`` x 2^64, the ratio every other OpenTelemetry SDK applies to the same id.
+- none (or a malformed one, which the W3C rule says to ignore): traced with probability ``sample``, in
+  a new trace (the draw is the tracer's: workers/tracing.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ _TRACEPARENT = re.compile(rb"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-
 _INVALID_TRACE = b"0" * 32
 _INVALID_SPAN = b"0" * 16
 SAMPLED = 0x01
-_RATIO_SPAN = 1 << 64
 
 
 class Parent(NamedTuple):
@@ -50,11 +49,6 @@ def parse_traceparent(value: bytes | None) -> Parent | None:
 def traceparent(trace_id: str, span_id: str) -> bytes:
     """Our ``traceparent`` for a sampled span (the provider continues the trace under it)."""
     return b"00-%s-%s-01" % (trace_id.encode(), span_id.encode())
-
-
-def ratio_sampled(trace_id: int, sample: float) -> bool:
-    """The trace-id ratio rule: the id's low 64 bits under ``sample`` x 2^64 (consistent across SDKs)."""
-    return (trace_id & (_RATIO_SPAN - 1)) < int(sample * _RATIO_SPAN)
 
 
 def trace_id_hex(trace_id: int) -> str:

@@ -13,9 +13,9 @@ wrapper, packs through an encoder object, and reads through a StreamReader under
   no progress for ``timeout_s`` is aborted with ``TimeoutError`` (one timer per period, not one per
   command); at most ``max_pending`` commands may be outstanding.
 
-It speaks the subset of the ``valkey.asyncio.Valkey`` API that ``QuotaLedger``/``QuotaGate`` (and
-their tests) use, with bytes replies (``decode_responses=False``) and valkey-py's exception classes,
-so the breaker, the NOSCRIPT reload and ``BACKEND_ERRORS`` work unchanged.
+It speaks the subset of the ``valkey.asyncio.Valkey`` API that the gateway calls (any other command
+goes through ``execute_command``), with bytes replies (``decode_responses=False``) and valkey-py's
+exception classes, so the breaker, the NOSCRIPT reload and ``BACKEND_ERRORS`` work unchanged.
 """
 
 from __future__ import annotations
@@ -338,9 +338,6 @@ class RespClient:
         """Send one command; await its raw reply (bytes, int, list, None)."""
         return self._send(encode_command(args), 0)
 
-    def evalsha(self, sha: str | bytes, numkeys: int, *keys_and_args: CommandArg) -> Awaitable[Any]:
-        return self._send(encode_command(("EVALSHA", sha, numkeys, *keys_and_args)), 0)
-
     def send_encoded(self, payload: bytes, count: int) -> Awaitable[list[Any]]:
         """Send ``count`` commands, already RESP-encoded (``encode_command``), in one write; await
         their replies as one list (error replies in place). Not a coroutine: when connected this is a
@@ -352,12 +349,6 @@ class RespClient:
 
     async def script_load(self, script: str | bytes) -> str:
         return (await self._send(encode_command(("SCRIPT", "LOAD", script)), 0)).decode()
-
-    async def script_flush(self) -> bool:
-        return await self._send(encode_command(("SCRIPT", "FLUSH")), 0) == b"OK"
-
-    async def pttl(self, key: bytes | str) -> int:
-        return await self._send(encode_command(("PTTL", key)), 0)
 
     async def scan_iter(
         self, match: bytes | str | None = None, count: int | None = None, _type: str | None = None
@@ -467,9 +458,6 @@ class Pipeline:
     def execute_command(self, *args: CommandArg) -> Pipeline:
         self._commands.append(encode_command(args))
         return self
-
-    def evalsha(self, sha: str | bytes, numkeys: int, *keys_and_args: CommandArg) -> Pipeline:
-        return self.execute_command("EVALSHA", sha, numkeys, *keys_and_args)
 
     async def execute(self, raise_on_error: bool = True) -> list[Any]:
         """Per-command replies; error replies are exception instances (raised, the first one, if

@@ -13,9 +13,10 @@ from typing import Any
 import valkey
 
 from gateway.identity.auth import hash_api_key
-from gateway.identity.keyformat import KEY_PATTERN, key_digest
+from gateway.identity.keyformat import key_digest
 from gateway.keys.store import deny_set_key
 from tests.harness import ROOT, candidate, envelope, metric_value, request
+from tests.unit.test_key_records import KEY_PATTERN
 
 OPS, VIEWER = "ops-admin-token", "viewer-admin-token"
 TOKENS = [{"name": "ops", "key": hash_api_key(OPS), "scopes": ["keys:read", "keys:write"]},

@@ -9,10 +9,11 @@ from collections.abc import Iterator
 import pytest
 import valkey
 
+from gateway.identity.key_limits import KeyLimits
 from gateway.identity.keyformat import key_digest
 from gateway.keys.follower import KeyFollower
 from gateway.keys.lookup import KeyLookup
-from gateway.keys.record import CreateKey, KeyLimits
+from gateway.keys.record import CreateKey
 from gateway.keys.store import (
     ALL,
     BY_ALIAS,

@@ -29,6 +29,7 @@ from gateway.quota.ledger_report import ScopeReport
 from gateway.quota.rules import Budget, QuotaRule
 from gateway.request.attempts import attempt_tokens
 from gateway.valkey.client import create_client
+from gateway.valkey.cluster_transport import ClusterTransport
 from gateway.valkey.embedded import EmbeddedValkey, EmbeddedValkeyError
 from tests.clock import TestClock
 from tests.harness import clear_of_window_end
@@ -80,7 +81,10 @@ async def flush_scripts(url: str) -> None:
     """SCRIPT FLUSH on the server (every primary of a cluster), as a restart or a failover would."""
     client = create_client(url)
     try:
-        await client.script_flush()
+        if isinstance(client, ClusterTransport):
+            await client.script_flush()  # valkey-py's: on every primary
+        else:
+            await client.execute_command("SCRIPT", "FLUSH")
     finally:
         await client.aclose()
 
@@ -497,7 +501,7 @@ def test_every_key_has_a_ttl(valkey_url: str) -> None:
                 ]
                 assert len(keys) == 3  # the reservation set and one hash per window
                 for key in keys:
-                    ttl_ms = await client.pttl(key)
+                    ttl_ms = await client.execute_command("PTTL", key)
                     assert 120_000 < ttl_ms <= (LONG + 240) * 1000, (key, ttl_ms)
             finally:
                 await client.aclose()

@@ -30,6 +30,7 @@ from tests.integration.test_quota_ledger import (
     LONG,
     _free_port,
     admit,
+    flush_scripts,
     new_tenant,
     rule_for,
     rule_report,
@@ -360,11 +361,7 @@ async def check_transport(transport: ScriptTransport, url: str) -> None:
     assert sets == [zkey]
 
     # A batch survives a lost script cache: the calls answered NOSCRIPT are redone after a reload.
-    flush = create_client(url)
-    try:
-        await flush.script_flush()
-    finally:
-        await flush.aclose()
+    await flush_scripts(url)
     reservations = [QuotaLedger.read(c, r).reservation for c, r in zip(commands[:2], replies, strict=False)]  # type: ignore[arg-type]
     settles: list[Wire] = [ledger._settle_wire(r, 10, 0) for r in reservations if r is not None]
     assert await transport.run_batch(settles) == [1, 1]

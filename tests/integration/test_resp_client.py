@@ -127,7 +127,7 @@ def test_round_trips_of_every_reply_type(valkey_url: str, run: Run) -> None:
             assert await client.execute_command("BLPOP", key + ":missing", "0.01") is None  # nil array
             nested = "return {1, {'x', {}}, 'y'}"
             assert await client.execute_command("EVAL", nested, 0) == [1, [b"x", []], b"y"]
-            assert await client.pttl(key) == -1
+            assert await client.execute_command("PTTL", key) == -1
             assert [k async for k in client.scan_iter(match=key + ":*", count=1000)] != []
         finally:
             await client.aclose()
@@ -187,13 +187,13 @@ def test_error_replies_raise_valkey_py_classes_and_the_connection_survives(valke
             with pytest.raises(ResponseError, match="not an integer"):
                 await client.execute_command("INCR", key)
             with pytest.raises(NoScriptError):
-                await client.evalsha("0" * 40, 1, key)
+                await client.execute_command("EVALSHA", "0" * 40, 1, key)
             sha = await client.script_load("return KEYS[1]")
             assert sha == await client.script_load("return KEYS[1]") and isinstance(sha, str)
-            assert await client.evalsha(sha, 1, key) == key.encode()
-            assert await client.script_flush() is True
+            assert await client.execute_command("EVALSHA", sha, 1, key) == key.encode()
+            assert await client.execute_command("SCRIPT", "FLUSH") == b"OK"
             with pytest.raises(NoScriptError):
-                await client.evalsha(sha, 1, key)
+                await client.execute_command("EVALSHA", sha, 1, key)
         finally:
             await client.aclose()
 
@@ -207,7 +207,7 @@ def test_pipeline_returns_errors_in_place_or_raises_the_first(valkey_url: str, r
         client = RespClient.from_url(valkey_url, timeout_s=2)
         try:
             pipe = client.pipeline(transaction=False)
-            pipe.execute_command("SET", key, "v").evalsha("0" * 40, 1, key).execute_command("INCR", key)
+            pipe.execute_command("SET", key, "v").execute_command("EVALSHA", "0" * 40, 1, key).execute_command("INCR", key)
             first, noscript, not_int = await pipe.execute(raise_on_error=False)
             assert first == b"OK" and type(noscript) is NoScriptError and type(not_int) is ResponseError
             assert await pipe.execute() == []  # executing emptied it

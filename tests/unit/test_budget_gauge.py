@@ -11,9 +11,10 @@ import msgspec
 
 from gateway.config import parse_config
 from gateway.identity.auth import KeyIdentity, hash_api_key
+from gateway.identity.key_limits import KeyLimits
 from gateway.identity.keyformat import key_digest, new_key
-from gateway.keys.record import KeyLimits, PreviousSecret
-from gateway.keys.view import quota_limits, views_of
+from gateway.keys.record import PreviousSecret
+from gateway.keys.view import views_of
 from gateway.spend.series import MAX_KEYS, MAX_TENANTS
 from gateway.supervisor.keys import KeyService, keys_in_table
 from gateway.supervisor.spend import gauge_tenants, managed_spend_scopes
@@ -21,7 +22,7 @@ from shm.keys import KeyTable, KeyTableWriter
 from tests.unit.test_key_table import record as key_record
 
 ONE_USD_A_DAY = msgspec.convert({"spend": [{"usd": 1, "period": "1d"}]}, KeyLimits)
-SPEND = quota_limits(ONE_USD_A_DAY)
+SPEND = ONE_USD_A_DAY.counted()
 
 
 def _config(keys: list[str], rule_tenants: list[str]):
@@ -49,7 +50,7 @@ def test_the_gauges_tenants_stop_at_the_spend_counters_bound():
 
 
 def test_only_managed_keys_with_a_usd_budget_of_their_own_get_a_key_series_at_most_max_keys():
-    tokens_only = quota_limits(msgspec.convert({"budgets": [{"window": "1m", "tokens": 10}]}, KeyLimits))
+    tokens_only = msgspec.convert({"budgets": [{"window": "1m", "tokens": 10}]}, KeyLimits).counted()
     managed = [KeyIdentity("t1", kid="spender", limits=SPEND), KeyIdentity("t1", kid="none"),
                KeyIdentity("t1", kid="tokens", limits=tokens_only), KeyIdentity("t2", kid="other", limits=SPEND)]
     scopes = managed_spend_scopes(managed)

@@ -9,7 +9,7 @@ import pytest
 from gateway.config import ConfigError, parse_config
 from gateway.http.errors import ErrorReply
 from gateway.request import cors
-from gateway.request.cors import CorsPolicy, PreflightReply, is_preflight, key_origin_reply, parse_key_origins
+from gateway.request.cors import CorsPolicy, PreflightReply, key_origin_reply, parse_key_origins
 
 APP = b"https://app.example.com"
 BASE = """
@@ -117,11 +117,6 @@ def test_the_answer_per_origin_is_remembered_and_bounded() -> None:
     assert len(listed._seen) <= cors._MAX_SEEN
 
 
-def test_is_preflight() -> None:
-    assert is_preflight(b"OPTIONS", APP, b"POST")
-    assert not is_preflight(b"OPTIONS", APP, None)  # a plain OPTIONS request: routed like any other
-    assert not is_preflight(b"OPTIONS", None, b"POST")
-    assert not is_preflight(b"POST", APP, b"POST")
 
 
 # --- a key's own origins --------------------------------------------------------------------------

@@ -53,8 +53,13 @@ def test_a_preflight_from_another_origin_is_403_without_cors_headers() -> None:
 
 
 def test_options_that_is_not_a_preflight_goes_to_the_head_gate() -> None:
-    answer = cors_gate()(Connection(), b"OPTIONS", b"/v1/chat/completions", [(b"host", b"g"), (b"origin", APP)])
-    assert type(answer) is HeadRefusal and answer.status == 401  # an ordinary request: it needs a key
+    # A preflight is OPTIONS with both Origin and Access-Control-Request-Method; anything short of it is an
+    # ordinary request, which needs a key.
+    no_request_method = [(b"host", b"g"), (b"origin", APP)]
+    no_origin = [(b"host", b"g"), (b"access-control-request-method", b"POST")]
+    for method, headers in ((b"OPTIONS", no_request_method), (b"OPTIONS", no_origin), (b"POST", preflight(APP))):
+        answer = cors_gate()(Connection(), method, b"/v1/chat/completions", headers)
+        assert type(answer) is HeadRefusal and answer.status == 401, (method, headers)
 
 
 def test_an_admitted_request_carries_the_cors_headers_of_its_origin() -> None:

@@ -8,9 +8,10 @@ import json
 import time
 
 from gateway.identity.auth import Authenticator, KeyIdentity, hash_api_key
+from gateway.identity.key_limits import KeyLimits, RequestRate
 from gateway.identity.keyformat import key_digest, new_key, new_kid
 from gateway.keys.lookup import KeyLookup
-from gateway.keys.record import KeyLimits, KeyRecord, RequestLimit
+from gateway.keys.record import KeyRecord
 from gateway.keys.view import KeyEntry, views_of
 from gateway.request.headers import HeaderPlan
 from gateway.request.routes import KEY, RouteTable
@@ -112,7 +113,7 @@ def test_a_block_reaches_a_keep_alive_connection_on_its_next_request() -> None:
 def test_the_key_route_and_its_answer_never_show_the_secret() -> None:
     host = Host()
     key = new_key(new_kid())
-    host.put(key, alias="ci", limits=KeyLimits(requests=[RequestLimit(window="1m", count=60)]))
+    host.put(key, alias="ci", limits=KeyLimits(requests=[RequestRate(window="1m", count=60)]))
     admitted = host.call(key, target=b"/v1/gridgate/key?x=1", method=b"GET")
     assert type(admitted) is Admitted and admitted.route.kind == KEY
     entry: KeyEntry = admitted.managed  # type: ignore[assignment]

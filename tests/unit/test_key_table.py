@@ -14,7 +14,7 @@ from gateway.identity.keyformat import key_digest, new_key, new_kid
 from gateway.keys.lookup import KeyLookup
 from gateway.keys.record import KeyRecord, PreviousSecret
 from gateway.keys.view import views_of
-from shm.keys import KeyTable, KeyTableFull, KeyTableWriter, TableLayout, describe_memory
+from shm.keys import KeyTable, KeyTableFull, KeyTableWriter, TableLayout
 
 
 def digest(n: int) -> bytes:
@@ -194,10 +194,11 @@ def test_a_reader_in_another_process_never_sees_a_torn_record():
 
 def test_the_table_is_sized_from_its_capacity():
     layout = TableLayout(100_000)
-    memory = describe_memory(100_000)
     assert layout.slots == 250_000
-    assert memory["index"] < 14 * 1024 * 1024  # 32 + 16 + 4 bytes per slot, 2.5 slots per key
-    assert memory["heap"] == 100_000 * 512
+    # What the table costs whatever it holds (header, digests, meta and used cells: everything before
+    # the heap): 32 + 16 + 4 bytes per slot, 2.5 slots per key; then 512 heap bytes per key.
+    assert layout.heap < 14 * 1024 * 1024
+    assert layout.heap_bytes == 100_000 * 512
     with pytest.raises(ValueError):
         TableLayout(0)
 

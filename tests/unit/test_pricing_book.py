@@ -157,6 +157,32 @@ pricing:
     assert len(override_warnings(config.overrides, TABLE.models)) == 2
 
 
+def test_the_supervisor_warns_at_start_and_reload_of_a_glob_no_model_of_the_table_or_overlay_has(caplog) -> None:
+    from gateway.check import validate_deployment
+    from gateway.supervisor.spend import warn_unmatched_overrides
+
+    config = parse_config("""
+clusters: [{name: a, endpoints: ["127.0.0.1:1"]}]
+routing:
+  candidates:
+    - {kind: inference_model, name: llama-local-70b, site: s, cluster: a, admission_state: new_and_existing,
+       stable_id: a-llama}
+pricing:
+  overrides:
+    "gpt-4o*": {input: 1, output: 1}
+    "llama-local-*": {input: 0, output: 0}
+    "gtp-4o": {input: 1, output: 1}
+""")
+    overlay = validate_deployment(config)  # what the supervisor checks at start and on a reload, then warns
+    with caplog.at_level("WARNING", logger="gridgate.supervisor"):
+        assert warn_unmatched_overrides(config, overlay) == [
+            'pricing.overrides["gtp-4o"]: matches no model of the price table or the overlay']
+    assert [r.getMessage() for r in caplog.records] == [
+        'pricing.overrides["gtp-4o"]: matches no model of the price table or the overlay']
+    assert len(warn_unmatched_overrides(config, None)) == 2  # no overlay: the table's models alone
+    assert warn_unmatched_overrides(parse_config(BASE), None) == []
+
+
 @pytest.mark.parametrize(("yaml", "problem"), [
     ('pricing: {overrides: {"gpt-*": {input: -1, output: 1}}}', 'pricing.overrides["gpt-*"].input: must be >= 0'),
     ('pricing: {overrides: {"gpt-*": {input: 1, output: "-0.1"}}}', 'pricing.overrides["gpt-*"].output: must be >= 0'),

@@ -14,6 +14,7 @@ from gateway.http.errors import ErrorReply
 from gateway.overlay.snapshot import MCP_SESSION_CAPABILITY, Snapshot, snapshot_from_object
 from gateway.routing import RouteDecision, Router
 from shm.affinity import AffinityTable
+from tests.unit.test_affinity import count_live
 
 MODEL = "inference_model"
 
@@ -266,7 +267,7 @@ def test_no_key_means_affinity_none_and_no_binding() -> None:
     snapshot = snap(cand("a", 0), cand("b", 0))
     decision = route(sticky(table), snapshot, None, 0.0)
     assert decision.affinity == "none"
-    assert table.count_live(0.0) == 0
+    assert count_live(table, 0.0) == 0
 
 
 def test_existing_session_can_use_existing_only() -> None:
@@ -358,7 +359,7 @@ def test_nothing_admissible_with_a_session_is_503_and_binds_nothing() -> None:
     snapshot = snap(cand("a", 0, "existing_only"))
     result = sticky(table).route(snapshot, MODEL, "m", b"s1", 0.0)
     assert isinstance(result, ErrorReply) and result.status == 503
-    assert table.count_live(0.0) == 0
+    assert count_live(table, 0.0) == 0
 
 
 def test_mcp_session_route_keeps_a_tool_binding() -> None:

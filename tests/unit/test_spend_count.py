@@ -26,7 +26,8 @@ NOW = 1_780_000_000.5
 def general_count(batch: RollupBatch, record: RequestRecord, with_store: bool) -> bool:
     """The general path: what ``SpendTracker.count`` did through ``RollupBatch.add`` (False: dropped)."""
     model = record.served
-    if model is None or not record.reached_provider or (not with_store and not record.cost_nusd):
+    reached_provider = record.reached or record.attempt is not None  # workers/request_record.py
+    if model is None or not reached_provider or (not with_store and not record.cost_nusd):
         return True
     exchange = record.exchange
     admitted = None if exchange is None else exchange.admitted

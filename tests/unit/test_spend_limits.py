@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from gateway.config import ConfigError, PriceOverride, Pricing, parse_config
-from gateway.identity.limits import limits_from_config, limits_problems, usd_text
-from gateway.keys.record import KeyLimits
+from gateway.identity.key_limits import KeyLimits, SpendLimit, counted_limits
+from gateway.identity.limits import limits_problems, usd_text
 from gateway.pricing.period import PeriodClock, period_span
 from gateway.pricing.table import shipped_table
 from gateway.quota.rules import rules_from_config
@@ -164,8 +164,7 @@ def test_a_rule_may_have_spend_limits_only_and_one_per_period() -> None:
     day, month = rule.spend
     assert (day.nusd, day.hard, day.alert_at, day.text) == (5_100_000_000, True, (500, 800, 1000), "$5.10/1d (UTC)")
     assert (month.hard, month.alert_at, month.text) == (False, (500, 1000), "$100.00/1mo (Europe/Paris)")
-    twice = limits_from_config([], [], None, [SimpleNamespace(nusd=1, period="1d", tz=None, enforce="hard",
-                                                               alert_at=[1.0])] * 2)
+    twice = counted_limits([], [], None, [SpendLimit(usd=1, period="1d")] * 2)
     assert limits_problems(twice, "quota.rules[0]") == [
         "quota.rules[0].spend: two spend limits with the same period (one budget per period)"]
 
