@@ -23,7 +23,6 @@ from typing import Any, Protocol
 import msgspec
 
 from gateway.identity.auth import Authenticator, KeyIdentity, presented_digest
-from gateway.identity.limits import Limits, window_text
 from gateway.keys.answers import key_report, refusal
 from gateway.keys.lookup import KeyLookup
 from gateway.keys.view import KeyEntry
@@ -99,17 +98,7 @@ def key_answer(key: KeyIdentity, entry: KeyEntry | None, *, remaining: dict[str,
     else:
         body = {"object": "gridgate.key", "source": "config", "kid": None, "tenant": key.tenant,
                 "alias": key.alias, "status": _ACTIVE, "models": None, "expires_at": None,
-                "allowed_origins": None, "limits": _config_limits(key.limits), "remaining": remaining,
+                "allowed_origins": None, "limits": None if key.written is None else key.written.body(),
+                "remaining": remaining,
                 "spend": spend}
     return _encode(body)
-
-
-def _config_limits(limits: Limits | None) -> dict[str, Any] | None:
-    """A YAML key's limits in the form a record shows them."""
-    if limits is None:
-        return None
-    return {"requests": [{"window": window_text(r.window_s), "count": r.count, "burst": r.burst, "shadow": r.shadow}
-                         for r in limits.requests],
-            "budgets": [{"window": window_text(b.window_s), "tokens": b.tokens, "shadow": b.shadow}
-                        for b in limits.budgets],
-            "max_in_flight": limits.max_in_flight or None}

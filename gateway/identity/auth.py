@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from gateway.identity.key_limits import KeyLimits
     from gateway.identity.limits import Limits
 
 KEY_DIGEST_PREFIX = "sha256:"
@@ -64,15 +65,16 @@ class KeyIdentity:
     one object per key.
     """
 
-    __slots__ = ("tenant", "kid", "alias", "limits", "tenant_index")
+    __slots__ = ("tenant", "kid", "alias", "limits", "tenant_index", "written")
 
     def __init__(self, tenant: str, alias: str | None = None, kid: str | None = None,
-                 limits: Limits | None = None, tenant_index: int = -1) -> None:
+                 limits: Limits | None = None, tenant_index: int = -1, written: KeyLimits | None = None) -> None:
         self.tenant = tenant
         self.alias = alias
         self.kid = kid
         self.limits = limits
         self.tenant_index = tenant_index
+        self.written = written  # a YAML key's limits as configured (what GET /v1/gridgate/key shows)
 
     @property
     def name(self) -> str | None:
@@ -112,7 +114,7 @@ class Authenticator:
         entries: list[tuple[str, str, KeyIdentity]] = []
         for key in auth.keys:
             own = None if key.limits is None else key.limits.counted()
-            entries.append((key.tenant, key.key, KeyIdentity(key.tenant, key.alias, None, own)))
+            entries.append((key.tenant, key.key, KeyIdentity(key.tenant, key.alias, None, own, written=key.limits)))
         return cls(entries)
 
     def __len__(self) -> int:

@@ -128,3 +128,6 @@ def test_the_key_route_and_its_answer_never_show_the_secret() -> None:
     yaml = json.loads(key_answer(KeyIdentity("yaml-team", "ci-bot"), None))
     assert (yaml["source"], yaml["kid"], yaml["tenant"], yaml["alias"], yaml["limits"]) == (
         "config", None, "yaml-team", "ci-bot", None)
+    limits = KeyLimits(requests=[RequestRate(window="1m", count=60)])
+    configured = json.loads(key_answer(KeyIdentity("yaml-team", "ci-bot", None, limits.counted(), written=limits), None))
+    assert configured["limits"] == answer["limits"]  # a YAML key's limits in the managed key's form
