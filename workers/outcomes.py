@@ -111,9 +111,7 @@ class Outcomes:
             record.cost_nusd = cost
             quota.settle(admission, tokens, record.tokens_prompt, record.tokens_completion, cost_nusd=cost)
         else:
-            # Whether it reached a provider (workers/request_record.py), ``served`` and ``estimate`` written
-            # out: a property is a call, per request
-            reached = record.reached or relay is not None
+            reached = record.reached or relay is not None  # it reached a provider (workers/request_record.py)
             if prices is not None and reached:
                 metered = admission is not None
                 record.cost_nusd, clamped = attempts_cost(prices, record.served_model or record.capability, result,
