@@ -58,6 +58,9 @@ from gateway.quota.ledger import (
 from gateway.quota.reconcile import Reconciler
 from gateway.valkey.transport import Reply
 
+# The longest a managed key's block lives (CONTRACT: a block may admit a key revoked meanwhile for at most
+# its ttl, <= 1 s, when the host's key table lags; the block's successor is asked for with the deny set).
+MANAGED_BLOCK_TTL_S = 1.0
 _monotonic = time.monotonic
 _time = time.time
 
@@ -179,7 +182,7 @@ class LeaseBook:
         spec = self.spec
         now = _monotonic()
         window_end_s = _to_window_end_s(account, answer, spec.ttl_s)
-        life_s = min(spec.ttl_s, window_end_s)
+        life_s = min(spec.ttl_s, window_end_s, MANAGED_BLOCK_TTL_S if account.managed else window_end_s)
         tokens, slots, spend = _allowances(command, answer, now)
         lease = Lease(block, tokens, now + life_s, tenant_slot, slots, spend, opened_at=now)
         replaced = self.open.get(key)
@@ -193,7 +196,8 @@ class LeaseBook:
         if spec.ttl_s < window_end_s:
             # The next block is asked for shortly before this one expires. Not across a window's end: a
             # block reserved now would count in the window that is ending (nor does its grace reach it).
-            grace_until = now + min(window_end_s, life_s + min(life_s, RENEW_GRACE_S))
+            # No grace for a managed key: a revoked one is admitted from blocks for at most one block's life.
+            grace_until = now + (life_s if account.managed else min(window_end_s, life_s + min(life_s, RENEW_GRACE_S)))
             loop.call_later(max(0.0, life_s - min(life_s / 4, RENEW_LEAD_S)), self._renew, account, key, lease,
                             grace_until)
         loop.call_later(life_s, self._expired, key, lease)

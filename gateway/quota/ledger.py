@@ -103,12 +103,15 @@ class Account(msgspec.Struct, frozen=True, gc=False):
     default_max_tokens: int
     has_requests: bool  # some enforced request limit: responses carry x-ratelimit-*-requests
     has_budgets: bool  # some enforced token budget: responses carry x-ratelimit-*-tokens
-    leasable: bool  # no in-flight cap, no shadow limit, not a managed key: a worker may hold blocks of it
+    leasable: bool  # no in-flight cap, no shadow limit: a worker may hold blocks of it
     has_hard_spend: bool  # some hard USD budget: a block's spend must leave it headroom
     first_window_s: int  # the shortest token window (0: none): a block never outlives its end
     lease_key: tuple[str, str, str]  # (tenant, rule, key): one open block each
     spend: tuple[SpendWindow, ...] = ()  # USD budgets in the call's order, in their current periods
     spend_until: float = 0.0  # Unix seconds the first of those periods ends (0: no USD budget)
+    # A managed key's: its blocks are its own (the kid in ``lease_key``), asked for with its tenant's deny
+    # set like its admits, and live at most MANAGED_BLOCK_TTL_S without a renewal grace (docs/keys.md).
+    managed: bool = False
 
 
 class AdmitCommand(msgspec.Struct, frozen=True, gc=False):
@@ -272,13 +275,14 @@ class QuotaLedger:
             rule.default_max_tokens if rule is not None else DEFAULT_MAX_TOKENS,
             has_requests=any(ref.kind == "requests" and not ref.shadow for ref in refs),
             has_budgets=any(ref.kind == "tokens" and not ref.shadow for ref in refs),
-            # A managed key never leases: a block would admit it without the deny set for up to lease.ttl.
-            leasable=kid is None and not any(s.limits.max_in_flight or s.limits.has_shadow for s in scopes),
+            leasable=not any(s.limits.max_in_flight or s.limits.has_shadow for s in scopes),
             has_hard_spend=any(window.budget.hard for window in spend),
             first_window_s=min(windows, default=0),
-            lease_key=(tenant, rule.name if rule is not None else "", scopes[0].name if scopes[0].kind == "key" else ""),
+            lease_key=(tenant, rule.name if rule is not None else "",
+                       kid or (scopes[0].name if scopes[0].kind == "key" else "")),
             spend=spend,
             spend_until=min((window.span.end for window in spend), default=0),
+            managed=kid is not None,
         )
 
     def admit_command(self, account: Account, estimate: int, reservation_id: bytes, slots: int = 1,

@@ -15,7 +15,6 @@ import valkey
 from gateway.identity.auth import KeyIdentity
 from gateway.identity.limits import Budget, Limits, RequestLimit
 from gateway.keys.store import deny_set_key
-from gateway.quota.lease import LeaseSpec
 from gateway.quota.ledger import QuotaLedger
 from gateway.valkey.resp_transport import RespTransport
 from tests.harness import candidate, envelope, mock_served, request
@@ -45,8 +44,9 @@ def test_a_kid_in_the_deny_set_is_refused_by_the_admit_and_nothing_is_written(va
     deny = valkey.Valkey.from_url(valkey_url)
 
     async def scenario() -> None:
-        # Blocks on, as by default: a managed key must still reach Valkey on every admission.
-        async with open_gate(valkey_url, [the_rule], lease=LeaseSpec(ttl_s=30, headroom=2)) as gate:
+        # Exact admission (no worker-held blocks): every admit of the key reaches the script. With blocks, a
+        # managed key's blocks are asked for by the same admit, deny set included (test_keys_blocks.py).
+        async with open_gate(valkey_url, [the_rule], lease=None) as gate:
             held = [await admit(gate, tenant, 30, key=key) for _ in range(20)]
             assert all(a.allowed and a.lease is None and a.reservation is not None for a in held)
             assert gate.counters.leased == 0 and gate.counters.leases_granted == 0
@@ -86,17 +86,18 @@ def test_the_deny_set_key_is_the_ledgers_escaping_of_the_tenant_in_its_hash_slot
     assert deny_set_key(tenant) == "gg:keys:v1:{t%7Bx%7D%3A%25%7C}:deny"
     # Same hash tag as every ledger key of the tenant: one Cluster slot for the whole call.
     assert account.prefix.split(b"}")[0].split(b"{")[1] == deny_set_key(tenant).split("}")[0].split("{")[1].encode()
-    assert not account.leasable  # a managed key never leases
+    assert account.leasable and account.managed  # its blocks are its own, asked for with the deny set
     assert ledger.account(tenant, None, KeyIdentity(tenant, "ci", None, managed(tenant).limits)).leasable  # type: ignore[union-attr]
 
 
-def test_a_block_on_one_gateway_is_refused_by_the_very_next_admission_on_another(gateway_factory, mock_provider,
-                                                                                 keys_store) -> None:
+def test_with_exact_admission_a_block_on_one_gateway_is_refused_by_the_next_admission_on_another(
+        gateway_factory, mock_provider, keys_store) -> None:
     """Gateway B's supervisor (its key table's follower) is stopped, so B's table still says ``active``:
-    only the admission call can refuse the key there."""
+    only the admission call can refuse the key there. Exact admission (``lease: null``): the very next
+    one; with worker-held blocks, within a block's life (test_keys_blocks.py)."""
     handle = mock_provider("provider-a")
     extra = {"auth": {}, "admin": {"tokens": TOKENS},
-             "quota": {"backend": {"kind": "valkey", "url": keys_store.url},
+             "quota": {"backend": {"kind": "valkey", "url": keys_store.url}, "lease": None,
                        "rules": [{"name": "r", "budgets": [{"window": "1m", "tokens": 1_000_000}]}]}}
     first = gateway_factory({"provider-a": [handle.address]}, envelope([candidate("m", "provider-a")]), extra=extra)
     second = gateway_factory({"provider-a": [handle.address]}, envelope([candidate("m", "provider-a")]), extra=extra)

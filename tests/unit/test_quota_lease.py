@@ -167,6 +167,10 @@ def test_capped_or_shadowed_accounts_never_lease() -> None:
     assert ledger.account("t", None) is None  # nothing meters it
     capped_key = KeyIdentity("t", "ci", None, Limits(max_in_flight=1))
     assert not ledger.account("t", QuotaRule("r", (Budget(60, 10),), 16), capped_key).leasable  # type: ignore[union-attr]
+    # A managed key leases too, its blocks its own (the kid in the lease key) even under its tenant's rule only.
+    managed = ledger.account("t", QuotaRule("r", (Budget(60, 10),), 16), KeyIdentity("t", None, "kabcdefgh123"))
+    assert managed is not None and managed.leasable and managed.managed and managed.lease_key == ("t", "r", "kabcdefgh123")
+    assert ledger.account("t", QuotaRule("r", (Budget(60, 10),), 16)).lease_key == ("t", "r", "")  # type: ignore[union-attr]
 
 
 def test_the_reset_header_is_whole_seconds_rounded_up_and_made_once_per_second() -> None:

@@ -99,7 +99,7 @@ MANAGED = KeyIdentity("t", None, "kabcdefgh123", Limits(requests=(RequestLimit(6
 def test_a_deny_set_reply_is_the_head_gates_401_and_counts_no_limit(status: bytes, code: str, words: str) -> None:
     ledger = QuotaLedger(Transport(), reservation_timeout_s=10)  # type: ignore[arg-type]
     account = ledger.account("t", RULE, MANAGED)
-    assert account is not None and not account.leasable
+    assert account is not None and account.managed
     cmd = ledger.admit_command(account, 100, b"id")
     answer = QuotaLedger.read(cmd, b"D 1700000000000 " + status)
     assert not answer.admitted and answer.reservation is None and answer.key_status == status
