@@ -49,11 +49,14 @@ names the variant beside it). Gateway logs: loadtest/reports/gateway-bench-varia
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
@@ -81,6 +84,7 @@ from loadtest.topology import (
 HERE = os.path.dirname(os.path.abspath(__file__))
 WRK_FEATURES = os.path.join(HERE, "configs", "wrk_features.lua")
 BENCH_KEY = "sk-bench"
+BENCH_ADMIN_TOKEN = "bench-admin-token"  # the managed-key variant's admin token (keys:write)
 WARM_UP_S = 2
 METHODS = ("paired", "sequential")
 # Paired mode: the variant listens beside the core gateway on the core's (listen, admin) ports + these.
@@ -145,6 +149,13 @@ def _access_log(config: dict[str, Any], work_dir: str) -> None:
     config["access_log"] = {"enabled": True, "path": os.path.join(work_dir, "access.log")}
 
 
+def _managed_key(config: dict[str, Any], _work_dir: str) -> None:
+    # Its requests on a managed key (made with the admin API once the gateway serves: ``running``) instead
+    # of the YAML key: the host key table's lookup, and the key's own worker-held blocks.
+    config.setdefault("admin", {})["tokens"] = [{"name": "bench", "key": hash_api_key(BENCH_ADMIN_TOKEN),
+                                                "scopes": ["keys:write"]}]
+
+
 def _core(config: dict[str, Any], _work_dir: str) -> None:
     # The access log is on by default: the core path goes without it, "everything" has it (issue 13).
     config["access_log"] = {"enabled": False}
@@ -163,6 +174,7 @@ VARIANTS: tuple[tuple[str, tuple[Feature, ...]], ...] = (
     ("production: auth + request limit + token budgets + access log + sessions, defaults",
      (_affinity, _quota, _request_limit, _access_log)),
     ("production + a hard USD budget (a priced model)", (_affinity, _quota, _request_limit, _access_log, _spend)),
+    ("production on a managed key", (_affinity, _quota, _request_limit, _access_log, _managed_key)),
 )
 VARIANT_NAMES = tuple(name for name, _ in VARIANTS)
 
@@ -281,18 +293,56 @@ def running(config_paths: Sequence[str], gateway_cpus: set[int] | None,
             gateway = GatewayProcess(Topology.from_config(path), 1, gateway_cpus, log_name=f"gateway-bench-{name}.log")
             stack.callback(gateway.stop)
             gateways.append(gateway)
-        for gateway in gateways:
+        for gateway, path in zip(gateways, config_paths, strict=True):
             gateway.wait_ready()
             pin_valkey(gateway.process.pid, load_cpus)
+            gateway.wrk_script = wrk_script_for(gateway, path)  # type: ignore[attr-defined]
         time.sleep(1.0)
         yield gateways
+
+
+def wrk_script_for(gateway: GatewayProcess, config_path: str) -> str:
+    """wrk's script for the (ready) gateway of ``config_path``: the shared one, or for the managed-key
+    variant (a config with admin tokens) a copy sending a managed key made for it."""
+    if not load_config(config_path).admin.tokens:
+        return WRK_FEATURES
+    return managed_key_script(gateway, os.path.dirname(config_path))
+
+
+def managed_key_script(gateway: GatewayProcess, work_dir: str) -> str:
+    """Make a managed key of the bench tenant through the gateway's admin API; a copy of wrk's script
+    sending it (written in ``work_dir``), once the key serves."""
+    host, port = gateway.topology.admin
+    request = urllib.request.Request(
+        f"http://{host}:{port}/admin/keys", data=json.dumps({"tenant": "bench", "alias": "bench-managed"}).encode(),
+        headers={"Authorization": f"Bearer {BENCH_ADMIN_TOKEN}", "Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(request, timeout=5) as answer:
+        key = json.loads(answer.read())["key"]
+    with open(WRK_FEATURES) as source:
+        script = source.read().replace(f"Bearer {BENCH_KEY}", f"Bearer {key}")
+    path = os.path.join(work_dir, f"wrk-managed-{port}.lua")
+    with open(path, "w") as out:
+        out.write(script)
+    deadline = time.monotonic() + 5  # the key reaches the host table within a second (docs/keys.md)
+    while time.monotonic() < deadline:
+        probe = urllib.request.Request(gateway_url(gateway), data=b'{"model":"demo-model"}', method="POST",
+                                       headers={"Authorization": f"Bearer {key}"})
+        try:
+            with urllib.request.urlopen(probe, timeout=5):
+                return path
+        except urllib.error.HTTPError as refused:
+            if refused.code != 401:
+                return path  # the key is known: any other answer is the request's own
+        time.sleep(0.05)
+    raise RuntimeError(f"the managed key never served on {gateway_url(gateway)}")
 
 
 def wrk_together(gateways: Sequence[GatewayProcess], connections: int, duration_s: int,
                  load_cpus: set[int] | None) -> list[dict[str, Any]]:
     """One wrk per gateway, started together (in the given order) on the load cores: their figures."""
     with ThreadPoolExecutor(len(gateways)) as pool:
-        futures = [pool.submit(run_wrk, gateway_url(gateway), WRK_FEATURES, connections, duration_s, load_cpus)
+        futures = [pool.submit(run_wrk, gateway_url(gateway), gateway.wrk_script, connections, duration_s,  # type: ignore[attr-defined]
+                               load_cpus)
                    for gateway in gateways]
         return [future.result() for future in futures]
 
@@ -320,7 +370,7 @@ def measure_window(gateways: Sequence[GatewayProcess], args: argparse.Namespace,
 
 def overhead_run(gateway: GatewayProcess, args: argparse.Namespace, load_cpus: set[int] | None) -> dict[str, Any]:
     """wrk at one connection: the overhead percentiles (``x-gridgate-overhead-ms``)."""
-    return run_wrk(gateway_url(gateway), WRK_FEATURES, 1, max(3, args.duration // 2), load_cpus)
+    return run_wrk(gateway_url(gateway), gateway.wrk_script, 1, max(3, args.duration // 2), load_cpus)  # type: ignore[attr-defined]
 
 
 def measure(config_paths: Sequence[str], args: argparse.Namespace, gateway_cpus: set[int] | None,

@@ -36,10 +36,10 @@ from typing import Any
 from loadtest.bench_features import (
     CORE,
     VARIANT_NAMES,
-    WRK_FEATURES,
     derived_config,
     gateway_url,
     select_variants,
+    wrk_script_for,
 )
 from loadtest.opcount import difference, per_request
 from loadtest.report import run_bench, write_report
@@ -68,11 +68,13 @@ def measure(index: int, work_dir: str, args: argparse.Namespace, gateway_cpus: s
     env = {"GRIDGATE_OPCOUNT": out, "GRIDGATE_OPCOUNT_WARM": str(args.warm),
            "GRIDGATE_OPCOUNT_REQUESTS": str(args.requests), "GRIDGATE_OPCOUNT_IDLE": str(args.idle),
            "PYTHONPATH": os.pathsep.join(filter(None, (SITE_DIR, os.environ.get("PYTHONPATH"))))}
-    gateway = GatewayProcess(Topology.from_config(derived_config(index, work_dir)), 1, gateway_cpus,
+    config_path = derived_config(index, work_dir)
+    gateway = GatewayProcess(Topology.from_config(config_path), 1, gateway_cpus,
                              log_name=f"gateway-opcodes-{index}.log", env=env)
     try:
         gateway.wait_ready(timeout=60.0)
-        wrk = subprocess.Popen(["wrk", "-t1", f"-c{WRK_CONNECTIONS}", f"-d{int(WINDOW_TIMEOUT_S)}s", "-s", WRK_FEATURES,
+        script = wrk_script_for(gateway, config_path)
+        wrk = subprocess.Popen(["wrk", "-t1", f"-c{WRK_CONNECTIONS}", f"-d{int(WINDOW_TIMEOUT_S)}s", "-s", script,
                                 gateway_url(gateway)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                preexec_fn=child_setup(load_cpus))
         try:

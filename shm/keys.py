@@ -123,6 +123,12 @@ class KeyTable:
     def minute(self) -> int:
         return self._words[H_MINUTE]
 
+    def seq(self) -> int:
+        """The seqlock word: odd while the writer changes a record, and never the same twice between
+        changes. A reader that saw an even ``seq`` before a lookup may reuse that lookup's answer while
+        ``seq`` still reads the same: nothing in the table changed."""
+        return self._words[H_SEQ]
+
     # ------------------------------------------------------------------ readers (workers)
 
     def find(self, digest: bytes) -> tuple[int, int] | None:

@@ -197,8 +197,9 @@ class Proxy:
         """Whether the tenant and the key may use the capability, and the route's pin."""
         admitted = flow.admitted
         request = flow.request
-        if not flow.policy.open or admitted.managed is not None:  # else no rule could refuse it
-            refused = model_refusal(admitted.tenant, flow.policy, admitted.managed, request.name)
+        managed = admitted.managed
+        if not flow.policy.open or (managed is not None and managed.models is not None):  # else nothing could refuse it
+            refused = model_refusal(admitted.tenant, flow.policy, managed, request.name)
             if refused is not None:
                 return refused
         pin = admitted.headers.pin

@@ -110,6 +110,26 @@ def test_lookup_answers_the_changed_record_after_a_block():
     assert lookup(key_digest(new_key(new_kid()))) is None
 
 
+def test_a_lookup_is_reused_only_while_the_table_is_unchanged():
+    table = KeyTable.create(100)
+    writer = KeyTableWriter(table)
+    key, other = new_key(new_kid()), new_key(new_kid())
+    for digest_, blob in views_of(record(key), 0).items():
+        writer.put(digest_, blob)
+    lookup = KeyLookup(table)
+    entry = lookup(key_digest(key))
+    seq = table.seq()
+    assert lookup(key_digest(key)) is entry and table.seq() == seq  # nothing changed: the same answer
+    for digest_, blob in views_of(record(other), 0).items():  # another key's change moves the seqlock word
+        writer.put(digest_, blob)
+    assert table.seq() != seq and lookup(key_digest(key)) is entry  # looked up again: same slot and version
+    writer.remove(key_digest(key))  # revoked and dropped: the next lookup sees it gone at once
+    assert lookup(key_digest(key)) is None
+    for digest_, blob in views_of(record(key, status="revoked", version=3), 0).items():
+        writer.put(digest_, blob)
+    assert lookup(key_digest(key)).status == "revoked"
+
+
 def test_a_rotated_key_opens_with_both_secrets_until_the_grace_ends():
     old, new = new_key("AAAAAAAAAAAA"), new_key("AAAAAAAAAAAA")
     rotated = record(new, previous=[PreviousSecret(key_digest(old).hex(), until=2000)], expires_at=5000)
