@@ -89,8 +89,9 @@ def parse_wrk(output: str) -> dict[str, Any]:
     return result
 
 
-def run_wrk(url: str, script: str, connections: int, duration_s: int, cpus: set[int] | None) -> dict[str, Any]:
-    cmd = ["wrk", "-t1", f"-c{connections}", f"-d{duration_s}s", "--latency", "-s", script, url]
+def run_wrk(url: str, script: str, connections: int, duration_s: int, cpus: set[int] | None,
+            threads: int = 1) -> dict[str, Any]:
+    cmd = ["wrk", f"-t{threads}", f"-c{connections}", f"-d{duration_s}s", "--latency", "-s", script, url]
     done = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=child_setup(cpus),
                           timeout=duration_s + 30, check=False)
     if done.returncode != 0:
