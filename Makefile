@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test fuzz fuzz-upstream conformance bench bench-core bench-tls bench-relay bench-features bench-opcodes bench-surfaces lint clean wrk prices
+.PHONY: install run test fuzz fuzz-upstream conformance bench bench-core bench-tls bench-relay bench-features bench-opcodes bench-surfaces bench-scale lint clean wrk prices
 
 install: $(STAMP)
 
@@ -66,6 +66,12 @@ bench-opcodes: install wrk
 # production-like gateway (auth, token quota, access log), each surface plain and streamed, 4 rounds.
 bench-surfaces: install wrk
 	$(BIN)/python -m loadtest.bench_surfaces --rounds 4
+
+# How req/s scale with gateway workers (1, 2, 4 ... the cores, at most 16), with and without a token quota:
+# efficiency against one worker, and the shm counters, affinity and Valkey calls each window saw.
+# Choose the counts with: python -m loadtest.bench_scale --workers 1,2
+bench-scale: install wrk
+	$(BIN)/python -m loadtest.bench_scale
 
 # The upstream response parser's fuzzer, long and random (make test runs a short derandomized pass);
 # FUZZ_EXAMPLES=N sets the examples per property (default 20000).

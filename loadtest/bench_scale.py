@@ -16,7 +16,9 @@ and everything shares every core, for every W alike (so efficiency compares like
 says so.
 
 Reported per variant and W (medians over rounds): req/s in total and per worker, efficiency (req/s per
-worker / the 1-worker figure of the same variant), and the contention the gateway's own /metrics show
+worker / the 1-worker figure of the same variant), the worker cores the workers kept busy (their CPU
+per request x req/s) and the CPU efficiency (1 worker's CPU per request / W workers': the scaling a
+machine with a core per worker and per load process would show), and the contention the gateway's own /metrics show
 between a reading before and one after the window: requests the shared-memory counters counted per
 second (and their ratio to what wrk completed), session-affinity bindings made and reused per second,
 and admission calls to Valkey per second and per 1,000 requests (requests decided in Valkey plus
@@ -154,15 +156,23 @@ def window_contention(before: Mapping[str, float], after: Mapping[str, float], s
     }
 
 
-def scaling_rows(req_per_s: Mapping[int, float]) -> list[dict[str, float | None]]:
+def scaling_rows(req_per_s: Mapping[int, float],
+                 cpu_us_per_request: Mapping[int, float] | None = None) -> list[dict[str, float | None]]:
     """Per worker count (ascending): req/s total, per worker, and efficiency = per worker / 1 worker's
-    (None without a 1-worker figure)."""
+    (None without a 1-worker figure). With the workers' CPU µs per request: the worker cores they kept
+    busy (CPU per request x req/s) and the CPU efficiency = 1 worker's CPU per request / theirs, what
+    scaling would be if each worker had a core of its own."""
     base = req_per_s.get(1)
+    cpu = cpu_us_per_request or {}
     rows: list[dict[str, float | None]] = []
     for workers in sorted(req_per_s):
         per_worker = req_per_s[workers] / workers
-        rows.append({"workers": workers, "total": req_per_s[workers], "per_worker": per_worker,
-                     "efficiency": per_worker / base if base else None})
+        row: dict[str, float | None] = {"workers": workers, "total": req_per_s[workers], "per_worker": per_worker,
+                                        "efficiency": per_worker / base if base else None}
+        if workers in cpu:
+            row["worker_cores"] = cpu[workers] * req_per_s[workers] / 1e6
+            row["cpu_efficiency"] = cpu[1] / cpu[workers] if cpu.get(1) and cpu[workers] else None
+        rows.append(row)
     return rows
 
 
@@ -231,18 +241,21 @@ def summarize(runs: Sequence[Mapping[str, Any]]) -> dict[str, float]:
 
 def render(results: Mapping[str, Any]) -> str:
     headers = ("variant", "workers", "req/s total", "req/s per worker", "efficiency vs 1", "req/s per round",
-               "worker CPU µs/req", "shm counted / wrk", "affinity new / reused per s",
+               "worker CPU µs/req", "worker cores busy", "CPU efficiency vs 1", "shm counted / wrk", "affinity new / reused per s",
                "Valkey admission calls/s (per 1k req)", "errors")
     rows = []
     for variant, cells in results["variants"].items():
         medians = {int(workers): cell["summary"]["requests_per_s"] for workers, cell in cells.items()}
-        for row in scaling_rows(medians):
+        cpu = {int(workers): cell["summary"]["worker_cpu_us_per_request"] for workers, cell in cells.items()}
+        for row in scaling_rows(medians, cpu):
             cell = cells[str(row["workers"])]
             summary = cell["summary"]
             efficiency = "-" if row["efficiency"] is None else f"{row['efficiency']:.2f}"
             rows.append((variant, row["workers"], f"{row['total']:,.0f}", f"{row['per_worker']:,.0f}", efficiency,
                          " ".join(f"{run['requests_per_s']:,.0f}" for run in cell["runs"]),
-                         f"{summary['worker_cpu_us_per_request']:.0f}", f"{summary['counted_vs_wrk']:.3f}",
+                         f"{summary['worker_cpu_us_per_request']:.0f}", f"{row['worker_cores']:.2f}",
+                         "-" if row["cpu_efficiency"] is None else f"{row['cpu_efficiency']:.2f}",
+                         f"{summary['counted_vs_wrk']:.3f}",
                          f"{summary['affinity_new_per_s']:,.1f} / {summary['affinity_reused_per_s']:,.0f}",
                          f"{summary['valkey_admission_calls_per_s']:,.1f} ({summary['valkey_calls_per_1k_requests']:.2f})",
                          summary["errors"]))
