@@ -10,10 +10,10 @@ rounds (``round_order``). Two variants, both with session affinity on and wrk se
 ``routing`` (auth, quota and the access log off) and ``quota`` (+ auth and a token quota with the
 default worker-held blocks, the embedded Valkey), so admissions happen.
 
-Cores (``plan_cores``): when the machine has W_max + 2 cores or more, the gateway gets W cores of its own
-(the first W), wrk half of the rest and the mocks and Valkey the other half. With fewer, nothing is pinned
-and everything shares every core, for every W alike (so efficiency compares like with like); the report
-says so.
+Cores (``plan_cores``), per window: with W + 2 cores or more, the gateway gets W cores of its own (the
+first W), wrk half of the rest (one thread per core) and the mocks and Valkey the other half; with fewer,
+nothing is pinned and everything shares every core. The report's "cores" column says which (on 2 cores
+every window shares; on 16, 1-8 workers get their own and 16 share).
 
 Reported per variant and W (medians over rounds): req/s in total and per worker, efficiency (req/s per
 worker / the 1-worker figure of the same variant), the worker cores the workers kept busy (their CPU
@@ -57,7 +57,6 @@ from loadtest.topology import (
     GatewayProcess,
     Topology,
     http_get,
-    pin_self,
     raise_fd_limit,
     start_mocks,
     stop_all,
@@ -259,13 +258,12 @@ def render(results: Mapping[str, Any]) -> str:
                          f"{summary['affinity_new_per_s']:,.1f} / {summary['affinity_reused_per_s']:,.0f}",
                          f"{summary['valkey_admission_calls_per_s']:,.1f} ({summary['valkey_calls_per_1k_requests']:.2f})",
                          summary["errors"]))
-    layout = results["layout"]
-    if layout["shared"]:
-        where = (f"{results['cores']} cores, fewer than the largest worker count + 2: nothing pinned; wrk, "
-                 "the mocks, Valkey and the workers share every core")
-    else:
-        where = f"per window: gateway {layout['gateway']} (its first W), wrk {layout['load']}, mocks and Valkey {layout['upstream']}"
-    return (f"Cores: {where}. wrk: {results['connections_per_worker']} connections per worker, "
+    layouts = results["layouts"]
+    where = "; ".join(
+        f"{workers} worker(s): " + ("shared, nothing pinned (fewer than W + 2 cores)" if layout["shared"] else
+                                    f"gateway {layout['gateway']}, wrk {layout['load']}, mocks and Valkey {layout['upstream']}")
+        for workers, layout in layouts.items())
+    return (f"Cores ({results['cores']}): {where}. wrk: {results['connections_per_worker']} connections per worker, "
             f"{results['duration_s']} s windows, {results['rounds']} rounds (medians).\n\n"
             + markdown_table(headers, rows) + "\n")
 
@@ -280,16 +278,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     cores = sorted(os.sched_getaffinity(0))
     raise_fd_limit()
-    top = plan_cores(cores, max(args.workers))
-    shared = top["shared"]
+    layouts = {workers: plan_cores(cores, workers) for workers in args.workers}
     results: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cores": len(cores),
                                "workers": args.workers, "rounds": args.rounds, "duration_s": args.duration,
                                "warm_up_s": WARM_UP_S, "connections_per_worker": args.connections,
-                               "layout": top, "variants": {}}
+                               "layouts": {str(workers): layout for workers, layout in layouts.items()},
+                               "variants": {}}
+    shared = [workers for workers, layout in layouts.items() if layout["shared"]]
     if shared:
-        log(f"{len(cores)} cores: wrk, the upstream, Valkey and the workers share them (nothing pinned)")
-    else:
-        pin_self(set(top["load"]))
+        log(f"{len(cores)} cores: with {', '.join(map(str, shared))} worker(s), wrk, the upstream, Valkey and the "
+            "workers share them (nothing pinned)")
     work_dir = tempfile.mkdtemp(prefix="gridgate-bench-scale-")
     cells = [(variant, workers) for variant in args.variants for workers in args.workers]
     try:
@@ -299,14 +297,17 @@ def run(args: argparse.Namespace) -> int:
                 for feature in features:
                     feature(config, work_dir)
             configs[variant] = write_derived_config(BENCH_CONFIG, work_dir, f"scale-{variant}", change)
-        processes = len(top["upstream"]) if top["upstream"] else 1
-        mocks = start_mocks(Topology.from_config(BENCH_CONFIG), top["upstream"] and set(top["upstream"]),
-                            tokens=16, models="demo-model", processes=processes)
+        # The mocks live through every window: on the upstream cores of the largest count that has its own
+        # (the last cores; a smaller count's upstream cores include them, and its wrk cores never do).
+        upstream = next((layout["upstream"] for _, layout in sorted(layouts.items(), reverse=True)
+                         if not layout["shared"]), None)
+        mocks = start_mocks(Topology.from_config(BENCH_CONFIG), upstream and set(upstream),
+                            tokens=16, models="demo-model", processes=len(upstream) if upstream else 1)
         try:
             for round_number in range(1, args.rounds + 1):
                 for variant, workers in round_order(round_number, cells):
                     log(f"round {round_number}/{args.rounds}: {variant}, {workers} worker(s)")
-                    layout = top if shared else plan_cores(cores, workers)
+                    layout = layouts[workers]
                     measured = measure_window(configs[variant], workers, layout, args)
                     cell = results["variants"].setdefault(variant, {}).setdefault(str(workers), {"runs": []})
                     cell["runs"].append({"round": round_number, "layout": layout, **measured})

@@ -65,6 +65,15 @@ def test_plan_cores_own_cores_or_all_shared() -> None:
     assert plan_cores(range(16), 8) == {"gateway": [0, 1, 2, 3, 4, 5, 6, 7], "load": [8, 9, 10, 11],
                                         "upstream": [12, 13, 14, 15], "shared": False}
     assert plan_cores([3, 2, 1], 1) == {"gateway": [1], "load": [2], "upstream": [3], "shared": False}
+    assert plan_cores(range(16), 16)["shared"] and not plan_cores(range(16), 14)["shared"]
+
+
+def test_plan_cores_keeps_the_largest_counts_upstream_free_of_every_load() -> None:
+    # The mocks stay on the largest own-cores count's upstream cores through every window.
+    plans = [plan_cores(range(16), workers) for workers in (1, 2, 4, 8)]
+    mocks = set(plans[-1]["upstream"])
+    for plan in plans:
+        assert mocks <= set(plan["upstream"]) and not mocks & set(plan["load"]) and not mocks & set(plan["gateway"])
 
 
 def test_parse_metrics_and_sum_by_labels() -> None:
