@@ -52,6 +52,21 @@ def check_problems(config: Config, *, environ: Mapping[str, str] | None = os.env
     return problems
 
 
+def load_overlay_snapshot(config: Config) -> Snapshot | None:
+    """The overlay the config names (file or inline), or None; raises ConfigError naming the field.
+
+    A Valkey ``overlay_source`` is not read here: its ``overlay_file`` fallback is, when given."""
+    path = config.overlay_path()
+    try:
+        if path is not None:
+            return load_overlay_file(path, config.routing.expected_overlay_scope)
+        if config.routing.candidates is not None:
+            return load_inline_overlay(config.routing.candidates, config.routing.expected_overlay_scope)
+    except OverlayRejected as exc:
+        raise ConfigError([f"routing.overlay_file: {path}: {exc}" if path else f"routing.candidates: {exc}"]) from None
+    return None
+
+
 def _problems_and_overlay(config: Config, environ: Mapping[str, str] | None) -> tuple[list[str], Snapshot | None]:
     problems: list[str] = []
     if config.quota is not None:
