@@ -16,13 +16,15 @@ end
 function init(args)
   overhead = {}
   missing = 0
+  -- each wrk run's contents its own (a warm-up's answers must not be the measured run's hits)
+  run = RUN_ID .. "-" .. os.time()
 end
 
 function request()
   counter = counter + 1
   local content = "Say hello in five words."
   if mode == "misses" then
-    content = content .. " " .. id .. "-" .. counter .. "-" .. RUN_ID
+    content = content .. " " .. id .. "-" .. counter .. "-" .. run
   end
   local body = '{"model":"demo-model","messages":[{"role":"user","content":"' .. content ..
     '"}],"max_tokens":16,"temperature":0}'
