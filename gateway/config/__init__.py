@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import ClassVar, Literal
 
+from gateway.config.client_auth import ClientAuth
 from gateway.config.cors import Cors  # noqa: F401 - re-exported: importers use gateway.config
 from gateway.config.keys import (  # noqa: F401 - re-exported: importers use gateway.config
     AdminToken,
@@ -75,6 +76,7 @@ class ServerTls(_Strict):
 
     cert_file: str
     key_file: str
+    client_auth: ClientAuth | None = None  # client certificates (mTLS, docs/identity.md); off when absent
 
     def __post_init__(self) -> None:
         for name in ("cert_file", "key_file"):
