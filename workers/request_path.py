@@ -50,6 +50,7 @@ from workers.overlay_follower import OverlayFollower
 from workers.providers import ProviderStates
 from workers.proxy import Proxy
 from workers.proxy_settings import ProxySettings
+from workers.response_cache import ResponseCache
 from workers.server import ServerSettings, ServerState
 from workers.spend_tracker import SpendTracker
 from workers.tracing import TRACE_HEADERS, Tracer
@@ -91,6 +92,7 @@ class RequestPath:
     proxy: Proxy
     tracer: Tracer | None = None  # tracing configured (docs/tracing.md)
     spend: SpendTracker | None = None  # rollups, spend metrics, alerts (docs/pricing.md)
+    cache: ResponseCache | None = None  # the response cache (docs/cache.md)
 
     @classmethod
     async def build(cls, ctx: WorkerContext, segment: Segment, row: WorkerRow) -> RequestPath:
@@ -131,12 +133,14 @@ class RequestPath:
         outcomes = Outcomes(quota, metrics, access_log, providers, settings.cooling, settings.route_headers, prices,
                             spend)
         tracer = Tracer.from_config(config)
+        cache = config.cache
+        response_cache = ResponseCache.from_config(cache, ctx.quota_url) if cache is not None and cache.enabled else None
         proxy = Proxy(settings=settings, tenants=TenantPolicies(config.tenants), overlay=overlay, router=router,
                       clusters=clusters, providers=providers, quota=quota, metrics=metrics, outcomes=outcomes,
-                      tracer=tracer)
+                      tracer=tracer, cache=response_cache)
         return cls(config, metrics, overlay, clusters, providers, router, quota, access_log,
                    _head_gate(config, clusters, settings, provider_index, ctx.key_table), outcomes, proxy, tracer,
-                   spend)
+                   spend, response_cache)
 
     def server_state(self) -> ServerState:
         """The per-worker server state that hands this path every request: the head gate decides on each
@@ -168,6 +172,8 @@ class RequestPath:
         self.clusters.close()
         if self.quota is not None:
             await self.quota.close()
+        if self.cache is not None:  # its stores in progress (bounded wait)
+            await self.cache.close()
         await self.access_log.close()
         if self.spend is not None:  # the last rollups (bounded wait)
             await self.spend.close()
