@@ -12,7 +12,8 @@ from __future__ import annotations
 from asyncio import BaseTransport
 from typing import Protocol
 
-from gateway.identity.client_cert import CertificateTenants, PeerIdentity
+from gateway.identity.auth import KeyIdentity
+from gateway.identity.client_cert import CertificateTenants
 
 # A connection's slot before its certificate was read (a read one holds an identity, a refusal or None).
 NOT_READ = False
@@ -20,7 +21,7 @@ NOT_READ = False
 
 class CertifiedConnection(Protocol):
     transport: BaseTransport | None
-    peer_identity: PeerIdentity | str | None | bool  # NOT_READ until the first request reads it
+    peer_identity: KeyIdentity | str | None | bool  # NOT_READ until the first request reads it
 
 
 class ConnectionCertificates:
@@ -31,7 +32,7 @@ class ConnectionCertificates:
     def __init__(self, tenants: CertificateTenants) -> None:
         self.tenants = tenants
 
-    def __call__(self, conn: CertifiedConnection) -> PeerIdentity | str | None:
+    def __call__(self, conn: CertifiedConnection) -> KeyIdentity | str | None:
         """The connection's identity; None without a certificate; a refusal message when its
         certificate names no tenant (``CertificateTenants.identify``)."""
         known = conn.peer_identity

@@ -7,8 +7,8 @@ such as a SPIFFE ID, or a SAN DNS name) from the certificate as ``ssl`` decodes 
 request: the server keeps the answer with the connection.
 
 An identity made here is a ``KeyIdentity`` (so limits, budgets, spend and the access log see it as
-they see a key's) with ``source`` ``mtls`` and ``subject`` the certificate's value; one object per
-value, kept in a bounded table, so the connections of one client share it.
+they see a key's) with ``via`` ``mtls`` and the certificate's value as its alias (its subject); one
+object per value, kept in a bounded table, so the connections of one client share it.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 
 from gateway.identity.auth import KeyIdentity
 
+VIA = "mtls"  # KeyIdentity.via of a certificate's identity
 TENANT_SOURCES = ("subject_cn", "san_uri", "san_dns")
 _SAN_TYPE = {"san_uri": "URI", "san_dns": "DNS"}
 _WHAT = {"subject_cn": "subject CN", "san_uri": "SAN URI", "san_dns": "SAN DNS name"}
@@ -27,18 +28,10 @@ MAX_IDENTITIES = 4096
 _QUOTED = 200
 
 
-class PeerIdentity(KeyIdentity):
-    """What a verified client certificate proves: its tenant, and the value that named it."""
-
-    __slots__ = ("subject",)
-    source = "mtls"
-
-    def __init__(self, tenant: str, subject: str) -> None:
-        super().__init__(tenant)
-        self.subject = subject
-
-    def __repr__(self) -> str:
-        return f"PeerIdentity({self.tenant!r}, subject={self.subject!r})"
+def peer_identity(tenant: str, subject: str) -> KeyIdentity:
+    """What a verified client certificate proves: its tenant, and (as the alias, as a JWT's subject is)
+    the value that named it."""
+    return KeyIdentity(tenant, subject, via=VIA)
 
 
 def certificate_values(peercert: Mapping[str, Any], tenant_from: str) -> list[str]:
@@ -62,9 +55,9 @@ class CertificateTenants:
             raise ValueError(f"tenant_from: one of {', '.join(TENANT_SOURCES)}")
         self.tenant_from = tenant_from
         self.mapping = None if mapping is None else dict(mapping)
-        self._identities: dict[str, PeerIdentity] = {}
+        self._identities: dict[str, KeyIdentity] = {}
 
-    def identify(self, peercert: Mapping[str, Any] | None) -> PeerIdentity | str | None:
+    def identify(self, peercert: Mapping[str, Any] | None) -> KeyIdentity | str | None:
         """The identity of a verified certificate; None without one (no certificate was sent); a
         refusal message when the certificate names no tenant (no such value, or one the map lacks)."""
         if not peercert:
@@ -83,11 +76,11 @@ class CertificateTenants:
         shown = values[0] if len(values[0]) <= _QUOTED else values[0][:_QUOTED] + "..."
         return f"the client certificate's {what} {shown!r} maps to no tenant"
 
-    def _identity(self, subject: str, tenant: str) -> PeerIdentity:
+    def _identity(self, subject: str, tenant: str) -> KeyIdentity:
         identities = self._identities
         identity = identities.get(subject)
         if identity is None:
-            identity = PeerIdentity(tenant, subject)
+            identity = peer_identity(tenant, subject)
             if len(identities) < MAX_IDENTITIES:
                 identities[subject] = identity
         return identity

@@ -13,7 +13,8 @@ from gateway.cli import main
 from gateway.config import ConfigError, parse_config
 from gateway.http.client_certs import ClientTrust
 from gateway.http.tls import ReloadableServerTls
-from gateway.identity.client_cert import MAX_IDENTITIES, CertificateTenants, PeerIdentity, certificate_values
+from gateway.identity.auth import KeyIdentity
+from gateway.identity.client_cert import MAX_IDENTITIES, CertificateTenants, certificate_values
 from tests.contract_fixtures import OVERLAY_FIXTURES
 from tests.pki import Authority
 from tests.unit.test_server_tls import handshake
@@ -35,8 +36,8 @@ def test_values_are_read_most_specific_first():
 def test_without_a_map_the_value_is_the_tenant_and_one_identity_serves_every_connection():
     tenants = CertificateTenants("subject_cn")
     identity = tenants.identify(PEERCERT)
-    assert isinstance(identity, PeerIdentity)
-    assert (identity.tenant, identity.subject, identity.source, identity.name) == ("svc-a", "svc-a", "mtls", None)
+    assert isinstance(identity, KeyIdentity)
+    assert (identity.tenant, identity.alias, identity.via, identity.kid) == ("svc-a", "svc-a", "mtls", None)
     assert tenants.identify(dict(PEERCERT)) is identity
     assert tenants.identify(None) is None and tenants.identify({}) is None  # no certificate
 
@@ -44,7 +45,7 @@ def test_without_a_map_the_value_is_the_tenant_and_one_identity_serves_every_con
 def test_a_map_picks_the_first_value_it_knows_and_refuses_a_certificate_it_does_not():
     tenants = CertificateTenants("san_dns", {"svc-a.example.org": "team-a"})
     identity = tenants.identify(PEERCERT)
-    assert (identity.tenant, identity.subject) == ("team-a", "svc-a.example.org")
+    assert (identity.tenant, identity.alias) == ("team-a", "svc-a.example.org")
     assert CertificateTenants("san_uri", {"spiffe://other": "x"}).identify(PEERCERT) == (
         f"the client certificate's SAN URI {SPIFFE!r} maps to no tenant")
     assert CertificateTenants("san_uri").identify({"subject": PEERCERT["subject"]}) == (
