@@ -12,11 +12,12 @@ import signal
 import socket
 import ssl
 import time
+from pathlib import Path
 
 import h11
 import pytest
 
-from tests.harness import candidate, envelope
+from tests.harness import candidate, envelope, metric_value, wait_until
 from tests.pki import Authority
 
 KEY = "sk-mtls-key"
@@ -83,7 +84,7 @@ def refused_handshake(port: int, ca_file: str, cert: tuple[str, str] | None) -> 
 
 
 class Pki:
-    def __init__(self, directory) -> None:
+    def __init__(self, directory: Path) -> None:
         self.ca = Authority(directory, "clients")
         self.other = Authority(directory, "strangers")
         self.server = self.ca.issue("server", server=True, ips=("127.0.0.1",))
@@ -92,6 +93,9 @@ class Pki:
         self.unmapped = self.ca.issue("svc-c", uris=("spiffe://example.org/ns/prod/sa/svc-c",))
         self.expired = self.ca.issue("old", uris=(WORKLOAD,), expired=True)
         self.stranger = self.other.issue("stranger", uris=(WORKLOAD,))
+        self.revoked = self.ca.issue("revoked", uris=(WORKLOAD,))
+        self.ca.revoke(self.revoked[0])
+        self.crl_file = self.ca.write_crl(directory / "clients.crl")
 
 
 @pytest.fixture
@@ -126,13 +130,23 @@ def access_lines(gateway, count: int, timeout: float = 10.0) -> dict[str, dict]:
         time.sleep(0.05)
 
 
+def refusals(gateway) -> dict[str, float]:
+    return {reason: metric_value(gateway.admin_port, f'gridgate_client_cert_refusals_total{{reason="{reason}"}}')
+            for reason in ("missing", "untrusted", "expired", "revoked", "crl_unavailable")}
+
+
+def wait_refusals(gateway, expected: dict[str, int]) -> None:
+    """The refused handshakes reach /metrics with the worker's next heartbeat (every second)."""
+    wait_until(lambda: refusals(gateway) == expected, f"refusal counts {expected}, last {refusals(gateway)}")
+
+
 BEARER = [("authorization", f"Bearer {KEY}")]
 UNKNOWN_BEARER = [("authorization", "Bearer sk-placeholder-an-sdk-insists-on")]
 
 
 def test_required_mode_identifies_by_certificate_and_refuses_handshakes_without_a_good_one(
         gateway_factory, providers, pki):
-    gateway = mtls_gateway(gateway_factory, providers, pki, "required")
+    gateway = mtls_gateway(gateway_factory, providers, pki, "required", crl_file=pki.crl_file)
     ca = pki.ca.ca_file
     client = MtlsClient(gateway.port, ca, pki.good)
     try:  # keep-alive: the certificate is read once, every request on the connection is its tenant's
@@ -146,8 +160,9 @@ def test_required_mode_identifies_by_certificate_and_refuses_handshakes_without_
     assert "spiffe://example.org/ns/prod/sa/svc-c" in json.loads(body)["error"]["message"]
     status, body = one_request(gateway.port, ca, pki.cn_only, "no-uri")
     assert status == 403 and "has no SAN URI" in json.loads(body)["error"]["message"]
-    for cert in (None, pki.expired, pki.stranger):
+    for cert in (None, pki.expired, pki.stranger, pki.revoked, None):
         refused_handshake(gateway.port, ca, cert)
+    wait_refusals(gateway, {"missing": 2, "untrusted": 1, "expired": 1, "revoked": 1, "crl_unavailable": 0})
 
     lines = access_lines(gateway, 7)
     assert {rid: (line["tenant"], line["status"]) for rid, line in lines.items()} == {
@@ -165,6 +180,7 @@ def test_optional_mode_falls_through_to_keys_without_a_certificate(gateway_facto
     assert one_request(gateway.port, ca, pki.good, "cert-only")[0] == 200
     for cert in (pki.expired, pki.stranger):  # a certificate that is sent must verify, even when optional
         refused_handshake(gateway.port, ca, cert)
+    wait_refusals(gateway, {"missing": 0, "untrusted": 1, "expired": 1, "revoked": 0, "crl_unavailable": 0})
     lines = access_lines(gateway, 3)
     assert {rid: (line["tenant"], line["status"]) for rid, line in lines.items()} == {
         "nothing": (None, 401), "key-only": ("team-key", 200), "cert-only": ("team-mesh", 200)}
