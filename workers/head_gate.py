@@ -8,7 +8,10 @@ the proxy uses afterwards), then:
    route check, so a caller without a key learns nothing about which routes exist, and the access
    line of a refused route names the tenant that tried it. With a managed-key table
    (workers/key_gate.py), a key the YAML keys do not know is looked up there with the same digest; a
-   blocked, revoked or expired one is 401 ``key_blocked``/``key_revoked``/``key_expired``.
+   blocked, revoked or expired one is 401 ``key_blocked``/``key_revoked``/``key_expired``. With
+   client certificates on the listener (workers/cert_gate.py), a request no key identified (none
+   sent, or one no table knows) is who its connection's verified certificate names; a certificate
+   that names no tenant is 403 ``certificate_not_mapped`` (docs/identity.md, "mTLS").
 2. **Route**: the request must be on an allowed route (``gateway.request.routes``), else 404
    ``route_not_allowed``.
 
@@ -30,6 +33,7 @@ from gateway.keys.view import KeyEntry
 from gateway.request.cors import key_origin_reply
 from gateway.request.headers import HeaderPlan, RequestHeaders
 from gateway.request.routes import AllowedRoute, RouteTable
+from workers.cert_gate import ConnectionCertificates
 from workers.jwt_gate import JwtGate
 from workers.key_gate import ManagedKeyGate
 
@@ -45,9 +49,10 @@ AuthMemo = tuple[bytes, bytes, KeyIdentity | bytes]
 
 
 class GatedConnection(Protocol):
-    """The per-connection slot the server keeps for the gate (and only the gate writes)."""
+    """The per-connection slots the server keeps for the gate (and only the gates write)."""
 
     auth_memo: AuthMemo | None
+    peer_identity: object  # workers/cert_gate.py
 
 
 def request_origin(headers: list[tuple[bytes, bytes]]) -> bytes | None:
@@ -93,15 +98,17 @@ class HeadRefusal(ErrorReply):
 class HeadGate:
     """One per worker; ``__call__`` runs once per request head."""
 
-    __slots__ = ("routes", "auth", "header_plan", "ids", "keys", "jwt")
+    __slots__ = ("routes", "auth", "header_plan", "ids", "keys", "certificates", "jwt")
 
     def __init__(self, routes: RouteTable, auth: Authenticator | None, header_plan: HeaderPlan,
-                 ids: CounterIds | None = None, keys: ManagedKeyGate | None = None, jwt: JwtGate | None = None) -> None:
+                 ids: CounterIds | None = None, keys: ManagedKeyGate | None = None,
+                 certificates: ConnectionCertificates | None = None, jwt: JwtGate | None = None) -> None:
         self.routes = routes
         self.auth = auth
         self.header_plan = header_plan
         self.ids = ids or CounterIds(b"-")
         self.keys = keys if auth is not None else None  # managed keys need authentication
+        self.certificates = certificates  # client certificates (mTLS); None when the listener asks for none
         self.jwt = jwt if auth is not None else None  # JWT bearer tokens (docs/identity.md)
 
     def __call__(self, conn: GatedConnection, method: bytes, target: bytes,
@@ -133,6 +140,12 @@ class HeadGate:
                                    request_id=request_id, method=method, target=target, tenant=tenant)
             else:
                 key = found  # type: ignore[assignment]
+        if key is None and self.certificates is not None:  # no key identified it: the certificate may
+            named = self.certificates(conn)  # type: ignore[arg-type]
+            if named.__class__ is str:
+                return HeadRefusal(403, "certificate_not_mapped", named, [(b"x-request-id", request_id)],  # type: ignore[arg-type]
+                                   request_id=request_id, method=method, target=target, tenant=None)
+            key = named  # type: ignore[assignment]
         if key is None and auth is not None:
             missing = scanned.authorization is None and scanned.api_key is None
             return HeadRefusal(401, "invalid_api_key", _MISSING_KEY if missing else _INVALID_KEY,
