@@ -189,6 +189,8 @@ class Worker:
                 self._poll_overlay(path, now)
             except Exception:  # never let the follower die: keep serving last-known-good
                 log.exception("overlay reload failed")
+            if path.head_gate.jwt is not None:  # the JWT issuers' key files (docs/identity.md)
+                path.head_gate.jwt.poll()
             await asyncio.sleep(_OVERLAY_POLL_S)
 
 

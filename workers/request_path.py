@@ -44,6 +44,7 @@ from workers.cert_gate import ConnectionCertificates
 from workers.clusters import ClusterManager
 from workers.cors_gate import CorsGate
 from workers.head_gate import HeadGate
+from workers.jwt_gate import JwtGate
 from workers.key_gate import ManagedKeyGate
 from workers.outcomes import Outcomes
 from workers.overlay_follower import OverlayFollower
@@ -139,7 +140,8 @@ class RequestPath:
                       clusters=clusters, providers=providers, quota=quota, metrics=metrics, outcomes=outcomes,
                       tracer=tracer, cache=response_cache)
         return cls(config, metrics, overlay, clusters, providers, router, quota, access_log,
-                   _head_gate(config, clusters, settings, provider_index, ctx.key_table), outcomes, proxy, tracer,
+                   _head_gate(config, clusters, settings, provider_index, ctx.key_table,
+                              ctx.status_fd if ctx.status_fd >= 0 else None), outcomes, proxy, tracer,
                    spend, response_cache)
 
     def server_state(self) -> ServerState:
@@ -208,7 +210,8 @@ async def _quota_gate(ctx: WorkerContext, prices: PriceBook) -> QuotaGate | None
 
 
 def _head_gate(config: Config, clusters: ClusterManager, settings: ProxySettings,
-               provider_index: dict[str, int], key_table: KeyTable | None = None) -> HeadGate:
+               provider_index: dict[str, int], key_table: KeyTable | None = None,
+               status_fd: int | None = None) -> HeadGate:
     routing = config.routing
     header_plan = HeaderPlan(
         routing.model_header,
@@ -225,7 +228,8 @@ def _head_gate(config: Config, clusters: ClusterManager, settings: ProxySettings
     authenticator = Authenticator.from_config(auth) if auth is not None else None
     # Managed keys (docs/keys.md): the table the supervisor created before fork; None without a store.
     keys = ManagedKeyGate(KeyLookup(key_table)) if key_table is not None and authenticator is not None else None
-    return HeadGate(routes, authenticator, header_plan, keys=keys, certificates=_certificates(config))
+    return HeadGate(routes, authenticator, header_plan, keys=keys, certificates=_certificates(config),
+                    jwt=JwtGate.from_config(config, status_fd))
 
 
 def _certificates(config: Config) -> ConnectionCertificates | None:
