@@ -12,6 +12,7 @@ import signal
 import socket
 import ssl
 import time
+import uuid
 from pathlib import Path
 
 import h11
@@ -103,16 +104,18 @@ def pki(tmp_path):
     return Pki(tmp_path)
 
 
-def mtls_gateway(gateway_factory, providers, pki: Pki, mode: str, **client_auth):
+def mtls_gateway(gateway_factory, providers, pki: Pki, mode: str, tenant: str = "team-mesh",
+                 extra: dict | None = None, **client_auth):
     overlay = envelope([candidate("m", "provider-a")])
     live_ca = os.path.join(os.path.dirname(pki.ca.ca_file), "live-ca.crt")
     shutil.copy(pki.ca.ca_file, live_ca)
     return gateway_factory({"provider-a": [providers["provider-a"].address]}, overlay, extra={
         "server_tls": {"cert_file": pki.server[0], "key_file": pki.server[1], "client_auth": {
-            "ca_file": live_ca, "mode": mode, "tenant_from": "san_uri", "map": {WORKLOAD: "team-mesh"},
+            "ca_file": live_ca, "mode": mode, "tenant_from": "san_uri", "map": {WORKLOAD: tenant},
             **client_auth}},
         "auth": {"keys": [{"tenant": "team-key", "key": "sha256:" + hashlib.sha256(KEY.encode()).hexdigest()}]},
         "access_log": {"path": "access.log"},
+        **(extra or {}),
     })
 
 
@@ -212,3 +215,20 @@ def test_sighup_reloads_the_client_ca_bundle_for_new_handshakes(gateway_factory,
     finally:
         before.close()
     assert "cannot reload" not in gateway.log()
+
+
+def test_the_certificates_tenant_is_limited_like_a_keys(gateway_factory, providers, pki, valkey_url):
+    tenant = f"mesh-{uuid.uuid4().hex[:8]}"
+    rules = [{"name": f"r-{tenant}", "match": {"tenant": tenant}, "requests": [{"window": "1m", "count": 2}]},
+             {"name": f"other-{tenant}", "requests": [{"window": "1m", "count": 100}]}]
+    gateway = mtls_gateway(gateway_factory, providers, pki, "required", tenant, extra={
+        "quota": {"backend": {"kind": "valkey", "url": valkey_url}, "reservation_timeout": "10s", "rules": rules}})
+    client = MtlsClient(gateway.port, pki.ca.ca_file, pki.good)
+    try:
+        answers = [client.chat(f"limited-{n}") for n in range(3)]
+        assert [status for status, _ in answers] == [200, 200, 429]
+        error = json.loads(answers[2][1])["error"]
+        assert error["code"] == "rate_limit_exceeded" and f"rule r-{tenant} requests 2/1m" in error["message"]
+        assert client.chat("by-key", BEARER)[0] == 200  # the key's tenant has its own limits
+    finally:
+        client.close()
