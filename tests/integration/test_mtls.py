@@ -39,8 +39,12 @@ class MtlsClient:
 
     def chat(self, request_id: str, headers: list[tuple[str, str]] = ()) -> tuple[int, bytes]:
         body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
-        self.sock.sendall(self.conn.send(h11.Request(method="POST", target="/v1/chat/completions", headers=[
-            ("host", "127.0.0.1"), ("content-length", str(len(body))), ("x-request-id", request_id), *headers]))
+        return self.request("POST", "/v1/chat/completions", body, [("x-request-id", request_id), *headers])
+
+    def request(self, method: str, target: str, body: bytes = b"",
+                headers: list[tuple[str, str]] = ()) -> tuple[int, bytes]:
+        self.sock.sendall(self.conn.send(h11.Request(method=method, target=target, headers=[
+            ("host", "127.0.0.1"), ("content-length", str(len(body))), *headers]))
             + self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage()))
         status, chunks = 0, []
         while True:
@@ -156,6 +160,11 @@ def test_required_mode_identifies_by_certificate_and_refuses_handshakes_without_
         assert [client.chat(f"cert-{n}")[0] for n in range(3)] == [200, 200, 200]
         assert client.chat("cert-and-key", BEARER)[0] == 200  # a key the gateway knows wins
         assert client.chat("cert-and-unknown-key", UNKNOWN_BEARER)[0] == 200  # an unknown one: the certificate
+        status, body = client.request("GET", "/v1/gridgate/key")  # who the certificate says it is
+        assert status == 200 and {k: v for k, v in json.loads(body).items() if k not in ("remaining", "spend")} == {
+            "object": "gridgate.key", "source": "mtls", "identity": "mtls", "subject": WORKLOAD,
+            "tenant": "team-mesh", "status": "active", "models": None, "rule": None, "expires_at": None,
+            "limits": None}
     finally:
         client.close()
     status, body = one_request(gateway.port, ca, pki.unmapped, "unmapped")
@@ -167,7 +176,8 @@ def test_required_mode_identifies_by_certificate_and_refuses_handshakes_without_
         refused_handshake(gateway.port, ca, cert)
     wait_refusals(gateway, {"missing": 2, "untrusted": 1, "expired": 1, "revoked": 1, "crl_unavailable": 0})
 
-    lines = access_lines(gateway, 7)
+    lines = access_lines(gateway, 8)
+    lines.pop(next(rid for rid, line in lines.items() if line["path"] == "/v1/gridgate/key"))
     assert {rid: (line["tenant"], line["status"]) for rid, line in lines.items()} == {
         "cert-0": ("team-mesh", 200), "cert-1": ("team-mesh", 200), "cert-2": ("team-mesh", 200),
         "cert-and-key": ("team-key", 200), "cert-and-unknown-key": ("team-mesh", 200),
