@@ -38,6 +38,10 @@ overrides (`kv_cache_utilization`, `queue_depth`; null clears) of the process th
 the counters on /metrics: with --processes N, each process keeps its own. `GET /admin/received` lists
 the last inference requests this process received (method, path, headers, body): what a gateway sent.
 
+Conformance (loadtest/mock_conformance.py): `--api-key`, `--context-window` and `--nonconformance`
+(short_context, no_stream_usage, wrong_error_shape, no_tools, no_done; also `POST /admin/config`), for
+`gridgate providers verify` to catch.
+
 Run `python -m loadtest.mock_provider -h` for the flags.
 """
 
@@ -64,6 +68,7 @@ from typing import Any
 
 import msgspec
 
+from loadtest import mock_conformance as conformance
 from loadtest.mock_surfaces import ANTHROPIC_ENDPOINTS, SHAPES, MessagesShape, SurfaceError
 
 MAX_HEAD_BYTES = 65536
@@ -118,6 +123,10 @@ class MockSettings:
     kv_cache_utilization: float | None = None  # fixed override of the simulated value
     queue_depth: int | None = None  # fixed override of the measured in-flight count
     cors_origin: str | None = None  # sent as Access-Control-Allow-Origin on every response (as some providers do)
+    # Conformance (loadtest/mock_conformance.py): a required key, an enforced window, broken promises.
+    api_key: str | None = None
+    context_window: int = 0  # 0: no window enforced
+    nonconformance: str = ""  # comma-separated conformance.FAULTS
 
 
 class SharedHealth:
@@ -151,10 +160,12 @@ class MockState:
         self.received: collections.deque[Request] = collections.deque(maxlen=RECEIVED_KEPT)
         self.provider_header = b""
         self.rng = random.Random()
+        self.nonconformance: frozenset[str] = frozenset()
         self.refresh()
 
     def refresh(self) -> None:
         """Recompute values derived from the settings (called after every settings change)."""
+        self.nonconformance = conformance.parse_faults(self.settings.nonconformance)
         self.provider_header = b"x-mock-provider: " + self.settings.name.encode("latin-1") + b"\r\n"
         if self.settings.cors_origin:
             self.provider_header += b"access-control-allow-origin: " + self.settings.cors_origin.encode("latin-1") + \
@@ -359,6 +370,7 @@ class Completion:
         self.req = req
         self.endpoint = endpoint
         settings = state.settings
+        self._refusal(endpoint, conformance.check_credential, req.fields, settings.api_key)
         try:
             self.body = _json_decode(req.body) if req.body else {}
         except msgspec.DecodeError:
@@ -377,6 +389,13 @@ class Completion:
         self.include_usage = isinstance(options, dict) and options.get("include_usage") is True
         self.tokens, self.truncated = self._output_tokens(shape_class)
         self.prompt_tokens = self._prompt_tokens(shape_class)
+        faults = state.nonconformance
+        self._refusal(endpoint, conformance.check_tools, self.body, faults)
+        if endpoint != "embeddings":
+            window = conformance.effective_window(settings.context_window, faults)
+            self._refusal(endpoint, conformance.check_context, self.prompt_tokens, self.body, window)
+        self.include_usage = self.include_usage and "no_stream_usage" not in faults
+        self.tool = conformance.forced_tool(self.body) if endpoint == "chat" else None
         try:  # the Responses or Messages answer (None: the OpenAI APIs built here)
             self.shape = None if shape_class is None else shape_class(self)
         except ValueError as exc:
@@ -404,6 +423,15 @@ class Completion:
         self.cut = CLOSE if self.reset == "mid-close" else ABORT  # how a mid-body cut ends the connection
         self.retry_after = None if self.status == 200 else retry_after_value(
             self.fault_fields.get("x-mock-retry-after", settings.retry_after), self.status)
+
+    @staticmethod
+    def _refusal(endpoint: str, check: Callable[..., None], *args: Any) -> None:
+        """Run a conformance check; its refusal becomes a BadRequest in the endpoint's error shape."""
+        try:
+            check(*args)
+        except conformance.Refusal as exc:
+            payload = None if endpoint in ANTHROPIC_ENDPOINTS else exc.payload
+            raise BadRequest(exc.status, str(exc), payload) from None
 
     # -- decisions --------------------------------------------------------------------------------
 
@@ -500,6 +528,7 @@ class Completion:
         else:
             payload = error_payload(message, "mock_injected_error", code)
         extra = [("retry-after", self.retry_after)] if self.retry_after else None
+        payload = conformance.error_body(payload, self.state.nonconformance)
         return json_response(self.state, self.status, payload, self.req.keep_alive, extra)
 
     def _usage(self) -> dict[str, Any]:
@@ -531,6 +560,8 @@ class Completion:
             return {"object": "list", "data": data, "model": self.model,
                     "usage": {"prompt_tokens": self.prompt_tokens, "total_tokens": self.prompt_tokens}}
         text = "".join(token_pieces(state, self.tokens))
+        if self.endpoint == "chat" and conformance.wants_json(self.body):
+            text = _json_encode({"text": text}).decode()
         if self.shape is not None:
             payload = self.shape.json_payload(text)
         elif self.endpoint == "chat":
@@ -541,6 +572,9 @@ class Completion:
                              "logprobs": None, "finish_reason": finish}],
                 "usage": self._usage(),
             }
+            if self.tool is not None:
+                payload["choices"][0].update(message=conformance.tool_call_message(self.tool, state.next_id()),
+                                             finish_reason="tool_calls")
         else:
             payload = {
                 "id": f"cmpl-mock-{state.next_id()}", "object": "text_completion", "created": created,
@@ -612,7 +646,7 @@ class Completion:
                            "created": created, "model": self.model, "system_fingerprint": "fp_mock",
                            "choices": [], "usage": self._usage()}
             tail.append(sse_chunk(usage_chunk))
-        tail += [SSE_DONE, CHUNKED_END]
+        tail += [CHUNKED_END] if "no_done" in state.nonconformance else [SSE_DONE, CHUNKED_END]
         yield (timing.ttft if self.tokens == 0 else 0.0), b"".join(tail)
 
 
@@ -709,8 +743,9 @@ ADMIN_FIELDS = {"latency_ms": float, "ttft_ms": float, "tokens_per_s": float, "t
                 "fail_rate": float, "fail_status": int, "fail_next": int, "retry_after": str,
                 "reset_rate": float, "mid_reset_rate": float,
                 "stall_rate": float, "stall_ms": float, "kv_capacity_tokens": int,
-                "kv_cache_utilization": float, "queue_depth": int, "name": str}
-NULLABLE_FIELDS = {"kv_cache_utilization", "queue_depth", "retry_after"}
+                "kv_cache_utilization": float, "queue_depth": int, "name": str,
+                "api_key": str, "context_window": int, "nonconformance": str}
+NULLABLE_FIELDS = {"kv_cache_utilization", "queue_depth", "retry_after", "api_key"}
 
 
 def apply_admin_config(state: MockState, body: bytes) -> dict[str, Any]:
@@ -729,6 +764,11 @@ def apply_admin_config(state: MockState, body: bytes) -> dict[str, Any]:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
             raise BadRequest(400, f"setting {key!r} must be {kind.__name__}")
+        if key == "nonconformance":
+            try:
+                conformance.parse_faults(value)
+            except ValueError as exc:
+                raise BadRequest(400, str(exc)) from None
     for key, value in changes.items():
         setattr(state.settings, key, kind_cast(ADMIN_FIELDS[key], value))
     state.refresh()
@@ -891,7 +931,8 @@ class MockHTTPProtocol(asyncio.Protocol):
         try:
             completion = Completion(state, req, endpoint)
         except BadRequest as exc:
-            self.write(json_response(state, exc.status, refusal_payload(endpoint, exc), req.keep_alive))
+            payload = conformance.error_body(refusal_payload(endpoint, exc), state.nonconformance)
+            self.write(json_response(state, exc.status, payload, req.keep_alive))
             self.finish(req.keep_alive)
             return
         steps = completion.steps()
@@ -983,6 +1024,10 @@ class MockHTTPProtocol(asyncio.Protocol):
             return head_bytes(state, 200, [("content-type", "text/plain; version=0.0.4; charset=utf-8"),
                                            ("content-length", str(len(body)))], keep) + body
         if path == "/v1/models" and method == "GET":
+            try:
+                conformance.check_credential(req.fields, state.settings.api_key)
+            except conformance.Refusal as exc:
+                return json_response(state, 401, conformance.error_body(exc.payload, state.nonconformance), keep)
             data = [{"id": m, "object": "model", "created": 0, "owned_by": state.settings.name}
                     for m in state.settings.models]
             return json_response(state, 200, {"object": "list", "data": data}, keep)
@@ -1067,6 +1112,14 @@ def run_worker(sock: socket.socket, settings: MockSettings, health: SharedHealth
     uvloop.run(serve(sock, state, backlog))
 
 
+def _fault_list(text: str) -> str:
+    try:
+        conformance.parse_faults(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m loadtest.mock_provider", description=__doc__.split("\n")[0])
     p.add_argument("--host", default="127.0.0.1")
@@ -1092,6 +1145,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-capacity-tokens", type=int, default=65536, help="simulated KV-cache size")
     p.add_argument("--kv-cache-utilization", type=float, default=None, help="fix the KV gauge to this value")
     p.add_argument("--cors-origin", default=None, help="send Access-Control-Allow-Origin: <this> on every response")
+    p.add_argument("--api-key", default=None, help="answer 401 unless the request carries this key")
+    p.add_argument("--context-window", type=int, default=0,
+                   help="refuse (400 context_length_exceeded) prompt + max_tokens beyond this; 0 = no window")
+    p.add_argument("--nonconformance", default="", type=_fault_list,
+                   help=f"break promises on purpose, comma-separated: {', '.join(conformance.FAULTS)}")
     p.add_argument("--processes", type=int, default=1, help="SO_REUSEPORT processes")
     p.add_argument("--backlog", type=int, default=4096)
     p.add_argument("--seed", type=int, default=None, help="seed for the failure-rate dice")
@@ -1108,6 +1166,7 @@ def settings_from_args(args: argparse.Namespace) -> MockSettings:
         reset_rate=args.reset_rate, mid_reset_rate=args.mid_reset_rate, stall_rate=args.stall_rate,
         stall_ms=args.stall_ms, kv_capacity_tokens=args.kv_capacity_tokens,
         kv_cache_utilization=args.kv_cache_utilization, cors_origin=args.cors_origin,
+        api_key=args.api_key, context_window=args.context_window, nonconformance=args.nonconformance,
     )
 
 

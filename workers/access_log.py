@@ -93,6 +93,10 @@ class AccessLine(msgspec.Struct, omit_defaults=True, gc=False):
     tokens_cached: int | None = None
     tokens_reasoning: int | None = None
     spend_alert: str | None = None
+    # The response cache (docs/cache.md): hit, miss or bypass; what a hit saved (its entry's usage and cost).
+    cache: str | None = None
+    saved_tokens: int | None = None
+    saved_nusd: int | None = None
 
 
 _NO_ROUTE = (None, None, None, None, None, None, None)  # a RouteDecision's fields up to _ROUTE_FIELDS' end
@@ -110,7 +114,7 @@ _line_values = attrgetter("ended", "t_start", "t_first_byte", "overhead_s", "req
                           "target", "cost_nusd", "tokens_cached", "tokens_reasoning")
 _numbers = attrgetter("status", "attempts", "bytes_in", "bytes_out", "tokens_prompt", "tokens_completion")
 _shared = attrgetter("method", "capability", "endpoint", "error", "served_model",
-                     "filtered", "evidence", "trace", "shadow", "model_route", "spend_alert")
+                     "filtered", "evidence", "trace", "shadow", "model_route", "spend_alert", "cache")
 _rare_fields = attrgetter("filtered", "evidence", "trace", "shadow", "model_route", "spend_alert")
 _PLAIN = (0, None, None, None, None, None)
 # The route's values on the line, a slice of the decision (a tuple): cluster .. affinity.
@@ -328,6 +332,8 @@ class AccessLog:
             line.tokens_cached, line.tokens_reasoning = entry.tokens_cached, entry.tokens_reasoning
         if entry.spend_alert is not None:
             line.spend_alert = entry.spend_alert
+        if entry.cache is not None:  # a hit's line is never a template's: it has no overhead_ms
+            line.cache, line.saved_tokens, line.saved_nusd = entry.cache, entry.saved_tokens, entry.saved_nusd
         return line
 
     def _encode_line(self, entry: RequestRecord, millis: int, buffer: bytearray, key: tuple | None) -> None:

@@ -57,6 +57,7 @@ from workers.overlay_follower import OverlayFollower
 from workers.providers import ProviderStates
 from workers.proxy_settings import ProxySettings
 from workers.request_record import RequestRecord
+from workers.response_cache import ANSWERED, ResponseCache
 from workers.tracing import Tracer
 
 _monotonic = time.monotonic
@@ -92,7 +93,7 @@ class Proxy:
     def __init__(
         self, *, settings: ProxySettings, tenants: TenantPolicies, overlay: OverlayFollower, router: Router,
         clusters: ClusterManager, providers: ProviderStates, quota: QuotaGate | None, metrics: WorkerMetrics,
-        outcomes: Outcomes, tracer: Tracer | None = None,
+        outcomes: Outcomes, tracer: Tracer | None = None, cache: ResponseCache | None = None,
     ) -> None:
         self.settings = settings
         self.tracer = tracer  # None: tracing is off (docs/tracing.md)
@@ -108,6 +109,9 @@ class Proxy:
         self.chain = ModelChain(settings=settings, overlay=overlay, forwarder=self.forwarder, metrics=metrics,
                                 route=self.route)
         self.answers = LocalAnswers(overlay=overlay, quota=quota, outcomes=outcomes).by_kind
+        self.cache = cache  # None: no response cache (docs/cache.md)
+        if cache is not None:
+            cache.admit_hit = self.admit_hit
         self.steps = self.build_steps()
 
     def build_steps(self) -> tuple[Step, ...]:
@@ -118,6 +122,8 @@ class Proxy:
         steps.append(self.permit)
         if self.outcomes.reject_unpriced:
             steps.append(self.refuse_unpriced)
+        if self.cache is not None:  # before admission: a hit takes no token reservation
+            steps.append(self.cache.look_up)
         if self.quota is not None:
             steps.append(self.admit)
         if self.settings.prefix_bytes and self.router.prefixes is not None:
@@ -152,6 +158,8 @@ class Proxy:
                     verdict = await verdict
                     if verdict is None:
                         continue
+                if verdict is ANSWERED:  # answered by the step itself (a cache hit)
+                    return
                 if not exchange.client_gone:
                     self.outcomes.refuse(record, verdict)  # type: ignore[arg-type]
                 return
@@ -249,6 +257,28 @@ class Proxy:
         if not admission.allowed:
             return refusal(admission)
         record.admission = admission
+        return None
+
+    def admit_hit(self, flow: Flow) -> Verdict:
+        """A cache hit's admission (docs/cache.md): one request against the request limits (and the deny set
+        of revoked keys), no tokens; settled at once, as a request that reached a provider and cost nothing."""
+        admitted = flow.admitted
+        if self.quota is None or not admitted.route.surface.metered:
+            return None
+        admission = self.quota.admission(admitted.tenant, flow.request.name, 0, 0, admitted.key)
+        if admission is None:
+            return None
+        if admission.__class__ is not Admission:
+            return self.hit_admitted_later(admission)
+        return self.settle_hit(admission)
+
+    async def hit_admitted_later(self, pending: Awaitable[Admission]) -> ErrorReply | None:
+        return self.settle_hit(await pending)
+
+    def settle_hit(self, admission: Admission) -> ErrorReply | None:
+        if not admission.allowed:
+            return refusal(admission)
+        self.quota.settle(admission, 0, reached=True, cost_nusd=0)  # type: ignore[union-attr]
         return None
 
     async def admitted_later(self, record: RequestRecord, pending: Awaitable[Admission]) -> ErrorReply | None:

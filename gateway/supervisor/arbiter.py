@@ -18,6 +18,7 @@ import socket
 import time
 from collections.abc import Callable
 
+from gateway.admin.console.app import Console
 from gateway.admin.keys_api import KeysApi
 from gateway.admin.pages import AdminApp, MetricsExposition
 from gateway.admin.quota import QuotaReporter
@@ -48,6 +49,7 @@ from gateway.supervisor.children import (
     describe_exit,
     loop_internal_fds,
 )
+from gateway.supervisor.console_sources import SupervisorConsoleSources
 from gateway.supervisor.keys import KeyService, SupervisorKeyHost, admin_tokens_of
 from gateway.supervisor.lifecycle import Child, max_workers_for
 from gateway.supervisor.observability import SupervisorAdminSources, SupervisorCollector
@@ -186,14 +188,18 @@ class Arbiter:
         self._budgets = BudgetRemaining(running, self._quota_backend, self._quota_reporter, self._keys.managed_keys)
         self._spend_metrics = SpendMetrics(self._alerts, running, self._budgets)
         self._spend_reporter = SpendReporter(running, self._quota_backend)
-        self._admin = AdminServer(AdminApp(
-            SupervisorAdminSources(self._readiness, lambda: self._swap.config, self._segment,
-                                   self._quota_backend, self._quota_reporter),
+        admin_sources = SupervisorAdminSources(self._readiness, lambda: self._swap.config, self._segment,
+                                               self._quota_backend, self._quota_reporter)
+        admin_app = AdminApp(
+            admin_sources,
             metrics,
             tokens=admin_tokens_of(lambda: self._swap.config),
             keys=KeysApi(SupervisorKeyHost(self._keys, lambda: self._swap.config)),
             spend=SpendApi(self._spend_reporter).handle,
-        ))
+        )
+        admin_app.attach_console(Console(admin_app, SupervisorConsoleSources(admin_sources, self._overlay_feed,
+                                                                             lambda: self._swap.config)))
+        self._admin = AdminServer(admin_app)
         self._swap = GenerationSwap(
             self._config_path, self._overrides, self._start_config,
             workers=self._workers, readiness=self._readiness, admin=self._admin, segment=self._segment,
