@@ -101,11 +101,10 @@ class Outcomes:
                 and (usage := result.usage).__class__ in CHECKED_OBSERVERS  # type: ignore[union-attr]
                 and (tokens := usage.total_tokens) is not None
                 and (model := record.served_model or record.capability) is not None):
-            # The metered request as nearly every one ends: the attempt that served it was its only one
-            # to cost anything, and reported its usage, in counts known to be counts. ``attempts_cost``
-            # and ``_charge`` written out for it (two calls fewer per request, and no count checked
-            # again): its usage's cost, clamped to the worst case past ABSURD_FACTOR times it, and its
-            # usage's tokens; tests/unit/test_outcomes_fast.py holds it equal to the general path below.
+            # The metered request as nearly every one ends: its serving attempt alone cost anything, and
+            # reported its usage in counts known to be counts. ``attempts_cost`` and ``_charge`` written out
+            # (two calls fewer, no count checked again): cost clamped past ABSURD_FACTOR x the worst case,
+            # and tokens; tests/unit/test_outcomes_fast.py holds it equal to the general path below.
             cost = prices.usage_cost(model, usage, True)
             worst = admission.worst_nusd
             if worst and cost > ABSURD_FACTOR * worst:  # type: ignore[operator]
