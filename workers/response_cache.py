@@ -276,7 +276,10 @@ class CacheFill:
         self.parts: list[bytes] | None = []
         self.size = 0
 
-    # -- what the relay uses of its exchange
+    # -- what the relay uses of its exchange: the common ones here, anything else from the exchange itself
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.exchange, name)
+
     @property
     def admitted(self) -> Any:
         return self.exchange.admitted
