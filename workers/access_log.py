@@ -30,7 +30,7 @@ import msgspec
 from gateway.config import AccessLog as AccessLogConfig
 from gateway.config import Config
 from gateway.routing.eligibility import reason_names
-from gateway.routing.evidence import PickerInput
+from gateway.routing.evidence import PickerInput, PrefixEvidence
 from gateway.routing.plan import RouteDecision
 from workers.line_writer import LineWriter
 from workers.request_record import RequestRecord
@@ -77,6 +77,7 @@ class AccessLine(msgspec.Struct, omit_defaults=True, gc=False):
     candidates: int | None = None
     excluded: dict[str, int] | None = None
     picker_inputs: list[PickerInput] | None = None
+    prefix: PrefixEvidence | None = None  # prefix affinity's pick (docs/routing.md, "Prefix affinity")
     trace_id: str | None = None  # a traced request's trace (docs/tracing.md)
     shadow: tuple[str, ...] | None = None  # quota limits in shadow mode that would have refused it
     # An alias or a fallback chain (docs/models.md): the name asked for (when an alias), the model that
@@ -315,8 +316,8 @@ class AccessLog:
         # The rarer fields are set after the fact (the same line: keys follow the struct's order): a call
         # with every field spelled out, or unpacked from a tuple, costs more on every line.
         if evidence is not None:
-            line.site, line.admission_state, line.candidates, line.excluded, line.picker_inputs = (
-                _astuple(evidence))
+            (line.site, line.admission_state, line.candidates, line.excluded, line.picker_inputs,
+             line.prefix) = _astuple(evidence)
         if trace is not None:
             line.trace_id = trace.trace_id
         if entry.shadow is not None:

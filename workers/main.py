@@ -161,6 +161,9 @@ class Worker:
         send_status(self.ctx.status_fd, Heartbeat())
         self.row.heartbeat(time.monotonic_ns())
         path.publish_counters()
+        refusals = None if self.tls is None else self.tls.refusals
+        if refusals is not None:
+            path.metrics.publish_client_cert_refusals(refusals.counts)
 
     def _poll_overlay(self, path: RequestPath, now: float) -> None:
         forced, self.reload_requested = self.reload_requested, False

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass
 
-from gateway.config import Config
+from gateway.config import Config, PrefixAffinity
 from gateway.host_segment import MAX_PROVIDERS, PROVIDERS_REGION
 from gateway.identity.auth import Authenticator
 from gateway.identity.client_cert import CertificateTenants
@@ -30,6 +31,7 @@ from gateway.request.headers import HeaderPlan
 from gateway.request.routes import RouteTable
 from gateway.routing import Router
 from gateway.routing.eligibility import FactsTable
+from gateway.routing.prefix import PrefixTable
 from gateway.routing.tenants import TenantPolicies
 from gateway.spend.price_book import PriceBook
 from gateway.valkey.client import create_client
@@ -120,6 +122,7 @@ class RequestPath:
             max(ctx.slot, 0), affinity=_affinity_table(ctx, segment),
             affinity_ttl_s=float(routing.session_affinity.ttl), provider_index=provider_index,
             providers=providers.view, picker=routing.picker, facts=FactsTable(routing.models),
+            prefixes=prefix_table(routing.prefix_affinity, config.worker_count()),
         )
         report_unconfigured(router.prepare(overlay.snapshot))
         # One price book per worker (docs/pricing.md): what a request costs when it ends, the worst case a
@@ -133,6 +136,7 @@ class RequestPath:
         spend.access_log = access_log
         outcomes = Outcomes(quota, metrics, access_log, providers, settings.cooling, settings.route_headers, prices,
                             spend)
+        outcomes.prefixes = router.prefixes
         tracer = Tracer.from_config(config)
         cache = config.cache
         response_cache = ResponseCache.from_config(cache, ctx.quota_url, metrics) if cache is not None and cache.enabled else None
@@ -207,6 +211,16 @@ async def _quota_gate(ctx: WorkerContext, prices: PriceBook) -> QuotaGate | None
     gate = QuotaGate.from_config(ledger, ctx.config, generation=ctx.generation, slot=ctx.slot, prices=prices)
     await gate.start()
     return gate
+
+
+def prefix_table(prefix: PrefixAffinity, workers: int) -> PrefixTable | None:
+    """Prefix affinity's per-worker placements (None: off). A prefix's share of a provider's capacity is
+    split over the host's workers, each counting its own requests (SO_REUSEPORT spreads them evenly)."""
+    if not prefix.enabled:
+        return None
+    share = math.ceil(prefix.spill_at * prefix.capacity / max(1, workers))
+    slow = None if prefix.slow_first_token is None else float(prefix.slow_first_token)
+    return PrefixTable(prefix.table_size, share, prefix.misses, slow)
 
 
 def _head_gate(config: Config, clusters: ClusterManager, settings: ProxySettings,

@@ -44,6 +44,7 @@ class RequestRecord(msgspec.Struct, gc=False):
     session: bytes | None = None  # the session-affinity key whose binding follows the serving provider
     needs: Needs | None = None  # eligibility filters (None: none apply)
     key: bytes = b""  # the stable_hash picker's key
+    prefix: Any = None  # gateway.routing.prefix.Placement: prefix affinity placed it (its end feeds back)
     barred: frozenset[int] | None = None  # providers its route may not reach (docs/security.md)
     balance_keys: dict[bytes, bytes] | None = None  # consistent-hash header values of the balancers
     body: bytes = b""  # as sent upstream (rewritten to ask for usage when metered)

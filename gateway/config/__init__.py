@@ -43,6 +43,7 @@ from gateway.config.routing import (  # noqa: F401 - the routing schema, re-expo
     ModelMatch,
     OverlayScope,
     OverlaySource,
+    PrefixAffinity,
     Retry,
     Routing,
     SessionAffinity,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from bisect import bisect_left
 
 from gateway.config.models import FALLBACK_REASONS
+from gateway.http.client_certs import REFUSAL_REASONS
 from gateway.routing.eligibility import REASONS
 
 MAX_CLUSTERS = 64
@@ -86,7 +87,9 @@ CACHE_KINDS = ("hits", "misses", "saved_nanousd")
 CACHE_TENANT = FALLBACKS + (MAX_FALLBACK_EDGES + 1) * len(FALLBACK_CELLS)
 CACHE_BYPASSES = CACHE_TENANT + TENANT_SLOTS * len(CACHE_KINDS)
 CACHE_BACKEND_ERRORS = CACHE_BYPASSES + 1
-COUNTERS = CACHE_BACKEND_ERRORS + 1
+# Handshakes refused for their client certificate (mTLS, docs/identity.md), per REFUSAL_REASONS entry.
+CLIENT_CERT_REFUSALS = CACHE_BACKEND_ERRORS + 1
+COUNTERS = CLIENT_CERT_REFUSALS + len(REFUSAL_REASONS)
 
 _GATEWAY_STATUS_INDEX = {status: i for i, status in enumerate(GATEWAY_STATUSES)}
 

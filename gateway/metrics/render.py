@@ -8,6 +8,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
+from gateway.http.client_certs import REFUSAL_REASONS
 from gateway.metrics.catalogue import (
     ACCESS_LOG_DROPPED,
     AFFINITY,
@@ -15,6 +16,7 @@ from gateway.metrics.catalogue import (
     CACHE_BACKEND_ERRORS,
     CACHE_BYPASSES,
     CACHE_KINDS,
+    CLIENT_CERT_REFUSALS,
     DURATION,
     DURATION_BUCKETS_S,
     DURATION_SUM_US,
@@ -232,6 +234,11 @@ def _process_families(totals: list[int]) -> Iterator:
         "gridgate_trace_spans_dropped", "Trace spans dropped (export queue full or export failed), never blocking.",
         value=totals[TRACE_SPANS_DROPPED],
     )
+    refused = CounterMetricFamily("gridgate_client_cert_refusals", "TLS handshakes refused for their client "
+                                  "certificate (server_tls.client_auth), by reason.", labels=["reason"])
+    for index, reason in enumerate(REFUSAL_REASONS):
+        refused.add_metric([reason], totals[CLIENT_CERT_REFUSALS + index])
+    yield refused
 
 
 def _cache_families(totals: list[int], tenant_names: Sequence[str]) -> Iterator:

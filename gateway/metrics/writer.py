@@ -7,6 +7,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Any
 
+from gateway.http.client_certs import REFUSAL_REASONS
 from gateway.metrics.catalogue import (
     ACCESS_LOG_DROPPED,
     AFFINITY,
@@ -14,6 +15,7 @@ from gateway.metrics.catalogue import (
     CACHE_BACKEND_ERRORS,
     CACHE_BYPASSES,
     CACHE_TENANT,
+    CLIENT_CERT_REFUSALS,
     DURATION,
     DURATION_BUCKETS_S,
     DURATION_SUM_US,
@@ -212,6 +214,11 @@ class WorkerMetrics:
     def publish_access_log(self, dropped: int) -> None:
         """Access-log lines lost so far (buffer full or output failing)."""
         self.row[ACCESS_LOG_DROPPED] = dropped
+
+    def publish_client_cert_refusals(self, counts: dict[str, int]) -> None:
+        """Handshakes refused for their client certificate so far, per reason (mTLS)."""
+        for index, reason in enumerate(REFUSAL_REASONS):
+            self.row[CLIENT_CERT_REFUSALS + index] = counts[reason]
 
     def publish_trace_drops(self, dropped: int) -> None:
         """Trace spans lost so far (export queue full, or their export failed: docs/tracing.md)."""
