@@ -35,6 +35,7 @@ from gateway.http.errors import ErrorReply
 from gateway.http.media import is_event_stream
 from gateway.metrics.writer import WorkerMetrics
 from gateway.valkey.client import BACKEND_ERRORS, create_client
+from gateway.valkey.tick_batch import TickBatch
 from workers.outcomes import served_model_headers
 
 if TYPE_CHECKING:
@@ -76,6 +77,7 @@ class ResponseCache:
         self.config = config
         self.metrics = metrics
         self.client = client
+        self.commands = TickBatch(client)  # every GET and SET of a loop tick in one write
         self.ttl_ms = int(config.ttl * 1000)
         self.max_entry = config.max_entry_bytes
         self.coalesce = config.coalesce.enabled
@@ -134,7 +136,7 @@ class ResponseCache:
 
     async def _get(self, flow: Any, key: CacheKey) -> ErrorReply | None:
         try:
-            data = await self.client.execute_command("GET", key.key)
+            data = await self.commands.call(b"GET", key.key)
         except BACKEND_ERRORS as error:
             self._failed(error)
             flow.record.cache = BYPASS
@@ -227,7 +229,7 @@ class ResponseCache:
 
     def _write(self, key: bytes, value: bytes) -> None:
         try:
-            write = asyncio.ensure_future(self.client.execute_command("SET", key, value, "PX", self.ttl_ms))
+            write = self.commands.call(b"SET", key, value, b"PX", self.ttl_ms)
         except BACKEND_ERRORS as error:
             self._failed(error)
             return
@@ -274,7 +276,10 @@ class CacheFill:
         self.parts: list[bytes] | None = []
         self.size = 0
 
-    # -- what the relay uses of its exchange
+    # -- what the relay uses of its exchange: the common ones here, anything else from the exchange itself
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.exchange, name)
+
     @property
     def admitted(self) -> Any:
         return self.exchange.admitted
