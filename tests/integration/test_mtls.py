@@ -182,6 +182,11 @@ def test_required_mode_identifies_by_certificate_and_refuses_handshakes_without_
         "cert-0": ("team-mesh", 200), "cert-1": ("team-mesh", 200), "cert-2": ("team-mesh", 200),
         "cert-and-key": ("team-key", 200), "cert-and-unknown-key": ("team-mesh", 200),
         "unmapped": (None, 403), "no-uri": (None, 403)}
+    # The certificate's requests name their identity and subject; the key's line is a key's (neither).
+    assert {rid: (line.get("identity"), line.get("subject")) for rid, line in lines.items()
+            if line["status"] == 200} == {
+        "cert-0": ("mtls", WORKLOAD), "cert-1": ("mtls", WORKLOAD), "cert-2": ("mtls", WORKLOAD),
+        "cert-and-key": (None, None), "cert-and-unknown-key": ("mtls", WORKLOAD)}
     assert "Traceback" not in gateway.log()
 
 
