@@ -93,6 +93,10 @@ class AccessLine(msgspec.Struct, omit_defaults=True, gc=False):
     tokens_cached: int | None = None
     tokens_reasoning: int | None = None
     spend_alert: str | None = None
+    # Who, beyond the tenant, for a request a JWT or a client certificate identified (docs/identity.md): the
+    # identity (``jwt:<issuer>``, ``mtls``) and its subject (the key claim, the certificate's value).
+    identity: str | None = None
+    subject: str | None = None
     # The response cache (docs/cache.md): hit, miss or bypass; what a hit saved (its entry's usage and cost).
     cache: str | None = None
     saved_tokens: int | None = None
@@ -113,10 +117,10 @@ _MAX_TEMPLATES = 1024
 _line_values = attrgetter("ended", "t_start", "t_first_byte", "overhead_s", "request_id", "tenant", "route",
                           "target", "cost_nusd", "tokens_cached", "tokens_reasoning")
 _numbers = attrgetter("status", "attempts", "bytes_in", "bytes_out", "tokens_prompt", "tokens_completion")
-_shared = attrgetter("method", "capability", "endpoint", "error", "served_model",
+_shared = attrgetter("method", "capability", "endpoint", "error", "served_model", "identity",
                      "filtered", "evidence", "trace", "shadow", "model_route", "spend_alert", "cache")
-_rare_fields = attrgetter("filtered", "evidence", "trace", "shadow", "model_route", "spend_alert")
-_PLAIN = (0, None, None, None, None, None)
+_rare_fields = attrgetter("filtered", "evidence", "trace", "shadow", "model_route", "spend_alert", "identity")
+_PLAIN = (0, None, None, None, None, None, None)
 # The route's values on the line, a slice of the decision (a tuple): cluster .. affinity.
 _ROUTE_FIELDS = slice(1, 7)
 assert RouteDecision._fields[_ROUTE_FIELDS] == (
@@ -332,6 +336,9 @@ class AccessLog:
             line.tokens_cached, line.tokens_reasoning = entry.tokens_cached, entry.tokens_reasoning
         if entry.spend_alert is not None:
             line.spend_alert = entry.spend_alert
+        identity = entry.identity
+        if identity is not None:
+            line.identity, line.subject = identity.via, identity.alias
         if entry.cache is not None:  # a hit's line is never a template's: it has no overhead_ms
             line.cache, line.saved_tokens, line.saved_nusd = entry.cache, entry.saved_tokens, entry.saved_nusd
         return line

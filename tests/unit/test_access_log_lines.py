@@ -9,6 +9,7 @@ from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
 
+from gateway.identity.auth import KeyIdentity
 from workers.access_log import AccessLog
 from workers.line_writer import LineWriter
 from workers.request_record import RequestRecord
@@ -103,7 +104,8 @@ def test_a_sampled_traced_and_shadowed_line_carries_every_field_in_the_documente
     async def write() -> list[dict]:
         access_log = AccessLog(LineWriter(str(tmp_path / "access.log"), flush_delay_s=10.0))
         evidence = RouteEvidence("site-a", "existing_only", 3, {"cooled": 1}, None)
-        for fields in ({"evidence": evidence, "trace": SimpleNamespace(trace_id="t-1"), "shadow": ("a 1/1m",)},
+        for fields in ({"evidence": evidence, "trace": SimpleNamespace(trace_id="t-1"), "shadow": ("a 1/1m",),
+                        "identity": KeyIdentity("team-a", "spiffe://example.org/sa/a", via="mtls")},
                        {"trace": SimpleNamespace(trace_id="t-2")}, {}):
             access_log.record(RequestRecord(request_id=b"r", status=200, ended=time.perf_counter(), closed=True,
                                             **fields))
@@ -118,6 +120,7 @@ def test_a_sampled_traced_and_shadowed_line_carries_every_field_in_the_documente
     assert (full["site"], full["admission_state"], full["candidates"], full["excluded"]) == (
         "site-a", "existing_only", 3, {"cooled": 1})
     assert (full["trace_id"], full["shadow"], traced["trace_id"]) == ("t-1", ["a 1/1m"], "t-2")
+    assert (full["identity"], full["subject"]) == ("mtls", "spiffe://example.org/sa/a") and "identity" not in plain
     assert "site" not in traced and "shadow" not in traced and "trace_id" not in plain
 
 
@@ -159,6 +162,8 @@ def varied_records(count: int, seed: int = 7) -> list[RequestRecord]:
                      endpoint=pick(endpoints), error=pick([None, None, "client_closed", "upstream_timeout"]),
                      method=pick([b"POST", b"POST", b"GET", None]), target=pick(targets),
                      served_model=pick([None, None, "fallback-m"]), priced=rng.random() < 0.6) for _ in range(16)]
+    identities = [KeyIdentity("team-a", "spiffe://example.org/sa/a", via="mtls"),
+                  KeyIdentity("team-b", "user-7", via="jwt:okta")]
     records = []
     start = time.perf_counter()
     for index in range(count):
@@ -196,6 +201,8 @@ def varied_records(count: int, seed: int = 7) -> list[RequestRecord]:
             fields.update(filtered=2, filtered_reasons=1)
         elif rare < 0.15:
             fields["spend_alert"] = "tenant team-a 80% of 10 USD/1d"
+        elif rare < 0.17:  # a JWT's or a client certificate's request: identity and subject on the line
+            fields["identity"] = pick(identities)
         records.append(RequestRecord(**fields))
     return records
 
@@ -236,7 +243,7 @@ def test_a_line_from_a_template_is_byte_for_byte_the_line_encoded_whole(tmp_path
         assert text == msgspec.json.encode(access_log._line(record, ts)) + b"\n", text
     # Every line of a template's shape came from one, but the first of each template: a line with no rarer
     # field, an answer sent, its request id and times all there, and both token counts or neither.
-    rare = ("filtered", "evidence", "trace", "shadow", "model_route", "spend_alert")
+    rare = ("filtered", "evidence", "trace", "shadow", "model_route", "spend_alert", "identity")
     own = ("request_id", "t_start", "overhead_s")
     templated = [r for r in records if not any(getattr(r, name) for name in rare) and r.t_first_byte
                  and all(getattr(r, name) is not None for name in own)
