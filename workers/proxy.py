@@ -142,7 +142,7 @@ class Proxy:
                                                  request_id=admitted.request_id, tenant=admitted.tenant)
         key = admitted.key
         if key is not None and key.via is not None:  # a JWT or a client certificate: the line says which
-            record.identity = key
+            record.identity, record.subject = key.via, key.alias
         if self.tracer is not None:
             record.trace = self.tracer.begin(record, admitted.headers.balance_keys, admitted.route.surface.name,
                                              exchange.t_start)

@@ -9,7 +9,6 @@ from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
 
-from gateway.identity.auth import KeyIdentity
 from workers.access_log import AccessLog
 from workers.line_writer import LineWriter
 from workers.request_record import RequestRecord
@@ -105,7 +104,7 @@ def test_a_sampled_traced_and_shadowed_line_carries_every_field_in_the_documente
         access_log = AccessLog(LineWriter(str(tmp_path / "access.log"), flush_delay_s=10.0))
         evidence = RouteEvidence("site-a", "existing_only", 3, {"cooled": 1}, None)
         for fields in ({"evidence": evidence, "trace": SimpleNamespace(trace_id="t-1"), "shadow": ("a 1/1m",),
-                        "identity": KeyIdentity("team-a", "spiffe://example.org/sa/a", via="mtls")},
+                        "identity": "mtls", "subject": "spiffe://example.org/sa/a"},
                        {"trace": SimpleNamespace(trace_id="t-2")}, {}):
             access_log.record(RequestRecord(request_id=b"r", status=200, ended=time.perf_counter(), closed=True,
                                             **fields))
@@ -162,8 +161,7 @@ def varied_records(count: int, seed: int = 7) -> list[RequestRecord]:
                      endpoint=pick(endpoints), error=pick([None, None, "client_closed", "upstream_timeout"]),
                      method=pick([b"POST", b"POST", b"GET", None]), target=pick(targets),
                      served_model=pick([None, None, "fallback-m"]), priced=rng.random() < 0.6) for _ in range(16)]
-    identities = [KeyIdentity("team-a", "spiffe://example.org/sa/a", via="mtls"),
-                  KeyIdentity("team-b", "user-7", via="jwt:okta")]
+    identities = [("mtls", "spiffe://example.org/sa/a"), ("jwt:okta", "user-7"), ("jwt:okta", 'quote " \\ é 100%')]
     records = []
     start = time.perf_counter()
     for index in range(count):
@@ -187,6 +185,8 @@ def varied_records(count: int, seed: int = 7) -> list[RequestRecord]:
         elif rng.random() < 0.3:  # usage details, not priced: not on the line
             fields.update(tokens_cached=5, tokens_reasoning=9)
         fields.update(shared)
+        if rng.random() < 0.2:  # a JWT's or a client certificate's request: identity and subject on the line
+            fields["identity"], fields["subject"] = pick(identities)
         rare = rng.random()
         if rare < 0.03:
             fields["evidence"] = RouteEvidence("site-a", "existing_only", 3, {"cooled": 1}, None)
@@ -201,8 +201,6 @@ def varied_records(count: int, seed: int = 7) -> list[RequestRecord]:
             fields.update(filtered=2, filtered_reasons=1)
         elif rare < 0.15:
             fields["spend_alert"] = "tenant team-a 80% of 10 USD/1d"
-        elif rare < 0.17:  # a JWT's or a client certificate's request: identity and subject on the line
-            fields["identity"] = pick(identities)
         records.append(RequestRecord(**fields))
     return records
 
@@ -243,7 +241,7 @@ def test_a_line_from_a_template_is_byte_for_byte_the_line_encoded_whole(tmp_path
         assert text == msgspec.json.encode(access_log._line(record, ts)) + b"\n", text
     # Every line of a template's shape came from one, but the first of each template: a line with no rarer
     # field, an answer sent, its request id and times all there, and both token counts or neither.
-    rare = ("filtered", "evidence", "trace", "shadow", "model_route", "spend_alert", "identity")
+    rare = ("filtered", "evidence", "trace", "shadow", "model_route", "spend_alert")
     own = ("request_id", "t_start", "overhead_s")
     templated = [r for r in records if not any(getattr(r, name) for name in rare) and r.t_first_byte
                  and all(getattr(r, name) is not None for name in own)

@@ -80,3 +80,11 @@ def test_the_maps_tenants_are_labelled_in_the_metrics() -> None:
         'clusters: [{name: a, endpoints: ["127.0.0.1:9001"]}]\nrouting: {overlay_file: o.json}\n'
         "server_tls: {cert_file: c, key_file: k, client_auth: {ca_file: ca, map: {svc-a: team-mesh, svc-b: other}}}\n")
     assert configured_tenants(config) == ["team-mesh"]  # `other` is the label of every unknown tenant
+
+
+def test_a_quota_rules_key_glob_matches_the_certificates_value() -> None:
+    from gateway.quota.rules import key_matches
+
+    identity = CertificateTenants("san_uri").identify({"subjectAltName": (("URI", "spiffe://example.org/ns/prod/sa/a"),)})
+    assert key_matches("spiffe://example.org/ns/prod/*", identity)  # type: ignore[arg-type]
+    assert not key_matches("spiffe://example.org/ns/dev/*", identity)  # type: ignore[arg-type]
