@@ -218,3 +218,37 @@ def test_a_failed_leader_releases_its_waiters(tmp_path, valkey_url):
             await gateway.close()
             provider.server.close()
     run(scenario)
+
+
+def test_every_api_is_cached_and_replayed_exactly(tmp_path, valkey_url):
+    """Embeddings (no temperature needed), Responses and Messages, plain and streamed: the hit is the
+    miss's bytes; a Messages request with another anthropic-beta is another entry."""
+    async def scenario() -> None:
+        provider = await start_provider("p", tokens=5)
+        gateway = await gateway_for(tmp_path, provider, valkey_url, quota=False)
+        anthropic = [("anthropic-version", "2023-06-01")]
+        try:
+            word = uuid.uuid4().hex
+            cases: list[tuple[str, dict[str, Any], list[tuple[str, str]]]] = [
+                ("/v1/embeddings", {"model": "m", "input": word}, []),
+                ("/v1/responses", {"model": "m", "input": word, "temperature": 0}, []),
+                ("/v1/responses", {"model": "m", "input": word, "temperature": 0, "stream": True}, []),
+                ("/v1/messages", {"model": "m", "max_tokens": 16, "temperature": 0,
+                                  "messages": [{"role": "user", "content": word}]}, anthropic),
+                ("/v1/messages", {"model": "m", "max_tokens": 16, "temperature": 0, "stream": True,
+                                  "messages": [{"role": "user", "content": word}]}, anthropic),
+            ]
+            for stored, (path, question, headers) in enumerate(cases, 1):
+                first = await gateway.request("POST", path, question, headers)
+                assert first.status == 200 and first.headers["x-gridgate-cache"] == "miss", (path, first)
+                await until_stored(gateway, stored)
+                second = await gateway.request("POST", path, question, headers)
+                assert second.headers["x-gridgate-cache"] == "hit" and second.body == first.body, path
+            assert provider.served == len(cases)
+            path, question, headers = cases[3]
+            beta = await gateway.request("POST", path, question, [*headers, ("anthropic-beta", "x-1")])
+            assert beta.headers["x-gridgate-cache"] == "miss"
+        finally:
+            await gateway.close()
+            provider.server.close()
+    run(scenario)
