@@ -80,6 +80,7 @@ class ResponseCache:
         self.metrics = metrics
         self.client = client
         self.commands = TickBatch(client)  # every GET and SET of a loop tick in one write
+        self.commands.on_detached = self._written
         self.ttl_ms = int(config.ttl * 1000)
         self.max_entry = config.max_entry_bytes
         self.coalesce = config.coalesce.enabled
@@ -93,7 +94,6 @@ class ResponseCache:
         self.local = None if local is None else LocalEntries(local.max_bytes_int, float(local.ttl))
         self.flights: dict[bytes, Flight] = {}
         self.down_until = 0.0
-        self._writes: set[asyncio.Future[Any]] = set()  # SETs in progress (a reference each, until done)
         self.hits = self.misses = self.bypasses = self.coalesced = self.stored = self.backend_errors = 0
         self.local_hits = 0
 
@@ -254,19 +254,9 @@ class ResponseCache:
             flight.release(entry)
 
     def _write(self, key: bytes, value: bytes) -> None:
-        try:
-            write = self.commands.call(b"SET", key, value, b"PX", self.ttl_ms)
-        except BACKEND_ERRORS as error:
-            self._failed(error)
-            return
-        self._writes.add(write)
-        write.add_done_callback(self._written)
+        self.commands.send(b"SET", key, value, b"PX", self.ttl_ms)  # in this tick's write; nobody waits
 
-    def _written(self, write: asyncio.Future[Any]) -> None:
-        self._writes.discard(write)
-        if write.cancelled():
-            return
-        error = write.exception()
+    def _written(self, error: BaseException | None) -> None:
         if error is None:
             self.stored += 1
         else:
@@ -280,8 +270,10 @@ class ResponseCache:
         self.down_until = _monotonic() + _BACKOFF_S
 
     async def close(self) -> None:
-        if self._writes:
-            await asyncio.wait(list(self._writes), timeout=1.0)
+        for _ in range(100):  # the SETs sent get their replies (bounded: 1 s)
+            if not self.commands.detached:
+                break
+            await asyncio.sleep(0.01)
         await self.client.aclose()
 
 

@@ -6,6 +6,8 @@ live (the cache is exact and nothing rewrites a key), so a copy is the entry. Pu
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from gateway.cache.entry import CacheEntry
 
 
@@ -18,7 +20,8 @@ class LocalEntries:
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self.size = 0
-        self._entries: dict[bytes, tuple[float, CacheEntry, int]] = {}
+        # An OrderedDict: the oldest leaves in O(1) (a dict's front fills with deleted slots when popped there).
+        self._entries: OrderedDict[bytes, tuple[float, CacheEntry, int]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -34,7 +37,7 @@ class LocalEntries:
             del entries[key]
             self.size -= size
             return None
-        entries[key] = entries.pop(key)  # the most recently used goes last
+        entries.move_to_end(key)  # the most recently used goes last
         return entry
 
     def put(self, key: bytes, entry: CacheEntry, size: int, now: float) -> None:
@@ -46,7 +49,6 @@ class LocalEntries:
         if old is not None:
             self.size -= old[2]
         while entries and self.size + size > self.max_bytes:
-            oldest = next(iter(entries))
-            self.size -= entries.pop(oldest)[2]
+            self.size -= entries.popitem(last=False)[1][2]
         entries[key] = (now + self.ttl_s, entry, size)
         self.size += size

@@ -20,11 +20,14 @@ from gateway.valkey.resp import CommandArg, encode_command
 class TickBatch:
     """One client's commands of this tick, sent together."""
 
-    __slots__ = ("client", "_pending", "_loop", "_batched")
+    __slots__ = ("client", "_pending", "_loop", "_batched", "on_detached", "detached")
 
     def __init__(self, client: Any) -> None:
         self.client = client
-        self._pending: list[tuple[bytes, tuple[CommandArg, ...], asyncio.Future[Any]]] = []
+        self._pending: list[tuple[bytes, tuple[CommandArg, ...], asyncio.Future[Any] | None]] = []
+        # What a detached command's reply tells its sender: None (it succeeded) or the error, once per command.
+        self.on_detached: Any = None
+        self.detached = 0  # detached commands sent and not yet answered
         self._loop: asyncio.AbstractEventLoop | None = None
         self._batched = hasattr(client, "send_encoded")
 
@@ -40,58 +43,67 @@ class TickBatch:
         pending.append((encode_command(args) if self._batched else b"", args, future))
         return future
 
+    def send(self, *args: CommandArg) -> None:
+        """Queue one command nobody waits for (a SET): ``on_detached`` hears how it went."""
+        pending = self._pending
+        if not pending:
+            loop = self._loop
+            if loop is None:
+                loop = self._loop = asyncio.get_running_loop()
+            loop.call_soon(self._flush)
+        pending.append((encode_command(args) if self._batched else b"", args, None))
+        self.detached += 1
+
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
         if not self._batched:
             for _, args, future in batch:
-                self._resolve_later(future, self.client.execute_command(*args))
+                self._resolve_later(future, args)
             return
         try:
             sent = asyncio.ensure_future(self.client.send_encoded(b"".join(entry[0] for entry in batch), len(batch)))
         except BACKEND_ERRORS as error:  # e.g. too many commands pending on a stuck connection
-            _fail(batch, error)
+            self._fail(batch, error)
             return
-        sent.add_done_callback(lambda done: _replied(batch, done))
+        sent.add_done_callback(lambda done: self._replied(batch, done))
 
-    def _resolve_later(self, future: asyncio.Future[Any], reply: Any) -> None:
+    def _resolve_later(self, future: asyncio.Future[Any] | None, args: tuple[CommandArg, ...]) -> None:
         try:
-            sent = asyncio.ensure_future(reply)
+            sent = asyncio.ensure_future(self.client.execute_command(*args))
         except BACKEND_ERRORS as error:
-            if not future.done():
-                future.set_exception(error)
+            self._fail([(b"", args, future)], error)
             return
-        sent.add_done_callback(lambda done: _settle(future, done))
+        sent.add_done_callback(lambda done: self._replied([(b"", args, future)], done, single=True))
+
+    def _replied(self, batch: list[_Entry], done: asyncio.Future[Any], single: bool = False) -> None:
+        if done.cancelled():
+            self._fail(batch, ConnectionError("the batch was cancelled"))
+            return
+        error = done.exception()
+        if error is not None:
+            self._fail(batch, error)
+            return
+        replies = [done.result()] if single else done.result()
+        for (_, _, future), reply in zip(batch, replies, strict=True):
+            if future is None:
+                self.detached -= 1
+                if self.on_detached is not None:
+                    self.on_detached(reply if isinstance(reply, Exception) else None)
+            elif future.done():
+                continue
+            elif isinstance(reply, Exception):
+                future.set_exception(reply)
+            else:
+                future.set_result(reply)
+
+    def _fail(self, batch: list[_Entry], error: BaseException) -> None:
+        for _, _, future in batch:
+            if future is None:
+                self.detached -= 1
+                if self.on_detached is not None:
+                    self.on_detached(error)
+            elif not future.done():
+                future.set_exception(error)
 
 
-def _replied(batch: list[tuple[bytes, tuple[CommandArg, ...], asyncio.Future[Any]]], done: asyncio.Future[Any]) -> None:
-    if done.cancelled():
-        _fail(batch, ConnectionError("the batch was cancelled"))
-        return
-    error = done.exception()
-    if error is not None:
-        _fail(batch, error)
-        return
-    for (_, _, future), reply in zip(batch, done.result(), strict=True):
-        if future.done():
-            continue
-        if isinstance(reply, Exception):
-            future.set_exception(reply)
-        else:
-            future.set_result(reply)
-
-
-def _settle(future: asyncio.Future[Any], done: asyncio.Future[Any]) -> None:
-    if future.done():
-        return
-    if done.cancelled():
-        future.set_exception(ConnectionError("the command was cancelled"))
-    elif (error := done.exception()) is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(done.result())
-
-
-def _fail(batch: list[tuple[bytes, tuple[CommandArg, ...], asyncio.Future[Any]]], error: BaseException) -> None:
-    for _, _, future in batch:
-        if not future.done():
-            future.set_exception(error)
+_Entry = tuple[bytes, tuple[CommandArg, ...], "asyncio.Future[Any] | None"]

@@ -252,3 +252,28 @@ def test_every_api_is_cached_and_replayed_exactly(tmp_path, valkey_url):
             await gateway.close()
             provider.server.close()
     run(scenario)
+
+
+def test_a_ticks_commands_leave_together_and_each_gets_its_own_reply(valkey_url):
+    """gateway/valkey/tick_batch.py against the real Valkey: replies (and an error reply) in place, a
+    detached command reported once, a dead server failing every command of the batch."""
+    from gateway.valkey.client import create_client
+    from gateway.valkey.tick_batch import TickBatch
+
+    async def scenario() -> None:
+        key = f"test:tick:{uuid.uuid4().hex}".encode()
+        batch = TickBatch(create_client(valkey_url))
+        heard: list[BaseException | None] = []
+        batch.on_detached = heard.append
+        batch.send(b"SET", key, b"v", b"PX", 10_000)
+        futures = [batch.call(b"GET", key), batch.call(b"INCR", key), batch.call(b"GET", key + b":none")]
+        got, wrong, none = await asyncio.gather(*futures, return_exceptions=True)
+        assert (got, none, heard, batch.detached) == (b"v", None, [None], 0)
+        assert isinstance(wrong, Exception)  # INCR on a string: its own error, the others unharmed
+        await batch.client.aclose()
+        dead = TickBatch(create_client("valkey://127.0.0.1:1"))
+        dead.on_detached = heard.append
+        dead.send(b"SET", key, b"v")
+        results = await asyncio.gather(dead.call(b"GET", key), return_exceptions=True)
+        assert isinstance(results[0], Exception) and isinstance(heard[-1], Exception) and dead.detached == 0
+    run(scenario)
