@@ -156,6 +156,11 @@ def _managed_key(config: dict[str, Any], _work_dir: str) -> None:
                                                 "scopes": ["keys:write"]}]
 
 
+def _console(config: dict[str, Any], _work_dir: str) -> None:
+    # The console on (docs/console.md): with admin tokens every worker keeps the ring of its last requests.
+    config.setdefault("admin", {})["tokens"] = [{"name": "bench-console", "key": hash_api_key(BENCH_ADMIN_TOKEN)}]
+
+
 def _core(config: dict[str, Any], _work_dir: str) -> None:
     # The access log is on by default: the core path goes without it, "everything" has it (issue 13).
     config["access_log"] = {"enabled": False}
@@ -175,6 +180,7 @@ VARIANTS: tuple[tuple[str, tuple[Feature, ...]], ...] = (
      (_affinity, _quota, _request_limit, _access_log)),
     ("production + a hard USD budget (a priced model)", (_affinity, _quota, _request_limit, _access_log, _spend)),
     ("production on a managed key", (_affinity, _quota, _request_limit, _access_log, _managed_key)),
+    ("+ the console (admin tokens: the ring of the last requests)", (_console,)),
 )
 VARIANT_NAMES = tuple(name for name, _ in VARIANTS)
 
@@ -303,8 +309,8 @@ def running(config_paths: Sequence[str], gateway_cpus: set[int] | None,
 
 def wrk_script_for(gateway: GatewayProcess, config_path: str) -> str:
     """wrk's script for the (ready) gateway of ``config_path``: the shared one, or for the managed-key
-    variant (a config with admin tokens) a copy sending a managed key made for it."""
-    if not load_config(config_path).admin.tokens:
+    variant (a config with an admin token that writes keys) a copy sending a managed key made for it."""
+    if not any("keys:write" in token.scopes for token in load_config(config_path).admin.tokens):
         return WRK_FEATURES
     return managed_key_script(gateway, os.path.dirname(config_path))
 

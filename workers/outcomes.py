@@ -23,6 +23,7 @@ from workers.access_log import AccessLog
 from workers.cooling import cool_for_answer
 from workers.head_gate import HeadRefusal
 from workers.providers import Endpoint, ProviderStates
+from workers.recent_requests import RequestRing
 from workers.request_cost import ABSURD_FACTOR, CHECKED_OBSERVERS, attempts_cost
 from workers.request_record import RequestRecord
 from workers.spend_tracker import SpendTracker
@@ -64,11 +65,12 @@ class Outcomes:
     """One per worker: the end of every request the proxy handled, and the answers it makes itself."""
 
     __slots__ = ("quota", "metrics", "access_log", "providers", "cooling", "route_headers", "prices",
-                 "reject_unpriced", "spend")
+                 "reject_unpriced", "spend", "recent")
 
     def __init__(self, quota: QuotaGate | None, metrics: WorkerMetrics, access_log: AccessLog,
                  providers: ProviderStates, cooling: Cooling, route_headers: bool,
                  prices: PriceBook | None = None, spend: SpendTracker | None = None) -> None:
+        self.recent: RequestRing | None = None  # on with the console (admin.tokens)
         self.spend = spend  # rollups and spend metrics (docs/pricing.md); None: a test's bare outcomes
         self.quota = quota
         self.prices = prices  # None: requests are not priced (cost_nusd stays None)
@@ -81,8 +83,7 @@ class Outcomes:
         self.route_headers = route_headers
 
     def close(self, record: RequestRecord) -> None:
-        """The record's request is over (``RequestRecord.close``: once). Runs before the response's last
-        bytes leave, so a client that reads the metrics after its answer finds its request counted."""
+        """The request is over (once): runs before its last bytes leave, so its metrics count it by then."""
         relay = record.attempt
         result = None if relay is None else relay.result()
         served = result is not None and result.started
@@ -129,6 +130,8 @@ class Outcomes:
         if record.trace is not None:  # its spans end and go to the exporter's queue (docs/tracing.md)
             record.trace.end(record, result)
         self.access_log.record(record)
+        if (recent := self.recent) is not None:  # the console's last requests (workers/recent_requests.py)
+            recent.add(record)
 
     def _served(self, record: RequestRecord, result: AttemptResult) -> None:
         """A provider's response was relayed (completely, or cut after it started)."""

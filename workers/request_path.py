@@ -48,6 +48,7 @@ from workers.overlay_follower import OverlayFollower
 from workers.providers import ProviderStates
 from workers.proxy import Proxy
 from workers.proxy_settings import ProxySettings
+from workers.recent_requests import RequestRing
 from workers.response_cache import ResponseCache
 from workers.server import ServerSettings, ServerState
 from workers.spend_tracker import SpendTracker
@@ -91,6 +92,8 @@ class RequestPath:
     tracer: Tracer | None = None  # tracing configured (docs/tracing.md)
     spend: SpendTracker | None = None  # rollups, spend metrics, alerts (docs/pricing.md)
     cache: ResponseCache | None = None  # the response cache (docs/cache.md)
+    recent: RequestRing | None = None  # the console's last requests, with admin.tokens (docs/console.md)
+    status_fd: int = -1
 
     @classmethod
     async def build(cls, ctx: WorkerContext, segment: Segment, row: WorkerRow) -> RequestPath:
@@ -136,9 +139,10 @@ class RequestPath:
         proxy = Proxy(settings=settings, tenants=TenantPolicies(config.tenants), overlay=overlay, router=router,
                       clusters=clusters, providers=providers, quota=quota, metrics=metrics, outcomes=outcomes,
                       tracer=tracer, cache=response_cache)
+        recent = outcomes.recent = RequestRing() if config.admin.tokens and ctx.status_fd >= 0 else None
         return cls(config, metrics, overlay, clusters, providers, router, quota, access_log,
                    _head_gate(config, clusters, settings, provider_index, ctx.key_table), outcomes, proxy, tracer,
-                   spend, response_cache)
+                   spend, response_cache, recent, ctx.status_fd)
 
     def server_state(self) -> ServerState:
         """The per-worker server state that hands this path every request: the head gate decides on each
@@ -164,6 +168,8 @@ class RequestPath:
             metrics.publish_trace_drops(self.tracer.exporter.dropped)
         if self.spend is not None:  # rollups to the store, spend counters and alerts to the supervisor
             self.spend.tick()
+        if self.recent is not None:  # the last requests, to the supervisor for the console
+            self.recent.report(self.status_fd)
 
     async def close(self) -> None:
         """Pools, the quota gate (its queued settlements first) and the access log (its last lines)."""

@@ -37,6 +37,7 @@ from gateway.process_protocol import (
     Heartbeat,
     OverlayRejected,
     Ready,
+    RecentRequests,
     SpendAlertReport,
     SpendCounts,
     StatusMessage,
@@ -197,8 +198,8 @@ class Arbiter:
             keys=KeysApi(SupervisorKeyHost(self._keys, lambda: self._swap.config)),
             spend=SpendApi(self._spend_reporter).handle,
         )
-        admin_app.attach_console(Console(admin_app, SupervisorConsoleSources(admin_sources, self._overlay_feed,
-                                                                             lambda: self._swap.config)))
+        self._console_sources = SupervisorConsoleSources(admin_sources, self._overlay_feed, lambda: self._swap.config)
+        admin_app.attach_console(Console(admin_app, self._console_sources))
         self._admin = AdminServer(admin_app)
         self._swap = GenerationSwap(
             self._config_path, self._overrides, self._start_config,
@@ -319,6 +320,8 @@ class Arbiter:
                 self._spend_metrics.on_counts(child.pid, message)
             case SpendAlertReport():  # posted to pricing.alerts_webhook, off every request path
                 self._alerts.submit(message.alert)
+            case RecentRequests():  # the console's last requests (docs/console.md#requests)
+                self._console_sources.on_recent(child.pid, message)
 
     def _tenant_index(self, tenant: str) -> int:
         """A managed key's tenant's metrics index, registered on first sight (the key table carries it

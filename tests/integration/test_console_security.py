@@ -13,7 +13,7 @@ from gateway.identity.auth import hash_api_key
 from tests.harness import candidate, envelope, wait_until
 
 OPS, VIEWER = "ops-console-token", "viewer-console-token"
-TOKENS = [{"name": "ops", "key": hash_api_key(OPS), "scopes": ["keys:read", "keys:write", "spend:read"]},
+TOKENS = [{"name": "ops", "key": hash_api_key(OPS), "scopes": ["keys:read", "keys:write", "spend:read", "quota:read"]},
           {"name": "viewer", "key": hash_api_key(VIEWER), "scopes": []}]
 FORM = {"Content-Type": "application/x-www-form-urlencoded"}
 

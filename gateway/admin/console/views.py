@@ -5,10 +5,12 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from gateway.admin.console.traffic import Shares
 from gateway.overlay.snapshot import Snapshot
+from gateway.pricing.units import format_usd
 
 _UP = frozenset({"healthy", "slow_start", "half_open"})
 
@@ -113,3 +115,16 @@ def endpoints_view(endpoints_doc: dict[str, Any]) -> dict[str, Any]:
         } for e in cluster["endpoints"]],
     } for cluster in endpoints_doc.get("clusters", [])]
     return {"health_process": endpoints_doc.get("health_process"), "clusters": clusters}
+
+
+def requests_view(rows: list[dict[str, Any]], limit: int = 100) -> dict[str, Any]:
+    """The last requests the workers reported, newest first, as the page shows them."""
+    return {"requests": [{
+        **row,
+        "ended": datetime.fromtimestamp(row["ended_at"], UTC).strftime("%H:%M:%S.%f")[:-3],
+        "group": "-" if row["group"] is None else row["group"],
+        "latency": "-" if row["latency_ms"] is None else f"{row['latency_ms']:.1f} ms",
+        "tokens": "-" if row["tokens_prompt"] is None and row["tokens_completion"] is None
+        else f"{row['tokens_prompt'] or 0} / {row['tokens_completion'] or 0}",
+        "cost": "-" if row["cost_nusd"] is None else f"${format_usd(row['cost_nusd'])}",
+    } for row in rows[:limit]], "shown": min(limit, len(rows))}
