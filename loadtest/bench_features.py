@@ -164,6 +164,12 @@ def _cache(config: dict[str, Any], _work_dir: str) -> None:
     config["cache"] = {"enabled": True}
 
 
+def _prefix(config: dict[str, Any], _work_dir: str) -> None:
+    # Prefix affinity (docs/routing.md): a hash of each request's prompt prefix, its placement; sessions
+    # bound already keep their provider (session affinity wins), so the hash is the cost of most requests.
+    config["routing"]["prefix_affinity"] = {"enabled": True}
+
+
 def _core(config: dict[str, Any], _work_dir: str) -> None:
     # The access log is on by default: the core path goes without it, "everything" has it (issue 13).
     config["access_log"] = {"enabled": False}
@@ -187,9 +193,11 @@ VARIANTS: tuple[tuple[str, tuple[Feature, ...]], ...] = (
      (_affinity, _quota, _request_limit, _access_log, _cache)),
     ("production + response cache, every request a hit (no provider)",
      (_affinity, _quota, _request_limit, _access_log, _cache)),
+    ("production + prefix affinity", (_affinity, _quota, _request_limit, _access_log, _prefix)),
 )
 # The cache variants' wrk mode (wrk_cache.lua's CACHE_MODE), by variant index.
-CACHE_SCRIPTS = {len(VARIANTS) - 2: "misses", len(VARIANTS) - 1: "hits"}
+CACHE_SCRIPTS = {index: "hits" if "every request a hit" in name else "misses"
+                 for index, (name, _) in enumerate(VARIANTS) if "response cache" in name}
 VARIANT_NAMES = tuple(name for name, _ in VARIANTS)
 
 
