@@ -9,7 +9,8 @@ checks and outlier detection, + session affinity, + auth and token quota with ev
 Valkey (embedded Valkey, `quota.lease: null`), + the access log (to a file), everything that way, everything
 with the default worker-held blocks, and the production config of docs/limits.md (auth, a request limit
 and token budgets, the access log to a file, session affinity; defaults otherwise), and that config with a
-hard USD budget on a priced model (docs/pricing.md). For each: the
+hard USD budget on a priced model (docs/pricing.md), on a managed key, and with the response cache
+(docs/cache.md) at a 0 % hit rate and with every request a hit (loadtest/configs/wrk_cache.lua). For each: the
 worker's CPU time per request and "vs core" = core's CPU per
 request / the variant's; req/s (32 connections); the gateway overhead p50/p99 at one connection
 (``x-gridgate-overhead-ms``). CPU per request, not req/s: with quota on, the load core also runs

@@ -140,6 +140,9 @@ class Proxy:
             raise RuntimeError("the server in front of the proxy runs no head gate (workers/head_gate.py)")
         record = exchange.record = RequestRecord(exchange=exchange, ends=self.outcomes,
                                                  request_id=admitted.request_id, tenant=admitted.tenant)
+        key = admitted.key
+        if key is not None and key.via is not None:  # a JWT or a client certificate: the line says which
+            record.identity, record.subject = key.via, key.alias
         if self.tracer is not None:
             record.trace = self.tracer.begin(record, admitted.headers.balance_keys, admitted.route.surface.name,
                                              exchange.t_start)

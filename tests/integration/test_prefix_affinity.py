@@ -5,6 +5,8 @@ hands its prefixes on and gets them back, a session's binding wins."""
 from __future__ import annotations
 
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 from tests.harness import Client, candidate, envelope, request
 
@@ -88,3 +90,35 @@ def test_session_affinity_wins_over_the_prefix(providers, loopback_gateway_facto
     response = ask(gateway.port, other, "u", session)
     assert response.headers["x-gridgate-provider"] == bound
     assert response.headers["x-gridgate-affinity"] == "reused"
+
+
+def cached_tokens(response) -> int:
+    return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_prefix_that_keeps_missing_is_re_placed_and_stays_where_it_hits(mock_provider, loopback_gateway_factory):
+    handles = {name: mock_provider(name, prefix_cache=64) for name in ("p-a", "p-b", "p-c")}
+    extra = {"routing": {"prefix_affinity": {"enabled": True, "misses": 3}}}
+    gateway = loopback_gateway_factory(three(handles), overlay(handles), extra=extra)
+    home = served_by(gateway.port, 3)  # a cold cache: one miss
+    warm = ask(gateway.port, 3, "again")
+    assert warm.headers["x-gridgate-provider"] == home and cached_tokens(warm) > 0  # the hit resets the count
+    assert request("127.0.0.1", handles[home].port, "POST", "/admin/config", {"prefix_cache_ttl_ms": 0.001})[0] == 200
+    path = [ask(gateway.port, 3, f"user-{n}") for n in range(8)]
+    providers = [r.headers["x-gridgate-provider"] for r in path]
+    assert providers[:3] == [home] * 3  # three misses in a row on its place...
+    moved = providers[3]
+    assert moved != home and providers[3:] == [moved] * 5  # ...move it one place on, where it stays
+    assert [cached_tokens(r) for r in path[4:]] == [cached_tokens(warm)] * 4  # and hits
+
+
+def test_a_hot_prefix_spills_its_overflow_only(mock_provider, loopback_gateway_factory):
+    handles = {name: mock_provider(name, latency_ms=400) for name in ("p-a", "p-b", "p-c")}
+    extra = {"workers": 1, "routing": {"prefix_affinity": {"enabled": True, "capacity": 4, "spill_at": 0.5}}}
+    gateway = loopback_gateway_factory(three(handles), overlay(handles), extra=extra)
+    home = served_by(gateway.port, 5)
+    with ThreadPoolExecutor(6) as pool:
+        burst = list(pool.map(lambda n: served_by(gateway.port, 5, f"burst-{n}"), range(6)))
+    assert Counter(burst) == {name: 2 for name in handles}  # two each (2 = 0.5 x 4): home first, then the ring
+    assert Counter(burst)[home] == 2
+    assert {served_by(gateway.port, 5, f"after-{n}") for n in range(3)} == {home}  # the spill did not move it
