@@ -87,7 +87,7 @@ WRK_FEATURES = os.path.join(HERE, "configs", "wrk_features.lua")
 WRK_CACHE = os.path.join(HERE, "configs", "wrk_cache.lua")  # the cache variants' requests (CACHE_MODE)
 BENCH_KEY = "sk-bench"
 BENCH_ISSUER = "https://idp.bench.invalid"  # the JWT variants' issuer (its keys in a file: no IdP is called)
-JWT_TOKEN_FILE = "jwt.token"  # beside the variant's config
+JWT_TOKEN_FILE = "jwt-%s.token"  # beside the variant's config, by algorithm (the variants share a directory)
 BENCH_ADMIN_TOKEN = "bench-admin-token"  # the managed-key variant's admin token (keys:write)
 WARM_UP_S = 2
 METHODS = ("paired", "sequential")
@@ -188,7 +188,7 @@ def _jwt(alg: str) -> Feature:
         now = int(time.time())
         token = pyjwt.encode({"iss": BENCH_ISSUER, "aud": "gridgate-bench", "sub": "bench-client", "org": "bench",
                               "iat": now, "exp": now + 86400}, private, algorithm=alg, headers={"kid": "bench-1"})
-        with open(os.path.join(work_dir, JWT_TOKEN_FILE), "w") as out:
+        with open(os.path.join(work_dir, JWT_TOKEN_FILE % alg), "w") as out:
             out.write(token)
         config["auth"]["jwt"] = [{"name": "bench", "issuer": BENCH_ISSUER, "audience": ["gridgate-bench"],
                                   "jwks_file": f"jwks-{alg}.json", "algorithms": [alg], "tenant_claim": "org"}]
@@ -362,15 +362,15 @@ def wrk_script_for(gateway: GatewayProcess, config_path: str) -> str:
         return cache_script(mode, os.path.dirname(config_path), gateway.topology.listen[1])
     config = load_config(config_path)
     if config.auth is not None and config.auth.jwt:
-        return jwt_script(os.path.dirname(config_path), gateway.topology.listen[1])
+        return jwt_script(os.path.dirname(config_path), gateway.topology.listen[1], config.auth.jwt[0].algorithms[0])
     if not config.admin.tokens:
         return WRK_FEATURES
     return managed_key_script(gateway, os.path.dirname(config_path))
 
 
-def jwt_script(work_dir: str, port: int) -> str:
+def jwt_script(work_dir: str, port: int, alg: str) -> str:
     """A copy of wrk's script sending the JWT variant's token (``_jwt``) instead of the API key."""
-    with open(os.path.join(work_dir, JWT_TOKEN_FILE)) as token, open(WRK_FEATURES) as source:
+    with open(os.path.join(work_dir, JWT_TOKEN_FILE % alg)) as token, open(WRK_FEATURES) as source:
         script = source.read().replace(f"Bearer {BENCH_KEY}", f"Bearer {token.read().strip()}")
     path = os.path.join(work_dir, f"wrk-jwt-{port}.lua")
     with open(path, "w") as out:
