@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test fuzz fuzz-upstream conformance bench bench-core bench-tls bench-mtls bench-relay bench-features bench-opcodes bench-surfaces bench-scale lint clean wrk prices
+.PHONY: install run test fuzz fuzz-upstream conformance bench bench-core bench-tls bench-mtls bench-relay bench-features bench-opcodes bench-surfaces bench-scale bench-prefix lint clean wrk prices
 
 install: $(STAMP)
 
@@ -77,6 +77,11 @@ bench-surfaces: install wrk
 # Choose the counts with: python -m loadtest.bench_scale --workers 1,2
 bench-scale: install wrk
 	$(BIN)/python -m loadtest.bench_scale
+
+# Prefix affinity against round robin over three mock providers with prompt caches (issue 43): cached-input
+# share, cost per 1,000 requests, first-token latency; the figure in docs/benchmarks/prefix-affinity.svg.
+bench-prefix: install
+	$(BIN)/python -m loadtest.bench_prefix --plot docs/benchmarks/prefix-affinity.svg
 
 # The upstream response parser's fuzzer, long and random (make test runs a short derandomized pass);
 # FUZZ_EXAMPLES=N sets the examples per property (default 20000).
