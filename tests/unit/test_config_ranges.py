@@ -40,6 +40,7 @@ BASE_CONFIG: dict[str, Any] = {
         "cooling": {},
         "least_loaded": {"latency_prior": "100ms"},
         "session_affinity": {},
+        "prefix_affinity": {"slow_first_token": "1s"},
         "models": [{"match": {"capability": "*"}, "context_window": 1000, "traffic_weight": 1}],
     },
     "limits": {},
