@@ -229,7 +229,8 @@ VARIANTS: tuple[tuple[str, tuple[Feature, ...]], ...] = (
      (_affinity, _quota, _request_limit, _access_log, _jwt("RS256"))),
     ("production on a JWT, ES256 (a client reusing its token)",
      (_affinity, _quota, _request_limit, _access_log, _jwt("ES256"))),
-    ("production + prefix affinity", (_affinity, _quota, _request_limit, _access_log, _prefix)),
+    ("production + routing by prompt prefix",
+     (_affinity, _quota, _request_limit, _access_log, _prefix)),
 )
 # The cache variants' wrk mode (wrk_cache.lua's CACHE_MODE), by variant index.
 CACHE_SCRIPTS = {index: "misses" if "0 % hits" in name else "hits"
