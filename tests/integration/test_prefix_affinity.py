@@ -4,6 +4,7 @@ hands its prefixes on and gets them back, a session's binding wins."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -122,3 +123,47 @@ def test_a_hot_prefix_spills_its_overflow_only(mock_provider, loopback_gateway_f
     assert Counter(burst) == {name: 2 for name in handles}  # two each (2 = 0.5 x 4): home first, then the ring
     assert Counter(burst)[home] == 2
     assert {served_by(gateway.port, 5, f"after-{n}") for n in range(3)} == {home}  # the spill did not move it
+
+
+ANTHROPIC = [("anthropic-version", "2023-06-01")]
+
+
+def post(port: int, path: str, body: dict, headers: list[tuple[str, str]] | None = None):
+    client = Client(port)
+    try:
+        return client.request("POST", path, body, headers or [])
+    finally:
+        client.close()
+
+
+def messages(port: int, prompt: int, user: str):
+    body = {"model": "m", "max_tokens": 8, "system": system(prompt)["content"],
+            "messages": [{"role": "user", "content": f"question of {user}"}]}
+    return post(port, "/v1/messages", body, ANTHROPIC)
+
+
+def test_messages_feed_back_their_cache_reads(mock_provider, loopback_gateway_factory, tmp_path):
+    handles = {name: mock_provider(name, prefix_cache=64) for name in ("p-a", "p-b", "p-c")}
+    log = tmp_path / "access.log"
+    extra = {"routing": {"prefix_affinity": {"enabled": True, "misses": 2}},
+             "access_log": {"enabled": True, "path": str(log), "evidence_sample": 1.0}}
+    gateway = loopback_gateway_factory(three(handles), overlay(handles), extra=extra)
+    first, second = messages(gateway.port, 9, "a"), messages(gateway.port, 9, "b")
+    home = first.headers["x-gridgate-provider"]
+    assert second.headers["x-gridgate-provider"] == home and second.headers["x-gridgate-selection-mode"] == "prefix"
+    assert first.json()["usage"]["cache_read_input_tokens"] == 0 < second.json()["usage"]["cache_read_input_tokens"]
+    assert request("127.0.0.1", handles[home].port, "POST", "/admin/config", {"prefix_cache_ttl_ms": 0.001})[0] == 200
+    moved = [messages(gateway.port, 9, f"u{n}").headers["x-gridgate-provider"] for n in range(4)]
+    assert moved[:2] == [home, home] and moved[2] != home and moved[3] == moved[2]
+    responses = post(gateway.port, "/v1/responses", {"model": "m", "instructions": "be brief " * 50, "input": "q"})
+    assert responses.status == 200 and responses.headers["x-gridgate-selection-mode"] == "prefix"
+    deadline = time.monotonic() + 5
+    while True:  # the access log writes its lines out in batches
+        lines = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+        evidence = [line["prefix"] for line in lines if line.get("path") == "/v1/messages"]
+        if len(evidence) >= 6 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert len(evidence) == 6 and len({entry["hash"] for entry in evidence}) == 1
+    assert [entry["moved"] for entry in evidence] == [0, 0, 0, 0, 1, 1]
+    assert {entry["spilled"] for entry in evidence} == {0}
