@@ -18,7 +18,7 @@ from gateway.quota.gate import QuotaGate
 from gateway.request.attempts import AttemptResult, attempt_tokens, served_tokens, usage_split
 from gateway.routing.decision import header_value
 from gateway.routing.failover import COOLING_STATUSES
-from gateway.routing.prefix import PrefixTable
+from gateway.routing.prefix import MOVED, PrefixTable
 from gateway.spend.price_book import PriceBook
 from workers.access_log import AccessLog
 from workers.cooling import cool_for_answer
@@ -161,8 +161,13 @@ class Outcomes:
             self.prefixes.ended(record.prefix, -1, None, None)  # type: ignore[union-attr]
             return
         usage = result.usage
-        self.prefixes.ended(record.prefix, record.route.provider,  # type: ignore[union-attr]
-                            None if usage is None else usage.cached_tokens, result.first_byte_s)
+        learnt = self.prefixes.ended(record.prefix, record.route.provider,  # type: ignore[union-attr]
+                                     None if usage is None else usage.cached_tokens, result.first_byte_s)
+        if learnt is not None:
+            event, moved = learnt
+            self.metrics.prefix_event(event)
+            if moved and event != MOVED:
+                self.metrics.prefix_event(MOVED)
 
     @staticmethod
     def _charge(record: RequestRecord, result: AttemptResult | None,

@@ -9,7 +9,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-from tests.harness import Client, candidate, envelope, request
+from tests.harness import Client, candidate, envelope, metric_value, request
 
 PREFIX = {"prefix_affinity": {"enabled": True}}
 
@@ -97,10 +97,10 @@ def cached_tokens(response) -> int:
     return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def test_a_prefix_that_keeps_missing_is_re_placed_and_stays_where_it_hits(mock_provider, loopback_gateway_factory):
+def test_a_prefix_that_keeps_missing_is_re_placed_and_stays_where_it_hits(mock_provider, gateway_factory):
     handles = {name: mock_provider(name, prefix_cache=64) for name in ("p-a", "p-b", "p-c")}
     extra = {"routing": {"prefix_affinity": {"enabled": True, "misses": 3}}}
-    gateway = loopback_gateway_factory(three(handles), overlay(handles), extra=extra)
+    gateway = gateway_factory(three(handles), overlay(handles), workers=1, extra=extra)
     home = served_by(gateway.port, 3)  # a cold cache: one miss
     warm = ask(gateway.port, 3, "again")
     assert warm.headers["x-gridgate-provider"] == home and cached_tokens(warm) > 0  # the hit resets the count
@@ -111,6 +111,10 @@ def test_a_prefix_that_keeps_missing_is_re_placed_and_stays_where_it_hits(mock_p
     moved = providers[3]
     assert moved != home and providers[3:] == [moved] * 5  # ...move it one place on, where it stays
     assert [cached_tokens(r) for r in path[4:]] == [cached_tokens(warm)] * 4  # and hits
+    events = {event: metric_value(gateway.admin_port, f'gridgate_prefix_affinity_total{{event="{event}"}}')
+              for event in ("placed", "spilled", "hit", "miss", "moved")}
+    # misses: the cold first, three on the expiring cache, the cold first at the new place; hits: the rest
+    assert events == {"placed": 10, "spilled": 0, "hit": 5, "miss": 5, "moved": 1}
 
 
 def test_a_hot_prefix_spills_its_overflow_only(mock_provider, loopback_gateway_factory):

@@ -10,7 +10,7 @@ import pytest
 from gateway.config import PrefixAffinity
 from gateway.request.prefix import has_prompt, prompt_prefix
 from gateway.request.surfaces import CHAT_COMPLETIONS, COUNT_TOKENS, EMBEDDINGS, MESSAGES, RESPONSES
-from gateway.routing.prefix import PrefixTable
+from gateway.routing.prefix import HIT, MOVED, PrefixTable
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 30}
 
@@ -113,8 +113,12 @@ def test_a_slow_first_token_moves_it_and_an_answer_from_elsewhere_says_nothing()
     table.ended(table.placed, 1, 0, 9.0)  # failed over to provider 1: not the place's fault
     assert entry.offset == 0 and entry.inflight == {}
     table.place(entry, RING)
-    table.ended(table.placed, 2, 50, 0.9)
+    assert table.ended(table.placed, 2, 50, 0.9) == (MOVED, True)
     assert entry.offset == 1
+    table.place(entry, RING)
+    assert table.ended(table.placed, 0, 50, 0.1) == (HIT, False)
+    table.place(entry, RING)
+    assert table.ended(table.placed, 0, None, 0.1) is None  # the provider says nothing of its cache
 
 
 def test_the_table_forgets_the_least_recently_placed():
