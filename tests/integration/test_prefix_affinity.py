@@ -171,3 +171,14 @@ def test_messages_feed_back_their_cache_reads(mock_provider, loopback_gateway_fa
     assert len(evidence) == 6 and len({entry["hash"] for entry in evidence}) == 1
     assert [entry["moved"] for entry in evidence] == [0, 0, 0, 0, 1, 1]
     assert {entry["spilled"] for entry in evidence} == {0}
+
+
+def test_a_slow_first_token_breaks_stickiness(mock_provider, loopback_gateway_factory):
+    handles = {name: mock_provider(name) for name in ("p-a", "p-b", "p-c")}
+    extra = {"routing": {"prefix_affinity": {"enabled": True, "slow_first_token": "150ms"}}}
+    gateway = loopback_gateway_factory(three(handles), overlay(handles), extra=extra)
+    home = served_by(gateway.port, 11)
+    assert request("127.0.0.1", handles[home].port, "POST", "/admin/config", {"latency_ms": 300})[0] == 200
+    assert served_by(gateway.port, 11, "slow") == home  # this answer is the slow one...
+    moved = {served_by(gateway.port, 11, f"after-{n}") for n in range(3)}
+    assert len(moved) == 1 and home not in moved  # ...and the prefix moved on
