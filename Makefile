@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test fuzz fuzz-upstream conformance bench bench-core bench-tls bench-relay bench-features bench-opcodes bench-surfaces bench-scale lint clean wrk prices
+.PHONY: install run test fuzz fuzz-upstream conformance bench bench-core bench-tls bench-mtls bench-relay bench-features bench-opcodes bench-surfaces bench-scale bench-prefix lint clean wrk prices
 
 install: $(STAMP)
 
@@ -46,6 +46,11 @@ bench-core: install wrk
 bench-tls: install wrk
 	$(BIN)/python -m loadtest.bench_tls
 
+# What mTLS (client certificates on the listener) costs a worker core beside plain HTTPS (no wrk: it
+# cannot present a certificate; loadtest/tls_load.py drives every variant).
+bench-mtls: install
+	$(BIN)/python -m loadtest.bench_mtls
+
 # gridgate (1 worker, routing on) against a bare uvloop + h11 relay, one core each: worker CPU per request
 # and the ratio (issue 13, target 1: >= 1.0x). The upstream is nginx if installed, else the mock provider.
 bench-relay: install wrk
@@ -72,6 +77,11 @@ bench-surfaces: install wrk
 # Choose the counts with: python -m loadtest.bench_scale --workers 1,2
 bench-scale: install wrk
 	$(BIN)/python -m loadtest.bench_scale
+
+# Prefix affinity against round robin over three mock providers with prompt caches (issue 43): cached-input
+# share, cost per 1,000 requests, first-token latency; the figure in docs/benchmarks/prefix-affinity.svg.
+bench-prefix: install
+	$(BIN)/python -m loadtest.bench_prefix --plot docs/benchmarks/prefix-affinity.svg
 
 # The upstream response parser's fuzzer, long and random (make test runs a short derandomized pass);
 # FUZZ_EXAMPLES=N sets the examples per property (default 20000).

@@ -148,7 +148,16 @@ class RecentRequests(msgspec.Struct, tag="recent_requests", tag_field="kind", fr
     requests: list[RecentRequest]
 
 
-StatusMessage = Ready | Heartbeat | OverlayRejected | Draining | SpendAlertReport | SpendCounts | RecentRequests
+
+class JwksWanted(msgspec.Struct, tag="jwks_wanted", tag_field="kind", frozen=True):
+    """A token named a kid the issuer's key set lacks (docs/identity.md): the supervisor refetches that
+    issuer's JWKS, at most once per 30 s per issuer however many workers ask."""
+
+    issuer: str  # the auth.jwt entry's name
+
+
+StatusMessage = (Ready | Heartbeat | OverlayRejected | Draining | SpendAlertReport | SpendCounts | JwksWanted
+                 | RecentRequests)
 
 PIPE_BUF = select.PIPE_BUF
 _REASON_LIMIT = 1024  # an overlay rejection reason is cut to this many characters if it would not fit
