@@ -102,10 +102,9 @@ class Outcomes:
                 and (usage := result.usage).__class__ in CHECKED_OBSERVERS  # type: ignore[union-attr]
                 and (tokens := usage.total_tokens) is not None
                 and (model := record.served_model or record.capability) is not None):
-            # The metered request as nearly every one ends: its serving attempt alone cost anything, and
-            # reported its usage in counts known to be counts. ``attempts_cost`` and ``_charge`` written out
-            # (two calls fewer, no count checked again): cost clamped past ABSURD_FACTOR x the worst case,
-            # and tokens; tests/unit/test_outcomes_fast.py holds it equal to the general path below.
+            # The metered request as nearly every one ends (its serving attempt alone cost anything, usage in
+            # counts): ``attempts_cost`` and ``_charge`` written out, cost clamped past ABSURD_FACTOR x the
+            # worst case; tests/unit/test_outcomes_fast.py holds it equal to the general path below.
             cost = prices.usage_cost(model, usage, True)
             worst = admission.worst_nusd
             if worst and cost > ABSURD_FACTOR * worst:  # type: ignore[operator]
