@@ -149,3 +149,10 @@ def test_the_requests_view_formats_what_the_page_shows():
     assert (shown["latency"], shown["tokens"], shown["cost"], shown["group"]) == ("12.3 ms", "10 / 0", "$0.0000015", 0)
     assert shown["ended"].count(":") == 2
     assert requests_view([row] * 5, limit=2)["shown"] == 2
+
+
+def test_the_overlay_age_reads_at_a_glance():
+    from gateway.admin.console.views import age_text
+
+    assert [age_text(s) for s in (0, 42.9, 119, 120, 7199, 7200, 172800, 621936)] == [
+        "0 s", "42 s", "119 s", "2 min", "119 min", "2 h", "2 d", "7 d"]

@@ -64,10 +64,19 @@ def providers_view(snapshot: Snapshot | None, endpoints_doc: dict[str, Any], ove
     return {
         "overlay": {"revision": revision, "revision_short": (revision or "-")[:12],
                     "age_s": None if overlay_age_s is None else round(overlay_age_s, 1),
+                    "age": None if overlay_age_s is None else age_text(overlay_age_s),
                     "mode": overlay_doc.get("mode"), "converged": overlay_doc.get("converged")},
         "traffic": {"requests": shares.requests, "window_s": round(shares.window_s)},
         "capabilities": capabilities,
     }
+
+
+def age_text(seconds: float) -> str:
+    """``42 s``, ``5 min``, ``3 h``, ``7 d``: an age read at a glance."""
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 2 * size:
+            return f"{int(seconds // size)} {unit}"
+    return f"{int(seconds)} s"
 
 
 class _Ungrouped:
