@@ -196,6 +196,14 @@ def _jwt(alg: str) -> Feature:
     return feature
 
 
+LONG_KEY = "sk-" + "x" * 697  # an RS256 JWT's length, for the header-size control variant
+
+
+def _long_key(config: dict[str, Any], _work_dir: str) -> None:
+    # The JWT variants' control: an opaque API key as long as an RS256 token (what the header's size costs).
+    config["auth"]["keys"][0]["key"] = hash_api_key(LONG_KEY)
+
+
 def _core(config: dict[str, Any], _work_dir: str) -> None:
     # The access log is on by default: the core path goes without it, "everything" has it (issue 13).
     config["access_log"] = {"enabled": False}
@@ -223,6 +231,8 @@ VARIANTS: tuple[tuple[str, tuple[Feature, ...]], ...] = (
      (_affinity, _quota, _request_limit, _access_log, _jwt("RS256"))),
     ("production on a JWT, ES256 (a client reusing its token)",
      (_affinity, _quota, _request_limit, _access_log, _jwt("ES256"))),
+    ("production on a 700-byte API key (the JWT variants' header-size control)",
+     (_affinity, _quota, _request_limit, _access_log, _long_key)),
 )
 # The cache variants' wrk mode (wrk_cache.lua's CACHE_MODE), by variant index.
 CACHE_SCRIPTS = {index: "misses" if "0 % hits" in name else "hits"
@@ -361,11 +371,23 @@ def wrk_script_for(gateway: GatewayProcess, config_path: str) -> str:
     if mode is not None:
         return cache_script(mode, os.path.dirname(config_path), gateway.topology.listen[1])
     config = load_config(config_path)
+    if config.auth is not None and config.auth.keys and config.auth.keys[0].key == hash_api_key(LONG_KEY):
+        return long_key_script(os.path.dirname(config_path), gateway.topology.listen[1])
     if config.auth is not None and config.auth.jwt:
         return jwt_script(os.path.dirname(config_path), gateway.topology.listen[1], config.auth.jwt[0].algorithms[0])
     if not config.admin.tokens:
         return WRK_FEATURES
     return managed_key_script(gateway, os.path.dirname(config_path))
+
+
+def long_key_script(work_dir: str, port: int) -> str:
+    """A copy of wrk's script sending ``LONG_KEY`` instead of the bench key."""
+    with open(WRK_FEATURES) as source:
+        script = source.read().replace(f"Bearer {BENCH_KEY}", f"Bearer {LONG_KEY}")
+    path = os.path.join(work_dir, f"wrk-long-key-{port}.lua")
+    with open(path, "w") as out:
+        out.write(script)
+    return path
 
 
 def jwt_script(work_dir: str, port: int, alg: str) -> str:
