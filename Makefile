@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test fuzz fuzz-upstream conformance bench bench-core bench-tls bench-relay bench-features bench-opcodes bench-surfaces bench-scale lint clean wrk prices
+.PHONY: install run test fuzz fuzz-upstream conformance bench bench-core bench-tls bench-mtls bench-relay bench-features bench-opcodes bench-surfaces bench-scale lint clean wrk prices
 
 install: $(STAMP)
 
@@ -45,6 +45,11 @@ bench-core: install wrk
 # What HTTPS on the listener and the access log cost a worker core (req/s per core, handshakes/s).
 bench-tls: install wrk
 	$(BIN)/python -m loadtest.bench_tls
+
+# What mTLS (client certificates on the listener) costs a worker core beside plain HTTPS (no wrk: it
+# cannot present a certificate; loadtest/tls_load.py drives every variant).
+bench-mtls: install
+	$(BIN)/python -m loadtest.bench_mtls
 
 # gridgate (1 worker, routing on) against a bare uvloop + h11 relay, one core each: worker CPU per request
 # and the ratio (issue 13, target 1: >= 1.0x). The upstream is nginx if installed, else the mock provider.

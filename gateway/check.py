@@ -23,6 +23,7 @@ from collections.abc import Mapping
 
 from gateway.config import Config, ConfigError, ServerTls
 from gateway.http.tls import load_problem, server_tls_context
+from gateway.identity.jwt_keys import KeySetError, parse_key_set
 from gateway.net import client_tls_context
 from gateway.overlay.contract import OverlayRejected
 from gateway.overlay.snapshot import Snapshot
@@ -43,6 +44,7 @@ def validate_deployment(config: Config) -> Snapshot | None:
 def check_problems(config: Config, *, environ: Mapping[str, str] | None = os.environ) -> list[str]:
     """Everything ``gridgate check`` reports; ``environ=None`` skips the secrets (``--no-env``)."""
     problems, snapshot = _problems_and_overlay(config, environ)
+    problems += jwt_problems(config)  # not at start: a key file the supervisor writes may not exist yet
     if snapshot is not None:
         problems += unconfigured_cluster_problems(config, snapshot)
         problems += model_problems(config, snapshot)
@@ -50,6 +52,21 @@ def check_problems(config: Config, *, environ: Mapping[str, str] | None = os.env
             problems += model_glob_problems(rules_from_config(config.quota),
                                             [name for _, name in snapshot.capability_keys])
     return problems
+
+
+def load_overlay_snapshot(config: Config) -> Snapshot | None:
+    """The overlay the config names (file or inline), or None; raises ConfigError naming the field.
+
+    A Valkey ``overlay_source`` is not read here: its ``overlay_file`` fallback is, when given."""
+    path = config.overlay_path()
+    try:
+        if path is not None:
+            return load_overlay_file(path, config.routing.expected_overlay_scope)
+        if config.routing.candidates is not None:
+            return load_inline_overlay(config.routing.candidates, config.routing.expected_overlay_scope)
+    except OverlayRejected as exc:
+        raise ConfigError([f"routing.overlay_file: {path}: {exc}" if path else f"routing.candidates: {exc}"]) from None
+    return None
 
 
 def _problems_and_overlay(config: Config, environ: Mapping[str, str] | None) -> tuple[list[str], Snapshot | None]:
@@ -95,26 +112,66 @@ def secret_problems(config: Config, environ: Mapping[str, str]) -> list[str]:
 
 
 def server_tls_problems(config: Config, tls: ServerTls) -> list[str]:
-    """The certificate chain and key must load as the listener will load them."""
+    """The certificate chain and key must load as the listener will load them, and so must the client
+    CA bundle and CRL file of ``client_auth``."""
     cert, key = config.file_path(tls.cert_file), config.file_path(tls.key_file)
-    problems = []
-    for field, path, marker, what in (("cert_file", cert, b"-----BEGIN CERTIFICATE-----", "certificate"),
-                                      ("key_file", key, b"PRIVATE KEY-----", "private key")):
-        try:
-            with open(path, "rb") as handle:
-                content = handle.read()
-        except OSError as exc:
-            problems.append(f"server_tls.{field}: cannot read {path}: {exc.strerror}")
-            continue
-        if marker not in content:
-            problems.append(f"server_tls.{field}: {path} holds no PEM {what}")
+    files = [("cert_file", cert, b"-----BEGIN CERTIFICATE-----", "certificate"),
+             ("key_file", key, b"PRIVATE KEY-----", "private key")]
+    clients = tls.client_auth
+    trust = None if clients is None else clients.trust(config.file_path)
+    if trust is not None:
+        files.append(("client_auth.ca_file", trust.ca_file, b"-----BEGIN CERTIFICATE-----", "certificate"))
+        if trust.crl_file is not None:
+            files.append(("client_auth.crl_file", trust.crl_file, b"-----BEGIN X509 CRL-----", "CRL"))
+    problems = [problem for field, path, marker, what in files
+                if (problem := _pem_file_problem(f"server_tls.{field}", path, marker, what)) is not None]
     if problems:
         return problems
     try:
         server_tls_context(cert, key)  # exactly as the listener loads them
     except OSError as exc:
         return [f"server_tls: {cert} and {key} do not load as a certificate and its key: {load_problem(exc)}"]
+    if trust is None:
+        return []
+    try:
+        server_tls_context(cert, key, trust._replace(crl_file=None))
+    except OSError as exc:
+        return [f"server_tls.client_auth.ca_file: {trust.ca_file} does not load as CA certificates: "
+                f"{load_problem(exc)}"]
+    try:
+        server_tls_context(cert, key, trust)
+    except OSError as exc:
+        return [f"server_tls.client_auth.crl_file: {trust.crl_file} does not load as CRLs: {load_problem(exc)}"]
     return []
+
+
+def jwt_problems(config: Config) -> list[str]:
+    """An ``auth.jwt`` entry's key file must hold a usable key set; a ``rule_claim`` needs quota rules
+    to name. (Unknown algorithms, an issuer without a key source and a missing tenant claim are the
+    schema's: the config does not load.)"""
+    problems: list[str] = []
+    for index, entry in enumerate(config.auth.jwt if config.auth is not None else []):
+        if entry.jwks_file is not None:
+            path = config.file_path(entry.jwks_file)
+            try:
+                with open(path, "rb") as file:
+                    parse_key_set(file.read())
+            except OSError as exc:
+                problems.append(f"auth.jwt[{index}].jwks_file: cannot read {path}: {exc.strerror}")
+            except KeySetError as exc:
+                problems.append(f"auth.jwt[{index}].jwks_file: {path}: {exc}")
+        if entry.rule_claim is not None and config.quota is None:
+            problems.append(f"auth.jwt[{index}].rule_claim: names a quota rule, but there is no quota block")
+    return problems
+
+
+def _pem_file_problem(field: str, path: str, marker: bytes, what: str) -> str | None:
+    try:
+        with open(path, "rb") as handle:
+            content = handle.read()
+    except OSError as exc:
+        return f"{field}: cannot read {path}: {exc.strerror}"
+    return None if marker in content else f"{field}: {path} holds no PEM {what}"
 
 
 def access_log_problems(config: Config) -> list[str]:

@@ -21,6 +21,7 @@ from gateway.net import parse_host_port
 EXIT_OK = 0
 EXIT_INVALID = 1
 EXIT_USAGE = 2
+EXIT_NONCONFORMANT = 3  # providers verify: a required check failed
 
 
 class CommandError(Exception):
@@ -215,6 +216,26 @@ def cmd_spend(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_providers_verify(args: argparse.Namespace) -> int:
+    """providers verify: the conformance checks against each selected provider endpoint."""
+    import asyncio
+
+    from gateway.check import load_overlay_snapshot
+    from gateway.conformance import report
+    from gateway.conformance.runner import verify
+    from gateway.conformance.targets import TargetError, select_targets
+
+    config = _load_config(args.config)
+    try:
+        targets = select_targets(config, load_overlay_snapshot(config), clusters=args.cluster, model=args.model,
+                                 surfaces=args.surface or ["chat"], environ=os.environ)
+    except (TargetError, ConfigError) as exc:
+        raise CommandError(*getattr(exc, "problems", [str(exc)])) from None
+    reports = asyncio.run(verify(targets, max_tokens=args.max_tokens, timeout_s=args.timeout))
+    print(json.dumps(report.as_json(reports), indent=2) if args.json else report.table(reports))
+    return EXIT_OK if report.all_conformant(reports) else EXIT_NONCONFORMANT
+
+
 # ---------------------------------------------------------------- parser
 
 
@@ -299,7 +320,31 @@ def build_parser() -> argparse.ArgumentParser:
     spend.add_argument("--group-by", default="day", choices=["day", "model", "key", "tenant"])
     spend.add_argument("--json", action="store_true", help="print the API's JSON answer (for scripts)")
     spend.set_defaults(handler=cmd_spend)
+    _providers_commands(commands)
     return parser
+
+
+def _providers_commands(commands: argparse._SubParsersAction) -> None:
+    from gateway.conformance.targets import SURFACES
+
+    providers = _command(commands, "providers", "provider helpers")
+    actions = providers.add_subparsers(dest="providers_command", metavar="ACTION", required=True)
+    verify = _command(actions, "verify", "check that each provider endpoint is fit for its pool",
+                      "Runs the conformance checks (docs/provider-conformance.md) against every endpoint of the "
+                      "selected clusters, with TLS, SNI and the upstream credential as the config sets them. "
+                      "Exit 0 when every required check passed, 3 when one failed, 1 for a bad config.")
+    verify.add_argument("-c", "--config", required=True, metavar="FILE", help="gateway config file")
+    verify.add_argument("--cluster", action="append", default=[], metavar="NAME",
+                        help="only this cluster (repeatable; default: every cluster)")
+    verify.add_argument("--model", help="check this model (default: each model the overlay gives the cluster)")
+    verify.add_argument("--surface", action="append", choices=SURFACES, metavar="API",
+                        help=f"an API the pool serves (repeatable: {', '.join(SURFACES)}; default: chat)")
+    verify.add_argument("--max-tokens", type=_positive, default=16, metavar="N",
+                        help="output tokens each request asks for at most (default 16)")
+    verify.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="deadline of each check, all its requests together (default 30)")
+    verify.add_argument("--json", action="store_true", help="print the report as JSON (for scripts)")
+    verify.set_defaults(handler=cmd_providers_verify)
 
 
 def _positive(text: str) -> int:

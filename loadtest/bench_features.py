@@ -83,6 +83,7 @@ from loadtest.topology import (
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WRK_FEATURES = os.path.join(HERE, "configs", "wrk_features.lua")
+WRK_CACHE = os.path.join(HERE, "configs", "wrk_cache.lua")  # the cache variants' requests (CACHE_MODE)
 BENCH_KEY = "sk-bench"
 BENCH_ADMIN_TOKEN = "bench-admin-token"  # the managed-key variant's admin token (keys:write)
 WARM_UP_S = 2
@@ -156,6 +157,12 @@ def _managed_key(config: dict[str, Any], _work_dir: str) -> None:
                                                 "scopes": ["keys:write"]}]
 
 
+def _cache(config: dict[str, Any], _work_dir: str) -> None:
+    # The response cache (docs/cache.md) in the quota's embedded Valkey; wrk_cache.lua makes the requests
+    # cacheable (temperature 0): each new (0 % hits) or each the same (hits), by the variant (CACHE_SCRIPTS).
+    config["cache"] = {"enabled": True}
+
+
 def _core(config: dict[str, Any], _work_dir: str) -> None:
     # The access log is on by default: the core path goes without it, "everything" has it (issue 13).
     config["access_log"] = {"enabled": False}
@@ -175,7 +182,13 @@ VARIANTS: tuple[tuple[str, tuple[Feature, ...]], ...] = (
      (_affinity, _quota, _request_limit, _access_log)),
     ("production + a hard USD budget (a priced model)", (_affinity, _quota, _request_limit, _access_log, _spend)),
     ("production on a managed key", (_affinity, _quota, _request_limit, _access_log, _managed_key)),
+    ("production + response cache, 0 % hits (each request new: a GET and a SET)",
+     (_affinity, _quota, _request_limit, _access_log, _cache)),
+    ("production + response cache, every request a hit (no provider)",
+     (_affinity, _quota, _request_limit, _access_log, _cache)),
 )
+# The cache variants' wrk mode (wrk_cache.lua's CACHE_MODE), by variant index.
+CACHE_SCRIPTS = {len(VARIANTS) - 2: "misses", len(VARIANTS) - 1: "hits"}
 VARIANT_NAMES = tuple(name for name, _ in VARIANTS)
 
 
@@ -302,11 +315,26 @@ def running(config_paths: Sequence[str], gateway_cpus: set[int] | None,
 
 
 def wrk_script_for(gateway: GatewayProcess, config_path: str) -> str:
-    """wrk's script for the (ready) gateway of ``config_path``: the shared one, or for the managed-key
-    variant (a config with admin tokens) a copy sending a managed key made for it."""
+    """wrk's script for the (ready) gateway of ``config_path``: the shared one, for a cache variant its
+    mode of wrk_cache.lua, or for the managed-key variant (a config with admin tokens) a copy sending a
+    managed key made for it."""
+    name = os.path.splitext(os.path.basename(config_path))[0]
+    mode = CACHE_SCRIPTS.get(int(name.removeprefix("variant-"))) if name.startswith("variant-") else None
+    if mode is not None:
+        return cache_script(mode, os.path.dirname(config_path), gateway.topology.listen[1])
     if not load_config(config_path).admin.tokens:
         return WRK_FEATURES
     return managed_key_script(gateway, os.path.dirname(config_path))
+
+
+def cache_script(mode: str, work_dir: str, port: int) -> str:
+    """wrk_cache.lua in ``mode`` (misses: a run id keeps one run's contents apart from the last's)."""
+    with open(WRK_CACHE) as source:
+        script = source.read().replace('"CACHE_MODE"', f'"{mode}"').replace("RUN_ID", f'"{os.urandom(4).hex()}"')
+    path = os.path.join(work_dir, f"wrk-cache-{mode}-{port}.lua")
+    with open(path, "w") as out:
+        out.write(script)
+    return path
 
 
 def managed_key_script(gateway: GatewayProcess, work_dir: str) -> str:

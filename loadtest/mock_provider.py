@@ -34,12 +34,19 @@ Failure injection, per request (headers win over flags):
                                 report that many cached prompt, cache-written prompt and reasoning
                                 tokens in the usage (where the API has the field)
 
+Prompt cache (`--prefix-cache N`, loadtest/mock_prefix_cache.py): an LRU of N prompt prefixes (tools,
+system prompt, all turns but the last); a hit reports the prefix's tokens as cached and answers sooner.
+
 Admin: `POST /admin/health {"status": 503}` switches /health (shared by all --processes);
 `POST /admin/config {...}` changes timing, failure rates, `retry_after` (same forms as the header;
 null = the default), `fail_next` (the next N inference requests answer `fail_status`) and the metric
 overrides (`kv_cache_utilization`, `queue_depth`; null clears) of the process that receives it, as do
 the counters on /metrics: with --processes N, each process keeps its own. `GET /admin/received` lists
 the last inference requests this process received (method, path, headers, body): what a gateway sent.
+
+Conformance (loadtest/mock_conformance.py): `--api-key`, `--context-window` and `--nonconformance`
+(short_context, no_stream_usage, wrong_error_shape, no_tools, no_done; also `POST /admin/config`), for
+`gridgate providers verify` to catch.
 
 Run `python -m loadtest.mock_provider -h` for the flags.
 """
@@ -67,6 +74,8 @@ from typing import Any
 
 import msgspec
 
+from loadtest import mock_conformance as conformance
+from loadtest.mock_prefix_cache import PrefixCache, hit_delay
 from loadtest.mock_surfaces import ANTHROPIC_ENDPOINTS, SHAPES, MessagesShape, SurfaceError
 
 MAX_HEAD_BYTES = 65536
@@ -120,7 +129,14 @@ class MockSettings:
     kv_capacity_tokens: int = 65536
     kv_cache_utilization: float | None = None  # fixed override of the simulated value
     queue_depth: int | None = None  # fixed override of the measured in-flight count
+    prefix_cache: int = 0  # prompt prefixes the LRU keeps (loadtest/mock_prefix_cache.py); 0: no cache
+    prefix_hit_factor: float = 0.3  # the first-token delay a fully cached prompt keeps
+    prefix_cache_ttl_ms: float = 0.0  # a cached prefix expires after this long (0: never)
     cors_origin: str | None = None  # sent as Access-Control-Allow-Origin on every response (as some providers do)
+    # Conformance (loadtest/mock_conformance.py): a required key, an enforced window, broken promises.
+    api_key: str | None = None
+    context_window: int = 0  # 0: no window enforced
+    nonconformance: str = ""  # comma-separated conformance.FAULTS
 
 
 class SharedHealth:
@@ -154,10 +170,13 @@ class MockState:
         self.received: collections.deque[Request] = collections.deque(maxlen=RECEIVED_KEPT)
         self.provider_header = b""
         self.rng = random.Random()
+        self.nonconformance: frozenset[str] = frozenset()
+        self.prefix_cache = PrefixCache()
         self.refresh()
 
     def refresh(self) -> None:
         """Recompute values derived from the settings (called after every settings change)."""
+        self.nonconformance = conformance.parse_faults(self.settings.nonconformance)
         self.provider_header = b"x-mock-provider: " + self.settings.name.encode("latin-1") + b"\r\n"
         if self.settings.cors_origin:
             self.provider_header += b"access-control-allow-origin: " + self.settings.cors_origin.encode("latin-1") + \
@@ -289,6 +308,9 @@ def json_response(state: MockState, status: int, payload: Any, keep_alive: bool,
     return head_bytes(state, status, headers, keep_alive) + body
 
 
+CACHED_ENDPOINTS = ("chat", "completions", "responses", "messages")  # the prompt cache's (not embeddings)
+
+
 def error_payload(message: str, err_type: str, code: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": err_type, "code": code}}
 
@@ -374,6 +396,7 @@ class Completion:
         self.req = req
         self.endpoint = endpoint
         settings = state.settings
+        self._refusal(endpoint, conformance.check_credential, req.fields, settings.api_key)
         try:
             self.body = _json_decode(req.body) if req.body else {}
         except msgspec.DecodeError:
@@ -393,6 +416,19 @@ class Completion:
         self.stamp = "x-mock-stamp" in req.fields
         self.tokens, self.truncated = self._output_tokens(shape_class)
         self.prompt_tokens = self._prompt_tokens(shape_class)
+        # The prompt cache (--prefix-cache): cached prompt tokens, None when off (the headers win).
+        self.prefix_cached: int | None = None
+        if endpoint in CACHED_ENDPOINTS and "x-mock-cached-tokens" not in req.fields:
+            cached = state.prefix_cache.lookup(settings.prefix_cache, endpoint, self.body, time.monotonic(),
+                                               settings.prefix_cache_ttl_ms / 1000.0)
+            self.prefix_cached = None if cached is None else min(cached, self.prompt_tokens)
+        faults = state.nonconformance
+        self._refusal(endpoint, conformance.check_tools, self.body, faults)
+        if endpoint != "embeddings":
+            window = conformance.effective_window(settings.context_window, faults)
+            self._refusal(endpoint, conformance.check_context, self.prompt_tokens, self.body, window)
+        self.include_usage = self.include_usage and "no_stream_usage" not in faults
+        self.tool = conformance.forced_tool(self.body) if endpoint == "chat" else None
         try:  # the Responses or Messages answer (None: the OpenAI APIs built here)
             self.shape = None if shape_class is None else shape_class(self)
         except ValueError as exc:
@@ -410,6 +446,10 @@ class Completion:
             stall=stall / 1000.0,
             stall_mid=header_float(self.fault_fields, "x-mock-stall-mid-ms", 0.0) / 1000.0,
         )
+        if self.prefix_cached:  # a warm prefix: the prompt's cached share needs no prefill
+            factor = settings.prefix_hit_factor
+            self.timing.latency = hit_delay(self.timing.latency, self.prefix_cached, self.prompt_tokens, factor)
+            self.timing.ttft = hit_delay(self.timing.ttft, self.prefix_cached, self.prompt_tokens, factor)
         if self.timing.stall > 0:
             state.faults["stall"] += 1
         self.status = self._injected_status()
@@ -420,6 +460,15 @@ class Completion:
         self.cut = CLOSE if self.reset == "mid-close" else ABORT  # how a mid-body cut ends the connection
         self.retry_after = None if self.status == 200 else retry_after_value(
             self.fault_fields.get("x-mock-retry-after", settings.retry_after), self.status)
+
+    @staticmethod
+    def _refusal(endpoint: str, check: Callable[..., None], *args: Any) -> None:
+        """Run a conformance check; its refusal becomes a BadRequest in the endpoint's error shape."""
+        try:
+            check(*args)
+        except conformance.Refusal as exc:
+            payload = None if endpoint in ANTHROPIC_ENDPOINTS else exc.payload
+            raise BadRequest(exc.status, str(exc), payload) from None
 
     # -- decisions --------------------------------------------------------------------------------
 
@@ -516,6 +565,7 @@ class Completion:
         else:
             payload = error_payload(message, "mock_injected_error", code)
         extra = [("retry-after", self.retry_after)] if self.retry_after else None
+        payload = conformance.error_body(payload, self.state.nonconformance)
         return json_response(self.state, self.status, payload, self.req.keep_alive, extra)
 
     def _usage(self) -> dict[str, Any]:
@@ -531,6 +581,8 @@ class Completion:
                 cached = reasoning = 0
             usage["prompt_tokens_details"] = {"cached_tokens": min(max(0, cached), self.prompt_tokens)}
             usage["completion_tokens_details"] = {"reasoning_tokens": min(max(0, reasoning), completion)}
+        elif self.prefix_cached is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.prefix_cached}
         return usage
 
     def _json_payload(self) -> dict[str, Any]:
@@ -547,6 +599,8 @@ class Completion:
             return {"object": "list", "data": data, "model": self.model,
                     "usage": {"prompt_tokens": self.prompt_tokens, "total_tokens": self.prompt_tokens}}
         text = "".join(token_pieces(state, self.tokens))
+        if self.endpoint == "chat" and conformance.wants_json(self.body):
+            text = _json_encode({"text": text}).decode()
         if self.shape is not None:
             payload = self.shape.json_payload(text)
         elif self.endpoint == "chat":
@@ -557,6 +611,9 @@ class Completion:
                              "logprobs": None, "finish_reason": finish}],
                 "usage": self._usage(),
             }
+            if self.tool is not None:
+                payload["choices"][0].update(message=conformance.tool_call_message(self.tool, state.next_id()),
+                                             finish_reason="tool_calls")
         else:
             payload = {
                 "id": f"cmpl-mock-{state.next_id()}", "object": "text_completion", "created": created,
@@ -633,7 +690,7 @@ class Completion:
                            "created": created, "model": self.model, "system_fingerprint": "fp_mock",
                            "choices": [], "usage": self._usage()}
             tail.append(sse_chunk(usage_chunk))
-        tail += [SSE_DONE, CHUNKED_END]
+        tail += [CHUNKED_END] if "no_done" in state.nonconformance else [SSE_DONE, CHUNKED_END]
         yield (timing.ttft if self.tokens == 0 else 0.0), b"".join(tail)
 
 
@@ -716,6 +773,11 @@ def metrics_text(state: MockState) -> bytes:
     lines += ["# HELP mock_faults_injected_total Injected failures, by kind.",
               "# TYPE mock_faults_injected_total counter"]
     lines += [f'mock_faults_injected_total{{{label},kind="{k}"}} {n}' for k, n in sorted(state.faults.items())]
+    cache = state.prefix_cache
+    lines += ["# HELP mock_prefix_cache_total Prompt-cache lookups (--prefix-cache), by result.",
+              "# TYPE mock_prefix_cache_total counter",
+              f'mock_prefix_cache_total{{{label},result="hit"}} {cache.hits}',
+              f'mock_prefix_cache_total{{{label},result="miss"}} {cache.misses}']
     # vLLM-style names, so scrapers written for real inference servers work unchanged.
     lines += [
         "# TYPE vllm:num_requests_running gauge", f"vllm:num_requests_running{{{label}}} {state.in_flight}",
@@ -730,8 +792,10 @@ ADMIN_FIELDS = {"latency_ms": float, "ttft_ms": float, "tokens_per_s": float, "t
                 "fail_rate": float, "fail_status": int, "fail_next": int, "retry_after": str,
                 "reset_rate": float, "mid_reset_rate": float,
                 "stall_rate": float, "stall_ms": float, "kv_capacity_tokens": int,
-                "kv_cache_utilization": float, "queue_depth": int, "name": str}
-NULLABLE_FIELDS = {"kv_cache_utilization", "queue_depth", "retry_after"}
+                "kv_cache_utilization": float, "queue_depth": int, "name": str,
+                "api_key": str, "context_window": int, "nonconformance": str, "prefix_cache": int,
+                "prefix_hit_factor": float, "prefix_cache_ttl_ms": float}
+NULLABLE_FIELDS = {"kv_cache_utilization", "queue_depth", "retry_after", "api_key"}
 
 
 def apply_admin_config(state: MockState, body: bytes) -> dict[str, Any]:
@@ -750,6 +814,11 @@ def apply_admin_config(state: MockState, body: bytes) -> dict[str, Any]:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
             raise BadRequest(400, f"setting {key!r} must be {kind.__name__}")
+        if key == "nonconformance":
+            try:
+                conformance.parse_faults(value)
+            except ValueError as exc:
+                raise BadRequest(400, str(exc)) from None
     for key, value in changes.items():
         setattr(state.settings, key, kind_cast(ADMIN_FIELDS[key], value))
     state.refresh()
@@ -912,7 +981,8 @@ class MockHTTPProtocol(asyncio.Protocol):
         try:
             completion = Completion(state, req, endpoint)
         except BadRequest as exc:
-            self.write(json_response(state, exc.status, refusal_payload(endpoint, exc), req.keep_alive))
+            payload = conformance.error_body(refusal_payload(endpoint, exc), state.nonconformance)
+            self.write(json_response(state, exc.status, payload, req.keep_alive))
             self.finish(req.keep_alive)
             return
         steps = completion.steps()
@@ -1004,6 +1074,10 @@ class MockHTTPProtocol(asyncio.Protocol):
             return head_bytes(state, 200, [("content-type", "text/plain; version=0.0.4; charset=utf-8"),
                                            ("content-length", str(len(body)))], keep) + body
         if path == "/v1/models" and method == "GET":
+            try:
+                conformance.check_credential(req.fields, state.settings.api_key)
+            except conformance.Refusal as exc:
+                return json_response(state, 401, conformance.error_body(exc.payload, state.nonconformance), keep)
             data = [{"id": m, "object": "model", "created": 0, "owned_by": state.settings.name}
                     for m in state.settings.models]
             return json_response(state, 200, {"object": "list", "data": data}, keep)
@@ -1088,6 +1162,14 @@ def run_worker(sock: socket.socket, settings: MockSettings, health: SharedHealth
     uvloop.run(serve(sock, state, backlog))
 
 
+def _fault_list(text: str) -> str:
+    try:
+        conformance.parse_faults(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m loadtest.mock_provider", description=__doc__.split("\n")[0])
     p.add_argument("--host", default="127.0.0.1")
@@ -1112,7 +1194,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--health-status", type=int, default=200, help="initial GET /health status")
     p.add_argument("--kv-capacity-tokens", type=int, default=65536, help="simulated KV-cache size")
     p.add_argument("--kv-cache-utilization", type=float, default=None, help="fix the KV gauge to this value")
+    p.add_argument("--prefix-cache", type=int, default=0,
+                   help="keep this many prompt prefixes and report their tokens as cached (0 = no prompt cache)")
+    p.add_argument("--prefix-hit-factor", type=float, default=0.3,
+                   help="share of the first-token delay a fully cached prompt keeps")
+    p.add_argument("--prefix-cache-ttl-ms", type=float, default=0.0, help="a cached prefix expires after this (0 = never)")
     p.add_argument("--cors-origin", default=None, help="send Access-Control-Allow-Origin: <this> on every response")
+    p.add_argument("--api-key", default=None, help="answer 401 unless the request carries this key")
+    p.add_argument("--context-window", type=int, default=0,
+                   help="refuse (400 context_length_exceeded) prompt + max_tokens beyond this; 0 = no window")
+    p.add_argument("--nonconformance", default="", type=_fault_list,
+                   help=f"break promises on purpose, comma-separated: {', '.join(conformance.FAULTS)}")
     p.add_argument("--processes", type=int, default=1, help="SO_REUSEPORT processes")
     p.add_argument("--backlog", type=int, default=4096)
     p.add_argument("--seed", type=int, default=None, help="seed for the failure-rate dice")
@@ -1129,6 +1221,9 @@ def settings_from_args(args: argparse.Namespace) -> MockSettings:
         reset_rate=args.reset_rate, mid_reset_rate=args.mid_reset_rate, stall_rate=args.stall_rate,
         stall_ms=args.stall_ms, kv_capacity_tokens=args.kv_capacity_tokens,
         kv_cache_utilization=args.kv_cache_utilization, cors_origin=args.cors_origin,
+        prefix_cache=args.prefix_cache, prefix_hit_factor=args.prefix_hit_factor,
+        prefix_cache_ttl_ms=args.prefix_cache_ttl_ms,
+        api_key=args.api_key, context_window=args.context_window, nonconformance=args.nonconformance,
     )
 
 

@@ -30,7 +30,7 @@ import msgspec
 from gateway.config import AccessLog as AccessLogConfig
 from gateway.config import Config
 from gateway.routing.eligibility import reason_names
-from gateway.routing.evidence import PickerInput
+from gateway.routing.evidence import PickerInput, PrefixEvidence
 from gateway.routing.plan import RouteDecision
 from workers.line_writer import LineWriter
 from workers.request_record import RequestRecord
@@ -77,6 +77,7 @@ class AccessLine(msgspec.Struct, omit_defaults=True, gc=False):
     candidates: int | None = None
     excluded: dict[str, int] | None = None
     picker_inputs: list[PickerInput] | None = None
+    prefix: PrefixEvidence | None = None  # prefix affinity's pick (docs/routing.md, "Prefix affinity")
     trace_id: str | None = None  # a traced request's trace (docs/tracing.md)
     shadow: tuple[str, ...] | None = None  # quota limits in shadow mode that would have refused it
     # An alias or a fallback chain (docs/models.md): the name asked for (when an alias), the model that
@@ -92,6 +93,10 @@ class AccessLine(msgspec.Struct, omit_defaults=True, gc=False):
     tokens_cached: int | None = None
     tokens_reasoning: int | None = None
     spend_alert: str | None = None
+    # The response cache (docs/cache.md): hit, miss or bypass; what a hit saved (its entry's usage and cost).
+    cache: str | None = None
+    saved_tokens: int | None = None
+    saved_nusd: int | None = None
 
 
 _NO_ROUTE = (None, None, None, None, None, None, None)  # a RouteDecision's fields up to _ROUTE_FIELDS' end
@@ -109,7 +114,7 @@ _line_values = attrgetter("ended", "t_start", "t_first_byte", "overhead_s", "req
                           "target", "cost_nusd", "tokens_cached", "tokens_reasoning")
 _numbers = attrgetter("status", "attempts", "bytes_in", "bytes_out", "tokens_prompt", "tokens_completion")
 _shared = attrgetter("method", "capability", "endpoint", "error", "served_model",
-                     "filtered", "evidence", "trace", "shadow", "model_route", "spend_alert")
+                     "filtered", "evidence", "trace", "shadow", "model_route", "spend_alert", "cache")
 _rare_fields = attrgetter("filtered", "evidence", "trace", "shadow", "model_route", "spend_alert")
 _PLAIN = (0, None, None, None, None, None)
 # The route's values on the line, a slice of the decision (a tuple): cluster .. affinity.
@@ -311,8 +316,8 @@ class AccessLog:
         # The rarer fields are set after the fact (the same line: keys follow the struct's order): a call
         # with every field spelled out, or unpacked from a tuple, costs more on every line.
         if evidence is not None:
-            line.site, line.admission_state, line.candidates, line.excluded, line.picker_inputs = (
-                _astuple(evidence))
+            (line.site, line.admission_state, line.candidates, line.excluded, line.picker_inputs,
+             line.prefix) = _astuple(evidence)
         if trace is not None:
             line.trace_id = trace.trace_id
         if entry.shadow is not None:
@@ -327,6 +332,8 @@ class AccessLog:
             line.tokens_cached, line.tokens_reasoning = entry.tokens_cached, entry.tokens_reasoning
         if entry.spend_alert is not None:
             line.spend_alert = entry.spend_alert
+        if entry.cache is not None:  # a hit's line is never a template's: it has no overhead_ms
+            line.cache, line.saved_tokens, line.saved_nusd = entry.cache, entry.saved_tokens, entry.saved_nusd
         return line
 
     def _encode_line(self, entry: RequestRecord, millis: int, buffer: bytearray, key: tuple | None) -> None:

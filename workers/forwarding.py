@@ -34,6 +34,7 @@ from workers.overlay_follower import OverlayFollower
 from workers.proxy_settings import ProxySettings
 from workers.relay import ResponseRelay
 from workers.request_record import RequestRecord
+from workers.response_cache import CACHE_HEADERS
 from workers.upstream import ConnectFailed, PoolExhausted, UpstreamConnection
 
 _perf = time.perf_counter
@@ -119,6 +120,8 @@ class Forwarder:
             headers += record.admission.headers
         if record.model_route is not None:  # an alias or a fallback chain: which model serves (docs/models.md)
             headers += served_model_headers(record)
+        if record.cache is not None:  # x-gridgate-cache: miss or bypass (docs/cache.md)
+            headers.append(CACHE_HEADERS[record.cache])
         return headers
 
     async def _try_provider(self, record: RequestRecord, cluster: UpstreamCluster, route: RouteDecision,
@@ -189,7 +192,9 @@ class Forwarder:
               deadline: float, hold_retryable: bool, hold_refusals: frozenset[str] | None) -> ResponseRelay:
         """Write the request on ``conn``; the relay streams the answer and says what the attempt came to."""
         exchange = record.exchange
-        relay = ResponseRelay(exchange, conn, response_headers, record.metering, hold_retryable, hold_refusals)
+        # A cache miss's leader relays through its capture (workers/response_cache.py), else straight.
+        sink = exchange if record.cache_fill is None else record.cache_fill
+        relay = ResponseRelay(sink, conn, response_headers, record.metering, hold_retryable, hold_refusals)
         exchange.listener = relay
         record.attempt = relay
         record.endpoint = endpoint

@@ -18,6 +18,7 @@ from gateway.quota.gate import QuotaGate
 from gateway.request.attempts import AttemptResult, attempt_tokens, served_tokens, usage_split
 from gateway.routing.decision import header_value
 from gateway.routing.failover import COOLING_STATUSES
+from gateway.routing.prefix import PrefixTable
 from gateway.spend.price_book import PriceBook
 from workers.access_log import AccessLog
 from workers.cooling import cool_for_answer
@@ -64,7 +65,7 @@ class Outcomes:
     """One per worker: the end of every request the proxy handled, and the answers it makes itself."""
 
     __slots__ = ("quota", "metrics", "access_log", "providers", "cooling", "route_headers", "prices",
-                 "reject_unpriced", "spend")
+                 "reject_unpriced", "spend", "prefixes")
 
     def __init__(self, quota: QuotaGate | None, metrics: WorkerMetrics, access_log: AccessLog,
                  providers: ProviderStates, cooling: Cooling, route_headers: bool,
@@ -79,6 +80,7 @@ class Outcomes:
         self.providers = providers
         self.cooling = cooling
         self.route_headers = route_headers
+        self.prefixes: PrefixTable | None = None  # prefix affinity's placements: an answer feeds back
 
     def close(self, record: RequestRecord) -> None:
         """The record's request is over (``RequestRecord.close``: once). Runs before the response's last
@@ -99,11 +101,10 @@ class Outcomes:
                 and (usage := result.usage).__class__ in CHECKED_OBSERVERS  # type: ignore[union-attr]
                 and (tokens := usage.total_tokens) is not None
                 and (model := record.served_model or record.capability) is not None):
-            # The metered request as nearly every one ends: the attempt that served it was its only one
-            # to cost anything, and reported its usage, in counts known to be counts. ``attempts_cost``
-            # and ``_charge`` written out for it (two calls fewer per request, and no count checked
-            # again): its usage's cost, clamped to the worst case past ABSURD_FACTOR times it, and its
-            # usage's tokens; tests/unit/test_outcomes_fast.py holds it equal to the general path below.
+            # The metered request as nearly every one ends: its serving attempt alone cost anything, and
+            # reported its usage in counts known to be counts. ``attempts_cost`` and ``_charge`` written out
+            # (two calls fewer, no count checked again): cost clamped past ABSURD_FACTOR x the worst case,
+            # and tokens; tests/unit/test_outcomes_fast.py holds it equal to the general path below.
             cost = prices.usage_cost(model, usage, True)
             worst = admission.worst_nusd
             if worst and cost > ABSURD_FACTOR * worst:  # type: ignore[operator]
@@ -124,6 +125,8 @@ class Outcomes:
                     self.quota.settle(admission, *self._charge(record, result, served), cost_nusd=record.cost_nusd)
                 else:  # it never reached a provider: nothing is charged, and its request slots go back too
                     self.quota.settle(admission, 0, reached=False)
+        if record.prefix is not None:  # prefix affinity: cached tokens and the first token feed back
+            self._prefix_ended(record, result if served else None)
         if (spend := self.spend) is not None:  # the day's rollups and the spend metrics (docs/pricing.md)
             spend.count(record)
         if record.trace is not None:  # its spans end and go to the exporter's queue (docs/tracing.md)
@@ -151,6 +154,15 @@ class Outcomes:
         metrics.overhead(record.overhead_s or 0.0)
         metrics.upstream_latency(cluster, result.first_byte_s, result.duration_s)
         self.observe(route.provider, cluster, record.endpoint, result)
+
+    def _prefix_ended(self, record: RequestRecord, result: AttemptResult | None) -> None:
+        """The prefix's placement hears how its request went (gateway.routing.prefix)."""
+        if result is None or record.route is None:
+            self.prefixes.ended(record.prefix, -1, None, None)  # type: ignore[union-attr]
+            return
+        usage = result.usage
+        self.prefixes.ended(record.prefix, record.route.provider,  # type: ignore[union-attr]
+                            None if usage is None else usage.cached_tokens, result.first_byte_s)
 
     @staticmethod
     def _charge(record: RequestRecord, result: AttemptResult | None,

@@ -10,8 +10,8 @@ scan, a CORS preflight answered there. ``Proxy.handle`` then chooses by the rout
   ``quota`` block). A step reads and writes the request's ``Flow`` and returns None (go on), an
   ``ErrorReply`` (the request ends with that local answer) or, when it must wait, an awaitable of either.
 
-The steps: capability -> aliases -> permission and pin -> unpriced -> quota admission -> route ->
-forward (workers/forwarding.py, or the model chain of workers/model_chain.py). The record closes once
+The steps: capability -> aliases -> permission and pin -> unpriced -> quota admission -> prompt prefix ->
+route -> forward (workers/forwarding.py, or the model chain of workers/model_chain.py). The record closes once
 (workers/outcomes.py: settle the reservation, metrics, access line).
 """
 
@@ -35,12 +35,15 @@ from gateway.request.capability import (
 )
 from gateway.request.estimate import MAX_ALLOWANCE, estimate_prompt_tokens
 from gateway.request.headers import ACCEPT_ENCODING, RequestHeaders
+from gateway.request.prefix import has_prompt, prompt_prefix
 from gateway.request.routes import MCP, MODELS, AllowedRoute
 from gateway.request.usage import rewrite_request_for_usage
 from gateway.routing import RouteDecision, Router
 from gateway.routing.decision import RouteRefusal
 from gateway.routing.eligibility import Needs
-from gateway.routing.evidence import route_evidence
+from gateway.routing.evidence import prefix_evidence, route_evidence
+from gateway.routing.plan import PREFIX_MODE
+from gateway.routing.prefix import PrefixEntry
 from gateway.routing.tenants import Policy, TenantPolicies
 from workers.clusters import ClusterManager
 from workers.exchange import Exchange
@@ -54,6 +57,7 @@ from workers.overlay_follower import OverlayFollower
 from workers.providers import ProviderStates
 from workers.proxy_settings import ProxySettings
 from workers.request_record import RequestRecord
+from workers.response_cache import ANSWERED, ResponseCache
 from workers.tracing import Tracer
 
 _monotonic = time.monotonic
@@ -74,6 +78,7 @@ class Flow(msgspec.Struct, gc=False):
     request: CapabilityRequest = None  # type: ignore[assignment]  # the capability step sets it
     pinned: RouteDecision | None = None  # a pinned route (docs/routing.md)
     route: RouteDecision | ErrorReply | None = None
+    prefix: PrefixEntry | None = None  # the prompt prefix's entry (prefix affinity: docs/routing.md)
 
 
 # A step's verdict: None (the next step runs), the local answer that ends the request, or an awaitable of
@@ -88,7 +93,7 @@ class Proxy:
     def __init__(
         self, *, settings: ProxySettings, tenants: TenantPolicies, overlay: OverlayFollower, router: Router,
         clusters: ClusterManager, providers: ProviderStates, quota: QuotaGate | None, metrics: WorkerMetrics,
-        outcomes: Outcomes, tracer: Tracer | None = None,
+        outcomes: Outcomes, tracer: Tracer | None = None, cache: ResponseCache | None = None,
     ) -> None:
         self.settings = settings
         self.tracer = tracer  # None: tracing is off (docs/tracing.md)
@@ -104,6 +109,9 @@ class Proxy:
         self.chain = ModelChain(settings=settings, overlay=overlay, forwarder=self.forwarder, metrics=metrics,
                                 route=self.route)
         self.answers = LocalAnswers(overlay=overlay, quota=quota, outcomes=outcomes).by_kind
+        self.cache = cache  # None: no response cache (docs/cache.md)
+        if cache is not None:
+            cache.admit_hit = self.admit_hit
         self.steps = self.build_steps()
 
     def build_steps(self) -> tuple[Step, ...]:
@@ -114,8 +122,12 @@ class Proxy:
         steps.append(self.permit)
         if self.outcomes.reject_unpriced:
             steps.append(self.refuse_unpriced)
+        if self.cache is not None:  # before admission: a hit takes no token reservation
+            steps.append(self.cache.look_up)
         if self.quota is not None:
             steps.append(self.admit)
+        if self.settings.prefix_bytes and self.router.prefixes is not None:
+            steps.append(self.read_prefix)
         steps += (self.choose_route, self.forward)
         return tuple(steps)
 
@@ -146,6 +158,8 @@ class Proxy:
                     verdict = await verdict
                     if verdict is None:
                         continue
+                if verdict is ANSWERED:  # answered by the step itself (a cache hit)
+                    return
                 if not exchange.client_gone:
                     self.outcomes.refuse(record, verdict)  # type: ignore[arg-type]
                 return
@@ -245,6 +259,28 @@ class Proxy:
         record.admission = admission
         return None
 
+    def admit_hit(self, flow: Flow) -> Verdict:
+        """A cache hit's admission (docs/cache.md): one request against the request limits (and the deny set
+        of revoked keys), no tokens; settled at once, as a request that reached a provider and cost nothing."""
+        admitted = flow.admitted
+        if self.quota is None or not admitted.route.surface.metered:
+            return None
+        admission = self.quota.admission(admitted.tenant, flow.request.name, 0, 0, admitted.key)
+        if admission is None:
+            return None
+        if admission.__class__ is not Admission:
+            return self.hit_admitted_later(admission)
+        return self.settle_hit(admission)
+
+    async def hit_admitted_later(self, pending: Awaitable[Admission]) -> ErrorReply | None:
+        return self.settle_hit(await pending)
+
+    def settle_hit(self, admission: Admission) -> ErrorReply | None:
+        if not admission.allowed:
+            return refusal(admission)
+        self.quota.settle(admission, 0, reached=True, cost_nusd=0)  # type: ignore[union-attr]
+        return None
+
     async def admitted_later(self, record: RequestRecord, pending: Awaitable[Admission]) -> ErrorReply | None:
         """The ledger's decision, once this tick's batch has it (as ``admit`` takes a worker-held one)."""
         admission = await pending
@@ -253,6 +289,13 @@ class Proxy:
             return refusal(admission)
         record.admission = admission
         return None
+
+    def read_prefix(self, flow: Flow) -> None:
+        """Prefix affinity: the hash of the prompt's leading content, and its entry in the placements."""
+        if flow.pinned is None and has_prompt(flow.admitted.route.surface):
+            key = prompt_prefix(flow.exchange.body, self.settings.prefix_bytes)
+            if key is not None:
+                flow.prefix = self.router.prefixes.entry(key)  # type: ignore[union-attr]
 
     def choose_route(self, flow: Flow) -> ErrorReply | None:
         """The pinned route, or the router's: session, filters and stable_hash key first (they go to the
@@ -278,12 +321,16 @@ class Proxy:
             session = None
         record.barred = barred
         record.session = session if barred is None else None  # a barred request never moves a binding
-        route = flow.route = self.route(flow.request, session, needs, key, barred)
+        route = flow.route = self.route(flow.request, session, needs, key, barred, flow.prefix)
         if type(route) is RouteDecision:
+            if flow.prefix is not None and route.mode == PREFIX_MODE:  # placed by its prompt prefix
+                record.prefix = self.router.prefixes.placed  # type: ignore[union-attr]
             if route.filtered:  # the filters' counts: evidence on the response and the access line
                 record.filtered, record.filtered_reasons = route.filtered, route.filtered_reasons
             if record.trace is not None or self.evidence_sampled():
-                record.evidence = route_evidence(route, self.providers.view, needs, barred)
+                evidence = record.evidence = route_evidence(route, self.providers.view, needs, barred)
+                if record.prefix is not None:
+                    evidence.prefix = prefix_evidence(record.prefix)
             return None
         return self.unrouted(flow, route, barred)
 
@@ -359,11 +406,12 @@ class Proxy:
         return capability is not None and any(member.cluster in clusters for member in capability.members)
 
     def route(self, request: CapabilityRequest, session: bytes | None, needs: Needs | None,
-              key: bytes, barred: frozenset[int] | None) -> RouteDecision | ErrorReply:
+              key: bytes, barred: frozenset[int] | None,
+              prefix: PrefixEntry | None = None) -> RouteDecision | ErrorReply:
         now = _monotonic()
         self.providers.maybe_refresh(now)
         decision = self.router.route(self.overlay.snapshot, request.kind, request.name, session, now, needs, key,
-                                     barred)
+                                     barred, prefix)
         if type(decision) is RouteDecision:
             if decision.filtered:
                 self.metrics.route_filtered(decision.filtered_reasons)

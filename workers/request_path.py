@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass
 
-from gateway.config import Config
+from gateway.config import Config, PrefixAffinity
 from gateway.host_segment import MAX_PROVIDERS, PROVIDERS_REGION
 from gateway.identity.auth import Authenticator
+from gateway.identity.client_cert import CertificateTenants
 from gateway.keys.lookup import KeyLookup
 from gateway.metrics.catalogue import COUNTERS
 from gateway.metrics.writer import WorkerMetrics
@@ -29,6 +31,7 @@ from gateway.request.headers import HeaderPlan
 from gateway.request.routes import RouteTable
 from gateway.routing import Router
 from gateway.routing.eligibility import FactsTable
+from gateway.routing.prefix import PrefixTable
 from gateway.routing.tenants import TenantPolicies
 from gateway.spend.price_book import PriceBook
 from gateway.valkey.client import create_client
@@ -39,15 +42,18 @@ from shm.metrics import MetricsTable
 from shm.providers import EndpointCooling, ProviderCells
 from shm.segment import Segment
 from workers.access_log import AccessLog
+from workers.cert_gate import ConnectionCertificates
 from workers.clusters import ClusterManager
 from workers.cors_gate import CorsGate
 from workers.head_gate import HeadGate
+from workers.jwt_gate import JwtGate
 from workers.key_gate import ManagedKeyGate
 from workers.outcomes import Outcomes
 from workers.overlay_follower import OverlayFollower
 from workers.providers import ProviderStates
 from workers.proxy import Proxy
 from workers.proxy_settings import ProxySettings
+from workers.response_cache import ResponseCache
 from workers.server import ServerSettings, ServerState
 from workers.spend_tracker import SpendTracker
 from workers.tracing import TRACE_HEADERS, Tracer
@@ -89,6 +95,7 @@ class RequestPath:
     proxy: Proxy
     tracer: Tracer | None = None  # tracing configured (docs/tracing.md)
     spend: SpendTracker | None = None  # rollups, spend metrics, alerts (docs/pricing.md)
+    cache: ResponseCache | None = None  # the response cache (docs/cache.md)
 
     @classmethod
     async def build(cls, ctx: WorkerContext, segment: Segment, row: WorkerRow) -> RequestPath:
@@ -115,6 +122,7 @@ class RequestPath:
             max(ctx.slot, 0), affinity=_affinity_table(ctx, segment),
             affinity_ttl_s=float(routing.session_affinity.ttl), provider_index=provider_index,
             providers=providers.view, picker=routing.picker, facts=FactsTable(routing.models),
+            prefixes=prefix_table(routing.prefix_affinity, config.worker_count()),
         )
         report_unconfigured(router.prepare(overlay.snapshot))
         # One price book per worker (docs/pricing.md): what a request costs when it ends, the worst case a
@@ -128,13 +136,17 @@ class RequestPath:
         spend.access_log = access_log
         outcomes = Outcomes(quota, metrics, access_log, providers, settings.cooling, settings.route_headers, prices,
                             spend)
+        outcomes.prefixes = router.prefixes
         tracer = Tracer.from_config(config)
+        cache = config.cache
+        response_cache = ResponseCache.from_config(cache, ctx.quota_url, metrics) if cache is not None and cache.enabled else None
         proxy = Proxy(settings=settings, tenants=TenantPolicies(config.tenants), overlay=overlay, router=router,
                       clusters=clusters, providers=providers, quota=quota, metrics=metrics, outcomes=outcomes,
-                      tracer=tracer)
+                      tracer=tracer, cache=response_cache)
         return cls(config, metrics, overlay, clusters, providers, router, quota, access_log,
-                   _head_gate(config, clusters, settings, provider_index, ctx.key_table), outcomes, proxy, tracer,
-                   spend)
+                   _head_gate(config, clusters, settings, provider_index, ctx.key_table,
+                              ctx.status_fd if ctx.status_fd >= 0 else None), outcomes, proxy, tracer,
+                   spend, response_cache)
 
     def server_state(self) -> ServerState:
         """The per-worker server state that hands this path every request: the head gate decides on each
@@ -166,6 +178,8 @@ class RequestPath:
         self.clusters.close()
         if self.quota is not None:
             await self.quota.close()
+        if self.cache is not None:  # its stores in progress (bounded wait)
+            await self.cache.close()
         await self.access_log.close()
         if self.spend is not None:  # the last rollups (bounded wait)
             await self.spend.close()
@@ -199,8 +213,19 @@ async def _quota_gate(ctx: WorkerContext, prices: PriceBook) -> QuotaGate | None
     return gate
 
 
+def prefix_table(prefix: PrefixAffinity, workers: int) -> PrefixTable | None:
+    """Prefix affinity's per-worker placements (None: off). A prefix's share of a provider's capacity is
+    split over the host's workers, each counting its own requests (SO_REUSEPORT spreads them evenly)."""
+    if not prefix.enabled:
+        return None
+    share = math.ceil(prefix.spill_at * prefix.capacity / max(1, workers))
+    slow = None if prefix.slow_first_token is None else float(prefix.slow_first_token)
+    return PrefixTable(prefix.table_size, share, prefix.misses, slow)
+
+
 def _head_gate(config: Config, clusters: ClusterManager, settings: ProxySettings,
-               provider_index: dict[str, int], key_table: KeyTable | None = None) -> HeadGate:
+               provider_index: dict[str, int], key_table: KeyTable | None = None,
+               status_fd: int | None = None) -> HeadGate:
     routing = config.routing
     header_plan = HeaderPlan(
         routing.model_header,
@@ -217,4 +242,13 @@ def _head_gate(config: Config, clusters: ClusterManager, settings: ProxySettings
     authenticator = Authenticator.from_config(auth) if auth is not None else None
     # Managed keys (docs/keys.md): the table the supervisor created before fork; None without a store.
     keys = ManagedKeyGate(KeyLookup(key_table)) if key_table is not None and authenticator is not None else None
-    return HeadGate(routes, authenticator, header_plan, keys=keys)
+    return HeadGate(routes, authenticator, header_plan, keys=keys, certificates=_certificates(config),
+                    jwt=JwtGate.from_config(config, status_fd))
+
+
+def _certificates(config: Config) -> ConnectionCertificates | None:
+    """The client-certificate identities (mTLS, docs/identity.md); None when the listener asks for none."""
+    client_auth = None if config.server_tls is None else config.server_tls.client_auth
+    if client_auth is None:
+        return None
+    return ConnectionCertificates(CertificateTenants(client_auth.tenant_from, client_auth.map))

@@ -44,6 +44,7 @@ class RequestRecord(msgspec.Struct, gc=False):
     session: bytes | None = None  # the session-affinity key whose binding follows the serving provider
     needs: Needs | None = None  # eligibility filters (None: none apply)
     key: bytes = b""  # the stable_hash picker's key
+    prefix: Any = None  # gateway.routing.prefix.Placement: prefix affinity placed it (its end feeds back)
     barred: frozenset[int] | None = None  # providers its route may not reach (docs/security.md)
     balance_keys: dict[bytes, bytes] | None = None  # consistent-hash header values of the balancers
     body: bytes = b""  # as sent upstream (rewritten to ask for usage when metered)
@@ -91,6 +92,12 @@ class RequestRecord(msgspec.Struct, gc=False):
     # reached no provider, or has no model to price.
     cost_nusd: int | None = None
     spend_alert: str | None = None  # a budget threshold this request crossed first in its period
+    # -- the response cache (docs/cache.md): hit, miss or bypass (None: no cache), what a hit saved, and a
+    # leader's capture of its answer (workers/response_cache.py), stored as the record closes
+    cache: str | None = None
+    saved_tokens: int | None = None
+    saved_nusd: int | None = None
+    cache_fill: Any = None
     closed: bool = False
 
     @property
@@ -128,6 +135,10 @@ class RequestRecord(msgspec.Struct, gc=False):
         try:
             self.ends.close(self)
         finally:
+            fill = self.cache_fill
+            if fill is not None:  # a cache miss's leader: its answer is stored (when whole) and shared
+                self.cache_fill = None
+                fill.cache.store(fill, self)
             # The line is written later: it keeps no body, headers, relay or exchange meanwhile.
             self.exchange = self.attempt = self.admission = self.forward = self.needs = None
             self.body = b""

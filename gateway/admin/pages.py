@@ -9,7 +9,7 @@ The data comes from ``AdminSources``, implemented by the supervisor; ``/metrics`
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
@@ -114,6 +114,17 @@ class KeyPages(Protocol):
                caller: Caller) -> Awaitable[AdminResponse]: ...
 
 
+class ConsolePages(Protocol):
+    """The console (``gateway.admin.console.app.Console``): the web pages under ``/console``."""
+
+    def handle(self, method: str, target: str, headers: Mapping[str, str], body: bytes,
+               peer: str) -> Awaitable[AdminResponse]: ...
+
+
+def is_console_path(path: str) -> bool:
+    return path == "/console" or path.startswith("/console/")
+
+
 def needs_token_config(path: str) -> bool:
     """Pages that answer 403 while no admin token is configured: the key and spend endpoints."""
     return path in ("/admin/keys", "/admin/audit", "/admin/spend") or path.startswith("/admin/keys/")
@@ -136,6 +147,7 @@ class AdminApp:
         self._tokens = tokens
         self._keys = keys
         self._throttle = throttle or FailedTokenThrottle()
+        self._console: ConsolePages | None = None
         self._routes: dict[str, Handler] = {
             "/healthz": self._healthz,
             "/readyz": self._readyz,
@@ -147,32 +159,64 @@ class AdminApp:
         if spend is not None:  # gateway.admin.spend_api.SpendApi.handle
             self._routes["/admin/spend"] = spend
 
+    @property
+    def throttle(self) -> FailedTokenThrottle:
+        """The failed-token brake, shared with the console's sign-in."""
+        return self._throttle
+
+    def tokens(self) -> AdminTokens:
+        """The running config's admin tokens (none configured: an empty set)."""
+        return AdminTokens(()) if self._tokens is None else self._tokens()
+
+    def attach_console(self, console: ConsolePages) -> None:
+        self._console = console
+
     async def handle(self, method: str, target: str, *, authorization: str | None = None, body: bytes = b"",
-                     peer: str = "") -> AdminResponse:
-        """``authorization``: the request's Authorization header; ``peer``: the client's address."""
+                     peer: str = "", headers: Mapping[str, str] | None = None) -> AdminResponse:
+        """``authorization``: the request's Authorization header; ``peer``: the client's address;
+        ``headers``: every request header by lower-case name (the console reads its cookie there)."""
         parts = urlsplit(target)
         path = parts.path
+        if self._console is not None and is_console_path(path):
+            return await self._console.handle(method, target, headers or {}, body, peer)
         try:
             caller = None
             if path not in OPEN_PAGES and path.startswith("/admin/"):
                 refused, caller = self._authorize(method, path, authorization, peer)
                 if refused is not None:
                     return refused
-            key_methods = None if self._keys is None else self._keys.allowed_methods(path)
-            if key_methods is not None and self._keys is not None:
-                if method not in key_methods.split(", "):
-                    return _not_allowed(method, path, key_methods)
-                return await self._keys.handle(method, path, parse_qs(parts.query), body,
-                                               caller or Caller("anonymous", frozenset()))
-            handler = self._routes.get(path)
-            if handler is None:
-                return error_response(404, f"no admin page at {path}", "not_found")
-            if method not in ("GET", "HEAD"):
-                return _not_allowed(method, path, "GET, HEAD")
-            return await handler(parse_qs(parts.query))
+            return await self._route(method, path, parts.query, body, caller)
         except Exception:  # a broken report must not take the admin listener down
             log.exception("admin page %s failed", path)
             return error_response(500, f"{path} failed; see the supervisor log", "internal_error", "server_error")
+
+    async def dispatch_as(self, caller: Caller, method: str, target: str, body: bytes = b"") -> AdminResponse:
+        """An ``/admin/*`` page answered for ``caller`` (a console session's token): the scope check
+        applies as for a bearer token, and a change is audited under the caller's name."""
+        parts = urlsplit(target)
+        refused = self._scope_refusal(method, parts.path, caller)
+        if refused is not None:
+            return refused
+        try:
+            return await self._route(method, parts.path, parts.query, body, caller)
+        except Exception:
+            log.exception("admin page %s failed (console)", parts.path)
+            return error_response(500, f"{parts.path} failed; see the supervisor log", "internal_error",
+                                  "server_error")
+
+    async def _route(self, method: str, path: str, query: str, body: bytes, caller: Caller | None) -> AdminResponse:
+        key_methods = None if self._keys is None else self._keys.allowed_methods(path)
+        if key_methods is not None and self._keys is not None:
+            if method not in key_methods.split(", "):
+                return _not_allowed(method, path, key_methods)
+            return await self._keys.handle(method, path, parse_qs(query), body,
+                                           caller or Caller("anonymous", frozenset()))
+        handler = self._routes.get(path)
+        if handler is None:
+            return error_response(404, f"no admin page at {path}", "not_found")
+        if method not in ("GET", "HEAD"):
+            return _not_allowed(method, path, "GET, HEAD")
+        return await handler(parse_qs(query))
 
     def _authorize(self, method: str, path: str, authorization: str | None,
                    peer: str) -> tuple[AdminResponse | None, Caller | None]:
@@ -198,13 +242,16 @@ class AdminApp:
                                       else "invalid admin token", "invalid_admin_token")
             response.headers.append(_ADMIN_REALM)
             return response, None
+        return self._scope_refusal(method, path, caller), caller
+
+    def _scope_refusal(self, method: str, path: str, caller: Caller) -> AdminResponse | None:
+        """403 when ``caller`` lacks the scope ``method`` on ``path`` needs, else None."""
         scope = _PAGE_SCOPES.get(path)
         if scope is None and self._keys is not None and self._keys.allowed_methods(path) is not None:
             scope = self._keys.scope_for(method)
         if scope is not None and scope not in caller.scopes:
-            return error_response(403, f"admin token {caller.name!r} lacks the scope {scope}",
-                                  "insufficient_scope"), None
-        return None, caller
+            return error_response(403, f"admin token {caller.name!r} lacks the scope {scope}", "insufficient_scope")
+        return None
 
     async def _healthz(self, query: dict[str, list[str]]) -> AdminResponse:
         return json_response(200, {"status": "ok"})

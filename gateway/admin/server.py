@@ -73,9 +73,10 @@ class AdminServer:
                                              _MAX_URL_BYTES, _MAX_BODY_BYTES)
                 parser.expect_response(head.method, head.http_version == b"1.1", framing.keep_alive)
                 method = head.method.decode("ascii", "replace")
+                headers = _headers(head.headers)
                 response = await self._app.handle(method, framing.target.decode("ascii", "replace"),
-                                                  authorization=_header(head.headers, b"authorization"),
-                                                  body=body, peer=peer)
+                                                  authorization=headers.get("authorization"),
+                                                  body=body, peer=peer, headers=headers)
                 writer.write(_encode(parser, response, head_only=head.method == b"HEAD"))
                 await writer.drain()
                 if parser.must_close:
@@ -113,11 +114,12 @@ async def _read_request(parser: codec.ServerCodec,
             return None
 
 
-def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+def _headers(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """Every header by lower-case name, the first of repeated ones (the admin pages read a few)."""
+    found: dict[str, str] = {}
     for key, value in headers:
-        if key.lower() == name:
-            return value.decode("latin-1")
-    return None
+        found.setdefault(key.decode("latin-1").lower(), value.decode("latin-1"))
+    return found
 
 
 def _encode(parser: codec.ServerCodec, response: AdminResponse, head_only: bool) -> bytes:

@@ -42,14 +42,19 @@ class AdminTokens:
     def caller(self, authorization: str | None) -> Caller | None:
         """The caller a ``Authorization: Bearer <token>`` header names, or None (missing or unknown)."""
         token = bearer_token(authorization)
-        if token is None:
-            return None
-        digest = hashlib.sha256(token).digest()
+        return None if token is None else self.caller_by_digest(token_digest(token))
+
+    def caller_by_digest(self, digest: bytes) -> Caller | None:
+        """The caller whose token hashes to ``digest`` (a console session keeps only the digest)."""
         found = None
         for stored, caller in self._tokens:  # every digest is compared: no early exit
             if hmac.compare_digest(stored, digest):
                 found = caller
         return found
+
+
+def token_digest(token: bytes) -> bytes:
+    return hashlib.sha256(token).digest()
 
 
 def bearer_token(authorization: str | None) -> bytes | None:

@@ -11,7 +11,10 @@ from __future__ import annotations
 import os
 from typing import ClassVar, Literal
 
+from gateway.config.cache import Cache, CacheBackend, Coalesce, cache_checks  # noqa: F401 - re-exported: importers use gateway.config
+from gateway.config.client_auth import ClientAuth
 from gateway.config.cors import Cors  # noqa: F401 - re-exported: importers use gateway.config
+from gateway.config.jwt import JwksRefresh, JwtIssuer  # noqa: F401 - re-exported: importers use gateway.config
 from gateway.config.keys import (  # noqa: F401 - re-exported: importers use gateway.config
     AdminToken,
     KeyStoreBackend,
@@ -40,6 +43,7 @@ from gateway.config.routing import (  # noqa: F401 - the routing schema, re-expo
     ModelMatch,
     OverlayScope,
     OverlaySource,
+    PrefixAffinity,
     Retry,
     Routing,
     SessionAffinity,
@@ -75,6 +79,7 @@ class ServerTls(_Strict):
 
     cert_file: str
     key_file: str
+    client_auth: ClientAuth | None = None  # client certificates (mTLS, docs/identity.md); off when absent
 
     def __post_init__(self) -> None:
         for name in ("cert_file", "key_file"):
@@ -278,6 +283,7 @@ class Config(_Strict):
     cors: Cors | None = None  # browser clients (docs/cors.md); off when absent
     models: Models = Models()  # aliases and fallback chains across models (docs/models.md)
     tracing: Tracing | None = None  # OpenTelemetry traces (docs/tracing.md); off when absent
+    cache: Cache | None = None  # the exact response cache (docs/cache.md); off when absent
     # Where the config file lives; relative paths (overlay_file) resolve against it.
     base_dir: str = "."
 
@@ -317,7 +323,7 @@ def _cross_checks(config: Config) -> list[str]:
         if cluster.upstream_auth is not None and not is_header_name(cluster.upstream_auth.header):
             problems.append(f"clusters[{index}].upstream_auth.header: not a valid header name")
     return (problems + _routing_checks(config, set(names)) + _tenant_checks(config) + quota_checks(config.auth, config.quota)
-            + keys_checks(config.admin.tokens, config.admin.listen))
+            + keys_checks(config.admin.tokens, config.admin.listen) + cache_checks(config.cache, config.quota is not None))
 
 
 def managed_keys_enabled(config: Config) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from typing import ClassVar, Literal
 
+from gateway.config.jwt import JwtIssuer, jwt_checks
 from gateway.config.keys import KeyStoreBackend, check_backend_url
 from gateway.identity.auth import is_key_digest
 from gateway.identity.key_limits import MAX_COUNT, MAX_TOKENS, KeyLimits, RequestRate, SpendLimit, TokenBudget
@@ -43,6 +44,7 @@ class Auth(StrictStruct):
     keys: list[ApiKey] = []
     store: KeyStoreBackend | None = None  # managed keys' Valkey when there is no quota block (docs/keys.md)
     key_table_capacity: int = 100_000  # managed-key secrets one host's table holds (docs/keys.md)
+    jwt: list[JwtIssuer] = []  # identity providers whose bearer tokens identify clients (docs/identity.md)
 
     _RANGES: ClassVar[dict[str, Range]] = {"key_table_capacity": (1, 10_000_000)}
 
@@ -156,6 +158,10 @@ def quota_checks(auth: Auth | None, quota: Quota | None) -> list[str]:
         problems.append("auth.store: with a quota block the keys live in the quota backend's Valkey "
                         "(the admission call reads their deny set there); remove auth.store")
     keys = auth.keys if auth is not None else []
+    if auth is not None:
+        problems += jwt_checks(auth.jwt)
+        problems += [f"auth.jwt[{index}].limits: needs the quota block (limits are counted in its backend)"
+                     for index, entry in enumerate(auth.jwt) if entry.limits is not None and quota is None]
     aliases: dict[str, int] = {}
     for index, key in enumerate(keys):
         if key.alias is None:

@@ -65,20 +65,35 @@ class KeyIdentity:
     one object per key.
     """
 
-    __slots__ = ("tenant", "kid", "alias", "limits", "tenant_index", "written")
+    __slots__ = ("tenant", "kid", "alias", "limits", "tenant_index", "written", "via", "rule")
 
     def __init__(self, tenant: str, alias: str | None = None, kid: str | None = None,
-                 limits: Limits | None = None, tenant_index: int = -1, written: KeyLimits | None = None) -> None:
+                 limits: Limits | None = None, tenant_index: int = -1, written: KeyLimits | None = None,
+                 via: str | None = None, rule: str | None = None) -> None:
         self.tenant = tenant
         self.alias = alias
         self.kid = kid
         self.limits = limits
         self.tenant_index = tenant_index
         self.written = written  # a YAML key's limits as configured (what GET /v1/gridgate/key shows)
+        # A JWT's identity (docs/identity.md): ``via`` is ``jwt:<issuer name>`` (None for an API key), the
+        # alias its subject (the key claim), ``rule`` the quota rule its claims name (None: rules match).
+        self.via = via
+        self.rule = rule
 
     @property
     def name(self) -> str | None:
         return self.kid if self.kid is not None else self.alias
+
+    @property
+    def limit_tag(self) -> str:
+        """The kind of name the key's own limits count under: ``k`` kid, ``a`` alias, ``j.<issuer>``
+        a JWT subject, else ``via`` (so a subject never shares a counter with a YAML alias of its name)."""
+        if self.kid is not None:
+            return "k"
+        if self.via is None:
+            return "a"
+        return "j." + self.via[4:] if self.via.startswith("jwt:") else self.via
 
     def __repr__(self) -> str:
         return f"KeyIdentity({self.tenant!r}, name={self.name!r})"
@@ -162,6 +177,11 @@ def presented_digest(authorization: bytes | None, x_api_key: bytes | None) -> by
     key was presented."""
     key = _presented_key(authorization, x_api_key)
     return hashlib.sha256(key).digest() if key else None
+
+
+def presented_key(authorization: bytes | None, x_api_key: bytes | None) -> bytes | None:
+    """The presented credential (``Authorization: Bearer`` wins over ``X-Api-Key``), or None."""
+    return _presented_key(authorization, x_api_key)
 
 
 def _presented_key(authorization: bytes | None, x_api_key: bytes | None) -> bytes | None:

@@ -165,7 +165,7 @@ def scopes_of(rule: QuotaRule | None, key: KeyIdentity | None) -> tuple[Scope, .
     """The scopes that meter a request: the key's own limits (if any), then its rule's (if one applies)."""
     scopes: list[Scope] = []
     if key is not None and key.limits is not None and not key.limits.empty and key.name is not None:
-        scopes.append(Scope("key", key.name, key.limits, "k" if key.kid is not None else "a"))
+        scopes.append(Scope("key", key.name, key.limits, key.limit_tag))
     if rule is not None:
         scopes.append(rule.scope)
     return tuple(scopes)

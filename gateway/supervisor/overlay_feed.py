@@ -36,6 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from gateway.config import Config, ConfigError, OverlaySource
 from gateway.overlay.contract import OverlayRejected
 from gateway.overlay.freshness import rendered_at
+from gateway.overlay.snapshot import Snapshot
 from gateway.overlay.valkey_source import OverlayCache, OverlaySourceError, ValkeyOverlaySource
 from gateway.overlay.watch import OverlayWatcher, load_overlay_file
 from gateway.supervisor.startup import StartupError
@@ -51,6 +52,7 @@ class OverlayFreshness:
     def __init__(self) -> None:
         self.revision: str | None = None
         self.rendered_at: datetime | None = None
+        self.snapshot: Snapshot | None = None  # the last accepted document (the console shows its groups)
         self._path: str | None = None
         self._watcher: OverlayWatcher | None = None
         self._stale = False
@@ -58,7 +60,7 @@ class OverlayFreshness:
     def check(self, config: Config, now: datetime) -> None:
         path = config.overlay_path()
         if path != self._path:
-            self._path, self.revision, self.rendered_at = path, None, None
+            self._path, self.revision, self.rendered_at, self.snapshot = path, None, None, None
             self._watcher = None if path is None else OverlayWatcher(path, 0.0)
             self._read(config)
         elif self._watcher is not None and self._watcher.poll(time.monotonic()):
@@ -72,6 +74,7 @@ class OverlayFreshness:
             snapshot = load_overlay_file(self._path, config.routing.expected_overlay_scope)
         except OverlayRejected:
             return  # the workers keep their last-known-good, so its age is the one that counts
+        self.snapshot = snapshot
         self.revision, self.rendered_at = snapshot.revision, rendered_at(snapshot.provenance, snapshot.generated_at)
 
     def age(self, now: datetime) -> float | None:

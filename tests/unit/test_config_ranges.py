@@ -47,7 +47,11 @@ BASE_CONFIG: dict[str, Any] = {
     "access_log": {},
     "auth": {"keys": [{"tenant": "t", "key": "sha256:" + "0" * 64, "alias": "a", "limits": {
         "requests": [{"window": "1m", "count": 5, "burst": 5}], "budgets": [{"window": "1m", "tokens": 10}],
-        "max_in_flight": 2, "spend": [{"usd": 5, "period": "1d", "alert_at": [0.5]}]}}]},
+        "max_in_flight": 2, "spend": [{"usd": 5, "period": "1d", "alert_at": [0.5]}]}}],
+        "jwt": [{"name": "idp", "issuer": "https://idp.example.com", "audience": ["g"], "jwks_file": "k.json",
+                 "tenant_claim": "org", "leeway": "30s", "refresh": {}, "limits": {
+                     "requests": [{"window": "1m", "count": 5, "burst": 5}], "budgets": [{"window": "1m", "tokens": 10}],
+                     "max_in_flight": 2, "spend": [{"usd": 5, "period": "1d", "alert_at": [0.5]}]}}]},
     "quota": {
         "rules": [{"name": "r", "budgets": [{"window": "1m", "tokens": 10}], "estimate": {}, "max_in_flight": 5,
                    "requests": [{"window": "1m", "count": 5, "burst": 5}],
@@ -61,6 +65,7 @@ BASE_CONFIG: dict[str, Any] = {
     "cors": {"allowed_origins": ["https://app.example.com"]},
     "models": {"fallbacks": {"m": {"chain": ["n"], "max_hops": 1}}},
     "tracing": {"endpoint": "http://127.0.0.1:4318"},
+    "cache": {"enabled": True, "coalesce": {}},
 }
 
 BASE_SPEC: dict[str, Any] = {
@@ -76,6 +81,8 @@ BASE_SPEC: dict[str, Any] = {
 
 # Keys for which 0 is a documented setting (docs/configuration.md): they must accept it.
 ZERO_MEANS_SOMETHING = {
+    "auth.jwt[0].leeway",  # no clock skew allowed
+    "auth.jwt[0].refresh.early",  # refresh when the key set's lifetime ends
     "clusters[0].outlier_detection.consecutive_failures",  # never eject
     "timeouts.graceful_shutdown",  # cut what is in flight at once
     "pricing.alerts_webhook.retries",  # one attempt per alert, no retry

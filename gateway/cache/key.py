@@ -1,0 +1,98 @@
+"""Whether a request may be answered from the cache, and its key. Pure: body bytes and header values in,
+a verdict out.
+
+The key is a digest (xxhash128) of: the tenant (unless ``tenants: shared``), the API surface, the model
+after aliases, the answer-changing request headers of the API (Anthropic's version and betas), and the
+body's members in a canonical form (decoded, the members every API ignores for the answer dropped, the
+rest re-encoded with sorted keys, so spacing and member order do not matter). ``key_fields`` narrows the
+body part to the members it names. The list of ignored members per API is ``IGNORED_MEMBERS``
+(docs/cache.md, "The key").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import xxhash
+
+from gateway.config.cache import Cache
+
+# Body members that do not change the answer, per API surface (``Surface.name``): who asks (user,
+# safety identifiers, metadata) and whether the provider keeps it (store). ``model`` is left out
+# too: the model after aliases goes into the key in its place.
+_WHO_ASKS = frozenset(("model", "user", "metadata", "store", "safety_identifier", "prompt_cache_key"))
+IGNORED_MEMBERS: dict[str, frozenset[str]] = {
+    "chat_completions": _WHO_ASKS,
+    "completions": _WHO_ASKS,
+    "embeddings": frozenset(("model", "user")),
+    "responses": _WHO_ASKS | {"background"},
+    "messages": frozenset(("model", "metadata")),
+}
+CACHEABLE_SURFACES = frozenset(IGNORED_MEMBERS)
+# Request headers that change the answer, per surface: their values join the key.
+ANSWER_HEADERS: dict[str, tuple[bytes, ...]] = {"messages": (b"anthropic-version", b"anthropic-beta")}
+# Surfaces whose answer is deterministic whatever the body says.
+_ALWAYS_DETERMINISTIC = frozenset(("embeddings",))
+
+BYPASS = "bypass"  # the request says not to use the cache, or is not cacheable
+_decode = msgspec.json.decode
+_encode = msgspec.json.Encoder(order="sorted").encode
+_KEY_PREFIX = b"gridgate:cache:"
+_digest = xxhash.xxh3_128_hexdigest
+
+
+class CacheKey(msgspec.Struct, frozen=True, gc=False):
+    """A cacheable request's key in Valkey (``key``) and whether its answer is a stream."""
+
+    key: bytes
+    stream: bool
+
+
+def request_bypasses(cache_control: bytes | None, cache_header: bytes | None) -> bool:
+    """``Cache-Control: no-store`` or ``x-gridgate-cache: bypass``: neither read nor stored."""
+    if cache_header is not None and cache_header.strip().lower() == b"bypass":
+        return True
+    return cache_control is not None and b"no-store" in cache_control.lower()
+
+
+def is_deterministic(surface: str, body: dict[str, Any]) -> bool:
+    """Temperature 0 or a seed (embeddings always): the same request gets the same answer."""
+    if surface in _ALWAYS_DETERMINISTIC:
+        return True
+    if body.get("seed") is not None:
+        return True
+    temperature = body.get("temperature")
+    return temperature is not None and temperature.__class__ in (int, float) and temperature == 0
+
+
+def cache_key(cache: Cache, surface: str, tenant: str | None, model: str, body: bytes,
+              headers: dict[bytes, bytes]) -> CacheKey | None:
+    """The request's key, or None when it is not cacheable (another API, a body that is not a JSON
+    object, not deterministic while ``only_deterministic``). ``headers``: the request's headers by
+    lowercase name (only ``ANSWER_HEADERS`` are read)."""
+    ignored = IGNORED_MEMBERS.get(surface)
+    if ignored is None:
+        return None
+    try:
+        members = _decode(body)
+    except msgspec.DecodeError:
+        return None
+    if members.__class__ is not dict:
+        return None
+    if cache.only_deterministic and not is_deterministic(surface, members):
+        return None
+    fields = cache.key_fields
+    if fields is None:
+        kept = {name: value for name, value in members.items() if name not in ignored}
+    else:
+        kept = {name: members[name] for name in fields if name in members}
+    tenant_part = b"" if cache.tenants == "shared" else (tenant or "").encode()
+    model_part = model.encode()
+    # Length-prefixed parts (no two part lists make the same bytes); the body's canonical form last.
+    material = b"%d:%b%d:%b%d:%b" % (len(tenant_part), tenant_part, len(surface), surface.encode(), len(model_part),
+                                     model_part)
+    for name in ANSWER_HEADERS.get(surface, ()):
+        value = headers.get(name, b"")
+        material += b"%d:%b" % (len(value), value)
+    return CacheKey(_KEY_PREFIX + _digest(material + _encode(kept)).encode(), members.get("stream") is True)

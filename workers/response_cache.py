@@ -1,0 +1,336 @@
+"""The exact response cache on the request path (docs/cache.md): one per worker, a step of the proxy only
+when ``cache.enabled``.
+
+``look_up`` (the step, before quota admission) decides what the request is to the cache:
+
+- **bypass**: not cacheable (another API, not deterministic, ``Cache-Control: no-store``,
+  ``x-gridgate-cache: bypass``) or the cache's Valkey failed lately: the request goes on as if there were
+  no cache, and nothing is stored;
+- **hit**: the entry is in Valkey (one GET), or an identical request in flight on this worker has just
+  made it (coalescing: no GET). The request takes the quota's admission without tokens (it counts against
+  request limits, and the deny set of revoked keys), is answered from the entry (the same bytes, a stream's
+  SSE events whole) and reaches no provider;
+- **miss**: the request goes on to its provider as the *leader* of its key: its answer is captured as it
+  is relayed (``CacheFill``, the relay's sink in front of the exchange) and, when it ended well, stored
+  (one SET with the TTL, off the response path) and handed to the requests that waited on it.
+
+A miss costs one GET and one SET; a hit one GET, plus the admission (which a worker-held quota block
+answers without any round trip: folding the GET into the admit script would cost every request a round
+trip that blocks make rare). Valkey down: bypass, never an error (the backend is left alone for
+``_BACKOFF_S`` after a failure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from gateway.cache.entry import CacheEntry, decode_entry, encode_entry
+from gateway.cache.key import ANSWER_HEADERS, BYPASS, CacheKey, cache_key, request_bypasses
+from gateway.config.cache import Cache
+from gateway.http.errors import ErrorReply
+from gateway.http.media import is_event_stream
+from gateway.metrics.writer import WorkerMetrics
+from gateway.valkey.client import BACKEND_ERRORS, create_client
+from gateway.valkey.tick_batch import TickBatch
+from workers.outcomes import served_model_headers
+
+if TYPE_CHECKING:
+    from workers.exchange import Exchange
+    from workers.request_record import RequestRecord
+
+log = logging.getLogger("gridgate.cache")
+_monotonic = time.monotonic
+HIT, MISS = "hit", "miss"
+CACHE_HEADERS = {state: (b"x-gridgate-cache", state.encode()) for state in (HIT, MISS, BYPASS)}
+# The verdict of a step that answered the request itself (a hit): the proxy ends the request there.
+ANSWERED = ErrorReply(200, "answered_from_cache", "")
+_BACKOFF_S = 1.0  # after a failed Valkey call the cache is bypassed this long (no timeout per request)
+_DONE = b"data: [DONE]"
+_OPENAI_STREAMS = frozenset(("chat_completions", "completions"))  # end with [DONE] when complete
+_CONTENT_TYPE = b"content-type"
+
+
+class Flight:
+    """The leader of one key in flight on this worker, and the requests waiting for its answer."""
+
+    __slots__ = ("waiters",)
+
+    def __init__(self) -> None:
+        self.waiters: list[asyncio.Future[CacheEntry | None]] = []
+
+    def release(self, entry: CacheEntry | None) -> None:
+        for waiter in self.waiters:
+            if not waiter.done():
+                waiter.set_result(entry)
+        self.waiters = []
+
+
+class ResponseCache:
+    """One worker's cache: its Valkey client, its flights in progress, its counters."""
+
+    def __init__(self, config: Cache, client: Any, metrics: WorkerMetrics,
+                 admit_hit: Callable[[Any], Any] | None = None) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.client = client
+        self.commands = TickBatch(client)  # every GET and SET of a loop tick in one write
+        self.ttl_ms = int(config.ttl * 1000)
+        self.max_entry = config.max_entry_bytes
+        self.coalesce = config.coalesce.enabled
+        self.max_waiters = config.coalesce.max_waiters
+        self.wait_s = float(config.coalesce.wait)
+        # The quota's admission of a hit, without tokens (the proxy's ``admit_hit``): None, an ErrorReply,
+        # or an awaitable of either.
+        self.admit_hit = admit_hit
+        self.flights: dict[bytes, Flight] = {}
+        self.down_until = 0.0
+        self._writes: set[asyncio.Future[Any]] = set()  # SETs in progress (a reference each, until done)
+        self.hits = self.misses = self.bypasses = self.coalesced = self.stored = self.backend_errors = 0
+
+    @classmethod
+    def from_config(cls, config: Cache, quota_url: str | None, metrics: WorkerMetrics) -> ResponseCache:
+        """The cache of ``config`` on its backend: its own URL, else the quota's Valkey."""
+        url = config.backend.url if config.backend is not None else quota_url
+        if not url:
+            raise ValueError("cache.backend: the cache needs a Valkey (cache.backend.url, or a quota block)")
+        return cls(config, create_client(url), metrics)
+
+    # -- the step -------------------------------------------------------------------------------------
+    def look_up(self, flow: Any) -> Awaitable[ErrorReply | None] | None:
+        """The proxy's cache step: None (bypass: go on), else the awaitable of the lookup's verdict."""
+        record = flow.record
+        exchange = flow.exchange
+        key = self._key(flow, exchange)
+        if key is None or _monotonic() < self.down_until:
+            record.cache = BYPASS
+            self.bypasses += 1
+            self.metrics.cache_bypass()
+            return None
+        flight = self.flights.get(key.key) if self.coalesce else None
+        if flight is not None and len(flight.waiters) < self.max_waiters:
+            return self._wait(flow, key, flight)
+        return self._get(flow, key)
+
+    def _key(self, flow: Any, exchange: Exchange) -> CacheKey | None:
+        """The request's key, or None when it bypasses the cache."""
+        if exchange.method != b"POST":
+            return None
+        surface = flow.admitted.route.surface.name
+        wanted = ANSWER_HEADERS.get(surface, ())
+        cache_control = cache_header = None
+        answer_headers: dict[bytes, bytes] = {}
+        for name, value in exchange.headers:
+            if name == b"cache-control":
+                cache_control = value
+            elif name == b"x-gridgate-cache":
+                cache_header = value
+            elif name in wanted:
+                answer_headers[name] = value
+        if request_bypasses(cache_control, cache_header):
+            return None
+        return cache_key(self.config, surface, flow.admitted.tenant, flow.request.name, exchange.body, answer_headers)
+
+    async def _get(self, flow: Any, key: CacheKey) -> ErrorReply | None:
+        try:
+            data = await self.commands.call(b"GET", key.key)
+        except BACKEND_ERRORS as error:
+            self._failed(error)
+            flow.record.cache = BYPASS
+            self.bypasses += 1
+            self.metrics.cache_bypass()
+            return None
+        entry = None if data is None else decode_entry(data)
+        if entry is not None:
+            return await self._serve(flow, entry)
+        flight = self.flights.get(key.key) if self.coalesce else None
+        if flight is not None and len(flight.waiters) < self.max_waiters:  # a leader began meanwhile
+            return await self._wait(flow, key, flight)
+        self._lead(flow.record, flow.exchange, key)
+        return None
+
+    async def _wait(self, flow: Any, key: CacheKey, flight: Flight) -> ErrorReply | None:
+        """Wait (bounded) for the leader's answer; without it (it failed, or took too long) go on alone."""
+        waiter: asyncio.Future[CacheEntry | None] = asyncio.get_running_loop().create_future()
+        flight.waiters.append(waiter)
+        entry = None
+        try:
+            async with asyncio.timeout(self.wait_s):
+                entry = await waiter
+        except TimeoutError:
+            if waiter in flight.waiters:
+                flight.waiters.remove(waiter)
+        if entry is not None:
+            self.coalesced += 1
+            return await self._serve(flow, entry)
+        flow.record.cache = MISS  # on its own: not a leader, its answer is not stored
+        self.misses += 1
+        self.metrics.cache_miss(flow.record.tenant)
+        return None
+
+    def _lead(self, record: RequestRecord, exchange: Exchange, key: CacheKey) -> None:
+        record.cache = MISS
+        self.misses += 1
+        self.metrics.cache_miss(record.tenant)
+        flight = None
+        if self.coalesce:
+            flight = self.flights[key.key] = Flight()
+        record.cache_fill = CacheFill(self, exchange, key, flight)
+
+    async def _serve(self, flow: Any, entry: CacheEntry) -> ErrorReply | None:
+        """Answer from ``entry``, once the quota admitted the request (a refusal is the answer then)."""
+        admit = self.admit_hit
+        if admit is not None:
+            verdict = admit(flow)
+            if verdict is not None and not isinstance(verdict, ErrorReply):
+                verdict = await verdict
+            if verdict is not None:
+                return verdict
+        record = flow.record
+        exchange = flow.exchange
+        if exchange.client_gone:
+            return ANSWERED  # nothing to answer: the record closes as the client's leaving
+        self.hits += 1
+        self.metrics.cache_hit(record.tenant, entry.cost_nusd)
+        record.cache = HIT
+        record.status = entry.status
+        record.cost_nusd = 0
+        record.saved_tokens, record.saved_nusd = entry.saved_tokens, entry.cost_nusd
+        if entry.model is not None and entry.model != record.capability:
+            record.served_model = entry.model  # a fallback chain's model made the answer
+        headers = [(b"x-request-id", record.request_id), CACHE_HEADERS[HIT]]
+        if record.model_route is not None:  # an alias or a fallback chain: which model served (docs/models.md)
+            headers += served_model_headers(record)
+        if entry.content_type is not None:
+            headers.insert(0, (_CONTENT_TYPE, entry.content_type))
+        exchange.start(entry.status, headers, None if entry.stream else len(entry.body))
+        exchange.write(entry.body)
+        exchange.end()  # closes the record (workers/outcomes.py), then the bytes leave
+        return ANSWERED
+
+    # -- storing ----------------------------------------------------------------------------------------
+    def store(self, fill: CacheFill, record: RequestRecord) -> None:
+        """The leader's request is over: store its answer when it ended well, and release its waiters."""
+        flight = fill.flight
+        if flight is not None and self.flights.get(fill.key.key) is flight:
+            del self.flights[fill.key.key]
+        entry = fill.entry(record)
+        if entry is not None:
+            value = encode_entry(entry)
+            if len(value) <= self.max_entry:
+                self._write(fill.key.key, value)
+            else:
+                entry = None
+        if flight is not None:
+            flight.release(entry)
+
+    def _write(self, key: bytes, value: bytes) -> None:
+        try:
+            write = self.commands.call(b"SET", key, value, b"PX", self.ttl_ms)
+        except BACKEND_ERRORS as error:
+            self._failed(error)
+            return
+        self._writes.add(write)
+        write.add_done_callback(self._written)
+
+    def _written(self, write: asyncio.Future[Any]) -> None:
+        self._writes.discard(write)
+        if write.cancelled():
+            return
+        error = write.exception()
+        if error is None:
+            self.stored += 1
+        else:
+            self._failed(error)
+
+    def _failed(self, error: BaseException) -> None:
+        self.backend_errors += 1
+        self.metrics.cache_backend_error()
+        if _monotonic() >= self.down_until:
+            log.warning("the cache's Valkey failed (%s): bypassed for %.0f s", type(error).__name__, _BACKOFF_S)
+        self.down_until = _monotonic() + _BACKOFF_S
+
+    async def close(self) -> None:
+        if self._writes:
+            await asyncio.wait(list(self._writes), timeout=1.0)
+        await self.client.aclose()
+
+
+class CacheFill:
+    """A leader's answer, captured as the relay writes it: the relay's sink in front of the exchange (it
+    reads only what the relay writes to the client, so a stream rewritten for usage is stored as the
+    client saw it). Past ``max_entry`` it stops keeping bytes; the answer is then not stored."""
+
+    __slots__ = ("cache", "exchange", "key", "flight", "status", "content_type", "parts", "size")
+
+    def __init__(self, cache: ResponseCache, exchange: Exchange, key: CacheKey, flight: Flight | None) -> None:
+        self.cache = cache
+        self.exchange = exchange
+        self.key = key
+        self.flight = flight
+        self.status = 0
+        self.content_type: bytes | None = None
+        self.parts: list[bytes] | None = []
+        self.size = 0
+
+    # -- what the relay uses of its exchange: the common ones here, anything else from the exchange itself
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.exchange, name)
+
+    @property
+    def admitted(self) -> Any:
+        return self.exchange.admitted
+
+    @property
+    def client_gone(self) -> bool:
+        return self.exchange.client_gone
+
+    @property
+    def error_shape(self) -> int:
+        return self.exchange.error_shape
+
+    def start(self, status: int, headers: list[tuple[bytes, bytes]], content_length: int | None = None) -> None:
+        self.status = status
+        for name, value in headers:
+            if name == _CONTENT_TYPE:
+                self.content_type = value
+        self.exchange.start(status, headers, content_length)
+
+    def write(self, data: bytes) -> None:
+        parts = self.parts
+        if parts is not None:
+            self.size += len(data)
+            if self.size > self.cache.max_entry:
+                self.parts = None
+            else:
+                parts.append(data)
+        self.exchange.write(data)
+
+    def flush(self) -> None:
+        self.exchange.flush()
+
+    def end(self) -> None:
+        self.exchange.end()
+
+    def abort(self) -> None:
+        self.parts = None  # a cut answer is never stored
+        self.exchange.abort()
+
+    # -- the end
+    def entry(self, record: RequestRecord) -> CacheEntry | None:
+        """What to store: a 200 that ended well, whole and under the cap (a complete stream: its [DONE])."""
+        parts = self.parts
+        if parts is None or self.status != 200 or record.status != 200 or record.error is not None:
+            return None
+        body = b"".join(parts)
+        stream = is_event_stream(self.content_type)
+        if stream and self.key.stream is False and not body:
+            return None
+        surface = self.exchange.admitted.route.surface.name if self.exchange.admitted is not None else ""
+        if stream and surface in _OPENAI_STREAMS and _DONE not in body[-64:]:
+            return None  # a stream cut before its [DONE]
+        return CacheEntry(200, self.content_type, body, stream, record.tokens_prompt, record.tokens_completion,
+                          record.cost_nusd, record.served)
