@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 
 from gateway.config import Config
-from gateway.host_segment import MAX_PROVIDERS, PROVIDERS_REGION
+from gateway.host_segment import CONFORMANCE_REGION, MAX_PROVIDERS, PROVIDERS_REGION
 from gateway.identity.auth import Authenticator
 from gateway.keys.lookup import KeyLookup
 from gateway.metrics.catalogue import COUNTERS
@@ -33,6 +33,7 @@ from gateway.routing.tenants import TenantPolicies
 from gateway.spend.price_book import PriceBook
 from gateway.valkey.client import create_client
 from shm.affinity import AffinityTable
+from shm.conformance import ConformanceFlags
 from shm.counters import WorkerRow
 from shm.keys import KeyTable
 from shm.metrics import MetricsTable
@@ -110,6 +111,8 @@ class RequestPath:
             clusters.routable, clusters.inflight, half_life=float(least_loaded.latency_half_life),
             latency_prior=None if least_loaded.latency_prior is None else float(least_loaded.latency_prior),
             endpoint_cooling=EndpointCooling(segment, row.index),
+            conformance=None if routing.conformance is None else
+            ConformanceFlags(segment.region(CONFORMANCE_REGION), MAX_PROVIDERS),
         )
         for cluster in clusters.by_provider.values():  # 429/503 cool these first (workers/providers.py)
             providers.set_endpoints(cluster.provider, cluster.endpoints)
