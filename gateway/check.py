@@ -112,25 +112,36 @@ def secret_problems(config: Config, environ: Mapping[str, str]) -> list[str]:
 
 
 def server_tls_problems(config: Config, tls: ServerTls) -> list[str]:
-    """The certificate chain and key must load as the listener will load them."""
+    """The certificate chain and key must load as the listener will load them, and so must the client
+    CA bundle and CRL file of ``client_auth``."""
     cert, key = config.file_path(tls.cert_file), config.file_path(tls.key_file)
-    problems = []
-    for field, path, marker, what in (("cert_file", cert, b"-----BEGIN CERTIFICATE-----", "certificate"),
-                                      ("key_file", key, b"PRIVATE KEY-----", "private key")):
-        try:
-            with open(path, "rb") as handle:
-                content = handle.read()
-        except OSError as exc:
-            problems.append(f"server_tls.{field}: cannot read {path}: {exc.strerror}")
-            continue
-        if marker not in content:
-            problems.append(f"server_tls.{field}: {path} holds no PEM {what}")
+    files = [("cert_file", cert, b"-----BEGIN CERTIFICATE-----", "certificate"),
+             ("key_file", key, b"PRIVATE KEY-----", "private key")]
+    clients = tls.client_auth
+    trust = None if clients is None else clients.trust(config.file_path)
+    if trust is not None:
+        files.append(("client_auth.ca_file", trust.ca_file, b"-----BEGIN CERTIFICATE-----", "certificate"))
+        if trust.crl_file is not None:
+            files.append(("client_auth.crl_file", trust.crl_file, b"-----BEGIN X509 CRL-----", "CRL"))
+    problems = [problem for field, path, marker, what in files
+                if (problem := _pem_file_problem(f"server_tls.{field}", path, marker, what)) is not None]
     if problems:
         return problems
     try:
         server_tls_context(cert, key)  # exactly as the listener loads them
     except OSError as exc:
         return [f"server_tls: {cert} and {key} do not load as a certificate and its key: {load_problem(exc)}"]
+    if trust is None:
+        return []
+    try:
+        server_tls_context(cert, key, trust._replace(crl_file=None))
+    except OSError as exc:
+        return [f"server_tls.client_auth.ca_file: {trust.ca_file} does not load as CA certificates: "
+                f"{load_problem(exc)}"]
+    try:
+        server_tls_context(cert, key, trust)
+    except OSError as exc:
+        return [f"server_tls.client_auth.crl_file: {trust.crl_file} does not load as CRLs: {load_problem(exc)}"]
     return []
 
 
@@ -152,6 +163,15 @@ def jwt_problems(config: Config) -> list[str]:
         if entry.rule_claim is not None and config.quota is None:
             problems.append(f"auth.jwt[{index}].rule_claim: names a quota rule, but there is no quota block")
     return problems
+
+
+def _pem_file_problem(field: str, path: str, marker: bytes, what: str) -> str | None:
+    try:
+        with open(path, "rb") as handle:
+            content = handle.read()
+    except OSError as exc:
+        return f"{field}: cannot read {path}: {exc.strerror}"
+    return None if marker in content else f"{field}: {path} holds no PEM {what}"
 
 
 def access_log_problems(config: Config) -> list[str]:

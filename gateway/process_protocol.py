@@ -123,7 +123,14 @@ class SpendCounts(msgspec.Struct, tag="spend_counts", tag_field="kind", frozen=T
     rollup_flushes_failed: int = 0
 
 
-StatusMessage = Ready | Heartbeat | OverlayRejected | Draining | SpendAlertReport | SpendCounts
+class JwksWanted(msgspec.Struct, tag="jwks_wanted", tag_field="kind", frozen=True):
+    """A token named a kid the issuer's key set lacks (docs/identity.md): the supervisor refetches that
+    issuer's JWKS, at most once per 30 s per issuer however many workers ask."""
+
+    issuer: str  # the auth.jwt entry's name
+
+
+StatusMessage = Ready | Heartbeat | OverlayRejected | Draining | SpendAlertReport | SpendCounts | JwksWanted
 
 PIPE_BUF = select.PIPE_BUF
 _REASON_LIMIT = 1024  # an overlay rejection reason is cut to this many characters if it would not fit

@@ -8,7 +8,10 @@ the proxy uses afterwards), then:
    route check, so a caller without a key learns nothing about which routes exist, and the access
    line of a refused route names the tenant that tried it. With a managed-key table
    (workers/key_gate.py), a key the YAML keys do not know is looked up there with the same digest; a
-   blocked, revoked or expired one is 401 ``key_blocked``/``key_revoked``/``key_expired``.
+   blocked, revoked or expired one is 401 ``key_blocked``/``key_revoked``/``key_expired``. With
+   client certificates on the listener (workers/cert_gate.py), a request no key identified (none
+   sent, or one no table knows) is who its connection's verified certificate names; a certificate
+   that names no tenant is 403 ``certificate_not_mapped`` (docs/identity.md, "mTLS").
 2. **Route**: the request must be on an allowed route (``gateway.request.routes``), else 404
    ``route_not_allowed``.
 
@@ -23,17 +26,21 @@ from hmac import compare_digest
 from typing import Protocol
 
 from gateway.http.errors import ErrorReply
-from gateway.identity.auth import Authenticator, KeyIdentity
+from gateway.identity.auth import Authenticator, KeyIdentity, presented_key
+from gateway.identity.jwt_verify import JwtGrant, JwtRefusal, looks_like_jwt
 from gateway.ids import CounterIds
 from gateway.keys.view import KeyEntry
 from gateway.request.cors import key_origin_reply
 from gateway.request.headers import HeaderPlan, RequestHeaders
 from gateway.request.routes import AllowedRoute, RouteTable
+from workers.cert_gate import ConnectionCertificates
+from workers.jwt_gate import JwtGate
 from workers.key_gate import ManagedKeyGate
 
 # Quota for requests without authentication is accounted to this tenant.
 ANONYMOUS_TENANT = "anonymous"
 _WWW_AUTHENTICATE = (b"www-authenticate", b'Bearer realm="gridgate"')
+_WWW_AUTHENTICATE_TOKEN = (b"www-authenticate", b'Bearer realm="gridgate", error="invalid_token"')
 _MISSING_KEY = "missing API key: send Authorization: Bearer <key> or X-Api-Key"
 _INVALID_KEY = "invalid API key"
 
@@ -42,9 +49,10 @@ AuthMemo = tuple[bytes, bytes, KeyIdentity | bytes]
 
 
 class GatedConnection(Protocol):
-    """The per-connection slot the server keeps for the gate (and only the gate writes)."""
+    """The per-connection slots the server keeps for the gate (and only the gates write)."""
 
     auth_memo: AuthMemo | None
+    peer_identity: object  # workers/cert_gate.py
 
 
 def request_origin(headers: list[tuple[bytes, bytes]]) -> bytes | None:
@@ -90,20 +98,27 @@ class HeadRefusal(ErrorReply):
 class HeadGate:
     """One per worker; ``__call__`` runs once per request head."""
 
-    __slots__ = ("routes", "auth", "header_plan", "ids", "keys")
+    __slots__ = ("routes", "auth", "header_plan", "ids", "keys", "certificates", "jwt")
 
     def __init__(self, routes: RouteTable, auth: Authenticator | None, header_plan: HeaderPlan,
-                 ids: CounterIds | None = None, keys: ManagedKeyGate | None = None) -> None:
+                 ids: CounterIds | None = None, keys: ManagedKeyGate | None = None,
+                 certificates: ConnectionCertificates | None = None, jwt: JwtGate | None = None) -> None:
         self.routes = routes
         self.auth = auth
         self.header_plan = header_plan
         self.ids = ids or CounterIds(b"-")
         self.keys = keys if auth is not None else None  # managed keys need authentication
+        self.certificates = certificates  # client certificates (mTLS); None when the listener asks for none
+        self.jwt = jwt if auth is not None else None  # JWT bearer tokens (docs/identity.md)
 
     def __call__(self, conn: GatedConnection, method: bytes, target: bytes,
                  headers: list[tuple[bytes, bytes]]) -> Admitted | HeadRefusal:
         scanned = self.header_plan.scan(headers)
         request_id = scanned.request_id or self.ids.next()
+        if self.jwt is not None:
+            token = presented_key(scanned.authorization, scanned.api_key)
+            if token is not None and looks_like_jwt(token):  # an opaque API key never has a JWT's shape
+                return self.admit_token(self.jwt.grant(token), method, target, scanned, request_id)
         auth = self.auth
         keys = self.keys
         managed = None
@@ -125,6 +140,12 @@ class HeadGate:
                                    request_id=request_id, method=method, target=target, tenant=tenant)
             else:
                 key = found  # type: ignore[assignment]
+        if key is None and self.certificates is not None:  # no key identified it: the certificate may
+            named = self.certificates(conn)  # type: ignore[arg-type]
+            if named.__class__ is str:
+                return HeadRefusal(403, "certificate_not_mapped", named, [(b"x-request-id", request_id)],  # type: ignore[arg-type]
+                                   request_id=request_id, method=method, target=target, tenant=None)
+            key = named  # type: ignore[assignment]
         if key is None and auth is not None:
             missing = scanned.authorization is None and scanned.api_key is None
             return HeadRefusal(401, "invalid_api_key", _MISSING_KEY if missing else _INVALID_KEY,
@@ -135,6 +156,20 @@ class HeadGate:
         if route is None:
             return route_not_allowed(method, target, request_id, tenant)
         return Admitted(route, tenant, scanned, request_id, key, managed)
+
+    def admit_token(self, found: JwtGrant | JwtRefusal, method: bytes, target: bytes, scanned: RequestHeaders,
+                    request_id: bytes) -> Admitted | HeadRefusal:
+        """A JWT's request: its grant is the request's identity (``managed``: its model globs), its
+        refusal a 401 ``invalid_token`` naming the check that failed."""
+        if found.__class__ is not JwtGrant:
+            message = f"invalid token ({found.check}): {found.message}"  # type: ignore[union-attr]
+            return HeadRefusal(401, "invalid_token", message, [_WWW_AUTHENTICATE_TOKEN, (b"x-request-id", request_id)],
+                               request_id=request_id, method=method, target=target, tenant=None)
+        key = found.identity  # type: ignore[union-attr]
+        route = self.routes.match(method, target)
+        if route is None:
+            return route_not_allowed(method, target, request_id, key.tenant)
+        return Admitted(route, key.tenant, scanned, request_id, key, found)  # type: ignore[arg-type]
 
     def authenticate(self, conn: GatedConnection, headers: RequestHeaders, auth: Authenticator) -> KeyIdentity | None:
         """Who the presented key is, or None (missing or unknown).

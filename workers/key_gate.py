@@ -92,7 +92,13 @@ def key_answer(key: KeyIdentity, entry: KeyEntry | None, *, remaining: dict[str,
     """The body of ``GET /v1/gridgate/key`` (docs/keys.md). A YAML key (``entry`` None) has no record:
     its tenant, alias and limits, ``"source": "config"``, and nulls. ``spend``: the USD budgets that apply
     to the key this period (``gateway.quota.report.spend_of``), null when none does."""
-    if entry is not None:
+    if key.via is not None:  # a JWT's identity (docs/identity.md): its subject, never the token
+        grant: Any = entry  # the request's JwtGrant (workers/head_gate.py)
+        body = {"object": "gridgate.key", "source": "jwt", "identity": key.via, "subject": key.alias,
+                "tenant": key.tenant, "status": _ACTIVE, "models": grant.models, "rule": key.rule,
+                "expires_at": int(grant.expires_at),
+                "limits": None, "remaining": remaining, "spend": spend}
+    elif entry is not None:
         body = key_report(entry, remaining=remaining, spend=spend)
         body["source"] = "managed"
     else:

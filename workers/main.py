@@ -54,6 +54,15 @@ def _private_segment(config: Config) -> Segment:
     return segment
 
 
+def listener_tls(config: Config) -> ReloadableServerTls | None:
+    """The listener's TLS context (``server_tls``), with its client certificates when configured."""
+    tls = config.server_tls
+    if tls is None:
+        return None
+    clients = None if tls.client_auth is None else tls.client_auth.trust(config.file_path)
+    return ReloadableServerTls(config.file_path(tls.cert_file), config.file_path(tls.key_file), clients)
+
+
 class Worker:
     """One worker process: serves its request path (workers/request_path.py), drains, stops."""
 
@@ -64,9 +73,7 @@ class Worker:
         self.segment: Segment = ctx.segment if ctx.segment is not None else _private_segment(self.config)
         self.row = WorkerRow(self.segment, max(ctx.slot, 0))
         self.row.mark(WorkerStatus.RUNNING, os.getpid(), time.monotonic_ns())
-        tls = self.config.server_tls
-        self.tls = None if tls is None else ReloadableServerTls(
-            self.config.file_path(tls.cert_file), self.config.file_path(tls.key_file))
+        self.tls = listener_tls(self.config)
 
     async def serve(self, stopping: asyncio.Event | None = None, started: Callable[[], None] | None = None) -> int:
         """Serve until TERM/INT, then drain. ``stopping``: an event set by whoever runs the worker inside
@@ -136,8 +143,11 @@ class Worker:
         if self.tls is not None:  # new handshakes get the re-read certificate; open connections keep theirs
             problem = self.tls.reload()
             if problem is not None:
-                log.error("server_tls: cannot reload %s / %s: %s; serving the previous certificate",
-                          self.tls.cert_file, self.tls.key_file, problem)
+                clients = self.tls.clients
+                log.error("server_tls: cannot reload %s / %s%s: %s; serving the previous certificate%s",
+                          self.tls.cert_file, self.tls.key_file,
+                          "" if clients is None else f" / client_auth {clients.ca_file}", problem,
+                          "" if clients is None else " and client CAs")
 
     def _send_ready(self, path: RequestPath) -> None:
         snapshot = path.overlay.snapshot
@@ -151,6 +161,9 @@ class Worker:
         send_status(self.ctx.status_fd, Heartbeat())
         self.row.heartbeat(time.monotonic_ns())
         path.publish_counters()
+        refusals = None if self.tls is None else self.tls.refusals
+        if refusals is not None:
+            path.metrics.publish_client_cert_refusals(refusals.counts)
 
     def _poll_overlay(self, path: RequestPath, now: float) -> None:
         forced, self.reload_requested = self.reload_requested, False
@@ -176,6 +189,8 @@ class Worker:
                 self._poll_overlay(path, now)
             except Exception:  # never let the follower die: keep serving last-known-good
                 log.exception("overlay reload failed")
+            if path.head_gate.jwt is not None:  # the JWT issuers' key files (docs/identity.md)
+                path.head_gate.jwt.poll()
             await asyncio.sleep(_OVERLAY_POLL_S)
 
 

@@ -28,5 +28,6 @@ def model_refusal(tenant: str, policy: Policy, managed: KeyEntry | None, model: 
         return ErrorReply(403, MODEL_NOT_ALLOWED, f"The API key of tenant {tenant!r} may not use {model!r}.")
     if managed is not None and not managed.allows_model(model):
         shown = model if len(model) <= _SHOWN_CHARS else model[:_SHOWN_CHARS] + "..."
-        return ErrorReply(403, MODEL_NOT_ALLOWED, f"API key {managed.kid} may not use model {shown!r}")
+        who = f"API key {managed.kid}" if managed.kid is not None else managed.who  # else a JWT's grant
+        return ErrorReply(403, MODEL_NOT_ALLOWED, f"{who} may not use model {shown!r}")
     return None

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from gateway.config import Config
 from gateway.host_segment import CONFORMANCE_REGION, MAX_PROVIDERS, PROVIDERS_REGION
 from gateway.identity.auth import Authenticator
+from gateway.identity.client_cert import CertificateTenants
 from gateway.keys.lookup import KeyLookup
 from gateway.metrics.catalogue import COUNTERS
 from gateway.metrics.writer import WorkerMetrics
@@ -40,9 +41,11 @@ from shm.metrics import MetricsTable
 from shm.providers import EndpointCooling, ProviderCells
 from shm.segment import Segment
 from workers.access_log import AccessLog
+from workers.cert_gate import ConnectionCertificates
 from workers.clusters import ClusterManager
 from workers.cors_gate import CorsGate
 from workers.head_gate import HeadGate
+from workers.jwt_gate import JwtGate
 from workers.key_gate import ManagedKeyGate
 from workers.outcomes import Outcomes
 from workers.overlay_follower import OverlayFollower
@@ -135,12 +138,13 @@ class RequestPath:
                             spend)
         tracer = Tracer.from_config(config)
         cache = config.cache
-        response_cache = ResponseCache.from_config(cache, ctx.quota_url) if cache is not None and cache.enabled else None
+        response_cache = ResponseCache.from_config(cache, ctx.quota_url, metrics) if cache is not None and cache.enabled else None
         proxy = Proxy(settings=settings, tenants=TenantPolicies(config.tenants), overlay=overlay, router=router,
                       clusters=clusters, providers=providers, quota=quota, metrics=metrics, outcomes=outcomes,
                       tracer=tracer, cache=response_cache)
         return cls(config, metrics, overlay, clusters, providers, router, quota, access_log,
-                   _head_gate(config, clusters, settings, provider_index, ctx.key_table), outcomes, proxy, tracer,
+                   _head_gate(config, clusters, settings, provider_index, ctx.key_table,
+                              ctx.status_fd if ctx.status_fd >= 0 else None), outcomes, proxy, tracer,
                    spend, response_cache)
 
     def server_state(self) -> ServerState:
@@ -209,7 +213,8 @@ async def _quota_gate(ctx: WorkerContext, prices: PriceBook) -> QuotaGate | None
 
 
 def _head_gate(config: Config, clusters: ClusterManager, settings: ProxySettings,
-               provider_index: dict[str, int], key_table: KeyTable | None = None) -> HeadGate:
+               provider_index: dict[str, int], key_table: KeyTable | None = None,
+               status_fd: int | None = None) -> HeadGate:
     routing = config.routing
     header_plan = HeaderPlan(
         routing.model_header,
@@ -226,4 +231,13 @@ def _head_gate(config: Config, clusters: ClusterManager, settings: ProxySettings
     authenticator = Authenticator.from_config(auth) if auth is not None else None
     # Managed keys (docs/keys.md): the table the supervisor created before fork; None without a store.
     keys = ManagedKeyGate(KeyLookup(key_table)) if key_table is not None and authenticator is not None else None
-    return HeadGate(routes, authenticator, header_plan, keys=keys)
+    return HeadGate(routes, authenticator, header_plan, keys=keys, certificates=_certificates(config),
+                    jwt=JwtGate.from_config(config, status_fd))
+
+
+def _certificates(config: Config) -> ConnectionCertificates | None:
+    """The client-certificate identities (mTLS, docs/identity.md); None when the listener asks for none."""
+    client_auth = None if config.server_tls is None else config.server_tls.client_auth
+    if client_auth is None:
+        return None
+    return ConnectionCertificates(CertificateTenants(client_auth.tenant_from, client_auth.map))

@@ -33,7 +33,9 @@ from gateway.cache.key import ANSWER_HEADERS, BYPASS, CacheKey, cache_key, reque
 from gateway.config.cache import Cache
 from gateway.http.errors import ErrorReply
 from gateway.http.media import is_event_stream
+from gateway.metrics.writer import WorkerMetrics
 from gateway.valkey.client import BACKEND_ERRORS, create_client
+from workers.outcomes import served_model_headers
 
 if TYPE_CHECKING:
     from workers.exchange import Exchange
@@ -69,8 +71,10 @@ class Flight:
 class ResponseCache:
     """One worker's cache: its Valkey client, its flights in progress, its counters."""
 
-    def __init__(self, config: Cache, client: Any, admit_hit: Callable[[Any], Any] | None = None) -> None:
+    def __init__(self, config: Cache, client: Any, metrics: WorkerMetrics,
+                 admit_hit: Callable[[Any], Any] | None = None) -> None:
         self.config = config
+        self.metrics = metrics
         self.client = client
         self.ttl_ms = int(config.ttl * 1000)
         self.max_entry = config.max_entry_bytes
@@ -86,12 +90,12 @@ class ResponseCache:
         self.hits = self.misses = self.bypasses = self.coalesced = self.stored = self.backend_errors = 0
 
     @classmethod
-    def from_config(cls, config: Cache, quota_url: str | None) -> ResponseCache:
+    def from_config(cls, config: Cache, quota_url: str | None, metrics: WorkerMetrics) -> ResponseCache:
         """The cache of ``config`` on its backend: its own URL, else the quota's Valkey."""
         url = config.backend.url if config.backend is not None else quota_url
         if not url:
             raise ValueError("cache.backend: the cache needs a Valkey (cache.backend.url, or a quota block)")
-        return cls(config, create_client(url))
+        return cls(config, create_client(url), metrics)
 
     # -- the step -------------------------------------------------------------------------------------
     def look_up(self, flow: Any) -> Awaitable[ErrorReply | None] | None:
@@ -102,6 +106,7 @@ class ResponseCache:
         if key is None or _monotonic() < self.down_until:
             record.cache = BYPASS
             self.bypasses += 1
+            self.metrics.cache_bypass()
             return None
         flight = self.flights.get(key.key) if self.coalesce else None
         if flight is not None and len(flight.waiters) < self.max_waiters:
@@ -134,6 +139,7 @@ class ResponseCache:
             self._failed(error)
             flow.record.cache = BYPASS
             self.bypasses += 1
+            self.metrics.cache_bypass()
             return None
         entry = None if data is None else decode_entry(data)
         if entry is not None:
@@ -160,11 +166,13 @@ class ResponseCache:
             return await self._serve(flow, entry)
         flow.record.cache = MISS  # on its own: not a leader, its answer is not stored
         self.misses += 1
+        self.metrics.cache_miss(flow.record.tenant)
         return None
 
     def _lead(self, record: RequestRecord, exchange: Exchange, key: CacheKey) -> None:
         record.cache = MISS
         self.misses += 1
+        self.metrics.cache_miss(record.tenant)
         flight = None
         if self.coalesce:
             flight = self.flights[key.key] = Flight()
@@ -184,10 +192,16 @@ class ResponseCache:
         if exchange.client_gone:
             return ANSWERED  # nothing to answer: the record closes as the client's leaving
         self.hits += 1
+        self.metrics.cache_hit(record.tenant, entry.cost_nusd)
         record.cache = HIT
         record.status = entry.status
+        record.cost_nusd = 0
         record.saved_tokens, record.saved_nusd = entry.saved_tokens, entry.cost_nusd
+        if entry.model is not None and entry.model != record.capability:
+            record.served_model = entry.model  # a fallback chain's model made the answer
         headers = [(b"x-request-id", record.request_id), CACHE_HEADERS[HIT]]
+        if record.model_route is not None:  # an alias or a fallback chain: which model served (docs/models.md)
+            headers += served_model_headers(record)
         if entry.content_type is not None:
             headers.insert(0, (_CONTENT_TYPE, entry.content_type))
         exchange.start(entry.status, headers, None if entry.stream else len(entry.body))
@@ -232,6 +246,7 @@ class ResponseCache:
 
     def _failed(self, error: BaseException) -> None:
         self.backend_errors += 1
+        self.metrics.cache_backend_error()
         if _monotonic() >= self.down_until:
             log.warning("the cache's Valkey failed (%s): bypassed for %.0f s", type(error).__name__, _BACKOFF_S)
         self.down_until = _monotonic() + _BACKOFF_S

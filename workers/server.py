@@ -136,7 +136,7 @@ class ServerConnection(asyncio.Protocol):
         "server", "settings", "transport", "codec", "state", "exchange", "peer", "_timer", "_deadline",
         "_on_deadline", "_head_bytes", "_t_head", "_body", "_body_len", "_body_counted", "_framing", "_request",
         "_headers", "_reading_paused", "writing_paused", "_loop", "pending", "served", "_eof", "auth_memo",
-        "admitted",
+        "admitted", "peer_identity",
     )
 
     def __init__(self, server: ServerState) -> None:
@@ -158,9 +158,9 @@ class ServerConnection(asyncio.Protocol):
         self._framing: RequestFraming | None = None
         self._request: codec.RequestHead | None = None
         self._headers: list[tuple[bytes, bytes]] = []
-        # Owned by the head gate: (Authorization, X-Api-Key, tenant) of the last key it admitted here.
-        self.auth_memo: tuple[bytes, bytes, str] | None = None
+        self.auth_memo: tuple[bytes, bytes, str] | None = None  # the head gate's: the last key admitted here
         self.admitted: object = None  # the head gate's verdict on the current request (exchange.admitted)
+        self.peer_identity: object = False  # the mTLS identity (workers/cert_gate.py); False: not read yet
         self._reading_paused = False
         self.writing_paused = False
         self._loop = asyncio.get_running_loop()

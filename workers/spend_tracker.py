@@ -82,6 +82,8 @@ class SpendTracker:
         # (reached a provider: the attempt that served is there in nearly every one, so it is asked first)
         if model is None or not (record.attempt is not None or record.reached) or (self._store_url is None
                                                                                     and not cost):
+            if record.cache == "hit" and self._store_url is not None and model is not None:
+                self._count_hit(record, model)  # a response cache hit: what it saved (docs/cache.md)
             return  # without a store only a cost is worth counting (the metric)
         exchange = record.exchange
         admitted = None if exchange is None else exchange.admitted
@@ -106,6 +108,15 @@ class SpendTracker:
             counts[4] += reasoning
         if cost:
             counts[5] += cost
+
+    def _count_hit(self, record: RequestRecord, model: str) -> None:
+        exchange = record.exchange
+        admitted = None if exchange is None else exchange.admitted
+        identity = None if admitted is None else admitted.key
+        key = (identity.kid or identity.alias or NO_KEY) if identity is not None else NO_KEY
+        cell = (int(_time() // DAY_S), record.tenant or NO_KEY, key, model)
+        if not self.batch.add_hit(cell, record.saved_tokens or 0, record.saved_nusd or 0):
+            self.cells_dropped += 1
 
     # -- once a second ------------------------------------------------------------------------------
     def tick(self) -> None:

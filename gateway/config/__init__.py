@@ -12,6 +12,7 @@ import os
 from typing import ClassVar, Literal
 
 from gateway.config.cache import Cache, CacheBackend, Coalesce, cache_checks  # noqa: F401 - re-exported: importers use gateway.config
+from gateway.config.client_auth import ClientAuth
 from gateway.config.cors import Cors  # noqa: F401 - re-exported: importers use gateway.config
 from gateway.config.keys import (  # noqa: F401 - re-exported: importers use gateway.config
     AdminToken,
@@ -77,6 +78,7 @@ class ServerTls(_Strict):
 
     cert_file: str
     key_file: str
+    client_auth: ClientAuth | None = None  # client certificates (mTLS, docs/identity.md); off when absent
 
     def __post_init__(self) -> None:
         for name in ("cert_file", "key_file"):

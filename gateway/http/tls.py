@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ssl
 
+from gateway.http.client_certs import CertificateRefusals, ClientTrust, counting_refusals, trust_clients
+
 ALPN = ["http/1.1"]
 
 
@@ -19,13 +21,16 @@ def _no_passphrase() -> bytes:
     return b""
 
 
-def server_tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
-    """TLS 1.2 or newer, ALPN ``http/1.1``; raises OSError or ssl.SSLError when the files do not load."""
+def server_tls_context(cert_file: str, key_file: str, clients: ClientTrust | None = None) -> ssl.SSLContext:
+    """TLS 1.2 or newer, ALPN ``http/1.1``, client certificates verified against ``clients`` when
+    given; raises OSError or ssl.SSLError when the files do not load."""
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.options |= ssl.OP_NO_RENEGOTIATION  # client-initiated renegotiation only costs us CPU
     context.set_alpn_protocols(ALPN)
     context.load_cert_chain(cert_file, key_file, password=_no_passphrase)
+    if clients is not None:
+        trust_clients(context, clients)
     return context
 
 
@@ -35,14 +40,26 @@ def load_problem(exc: OSError) -> str:
 
 
 class ReloadableServerTls:
-    """The listener's TLS context; ``reload`` re-reads the files for new handshakes."""
+    """The listener's TLS context; ``reload`` re-reads the files for new handshakes.
 
-    def __init__(self, cert_file: str, key_file: str) -> None:
+    With ``clients``, the CA bundle and CRL file are re-read too (a handshake verifies against the
+    store of the context the SNI callback selects), and ``refusals`` counts the handshakes refused
+    for their client certificate. Whether a certificate is required and whether CRLs are checked
+    stay as the listening context has them: a change of those is a change of the config, which
+    starts new workers.
+    """
+
+    def __init__(self, cert_file: str, key_file: str, clients: ClientTrust | None = None) -> None:
         self.cert_file = cert_file
         self.key_file = key_file
-        self.context = server_tls_context(cert_file, key_file)  # given to the listening socket
+        self.clients = clients
+        self.context = server_tls_context(cert_file, key_file, clients)  # given to the listening socket
         self._current = self.context
         self.context.sni_callback = self._select
+        self.refusals: CertificateRefusals | None = None
+        if clients is not None:
+            self.refusals = CertificateRefusals()
+            counting_refusals(self.context, self.refusals)
 
     def _select(self, ssl_object: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
         current = self._current
@@ -52,7 +69,7 @@ class ReloadableServerTls:
     def reload(self) -> str | None:
         """Load the files again; None when done, else why not (the previous certificate stays)."""
         try:
-            context = server_tls_context(self.cert_file, self.key_file)
+            context = server_tls_context(self.cert_file, self.key_file, self.clients)
         except OSError as exc:
             return load_problem(exc)
         self._current = context

@@ -177,6 +177,11 @@ def presented_digest(authorization: bytes | None, x_api_key: bytes | None) -> by
     return hashlib.sha256(key).digest() if key else None
 
 
+def presented_key(authorization: bytes | None, x_api_key: bytes | None) -> bytes | None:
+    """The presented credential (``Authorization: Bearer`` wins over ``X-Api-Key``), or None."""
+    return _presented_key(authorization, x_api_key)
+
+
 def _presented_key(authorization: bytes | None, x_api_key: bytes | None) -> bytes | None:
     if authorization:
         value = authorization.strip()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from bisect import bisect_left
 
 from gateway.config.models import FALLBACK_REASONS
+from gateway.http.client_certs import REFUSAL_REASONS
 from gateway.routing.eligibility import REASONS
 
 MAX_CLUSTERS = 64
@@ -80,7 +81,15 @@ TRACE_SPANS_DROPPED = ACCESS_LOG_DROPPED + 1
 TENANT_TOKENS = TRACE_SPANS_DROPPED + 1  # tenant slot t, direction d: TENANT_TOKENS + 2*t + d
 UPSTREAM_LATENCY = TENANT_TOKENS + TENANT_SLOTS * len(TOKEN_DIRECTIONS)  # cluster c: + c*LATENCY_STRIDE
 FALLBACKS = UPSTREAM_LATENCY + CLUSTER_SLOTS * LATENCY_STRIDE  # edge e, cell k: + e*len(FALLBACK_CELLS) + k
-COUNTERS = FALLBACKS + (MAX_FALLBACK_EDGES + 1) * len(FALLBACK_CELLS)
+# The response cache (docs/cache.md): per tenant slot t, kind k (CACHE_KINDS): CACHE_TENANT + t*3 + k; then
+# the requests that bypassed it and its Valkey's errors, process-wide.
+CACHE_KINDS = ("hits", "misses", "saved_nanousd")
+CACHE_TENANT = FALLBACKS + (MAX_FALLBACK_EDGES + 1) * len(FALLBACK_CELLS)
+CACHE_BYPASSES = CACHE_TENANT + TENANT_SLOTS * len(CACHE_KINDS)
+CACHE_BACKEND_ERRORS = CACHE_BYPASSES + 1
+# Handshakes refused for their client certificate (mTLS, docs/identity.md), per REFUSAL_REASONS entry.
+CLIENT_CERT_REFUSALS = CACHE_BACKEND_ERRORS + 1
+COUNTERS = CLIENT_CERT_REFUSALS + len(REFUSAL_REASONS)
 
 _GATEWAY_STATUS_INDEX = {status: i for i, status in enumerate(GATEWAY_STATUSES)}
 
@@ -108,6 +117,10 @@ def latency_block(cluster_index: int) -> int:
 
 def tenant_tokens_cell(tenant_slot: int, direction: int) -> int:
     return TENANT_TOKENS + tenant_slot * len(TOKEN_DIRECTIONS) + direction
+
+
+def cache_cell(tenant_slot: int, kind: int) -> int:
+    return CACHE_TENANT + tenant_slot * len(CACHE_KINDS) + kind
 
 
 def fallback_cell(edge_index: int, cell: int) -> int:

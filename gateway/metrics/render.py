@@ -8,10 +8,15 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
+from gateway.http.client_certs import REFUSAL_REASONS
 from gateway.metrics.catalogue import (
     ACCESS_LOG_DROPPED,
     AFFINITY,
     AFFINITY_OUTCOMES,
+    CACHE_BACKEND_ERRORS,
+    CACHE_BYPASSES,
+    CACHE_KINDS,
+    CLIENT_CERT_REFUSALS,
     DURATION,
     DURATION_BUCKETS_S,
     DURATION_SUM_US,
@@ -52,6 +57,7 @@ from gateway.metrics.catalogue import (
     STATUS_CLASSES,
     TOKEN_DIRECTIONS,
     TRACE_SPANS_DROPPED,
+    cache_cell,
     fallback_cell,
     latency_block,
     tenant_tokens_cell,
@@ -228,6 +234,31 @@ def _process_families(totals: list[int]) -> Iterator:
         "gridgate_trace_spans_dropped", "Trace spans dropped (export queue full or export failed), never blocking.",
         value=totals[TRACE_SPANS_DROPPED],
     )
+    refused = CounterMetricFamily("gridgate_client_cert_refusals", "TLS handshakes refused for their client "
+                                  "certificate (server_tls.client_auth), by reason.", labels=["reason"])
+    for index, reason in enumerate(REFUSAL_REASONS):
+        refused.add_metric([reason], totals[CLIENT_CERT_REFUSALS + index])
+    yield refused
+
+
+def _cache_families(totals: list[int], tenant_names: Sequence[str]) -> Iterator:
+    """The response cache (docs/cache.md): hits, misses and the nano-USD hits saved, per tenant (only the
+    tenants that counted something), then the requests that bypassed it and its Valkey's errors."""
+    helps = {"hits": "Requests answered from the response cache (no provider, no tokens, cost 0).",
+             "misses": "Cacheable requests the response cache did not hold (sent to a provider).",
+             "saved_nanousd": "Nano-USD the response cache's hits saved: the cost of each entry's answer when made."}
+    families = {kind: CounterMetricFamily(f"gridgate_cache_{kind}", helps[kind], labels=["tenant"])
+                for kind in CACHE_KINDS}
+    for slot, tenant in [*enumerate(tenant_names[:MAX_TENANTS]), (OTHER_TENANT, OTHER)]:
+        for index, kind in enumerate(CACHE_KINDS):
+            value = totals[cache_cell(slot, index)]
+            if value:
+                families[kind].add_metric([tenant], value)
+    yield from families.values()
+    yield CounterMetricFamily("gridgate_cache_bypasses", "Requests that did not use the response cache (not "
+                              "cacheable, no-store or bypass asked, its Valkey failing).", value=totals[CACHE_BYPASSES])
+    yield CounterMetricFamily("gridgate_cache_backend_errors", "Failed calls to the response cache's Valkey "
+                              "(the cache is bypassed meanwhile, never an error).", value=totals[CACHE_BACKEND_ERRORS])
 
 
 def _fallback_families(totals: list[int], edge_names: Sequence[str]) -> Iterator:
@@ -262,6 +293,7 @@ def render_prometheus(totals: list[int], cluster_names: Sequence[str], tenant_na
         *_quota_families(totals, tenant_names),
         *_process_families(totals),
         *_fallback_families(totals, fallback_edges),
+        *_cache_families(totals, tenant_names),
     ]
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_StaticCollector(families))

@@ -7,10 +7,15 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Any
 
+from gateway.http.client_certs import REFUSAL_REASONS
 from gateway.metrics.catalogue import (
     ACCESS_LOG_DROPPED,
     AFFINITY,
     AFFINITY_OUTCOMES,
+    CACHE_BACKEND_ERRORS,
+    CACHE_BYPASSES,
+    CACHE_TENANT,
+    CLIENT_CERT_REFUSALS,
     DURATION,
     DURATION_BUCKETS_S,
     DURATION_SUM_US,
@@ -77,6 +82,23 @@ class WorkerMetrics:
         self.fallback_index = {name: i for i, name in enumerate(fallback_edges[:MAX_FALLBACK_EDGES])}
 
     # -- per request ----------------------------------------------------------------------------
+    def cache_hit(self, tenant: str | None, saved_nusd: int | None) -> None:
+        """A response cache hit (docs/cache.md), and the nano-USD it saved."""
+        at = CACHE_TENANT + self.tenant_index.get(tenant or "", OTHER_TENANT) * 3  # type: ignore[arg-type]
+        row = self.row
+        row[at] += 1
+        if saved_nusd:
+            row[at + 2] += saved_nusd
+
+    def cache_miss(self, tenant: str | None) -> None:
+        self.row[CACHE_TENANT + self.tenant_index.get(tenant or "", OTHER_TENANT) * 3 + 1] += 1
+
+    def cache_bypass(self) -> None:
+        self.row[CACHE_BYPASSES] += 1
+
+    def cache_backend_error(self) -> None:
+        self.row[CACHE_BACKEND_ERRORS] += 1
+
     def request(self, cluster: str | None, status: int) -> None:
         index = GATEWAY_CLUSTER if cluster is None else self.cluster_index.get(cluster, OTHER_CLUSTER)
         self.row[request_cell(index, status)] += 1
@@ -192,6 +214,11 @@ class WorkerMetrics:
     def publish_access_log(self, dropped: int) -> None:
         """Access-log lines lost so far (buffer full or output failing)."""
         self.row[ACCESS_LOG_DROPPED] = dropped
+
+    def publish_client_cert_refusals(self, counts: dict[str, int]) -> None:
+        """Handshakes refused for their client certificate so far, per reason (mTLS)."""
+        for index, reason in enumerate(REFUSAL_REASONS):
+            self.row[CLIENT_CERT_REFUSALS + index] = counts[reason]
 
     def publish_trace_drops(self, dropped: int) -> None:
         """Trace spans lost so far (export queue full, or their export failed: docs/tracing.md)."""

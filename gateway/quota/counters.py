@@ -57,11 +57,15 @@ class QuotaCounters:
 
 
 def configured_tenants(config: Config) -> list[str]:
-    """The tenants a config names (its API keys', then its quota rules'), once each, in config order:
-    the label set of the per-tenant token counters (``other`` is never one of them)."""
+    """The tenants a config names (its API keys', its quota rules', then its client certificates' map),
+    once each, in config order: the label set of the per-tenant token counters (``other`` is never one
+    of them)."""
     names = [key.tenant for key in config.auth.keys] if config.auth is not None else []
     if config.quota is not None:
         names += [rule.match.tenant for rule in config.quota.rules if rule.match and rule.match.tenant]
+    client_auth = None if config.server_tls is None else config.server_tls.client_auth
+    if client_auth is not None and client_auth.map is not None:
+        names += client_auth.map.values()
     return [name for name in dict.fromkeys(names) if name != OTHER_TENANT]
 
 

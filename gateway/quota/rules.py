@@ -123,13 +123,17 @@ class RuleSet:
         self._cache: dict[tuple[str, str | None, object], QuotaRule | None] = {}
 
     def match(self, tenant: str, model: str | None, key: KeyLike | None = None) -> QuotaRule | None:
-        """The first rule matching, or None (no rule and no default: the rule meters nothing)."""
+        """The rule a JWT's claims name (``KeyIdentity.rule``) if there is one of that name, else the
+        first rule matching, or None (no rule and no default: the rule meters nothing)."""
         cache_key = (tenant, model, key)
         try:
             return self._cache[cache_key]
         except KeyError:
             pass
-        found = next((r for r in self.rules if r.matches(tenant, model, key)), None)
+        named = getattr(key, "rule", None)  # a JWT whose claims name its rule (docs/identity.md)
+        found = None if named is None else next((r for r in self.rules if r.name == named), None)
+        if found is None:
+            found = next((r for r in self.rules if r.matches(tenant, model, key)), None)
         if len(self._cache) >= self._CACHE_CAP:
             self._cache.clear()
         self._cache[cache_key] = found

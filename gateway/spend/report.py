@@ -108,11 +108,13 @@ def spend_report(query: SpendQuery, rows: Iterable[RollupRow]) -> dict[str, Any]
 def _columns(counts: list[int]) -> dict[str, Any]:
     values: dict[str, Any] = dict(zip(COLUMNS, counts, strict=True))
     values["cost_usd"] = format_usd(counts[COLUMNS.index("cost_nusd")])
+    values["saved_usd"] = format_usd(counts[COLUMNS.index("saved_nusd")])  # by response cache hits
     return values
 
 
 TABLE_COLUMNS = (("requests", "requests"), ("prompt", "tokens_prompt"), ("cached", "tokens_cached"),
-                 ("completion", "tokens_completion"), ("reasoning", "tokens_reasoning"), ("cost_usd", "cost_usd"))
+                 ("completion", "tokens_completion"), ("reasoning", "tokens_reasoning"), ("cost_usd", "cost_usd"),
+                 ("hits", "cache_hits"), ("saved", "saved_usd"))
 
 
 def spend_table(report: dict[str, Any]) -> str:

@@ -31,8 +31,11 @@ DAY_S = 86_400
 SEPARATOR = "\x1f"  # between the parts of a hash field: no tenant, kid or alias holds it
 NO_KEY = "-"
 # The columns of a rollup row, in order, and the one-letter counter of each in the hash fields.
-COLUMNS = ("requests", "tokens_prompt", "tokens_cached", "tokens_completion", "tokens_reasoning", "cost_nusd")
-COUNTERS = ("r", "p", "c", "o", "x", "n")
+# The last three: response cache hits (docs/cache.md; not among ``requests``, which reached a provider), and
+# the tokens and nano-USD they saved.
+COLUMNS = ("requests", "tokens_prompt", "tokens_cached", "tokens_completion", "tokens_reasoning", "cost_nusd",
+           "cache_hits", "saved_tokens", "saved_nusd")
+COUNTERS = ("r", "p", "c", "o", "x", "n", "h", "s", "v")
 _COLUMN_OF = {letter: index for index, letter in enumerate(COUNTERS)}
 MAX_CELLS = 20_000  # distinct (day, tenant, key, model) cells a worker holds between flushes, at most
 
@@ -68,7 +71,7 @@ Cell = tuple[int, str, str, str]  # (day, tenant, key, model)
 
 
 class RollupBatch:
-    """What a worker accumulated since its last flush: per cell, the six ``COLUMNS``."""
+    """What a worker accumulated since its last flush: per cell, the ``COLUMNS``."""
 
     __slots__ = ("cells",)
 
@@ -86,7 +89,7 @@ class RollupBatch:
         if counts is None:
             if len(self.cells) >= MAX_CELLS:
                 return False
-            self.cells[cell] = [1, prompt, cached, completion, reasoning, cost]
+            self.cells[cell] = [1, prompt, cached, completion, reasoning, cost, 0, 0, 0]
             return True
         counts[0] += 1
         counts[1] += prompt
@@ -94,6 +97,18 @@ class RollupBatch:
         counts[3] += completion
         counts[4] += reasoning
         counts[5] += cost
+        return True
+
+    def add_hit(self, cell: Cell, saved_tokens: int, saved_nusd: int) -> bool:
+        """Count one response cache hit and what it saved (False: a new cell, and the batch is full)."""
+        counts = self.cells.get(cell)
+        if counts is None:
+            if len(self.cells) >= MAX_CELLS:
+                return False
+            counts = self.cells[cell] = [0] * len(COLUMNS)
+        counts[6] += 1
+        counts[7] += saved_tokens
+        counts[8] += saved_nusd
         return True
 
     def scripts(self, flush_id: str) -> list[tuple[str | int, ...]]:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.harness import candidate, envelope
-from tests.inprocess import InProcessGateway, Provider, start_provider
+from tests.inprocess import InProcessGateway, Provider, start_provider, value
 
 FAST_RETRY = {"attempts": 1, "deadline": "10s", "backoff": {"base": "1ms", "max": "5ms"}}
 SHA = "sha256:"
@@ -55,7 +55,8 @@ def test_a_repeated_request_is_served_from_the_cache_without_tokens(tmp_path, va
     counts against the request limit; its bytes are the first answer's."""
     async def scenario() -> None:
         provider = await start_provider("p", tokens=5)
-        gateway = await gateway_for(tmp_path, provider, valkey_url)
+        gateway = await gateway_for(tmp_path, provider, valkey_url,
+                                    pricing={"overrides": {"m": {"input": 1, "output": 2}}})
         try:
             question = body(uuid.uuid4().hex)
             first = await gateway.request("POST", "/v1/chat/completions", question)
@@ -75,6 +76,12 @@ def test_a_repeated_request_is_served_from_the_cache_without_tokens(tmp_path, va
             assert lines[1]["saved_tokens"] == lines[0]["tokens_prompt"] + lines[0]["tokens_completion"]
             report = await gateway.path.quota.quota_report("anonymous")
             assert report["rules"][0]["requests"][0]["remaining"] == 998  # the hit counted as a request
+            samples = gateway.samples()  # "anonymous" is no configured tenant: counted under "other"
+            assert value(samples, "gridgate_cache_hits_total", tenant="other") == 1
+            assert value(samples, "gridgate_cache_misses_total", tenant="other") == 1
+            assert lines[0]["cost_nusd"] > 0 and lines[1]["cost_nusd"] == 0
+            assert lines[1]["saved_nusd"] == lines[0]["cost_nusd"]
+            assert value(samples, "gridgate_cache_saved_nanousd_total", tenant="other") == lines[0]["cost_nusd"]
         finally:
             await gateway.close()
             provider.server.close()

@@ -193,11 +193,12 @@ def test_gridgate_spend_prints_the_table_of_a_real_gateways_spend(gateway_factor
     assert done.returncode == 0, done.stderr
     title, header, *rows, rule, total = done.stdout.splitlines()
     assert title.startswith("spend ") and title.endswith("by tenant")
-    assert header.split() == ["tenant", "requests", "prompt", "cached", "completion", "reasoning", "cost_usd"]
+    assert header.split() == ["tenant", "requests", "prompt", "cached", "completion", "reasoning", "cost_usd", "hits",
+                              "saved"]
     cost = {tenant: sum(line["cost_nusd"] for line in lines if line["tenant"] == tenant) for tenant in ("team-a", "team-b")}
     assert [row.split()[:2] for row in rows] == [["team-a", "1"], ["team-b", "2"]]
     assert [row.split()[3] for row in rows] == ["2", "4"]  # cached tokens
-    assert [row.split()[-1] for row in rows] == [f"{cost['team-a'] / 1e9:.9f}".rstrip("0"),
+    assert [row.split()[6] for row in rows] == [f"{cost['team-a'] / 1e9:.9f}".rstrip("0"),
                                                  f"{cost['team-b'] / 1e9:.9f}".rstrip("0")]
     assert set(rule) == {"-", " "}
     assert total.split()[:2] == ["total", "3"]

@@ -56,7 +56,7 @@ def test_the_cost_counter_is_written_and_parsed_back_with_the_model_whole():
     for field, value in zip(pairs[0::2], pairs[1::2], strict=True):
         fields[field.encode()] = str(value).encode()
     fields[b"junk"] = b"1"
-    assert parse_hash(TODAY, "t", fields) == [RollupRow(TODAY, "t", "k", "a\x1fb", (1, 3, 1, 2, 1, 123))]
+    assert parse_hash(TODAY, "t", fields) == [RollupRow(TODAY, "t", "k", "a\x1fb", (1, 3, 1, 2, 1, 123, 0, 0, 0))]
 
 
 def test_a_full_batch_refuses_new_cells_but_keeps_counting_known_ones(monkeypatch):
@@ -106,7 +106,8 @@ def test_rows_are_grouped_each_way_with_exact_decimal_costs_and_totals():
         ("m", 3, 1_500_000_003), ("n", 1, 7)]
     assert by_model["data"][0]["cost_usd"] == "1.500000003"
     assert by_model["totals"] == {"requests": 4, "tokens_prompt": 120, "tokens_cached": 10, "tokens_completion": 24,
-                                  "tokens_reasoning": 5, "cost_nusd": 1_500_000_010, "cost_usd": "1.50000001"}
+                                  "tokens_reasoning": 5, "cost_nusd": 1_500_000_010, "cost_usd": "1.50000001",
+                                  "cache_hits": 0, "saved_tokens": 0, "saved_nusd": 0, "saved_usd": "0"}
     assert [row["day"] for row in spend_report(q(), ROWS)["data"]] == ["2026-11-30", "2026-12-01"]
     assert [row["key"] for row in spend_report(q(group_by="key", tenant="team-a"), ROWS)["data"]] == ["ci", "web"]
     only = spend_report(q(group_by="tenant", model="m", kid="-"), ROWS)
@@ -116,9 +117,10 @@ def test_rows_are_grouped_each_way_with_exact_decimal_costs_and_totals():
 def test_the_table_is_aligned_with_the_totals_last():
     text = spend_table(spend_report(q(group_by="model"), ROWS))
     header, first, second, rule, total = text.splitlines()
-    assert header.split() == ["model", "requests", "prompt", "cached", "completion", "reasoning", "cost_usd"]
-    assert first.split() == ["m", "3", "110", "10", "22", "5", "1.500000003"]
-    assert total.split() == ["total", "4", "120", "10", "24", "5", "1.50000001"]
+    assert header.split() == ["model", "requests", "prompt", "cached", "completion", "reasoning", "cost_usd", "hits",
+                              "saved"]
+    assert first.split() == ["m", "3", "110", "10", "22", "5", "1.500000003", "0", "0"]
+    assert total.split() == ["total", "4", "120", "10", "24", "5", "1.50000001", "0", "0"]
     assert len({len(line) for line in (header, first, second, total)}) == 1 and set(rule) == {"-", " "}
 
 
@@ -294,3 +296,18 @@ def test_published_alerts_go_to_the_installed_outbox_and_the_last_ones_are_kept(
     assert len(taken) == alerts.PUBLISHED_KEPT + 1
     assert len(alerts.published) == alerts.PUBLISHED_KEPT // 2 + 1 and alerts.published[-1].budget == "b256"
     alerts.published.clear()
+
+
+def test_cache_hits_roll_up_with_what_they_saved_beside_the_requests():
+    """A response cache hit (docs/cache.md) is no request that reached a provider: its own column, and the
+    tokens and nano-USD it saved (the report's ``saved_usd``, the table's ``saved``)."""
+    batch = RollupBatch()
+    cell = (TODAY, "team-a", "-", "m")
+    assert batch.add(cell, 10, 0, 5, 0, 300)
+    assert batch.add_hit(cell, 15, 300) and batch.add_hit((TODAY, "team-a", "-", "n"), 7, 0)
+    assert batch.cells[cell] == [1, 10, 0, 5, 0, 300, 1, 15, 300]
+    rows = [RollupRow(day, tenant, key, model, tuple(counts)) for (day, tenant, key, model), counts in batch.cells.items()]
+    totals = spend_report(q(group_by="model"), rows)["totals"]
+    assert (totals["requests"], totals["cache_hits"], totals["saved_tokens"], totals["saved_usd"]) == (1, 2, 22, "0.0000003")
+    flushed = [str(arg) for arg in batch.scripts("f")[0]]
+    assert "h\x1f-\x1fm" in flushed and "v\x1f-\x1fm" in flushed  # the hit's counters go to the store
