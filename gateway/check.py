@@ -44,6 +44,7 @@ def validate_deployment(config: Config) -> Snapshot | None:
 def check_problems(config: Config, *, environ: Mapping[str, str] | None = os.environ) -> list[str]:
     """Everything ``gridgate check`` reports; ``environ=None`` skips the secrets (``--no-env``)."""
     problems, snapshot = _problems_and_overlay(config, environ)
+    problems += jwt_problems(config)  # not at start: a key file the supervisor writes may not exist yet
     if snapshot is not None:
         problems += unconfigured_cluster_problems(config, snapshot)
         problems += model_problems(config, snapshot)
@@ -78,7 +79,6 @@ def _problems_and_overlay(config: Config, environ: Mapping[str, str] | None) -> 
         problems += server_tls_problems(config, config.server_tls)
     problems += upstream_ca_problems(config)
     problems += access_log_problems(config)
-    problems += jwt_problems(config)
     source = config.routing.overlay_source
     if source is not None:
         cache_file = None if source.cache_file is None else config.file_path(source.cache_file)

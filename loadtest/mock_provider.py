@@ -31,6 +31,9 @@ Failure injection, per request (headers win over flags):
                                 report that many cached prompt, cache-written prompt and reasoning
                                 tokens in the usage (where the API has the field)
 
+Prompt cache (`--prefix-cache N`, loadtest/mock_prefix_cache.py): an LRU of N prompt prefixes (tools,
+system prompt, all turns but the last); a hit reports the prefix's tokens as cached and answers sooner.
+
 Admin: `POST /admin/health {"status": 503}` switches /health (shared by all --processes);
 `POST /admin/config {...}` changes timing, failure rates, `retry_after` (same forms as the header;
 null = the default), `fail_next` (the next N inference requests answer `fail_status`) and the metric
@@ -69,6 +72,7 @@ from typing import Any
 import msgspec
 
 from loadtest import mock_conformance as conformance
+from loadtest.mock_prefix_cache import PrefixCache, hit_delay
 from loadtest.mock_surfaces import ANTHROPIC_ENDPOINTS, SHAPES, MessagesShape, SurfaceError
 
 MAX_HEAD_BYTES = 65536
@@ -122,6 +126,9 @@ class MockSettings:
     kv_capacity_tokens: int = 65536
     kv_cache_utilization: float | None = None  # fixed override of the simulated value
     queue_depth: int | None = None  # fixed override of the measured in-flight count
+    prefix_cache: int = 0  # prompt prefixes the LRU keeps (loadtest/mock_prefix_cache.py); 0: no cache
+    prefix_hit_factor: float = 0.3  # the first-token delay a fully cached prompt keeps
+    prefix_cache_ttl_ms: float = 0.0  # a cached prefix expires after this long (0: never)
     cors_origin: str | None = None  # sent as Access-Control-Allow-Origin on every response (as some providers do)
     # Conformance (loadtest/mock_conformance.py): a required key, an enforced window, broken promises.
     api_key: str | None = None
@@ -161,6 +168,7 @@ class MockState:
         self.provider_header = b""
         self.rng = random.Random()
         self.nonconformance: frozenset[str] = frozenset()
+        self.prefix_cache = PrefixCache()
         self.refresh()
 
     def refresh(self) -> None:
@@ -297,6 +305,9 @@ def json_response(state: MockState, status: int, payload: Any, keep_alive: bool,
     return head_bytes(state, status, headers, keep_alive) + body
 
 
+CACHED_ENDPOINTS = ("chat", "completions", "responses", "messages")  # the prompt cache's (not embeddings)
+
+
 def error_payload(message: str, err_type: str, code: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": err_type, "code": code}}
 
@@ -389,6 +400,12 @@ class Completion:
         self.include_usage = isinstance(options, dict) and options.get("include_usage") is True
         self.tokens, self.truncated = self._output_tokens(shape_class)
         self.prompt_tokens = self._prompt_tokens(shape_class)
+        # The prompt cache (--prefix-cache): cached prompt tokens, None when off (the headers win).
+        self.prefix_cached: int | None = None
+        if endpoint in CACHED_ENDPOINTS and "x-mock-cached-tokens" not in req.fields:
+            cached = state.prefix_cache.lookup(settings.prefix_cache, endpoint, self.body, time.monotonic(),
+                                               settings.prefix_cache_ttl_ms / 1000.0)
+            self.prefix_cached = None if cached is None else min(cached, self.prompt_tokens)
         faults = state.nonconformance
         self._refusal(endpoint, conformance.check_tools, self.body, faults)
         if endpoint != "embeddings":
@@ -413,6 +430,10 @@ class Completion:
             stall=stall / 1000.0,
             stall_mid=header_float(self.fault_fields, "x-mock-stall-mid-ms", 0.0) / 1000.0,
         )
+        if self.prefix_cached:  # a warm prefix: the prompt's cached share needs no prefill
+            factor = settings.prefix_hit_factor
+            self.timing.latency = hit_delay(self.timing.latency, self.prefix_cached, self.prompt_tokens, factor)
+            self.timing.ttft = hit_delay(self.timing.ttft, self.prefix_cached, self.prompt_tokens, factor)
         if self.timing.stall > 0:
             state.faults["stall"] += 1
         self.status = self._injected_status()
@@ -544,6 +565,8 @@ class Completion:
                 cached = reasoning = 0
             usage["prompt_tokens_details"] = {"cached_tokens": min(max(0, cached), self.prompt_tokens)}
             usage["completion_tokens_details"] = {"reasoning_tokens": min(max(0, reasoning), completion)}
+        elif self.prefix_cached is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.prefix_cached}
         return usage
 
     def _json_payload(self) -> dict[str, Any]:
@@ -729,6 +752,11 @@ def metrics_text(state: MockState) -> bytes:
     lines += ["# HELP mock_faults_injected_total Injected failures, by kind.",
               "# TYPE mock_faults_injected_total counter"]
     lines += [f'mock_faults_injected_total{{{label},kind="{k}"}} {n}' for k, n in sorted(state.faults.items())]
+    cache = state.prefix_cache
+    lines += ["# HELP mock_prefix_cache_total Prompt-cache lookups (--prefix-cache), by result.",
+              "# TYPE mock_prefix_cache_total counter",
+              f'mock_prefix_cache_total{{{label},result="hit"}} {cache.hits}',
+              f'mock_prefix_cache_total{{{label},result="miss"}} {cache.misses}']
     # vLLM-style names, so scrapers written for real inference servers work unchanged.
     lines += [
         "# TYPE vllm:num_requests_running gauge", f"vllm:num_requests_running{{{label}}} {state.in_flight}",
@@ -744,7 +772,8 @@ ADMIN_FIELDS = {"latency_ms": float, "ttft_ms": float, "tokens_per_s": float, "t
                 "reset_rate": float, "mid_reset_rate": float,
                 "stall_rate": float, "stall_ms": float, "kv_capacity_tokens": int,
                 "kv_cache_utilization": float, "queue_depth": int, "name": str,
-                "api_key": str, "context_window": int, "nonconformance": str}
+                "api_key": str, "context_window": int, "nonconformance": str, "prefix_cache": int,
+                "prefix_hit_factor": float, "prefix_cache_ttl_ms": float}
 NULLABLE_FIELDS = {"kv_cache_utilization", "queue_depth", "retry_after", "api_key"}
 
 
@@ -1144,6 +1173,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--health-status", type=int, default=200, help="initial GET /health status")
     p.add_argument("--kv-capacity-tokens", type=int, default=65536, help="simulated KV-cache size")
     p.add_argument("--kv-cache-utilization", type=float, default=None, help="fix the KV gauge to this value")
+    p.add_argument("--prefix-cache", type=int, default=0,
+                   help="keep this many prompt prefixes and report their tokens as cached (0 = no prompt cache)")
+    p.add_argument("--prefix-hit-factor", type=float, default=0.3,
+                   help="share of the first-token delay a fully cached prompt keeps")
+    p.add_argument("--prefix-cache-ttl-ms", type=float, default=0.0, help="a cached prefix expires after this (0 = never)")
     p.add_argument("--cors-origin", default=None, help="send Access-Control-Allow-Origin: <this> on every response")
     p.add_argument("--api-key", default=None, help="answer 401 unless the request carries this key")
     p.add_argument("--context-window", type=int, default=0,
@@ -1166,6 +1200,8 @@ def settings_from_args(args: argparse.Namespace) -> MockSettings:
         reset_rate=args.reset_rate, mid_reset_rate=args.mid_reset_rate, stall_rate=args.stall_rate,
         stall_ms=args.stall_ms, kv_capacity_tokens=args.kv_capacity_tokens,
         kv_cache_utilization=args.kv_cache_utilization, cors_origin=args.cors_origin,
+        prefix_cache=args.prefix_cache, prefix_hit_factor=args.prefix_hit_factor,
+        prefix_cache_ttl_ms=args.prefix_cache_ttl_ms,
         api_key=args.api_key, context_window=args.context_window, nonconformance=args.nonconformance,
     )
 

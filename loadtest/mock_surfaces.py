@@ -51,6 +51,7 @@ class Completion(Protocol):
     prompt_tokens: int
     tokens: int
     truncated: bool
+    prefix_cached: int | None  # the prompt cache's cached tokens (None: no --prefix-cache)
 
 _encode = msgspec.json.Encoder().encode
 
@@ -139,7 +140,10 @@ class ResponsesShape:
         self.item_id = f"msg_mock{counter:040d}"
         self.created = int(time.time())
         fields = completion.req.fields
-        self.cached = min(header_count(fields, "x-mock-cached-tokens"), completion.prompt_tokens)
+        cached = completion.prefix_cached  # the prompt cache's (--prefix-cache), else the header's
+        if cached is None:
+            cached = header_count(fields, "x-mock-cached-tokens")
+        self.cached = min(cached, completion.prompt_tokens)
         self.written = min(header_count(fields, "x-mock-cache-write-tokens"), completion.prompt_tokens - self.cached)
         self.reasoning = header_count(fields, "x-mock-reasoning-tokens")
 
@@ -276,7 +280,8 @@ class MessagesShape:
         self.c = completion
         self.message_id = f"msg_mock{completion.state.next_id():020d}"
         prompt, fields = completion.prompt_tokens, completion.req.fields
-        self.read = min(header_count(fields, "x-mock-cached-tokens"), prompt)
+        cached = completion.prefix_cached  # the prompt cache's (--prefix-cache), else the header's
+        self.read = min(header_count(fields, "x-mock-cached-tokens") if cached is None else cached, prompt)
         self.written = min(header_count(fields, "x-mock-cache-write-tokens"), prompt - self.read)
 
     @classmethod

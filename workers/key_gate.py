@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import msgspec
 
 from gateway.identity.auth import Authenticator, KeyIdentity, presented_digest
+from gateway.identity.client_cert import VIA as CERTIFICATE
 from gateway.keys.answers import key_report, refusal
 from gateway.keys.lookup import KeyLookup
 from gateway.keys.view import KeyEntry
@@ -92,7 +93,11 @@ def key_answer(key: KeyIdentity, entry: KeyEntry | None, *, remaining: dict[str,
     """The body of ``GET /v1/gridgate/key`` (docs/keys.md). A YAML key (``entry`` None) has no record:
     its tenant, alias and limits, ``"source": "config"``, and nulls. ``spend``: the USD budgets that apply
     to the key this period (``gateway.quota.report.spend_of``), null when none does."""
-    if key.via is not None:  # a JWT's identity (docs/identity.md): its subject, never the token
+    if key.via == CERTIFICATE:  # a client certificate's identity (docs/identity.md, "mTLS"): its value
+        body = {"object": "gridgate.key", "source": "mtls", "identity": key.via, "subject": key.alias,
+                "tenant": key.tenant, "status": _ACTIVE, "models": None, "rule": None, "expires_at": None,
+                "limits": None, "remaining": remaining, "spend": spend}
+    elif key.via is not None:  # a JWT's identity (docs/identity.md): its subject, never the token
         grant: Any = entry  # the request's JwtGrant (workers/head_gate.py)
         body = {"object": "gridgate.key", "source": "jwt", "identity": key.via, "subject": key.alias,
                 "tenant": key.tenant, "status": _ACTIVE, "models": grant.models, "rule": key.rule,

@@ -10,8 +10,8 @@ scan, a CORS preflight answered there. ``Proxy.handle`` then chooses by the rout
   ``quota`` block). A step reads and writes the request's ``Flow`` and returns None (go on), an
   ``ErrorReply`` (the request ends with that local answer) or, when it must wait, an awaitable of either.
 
-The steps: capability -> aliases -> permission and pin -> unpriced -> quota admission -> route ->
-forward (workers/forwarding.py, or the model chain of workers/model_chain.py). The record closes once
+The steps: capability -> aliases -> permission and pin -> unpriced -> quota admission -> prompt prefix ->
+route -> forward (workers/forwarding.py, or the model chain of workers/model_chain.py). The record closes once
 (workers/outcomes.py: settle the reservation, metrics, access line).
 """
 
@@ -35,12 +35,15 @@ from gateway.request.capability import (
 )
 from gateway.request.estimate import MAX_ALLOWANCE, estimate_prompt_tokens
 from gateway.request.headers import ACCEPT_ENCODING, RequestHeaders
+from gateway.request.prefix import has_prompt, prompt_prefix
 from gateway.request.routes import MCP, MODELS, AllowedRoute
 from gateway.request.usage import rewrite_request_for_usage
 from gateway.routing import RouteDecision, Router
 from gateway.routing.decision import RouteRefusal
 from gateway.routing.eligibility import Needs
-from gateway.routing.evidence import route_evidence
+from gateway.routing.evidence import prefix_evidence, route_evidence
+from gateway.routing.plan import PREFIX_MODE
+from gateway.routing.prefix import PLACED, SPILLED, PrefixEntry
 from gateway.routing.tenants import Policy, TenantPolicies
 from workers.clusters import ClusterManager
 from workers.exchange import Exchange
@@ -75,6 +78,7 @@ class Flow(msgspec.Struct, gc=False):
     request: CapabilityRequest = None  # type: ignore[assignment]  # the capability step sets it
     pinned: RouteDecision | None = None  # a pinned route (docs/routing.md)
     route: RouteDecision | ErrorReply | None = None
+    prefix: PrefixEntry | None = None  # the prompt prefix's entry (prefix affinity: docs/routing.md)
 
 
 # A step's verdict: None (the next step runs), the local answer that ends the request, or an awaitable of
@@ -122,6 +126,8 @@ class Proxy:
             steps.append(self.cache.look_up)
         if self.quota is not None:
             steps.append(self.admit)
+        if self.settings.prefix_bytes and self.router.prefixes is not None:
+            steps.append(self.read_prefix)
         steps += (self.choose_route, self.forward)
         return tuple(steps)
 
@@ -134,6 +140,9 @@ class Proxy:
             raise RuntimeError("the server in front of the proxy runs no head gate (workers/head_gate.py)")
         record = exchange.record = RequestRecord(exchange=exchange, ends=self.outcomes,
                                                  request_id=admitted.request_id, tenant=admitted.tenant)
+        key = admitted.key
+        if key is not None and key.via is not None:  # a JWT or a client certificate: the line says which
+            record.identity, record.subject = key.via, key.alias
         if self.tracer is not None:
             record.trace = self.tracer.begin(record, admitted.headers.balance_keys, admitted.route.surface.name,
                                              exchange.t_start)
@@ -284,6 +293,13 @@ class Proxy:
         record.admission = admission
         return None
 
+    def read_prefix(self, flow: Flow) -> None:
+        """Prefix affinity: the hash of the prompt's leading content, and its entry in the placements."""
+        if flow.pinned is None and has_prompt(flow.admitted.route.surface):
+            key = prompt_prefix(flow.exchange.body, self.settings.prefix_bytes)
+            if key is not None:
+                flow.prefix = self.router.prefixes.entry(key)  # type: ignore[union-attr]
+
     def choose_route(self, flow: Flow) -> ErrorReply | None:
         """The pinned route, or the router's: session, filters and stable_hash key first (they go to the
         record for failover). Unrouted ends here unless a model chain may walk on."""
@@ -308,12 +324,17 @@ class Proxy:
             session = None
         record.barred = barred
         record.session = session if barred is None else None  # a barred request never moves a binding
-        route = flow.route = self.route(flow.request, session, needs, key, barred)
+        route = flow.route = self.route(flow.request, session, needs, key, barred, flow.prefix)
         if type(route) is RouteDecision:
+            if flow.prefix is not None and route.mode == PREFIX_MODE:  # placed by its prompt prefix
+                placement = record.prefix = self.router.prefixes.placed  # type: ignore[union-attr]
+                self.metrics.prefix_event(SPILLED if placement.spilled else PLACED)  # type: ignore[union-attr]
             if route.filtered:  # the filters' counts: evidence on the response and the access line
                 record.filtered, record.filtered_reasons = route.filtered, route.filtered_reasons
             if record.trace is not None or self.evidence_sampled():
-                record.evidence = route_evidence(route, self.providers.view, needs, barred)
+                evidence = record.evidence = route_evidence(route, self.providers.view, needs, barred)
+                if record.prefix is not None:
+                    evidence.prefix = prefix_evidence(record.prefix)
             return None
         return self.unrouted(flow, route, barred)
 
@@ -389,11 +410,12 @@ class Proxy:
         return capability is not None and any(member.cluster in clusters for member in capability.members)
 
     def route(self, request: CapabilityRequest, session: bytes | None, needs: Needs | None,
-              key: bytes, barred: frozenset[int] | None) -> RouteDecision | ErrorReply:
+              key: bytes, barred: frozenset[int] | None,
+              prefix: PrefixEntry | None = None) -> RouteDecision | ErrorReply:
         now = _monotonic()
         self.providers.maybe_refresh(now)
         decision = self.router.route(self.overlay.snapshot, request.kind, request.name, session, now, needs, key,
-                                     barred)
+                                     barred, prefix)
         if type(decision) is RouteDecision:
             if decision.filtered:
                 self.metrics.route_filtered(decision.filtered_reasons)

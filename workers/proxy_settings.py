@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from gateway.config import Config, Cooling, Retry
 from gateway.models.aliases import ModelRoute, model_routes
+from gateway.request.prefix import BYTES_PER_TOKEN
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,8 @@ class ProxySettings:
     model_header: bytes  # the capability header, lowercase (a model moved along a chain rewrites it)
     # Fraction of routed requests whose route evidence is computed for the access line (0 without one).
     evidence_sample: float = 0.0
+    # Prefix affinity: the leading prompt bytes hashed (docs/routing.md, "Prefix affinity"); 0: off.
+    prefix_bytes: int = 0
 
     @classmethod
     def from_config(cls, config: Config) -> ProxySettings:
@@ -52,6 +55,8 @@ class ProxySettings:
             models=model_routes(config.models),
             model_header=routing.model_header.lower().encode(),
             evidence_sample=config.access_log.evidence_sample if config.access_log.enabled else 0.0,
+            prefix_bytes=routing.prefix_affinity.prefix_tokens * BYTES_PER_TOKEN if routing.prefix_affinity.enabled
+            else 0,
         )
 
     def stable_hash_headers(self) -> list[str]:

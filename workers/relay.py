@@ -155,7 +155,7 @@ class ResponseRelay:
         self.is_sse = is_event_stream(content_type)
         usage_kind = OPENAI_USAGE if admitted is None else admitted.route.surface.usage
         if usage_kind == OPENAI_USAGE:
-            if metered:
+            if metered or self.exchange.record.prefix is not None:  # prefix affinity reads cached_tokens
                 # ``usage_observer`` written out (one call fewer per request): the SSE filter for a stream
                 # the gateway rewrote to report usage, else the pass-through scanner.
                 self.usage = SseUsageFilter() if self.metering and self.is_sse else UsageScanner()

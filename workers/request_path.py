@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass
 
-from gateway.config import Config
+from gateway.config import Config, PrefixAffinity
 from gateway.host_segment import CONFORMANCE_REGION, MAX_PROVIDERS, PROVIDERS_REGION
 from gateway.identity.auth import Authenticator
 from gateway.identity.client_cert import CertificateTenants
@@ -30,6 +31,7 @@ from gateway.request.headers import HeaderPlan
 from gateway.request.routes import RouteTable
 from gateway.routing import Router
 from gateway.routing.eligibility import FactsTable
+from gateway.routing.prefix import PrefixTable
 from gateway.routing.tenants import TenantPolicies
 from gateway.spend.price_book import PriceBook
 from gateway.valkey.client import create_client
@@ -52,6 +54,7 @@ from workers.overlay_follower import OverlayFollower
 from workers.providers import ProviderStates
 from workers.proxy import Proxy
 from workers.proxy_settings import ProxySettings
+from workers.recent_requests import RequestRing
 from workers.response_cache import ResponseCache
 from workers.server import ServerSettings, ServerState
 from workers.spend_tracker import SpendTracker
@@ -95,6 +98,8 @@ class RequestPath:
     tracer: Tracer | None = None  # tracing configured (docs/tracing.md)
     spend: SpendTracker | None = None  # rollups, spend metrics, alerts (docs/pricing.md)
     cache: ResponseCache | None = None  # the response cache (docs/cache.md)
+    recent: RequestRing | None = None  # the console's last requests, with admin.tokens (docs/console.md)
+    status_fd: int = -1
 
     @classmethod
     async def build(cls, ctx: WorkerContext, segment: Segment, row: WorkerRow) -> RequestPath:
@@ -123,6 +128,7 @@ class RequestPath:
             max(ctx.slot, 0), affinity=_affinity_table(ctx, segment),
             affinity_ttl_s=float(routing.session_affinity.ttl), provider_index=provider_index,
             providers=providers.view, picker=routing.picker, facts=FactsTable(routing.models),
+            prefixes=prefix_table(routing.prefix_affinity, config.worker_count()),
         )
         report_unconfigured(router.prepare(overlay.snapshot))
         # One price book per worker (docs/pricing.md): what a request costs when it ends, the worst case a
@@ -136,16 +142,18 @@ class RequestPath:
         spend.access_log = access_log
         outcomes = Outcomes(quota, metrics, access_log, providers, settings.cooling, settings.route_headers, prices,
                             spend)
+        outcomes.prefixes = router.prefixes
         tracer = Tracer.from_config(config)
         cache = config.cache
         response_cache = ResponseCache.from_config(cache, ctx.quota_url, metrics) if cache is not None and cache.enabled else None
         proxy = Proxy(settings=settings, tenants=TenantPolicies(config.tenants), overlay=overlay, router=router,
                       clusters=clusters, providers=providers, quota=quota, metrics=metrics, outcomes=outcomes,
                       tracer=tracer, cache=response_cache)
+        recent = outcomes.recent = RequestRing() if config.admin.tokens and ctx.status_fd >= 0 else None
         return cls(config, metrics, overlay, clusters, providers, router, quota, access_log,
                    _head_gate(config, clusters, settings, provider_index, ctx.key_table,
                               ctx.status_fd if ctx.status_fd >= 0 else None), outcomes, proxy, tracer,
-                   spend, response_cache)
+                   spend, response_cache, recent, ctx.status_fd)
 
     def server_state(self) -> ServerState:
         """The per-worker server state that hands this path every request: the head gate decides on each
@@ -171,6 +179,8 @@ class RequestPath:
             metrics.publish_trace_drops(self.tracer.exporter.dropped)
         if self.spend is not None:  # rollups to the store, spend counters and alerts to the supervisor
             self.spend.tick()
+        if self.recent is not None:  # the last requests, to the supervisor for the console
+            self.recent.report(self.status_fd)
 
     async def close(self) -> None:
         """Pools, the quota gate (its queued settlements first) and the access log (its last lines)."""
@@ -210,6 +220,16 @@ async def _quota_gate(ctx: WorkerContext, prices: PriceBook) -> QuotaGate | None
     gate = QuotaGate.from_config(ledger, ctx.config, generation=ctx.generation, slot=ctx.slot, prices=prices)
     await gate.start()
     return gate
+
+
+def prefix_table(prefix: PrefixAffinity, workers: int) -> PrefixTable | None:
+    """Prefix affinity's per-worker placements (None: off). A prefix's share of a provider's capacity is
+    split over the host's workers, each counting its own requests (SO_REUSEPORT spreads them evenly)."""
+    if not prefix.enabled:
+        return None
+    share = math.ceil(prefix.spill_at * prefix.capacity / max(1, workers))
+    slow = None if prefix.slow_first_token is None else float(prefix.slow_first_token)
+    return PrefixTable(prefix.table_size, share, prefix.misses, slow)
 
 
 def _head_gate(config: Config, clusters: ClusterManager, settings: ProxySettings,

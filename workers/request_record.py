@@ -36,6 +36,9 @@ class RequestRecord(msgspec.Struct, gc=False):
     ends: Any = None  # workers.outcomes.Outcomes: settles, counts and logs the closed record
     request_id: bytes | None = None
     tenant: str | None = None
+    # A JWT's or a client certificate's request: ``jwt:<issuer>`` or ``mtls``, and its subject (the access line's).
+    identity: str | None = None
+    subject: str | None = None
     batch: bool = False  # the tenant waits behind interactive ones for upstream connections
     capability: str | None = None  # the model the path routes (an alias's target: docs/models.md)
     model_route: ModelRoute | None = None  # the requested name was an alias or has a fallback chain
@@ -44,6 +47,7 @@ class RequestRecord(msgspec.Struct, gc=False):
     session: bytes | None = None  # the session-affinity key whose binding follows the serving provider
     needs: Needs | None = None  # eligibility filters (None: none apply)
     key: bytes = b""  # the stable_hash picker's key
+    prefix: Any = None  # gateway.routing.prefix.Placement: prefix affinity placed it (its end feeds back)
     barred: frozenset[int] | None = None  # providers its route may not reach (docs/security.md)
     balance_keys: dict[bytes, bytes] | None = None  # consistent-hash header values of the balancers
     body: bytes = b""  # as sent upstream (rewritten to ask for usage when metered)

@@ -227,6 +227,10 @@ def evidence_attributes(evidence: RouteEvidence) -> list[tuple[str, AttributeVal
     if evidence.picker_inputs:
         attributes.append(("gridgate.route.picker_inputs",
                            ",".join(f"{p.provider}={p.score}" for p in evidence.picker_inputs)))
+    prefix = evidence.prefix
+    if prefix is not None:  # prefix affinity placed it (docs/routing.md, "Prefix affinity")
+        attributes += [("gridgate.route.prefix.hash", prefix.hash), ("gridgate.route.prefix.moved", prefix.moved),
+                       ("gridgate.route.prefix.spilled", prefix.spilled)]
     return attributes
 
 

@@ -39,6 +39,7 @@ BYPASS = "bypass"  # the request says not to use the cache, or is not cacheable
 _decode = msgspec.json.decode
 _encode = msgspec.json.Encoder(order="sorted").encode
 _KEY_PREFIX = b"gridgate:cache:"
+_digest = xxhash.xxh3_128_hexdigest
 
 
 class CacheKey(msgspec.Struct, frozen=True, gc=False):
@@ -86,9 +87,12 @@ def cache_key(cache: Cache, surface: str, tenant: str | None, model: str, body: 
         kept = {name: value for name, value in members.items() if name not in ignored}
     else:
         kept = {name: members[name] for name in fields if name in members}
-    digest = xxhash.xxh3_128()
-    for part in (b"" if cache.tenants == "shared" else (tenant or "").encode(), surface.encode(), model.encode(),
-                 *(headers.get(name, b"") for name in ANSWER_HEADERS.get(surface, ())), _encode(kept)):
-        digest.update(b"%d:" % len(part))  # length-prefixed: no two part lists make the same bytes
-        digest.update(part)
-    return CacheKey(_KEY_PREFIX + digest.hexdigest().encode(), members.get("stream") is True)
+    tenant_part = b"" if cache.tenants == "shared" else (tenant or "").encode()
+    model_part = model.encode()
+    # Length-prefixed parts (no two part lists make the same bytes); the body's canonical form last.
+    material = b"%d:%b%d:%b%d:%b" % (len(tenant_part), tenant_part, len(surface), surface.encode(), len(model_part),
+                                     model_part)
+    for name in ANSWER_HEADERS.get(surface, ()):
+        value = headers.get(name, b"")
+        material += b"%d:%b" % (len(value), value)
+    return CacheKey(_KEY_PREFIX + _digest(material + _encode(kept)).encode(), members.get("stream") is True)

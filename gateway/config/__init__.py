@@ -14,6 +14,7 @@ from typing import ClassVar, Literal
 from gateway.config.cache import Cache, CacheBackend, Coalesce, cache_checks  # noqa: F401 - re-exported: importers use gateway.config
 from gateway.config.client_auth import ClientAuth
 from gateway.config.cors import Cors  # noqa: F401 - re-exported: importers use gateway.config
+from gateway.config.jwt import JwksRefresh, JwtIssuer  # noqa: F401 - re-exported: importers use gateway.config
 from gateway.config.keys import (  # noqa: F401 - re-exported: importers use gateway.config
     AdminToken,
     KeyStoreBackend,
@@ -43,6 +44,7 @@ from gateway.config.routing import (  # noqa: F401 - the routing schema, re-expo
     ModelMatch,
     OverlayScope,
     OverlaySource,
+    PrefixAffinity,
     Retry,
     Routing,
     SessionAffinity,

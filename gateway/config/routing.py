@@ -100,6 +100,27 @@ class LeastLoaded(StrictStruct):
         check_ranges(self, self._RANGES)
 
 
+class PrefixAffinity(StrictStruct):
+    """``routing.prefix_affinity`` (docs/routing.md, "Prefix affinity"): requests whose prompts start
+    alike go to the same provider of their group, so its prompt cache serves them."""
+
+    enabled: bool = False
+    prefix_tokens: int = 1024  # the leading prompt content hashed, in tokens (about 4 bytes each)
+    spill_at: float = 0.5  # a prefix spills to the next provider past this share of a provider's capacity
+    capacity: int = 64  # requests in flight one provider takes well (per host): spill_at's whole
+    misses: int = 4  # consecutive cache misses on its provider that move a prefix to the next one
+    slow_first_token: Seconds | None = None  # a first token slower than this moves the prefix on; None: never
+    table_size: int = 4096  # prefixes each worker remembers (placement, misses, in flight)
+
+    _RANGES: ClassVar[dict[str, Range]] = {
+        "prefix_tokens": (16, 1_000_000), "spill_at": (0.01, 1.0), "capacity": (1, 1_000_000),
+        "misses": (1, 1000), "slow_first_token": (0.001, HOUR), "table_size": (16, 1_000_000),
+    }
+
+    def __post_init__(self) -> None:
+        check_ranges(self, self._RANGES)
+
+
 _STABLE_HASH_FACTS = ("tenant", "session", "request_id")
 
 
@@ -203,6 +224,7 @@ class Routing(StrictStruct):
     picker: Literal["overlay", "weighted", "stable_hash", "least_loaded"] = "overlay"
     least_loaded: LeastLoaded = LeastLoaded()
     stable_hash_key: list[str] = msgspec.field(default_factory=lambda: ["tenant", "session"])
+    prefix_affinity: PrefixAffinity = PrefixAffinity()
     models: list[ModelFacts] = []
     pin_header: str = "X-Gridgate-Pin"
     # The MCP endpoint (streamable HTTP: POST, GET, DELETE); null: none (docs/security.md).

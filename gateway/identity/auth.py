@@ -88,10 +88,12 @@ class KeyIdentity:
     @property
     def limit_tag(self) -> str:
         """The kind of name the key's own limits count under: ``k`` kid, ``a`` alias, ``j.<issuer>``
-        a JWT subject (so a subject never shares a counter with a YAML alias of the same name)."""
+        a JWT subject, else ``via`` (so a subject never shares a counter with a YAML alias of its name)."""
         if self.kid is not None:
             return "k"
-        return "a" if self.via is None else "j." + self.via[4:]
+        if self.via is None:
+            return "a"
+        return "j." + self.via[4:] if self.via.startswith("jwt:") else self.via
 
     def __repr__(self) -> str:
         return f"KeyIdentity({self.tenant!r}, name={self.name!r})"

@@ -14,6 +14,9 @@ Each left-out candidate is counted under one reason, the first that applies:
 - ``nonconformant``: its provider failed a required conformance check (``routing.conformance``);
 - ``unhealthy``: no endpoint of its provider is routable (health checks, outlier detection);
 - ``cooled``: its provider is cooling after a 429/503.
+
+A request prefix affinity placed (selection mode ``prefix``) also carries ``prefix``: its prompt
+prefix's hash, how far misses have moved it, how far it spilled.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import msgspec
 from gateway.routing.decision import REUSED
 from gateway.routing.eligibility import Needs
 from gateway.routing.plan import LEAST_LOADED, GroupPlan, RouteDecision
+from gateway.routing.prefix import Placement
 from gateway.routing.providers import ProviderView
 
 
@@ -34,12 +38,23 @@ class PickerInput(msgspec.Struct, gc=False):
     score: float
 
 
+class PrefixEvidence(msgspec.Struct, gc=False):
+    """Prefix affinity's pick (docs/routing.md, "Prefix affinity"): the prompt prefix's hash, how many
+    places misses and slow first tokens have moved it along its ranking, and how far this request spilled
+    past its place (0: it went to the prefix's place)."""
+
+    hash: str
+    moved: int
+    spilled: int
+
+
 class RouteEvidence(msgspec.Struct, gc=False):
     site: str  # the chosen candidate's site (overlay)
     admission_state: str  # its admission state (new_and_existing, existing_only, ...)
     candidates: int  # the capability's candidates new requests may get
     excluded: dict[str, int]  # left-out candidates by reason (only reasons with a count)
     picker_inputs: list[PickerInput] | None  # least_loaded: the two compared (None for other pickers)
+    prefix: PrefixEvidence | None = None  # prefix affinity placed it (None: another picker chose)
 
 
 def route_evidence(decision: RouteDecision, view: ProviderView, needs: Needs | None,
@@ -69,6 +84,12 @@ def route_evidence(decision: RouteDecision, view: ProviderView, needs: Needs | N
     candidate = decision.candidate
     return RouteEvidence(candidate.site, candidate.admission, len(plan.options), excluded,
                          picker_inputs(decision, view))
+
+
+def prefix_evidence(placement: Placement) -> PrefixEvidence:
+    """What the route evidence says about a request prefix affinity placed."""
+    entry = placement.entry
+    return PrefixEvidence(entry.key.hex(), entry.offset, placement.spilled)
 
 
 def picker_inputs(decision: RouteDecision, view: ProviderView) -> list[PickerInput] | None:

@@ -28,12 +28,14 @@ from gateway.overlay.contract import NEW_AND_EXISTING, Candidate
 from gateway.overlay.snapshot import Capability, Snapshot
 from gateway.routing.decision import AFFINITY_OUTCOMES, header_value
 from gateway.routing.eligibility import UNRESTRICTED, Facts, FactsTable
+from gateway.routing.prefix import PrefixEntry, PrefixTable
 from gateway.routing.providers import LoadCost
 
 DETERMINISTIC, ROUND_ROBIN, RANDOM, WEIGHTED, STABLE_HASH, LEAST_LOADED = range(6)
 MODES = {"deterministic": DETERMINISTIC, "roundRobin": ROUND_ROBIN, "random": RANDOM, "weighted": WEIGHTED,
          "stable_hash": STABLE_HASH, "least_loaded": LEAST_LOADED}
 _xxh3 = xxhash.xxh3_64_intdigest
+PREFIX_MODE = "prefix"  # the selection mode of a pick by prefix affinity (docs/routing.md)
 
 
 class RouteDecision(NamedTuple):
@@ -92,15 +94,17 @@ def route_decision(
 class Option:
     """One candidate slot of a group: its provider index, facts and a prebuilt decision per affinity outcome."""
 
-    __slots__ = ("candidate", "provider", "decisions", "facts", "seed")
+    __slots__ = ("candidate", "provider", "decisions", "facts", "seed", "prefix_decisions")
 
     def __init__(self, candidate: Candidate, provider: int, decisions: tuple[RouteDecision, ...],
-                 facts: Facts) -> None:
+                 facts: Facts, prefix_decisions: tuple[RouteDecision, ...] | None = None) -> None:
         self.candidate = candidate
         self.provider = provider  # -1: the cluster is not configured on this gateway (never selected)
         self.decisions = decisions
         self.facts = facts
         self.seed = candidate.stable_id_hash  # rendezvous hashing: the option's half of the score
+        # Chosen by prefix affinity (selection mode ``prefix``); the same as ``decisions`` when it is off.
+        self.prefix_decisions = decisions if prefix_decisions is None else prefix_decisions
 
     def __repr__(self) -> str:
         return f"Option({self.candidate.cluster}, provider={self.provider})"
@@ -163,6 +167,16 @@ class GroupPlan:
                 return option
         return None
 
+    def prefix_pick(self, usable: Usable, entry: PrefixEntry, table: PrefixTable) -> Option | None:
+        """Prefix affinity (gateway.routing.prefix): the usable options ranked for the prefix by
+        rendezvous hashing, and the table's place (or spill) in that ranking."""
+        key = entry.key
+        ranked = sorted((option for option in self.options if usable(option)),
+                        key=lambda option: _xxh3(key, option.seed), reverse=True)
+        if not ranked:
+            return None
+        return ranked[table.place(entry, ranked)]
+
     def _weighted(self, usable: Usable) -> Option | None:
         """Smooth weighted round robin (nginx): exact shares over every cycle of the usable options."""
         current = self._current
@@ -218,7 +232,7 @@ class CapabilityPlan:
 
     def __init__(self, cap: Capability, snapshot: Snapshot, worker_index: int, rng: random.Random,
                  provider_index: Mapping[str, int] | None, picker: str = "overlay",
-                 facts: FactsTable | None = None, cost: Cost | None = None) -> None:
+                 facts: FactsTable | None = None, cost: Cost | None = None, prefix: bool = False) -> None:
         revision = snapshot.revision
         mode = snapshot.mode if picker == "overlay" else picker
         picker_mode = MODES[mode]
@@ -230,7 +244,11 @@ class CapabilityPlan:
                 for outcome in range(len(AFFINITY_OUTCOMES))
             )
             option_facts = facts.facts(candidate.name, candidate.cluster) if facts else UNRESTRICTED
-            return Option(candidate, provider, decisions, option_facts)
+            by_prefix = None
+            if prefix:  # prefix affinity is configured: its picks say so (selection mode ``prefix``)
+                by_prefix = tuple(route_decision(candidate, provider, self, group, PREFIX_MODE, revision, outcome)
+                                  for outcome in range(len(AFFINITY_OUTCOMES)))
+            return Option(candidate, provider, decisions, option_facts, by_prefix)
 
         groups = _admitting_groups(cap, option, picker_mode, worker_index, rng, cost)
         self.groups = tuple(groups)

@@ -33,6 +33,7 @@ from gateway.routing.plan import (
     route_decision,
     with_filtered,
 )
+from gateway.routing.prefix import PrefixEntry, PrefixTable
 from gateway.routing.providers import ProviderView
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ class Router:
     """
 
     __slots__ = ("_worker_index", "_rng", "_affinity", "_ttl", "_revision", "_plans", "_provider_index",
-                 "providers", "_usable_any", "_picker", "_facts")
+                 "providers", "_usable_any", "_picker", "_facts", "prefixes")
 
     def __init__(
         self,
@@ -64,6 +65,7 @@ class Router:
         providers: ProviderView | None = None,
         picker: str = "overlay",
         facts: FactsTable | None = None,
+        prefixes: PrefixTable | None = None,
     ) -> None:
         self._worker_index = worker_index
         self._rng = rng if rng is not None else random.Random()
@@ -77,6 +79,7 @@ class Router:
         self._usable_any = lambda option: option.provider >= 0 and usable[option.provider]
         self._picker = picker
         self._facts = facts
+        self.prefixes = prefixes  # prefix affinity's placements (None: off; gateway.routing.prefix)
 
     @property
     def revision(self) -> str | None:
@@ -94,7 +97,7 @@ class Router:
         if plan is None:
             plan = self._plans[cap.index] = CapabilityPlan(
                 cap, snapshot, self._worker_index, self._rng, self._provider_index, self._picker, self._facts,
-                self.providers.cost,
+                self.providers.cost, self.prefixes is not None,
             )
         return plan
 
@@ -120,7 +123,8 @@ class Router:
 
     # -- selection --------------------------------------------------------------------------------
     def _select(self, plan: CapabilityPlan, outcome: int, excluded: Collection[int] | None,
-                blocked: set[Option] | None = None, key: bytes = b"") -> RouteDecision | None:
+                blocked: set[Option] | None = None, key: bytes = b"",
+                prefix: PrefixEntry | None = None) -> RouteDecision | None:
         if excluded or blocked:
             usable = self.providers.usable
             skip = excluded or ()
@@ -132,6 +136,11 @@ class Router:
         else:
             eligible = self._usable_any
         for group in plan.groups:
+            if prefix is not None and len(group.options) > 1:  # prefix affinity chooses in the group
+                option = group.prefix_pick(eligible, prefix, self.prefixes)  # type: ignore[arg-type]
+                if option is not None:
+                    return option.prefix_decisions[outcome]
+                continue
             option = group.pick(eligible, key)
             if option is not None:
                 return option.decisions[outcome]
@@ -180,6 +189,7 @@ class Router:
         needs: Needs | None = None,
         key: bytes = b"",
         barred: frozenset[int] | None = None,
+        prefix: PrefixEntry | None = None,
     ) -> RouteDecision | ErrorReply:
         """Route one request for capability ``(kind, name)``.
 
@@ -188,7 +198,8 @@ class Router:
         ``needs`` (request facts and tenant regions) filters candidates; the decision says how many it
         removed and why (``RouteDecision.filtered``), and so does the ``RouteRefusal`` when none is left.
         ``key`` feeds the stable_hash picker. ``barred``: providers that may not serve the request at
-        all (its route is allowed only on other clusters, docs/security.md).
+        all (its route is allowed only on other clusters, docs/security.md). ``prefix``: the request's
+        prompt-prefix entry, when prefix affinity is on (its pick is ``self.prefixes.placed``).
         """
         plan = self._plan_for(snapshot, kind, name)
         if type(plan) is ErrorReply:
@@ -201,16 +212,16 @@ class Router:
             options = blocked[0]  # type: ignore[index]
         table = self._affinity
         if session_key is None or table is None:
-            decision = self._select(plan, NONE, barred or None, options, key) or plan.unavailable
+            decision = self._select(plan, NONE, barred or None, options, key, prefix) or plan.unavailable
         else:
-            decision = self._affine(table, plan, session_key, now, needs, key, barred or None, options)
+            decision = self._affine(table, plan, session_key, now, needs, key, barred or None, options, prefix)
         if options is not None and type(decision) is RouteDecision:
             decision = with_filtered(decision, len(options), blocked[1])  # type: ignore[index]
         return decision
 
     def _affine(self, table: AffinityTable, plan: CapabilityPlan, session_key: bytes, now: float,
                 needs: Needs | None, key: bytes, excluded: frozenset[int] | None,
-                blocked: set[Option] | None) -> RouteDecision | ErrorReply:
+                blocked: set[Option] | None, prefix: PrefixEntry | None = None) -> RouteDecision | ErrorReply:
         """The session's bound candidate while it is usable (docs/routing.md), else a selection that
         (re)binds the session."""
         # table.lookup written out: the common case (the session asks again, its record unchanged since
@@ -237,7 +248,7 @@ class Router:
                             and (excluded is None or provider not in excluded)):
                         return option.decisions[REUSED]
             outcome = FAILOVER
-        decision = self._select(plan, outcome, excluded, blocked, key)
+        decision = self._select(plan, outcome, excluded, blocked, key, prefix)
         if decision is None:
             return plan.unavailable
         if excluded is None or outcome == NEW:  # a barred request never moves a session's binding

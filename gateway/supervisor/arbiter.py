@@ -35,8 +35,10 @@ from gateway.notify import Notifier
 from gateway.process_protocol import (
     Draining,
     Heartbeat,
+    JwksWanted,
     OverlayRejected,
     Ready,
+    RecentRequests,
     SpendAlertReport,
     SpendCounts,
     StatusMessage,
@@ -51,6 +53,7 @@ from gateway.supervisor.children import (
 )
 from gateway.supervisor.conformance import ConformanceWatch
 from gateway.supervisor.console_sources import SupervisorConsoleSources
+from gateway.supervisor.jwks_feed import JwksFeed
 from gateway.supervisor.keys import KeyService, SupervisorKeyHost, admin_tokens_of
 from gateway.supervisor.lifecycle import Child, max_workers_for
 from gateway.supervisor.observability import SupervisorAdminSources, SupervisorCollector
@@ -97,7 +100,9 @@ class Arbiter:
         self._config_path = config_path
         # routing.overlay_source: one subscriber for the host; the workers follow the file it writes.
         self._overlay_feed = OverlayFeed(config)
-        config = self._overlay_feed.for_workers(config)
+        # auth.jwt issuers fetched from their IdP: one fetcher for the host; workers follow the files it writes.
+        self._jwks_feed = JwksFeed(config)
+        config = self._for_workers(config)
         self._start_config = config  # from the first tick on, the generation swap owns the running config
         self._overrides = overrides or RunOverrides()
         self._worker_entry = worker_entry
@@ -142,6 +147,7 @@ class Arbiter:
         admin_sock: socket.socket | None = None
         try:
             self._overlay_feed.open()  # with a source: the overlay to start with, before anything checks it
+            self._jwks_feed.open()  # the JWT issuers' key sets, before the first worker needs them
             try:
                 overlay = validate_deployment(config)  # an invalid overlay at startup is a startup error
             except ConfigError as exc:
@@ -163,6 +169,7 @@ class Arbiter:
         finally:
             self._quota_backend.stop()  # after the workers drained: their last settlements landed
             self._overlay_feed.cleanup()
+            self._jwks_feed.cleanup()
             self._notifier.close()
 
     def _create_segment(self, config: Config) -> Segment:
@@ -201,18 +208,19 @@ class Arbiter:
             spend=SpendApi(self._spend_reporter).handle,
             providers=lambda: self._conformance.report(self._swap.config),
         )
-        admin_app.attach_console(Console(admin_app, SupervisorConsoleSources(admin_sources, self._overlay_feed,
-                                                                             lambda: self._swap.config)))
+        self._console_sources = SupervisorConsoleSources(admin_sources, self._overlay_feed, lambda: self._swap.config)
+        admin_app.attach_console(Console(admin_app, self._console_sources))
         self._admin = AdminServer(admin_app)
         self._swap = GenerationSwap(
             self._config_path, self._overrides, self._start_config,
             workers=self._workers, readiness=self._readiness, admin=self._admin, segment=self._segment,
             quota_backend=self._quota_backend, request_reload=lambda: self._events.put_nowait("reload"),
-            for_workers=self._overlay_feed.for_workers,
+            for_workers=self._for_workers,
         )
         metrics.register(SupervisorCollector(self._workers, self._swap))
         metrics.register(self._overlay_feed)
         metrics.register(self._conformance)
+        metrics.register(self._jwks_feed)
         metrics.register(self._keys)
         metrics.register(self._spend_metrics)
         metrics.register_text(lambda: counters.render(self._workers.worker_slots(), self._clusters.names,
@@ -242,6 +250,7 @@ class Arbiter:
         }
         await self._admin.start(admin_sock)
         self._overlay_feed.start()
+        self._jwks_feed.start()
         # The config's tenants take their metrics indexes before the managed keys' tenants do.
         _register_labels(self._tenants, "tenant", configured_tenants(config))
         await self._keys.start()  # before the first fork: the first workers already know the keys
@@ -266,6 +275,7 @@ class Arbiter:
         finally:
             await self._overlay_feed.stop()
             await self._conformance.stop()
+            await self._jwks_feed.stop()
             await self._keys.close()
             await self._admin.close()
             await self._reservation_sweeper.close()
@@ -326,6 +336,14 @@ class Arbiter:
                 self._spend_metrics.on_counts(child.pid, message)
             case SpendAlertReport():  # posted to pricing.alerts_webhook, off every request path
                 self._alerts.submit(message.alert)
+            case RecentRequests():  # the console's last requests (docs/console.md#requests)
+                self._console_sources.on_recent(child.pid, message)
+            case JwksWanted():  # a token named an unknown kid (docs/identity.md)
+                self._jwks_feed.wanted(message.issuer)
+
+    def _for_workers(self, config: Config) -> Config:
+        """A config as the workers see it: the overlay source's cache file, the JWT issuers' key files."""
+        return self._jwks_feed.for_workers(self._overlay_feed.for_workers(config))
 
     def _tenant_index(self, tenant: str) -> int:
         """A managed key's tenant's metrics index, registered on first sight (the key table carries it

@@ -12,6 +12,7 @@ import signal
 import socket
 import ssl
 import time
+import uuid
 from pathlib import Path
 
 import h11
@@ -38,8 +39,12 @@ class MtlsClient:
 
     def chat(self, request_id: str, headers: list[tuple[str, str]] = ()) -> tuple[int, bytes]:
         body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
-        self.sock.sendall(self.conn.send(h11.Request(method="POST", target="/v1/chat/completions", headers=[
-            ("host", "127.0.0.1"), ("content-length", str(len(body))), ("x-request-id", request_id), *headers]))
+        return self.request("POST", "/v1/chat/completions", body, [("x-request-id", request_id), *headers])
+
+    def request(self, method: str, target: str, body: bytes = b"",
+                headers: list[tuple[str, str]] = ()) -> tuple[int, bytes]:
+        self.sock.sendall(self.conn.send(h11.Request(method=method, target=target, headers=[
+            ("host", "127.0.0.1"), ("content-length", str(len(body))), *headers]))
             + self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage()))
         status, chunks = 0, []
         while True:
@@ -103,16 +108,18 @@ def pki(tmp_path):
     return Pki(tmp_path)
 
 
-def mtls_gateway(gateway_factory, providers, pki: Pki, mode: str, **client_auth):
+def mtls_gateway(gateway_factory, providers, pki: Pki, mode: str, tenant: str = "team-mesh",
+                 extra: dict | None = None, **client_auth):
     overlay = envelope([candidate("m", "provider-a")])
     live_ca = os.path.join(os.path.dirname(pki.ca.ca_file), "live-ca.crt")
     shutil.copy(pki.ca.ca_file, live_ca)
     return gateway_factory({"provider-a": [providers["provider-a"].address]}, overlay, extra={
         "server_tls": {"cert_file": pki.server[0], "key_file": pki.server[1], "client_auth": {
-            "ca_file": live_ca, "mode": mode, "tenant_from": "san_uri", "map": {WORKLOAD: "team-mesh"},
+            "ca_file": live_ca, "mode": mode, "tenant_from": "san_uri", "map": {WORKLOAD: tenant},
             **client_auth}},
         "auth": {"keys": [{"tenant": "team-key", "key": "sha256:" + hashlib.sha256(KEY.encode()).hexdigest()}]},
         "access_log": {"path": "access.log"},
+        **(extra or {}),
     })
 
 
@@ -153,6 +160,11 @@ def test_required_mode_identifies_by_certificate_and_refuses_handshakes_without_
         assert [client.chat(f"cert-{n}")[0] for n in range(3)] == [200, 200, 200]
         assert client.chat("cert-and-key", BEARER)[0] == 200  # a key the gateway knows wins
         assert client.chat("cert-and-unknown-key", UNKNOWN_BEARER)[0] == 200  # an unknown one: the certificate
+        status, body = client.request("GET", "/v1/gridgate/key")  # who the certificate says it is
+        assert status == 200 and {k: v for k, v in json.loads(body).items() if k not in ("remaining", "spend")} == {
+            "object": "gridgate.key", "source": "mtls", "identity": "mtls", "subject": WORKLOAD,
+            "tenant": "team-mesh", "status": "active", "models": None, "rule": None, "expires_at": None,
+            "limits": None}
     finally:
         client.close()
     status, body = one_request(gateway.port, ca, pki.unmapped, "unmapped")
@@ -164,11 +176,17 @@ def test_required_mode_identifies_by_certificate_and_refuses_handshakes_without_
         refused_handshake(gateway.port, ca, cert)
     wait_refusals(gateway, {"missing": 2, "untrusted": 1, "expired": 1, "revoked": 1, "crl_unavailable": 0})
 
-    lines = access_lines(gateway, 7)
+    lines = access_lines(gateway, 8)
+    lines.pop(next(rid for rid, line in lines.items() if line["path"] == "/v1/gridgate/key"))
     assert {rid: (line["tenant"], line["status"]) for rid, line in lines.items()} == {
         "cert-0": ("team-mesh", 200), "cert-1": ("team-mesh", 200), "cert-2": ("team-mesh", 200),
         "cert-and-key": ("team-key", 200), "cert-and-unknown-key": ("team-mesh", 200),
         "unmapped": (None, 403), "no-uri": (None, 403)}
+    # The certificate's requests name their identity and subject; the key's line is a key's (neither).
+    assert {rid: (line.get("identity"), line.get("subject")) for rid, line in lines.items()
+            if line["status"] == 200} == {
+        "cert-0": ("mtls", WORKLOAD), "cert-1": ("mtls", WORKLOAD), "cert-2": ("mtls", WORKLOAD),
+        "cert-and-key": (None, None), "cert-and-unknown-key": ("mtls", WORKLOAD)}
     assert "Traceback" not in gateway.log()
 
 
@@ -212,3 +230,50 @@ def test_sighup_reloads_the_client_ca_bundle_for_new_handshakes(gateway_factory,
     finally:
         before.close()
     assert "cannot reload" not in gateway.log()
+
+
+def test_the_certificates_tenant_is_limited_like_a_keys(gateway_factory, providers, pki, valkey_url):
+    tenant = f"mesh-{uuid.uuid4().hex[:8]}"
+    rules = [{"name": f"r-{tenant}", "match": {"tenant": tenant}, "requests": [{"window": "1m", "count": 2}]},
+             {"name": f"other-{tenant}", "requests": [{"window": "1m", "count": 100}]}]
+    gateway = mtls_gateway(gateway_factory, providers, pki, "required", tenant, extra={
+        "quota": {"backend": {"kind": "valkey", "url": valkey_url}, "reservation_timeout": "10s", "rules": rules}})
+    client = MtlsClient(gateway.port, pki.ca.ca_file, pki.good)
+    try:
+        answers = [client.chat(f"limited-{n}") for n in range(3)]
+        assert [status for status, _ in answers] == [200, 200, 429]
+        error = json.loads(answers[2][1])["error"]
+        assert error["code"] == "rate_limit_exceeded" and f"rule r-{tenant} requests 2/1m" in error["message"]
+        assert client.chat("by-key", BEARER)[0] == 200  # the key's tenant has its own limits
+    finally:
+        client.close()
+
+
+def test_sighup_rereads_the_crl_and_a_bundle_that_does_not_load_is_rejected(gateway_factory, providers, pki):
+    gateway = mtls_gateway(gateway_factory, providers, pki, "required", crl_file=pki.crl_file)
+    ca = pki.ca.ca_file
+    assert one_request(gateway.port, ca, pki.good, "before-revocation")[0] == 200
+    pki.ca.revoke(pki.good[0])  # the good certificate is revoked: a new CRL, then SIGHUP
+    pki.ca.write_crl(pki.crl_file + ".tmp")
+    os.replace(pki.crl_file + ".tmp", pki.crl_file)
+    gateway.signal(signal.SIGHUP)
+    wait_until(lambda: _refused(gateway.port, ca, pki.good), "the revoked certificate refused after SIGHUP")
+    wait_refusals(gateway, {"missing": 0, "untrusted": 0, "expired": 0, "revoked": 1, "crl_unavailable": 0})
+
+    live_ca = os.path.join(os.path.dirname(ca), "live-ca.crt")
+    with open(live_ca + ".tmp", "w") as handle:
+        handle.write("-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydA==\n-----END CERTIFICATE-----\n")
+    os.replace(live_ca + ".tmp", live_ca)
+    gateway.signal(signal.SIGHUP)  # the supervisor checks the files first: the reload is rejected
+    wait_until(lambda: "reload rejected" in gateway.log(), "the rejected reload in the log")
+    assert "server_tls.client_auth.ca_file" in gateway.log()
+    fresh = pki.ca.issue("svc-a-renewed", uris=(WORKLOAD,))  # the CA bundle in service still verifies
+    assert one_request(gateway.port, ca, fresh, "after-rejected-reload")[0] == 200
+
+
+def _refused(port: int, ca_file: str, cert: tuple[str, str]) -> bool:
+    try:
+        one_request(port, ca_file, cert, "probe")
+    except (ssl.SSLError, ConnectionResetError, BrokenPipeError):
+        return True
+    return False
