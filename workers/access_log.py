@@ -93,6 +93,10 @@ class AccessLine(msgspec.Struct, omit_defaults=True, gc=False):
     tokens_cached: int | None = None
     tokens_reasoning: int | None = None
     spend_alert: str | None = None
+    # Who, beyond the tenant, for a request a JWT or a client certificate identified (docs/identity.md): the
+    # identity (``jwt:<issuer>``, ``mtls``) and its subject (the key claim, the certificate's value).
+    identity: str | None = None
+    subject: str | None = None
     # The response cache (docs/cache.md): hit, miss or bypass; what a hit saved (its entry's usage and cost).
     cache: str | None = None
     saved_tokens: int | None = None
@@ -111,9 +115,9 @@ _MAX_TEMPLATES = 1024
 # template's key; the endpoint as itself: the worker's own for its life, its address fixed), the rarer
 # fields among them: a line with one set is encoded whole (no template is kept under its key).
 _line_values = attrgetter("ended", "t_start", "t_first_byte", "overhead_s", "request_id", "tenant", "route",
-                          "target", "cost_nusd", "tokens_cached", "tokens_reasoning")
+                          "target", "cost_nusd", "tokens_cached", "tokens_reasoning", "subject")
 _numbers = attrgetter("status", "attempts", "bytes_in", "bytes_out", "tokens_prompt", "tokens_completion")
-_shared = attrgetter("method", "capability", "endpoint", "error", "served_model",
+_shared = attrgetter("method", "capability", "endpoint", "error", "served_model", "identity",
                      "filtered", "evidence", "trace", "shadow", "model_route", "spend_alert", "cache")
 _rare_fields = attrgetter("filtered", "evidence", "trace", "shadow", "model_route", "spend_alert")
 _PLAIN = (0, None, None, None, None, None)
@@ -123,23 +127,24 @@ assert RouteDecision._fields[_ROUTE_FIELDS] == (
     "cluster", "stable_id", "selection_group", "mode", "revision", "affinity")
 # The per-request fields of a template's line, in the line's order, and their ``%`` specs: the arguments
 # `_fill` formats a template with follow this order (the timestamp's date and millisecond, the request id
-# and the tenant encoded by msgspec, the numbers, the times encoded by msgspec, the spend fields). Of these,
-# a template's line may have the tenant or both token counts None (null: `_NULL_SPECS`; usage not reported)
-# and lack spend fields (on a line only when priced, each only when not None); with any other None (or one
-# token count), no template is made of it.
+# and the tenant encoded by msgspec, the numbers, the times encoded by msgspec, the spend fields, the subject
+# encoded by msgspec). Of these, a template's line may have the tenant or both token counts None (null:
+# `_NULL_SPECS`; usage not reported) and lack spend fields (on a line only when priced, each only when not
+# None) and the subject (only for a JWT's or a certificate's request); with any other None (or one token
+# count), no template is made of it.
 _TEMPLATE_FIELDS = (
     ("ts", b'"%s%03dZ"'), ("request_id", b"%s"), ("tenant", b"%s"), ("status", b"%d"), ("attempts", b"%d"),
     ("bytes_in", b"%d"), ("bytes_out", b"%d"), ("tokens_prompt", b"%d"), ("tokens_completion", b"%d"),
     ("overhead_ms", b"%s"), ("first_byte_ms", b"%s"), ("duration_ms", b"%s"), ("cost_nusd", b"%d"),
-    ("tokens_cached", b"%d"), ("tokens_reasoning", b"%d"),
+    ("tokens_cached", b"%d"), ("tokens_reasoning", b"%d"), ("subject", b"%s"),
 )
-_SKIP = b"%.0a"  # takes its argument and writes nothing: a spend field that is not on the line
-_SPEND_FIELDS = frozenset(("cost_nusd", "tokens_cached", "tokens_reasoning"))
+_SKIP = b"%.0a"  # takes its argument and writes nothing: an optional field that is not on the line
+_OPTIONAL_FIELDS = frozenset(("cost_nusd", "tokens_cached", "tokens_reasoning", "subject"))
 # A per-request field None on a template's line, written as msgspec writes None (the tenant: encoded by it).
 _NULL_SPECS = {"tenant": b"%s", "tokens_prompt": b"null" + _SKIP, "tokens_completion": b"null" + _SKIP}
 # The others of a template's line: none of them may be None.
 _required = attrgetter(*(name for name, _ in _TEMPLATE_FIELDS
-                          if name not in _SPEND_FIELDS and name not in _NULL_SPECS))
+                          if name not in _OPTIONAL_FIELDS and name not in _NULL_SPECS))
 
 
 class _Paths(dict[bytes | None, str | None]):
@@ -265,8 +270,8 @@ class AccessLog:
         wall_offset = _time() - _perf()  # perf_counter -> epoch seconds, for the lines' timestamps
         second, date = -1, b""  # the date part of the lines' timestamps, formatted once per second
         for entry in pending:
-            ended, t_start, t_first_byte, overhead_s, request_id, tenant, route, target, cost, cached, reasoning = (
-                _line_values(entry))
+            (ended, t_start, t_first_byte, overhead_s, request_id, tenant, route, target, cost, cached, reasoning,
+             subject) = _line_values(entry)
             millis = int((ended + wall_offset) * 1000)
             if millis // 1000 != second:  # _timestamp written out, its date formatted once per second
                 second = millis // 1000
@@ -276,7 +281,7 @@ class AccessLog:
                 continue
             numbers = _numbers(entry)
             key = ((route or _NO_ROUTE)[_ROUTE_FIELDS], paths[target], _shared(entry), numbers.count(None),
-                   cost is None, cached is None, reasoning is None)
+                   cost is None, cached is None, reasoning is None, subject is None)
             try:
                 # The times in milliseconds with three decimals: whole microseconds, a quarter of the cost of
                 # round().
@@ -284,7 +289,8 @@ class AccessLog:
                     (date, millis % 1000, _encode(request_id.decode("latin-1")), _encode(tenant)) + numbers + (
                         _encode(int(overhead_s * 1e6 + 0.5) / 1000),
                         _encode(int((t_first_byte - t_start) * 1e6 + 0.5) / 1000),
-                        _encode(int((ended - t_start) * 1e6 + 0.5) / 1000), cost, cached, reasoning))
+                        _encode(int((ended - t_start) * 1e6 + 0.5) / 1000), cost, cached, reasoning,
+                        subject if subject is None else _encode(subject)))
             except (KeyError, TypeError, AttributeError):
                 # No template yet for its shared values (the line makes it), a rarer field set (its key is
                 # unhashable or never kept), or a None among its request id and times (refused, cut short:
@@ -332,6 +338,8 @@ class AccessLog:
             line.tokens_cached, line.tokens_reasoning = entry.tokens_cached, entry.tokens_reasoning
         if entry.spend_alert is not None:
             line.spend_alert = entry.spend_alert
+        if entry.identity is not None:
+            line.identity, line.subject = entry.identity, entry.subject
         if entry.cache is not None:  # a hit's line is never a template's: it has no overhead_ms
             line.cache, line.saved_tokens, line.saved_nusd = entry.cache, entry.saved_tokens, entry.saved_nusd
         return line
@@ -358,7 +366,7 @@ class AccessLog:
         replaced: list[tuple[bytes, bytes]] = []
         for index, (name, spec) in enumerate(_TEMPLATE_FIELDS):
             if getattr(line, name) is None:
-                if name in _SPEND_FIELDS:
+                if name in _OPTIONAL_FIELDS:
                     marker, previous = replaced[-1]
                     replaced[-1] = (marker, previous + _SKIP)
                     continue

@@ -43,7 +43,7 @@ from gateway.routing.decision import RouteRefusal
 from gateway.routing.eligibility import Needs
 from gateway.routing.evidence import prefix_evidence, route_evidence
 from gateway.routing.plan import PREFIX_MODE
-from gateway.routing.prefix import PrefixEntry
+from gateway.routing.prefix import PLACED, SPILLED, PrefixEntry
 from gateway.routing.tenants import Policy, TenantPolicies
 from workers.clusters import ClusterManager
 from workers.exchange import Exchange
@@ -140,6 +140,9 @@ class Proxy:
             raise RuntimeError("the server in front of the proxy runs no head gate (workers/head_gate.py)")
         record = exchange.record = RequestRecord(exchange=exchange, ends=self.outcomes,
                                                  request_id=admitted.request_id, tenant=admitted.tenant)
+        key = admitted.key
+        if key is not None and key.via is not None:  # a JWT or a client certificate: the line says which
+            record.identity, record.subject = key.via, key.alias
         if self.tracer is not None:
             record.trace = self.tracer.begin(record, admitted.headers.balance_keys, admitted.route.surface.name,
                                              exchange.t_start)
@@ -324,7 +327,8 @@ class Proxy:
         route = flow.route = self.route(flow.request, session, needs, key, barred, flow.prefix)
         if type(route) is RouteDecision:
             if flow.prefix is not None and route.mode == PREFIX_MODE:  # placed by its prompt prefix
-                record.prefix = self.router.prefixes.placed  # type: ignore[union-attr]
+                placement = record.prefix = self.router.prefixes.placed  # type: ignore[union-attr]
+                self.metrics.prefix_event(SPILLED if placement.spilled else PLACED)  # type: ignore[union-attr]
             if route.filtered:  # the filters' counts: evidence on the response and the access line
                 record.filtered, record.filtered_reasons = route.filtered, route.filtered_reasons
             if record.trace is not None or self.evidence_sampled():

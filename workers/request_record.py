@@ -36,6 +36,9 @@ class RequestRecord(msgspec.Struct, gc=False):
     ends: Any = None  # workers.outcomes.Outcomes: settles, counts and logs the closed record
     request_id: bytes | None = None
     tenant: str | None = None
+    # A JWT's or a client certificate's request: ``jwt:<issuer>`` or ``mtls``, and its subject (the access line's).
+    identity: str | None = None
+    subject: str | None = None
     batch: bool = False  # the tenant waits behind interactive ones for upstream connections
     capability: str | None = None  # the model the path routes (an alias's target: docs/models.md)
     model_route: ModelRoute | None = None  # the requested name was an alias or has a fallback chain

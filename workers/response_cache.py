@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.cache.entry import CacheEntry, decode_entry, encode_entry
 from gateway.cache.key import ANSWER_HEADERS, BYPASS, CacheKey, cache_key, request_bypasses
+from gateway.cache.local import LocalEntries
 from gateway.config.cache import Cache
 from gateway.http.errors import ErrorReply
 from gateway.http.media import is_event_stream
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gridgate.cache")
 _monotonic = time.monotonic
+_time = time.time
 HIT, MISS = "hit", "miss"
 CACHE_HEADERS = {state: (b"x-gridgate-cache", state.encode()) for state in (HIT, MISS, BYPASS)}
 # The verdict of a step that answered the request itself (a hit): the proxy ends the request there.
@@ -86,10 +88,14 @@ class ResponseCache:
         # The quota's admission of a hit, without tokens (the proxy's ``admit_hit``): None, an ErrorReply,
         # or an awaitable of either.
         self.admit_hit = admit_hit
+        local = config.local
+        # A worker's own copies of recent entries (None: every hit reads Valkey).
+        self.local = None if local is None else LocalEntries(local.max_bytes_int, float(local.ttl))
         self.flights: dict[bytes, Flight] = {}
         self.down_until = 0.0
         self._writes: set[asyncio.Future[Any]] = set()  # SETs in progress (a reference each, until done)
         self.hits = self.misses = self.bypasses = self.coalesced = self.stored = self.backend_errors = 0
+        self.local_hits = 0
 
     @classmethod
     def from_config(cls, config: Cache, quota_url: str | None, metrics: WorkerMetrics) -> ResponseCache:
@@ -100,16 +106,22 @@ class ResponseCache:
         return cls(config, create_client(url), metrics)
 
     # -- the step -------------------------------------------------------------------------------------
-    def look_up(self, flow: Any) -> Awaitable[ErrorReply | None] | None:
-        """The proxy's cache step: None (bypass: go on), else the awaitable of the lookup's verdict."""
+    def look_up(self, flow: Any) -> ErrorReply | Awaitable[ErrorReply | None] | None:
+        """The proxy's cache step: None (bypass: go on), ``ANSWERED`` (a hit from the worker's own copy,
+        admitted at once), a refusal, or the awaitable of the lookup's verdict."""
         record = flow.record
         exchange = flow.exchange
         key = self._key(flow, exchange)
-        if key is None or _monotonic() < self.down_until:
+        now = _monotonic()
+        if key is None or now < self.down_until:
             record.cache = BYPASS
             self.bypasses += 1
             self.metrics.cache_bypass()
             return None
+        local = self.local
+        if local is not None and (entry := local.get(key.key, now, _time())) is not None:
+            self.local_hits += 1
+            return self._serve(flow, entry)
         flight = self.flights.get(key.key) if self.coalesce else None
         if flight is not None and len(flight.waiters) < self.max_waiters:
             return self._wait(flow, key, flight)
@@ -145,7 +157,10 @@ class ResponseCache:
             return None
         entry = None if data is None else decode_entry(data)
         if entry is not None:
-            return await self._serve(flow, entry)
+            if self.local is not None:
+                self.local.put(key.key, entry, len(data), _monotonic())
+            verdict = self._serve(flow, entry)
+            return verdict if verdict is None or isinstance(verdict, ErrorReply) else await verdict
         flight = self.flights.get(key.key) if self.coalesce else None
         if flight is not None and len(flight.waiters) < self.max_waiters:  # a leader began meanwhile
             return await self._wait(flow, key, flight)
@@ -165,7 +180,8 @@ class ResponseCache:
                 flight.waiters.remove(waiter)
         if entry is not None:
             self.coalesced += 1
-            return await self._serve(flow, entry)
+            verdict = self._serve(flow, entry)
+            return verdict if verdict is None or isinstance(verdict, ErrorReply) else await verdict
         flow.record.cache = MISS  # on its own: not a leader, its answer is not stored
         self.misses += 1
         self.metrics.cache_miss(flow.record.tenant)
@@ -180,15 +196,23 @@ class ResponseCache:
             flight = self.flights[key.key] = Flight()
         record.cache_fill = CacheFill(self, exchange, key, flight)
 
-    async def _serve(self, flow: Any, entry: CacheEntry) -> ErrorReply | None:
-        """Answer from ``entry``, once the quota admitted the request (a refusal is the answer then)."""
+    def _serve(self, flow: Any, entry: CacheEntry) -> ErrorReply | Awaitable[ErrorReply | None]:
+        """Answer from ``entry`` once the quota admitted the request (a refusal is the answer then): at once
+        when the admission needs no wait (a worker-held block, or no quota), else after it."""
         admit = self.admit_hit
-        if admit is not None:
-            verdict = admit(flow)
-            if verdict is not None and not isinstance(verdict, ErrorReply):
-                verdict = await verdict
-            if verdict is not None:
-                return verdict
+        verdict = None if admit is None else admit(flow)
+        if verdict is None:
+            return self._answer(flow, entry)
+        if isinstance(verdict, ErrorReply):
+            return verdict
+        return self._answer_after(flow, entry, verdict)
+
+    async def _answer_after(self, flow: Any, entry: CacheEntry, pending: Awaitable[ErrorReply | None]) -> ErrorReply:
+        verdict = await pending
+        return self._answer(flow, entry) if verdict is None else verdict
+
+    def _answer(self, flow: Any, entry: CacheEntry) -> ErrorReply:
+        """The hit's answer: the entry's bytes, recorded with what they saved; ``ANSWERED``."""
         record = flow.record
         exchange = flow.exchange
         if exchange.client_gone:
@@ -217,11 +241,13 @@ class ResponseCache:
         flight = fill.flight
         if flight is not None and self.flights.get(fill.key.key) is flight:
             del self.flights[fill.key.key]
-        entry = fill.entry(record)
+        entry = fill.entry(record, _time() + self.ttl_ms / 1000)
         if entry is not None:
             value = encode_entry(entry)
             if len(value) <= self.max_entry:
                 self._write(fill.key.key, value)
+                if self.local is not None:
+                    self.local.put(fill.key.key, entry, len(value), _monotonic())
             else:
                 entry = None
         if flight is not None:
@@ -320,7 +346,7 @@ class CacheFill:
         self.exchange.abort()
 
     # -- the end
-    def entry(self, record: RequestRecord) -> CacheEntry | None:
+    def entry(self, record: RequestRecord, expires_at: float) -> CacheEntry | None:
         """What to store: a 200 that ended well, whole and under the cap (a complete stream: its [DONE])."""
         parts = self.parts
         if parts is None or self.status != 200 or record.status != 200 or record.error is not None:
@@ -333,4 +359,4 @@ class CacheFill:
         if stream and surface in _OPENAI_STREAMS and _DONE not in body[-64:]:
             return None  # a stream cut before its [DONE]
         return CacheEntry(200, self.content_type, body, stream, record.tokens_prompt, record.tokens_completion,
-                          record.cost_nusd, record.served)
+                          record.cost_nusd, record.served, expires_at)

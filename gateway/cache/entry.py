@@ -18,6 +18,7 @@ class CacheEntry(msgspec.Struct, array_like=True, gc=False):
     completion_tokens: int | None = None
     cost_nusd: int | None = None
     model: str | None = None  # the model that served it
+    expires_at: float = 0.0  # epoch seconds it expires at in Valkey (a worker's local copy dies with it)
 
     @property
     def saved_tokens(self) -> int | None:

@@ -51,6 +51,28 @@ class Coalesce(StrictStruct):
         check_ranges(self, self._RANGES)
 
 
+class LocalCopies(StrictStruct):
+    """Each worker's own copies of recent entries: a hit from them takes no Valkey round trip."""
+
+    max_bytes: int | str = "32MiB"
+    ttl: Seconds = Seconds(60)  # a copy lives this long at most (and never past its entry's own expiry)
+
+    _RANGES: ClassVar[dict[str, Range]] = {"ttl": (0.001, DAY)}
+
+    def __post_init__(self) -> None:
+        check_ranges(self, self._RANGES)
+        try:
+            size = parse_size(self.max_bytes)
+        except ValueError as error:
+            raise ValueError(f"max_bytes: {error}") from None
+        if not 1 <= size <= 1024 * 1024 * 1024:
+            raise ValueError("max_bytes: must be between 1 B and 1024 MiB")
+
+    @property
+    def max_bytes_int(self) -> int:
+        return parse_size(self.max_bytes)
+
+
 class Cache(StrictStruct):
     """The exact response cache (off unless ``enabled``)."""
 
@@ -64,6 +86,7 @@ class Cache(StrictStruct):
     only_deterministic: bool = True  # only temperature 0 or a seed (embeddings always)
     tenants: Literal["isolated", "shared"] = "isolated"
     coalesce: Coalesce = Coalesce()
+    local: LocalCopies | None = LocalCopies()  # null: every hit reads Valkey
 
     _RANGES: ClassVar[dict[str, Range]] = {"ttl": (1, 30 * DAY)}
 

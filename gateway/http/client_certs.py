@@ -14,6 +14,7 @@ the TLS object itself: the listening context makes its connections' ``SSLObject`
 from __future__ import annotations
 
 import ssl
+from collections.abc import Callable
 from typing import NamedTuple
 
 # Why a handshake was refused, as the metric labels them (docs/identity.md).
@@ -60,16 +61,29 @@ def trust_clients(context: ssl.SSLContext, trust: ClientTrust) -> None:
     if trust.crl_file is not None:
         context.load_verify_locations(cafile=trust.crl_file)  # the CRLs of a PEM file join the store
         context.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
-    # A resumed session skips verification: issue no session tickets, so a certificate is checked
-    # against the CA bundle and CRL in service on every connection (after a reload too).
+    # A resumed session skips verification: no session tickets (TLS 1.3 then never resumes; a TLS 1.2
+    # session id resumes only from the context's own cache, which a reload replaces: counting_refusals).
     context.options |= ssl.OP_NO_TICKET
     context.num_tickets = 0
 
 
-def counting_refusals(context: ssl.SSLContext, refusals: CertificateRefusals) -> None:
-    """Make the handshakes of ``context``'s connections count their certificate refusals."""
+def counting_refusals(context: ssl.SSLContext, refusals: CertificateRefusals,
+                      current: Callable[[], ssl.SSLContext]) -> None:
+    """Make the connections of the listening ``context`` count their certificate refusals, and start
+    each from ``current()``, the newest loaded context: its CA bundle and CRLs, and its session cache. A
+    TLS 1.2 client may resume a session by its id, which skips verification; as the session cache is
+    the context's, a session made before a reload does not resume after it (a full handshake verifies
+    the certificate against the reloaded files)."""
 
     class CountedHandshake(ssl.SSLObject):
+        @classmethod
+        def _create(cls, incoming: ssl.MemoryBIO, outgoing: ssl.MemoryBIO, server_side: bool = False,
+                    server_hostname: str | None = None, session: ssl.SSLSession | None = None,
+                    context: ssl.SSLContext | None = None) -> ssl.SSLObject:
+            # SSLContext.wrap_bio's hook (CPython's ssl.py since 3.7); tests/unit/test_client_cert.py
+            # proves a reload reaches new handshakes and their session cache through it.
+            return super()._create(incoming, outgoing, server_side, server_hostname, session, current())
+
         def do_handshake(self) -> None:
             try:
                 super().do_handshake()

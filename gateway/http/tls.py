@@ -42,9 +42,9 @@ def load_problem(exc: OSError) -> str:
 class ReloadableServerTls:
     """The listener's TLS context; ``reload`` re-reads the files for new handshakes.
 
-    With ``clients``, the CA bundle and CRL file are re-read too (a handshake verifies against the
-    store of the context the SNI callback selects), and ``refusals`` counts the handshakes refused
-    for their client certificate. Whether a certificate is required and whether CRLs are checked
+    With ``clients``, the CA bundle and CRL file are re-read too, each connection starts from the
+    newest context (its CA store and its session cache: a TLS 1.2 session from before a reload does
+    not resume after it), and ``refusals`` counts the handshakes refused for their client certificate. Whether a certificate is required and whether CRLs are checked
     stay as the listening context has them: a change of those is a change of the config, which
     starts new workers.
     """
@@ -59,7 +59,10 @@ class ReloadableServerTls:
         self.refusals: CertificateRefusals | None = None
         if clients is not None:
             self.refusals = CertificateRefusals()
-            counting_refusals(self.context, self.refusals)
+            counting_refusals(self.context, self.refusals, self._newest)
+
+    def _newest(self) -> ssl.SSLContext:
+        return self._current
 
     def _select(self, ssl_object: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
         current = self._current

@@ -182,6 +182,11 @@ def test_required_mode_identifies_by_certificate_and_refuses_handshakes_without_
         "cert-0": ("team-mesh", 200), "cert-1": ("team-mesh", 200), "cert-2": ("team-mesh", 200),
         "cert-and-key": ("team-key", 200), "cert-and-unknown-key": ("team-mesh", 200),
         "unmapped": (None, 403), "no-uri": (None, 403)}
+    # The certificate's requests name their identity and subject; the key's line is a key's (neither).
+    assert {rid: (line.get("identity"), line.get("subject")) for rid, line in lines.items()
+            if line["status"] == 200} == {
+        "cert-0": ("mtls", WORKLOAD), "cert-1": ("mtls", WORKLOAD), "cert-2": ("mtls", WORKLOAD),
+        "cert-and-key": (None, None), "cert-and-unknown-key": ("mtls", WORKLOAD)}
     assert "Traceback" not in gateway.log()
 
 
@@ -242,3 +247,33 @@ def test_the_certificates_tenant_is_limited_like_a_keys(gateway_factory, provide
         assert client.chat("by-key", BEARER)[0] == 200  # the key's tenant has its own limits
     finally:
         client.close()
+
+
+def test_sighup_rereads_the_crl_and_a_bundle_that_does_not_load_is_rejected(gateway_factory, providers, pki):
+    gateway = mtls_gateway(gateway_factory, providers, pki, "required", crl_file=pki.crl_file)
+    ca = pki.ca.ca_file
+    assert one_request(gateway.port, ca, pki.good, "before-revocation")[0] == 200
+    pki.ca.revoke(pki.good[0])  # the good certificate is revoked: a new CRL, then SIGHUP
+    pki.ca.write_crl(pki.crl_file + ".tmp")
+    os.replace(pki.crl_file + ".tmp", pki.crl_file)
+    gateway.signal(signal.SIGHUP)
+    wait_until(lambda: _refused(gateway.port, ca, pki.good), "the revoked certificate refused after SIGHUP")
+    wait_refusals(gateway, {"missing": 0, "untrusted": 0, "expired": 0, "revoked": 1, "crl_unavailable": 0})
+
+    live_ca = os.path.join(os.path.dirname(ca), "live-ca.crt")
+    with open(live_ca + ".tmp", "w") as handle:
+        handle.write("-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydA==\n-----END CERTIFICATE-----\n")
+    os.replace(live_ca + ".tmp", live_ca)
+    gateway.signal(signal.SIGHUP)  # the supervisor checks the files first: the reload is rejected
+    wait_until(lambda: "reload rejected" in gateway.log(), "the rejected reload in the log")
+    assert "server_tls.client_auth.ca_file" in gateway.log()
+    fresh = pki.ca.issue("svc-a-renewed", uris=(WORKLOAD,))  # the CA bundle in service still verifies
+    assert one_request(gateway.port, ca, fresh, "after-rejected-reload")[0] == 200
+
+
+def _refused(port: int, ca_file: str, cert: tuple[str, str]) -> bool:
+    try:
+        one_request(port, ca_file, cert, "probe")
+    except (ssl.SSLError, ConnectionResetError, BrokenPipeError):
+        return True
+    return False

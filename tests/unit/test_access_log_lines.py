@@ -103,7 +103,8 @@ def test_a_sampled_traced_and_shadowed_line_carries_every_field_in_the_documente
     async def write() -> list[dict]:
         access_log = AccessLog(LineWriter(str(tmp_path / "access.log"), flush_delay_s=10.0))
         evidence = RouteEvidence("site-a", "existing_only", 3, {"cooled": 1}, None)
-        for fields in ({"evidence": evidence, "trace": SimpleNamespace(trace_id="t-1"), "shadow": ("a 1/1m",)},
+        for fields in ({"evidence": evidence, "trace": SimpleNamespace(trace_id="t-1"), "shadow": ("a 1/1m",),
+                        "identity": "mtls", "subject": "spiffe://example.org/sa/a"},
                        {"trace": SimpleNamespace(trace_id="t-2")}, {}):
             access_log.record(RequestRecord(request_id=b"r", status=200, ended=time.perf_counter(), closed=True,
                                             **fields))
@@ -118,6 +119,7 @@ def test_a_sampled_traced_and_shadowed_line_carries_every_field_in_the_documente
     assert (full["site"], full["admission_state"], full["candidates"], full["excluded"]) == (
         "site-a", "existing_only", 3, {"cooled": 1})
     assert (full["trace_id"], full["shadow"], traced["trace_id"]) == ("t-1", ["a 1/1m"], "t-2")
+    assert (full["identity"], full["subject"]) == ("mtls", "spiffe://example.org/sa/a") and "identity" not in plain
     assert "site" not in traced and "shadow" not in traced and "trace_id" not in plain
 
 
@@ -159,6 +161,7 @@ def varied_records(count: int, seed: int = 7) -> list[RequestRecord]:
                      endpoint=pick(endpoints), error=pick([None, None, "client_closed", "upstream_timeout"]),
                      method=pick([b"POST", b"POST", b"GET", None]), target=pick(targets),
                      served_model=pick([None, None, "fallback-m"]), priced=rng.random() < 0.6) for _ in range(16)]
+    identities = [("mtls", "spiffe://example.org/sa/a"), ("jwt:okta", "user-7"), ("jwt:okta", 'quote " \\ é 100%')]
     records = []
     start = time.perf_counter()
     for index in range(count):
@@ -182,6 +185,8 @@ def varied_records(count: int, seed: int = 7) -> list[RequestRecord]:
         elif rng.random() < 0.3:  # usage details, not priced: not on the line
             fields.update(tokens_cached=5, tokens_reasoning=9)
         fields.update(shared)
+        if rng.random() < 0.2:  # a JWT's or a client certificate's request: identity and subject on the line
+            fields["identity"], fields["subject"] = pick(identities)
         rare = rng.random()
         if rare < 0.03:
             fields["evidence"] = RouteEvidence("site-a", "existing_only", 3, {"cooled": 1}, None)

@@ -160,3 +160,34 @@ def test_check_loads_the_client_ca_bundle_and_crls(tmp_path, pki, client_auth, e
         assert (code, out, err) == (0, "ok\n", "")
     else:
         assert code == 1 and err.startswith(expected.format(dir=tmp_path)), err
+
+
+def _session_handshake(server: ssl.SSLContext, client_context: ssl.SSLContext,
+                       session: ssl.SSLSession | None = None) -> tuple[ssl.SSLObject, ssl.SSLObject]:
+    """A whole handshake in memory offering ``session``: (client's end, server's end). The server's end
+    must outlive the next handshake: OpenSSL drops the session of a connection freed unclosed."""
+    client_in, client_out, server_in, server_out = (ssl.MemoryBIO() for _ in range(4))
+    client_end = client_context.wrap_bio(client_in, client_out, server_hostname="gw.test", session=session)
+    server_end = server.wrap_bio(server_in, server_out, server_side=True)
+    for _ in range(10):
+        for end, outgoing, peer_in in ((client_end, client_out, server_in), (server_end, server_out, client_in)):
+            try:
+                end.do_handshake()
+            except ssl.SSLWantReadError:
+                pass
+            peer_in.write(outgoing.read())
+    return client_end, server_end
+
+
+def test_a_tls_1_2_session_made_before_a_reload_does_not_resume_after_it(pki):
+    ca, _, server = pki
+    tls = ReloadableServerTls(*server, ClientTrust(ca.ca_file))
+    context = client(ca, ca.issue("good"))
+    context.maximum_version = ssl.TLSVersion.TLSv1_2  # TLS 1.3 resumes by tickets, which are off
+    first, _kept = _session_handshake(tls.context, context)
+    resumed, _also = _session_handshake(tls.context, context, first.session)
+    assert resumed.session_reused  # no reload: a resumption is as good as the full handshake it resumes
+    assert tls.reload() is None
+    after, _server = _session_handshake(tls.context, context, first.session)
+    assert not after.session_reused  # a full handshake: verified against the reloaded bundle
+    assert _session_handshake(tls.context, context, after.session)[0].session_reused

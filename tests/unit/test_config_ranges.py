@@ -38,8 +38,10 @@ BASE_CONFIG: dict[str, Any] = {
         "overlay_max_age": "1h",
         "retry": {"first_byte_timeout": "1s", "backoff": {}},
         "cooling": {},
+        "conformance": {},
         "least_loaded": {"latency_prior": "100ms"},
         "session_affinity": {},
+        "prefix_affinity": {"slow_first_token": "1s"},
         "models": [{"match": {"capability": "*"}, "context_window": 1000, "traffic_weight": 1}],
     },
     "limits": {},
@@ -65,7 +67,7 @@ BASE_CONFIG: dict[str, Any] = {
     "cors": {"allowed_origins": ["https://app.example.com"]},
     "models": {"fallbacks": {"m": {"chain": ["n"], "max_hops": 1}}},
     "tracing": {"endpoint": "http://127.0.0.1:4318"},
-    "cache": {"enabled": True, "coalesce": {}},
+    "cache": {"enabled": True, "coalesce": {}, "local": {}},
 }
 
 BASE_SPEC: dict[str, Any] = {
