@@ -166,6 +166,12 @@ def _cache(config: dict[str, Any], _work_dir: str) -> None:
     config["cache"] = {"enabled": True}
 
 
+def _prefix(config: dict[str, Any], _work_dir: str) -> None:
+    # Prefix affinity (docs/routing.md): a hash of each request's prompt prefix, its placement; sessions
+    # bound already keep their provider (session affinity wins), so the hash is the cost of most requests.
+    config["routing"]["prefix_affinity"] = {"enabled": True}
+
+
 def _jwt(alg: str) -> Feature:
     """Requests identified by a JWT (docs/identity.md) signed with a key of ``alg`` made here: the issuer's
     JWKS in a file beside the config, and one token (a client reusing its token: the verified-token cache)
@@ -204,6 +210,11 @@ def _long_key(config: dict[str, Any], _work_dir: str) -> None:
     config["auth"]["keys"][0]["key"] = hash_api_key(LONG_KEY)
 
 
+def _console(config: dict[str, Any], _work_dir: str) -> None:
+    # The console on (docs/console.md): with admin tokens every worker keeps the ring of its last requests.
+    config.setdefault("admin", {})["tokens"] = [{"name": "bench-console", "key": hash_api_key(BENCH_ADMIN_TOKEN)}]
+
+
 def _core(config: dict[str, Any], _work_dir: str) -> None:
     # The access log is on by default: the core path goes without it, "everything" has it (issue 13).
     config["access_log"] = {"enabled": False}
@@ -231,6 +242,9 @@ VARIANTS: tuple[tuple[str, tuple[Feature, ...]], ...] = (
      (_affinity, _quota, _request_limit, _access_log, _jwt("RS256"))),
     ("production on a JWT, ES256 (a client reusing its token)",
      (_affinity, _quota, _request_limit, _access_log, _jwt("ES256"))),
+    ("production + routing by prompt prefix",
+     (_affinity, _quota, _request_limit, _access_log, _prefix)),
+    ("+ the console (admin tokens: the ring of the last requests)", (_console,)),
     ("production on a 700-byte API key (the JWT variants' header-size control)",
      (_affinity, _quota, _request_limit, _access_log, _long_key)),
 )
@@ -364,7 +378,7 @@ def running(config_paths: Sequence[str], gateway_cpus: set[int] | None,
 
 def wrk_script_for(gateway: GatewayProcess, config_path: str) -> str:
     """wrk's script for the (ready) gateway of ``config_path``: the shared one, for a cache variant its
-    mode of wrk_cache.lua, or for the managed-key variant (a config with admin tokens) a copy sending a
+    mode of wrk_cache.lua, or for the managed-key variant (a config with an admin token that writes keys) a copy sending a
     managed key made for it."""
     name = os.path.splitext(os.path.basename(config_path))[0]
     mode = CACHE_SCRIPTS.get(int(name.removeprefix("variant-"))) if name.startswith("variant-") else None
@@ -375,7 +389,7 @@ def wrk_script_for(gateway: GatewayProcess, config_path: str) -> str:
         return long_key_script(os.path.dirname(config_path), gateway.topology.listen[1])
     if config.auth is not None and config.auth.jwt:
         return jwt_script(os.path.dirname(config_path), gateway.topology.listen[1], config.auth.jwt[0].algorithms[0])
-    if not config.admin.tokens:
+    if not any("keys:write" in token.scopes for token in config.admin.tokens):
         return WRK_FEATURES
     return managed_key_script(gateway, os.path.dirname(config_path))
 
