@@ -602,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=int, default=8, help="seconds per measured wrk run")
     parser.add_argument("--connections", type=int, default=32, help="per wrk (paired: per gateway)")
     parser.add_argument("--variants", metavar="LIST",
-                        help=f"comma-separated indexes or name substrings (default: all; {CORE} always runs): {listing}")
+                        help=f"comma-separated indexes or name substrings (default: all; {CORE} always runs): {listing}".replace("%", "%%"))
     args = parser.parse_args(argv)
     if min(args.rounds, args.duration, args.connections) < 1:
         parser.error("--rounds, --duration and --connections must be at least 1")
