@@ -202,6 +202,14 @@ def _jwt(alg: str) -> Feature:
     return feature
 
 
+LONG_KEY = "sk-" + "x" * 697  # an RS256 JWT's length, for the header-size control variant
+
+
+def _long_key(config: dict[str, Any], _work_dir: str) -> None:
+    # The JWT variants' control: an opaque API key as long as an RS256 token (what the header's size costs).
+    config["auth"]["keys"][0]["key"] = hash_api_key(LONG_KEY)
+
+
 def _console(config: dict[str, Any], _work_dir: str) -> None:
     # The console on (docs/console.md): with admin tokens every worker keeps the ring of its last requests.
     config.setdefault("admin", {})["tokens"] = [{"name": "bench-console", "key": hash_api_key(BENCH_ADMIN_TOKEN)}]
@@ -237,6 +245,8 @@ VARIANTS: tuple[tuple[str, tuple[Feature, ...]], ...] = (
     ("production + routing by prompt prefix",
      (_affinity, _quota, _request_limit, _access_log, _prefix)),
     ("+ the console (admin tokens: the ring of the last requests)", (_console,)),
+    ("production on a 700-byte API key (the JWT variants' header-size control)",
+     (_affinity, _quota, _request_limit, _access_log, _long_key)),
 )
 # The cache variants' wrk mode (wrk_cache.lua's CACHE_MODE), by variant index.
 CACHE_SCRIPTS = {index: "misses" if "0 % hits" in name else "hits"
@@ -375,11 +385,23 @@ def wrk_script_for(gateway: GatewayProcess, config_path: str) -> str:
     if mode is not None:
         return cache_script(mode, os.path.dirname(config_path), gateway.topology.listen[1])
     config = load_config(config_path)
+    if config.auth is not None and config.auth.keys and config.auth.keys[0].key == hash_api_key(LONG_KEY):
+        return long_key_script(os.path.dirname(config_path), gateway.topology.listen[1])
     if config.auth is not None and config.auth.jwt:
         return jwt_script(os.path.dirname(config_path), gateway.topology.listen[1], config.auth.jwt[0].algorithms[0])
     if not any("keys:write" in token.scopes for token in config.admin.tokens):
         return WRK_FEATURES
     return managed_key_script(gateway, os.path.dirname(config_path))
+
+
+def long_key_script(work_dir: str, port: int) -> str:
+    """A copy of wrk's script sending ``LONG_KEY`` instead of the bench key."""
+    with open(WRK_FEATURES) as source:
+        script = source.read().replace(f"Bearer {BENCH_KEY}", f"Bearer {LONG_KEY}")
+    path = os.path.join(work_dir, f"wrk-long-key-{port}.lua")
+    with open(path, "w") as out:
+        out.write(script)
+    return path
 
 
 def jwt_script(work_dir: str, port: int, alg: str) -> str:
@@ -580,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=int, default=8, help="seconds per measured wrk run")
     parser.add_argument("--connections", type=int, default=32, help="per wrk (paired: per gateway)")
     parser.add_argument("--variants", metavar="LIST",
-                        help=f"comma-separated indexes or name substrings (default: all; {CORE} always runs): {listing}")
+                        help=f"comma-separated indexes or name substrings (default: all; {CORE} always runs): {listing}".replace("%", "%%"))
     args = parser.parse_args(argv)
     if min(args.rounds, args.duration, args.connections) < 1:
         parser.error("--rounds, --duration and --connections must be at least 1")

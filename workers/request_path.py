@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from gateway.config import Config, PrefixAffinity
-from gateway.host_segment import MAX_PROVIDERS, PROVIDERS_REGION
+from gateway.host_segment import CONFORMANCE_REGION, MAX_PROVIDERS, PROVIDERS_REGION
 from gateway.identity.auth import Authenticator
 from gateway.identity.client_cert import CertificateTenants
 from gateway.keys.lookup import KeyLookup
@@ -36,6 +36,7 @@ from gateway.routing.tenants import TenantPolicies
 from gateway.spend.price_book import PriceBook
 from gateway.valkey.client import create_client
 from shm.affinity import AffinityTable
+from shm.conformance import ConformanceFlags
 from shm.counters import WorkerRow
 from shm.keys import KeyTable
 from shm.metrics import MetricsTable
@@ -74,6 +75,26 @@ def provider_indexes(registry: tuple[str, ...], configured: list[str]) -> dict[s
     return index
 
 
+
+def _provider_states(config: Config, segment: Segment, row: WorkerRow, provider_index: dict[str, int],
+                     clusters: ClusterManager) -> ProviderStates:
+    """The worker's provider view over shared memory: cooling, latency, and (with routing.conformance) the
+    supervisor's nonconformant providers."""
+    routing = config.routing
+    least_loaded = routing.least_loaded
+    providers = ProviderStates(
+        ProviderCells(segment.region(PROVIDERS_REGION), segment.max_workers, MAX_PROVIDERS),
+        row.index, segment.rows_in_use, max(provider_index.values(), default=-1) + 1,
+        clusters.routable, clusters.inflight, half_life=float(least_loaded.latency_half_life),
+        latency_prior=None if least_loaded.latency_prior is None else float(least_loaded.latency_prior),
+        endpoint_cooling=EndpointCooling(segment, row.index),
+        conformance=None if routing.conformance is None else
+        ConformanceFlags(segment.region(CONFORMANCE_REGION), MAX_PROVIDERS),
+    )
+    for cluster in clusters.by_provider.values():  # 429/503 cool these first (workers/providers.py)
+        providers.set_endpoints(cluster.provider, cluster.endpoints)
+    return providers
+
 def report_unconfigured(clusters: list[str]) -> None:
     if clusters:
         log.warning("overlay names clusters this gateway does not have (never selected): %s", ", ".join(clusters))
@@ -111,16 +132,7 @@ class RequestPath:
         provider_index = provider_indexes(ctx.metric_clusters or tuple(configured), configured)
         clusters = ClusterManager(config, segment, row, provider_index)
         routing = config.routing
-        least_loaded = routing.least_loaded
-        providers = ProviderStates(
-            ProviderCells(segment.region(PROVIDERS_REGION), segment.max_workers, MAX_PROVIDERS),
-            row.index, segment.rows_in_use, max(provider_index.values(), default=-1) + 1,
-            clusters.routable, clusters.inflight, half_life=float(least_loaded.latency_half_life),
-            latency_prior=None if least_loaded.latency_prior is None else float(least_loaded.latency_prior),
-            endpoint_cooling=EndpointCooling(segment, row.index),
-        )
-        for cluster in clusters.by_provider.values():  # 429/503 cool these first (workers/providers.py)
-            providers.set_endpoints(cluster.provider, cluster.endpoints)
+        providers = _provider_states(config, segment, row, provider_index, clusters)
         router = Router(
             max(ctx.slot, 0), affinity=_affinity_table(ctx, segment),
             affinity_ttl_s=float(routing.session_affinity.ttl), provider_index=provider_index,

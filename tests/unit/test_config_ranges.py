@@ -38,6 +38,7 @@ BASE_CONFIG: dict[str, Any] = {
         "overlay_max_age": "1h",
         "retry": {"first_byte_timeout": "1s", "backoff": {}},
         "cooling": {},
+        "conformance": {},
         "least_loaded": {"latency_prior": "100ms"},
         "session_affinity": {},
         "prefix_affinity": {"slow_first_token": "1s"},
