@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test fuzz fuzz-upstream conformance bench bench-core bench-tls bench-mtls bench-relay bench-features bench-opcodes bench-surfaces bench-scale lint clean wrk prices
+.PHONY: install browser run test fuzz fuzz-upstream conformance bench bench-core bench-tls bench-mtls bench-relay bench-features bench-opcodes bench-surfaces bench-scale bench-prefix lint clean wrk prices
 
 install: $(STAMP)
 
@@ -17,9 +17,19 @@ $(STAMP): pyproject.toml
 run: install
 	$(BIN)/python -m loadtest.demo
 
+# The console's browser tests (tests/integration/test_console_browser.py) drive Debian's chromium through
+# its chromedriver: installed here when missing, where apt-get runs as root; elsewhere this says so and
+# the tests skip with the reason. Never fails.
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+		echo "browser: apt-get could not install chromium; the console's browser tests will skip"; \
+	else echo "browser: no chromium and no apt-get as root; the console's browser tests will skip"; fi
+
 # The layer contracts first (pyproject.toml [tool.importlinter]: seconds), then the suite on every core
 # (pytest-xdist; --dist loadfile keeps a file's tests, and the fixtures they share, in one process).
-test: install
+test: install browser
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q -n auto --dist loadfile tests
 
@@ -77,6 +87,11 @@ bench-surfaces: install wrk
 # Choose the counts with: python -m loadtest.bench_scale --workers 1,2
 bench-scale: install wrk
 	$(BIN)/python -m loadtest.bench_scale
+
+# Prefix affinity against round robin over three mock providers with prompt caches (issue 43): cached-input
+# share, cost per 1,000 requests, first-token latency; the figure in docs/benchmarks/prefix-affinity.svg.
+bench-prefix: install
+	$(BIN)/python -m loadtest.bench_prefix --plot docs/benchmarks/prefix-affinity.svg
 
 # The upstream response parser's fuzzer, long and random (make test runs a short derandomized pass);
 # FUZZ_EXAMPLES=N sets the examples per property (default 20000).

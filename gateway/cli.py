@@ -232,8 +232,35 @@ def cmd_providers_verify(args: argparse.Namespace) -> int:
     except (TargetError, ConfigError) as exc:
         raise CommandError(*getattr(exc, "problems", [str(exc)])) from None
     reports = asyncio.run(verify(targets, max_tokens=args.max_tokens, timeout_s=args.timeout))
-    print(json.dumps(report.as_json(reports), indent=2) if args.json else report.table(reports))
+    document = report.as_json(reports)
+    text = report.table(reports)
+    if args.load is not None:
+        load_json, load_text = _verify_load(args, targets)
+        document["load"], text = load_json, text + "\n" + load_text
+    print(json.dumps(document, indent=2) if args.json else text)
     return EXIT_OK if report.all_conformant(reports) else EXIT_NONCONFORMANT
+
+
+def _verify_load(args: argparse.Namespace, targets: list) -> tuple[list[dict], str]:
+    """--load: a child gateway, half the time with every provider of the model, half with one down."""
+    import asyncio
+
+    from gateway.conformance.load import load_table, plot, run_load
+
+    model = args.model or targets[0].model
+    providers = list(dict.fromkeys(t.cluster for t in targets if t.model == model))
+    if len(providers) < 2:
+        raise CommandError(f"--load: model {model!r} has {len(providers)} provider(s) here; it needs two or more")
+    phases = asyncio.run(run_load(args.config, model, providers, args.load, args.max_tokens))
+    text = load_table(phases)
+    if args.report:
+        os.makedirs(args.report, exist_ok=True)
+        path = os.path.join(args.report, "load.png")
+        plot(phases, path)
+        with open(os.path.join(args.report, "load.json"), "w") as handle:
+            json.dump([p.as_dict() for p in phases], handle, indent=2)
+        text += f"\nplot: {path}"
+    return [p.as_dict() for p in phases], text
 
 
 # ---------------------------------------------------------------- parser
@@ -344,7 +371,23 @@ def _providers_commands(commands: argparse._SubParsersAction) -> None:
     verify.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
                         help="deadline of each check, all its requests together (default 30)")
     verify.add_argument("--json", action="store_true", help="print the report as JSON (for scripts)")
+    verify.add_argument("--load", type=_duration, metavar="DURATION",
+                        help="also run a short load (e.g. 30s) through a child gateway, one provider forced down "
+                        "half way")
+    verify.add_argument("--report", metavar="DIR", help="with --load: write load.png and load.json here")
     verify.set_defaults(handler=cmd_providers_verify)
+
+
+def _duration(text: str) -> float:
+    from gateway.yaml_config import parse_duration
+
+    try:
+        seconds = float(parse_duration(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not 1 <= seconds <= 3600:
+        raise argparse.ArgumentTypeError(f"invalid duration {text!r}: 1s..1h")
+    return seconds
 
 
 def _positive(text: str) -> int:

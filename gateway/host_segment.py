@@ -1,4 +1,4 @@
-"""The host's shared-memory segment as gridgate lays it out: endpoint rows plus two extra regions.
+"""The host's shared-memory segment as gridgate lays it out: endpoint rows plus four extra regions.
 
 Created once by the supervisor before it forks (or privately by a worker run on its own for
 profiling). Capacities are fixed for the segment's life, so they leave room for reloads.
@@ -10,6 +10,7 @@ from gateway.cluster.spec import all_endpoint_ids, cluster_specs_from_config
 from gateway.config import Config
 from gateway.metrics.catalogue import COUNTERS, MAX_CLUSTERS
 from shm.affinity import AffinityTable
+from shm.conformance import ConformanceFlags
 from shm.metrics import MetricsTable
 from shm.providers import ProviderCells
 from shm.segment import Segment
@@ -18,6 +19,8 @@ from shm.segment import Segment
 AFFINITY_REGION = "affinity"
 METRICS_REGION = "metrics"  # shm.metrics.MetricsTable: one gateway.metrics counter row per worker slot
 PROVIDERS_REGION = "providers"  # shm.providers.ProviderCells: cooling and latency per provider, per worker
+# shm.conformance.ConformanceFlags: providers the supervisor's conformance checks keep out of selection
+CONFORMANCE_REGION = "conformance"
 MAX_PROVIDERS = MAX_CLUSTERS
 
 
@@ -33,6 +36,7 @@ def create_segment(config: Config, worker_rows: int) -> Segment:
         AFFINITY_REGION: AffinityTable.required_bytes(config.routing.session_affinity.capacity),
         METRICS_REGION: MetricsTable.required_bytes(worker_rows, COUNTERS),
         PROVIDERS_REGION: ProviderCells.required_bytes(worker_rows, MAX_PROVIDERS),
+        CONFORMANCE_REGION: ConformanceFlags.required_bytes(MAX_PROVIDERS),
     }
     return Segment.create(worker_rows, endpoint_capacity(config), extra_regions=regions)
 

@@ -123,6 +123,32 @@ class SpendCounts(msgspec.Struct, tag="spend_counts", tag_field="kind", frozen=T
     rollup_flushes_failed: int = 0
 
 
+class RecentRequest(msgspec.Struct, array_like=True, frozen=True):
+    """One ended request's route evidence for the console (docs/console.md#requests): never a prompt,
+    a body or a key. ``ended_at``: Unix seconds; ``latency_ms``: None when it never started."""
+
+    ended_at: float
+    request_id: str | None
+    tenant: str | None
+    model: str | None
+    provider: str | None
+    group: int | None
+    status: int
+    latency_ms: float | None
+    tokens_prompt: int | None
+    tokens_completion: int | None
+    cost_nusd: int | None
+    attempts: int
+    error: str | None
+
+
+class RecentRequests(msgspec.Struct, tag="recent_requests", tag_field="kind", frozen=True):
+    """Requests that ended since the worker's last report, oldest first (its ring holds the last few)."""
+
+    requests: list[RecentRequest]
+
+
+
 class JwksWanted(msgspec.Struct, tag="jwks_wanted", tag_field="kind", frozen=True):
     """A token named a kid the issuer's key set lacks (docs/identity.md): the supervisor refetches that
     issuer's JWKS, at most once per 30 s per issuer however many workers ask."""
@@ -130,7 +156,8 @@ class JwksWanted(msgspec.Struct, tag="jwks_wanted", tag_field="kind", frozen=Tru
     issuer: str  # the auth.jwt entry's name
 
 
-StatusMessage = Ready | Heartbeat | OverlayRejected | Draining | SpendAlertReport | SpendCounts | JwksWanted
+StatusMessage = (Ready | Heartbeat | OverlayRejected | Draining | SpendAlertReport | SpendCounts | JwksWanted
+                 | RecentRequests)
 
 PIPE_BUF = select.PIPE_BUF
 _REASON_LIMIT = 1024  # an overlay rejection reason is cut to this many characters if it would not fit

@@ -206,14 +206,20 @@ async def serve(host: str, port: int, upstream: tuple[str, int]) -> None:
 def start_bare_relay_process(listen_port: int, upstream_port: int, cpus: set[int] | None = None,
                              timeout: float = 10.0) -> subprocess.Popen[bytes]:
     """`python -m loadtest.bare_relay` as a child process pinned to `cpus`, returned once it listens."""
-    cmd = [sys.executable, "-m", "loadtest.bare_relay", str(listen_port), str(upstream_port)]
+    return start_relay_process("loadtest.bare_relay", listen_port, upstream_port, cpus, timeout)
+
+
+def start_relay_process(module: str, listen_port: int, upstream_port: int, cpus: set[int] | None,
+                        timeout: float) -> subprocess.Popen[bytes]:
+    """`python -m <module> LISTEN UPSTREAM` pinned to `cpus`, returned once its first line says it listens."""
+    cmd = [sys.executable, "-m", module, str(listen_port), str(upstream_port)]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     process = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, preexec_fn=child_setup(cpus))
     assert process.stdout is not None
     # The first line says it listens; nothing within the timeout, or EOF, means it failed to start.
     if not select.select([process.stdout], [], [], timeout)[0] or not process.stdout.readline():
         terminate(process, 5.0)
-        raise RuntimeError(f"bare_relay did not start listening on port {listen_port}")
+        raise RuntimeError(f"{module} did not start listening on port {listen_port}")
     return process
 
 

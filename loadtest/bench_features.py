@@ -86,6 +86,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WRK_FEATURES = os.path.join(HERE, "configs", "wrk_features.lua")
 WRK_CACHE = os.path.join(HERE, "configs", "wrk_cache.lua")  # the cache variants' requests (CACHE_MODE)
 BENCH_KEY = "sk-bench"
+BENCH_ISSUER = "https://idp.bench.invalid"  # the JWT variants' issuer (its keys in a file: no IdP is called)
+JWT_TOKEN_FILE = "jwt-%s.token"  # beside the variant's config, by algorithm (the variants share a directory)
 BENCH_ADMIN_TOKEN = "bench-admin-token"  # the managed-key variant's admin token (keys:write)
 WARM_UP_S = 2
 METHODS = ("paired", "sequential")
@@ -164,6 +166,55 @@ def _cache(config: dict[str, Any], _work_dir: str) -> None:
     config["cache"] = {"enabled": True}
 
 
+def _prefix(config: dict[str, Any], _work_dir: str) -> None:
+    # Prefix affinity (docs/routing.md): a hash of each request's prompt prefix, its placement; sessions
+    # bound already keep their provider (session affinity wins), so the hash is the cost of most requests.
+    config["routing"]["prefix_affinity"] = {"enabled": True}
+
+
+def _jwt(alg: str) -> Feature:
+    """Requests identified by a JWT (docs/identity.md) signed with a key of ``alg`` made here: the issuer's
+    JWKS in a file beside the config, and one token (a client reusing its token: the verified-token cache)
+    that wrk sends instead of the API key (``wrk_script_for``)."""
+
+    def feature(config: dict[str, Any], work_dir: str) -> None:
+        import jwt as pyjwt  # the bench's JWT variants only
+        from cryptography.hazmat.primitives.asymmetric import ec, rsa
+        from jwt.algorithms import ECAlgorithm, RSAAlgorithm
+
+        if alg == "RS256":
+            private: Any = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+            jwk = RSAAlgorithm.to_jwk(private.public_key(), as_dict=True)
+        else:
+            private = ec.generate_private_key(ec.SECP256R1())
+            jwk = ECAlgorithm.to_jwk(private.public_key(), as_dict=True)
+        jwk.update({"kid": "bench-1", "use": "sig", "alg": alg})
+        with open(os.path.join(work_dir, f"jwks-{alg}.json"), "w") as out:
+            json.dump({"keys": [jwk]}, out)
+        now = int(time.time())
+        token = pyjwt.encode({"iss": BENCH_ISSUER, "aud": "gridgate-bench", "sub": "bench-client", "org": "bench",
+                              "iat": now, "exp": now + 86400}, private, algorithm=alg, headers={"kid": "bench-1"})
+        with open(os.path.join(work_dir, JWT_TOKEN_FILE % alg), "w") as out:
+            out.write(token)
+        config["auth"]["jwt"] = [{"name": "bench", "issuer": BENCH_ISSUER, "audience": ["gridgate-bench"],
+                                  "jwks_file": f"jwks-{alg}.json", "algorithms": [alg], "tenant_claim": "org"}]
+
+    return feature
+
+
+LONG_KEY = "sk-" + "x" * 697  # an RS256 JWT's length, for the header-size control variant
+
+
+def _long_key(config: dict[str, Any], _work_dir: str) -> None:
+    # The JWT variants' control: an opaque API key as long as an RS256 token (what the header's size costs).
+    config["auth"]["keys"][0]["key"] = hash_api_key(LONG_KEY)
+
+
+def _console(config: dict[str, Any], _work_dir: str) -> None:
+    # The console on (docs/console.md): with admin tokens every worker keeps the ring of its last requests.
+    config.setdefault("admin", {})["tokens"] = [{"name": "bench-console", "key": hash_api_key(BENCH_ADMIN_TOKEN)}]
+
+
 def _core(config: dict[str, Any], _work_dir: str) -> None:
     # The access log is on by default: the core path goes without it, "everything" has it (issue 13).
     config["access_log"] = {"enabled": False}
@@ -187,9 +238,19 @@ VARIANTS: tuple[tuple[str, tuple[Feature, ...]], ...] = (
      (_affinity, _quota, _request_limit, _access_log, _cache)),
     ("production + response cache, every request a hit (no provider)",
      (_affinity, _quota, _request_limit, _access_log, _cache)),
+    ("production on a JWT, RS256 (a client reusing its token)",
+     (_affinity, _quota, _request_limit, _access_log, _jwt("RS256"))),
+    ("production on a JWT, ES256 (a client reusing its token)",
+     (_affinity, _quota, _request_limit, _access_log, _jwt("ES256"))),
+    ("production + routing by prompt prefix",
+     (_affinity, _quota, _request_limit, _access_log, _prefix)),
+    ("+ the console (admin tokens: the ring of the last requests)", (_console,)),
+    ("production on a 700-byte API key (the JWT variants' header-size control)",
+     (_affinity, _quota, _request_limit, _access_log, _long_key)),
 )
 # The cache variants' wrk mode (wrk_cache.lua's CACHE_MODE), by variant index.
-CACHE_SCRIPTS = {len(VARIANTS) - 2: "misses", len(VARIANTS) - 1: "hits"}
+CACHE_SCRIPTS = {index: "misses" if "0 % hits" in name else "hits"
+                 for index, (name, _) in enumerate(VARIANTS) if "response cache" in name}
 VARIANT_NAMES = tuple(name for name, _ in VARIANTS)
 
 
@@ -317,15 +378,40 @@ def running(config_paths: Sequence[str], gateway_cpus: set[int] | None,
 
 def wrk_script_for(gateway: GatewayProcess, config_path: str) -> str:
     """wrk's script for the (ready) gateway of ``config_path``: the shared one, for a cache variant its
-    mode of wrk_cache.lua, or for the managed-key variant (a config with admin tokens) a copy sending a
+    mode of wrk_cache.lua, or for the managed-key variant (a config with an admin token that writes keys) a copy sending a
     managed key made for it."""
     name = os.path.splitext(os.path.basename(config_path))[0]
     mode = CACHE_SCRIPTS.get(int(name.removeprefix("variant-"))) if name.startswith("variant-") else None
     if mode is not None:
         return cache_script(mode, os.path.dirname(config_path), gateway.topology.listen[1])
-    if not load_config(config_path).admin.tokens:
+    config = load_config(config_path)
+    if config.auth is not None and config.auth.keys and config.auth.keys[0].key == hash_api_key(LONG_KEY):
+        return long_key_script(os.path.dirname(config_path), gateway.topology.listen[1])
+    if config.auth is not None and config.auth.jwt:
+        return jwt_script(os.path.dirname(config_path), gateway.topology.listen[1], config.auth.jwt[0].algorithms[0])
+    if not any("keys:write" in token.scopes for token in config.admin.tokens):
         return WRK_FEATURES
     return managed_key_script(gateway, os.path.dirname(config_path))
+
+
+def long_key_script(work_dir: str, port: int) -> str:
+    """A copy of wrk's script sending ``LONG_KEY`` instead of the bench key."""
+    with open(WRK_FEATURES) as source:
+        script = source.read().replace(f"Bearer {BENCH_KEY}", f"Bearer {LONG_KEY}")
+    path = os.path.join(work_dir, f"wrk-long-key-{port}.lua")
+    with open(path, "w") as out:
+        out.write(script)
+    return path
+
+
+def jwt_script(work_dir: str, port: int, alg: str) -> str:
+    """A copy of wrk's script sending the JWT variant's token (``_jwt``) instead of the API key."""
+    with open(os.path.join(work_dir, JWT_TOKEN_FILE % alg)) as token, open(WRK_FEATURES) as source:
+        script = source.read().replace(f"Bearer {BENCH_KEY}", f"Bearer {token.read().strip()}")
+    path = os.path.join(work_dir, f"wrk-jwt-{port}.lua")
+    with open(path, "w") as out:
+        out.write(script)
+    return path
 
 
 def cache_script(mode: str, work_dir: str, port: int) -> str:
@@ -516,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=int, default=8, help="seconds per measured wrk run")
     parser.add_argument("--connections", type=int, default=32, help="per wrk (paired: per gateway)")
     parser.add_argument("--variants", metavar="LIST",
-                        help=f"comma-separated indexes or name substrings (default: all; {CORE} always runs): {listing}")
+                        help=f"comma-separated indexes or name substrings (default: all; {CORE} always runs): {listing}".replace("%", "%%"))
     args = parser.parse_args(argv)
     if min(args.rounds, args.duration, args.connections) < 1:
         parser.error("--rounds, --duration and --connections must be at least 1")

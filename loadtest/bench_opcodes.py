@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     listing = "; ".join(f"{index} = {name}" for index, name in enumerate(VARIANT_NAMES))
     parser = argparse.ArgumentParser(prog="python -m loadtest.bench_opcodes", description=__doc__.split("\n")[0])
     parser.add_argument("--variants", metavar="LIST", default="0,7",
-                        help=f"comma-separated indexes or name substrings ({CORE} always runs): {listing}")
+                        help=f"comma-separated indexes or name substrings ({CORE} always runs): {listing}".replace("%", "%%"))
     parser.add_argument("--warm", type=int, default=2500, help="requests before counting (the warm-up)")
     parser.add_argument("--requests", type=int, default=1500, help="requests counted")
     parser.add_argument("--idle", type=float, default=4.0, help="seconds without load, for the timers' share")

@@ -48,7 +48,8 @@ from typing import Any
 
 import uvloop
 
-from loadtest.mock_provider import MockProviderHandle
+from loadtest.bare_pipe import start_bare_pipe_process
+from loadtest.mock_provider import MockProviderHandle, terminate
 from loadtest.report import (
     REPORTS_DIR,
     markdown_table,
@@ -63,6 +64,7 @@ from loadtest.topology import (
     CHAT_PATH,
     GatewayProcess,
     Topology,
+    free_port,
     move_to_free_ports,
     pin_self,
     raise_fd_limit,
@@ -192,47 +194,85 @@ class StreamHolder:
 # First-token probes
 
 
-async def first_token_ms(address: tuple[str, int], request: bytes) -> tuple[float, float | None]:
-    """Connect, send, time until the first content token; (ms, x-gridgate-overhead-ms or None)."""
-    began = time.perf_counter()
-    reader, writer = await asyncio.open_connection(*address)
-    try:
-        writer.write(request)
-        received = b""
-        while not FIRST_CONTENT.search(received):
-            chunk = await reader.read(65536)
-            if not chunk:
-                raise ConnectionError("closed before the first token")
-            received += chunk
-        elapsed_ms = (time.perf_counter() - began) * 1000.0
-        while await reader.read(65536):  # the rest of the (short) stream
-            pass
-    finally:
-        writer.close()
-    match = OVERHEAD_HEADER.search(received)
-    return elapsed_ms, float(match.group(1)) if match else None
+STAMP = re.compile(rb'"mock_sent_ns":"(\d{19})"')
+RESPONSE_END = b"0\r\n\r\n"
 
 
-async def probe(gateway: tuple[str, int], direct: tuple[str, int], count: int, gap_s: float) -> dict[str, Any]:
-    """Alternate gateway and direct probes; percentiles of each and of the header."""
-    times: dict[str, list[float]] = {"gateway": [], "direct": []}
-    header: list[float] = []
+def probe_request(host: str, ttft_ms: float) -> bytes:
+    """A one-token stream on a kept-alive connection whose token the mock stamps as it writes it."""
+    body = json.dumps({"model": "demo-model", "stream": True, "max_tokens": 1,
+                       "messages": [{"role": "user", "content": "One token, please."}]}).encode()
+    return (f"POST {CHAT_PATH} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nX-Mock-Tokens: 1\r\nX-Mock-Stamp: 1\r\n"
+            f"X-Mock-TTFT-Ms: {ttft_ms}\r\n\r\n").encode() + body
+
+
+@dataclass
+class ProbeTimes:
+    relay_ms: list[float] = field(default_factory=list)  # the mock writing the token -> the client reading it
+    request_ms: list[float] = field(default_factory=list)  # the client writing the request -> reading the token
+
+
+async def first_token(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes,
+                      times: ProbeTimes) -> bool:
+    """One probe on a kept-alive connection: both clocks, then the rest; False when the server closes."""
+    sent_ns = time.monotonic_ns()
+    writer.write(request)
+    received = b""
+    while (stamp := STAMP.search(received)) is None:
+        chunk = await reader.read(65536)
+        if not chunk:
+            raise ConnectionError("closed before the first token")
+        received += chunk
+    arrived_ns = time.monotonic_ns()
+    times.relay_ms.append((arrived_ns - int(stamp.group(1))) / 1e6)
+    times.request_ms.append((arrived_ns - sent_ns) / 1e6)
+    while not received.endswith(RESPONSE_END):
+        chunk = await reader.read(65536)
+        if not chunk:
+            raise ConnectionError("closed before the end of the stream")
+        received += chunk
+    return b"\r\nconnection: close\r\n" not in received[:received.find(b"\r\n\r\n")].lower()
+
+
+def overhead(gateway: dict[str, Any], direct: dict[str, Any]) -> dict[str, float]:
+    return {p: round(gateway[p] - direct[p], 3) for p in ("p50", "p99", "p999")}
+
+
+async def probe(gateway: tuple[str, int], direct: tuple[str, int], pipe: tuple[str, int], count: int,
+                gap_s: float, ttft_ms: float = 2.0) -> dict[str, Any]:
+    """Alternate gateway, pipe and direct probes on one kept-alive connection each; percentiles, differences.
+
+    The mock stamps the token with CLOCK_MONOTONIC as it writes it (one clock for every process of the
+    host), so `relay` is the time from the provider's byte leaving to the client holding it: loopback and
+    the client's wake-up on the direct path, plus the gateway's read, relay and write on the other. The
+    pipe (loadtest/bare_pipe.py, on the gateway's core) is the same hop with no code in it.
+    """
+    addresses = {"gateway": gateway, "pipe": pipe, "direct": direct}
+    times = {path: ProbeTimes() for path in addresses}
     errors: Counter[str] = Counter()
-    request = stream_request(gateway[0], 1, 0)
-    for _ in range(count):
-        for path, address in (("gateway", gateway), ("direct", direct)):
-            try:
-                elapsed, overhead = await first_token_ms(address, request)
-            except OSError as exc:
-                errors[f"{path}: {type(exc).__name__}"] += 1
-                continue
-            times[path].append(elapsed)
-            if overhead is not None and path == "gateway":
-                header.append(overhead)
-            await asyncio.sleep(gap_s)
-    gw, di = summarize(times["gateway"]), summarize(times["direct"])
-    return {"gateway_ms": gw, "direct_ms": di, "overhead_header_ms": summarize(header), "errors": dict(errors),
-            "first_token_overhead_ms": {"p50": round(gw["p50"] - di["p50"], 3), "p99": round(gw["p99"] - di["p99"], 3)}}
+    request = probe_request(gateway[0], ttft_ms)
+    connections = {path: await asyncio.open_connection(*address) for path, address in addresses.items()}
+    try:
+        for _ in range(count):
+            for path, (reader, writer) in list(connections.items()):
+                try:
+                    if await first_token(reader, writer, request, times[path]):
+                        await asyncio.sleep(gap_s)
+                        continue
+                except OSError as exc:
+                    errors[f"{path}: {type(exc).__name__}"] += 1
+                writer.close()
+                connections[path] = await asyncio.open_connection(*addresses[path])
+    finally:
+        for _, writer in connections.values():
+            writer.close()
+    summary = {f"{path}_{clock}_ms": summarize(getattr(times[path], f"{clock}_ms"))
+               for path in times for clock in ("relay", "request")}
+    return {**summary, "errors": dict(errors), "ttft_ms": ttft_ms,
+            "first_token_overhead_ms": overhead(summary["gateway_relay_ms"], summary["direct_relay_ms"]),
+            "pipe_overhead_ms": overhead(summary["pipe_relay_ms"], summary["direct_relay_ms"]),
+            "request_overhead_ms": overhead(summary["gateway_request_ms"], summary["direct_request_ms"])}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -307,10 +347,11 @@ def streams_that_fit(wanted: int, fd_limit: int, worker_fds: int) -> int:
 
 
 def run_streams(args: argparse.Namespace, gateway_cpus: set[int] | None, load_cpus: set[int] | None) -> dict[str, Any]:
-    limits = raise_fd_limit(wanted_fd_limit(args.streams))
+    held = max(args.streams, args.probe_at)
+    limits = raise_fd_limit(wanted_fd_limit(held))
     pin_self(load_cpus)
     work_dir = tempfile.mkdtemp(prefix="gridgate-streams-")
-    topology = Topology.from_config(stream_config(args.streams, work_dir))
+    topology = Topology.from_config(stream_config(held, work_dir))
     mocks = start_mocks(topology, load_cpus, tokens=16, models="demo-model", backlog=4096)
     results: dict[str, Any] = {"fd_limit": list(limits), "streams": args.streams, "probe_at": args.probe_at}
     gateway = GatewayProcess(topology, 1, gateway_cpus)
@@ -327,13 +368,26 @@ def run_streams(args: argparse.Namespace, gateway_cpus: set[int] | None, load_cp
             results["streams_capped_by_fd_limit"] = {"wanted": args.streams, "measured": fit}
             results["streams"] = fit
         direct = (mocks[0].host, mocks[0].port)
-        uvloop.run(probe(topology.listen, direct, 20, 0.0))  # warm-up: upstream pool, caches
+        pipe_port = free_port()
+        pipe_process = start_bare_pipe_process(pipe_port, mocks[0].port, gateway_cpus)
+        pipe = ("127.0.0.1", pipe_port)
+        try:
+            uvloop.run(probe(topology.listen, direct, pipe, 20, 0.0))  # warm-up: upstream pool, caches
+        except BaseException:
+            terminate(pipe_process, 5.0)
+            raise
         print(f"bench_streams: {args.probe_at} streams held, {args.probes} first-token probes per path",
               file=sys.stderr)
-        probe_s = args.probes * 2 * (args.probe_gap_ms / 1000 + 0.003) + 10
-        results["at_probe_load"] = hold_phase(
-            gateway, mocks, args.probe_at, args, args.probe_at / args.ramp_per_s + probe_s,
-            lambda: {"probes": uvloop.run(probe(topology.listen, direct, args.probes, args.probe_gap_ms / 1000))})
+        probe_s = args.probes * 3 * (args.probe_gap_ms / 1000 + 0.003) + 10
+        try:
+            results["at_probe_load"] = hold_phase(
+                gateway, mocks, args.probe_at, args, args.probe_at / args.ramp_per_s + probe_s,
+                lambda: {"probes": uvloop.run(probe(topology.listen, direct, pipe, args.probes,
+                                                    args.probe_gap_ms / 1000))})
+        finally:
+            terminate(pipe_process, 5.0)
+        if not args.streams:
+            return results
         print(f"bench_streams: {results['streams']} streams held at once", file=sys.stderr)
         cpu_before = process_cpu_s(worker)
         sampler = RssSampler(gateway)
@@ -350,18 +404,32 @@ def run_streams(args: argparse.Namespace, gateway_cpus: set[int] | None, load_cp
 
 
 def render_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
-    probe_phase, full = results["at_probe_load"], results["at_full_load"]
+    probe_phase = results["at_probe_load"]
     probes = probe_phase["probes"]
-    gw, di, head, over = probes["gateway_ms"], probes["direct_ms"], probes["overhead_header_ms"], \
-        probes["first_token_overhead_ms"]
+    gw, di, over = probes["gateway_relay_ms"], probes["direct_relay_ms"], probes["first_token_overhead_ms"]
+    pipe, pipe_over = probes["pipe_relay_ms"], probes["pipe_overhead_ms"]
+    req_gw, req_di, req_over = probes["gateway_request_ms"], probes["direct_request_ms"], probes["request_overhead_ms"]
     rows = [
-        (f"first-token overhead at {results['probe_at']:,} streams (p50 / p99)",
-         f"{over['p50']:.3f} / {over['p99']:.3f} ms",
-         f"gateway {gw['p50']:.3f} / {gw['p99']:.3f} ms minus direct {di['p50']:.3f} / {di['p99']:.3f} ms "
-         f"(n={gw['n']}/{di['n']}); x-gridgate-overhead-ms {head['p50']:.3f} / {head['p99']:.3f} ms; "
-         f"upstream in flight {probe_phase['at_open']['upstream_in_flight']}, load average "
-         f"{probe_phase['at_open']['load_average'][0]:.1f}, probe errors "
+        (f"first-token overhead at {results['probe_at']:,} streams (p50 / p99 / p999)",
+         f"{over['p50']:.3f} / {over['p99']:.3f} / {over['p999']:.3f} ms",
+         f"mock's write of the token -> client's read: through the gateway {gw['p50']:.3f} / {gw['p99']:.3f} / "
+         f"{gw['p999']:.3f} ms minus direct {di['p50']:.3f} / {di['p99']:.3f} / {di['p999']:.3f} ms "
+         f"(n={gw['n']}/{di['n']}); upstream in flight {probe_phase['at_open']['upstream_in_flight']}, "
+         f"load average {probe_phase['at_open']['load_average'][0]:.1f}, probe errors "
          f"{sum(probes['errors'].values())}, stream errors {sum(probe_phase['errors'].values())}"),
+        (f"request -> first token overhead at {results['probe_at']:,} streams (p50 / p99 / p999)",
+         f"{req_over['p50']:.3f} / {req_over['p99']:.3f} / {req_over['p999']:.3f} ms",
+         f"kept-alive connection, the mock's TTFT {probes['ttft_ms']} ms: gateway {req_gw['p50']:.3f} / "
+         f"{req_gw['p99']:.3f} ms minus direct {req_di['p50']:.3f} / {req_di['p99']:.3f} ms"),
+        ("the same hop through a bare byte pipe (p50 / p99 / p999)",
+         f"{pipe_over['p50']:.3f} / {pipe_over['p99']:.3f} / {pipe_over['p999']:.3f} ms",
+         f"loadtest/bare_pipe.py on the gateway's core, no HTTP: {pipe['p50']:.3f} / {pipe['p99']:.3f} / "
+         f"{pipe['p999']:.3f} ms minus direct; gridgate's own code is the first row minus this one"),
+    ]
+    if "at_full_load" not in results:
+        return rows
+    full = results["at_full_load"]
+    rows += [
         (f"{results['streams']:,} concurrent slow streams, 1 worker", f"{sum(full['errors'].values())} errors",
          f"ok {full['ok']:,}; {full['tokens_per_stream']} tokens at {full['tokens_per_s']} tok/s; all open after "
          f"{full['at_open']['after_s']} s; upstream in flight then {full['at_open']['upstream_in_flight']:,}; "
@@ -378,9 +446,9 @@ def render_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--streams", type=int, default=10000, help="streams held at once in phase 2")
+    parser.add_argument("--streams", type=int, default=10000, help="streams held at once in phase 2 (0: no phase 2)")
     parser.add_argument("--probe-at", type=int, default=1000, help="streams held while probing first tokens")
-    parser.add_argument("--probes", type=int, default=400, help="first-token probes per path")
+    parser.add_argument("--probes", type=int, default=3000, help="first-token probes per path (p999 wants >= 1000)")
     parser.add_argument("--probe-gap-ms", type=float, default=5.0)
     parser.add_argument("--tokens-per-s", type=float, default=0.2, help="token pace of each held stream")
     parser.add_argument("--stream-s", type=float, default=90.0, help="length of each phase-2 stream")

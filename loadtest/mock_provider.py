@@ -27,6 +27,9 @@ Failure injection, per request (headers win over flags):
   X-Mock-Tokens: 20             number of output tokens (still capped by max_tokens)
   X-Mock-Latency-Ms / X-Mock-TTFT-Ms / X-Mock-Tokens-Per-S: per-request timing overrides
   X-Mock-Echo: 1                add the received method/path/headers to a JSON completion body
+  X-Mock-Stamp: 1               the first content event of a chat or completions stream carries
+                                "mock_sent_ns": CLOCK_MONOTONIC in ns taken as it is written (the
+                                first-token benchmark's clock: loadtest/bench_streams.py)
   X-Mock-Cached-Tokens / X-Mock-Cache-Write-Tokens / X-Mock-Reasoning-Tokens: N
                                 report that many cached prompt, cache-written prompt and reasoning
                                 tokens in the usage (where the API has the field)
@@ -327,6 +330,18 @@ def sse_chunk(payload: Any) -> bytes:
     return b"%x\r\n%s\r\n" % (len(event), event)
 
 
+class StampedEvent(bytes):
+    """An SSE chunk whose STAMP_SLOT gets the monotonic clock when written (X-Mock-Stamp)."""
+
+
+STAMP_SLOT = b"@" * 19  # as wide as any CLOCK_MONOTONIC ns value, so the chunk size stays right
+
+
+def stamped(chunk: bytes) -> bytes:
+    """The chunk with its slot filled with now (a subclass check keeps unstamped writes at one compare)."""
+    return chunk.replace(STAMP_SLOT, b"%019d" % time.monotonic_ns()) if type(chunk) is StampedEvent else chunk
+
+
 SSE_DONE = sse_chunk(b"[DONE]")
 CHUNKED_END = b"0\r\n\r\n"
 
@@ -398,6 +413,7 @@ class Completion:
         self.stream = self.body.get("stream") is True and (shape_class is None or shape_class.streams)
         options = self.body.get("stream_options")
         self.include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        self.stamp = "x-mock-stamp" in req.fields
         self.tokens, self.truncated = self._output_tokens(shape_class)
         self.prompt_tokens = self._prompt_tokens(shape_class)
         # The prompt cache (--prefix-cache): cached prompt tokens, None when off (the headers win).
@@ -658,7 +674,12 @@ class Completion:
                 yield timing.stall_mid, b""
             delay = timing.ttft if index == 0 else timing.per_token
             content = {"content": piece} if chat else piece
-            yield delay, sse_chunk(self._chunk_payload(content, None, response_id, created))
+            event = self._chunk_payload(content, None, response_id, created)
+            if index == 0 and self.stamp:
+                event["mock_sent_ns"] = STAMP_SLOT.decode()
+                yield delay, StampedEvent(sse_chunk(event))
+                continue
+            yield delay, sse_chunk(event)
         if self.cut_mid and self.tokens == 0:
             yield timing.stall_mid, self.cut
             return
@@ -990,7 +1011,7 @@ class MockHTTPProtocol(asyncio.Protocol):
                 self.write(b"".join(pending))
                 self.do_step(action, keep_alive)
                 return True
-            pending.append(action)  # type: ignore[arg-type]
+            pending.append(stamped(action))  # type: ignore[arg-type]
         self.write(b"".join(pending))
         self.finish(keep_alive)
         return True
@@ -1028,7 +1049,7 @@ class MockHTTPProtocol(asyncio.Protocol):
                 else:
                     self.transport.abort()
             return False
-        self.write(action)  # type: ignore[arg-type]
+        self.write(stamped(action))  # type: ignore[arg-type]
         return not self.closing
 
     # -- pages --------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ def percentile(sorted_values: Sequence[float], p: float) -> float:
 def summarize(values: Sequence[float]) -> dict[str, float]:
     ordered = sorted(values)
     return {"n": len(ordered), "p50": percentile(ordered, 50), "p95": percentile(ordered, 95),
-            "p99": percentile(ordered, 99), "max": ordered[-1] if ordered else 0.0}
+            "p99": percentile(ordered, 99), "p999": percentile(ordered, 99.9), "max": ordered[-1] if ordered else 0.0}
 
 
 @dataclass

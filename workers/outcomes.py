@@ -18,12 +18,13 @@ from gateway.quota.gate import QuotaGate
 from gateway.request.attempts import AttemptResult, attempt_tokens, served_tokens, usage_split
 from gateway.routing.decision import header_value
 from gateway.routing.failover import COOLING_STATUSES
-from gateway.routing.prefix import PrefixTable
+from gateway.routing.prefix import MOVED, PrefixTable
 from gateway.spend.price_book import PriceBook
 from workers.access_log import AccessLog
 from workers.cooling import cool_for_answer
 from workers.head_gate import HeadRefusal
 from workers.providers import Endpoint, ProviderStates
+from workers.recent_requests import RequestRing
 from workers.request_cost import ABSURD_FACTOR, CHECKED_OBSERVERS, attempts_cost
 from workers.request_record import RequestRecord
 from workers.spend_tracker import SpendTracker
@@ -65,11 +66,12 @@ class Outcomes:
     """One per worker: the end of every request the proxy handled, and the answers it makes itself."""
 
     __slots__ = ("quota", "metrics", "access_log", "providers", "cooling", "route_headers", "prices",
-                 "reject_unpriced", "spend", "prefixes")
+                 "reject_unpriced", "spend", "prefixes", "recent")
 
     def __init__(self, quota: QuotaGate | None, metrics: WorkerMetrics, access_log: AccessLog,
                  providers: ProviderStates, cooling: Cooling, route_headers: bool,
                  prices: PriceBook | None = None, spend: SpendTracker | None = None) -> None:
+        self.recent: RequestRing | None = None  # on with the console (admin.tokens)
         self.spend = spend  # rollups and spend metrics (docs/pricing.md); None: a test's bare outcomes
         self.quota = quota
         self.prices = prices  # None: requests are not priced (cost_nusd stays None)
@@ -83,8 +85,7 @@ class Outcomes:
         self.prefixes: PrefixTable | None = None  # prefix affinity's placements: an answer feeds back
 
     def close(self, record: RequestRecord) -> None:
-        """The record's request is over (``RequestRecord.close``: once). Runs before the response's last
-        bytes leave, so a client that reads the metrics after its answer finds its request counted."""
+        """The request is over (once): runs before its last bytes leave, so its metrics count it by then."""
         relay = record.attempt
         result = None if relay is None else relay.result()
         served = result is not None and result.started
@@ -101,10 +102,9 @@ class Outcomes:
                 and (usage := result.usage).__class__ in CHECKED_OBSERVERS  # type: ignore[union-attr]
                 and (tokens := usage.total_tokens) is not None
                 and (model := record.served_model or record.capability) is not None):
-            # The metered request as nearly every one ends: its serving attempt alone cost anything, and
-            # reported its usage in counts known to be counts. ``attempts_cost`` and ``_charge`` written out
-            # (two calls fewer, no count checked again): cost clamped past ABSURD_FACTOR x the worst case,
-            # and tokens; tests/unit/test_outcomes_fast.py holds it equal to the general path below.
+            # The metered request as nearly every one ends (its serving attempt alone cost anything, usage in
+            # counts): ``attempts_cost`` and ``_charge`` written out, cost clamped past ABSURD_FACTOR x the
+            # worst case; tests/unit/test_outcomes_fast.py holds it equal to the general path below.
             cost = prices.usage_cost(model, usage, True)
             worst = admission.worst_nusd
             if worst and cost > ABSURD_FACTOR * worst:  # type: ignore[operator]
@@ -132,6 +132,8 @@ class Outcomes:
         if record.trace is not None:  # its spans end and go to the exporter's queue (docs/tracing.md)
             record.trace.end(record, result)
         self.access_log.record(record)
+        if (recent := self.recent) is not None:  # the console's last requests (workers/recent_requests.py)
+            recent.add(record)
 
     def _served(self, record: RequestRecord, result: AttemptResult) -> None:
         """A provider's response was relayed (completely, or cut after it started)."""
@@ -161,8 +163,13 @@ class Outcomes:
             self.prefixes.ended(record.prefix, -1, None, None)  # type: ignore[union-attr]
             return
         usage = result.usage
-        self.prefixes.ended(record.prefix, record.route.provider,  # type: ignore[union-attr]
-                            None if usage is None else usage.cached_tokens, result.first_byte_s)
+        learnt = self.prefixes.ended(record.prefix, record.route.provider,  # type: ignore[union-attr]
+                                     None if usage is None else usage.cached_tokens, result.first_byte_s)
+        if learnt is not None:
+            event, moved = learnt
+            self.metrics.prefix_event(event)
+            if moved and event != MOVED:
+                self.metrics.prefix_event(MOVED)
 
     @staticmethod
     def _charge(record: RequestRecord, result: AttemptResult | None,

@@ -26,6 +26,7 @@ from typing import Protocol
 
 from gateway.routing.cooling import Scope, cooling_scope
 from gateway.routing.providers import ProviderView, freshness
+from shm.conformance import ConformanceFlags
 from shm.providers import (
     COOLED_AT_NS,
     COOLED_UNTIL_NS,
@@ -54,7 +55,7 @@ class ProviderStates:
         self, cells: ProviderCells, worker_row: int, rows_in_use: Callable[[], int], count: int,
         routable: Callable[[int], bool], inflight: Callable[[int], int], *,
         latency_prior: float | None = None, half_life: float = DEFAULT_HALF_LIFE_S,
-        endpoint_cooling: EndpointCooling | None = None,
+        endpoint_cooling: EndpointCooling | None = None, conformance: ConformanceFlags | None = None,
     ) -> None:
         self.view = ProviderView(count, inflight, latency_prior)
         self._cells = cells
@@ -66,6 +67,7 @@ class ProviderStates:
         self._own_latency = [0.0] * count
         self._own_fresh = [0.0] * count  # freshness of this worker's own average at the last refresh
         self._endpoint_cooling = endpoint_cooling
+        self._conformance = conformance  # None: routing.conformance is off, nothing to read
         self._endpoints: list[tuple[Endpoint, ...]] = [()] * count  # per provider, its endpoint objects
         self._endpoint_until: list[list[float]] = [[] for _ in range(count)]  # aligned, monotonic seconds
         self._avoid: list[tuple[Endpoint, ...] | None] = [None] * count  # cooled while others are not
@@ -207,6 +209,9 @@ class ProviderStates:
         self._refresh_endpoints(now, rows_in_use)
         for provider in range(count):
             view.down[provider] = not self._routable(provider)
+        if self._conformance is not None:
+            flags = self._conformance
+            view.nonconformant[:] = [flags.nonconformant(provider) for provider in range(count)]
         view.recompute(now)
         view.epoch += 1
         self.next_refresh = now + REFRESH_S

@@ -43,7 +43,7 @@ from gateway.routing.decision import RouteRefusal
 from gateway.routing.eligibility import Needs
 from gateway.routing.evidence import prefix_evidence, route_evidence
 from gateway.routing.plan import PREFIX_MODE
-from gateway.routing.prefix import PrefixEntry
+from gateway.routing.prefix import PLACED, SPILLED, PrefixEntry
 from gateway.routing.tenants import Policy, TenantPolicies
 from workers.clusters import ClusterManager
 from workers.exchange import Exchange
@@ -327,7 +327,8 @@ class Proxy:
         route = flow.route = self.route(flow.request, session, needs, key, barred, flow.prefix)
         if type(route) is RouteDecision:
             if flow.prefix is not None and route.mode == PREFIX_MODE:  # placed by its prompt prefix
-                record.prefix = self.router.prefixes.placed  # type: ignore[union-attr]
+                placement = record.prefix = self.router.prefixes.placed  # type: ignore[union-attr]
+                self.metrics.prefix_event(SPILLED if placement.spilled else PLACED)  # type: ignore[union-attr]
             if route.filtered:  # the filters' counts: evidence on the response and the access line
                 record.filtered, record.filtered_reasons = route.filtered, route.filtered_reasons
             if record.trace is not None or self.evidence_sampled():

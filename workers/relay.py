@@ -223,6 +223,10 @@ class ResponseRelay:
                 self._finish()
                 return
             self._release()
+        elif self.is_sse:
+            # The events relayed so far leave now, before the end's accounting (the record, the access
+            # line, spend): a short stream's first token must not wait for its last event's bookkeeping.
+            self.exchange.flush()
         usage = self.usage
         if usage is not None:
             held = usage.flush()

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from gateway.config import Config, PrefixAffinity
-from gateway.host_segment import MAX_PROVIDERS, PROVIDERS_REGION
+from gateway.host_segment import CONFORMANCE_REGION, MAX_PROVIDERS, PROVIDERS_REGION
 from gateway.identity.auth import Authenticator
 from gateway.identity.client_cert import CertificateTenants
 from gateway.keys.lookup import KeyLookup
@@ -36,6 +36,7 @@ from gateway.routing.tenants import TenantPolicies
 from gateway.spend.price_book import PriceBook
 from gateway.valkey.client import create_client
 from shm.affinity import AffinityTable
+from shm.conformance import ConformanceFlags
 from shm.counters import WorkerRow
 from shm.keys import KeyTable
 from shm.metrics import MetricsTable
@@ -53,6 +54,7 @@ from workers.overlay_follower import OverlayFollower
 from workers.providers import ProviderStates
 from workers.proxy import Proxy
 from workers.proxy_settings import ProxySettings
+from workers.recent_requests import RequestRing
 from workers.response_cache import ResponseCache
 from workers.server import ServerSettings, ServerState
 from workers.spend_tracker import SpendTracker
@@ -72,6 +74,26 @@ def provider_indexes(registry: tuple[str, ...], configured: list[str]) -> dict[s
             extra += 1
     return index
 
+
+
+def _provider_states(config: Config, segment: Segment, row: WorkerRow, provider_index: dict[str, int],
+                     clusters: ClusterManager) -> ProviderStates:
+    """The worker's provider view over shared memory: cooling, latency, and (with routing.conformance) the
+    supervisor's nonconformant providers."""
+    routing = config.routing
+    least_loaded = routing.least_loaded
+    providers = ProviderStates(
+        ProviderCells(segment.region(PROVIDERS_REGION), segment.max_workers, MAX_PROVIDERS),
+        row.index, segment.rows_in_use, max(provider_index.values(), default=-1) + 1,
+        clusters.routable, clusters.inflight, half_life=float(least_loaded.latency_half_life),
+        latency_prior=None if least_loaded.latency_prior is None else float(least_loaded.latency_prior),
+        endpoint_cooling=EndpointCooling(segment, row.index),
+        conformance=None if routing.conformance is None else
+        ConformanceFlags(segment.region(CONFORMANCE_REGION), MAX_PROVIDERS),
+    )
+    for cluster in clusters.by_provider.values():  # 429/503 cool these first (workers/providers.py)
+        providers.set_endpoints(cluster.provider, cluster.endpoints)
+    return providers
 
 def report_unconfigured(clusters: list[str]) -> None:
     if clusters:
@@ -96,6 +118,8 @@ class RequestPath:
     tracer: Tracer | None = None  # tracing configured (docs/tracing.md)
     spend: SpendTracker | None = None  # rollups, spend metrics, alerts (docs/pricing.md)
     cache: ResponseCache | None = None  # the response cache (docs/cache.md)
+    recent: RequestRing | None = None  # the console's last requests, with admin.tokens (docs/console.md)
+    status_fd: int = -1
 
     @classmethod
     async def build(cls, ctx: WorkerContext, segment: Segment, row: WorkerRow) -> RequestPath:
@@ -108,16 +132,7 @@ class RequestPath:
         provider_index = provider_indexes(ctx.metric_clusters or tuple(configured), configured)
         clusters = ClusterManager(config, segment, row, provider_index)
         routing = config.routing
-        least_loaded = routing.least_loaded
-        providers = ProviderStates(
-            ProviderCells(segment.region(PROVIDERS_REGION), segment.max_workers, MAX_PROVIDERS),
-            row.index, segment.rows_in_use, max(provider_index.values(), default=-1) + 1,
-            clusters.routable, clusters.inflight, half_life=float(least_loaded.latency_half_life),
-            latency_prior=None if least_loaded.latency_prior is None else float(least_loaded.latency_prior),
-            endpoint_cooling=EndpointCooling(segment, row.index),
-        )
-        for cluster in clusters.by_provider.values():  # 429/503 cool these first (workers/providers.py)
-            providers.set_endpoints(cluster.provider, cluster.endpoints)
+        providers = _provider_states(config, segment, row, provider_index, clusters)
         router = Router(
             max(ctx.slot, 0), affinity=_affinity_table(ctx, segment),
             affinity_ttl_s=float(routing.session_affinity.ttl), provider_index=provider_index,
@@ -143,10 +158,11 @@ class RequestPath:
         proxy = Proxy(settings=settings, tenants=TenantPolicies(config.tenants), overlay=overlay, router=router,
                       clusters=clusters, providers=providers, quota=quota, metrics=metrics, outcomes=outcomes,
                       tracer=tracer, cache=response_cache)
+        recent = outcomes.recent = RequestRing() if config.admin.tokens and ctx.status_fd >= 0 else None
         return cls(config, metrics, overlay, clusters, providers, router, quota, access_log,
                    _head_gate(config, clusters, settings, provider_index, ctx.key_table,
                               ctx.status_fd if ctx.status_fd >= 0 else None), outcomes, proxy, tracer,
-                   spend, response_cache)
+                   spend, response_cache, recent, ctx.status_fd)
 
     def server_state(self) -> ServerState:
         """The per-worker server state that hands this path every request: the head gate decides on each
@@ -172,6 +188,8 @@ class RequestPath:
             metrics.publish_trace_drops(self.tracer.exporter.dropped)
         if self.spend is not None:  # rollups to the store, spend counters and alerts to the supervisor
             self.spend.tick()
+        if self.recent is not None:  # the last requests, to the supervisor for the console
+            self.recent.report(self.status_fd)
 
     async def close(self) -> None:
         """Pools, the quota gate (its queued settlements first) and the access log (its last lines)."""

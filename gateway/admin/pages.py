@@ -141,7 +141,8 @@ class AdminApp:
 
     def __init__(self, sources: AdminSources, metrics: MetricsExposition, *,
                  tokens: Callable[[], AdminTokens] | None = None, keys: KeyPages | None = None,
-                 throttle: FailedTokenThrottle | None = None, spend: Handler | None = None) -> None:
+                 throttle: FailedTokenThrottle | None = None, spend: Handler | None = None,
+                 providers: Callable[[], dict[str, Any]] | None = None) -> None:
         self._sources = sources
         self._metrics = metrics
         self._tokens = tokens
@@ -158,6 +159,13 @@ class AdminApp:
         }
         if spend is not None:  # gateway.admin.spend_api.SpendApi.handle
             self._routes["/admin/spend"] = spend
+        if providers is not None:  # the supervisor's conformance verdicts (docs/provider-conformance.md)
+            report = providers
+
+            async def providers_page(query: dict[str, list[str]]) -> AdminResponse:
+                return json_response(200, report())
+
+            self._routes["/admin/providers"] = providers_page
 
     @property
     def throttle(self) -> FailedTokenThrottle:

@@ -38,6 +38,7 @@ from gateway.config.quota import (  # noqa: F401 - the auth and quota schema, re
 )
 from gateway.config.routing import (  # noqa: F401 - the routing schema, re-exported: importers use gateway.config
     Backoff,
+    Conformance,
     Cooling,
     ModelFacts,
     ModelMatch,

@@ -82,9 +82,10 @@ class QuotaMatch(StrictStruct):
     tenant: str | None = None  # exact
     model: str | None = None  # glob (fnmatch: * ? [..])
     key: str | None = None  # glob over the key's kid or alias
+    subject: str | None = None  # glob over a JWT's (or a client certificate's) subject only (docs/identity.md)
 
     def __post_init__(self) -> None:
-        for name in ("tenant", "model", "key"):
+        for name in ("tenant", "model", "key", "subject"):
             if getattr(self, name) == "":
                 raise ValueError(f"{name}: must not be empty (omit it to match any)")
 

@@ -184,6 +184,26 @@ class OverlaySource(StrictStruct):
             raise ValueError("key: must be a key name without spaces")
 
 
+class Conformance(StrictStruct):
+    """``routing.conformance``: the supervisor rechecks every provider with the checks of
+    ``gridgate providers verify`` (docs/provider-conformance.md#in-the-pool); absent: never."""
+
+    required: bool = True  # a provider that failed a required check is left out of selection
+    recheck: Seconds = Seconds(3600)  # how often every provider is checked again
+    surfaces: list[Literal["chat", "completions", "embeddings", "responses", "messages"]] = msgspec.field(
+        default_factory=lambda: ["chat"])  # the APIs the pool serves
+    max_tokens: int = 16  # output tokens each check request asks for at most
+    timeout: Seconds = Seconds(30)  # deadline of one check, all its requests together
+
+    _RANGES: ClassVar[dict[str, Range]] = {"recheck": (10, 30 * DAY), "max_tokens": (1, 4096),
+                                           "timeout": (0.1, 10 * MINUTE)}
+
+    def __post_init__(self) -> None:
+        check_ranges(self, self._RANGES)
+        if not self.surfaces:
+            raise ValueError("surfaces: must name at least one API")
+
+
 class Routing(StrictStruct):
     overlay_file: str | None = None
     # Instead of (or, as the fallback at a start without Valkey, beside) the file: a Valkey key.
@@ -209,6 +229,7 @@ class Routing(StrictStruct):
     pin_header: str = "X-Gridgate-Pin"
     # The MCP endpoint (streamable HTTP: POST, GET, DELETE); null: none (docs/security.md).
     mcp_path: str | None = "/mcp"
+    conformance: Conformance | None = None  # provider conformance rechecks (docs/provider-conformance.md)
 
     _RANGES: ClassVar[dict[str, Range]] = {"overlay_max_age": (1, 365 * DAY), "reload_debounce": (0, MINUTE)}
 

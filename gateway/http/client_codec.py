@@ -3,9 +3,13 @@ out, its responses in, and whether the connection may carry another request."""
 
 from __future__ import annotations
 
+import sys
+
 import h11
 
 from gateway.http.codec import END, NEED_DATA, PAUSED, Body, ParseError, _head_bytes, header_pairs
+from gateway.http.errors import GatewayError
+from gateway.http.framing import ChunkedDecoder
 
 # Parsing a response needs no request event, except to learn that the request was a HEAD (its answer
 # has no body) or when a 1xx head arrives (h11 accepts those only after a request): then a canned
@@ -46,11 +50,13 @@ class ClientCodec:
     Anything else closes the connection (see docs/upstream.md).
 
     Bodies framed by a Content-Length are counted off here, not by h11 (see the module doc); bytes
-    beyond the declared length are never kept, only noted.
+    beyond the declared length are never kept, only noted. Chunked bodies go through the strict decoder
+    of gateway/http/framing.py: h11's chunked reader costs a streamed event several times as much (most of
+    a first token's relay when the worker wakes up cold), and the decoder is the one request bodies use.
     """
 
-    __slots__ = ("_parser", "_max_head", "_method", "_primed", "_head_start", "_left", "_pending", "_ended",
-                 "_eof", "_reuse", "_tainted", "_informational", "head_headers", "framing_doubt")
+    __slots__ = ("_parser", "_max_head", "_method", "_primed", "_head_start", "_left", "_chunks", "_pending",
+                 "_ended", "_eof", "_reuse", "_tainted", "_informational", "head_headers", "framing_doubt")
 
     def __init__(self, max_header_bytes: int = 65536) -> None:
         self._max_head = max_header_bytes
@@ -59,9 +65,11 @@ class ClientCodec:
         # A canned request went through the parser for this response, or none is needed any more.
         self._primed = False
         self._head_start = b""  # the first bytes of a response, until its status class is known
-        # A length-framed body counted off here: the bytes still due (-1: h11 frames this response),
-        # the bytes received and not yet handed out, and whether the body ended.
+        # A body framed here: the bytes still due of a length-framed one (-1: not length-framed), the
+        # decoder of a chunked one (None: not chunked; with both unset h11 frames the response), the
+        # bytes received and not yet handed out, and whether the body ended.
         self._left = -1
+        self._chunks: ChunkedDecoder | None = None
         self._pending = b""
         self._ended = False
         self._eof = False  # the provider closed its side
@@ -90,7 +98,7 @@ class ClientCodec:
 
     def feed(self, data: bytes) -> None:
         """Bytes received from the provider (b"" means it closed its side)."""
-        if self._left >= 0:  # a length-framed body
+        if self._left >= 0 or self._chunks is not None:  # a body framed here
             if not data:
                 self._eof = self._tainted = True  # an error unless the body already ended
             elif self._ended:
@@ -121,6 +129,8 @@ class ClientCodec:
     def next_event(self):  # -> ResponseHead | Informational | Body | EndOfMessage | ConnectionClosed | ...
         if self._left >= 0:
             return self._length_body_event()
+        if self._chunks is not None:
+            return self._chunked_body_event(self._chunks)
         try:
             event = self._parser.next_event()
         except h11.RemoteProtocolError as error:
@@ -159,6 +169,31 @@ class ClientCodec:
             raise ParseError("the connection closed in the middle of the body", 502)
         return NEED_DATA
 
+    def _chunked_body_event(self, decoder: ChunkedDecoder):  # -> Body | EndOfMessage | NEED_DATA | PAUSED
+        if self._ended:
+            return PAUSED
+        pending = self._pending
+        if decoder.error is not None:  # met after the pieces before it were handed out
+            raise ParseError(str(decoder.error), 502)
+        if pending and not decoder.done:
+            try:
+                pieces, used = decoder.feed_until_error(pending)
+            except GatewayError as error:
+                raise ParseError(str(error), 502) from None
+            # The decoder stops at the body's end: what it leaves is after the answer (taints the connection).
+            self._pending = pending[used:] if used < len(pending) else b""
+            if pieces:
+                return Body(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+        if decoder.done:
+            self._ended = True
+            if self._pending:
+                self._tainted = True
+                self._pending = b""
+            return END
+        if self._eof:  # the provider closed before the last chunk
+            raise ParseError("the connection closed in the middle of the body", 502)
+        return NEED_DATA
+
     def _on_informational(self, event: h11.InformationalResponse) -> None:
         count = self._informational = self._informational + 1
         if count > MAX_INFORMATIONAL_HEADS:
@@ -185,20 +220,24 @@ class ClientCodec:
         # (bodiless answers and close-delimited bodies close the connection).
         self._reuse = (event.http_version == b"1.1" and not close and not bodiless and not doubt
                        and (chunked or length >= 0))
-        if length >= 0 and not chunked and not bodiless:
-            pending, closed = self._parser.trailing_data
+        if bodiless or doubt or (length < 0 and not chunked):
+            return  # h11 frames it: no body, both framings (refused at the relay), or until close
+        if chunked:
+            self._chunks = ChunkedDecoder(sys.maxsize, self._max_head)  # a stream's length has no bound here
+        else:
             self._left = length
-            self._pending = bytes(pending)
-            self._ended = False
-            if closed:
-                self._eof = self._tainted = True
+        pending, closed = self._parser.trailing_data
+        self._pending = bytes(pending)
+        self._ended = False
+        if closed:
+            self._eof = self._tainted = True
 
     @property
     def reusable(self) -> bool:
         """The response ended cleanly, its framing could be read one way only, and nothing followed it."""
         if not self._reuse or self._tainted:
             return False
-        if self._left >= 0:
+        if self._left >= 0 or self._chunks is not None:
             return self._ended
         parser = self._parser
         after, closed = parser.trailing_data
@@ -207,6 +246,8 @@ class ClientCodec:
     @property
     def buffered(self) -> int:
         """Bytes received and not handed out yet (bounded: a head is at most ``max_header_bytes``)."""
+        if self._chunks is not None:
+            return len(self._pending) + self._chunks.pending
         if self._left >= 0:
             return len(self._pending)
         return len(self._parser.trailing_data[0]) + len(self._head_start)
@@ -216,3 +257,4 @@ class ClientCodec:
         self._parser = h11.Connection(h11.CLIENT, max_incomplete_event_size=self._max_head)
         self._primed = False
         self._left = -1
+        self._chunks = None

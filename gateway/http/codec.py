@@ -15,8 +15,8 @@ next message:
 
 Request bodies are framed by ``BodyReader``, never by h11 (the server says how with ``read_body``;
 Content-Length bodies are counted off, chunked ones go through the strict decoder of
-gateway/http/framing.py). The client does the same for every length-framed response; chunked
-responses stay with h11.
+gateway/http/framing.py). The client does the same for every response body (gateway/http/client_codec.py):
+h11 parses only response heads.
 
 Events: the gateway reads only the attributes documented here, so swapping the parser is a change
 to this module alone:

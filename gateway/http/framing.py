@@ -122,7 +122,8 @@ class ChunkedDecoder:
     between calls is one partial line, bounded by ``MAX_CHUNK_LINE`` or the trailer limit.
     """
 
-    __slots__ = ("_max_body", "_max_trailers", "_line", "_remaining", "_state", "_total", "_trailer_bytes")
+    __slots__ = ("_max_body", "_max_trailers", "_line", "_remaining", "_state", "_total", "_trailer_bytes",
+                 "error")
 
     _SIZE, _DATA, _DATA_CRLF, _TRAILERS, _DONE = range(5)
 
@@ -134,6 +135,7 @@ class ChunkedDecoder:
         self._state = self._SIZE
         self._total = 0
         self._trailer_bytes = 0
+        self.error: GatewayError | None = None  # a violation kept by ``feed_until_error``
 
     @property
     def done(self) -> bool:
@@ -147,9 +149,28 @@ class ChunkedDecoder:
     def feed(self, data: bytes | bytearray) -> tuple[list[bytes], int]:
         """Decode the next wire bytes: (body pieces, bytes of ``data`` consumed). All of ``data`` is
         consumed unless the body ends inside it. Raise GatewayError (close) on a framing violation."""
+        pieces: list[bytes] = []
+        return pieces, self._decode(data, pieces)
+
+    def feed_until_error(self, data: bytes | bytearray) -> tuple[list[bytes], int]:
+        """``feed``, except that a violation met after some pieces were decoded returns those pieces
+        (all of ``data`` consumed) and keeps the violation in ``error``, raised by the next call: the
+        body before the violation is delivered however the bytes were split (a relay's promise)."""
+        if self.error is not None:
+            raise self.error
+        pieces: list[bytes] = []
+        try:
+            return pieces, self._decode(data, pieces)
+        except GatewayError as error:
+            if not pieces:
+                raise
+            self.error = error
+            return pieces, len(data)
+
+    def _decode(self, data: bytes | bytearray, pieces: list[bytes]) -> int:
+        """Append the body pieces of ``data`` to ``pieces``; the bytes consumed."""
         if self._state == self._DONE:
             raise RuntimeError("chunked decoder fed after the end of its body")
-        pieces: list[bytes] = []
         pos, end = 0, len(data)
         while pos < end:
             state = self._state
@@ -180,7 +201,7 @@ class ChunkedDecoder:
                 self._end_line(state, line)
                 if self._state == self._DONE:
                     break  # the bytes after the terminator belong to the next request
-        return pieces, pos
+        return pos
 
     def _end_line(self, state: int, line: bytes) -> None:
         if state == self._DATA_CRLF:

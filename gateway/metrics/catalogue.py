@@ -26,6 +26,9 @@ OVERHEAD_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025
 FIRST_BYTE_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 DURATION_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 AFFINITY_OUTCOMES = ("none", "new", "reused", "failover")
+# Prefix affinity (docs/routing.md): requests placed at their prefix's place or spilled past it, answers from
+# the place that reported cached tokens or none, prefixes moved on (misses, slow first tokens).
+PREFIX_EVENTS = ("placed", "spilled", "hit", "miss", "moved")
 QUOTA_DECISIONS = ("admitted", "denied", "backend_error_rejected", "backend_error_allowed")
 QUOTA_TOKEN_KINDS = ("estimated", "actual", "refunded", "overage")
 OVERLAY_RESULTS = ("applied", "unchanged", "rejected")
@@ -89,7 +92,8 @@ CACHE_BYPASSES = CACHE_TENANT + TENANT_SLOTS * len(CACHE_KINDS)
 CACHE_BACKEND_ERRORS = CACHE_BYPASSES + 1
 # Handshakes refused for their client certificate (mTLS, docs/identity.md), per REFUSAL_REASONS entry.
 CLIENT_CERT_REFUSALS = CACHE_BACKEND_ERRORS + 1
-COUNTERS = CLIENT_CERT_REFUSALS + len(REFUSAL_REASONS)
+PREFIX_AFFINITY = CLIENT_CERT_REFUSALS + len(REFUSAL_REASONS)  # per PREFIX_EVENTS entry
+COUNTERS = PREFIX_AFFINITY + len(PREFIX_EVENTS)
 
 _GATEWAY_STATUS_INDEX = {status: i for i, status in enumerate(GATEWAY_STATUSES)}
 

@@ -39,6 +39,8 @@ from gateway.metrics.catalogue import (
     OVERLAY_RELOADS,
     OVERLAY_RESULTS,
     PANIC_ENTRIES,
+    PREFIX_AFFINITY,
+    PREFIX_EVENTS,
     PROVIDER_COOLED,
     PROVIDER_FAILOVERS,
     QUOTA_BACKEND_ERRORS,
@@ -112,6 +114,12 @@ def _request_families(totals: list[int], cluster_names: Sequence[str]) -> Iterat
     for index, outcome in enumerate(AFFINITY_OUTCOMES):
         affinity.add_metric([outcome], totals[AFFINITY + index])
     yield affinity
+    prefix = CounterMetricFamily("gridgate_prefix_affinity", "Prefix affinity: requests placed or spilled, "
+                                 "answers that hit or missed the provider's prompt cache, prefixes moved on.",
+                                 labels=["event"])
+    for index, event in enumerate(PREFIX_EVENTS):
+        prefix.add_metric([event], totals[PREFIX_AFFINITY + index])
+    yield prefix
 
 
 def _upstream_families(totals: list[int], cluster_names: Sequence[str]) -> Iterator:

@@ -36,6 +36,7 @@ from gateway.metrics.catalogue import (
     OVERLAY_RELOADS,
     OVERLAY_RESULTS,
     PANIC_ENTRIES,
+    PREFIX_AFFINITY,
     PROVIDER_COOLED,
     PROVIDER_FAILOVERS,
     QUOTA_BACKEND_ERRORS,
@@ -124,6 +125,10 @@ class WorkerMetrics:
 
     def affinity(self, outcome: str) -> None:
         self.row[_AFFINITY_CELLS[outcome]] += 1
+
+    def prefix_event(self, event: int) -> None:
+        """Prefix affinity's ``event`` (an index of ``PREFIX_EVENTS``)."""
+        self.row[PREFIX_AFFINITY + event] += 1
 
     def retry(self) -> None:
         """Another endpoint (or a fresh connection) of the same provider tried after a failure."""

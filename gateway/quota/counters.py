@@ -57,10 +57,13 @@ class QuotaCounters:
 
 
 def configured_tenants(config: Config) -> list[str]:
-    """The tenants a config names (its API keys', its quota rules', then its client certificates' map),
+    """The tenants a config names (its API keys', its JWT issuers' fixed or mapped ones, its quota rules',
+    then its client certificates' map),
     once each, in config order: the label set of the per-tenant token counters (``other`` is never one
     of them)."""
     names = [key.tenant for key in config.auth.keys] if config.auth is not None else []
+    for entry in config.auth.jwt if config.auth is not None else []:  # the tenants a JWT entry can name
+        names += [entry.tenant] if entry.tenant is not None else list((entry.map or {}).values())
     if config.quota is not None:
         names += [rule.match.tenant for rule in config.quota.rules if rule.match and rule.match.tenant]
     client_auth = None if config.server_tls is None else config.server_tls.client_auth

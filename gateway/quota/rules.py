@@ -46,10 +46,12 @@ class QuotaRule:
     requests: tuple[RequestLimit, ...] = ()
     match_key: str | None = None
     spend: tuple[SpendBudget, ...] = ()
+    match_subject: str | None = None  # a glob over the subject of a JWT or certificate identity only
 
     @property
     def is_default(self) -> bool:
-        return self.match_tenant is None and self.match_model is None and self.match_key is None
+        return (self.match_tenant is None and self.match_model is None and self.match_key is None
+                and self.match_subject is None)
 
     @property
     def limits(self) -> Limits:
@@ -64,6 +66,8 @@ class QuotaRule:
             return False
         if self.match_model is not None and (model is None or not fnmatchcase(model, self.match_model)):
             return False
+        if self.match_subject is not None and not subject_matches(self.match_subject, key):
+            return False
         return self.match_key is None or (key is not None and key_matches(self.match_key, key))
 
 
@@ -71,6 +75,14 @@ def key_matches(pattern: str, key: KeyLike) -> bool:
     """A key glob matches the key's kid or its alias."""
     kid, alias = key.kid, key.alias
     return (kid is not None and fnmatchcase(kid, pattern)) or (alias is not None and fnmatchcase(alias, pattern))
+
+
+def subject_matches(pattern: str, key: KeyLike | None) -> bool:
+    """A subject glob matches the subject (alias) of an identity from an IdP or a certificate (``via``
+    set), never an API key's alias."""
+    via = getattr(key, "via", None)
+    alias = None if key is None else key.alias
+    return via is not None and alias is not None and fnmatchcase(alias, pattern)
 
 
 def validate_rules(rules: Sequence[QuotaRule]) -> list[str]:
@@ -160,5 +172,6 @@ def rules_from_config(quota: Any) -> list[QuotaRule]:
             requests=limits.requests,
             match_key=match.key if match else None,
             spend=limits.spend,
+            match_subject=match.subject if match else None,
         ))
     return rules

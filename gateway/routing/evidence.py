@@ -11,6 +11,7 @@ Each left-out candidate is counted under one reason, the first that applies:
 - ``not_configured``: its cluster is not configured on this gateway;
 - ``not_allowed``: the request's route is allowed only on other clusters (docs/security.md);
 - ``filtered``: the eligibility filters removed it (``routing.models``, tenant regions);
+- ``nonconformant``: its provider failed a required conformance check (``routing.conformance``);
 - ``unhealthy``: no endpoint of its provider is routable (health checks, outlier detection);
 - ``cooled``: its provider is cooling after a 429/503.
 
@@ -61,7 +62,7 @@ def route_evidence(decision: RouteDecision, view: ProviderView, needs: Needs | N
     """The evidence of ``decision``, just made by the router with this ``view`` (same event-loop step)."""
     plan = decision.plan
     excluded: dict[str, int] = {}
-    usable, down = view.usable, view.down
+    usable, down, failed = view.usable, view.down, view.nonconformant
     check_needs = needs is not None and (plan.restricts or needs.regions is not None)
     for option in plan.options:
         provider = option.provider
@@ -71,6 +72,8 @@ def route_evidence(decision: RouteDecision, view: ProviderView, needs: Needs | N
             reason = "not_allowed"
         elif check_needs and needs.reasons(option.facts):  # type: ignore[union-attr]
             reason = "filtered"
+        elif provider < len(failed) and failed[provider]:
+            reason = "nonconformant"
         elif provider < len(down) and down[provider]:
             reason = "unhealthy"
         elif provider < len(usable) and not usable[provider]:

@@ -22,6 +22,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+# What ``ended`` says of an answer (gateway.metrics.catalogue.PREFIX_EVENTS, by index).
+PLACED, SPILLED, HIT, MISS, MOVED = range(5)
+
 
 class Ranked(Protocol):
     provider: int
@@ -108,9 +111,10 @@ class PrefixTable:
         return chosen
 
     def ended(self, placement: Placement, served_by: int, cached_tokens: int | None,
-              first_token_s: float | None) -> None:
+              first_token_s: float | None) -> tuple[int, bool] | None:
         """The request is over: its in-flight count goes back; an answer from the prefix's own place
-        confirms it (cached tokens reported) or counts against it (none, or a slow first token)."""
+        confirms it (cached tokens reported) or counts against it (none, or a slow first token). Says
+        what it learnt: (HIT or MISS or MOVED, whether the prefix moved), None when nothing."""
         entry = placement.entry
         inflight = entry.inflight
         provider = placement.provider
@@ -120,21 +124,23 @@ class PrefixTable:
         else:
             inflight.pop(provider, None)
         if placement.spilled or served_by != provider:
-            return  # served elsewhere than its place: says nothing about the place's cache
+            return None  # served elsewhere than its place: says nothing about the place's cache
         slow = self.slow_first_token_s
         if slow is not None and first_token_s is not None and first_token_s > slow:
-            self._move(entry, placement.ring)
-        elif cached_tokens is not None:  # the provider reports its cache (None: it says nothing)
-            if cached_tokens > 0:
-                entry.misses = entry.moves = 0
-            else:
-                entry.misses += 1
-                if entry.misses >= self.miss_limit:
-                    self._move(entry, placement.ring)
+            return MOVED, self._move(entry, placement.ring)
+        if cached_tokens is None:  # the provider reports nothing of its cache
+            return None
+        if cached_tokens > 0:
+            entry.misses = entry.moves = 0
+            return HIT, False
+        entry.misses += 1
+        return MISS, entry.misses >= self.miss_limit and self._move(entry, placement.ring)
 
-    def _move(self, entry: PrefixEntry, ring: int) -> None:
+    def _move(self, entry: PrefixEntry, ring: int) -> bool:
         entry.misses = 0
-        if entry.moves < ring:  # a whole round without a hit: it stays
-            entry.offset += 1
-            entry.moves += 1
-            self.moved += 1
+        if entry.moves >= ring:  # a whole round without a hit: it stays
+            return False
+        entry.offset += 1
+        entry.moves += 1
+        self.moved += 1
+        return True

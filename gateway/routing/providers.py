@@ -4,7 +4,8 @@ A worker refreshes this view from shared memory (cooling written by every worker
 written by the health process) a few times a second and updates it at once for its own cooling
 decisions; selection only reads plain lists. Pure: no clocks of its own, no shared memory.
 
-A provider is *usable* for a new selection when it is configured on this gateway, not cooled and
+A provider is *usable* for a new selection when it is configured on this gateway, not cooled, not
+kept out by its conformance checks (``nonconformant``, docs/provider-conformance.md#in-the-pool) and
 has at least one routable endpoint (docs/routing.md#usable-providers).
 
 ``least_loaded`` (docs/routing.md, "Which picker when") costs a provider (in flight + 1) x its
@@ -71,7 +72,7 @@ class LoadCost:
 
 
 class ProviderView:
-    __slots__ = ("usable", "cooled_until", "cooled_at", "down", "latency", "weighted", "fresh", "epoch",
+    __slots__ = ("usable", "cooled_until", "cooled_at", "down", "nonconformant", "latency", "weighted", "fresh", "epoch",
                  "latency_prior", "inflight", "cost")
 
     def __init__(self, count: int, inflight: Callable[[int], int] = _no_load,
@@ -80,6 +81,7 @@ class ProviderView:
         self.cooled_until = [0.0] * count  # monotonic seconds
         self.cooled_at = [0.0] * count  # when the latest cooling began (orders the all-cooled fallback)
         self.down = [False] * count  # no routable endpoint
+        self.nonconformant = [False] * count  # failed a required conformance check (routing.conformance)
         self.latency = [0.0] * count  # measured first-byte latency in seconds (the samples, not aged)
         self.weighted = [0.0] * count  # latency x freshness
         self.fresh = [0.0] * count  # freshness of the measurement: 1 just measured .. 0 never measured
@@ -106,10 +108,12 @@ class ProviderView:
 
     def recompute(self, now: float) -> None:
         """Derive ``usable`` after the raw facts changed (or time passed)."""
-        until, down = self.cooled_until, self.down
-        self.usable[:] = [until[p] <= now and not down[p] for p in range(len(until))]  # in place: closures hold it
+        until, down, failed = self.cooled_until, self.down, self.nonconformant
+        # in place: closures hold the list
+        self.usable[:] = [until[p] <= now and not down[p] and not failed[p] for p in range(len(until))]
 
-    def fallback_rank(self, provider: int) -> tuple[bool, float]:
-        """Order among unusable providers when nothing is usable: a cooled provider with routable
-        endpoints before a down one, then the least recently cooled first."""
-        return (self.down[provider], self.cooled_at[provider])
+    def fallback_rank(self, provider: int) -> tuple[bool, bool, float]:
+        """Order among unusable providers when nothing is usable: a conformant provider before a
+        nonconformant one, a cooled provider with routable endpoints before a down one, then the least
+        recently cooled first."""
+        return (self.nonconformant[provider], self.down[provider], self.cooled_at[provider])

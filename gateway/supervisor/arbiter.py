@@ -38,6 +38,7 @@ from gateway.process_protocol import (
     JwksWanted,
     OverlayRejected,
     Ready,
+    RecentRequests,
     SpendAlertReport,
     SpendCounts,
     StatusMessage,
@@ -50,6 +51,7 @@ from gateway.supervisor.children import (
     describe_exit,
     loop_internal_fds,
 )
+from gateway.supervisor.conformance import ConformanceWatch
 from gateway.supervisor.console_sources import SupervisorConsoleSources
 from gateway.supervisor.jwks_feed import JwksFeed
 from gateway.supervisor.keys import KeyService, SupervisorKeyHost, admin_tokens_of
@@ -135,6 +137,7 @@ class Arbiter:
         self._spend_metrics: SpendMetrics
         self._spend_reporter: SpendReporter
         self._budgets: BudgetRemaining
+        self._conformance: ConformanceWatch
 
     # ------------------------------------------------------------------ running
 
@@ -194,6 +197,7 @@ class Arbiter:
         self._budgets = BudgetRemaining(running, self._quota_backend, self._quota_reporter, self._keys.managed_keys)
         self._spend_metrics = SpendMetrics(self._alerts, running, self._budgets)
         self._spend_reporter = SpendReporter(running, self._quota_backend)
+        self._conformance = ConformanceWatch(self._segment, self._clusters)
         admin_sources = SupervisorAdminSources(self._readiness, lambda: self._swap.config, self._segment,
                                                self._quota_backend, self._quota_reporter)
         admin_app = AdminApp(
@@ -202,9 +206,10 @@ class Arbiter:
             tokens=admin_tokens_of(lambda: self._swap.config),
             keys=KeysApi(SupervisorKeyHost(self._keys, lambda: self._swap.config)),
             spend=SpendApi(self._spend_reporter).handle,
+            providers=lambda: self._conformance.report(self._swap.config),
         )
-        admin_app.attach_console(Console(admin_app, SupervisorConsoleSources(admin_sources, self._overlay_feed,
-                                                                             lambda: self._swap.config)))
+        self._console_sources = SupervisorConsoleSources(admin_sources, self._overlay_feed, lambda: self._swap.config)
+        admin_app.attach_console(Console(admin_app, self._console_sources))
         self._admin = AdminServer(admin_app)
         self._swap = GenerationSwap(
             self._config_path, self._overrides, self._start_config,
@@ -214,6 +219,7 @@ class Arbiter:
         )
         metrics.register(SupervisorCollector(self._workers, self._swap))
         metrics.register(self._overlay_feed)
+        metrics.register(self._conformance)
         metrics.register(self._jwks_feed)
         metrics.register(self._keys)
         metrics.register(self._spend_metrics)
@@ -268,6 +274,7 @@ class Arbiter:
                 self._tick()
         finally:
             await self._overlay_feed.stop()
+            await self._conformance.stop()
             await self._jwks_feed.stop()
             await self._keys.close()
             await self._admin.close()
@@ -292,6 +299,7 @@ class Arbiter:
             self._workers.maintain(self._swap.config, now)
             self._quota_backend.watch(now)
             self._overlay_feed.tick(self._swap.config)
+            self._conformance.tick(self._swap.config, now)  # routing.conformance: its runs, off the request path
             if self._swap.config is not self._keys_config:  # a reload was applied
                 self._keys_config = self._swap.config
                 self._keys.reconfigure(self._keys_config)
@@ -328,6 +336,8 @@ class Arbiter:
                 self._spend_metrics.on_counts(child.pid, message)
             case SpendAlertReport():  # posted to pricing.alerts_webhook, off every request path
                 self._alerts.submit(message.alert)
+            case RecentRequests():  # the console's last requests (docs/console.md#requests)
+                self._console_sources.on_recent(child.pid, message)
             case JwksWanted():  # a token named an unknown kid (docs/identity.md)
                 self._jwks_feed.wanted(message.issuer)
 

@@ -13,7 +13,7 @@ from gateway.identity.auth import hash_api_key
 from tests.harness import candidate, envelope, wait_until
 
 OPS, VIEWER = "ops-console-token", "viewer-console-token"
-TOKENS = [{"name": "ops", "key": hash_api_key(OPS), "scopes": ["keys:read", "keys:write", "spend:read"]},
+TOKENS = [{"name": "ops", "key": hash_api_key(OPS), "scopes": ["keys:read", "keys:write", "spend:read", "quota:read"]},
           {"name": "viewer", "key": hash_api_key(VIEWER), "scopes": []}]
 FORM = {"Content-Type": "application/x-www-form-urlencoded"}
 
@@ -184,3 +184,17 @@ def test_the_providers_page_shows_groups_health_and_traffic_share(gateway_factor
     wait_until(lambda: providers_by_cluster()["provider-c"]["health"] == "unhealthy", "provider-c unhealthy", 5)
     page = session.get("/console/providers").body.decode()
     assert 'data-provider="provider-c"' in page and 'data-health="unhealthy"' in page
+
+
+def test_a_token_taken_out_of_the_config_ends_its_sessions_at_the_reload(gateway_factory, providers):
+    import signal
+
+    gateway = console_gateway(gateway_factory, providers)
+    ops, viewer = Session(gateway.admin_port, OPS), Session(gateway.admin_port, VIEWER)
+    assert viewer.get("/console/api/providers").status == 200
+    gateway.config["admin"]["tokens"] = [TOKENS[0]]  # the viewer's token is withdrawn
+    gateway.write_config()
+    gateway.signal(signal.SIGHUP)
+    wait_until(lambda: viewer.get("/console/api/providers").status == 401, "the viewer's session to end", 10)
+    assert ops.get("/console/api/providers").status == 200  # the other token's session goes on
+    assert sign_in(gateway.admin_port, VIEWER).status == 401

@@ -29,7 +29,8 @@ def _gateway(gateway_factory, mock_provider, key: SigningKey, **issuer: object):
     gateway = gateway_factory({"p": [p.address], "q": [q.address]},
                               envelope([candidate("m", "p"), candidate("n", "q")]), start=False,
                               extra={"auth": {"keys": [{"tenant": "keyed", "key": hash_api_key("sk-plain")}],
-                                              "jwt": [_issuer(**issuer)]}})
+                                              "jwt": [_issuer(**issuer)]},
+                                     "access_log": {"enabled": True, "path": "access.log"}})
     with open(os.path.join(gateway.directory, "jwks.json"), "wb") as handle:
         handle.write(jwks(key))
     return gateway.start(), p, q
@@ -94,6 +95,18 @@ def test_model_globs_from_claims_and_the_callers_own_identity(gateway_factory, m
     assert (me.status, body["source"], body["identity"], body["subject"], body["tenant"]) == (
         200, "jwt", "jwt:corp", "svc-42", "acme")
     assert token not in me.body.decode()
+    assert chat(gateway.port, "m", headers=_bearer("sk-plain")).status == 200
+
+    def lines() -> list[dict]:
+        with open(os.path.join(gateway.directory, "access.log")) as handle:
+            return [json.loads(line) for line in handle if line.strip()]
+
+    wait_until(lambda: os.path.exists(os.path.join(gateway.directory, "access.log")) and len(lines()) >= 4,
+               "four access lines")
+    seen = [(line["tenant"], line["status"], line.get("identity"), line.get("subject")) for line in lines()]
+    assert seen[:2] == [("acme", 200, "jwt:corp", "svc-42"), ("acme", 403, "jwt:corp", "svc-42")], seen
+    assert seen[-1] == ("keyed", 200, None, None), seen  # an API key's line names neither
+    assert not any(token[:40] in line for line in open(os.path.join(gateway.directory, "access.log")))
 
 
 def test_a_rewritten_key_file_is_followed_without_a_restart(gateway_factory, mock_provider):

@@ -4,11 +4,12 @@ hands its prefixes on and gets them back, a session's binding wins."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-from tests.harness import Client, candidate, envelope, request
+from tests.harness import Client, candidate, envelope, metric_value, request
 
 PREFIX = {"prefix_affinity": {"enabled": True}}
 
@@ -96,10 +97,10 @@ def cached_tokens(response) -> int:
     return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def test_a_prefix_that_keeps_missing_is_re_placed_and_stays_where_it_hits(mock_provider, loopback_gateway_factory):
+def test_a_prefix_that_keeps_missing_is_re_placed_and_stays_where_it_hits(mock_provider, gateway_factory):
     handles = {name: mock_provider(name, prefix_cache=64) for name in ("p-a", "p-b", "p-c")}
     extra = {"routing": {"prefix_affinity": {"enabled": True, "misses": 3}}}
-    gateway = loopback_gateway_factory(three(handles), overlay(handles), extra=extra)
+    gateway = gateway_factory(three(handles), overlay(handles), workers=1, extra=extra)
     home = served_by(gateway.port, 3)  # a cold cache: one miss
     warm = ask(gateway.port, 3, "again")
     assert warm.headers["x-gridgate-provider"] == home and cached_tokens(warm) > 0  # the hit resets the count
@@ -110,6 +111,10 @@ def test_a_prefix_that_keeps_missing_is_re_placed_and_stays_where_it_hits(mock_p
     moved = providers[3]
     assert moved != home and providers[3:] == [moved] * 5  # ...move it one place on, where it stays
     assert [cached_tokens(r) for r in path[4:]] == [cached_tokens(warm)] * 4  # and hits
+    events = {event: metric_value(gateway.admin_port, f'gridgate_prefix_affinity_total{{event="{event}"}}')
+              for event in ("placed", "spilled", "hit", "miss", "moved")}
+    # misses: the cold first, three on the expiring cache, the cold first at the new place; hits: the rest
+    assert events == {"placed": 10, "spilled": 0, "hit": 5, "miss": 5, "moved": 1}
 
 
 def test_a_hot_prefix_spills_its_overflow_only(mock_provider, loopback_gateway_factory):
@@ -122,3 +127,58 @@ def test_a_hot_prefix_spills_its_overflow_only(mock_provider, loopback_gateway_f
     assert Counter(burst) == {name: 2 for name in handles}  # two each (2 = 0.5 x 4): home first, then the ring
     assert Counter(burst)[home] == 2
     assert {served_by(gateway.port, 5, f"after-{n}") for n in range(3)} == {home}  # the spill did not move it
+
+
+ANTHROPIC = [("anthropic-version", "2023-06-01")]
+
+
+def post(port: int, path: str, body: dict, headers: list[tuple[str, str]] | None = None):
+    client = Client(port)
+    try:
+        return client.request("POST", path, body, headers or [])
+    finally:
+        client.close()
+
+
+def messages(port: int, prompt: int, user: str):
+    body = {"model": "m", "max_tokens": 8, "system": system(prompt)["content"],
+            "messages": [{"role": "user", "content": f"question of {user}"}]}
+    return post(port, "/v1/messages", body, ANTHROPIC)
+
+
+def test_messages_feed_back_their_cache_reads(mock_provider, loopback_gateway_factory, tmp_path):
+    handles = {name: mock_provider(name, prefix_cache=64) for name in ("p-a", "p-b", "p-c")}
+    log = tmp_path / "access.log"
+    extra = {"routing": {"prefix_affinity": {"enabled": True, "misses": 2}},
+             "access_log": {"enabled": True, "path": str(log), "evidence_sample": 1.0}}
+    gateway = loopback_gateway_factory(three(handles), overlay(handles), extra=extra)
+    first, second = messages(gateway.port, 9, "a"), messages(gateway.port, 9, "b")
+    home = first.headers["x-gridgate-provider"]
+    assert second.headers["x-gridgate-provider"] == home and second.headers["x-gridgate-selection-mode"] == "prefix"
+    assert first.json()["usage"]["cache_read_input_tokens"] == 0 < second.json()["usage"]["cache_read_input_tokens"]
+    assert request("127.0.0.1", handles[home].port, "POST", "/admin/config", {"prefix_cache_ttl_ms": 0.001})[0] == 200
+    moved = [messages(gateway.port, 9, f"u{n}").headers["x-gridgate-provider"] for n in range(4)]
+    assert moved[:2] == [home, home] and moved[2] != home and moved[3] == moved[2]
+    responses = post(gateway.port, "/v1/responses", {"model": "m", "instructions": "be brief " * 50, "input": "q"})
+    assert responses.status == 200 and responses.headers["x-gridgate-selection-mode"] == "prefix"
+    deadline = time.monotonic() + 5
+    while True:  # the access log writes its lines out in batches
+        lines = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+        evidence = [line["prefix"] for line in lines if line.get("path") == "/v1/messages"]
+        if len(evidence) >= 6 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert len(evidence) == 6 and len({entry["hash"] for entry in evidence}) == 1
+    assert [entry["moved"] for entry in evidence] == [0, 0, 0, 0, 1, 1]
+    assert {entry["spilled"] for entry in evidence} == {0}
+
+
+def test_a_slow_first_token_breaks_stickiness(mock_provider, loopback_gateway_factory):
+    handles = {name: mock_provider(name) for name in ("p-a", "p-b", "p-c")}
+    extra = {"routing": {"prefix_affinity": {"enabled": True, "slow_first_token": "150ms"}}}
+    gateway = loopback_gateway_factory(three(handles), overlay(handles), extra=extra)
+    home = served_by(gateway.port, 11)
+    assert request("127.0.0.1", handles[home].port, "POST", "/admin/config", {"latency_ms": 300})[0] == 200
+    assert served_by(gateway.port, 11, "slow") == home  # this answer is the slow one...
+    moved = {served_by(gateway.port, 11, f"after-{n}") for n in range(3)}
+    assert len(moved) == 1 and home not in moved  # ...and the prefix moved on

@@ -207,3 +207,17 @@ def test_gridgate_check_reads_the_key_file(tmp_path):
     assert any("no usable signing key" in p for p in jwt_problems(config))
     (tmp_path / "keys.json").write_bytes(jwks(RSA))
     assert [p for p in jwt_problems(config) if "jwks_file" in p] == []
+
+
+def test_a_subject_glob_matches_token_subjects_never_api_key_aliases():
+    from gateway.identity.auth import KeyIdentity
+    from gateway.quota.rules import QuotaRule, RuleSet
+
+    limits = QuotaRule("svc", (), 0, max_in_flight=1, match_subject="svc-*")
+    rules = RuleSet([limits, QuotaRule("all", (), 0, max_in_flight=9)])
+    token_identity = KeyIdentity("acme", "svc-42", via="jwt:okta")
+    assert rules.match("acme", "m", token_identity).name == "svc"
+    assert rules.match("acme", "m", KeyIdentity("acme", "svc-42")).name == "all"  # a YAML key's alias
+    assert rules.match("acme", "m", KeyIdentity("acme", "human", via="jwt:okta")).name == "all"
+    named = RuleSet([limits, QuotaRule("gold", (), 0, max_in_flight=5, match_tenant="other")])
+    assert named.match("acme", "m", KeyIdentity("acme", "x", via="jwt:okta", rule="gold")).name == "gold"

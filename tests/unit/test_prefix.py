@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from gateway.config import PrefixAffinity
+from gateway.config import ConfigError, PrefixAffinity, parse_config
 from gateway.request.prefix import has_prompt, prompt_prefix
 from gateway.request.surfaces import CHAT_COMPLETIONS, COUNT_TOKENS, EMBEDDINGS, MESSAGES, RESPONSES
-from gateway.routing.prefix import PrefixTable
+from gateway.routing.prefix import HIT, MOVED, PrefixTable
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 30}
 
@@ -113,8 +113,12 @@ def test_a_slow_first_token_moves_it_and_an_answer_from_elsewhere_says_nothing()
     table.ended(table.placed, 1, 0, 9.0)  # failed over to provider 1: not the place's fault
     assert entry.offset == 0 and entry.inflight == {}
     table.place(entry, RING)
-    table.ended(table.placed, 2, 50, 0.9)
+    assert table.ended(table.placed, 2, 50, 0.9) == (MOVED, True)
     assert entry.offset == 1
+    table.place(entry, RING)
+    assert table.ended(table.placed, 0, 50, 0.1) == (HIT, False)
+    table.place(entry, RING)
+    assert table.ended(table.placed, 0, None, 0.1) is None  # the provider says nothing of its cache
 
 
 def test_the_table_forgets_the_least_recently_placed():
@@ -131,3 +135,16 @@ def test_config_ranges_name_the_field():
     with pytest.raises(ValueError, match="spill_at: must be <= 1"):
         PrefixAffinity(spill_at=2.0)
     assert PrefixAffinity().prefix_tokens == 1024 and not PrefixAffinity().enabled
+
+
+def test_gridgate_check_names_the_prefix_affinity_field():
+    base = 'clusters: [{name: a, endpoints: ["127.0.0.1:9001"]}]\n'
+    with pytest.raises(ConfigError) as info:
+        parse_config(base + "routing: {overlay_file: o.json, prefix_affinity: {enabled: true, spill_at: 0}}\n")
+    assert info.value.problems == ["routing.prefix_affinity.spill_at: must be >= 0.01"]
+    with pytest.raises(ConfigError) as info:
+        parse_config(base + "routing: {overlay_file: o.json, prefix_affinity: {enable: true}}\n")
+    assert info.value.problems[0].startswith("routing.prefix_affinity.enable: unknown key")
+    config = parse_config(base + "routing: {overlay_file: o.json, prefix_affinity: {enabled: true, "
+                                 "slow_first_token: 2s}}\n")
+    assert config.routing.prefix_affinity.slow_first_token == 2

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 from gateway.admin.console.guard import SECURITY_HEADERS, is_https, same_origin
+from gateway.admin.console.keys_page import KeysPage
 from gateway.admin.console.session import (
     SessionBook,
     cleared_cookie,
@@ -26,7 +27,7 @@ from gateway.admin.console.session import (
     session_cookie,
 )
 from gateway.admin.console.traffic import TrafficShare
-from gateway.admin.console.views import cluster_totals, endpoints_view, providers_view
+from gateway.admin.console.views import cluster_totals, endpoints_view, providers_view, requests_view
 from gateway.admin.pages import AdminApp, AdminResponse, error_response, json_response
 from gateway.admin.tokens import Caller, token_digest
 from gateway.overlay.snapshot import Snapshot
@@ -49,6 +50,10 @@ class ConsoleSources(Protocol):
     def overlay_report(self) -> dict[str, Any]: ...
 
     def endpoints_report(self) -> dict[str, Any]: ...
+
+    def recent_requests(self) -> list[dict[str, Any]]:
+        """The workers' last requests, newest first (``gateway.process_protocol.RecentRequest`` fields)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +90,10 @@ class Console:
         self._pages: dict[str, Page] = {
             "providers": Page("Providers", "providers", self._providers),
             "endpoints": Page("Endpoints", "endpoints", self._endpoints),
+            "keys": Page("Tenants and keys", "keys", self._keys_view),
+            "requests": Page("Last requests", "requests", self._requests),
         }
+        self._keys = KeysPage(admin)
 
     async def handle(self, method: str, target: str, headers: Mapping[str, str], body: bytes,
                      peer: str) -> AdminResponse:
@@ -127,19 +135,22 @@ class Console:
             return _not_allowed(request, "GET, HEAD")
         return await self._page(request, caller, session.csrf)
 
-    async def _page(self, request: Request, caller: Caller, csrf: str) -> AdminResponse:
+    async def _page(self, request: Request, caller: Caller, csrf: str, notice: dict[str, Any] | None = None,
+                    status: int = 200) -> AdminResponse:
         api = request.path.startswith("/console/api/")
         name = request.path.removeprefix("/console/api/" if api else "/console").strip("/") or "providers"
         page = self._pages.get(name)
         if page is None:
             return error_response(404, f"no console page at {request.path}", "not_found")
         view = await page.view(caller, request)
-        context = self._context(name, page, caller, csrf, view)
+        context = {"page": name, "title": page.title, "pages": self._pages, "caller": caller.name,
+                   "scopes": sorted(caller.scopes), "csrf": csrf, "view": view, "refresh_ms": self._refresh_ms,
+                   "refresh_url": f"/console/api/{name}", "notice": notice}
         live = self._template(f"{page.template}_live.html").render(context)
         if api:
             return json_response(200, {"page": name, "view": view, "html": live})
         html = self._template(f"{page.template}.html").render(context, live=live)
-        return AdminResponse(200, html.encode(), _HTML)
+        return AdminResponse(status, html.encode(), _HTML)
 
     def _template(self, name: str) -> Any:
         if self._templates is None:
@@ -149,13 +160,18 @@ class Console:
                                                  autoescape=True, undefined=jinja2.StrictUndefined)
         return self._templates.get_template(name)
 
-    def _context(self, name: str, page: Page, caller: Caller, csrf: str, view: dict[str, Any]) -> dict[str, Any]:
-        return {"page": name, "title": page.title, "pages": self._pages, "caller": caller.name,
-                "scopes": sorted(caller.scopes), "csrf": csrf, "view": view, "refresh_ms": self._refresh_ms,
-                "refresh_url": f"/console/api/{name}"}
-
     async def _action(self, request: Request, caller: Caller, csrf: str) -> AdminResponse:
-        return error_response(404, f"no console action at {request.path}", "not_found")
+        """A key change from the keys page's forms; the answer is the keys page with what happened."""
+        if not request.path.startswith("/console/keys/"):
+            return error_response(404, f"no console action at {request.path}", "not_found")
+        try:
+            answer, notice = await self._keys.act(caller, request.path, request.form())
+        except LookupError:
+            return error_response(404, f"no console action at {request.path}", "not_found")
+        if "problem" not in notice and notice.get("key") is None:
+            return _redirect("/console/keys", None)  # nothing to show once: back to the page
+        page = Request("GET", "/console/keys", {}, request.headers, b"", request.peer)
+        return await self._page(page, caller, csrf, notice, 200 if "problem" not in notice else answer.status)
 
     async def _providers(self, caller: Caller, request: Request) -> dict[str, Any]:
         endpoints = self._sources.endpoints_report()
@@ -165,6 +181,12 @@ class Console:
 
     async def _endpoints(self, caller: Caller, request: Request) -> dict[str, Any]:
         return endpoints_view(self._sources.endpoints_report())
+
+    async def _keys_view(self, caller: Caller, request: Request) -> dict[str, Any]:
+        return await self._keys.view(caller)
+
+    async def _requests(self, caller: Caller, request: Request) -> dict[str, Any]:
+        return requests_view(self._sources.recent_requests())
 
     # ------------------------------------------------------------------ signing in and out
 

@@ -5,10 +5,12 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from gateway.admin.console.traffic import Shares
 from gateway.overlay.snapshot import Snapshot
+from gateway.pricing.units import format_usd
 
 _UP = frozenset({"healthy", "slow_start", "half_open"})
 
@@ -62,10 +64,19 @@ def providers_view(snapshot: Snapshot | None, endpoints_doc: dict[str, Any], ove
     return {
         "overlay": {"revision": revision, "revision_short": (revision or "-")[:12],
                     "age_s": None if overlay_age_s is None else round(overlay_age_s, 1),
+                    "age": None if overlay_age_s is None else age_text(overlay_age_s),
                     "mode": overlay_doc.get("mode"), "converged": overlay_doc.get("converged")},
         "traffic": {"requests": shares.requests, "window_s": round(shares.window_s)},
         "capabilities": capabilities,
     }
+
+
+def age_text(seconds: float) -> str:
+    """``42 s``, ``5 min``, ``3 h``, ``7 d``: an age read at a glance."""
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 2 * size:
+            return f"{int(seconds // size)} {unit}"
+    return f"{int(seconds)} s"
 
 
 class _Ungrouped:
@@ -113,3 +124,16 @@ def endpoints_view(endpoints_doc: dict[str, Any]) -> dict[str, Any]:
         } for e in cluster["endpoints"]],
     } for cluster in endpoints_doc.get("clusters", [])]
     return {"health_process": endpoints_doc.get("health_process"), "clusters": clusters}
+
+
+def requests_view(rows: list[dict[str, Any]], limit: int = 100) -> dict[str, Any]:
+    """The last requests the workers reported, newest first, as the page shows them."""
+    return {"requests": [{
+        **row,
+        "ended": datetime.fromtimestamp(row["ended_at"], UTC).strftime("%H:%M:%S.%f")[:-3],
+        "group": "-" if row["group"] is None else row["group"],
+        "latency": "-" if row["latency_ms"] is None else f"{row['latency_ms']:.1f} ms",
+        "tokens": "-" if row["tokens_prompt"] is None and row["tokens_completion"] is None
+        else f"{row['tokens_prompt'] or 0} / {row['tokens_completion'] or 0}",
+        "cost": "-" if row["cost_nusd"] is None else f"${format_usd(row['cost_nusd'])}",
+    } for row in rows[:limit]], "shown": min(limit, len(rows))}

@@ -8,6 +8,7 @@
   var url = live.getAttribute("data-refresh");
   var interval = parseInt(live.getAttribute("data-interval-ms"), 10) || 2000;
   var busy = false;
+  var shown = null;  // the live part last swapped in: an unchanged one is left alone (a click in it lands)
   function refresh() {
     if (busy || document.hidden) { return; }
     busy = true;
@@ -19,7 +20,10 @@
       })
       .then(function (answer) {
         if (answer === null) { return; }
-        live.innerHTML = answer.html;  // rendered by the server with every value escaped
+        if (answer.html !== shown) {
+          shown = answer.html;
+          live.innerHTML = answer.html;  // rendered by the server with every value escaped
+        }
         if (status) { status.textContent = "updated " + new Date().toLocaleTimeString(); }
       })
       .catch(function (error) {

@@ -1,0 +1,86 @@
+"""The console's keys, spend and requests pages over a real gateway with managed keys (no browser): a
+key made on the page works on the data plane, a revoke refuses it, spend and the request's route
+evidence appear, every change is audited under the token's name, and scopes hide what they must."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from tests.harness import candidate, envelope, wait_until
+from tests.integration.test_console_security import OPS, TOKENS, VIEWER, Session, call
+
+PRICES = {"m": {"input": 1000, "output": 2000}}  # USD per million tokens: the mock's usage costs cents
+
+
+def keys_gateway(gateway_factory, providers):
+    names = ("provider-a", "provider-b", "provider-c")
+    return gateway_factory({name: [providers[name].address] for name in names},
+                           envelope([candidate("m", name, 0) for name in names]),
+                           extra={"admin": {"tokens": TOKENS}, "auth": {}, "pricing": {"overrides": PRICES},
+                                  "quota": {"backend": {"kind": "embedded"}, "rules": [  # metered: priced, counted
+                                      {"name": "team-a", "match": {"tenant": "team-a"},
+                                       "budgets": [{"window": "1h", "tokens": 1000000}]}]}})
+
+
+def chat(gateway, key: str) -> int:
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "a prompt never shown"}]})
+    return call(gateway.port, "POST", "/v1/chat/completions", body,
+                {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}).status
+
+
+def test_a_key_made_on_the_page_serves_shows_its_spend_and_requests_and_a_revoke_refuses_it(gateway_factory, providers):
+    gateway = keys_gateway(gateway_factory, providers)
+    ops = Session(gateway.admin_port, OPS)
+    created = ops.post("/console/keys/create", {"tenant": "team-a", "alias": "ci", "models": "m", "rpm": "600"})
+    assert created.status == 200, created.body
+    page = created.body.decode()
+    key = re.search(r'<code id="new-key">([^<]+)</code>', page).group(1)
+    kid = key.split("-")[1]
+    assert "shown this once" in page
+    assert key not in ops.get("/console/keys").body.decode()  # never again
+    wait_until(lambda: chat(gateway, key) == 200, "the new key to serve", 10)
+    for _ in range(4):
+        assert chat(gateway, key) == 200
+
+    def keys_view():
+        return ops.get("/console/api/keys").json()["view"]
+
+    (tenant,) = keys_view()["tenants"]
+    assert tenant["name"] == "team-a" and [k["kid"] for k in tenant["key_rows"]] == [kid]
+    assert tenant["key_rows"][0]["status"] == "active" and tenant["key_rows"][0]["limits"] == "600 req / 1m"
+    spent = wait_until(lambda: (v := keys_view())["spend"] and v["spend"]["requests"] >= 5 and v, "spend to appear", 10)
+    assert spent["spend"]["total"] != "$0" and spent["tenants"][0]["spend"]["requests"] >= 5
+    assert '<rect class="bar"' in ops.get("/console/keys").body.decode()
+    (budget,) = spent["tenants"][0]["budgets"]
+    assert (budget["owner"], budget["what"], budget["limit"]) == ("rule team-a", "tokens / 3600 s", 1000000)
+    assert 0 < budget["remaining"] < 1000000
+
+    requests = wait_until(lambda: [r for r in ops.get("/console/api/requests").json()["view"]["requests"]
+                                   if r["tenant"] == "team-a"], "the requests to be reported", 5)
+    newest = requests[0]
+    assert (newest["model"], newest["status"], newest["group"], newest["attempts"]) == ("m", 200, 0, 1)
+    assert newest["provider"] in ("provider-a", "provider-b", "provider-c") and newest["cost"].startswith("$")
+    assert newest["tokens_prompt"] and newest["latency_ms"] > 0
+    requests_page = ops.get("/console/requests").body.decode()
+    assert "a prompt never shown" not in requests_page and key not in requests_page
+
+    revoked = ops.post(f"/console/keys/{kid}/revoke")
+    assert revoked.status == 303 and revoked.headers["location"] == "/console/keys"
+    wait_until(lambda: chat(gateway, key) == 401, "the revoked key to be refused", 5)
+    assert keys_view()["tenants"][0]["key_rows"][0]["status"] == "revoked"
+    audit = call(gateway.admin_port, "GET", "/admin/audit", headers={"Authorization": f"Bearer {OPS}"}).json()
+    assert [(e["action"], e["actor"]) for e in audit["data"] if e["kid"] == kid] == [("create", "ops"), ("revoke", "ops")]
+
+
+def test_a_token_without_the_write_scope_sees_no_forms_and_cannot_change_a_key(gateway_factory, providers):
+    gateway = keys_gateway(gateway_factory, providers)
+    viewer = Session(gateway.admin_port, VIEWER)  # no scopes at all
+    page = viewer.get("/console/keys").body.decode()
+    assert 'id="create-key"' not in page and "keys:read" in page
+    refused = viewer.post("/console/keys/create", {"tenant": "team-a"})
+    assert refused.status == 403 and b"lacks the scope keys:write" in refused.body
+    refused = viewer.post("/console/keys/AbCdEfGhIjKl/revoke")
+    assert refused.status == 403
+    assert viewer.post("/console/keys/AbCdEfGhIjKl/explode").status == 404
+    assert call(gateway.admin_port, "GET", "/admin/audit", headers={"Authorization": f"Bearer {OPS}"}).json()["data"] == []
