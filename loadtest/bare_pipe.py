@@ -11,14 +11,11 @@ gridgate's own code costs the first token.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import subprocess
 import sys
 
-import uvloop
-
-from loadtest.bare_relay import start_relay_process
+from loadtest.bare_relay import relay_main, start_relay_process
 
 
 class UpstreamSide(asyncio.Protocol):
@@ -77,18 +74,7 @@ def start_bare_pipe_process(listen_port: int, upstream_port: int, cpus: set[int]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.bare_pipe", description=__doc__.split("\n")[0])
-    parser.add_argument("listen_port", type=int)
-    parser.add_argument("upstream_port", type=int)
-    parser.add_argument("--host", default="127.0.0.1", help="listen address")
-    parser.add_argument("--upstream-host", default="127.0.0.1")
-    args = parser.parse_args(argv)
-    try:
-        uvloop.run(serve(args.host, args.listen_port, (args.upstream_host, args.upstream_port)))
-    except KeyboardInterrupt:
-        pass
-    return 0
-
+    return relay_main("loadtest.bare_pipe", __doc__.split("\n")[0], serve, argv)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,6 +20,7 @@ import os
 import select
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 
 import h11
@@ -224,18 +225,24 @@ def start_relay_process(module: str, listen_port: int, upstream_port: int, cpus:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.bare_relay", description=__doc__.split("\n")[0])
+    return relay_main("loadtest.bare_relay", __doc__.split("\n")[0], serve, argv)
+
+
+def relay_main(module: str, description: str, serve_relay: Callable[[str, int, tuple[str, int]], Awaitable[None]],
+               argv: list[str] | None) -> int:
+    """The command line of a relay process: LISTEN_PORT UPSTREAM_PORT [--host] [--upstream-host], served
+    until interrupted (shared by this relay and loadtest/bare_pipe.py)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
     parser.add_argument("listen_port", type=int)
     parser.add_argument("upstream_port", type=int)
     parser.add_argument("--host", default="127.0.0.1", help="listen address")
     parser.add_argument("--upstream-host", default="127.0.0.1")
     args = parser.parse_args(argv)
     try:
-        uvloop.run(serve(args.host, args.listen_port, (args.upstream_host, args.upstream_port)))
+        uvloop.run(serve_relay(args.host, args.listen_port, (args.upstream_host, args.upstream_port)))
     except KeyboardInterrupt:
         pass
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())
