@@ -249,8 +249,8 @@ class ResponseRelay:
             # The events relayed so far leave now, before the end's accounting (the record, the access
             # line, spend): a short stream's first token must not wait for its last event's bookkeeping.
             self.exchange.flush()
-        if self.token_watch is not None:  # a stream that ended with no content event: its end is the first
-            self.first_token_at = _monotonic()
+            if self.token_watch is not None:  # a stream that ended with no content event: its end is the first
+                self.first_token_at = _monotonic()
         usage = self.usage
         if usage is not None:
             held = usage.flush()
