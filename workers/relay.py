@@ -143,10 +143,9 @@ class ResponseRelay:
         metered = self.metering is not None
         admitted = self.exchange.admitted
         drop = _RESPONSE_DROP if admitted is None or admitted.cors is None else _RESPONSE_DROP_CORS
-        chunked = False
+        chunked, content_type = False, None
         content_length: int | None = None
         listed: set[bytes] | None = None
-        content_type = None
         for name, value in headers:
             if name in drop:
                 if name == b"content-length":
@@ -165,8 +164,7 @@ class ResponseRelay:
         usage_kind = OPENAI_USAGE if admitted is None else admitted.route.surface.usage
         if usage_kind == OPENAI_USAGE:
             if metered or self.exchange.record.prefix is not None:  # prefix affinity reads cached_tokens
-                # ``usage_observer`` written out (one call fewer per request): the SSE filter for a stream
-                # the gateway rewrote to report usage, else the pass-through scanner.
+                # ``usage_observer`` inlined: the SSE filter for a stream rewritten to report usage, else the scanner.
                 self.usage = SseUsageFilter() if self.metering and self.is_sse else UsageScanner()
         elif metered or usage_kind == RESPONSES_USAGE or usage_kind == MESSAGES_USAGE:
             # The Responses and Messages APIs' observer by their surface; not metered, their answers are read
