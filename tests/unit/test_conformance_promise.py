@@ -6,8 +6,8 @@ from typing import Any
 
 import msgspec
 
-from gateway.conformance.promise import judge, promise, tolerance
 from gateway.config.routing import Routing
+from gateway.conformance.promise import judge, promise, tolerance
 from gateway.overlay.snapshot import snapshot_from_object
 from tests.harness import candidate, envelope
 
