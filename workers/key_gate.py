@@ -102,7 +102,8 @@ def key_answer(key: KeyIdentity, entry: KeyEntry | None, *, remaining: dict[str,
         body = {"object": "gridgate.key", "source": "jwt", "identity": key.via, "subject": key.alias,
                 "tenant": key.tenant, "status": _ACTIVE, "models": grant.models, "rule": key.rule,
                 "expires_at": int(grant.expires_at),
-                "limits": None, "remaining": remaining, "spend": spend}
+                "limits": None if key.written is None else key.written.body(), "remaining": remaining,
+                "spend": spend}
     elif entry is not None:
         body = key_report(entry, remaining=remaining, spend=spend)
         body["source"] = "managed"
