@@ -16,6 +16,7 @@ from typing import Any
 
 from tests.harness import admin_get, candidate, envelope, request
 from tests.inprocess import InProcessGateway, Provider, start_provider
+from tests.integration.test_quota_cluster import cluster_url  # noqa: F401  (a fixture: a real Valkey Cluster)
 
 FAST_RETRY = {"attempts": 1, "deadline": "10s", "backoff": {"base": "1ms", "max": "5ms"}}
 CHAT = "/v1/chat/completions"
@@ -107,4 +108,35 @@ def test_waiters_on_another_worker_get_the_leaders_answer_within_their_bound(tmp
             await a.close()
             await b.close()
             provider.server.close()
+    asyncio.run(scenario())
+
+
+def test_the_claim_and_its_release_work_on_a_valkey_cluster(cluster_url):  # noqa: F811
+    """On Valkey Cluster (valkey-py routes each command by its key; no SET reply callback turns the claim's
+    reply into a bool): the first claim leads, the second finds the marker, the stored entry is read back
+    by a claim, and a release removes only its own marker."""
+    from gateway.valkey.client import create_client
+    from gateway.valkey.tick_batch import TickBatch
+    from workers.response_cache import _RELEASE, PENDING
+
+    async def scenario() -> None:
+        client = create_client(cluster_url)
+        batch = TickBatch(client)
+        try:
+            for key in (b"gridgate:cache:%d" % n for n in range(4)):  # a few slots, so more than one node
+                marker = PENDING + b"1:1"
+
+                def claim(value: bytes, name: bytes = key) -> Any:
+                    return batch.call(b"SET", name, value, b"NX", b"PX", b"5000", b"GET")
+
+                assert await claim(marker) is None
+                assert await claim(PENDING + b"2:1") == marker
+                assert await batch.call(b"EVAL", _RELEASE, 1, key, PENDING + b"2:1") == 0  # not its own
+                assert await batch.call(b"EVAL", _RELEASE, 1, key, marker) == 1
+                assert await claim(marker) is None
+                await batch.call(b"SET", key, b"\x99entry", b"PX", b"5000")
+                assert await claim(marker) == b"\x99entry"
+                await batch.call(b"DEL", key)
+        finally:
+            await client.aclose()
     asyncio.run(scenario())
