@@ -176,6 +176,22 @@ class Publish(_Strict):
     valkey: ValkeyTarget | None = None
 
 
+class ControlConformance(_Strict):
+    """``conformance``: run ``gridgate providers verify``'s checks against every provider's endpoints (as
+    the gateway config ``gateway_config`` describes them: endpoints, TLS, SNI, upstream credentials) and
+    publish a provider that failed a required one as excluded (docs/provider-conformance.md)."""
+
+    gateway_config: str  # a gateway config file (resolved against the spec's directory)
+    recheck: Seconds = Seconds(HOUR)
+    surfaces: list[Literal["chat", "completions", "embeddings", "responses", "messages"]] = msgspec.field(
+        default_factory=lambda: ["chat"])
+    max_tokens: int = 16
+    timeout: Seconds = Seconds(30)
+
+    def __post_init__(self) -> None:
+        check_ranges(self, {"recheck": (1, 30 * DAY), "max_tokens": (1, 4096), "timeout": (0.1, HOUR)})
+
+
 class ControlSpec(_Strict):
     scope: Scope
     providers: list[Provider]
@@ -196,6 +212,7 @@ class ControlSpec(_Strict):
     admission: Admission = msgspec.field(default_factory=Admission)
     # Serve the control plane's own Prometheus metrics (GET /metrics) on host:port; None: not served.
     metrics_listen: str | None = None
+    conformance: ControlConformance | None = None  # None: no conformance checks
 
     _RANGES: ClassVar[dict[str, Range]] = {"refresh": (0.1, 30 * DAY), "interval": (0.1, HOUR),
                                            "probe_timeout": (0.01, MINUTE)}
@@ -370,6 +387,10 @@ def parse_spec(text: str, base_dir: str = ".") -> ControlSpec:
     spec = convert_yaml(text, ControlSpec)
     if spec.output is not None:
         spec = msgspec.structs.replace(spec, output=os.path.join(base_dir, spec.output))
+    if spec.conformance is not None:
+        checks = msgspec.structs.replace(spec.conformance,
+                                         gateway_config=os.path.join(base_dir, spec.conformance.gateway_config))
+        spec = msgspec.structs.replace(spec, conformance=checks)
     problems = _cross_checks(spec)
     if problems:
         raise ConfigError(problems)
