@@ -77,7 +77,7 @@ class TickBatch:
 
     def _resolve_later(self, future: asyncio.Future[Any] | None, args: tuple[CommandArg, ...]) -> None:
         try:
-            sent = asyncio.ensure_future(self.client.execute_command(*args))
+            sent = asyncio.ensure_future(self.client.execute_command(*_routed(args), **_reply_options(args)))
         except BACKEND_ERRORS as error:
             self._fail([(b"", args, future)], error)
             return
@@ -112,6 +112,20 @@ class TickBatch:
                     self.on_detached(error)
             elif not future.done():
                 future.set_exception(error)
+
+
+def _routed(args: tuple[CommandArg, ...]) -> tuple[CommandArg, ...]:
+    """valkey-py's Cluster client routes by the command's name as a str (a bytes name is unknown to it)."""
+    name = args[0]
+    return (name.decode(), *args[1:]) if name.__class__ is bytes else args  # type: ignore[union-attr]
+
+
+def _reply_options(args: tuple[CommandArg, ...]) -> dict[str, bool]:
+    """A ``SET ... GET`` reply is the old value: valkey-py's SET callback turns it into a bool unless told."""
+    name = args[0]
+    if name in (b"SET", "SET") and any(arg in (b"GET", "GET") for arg in args[3:]):
+        return {"get": True}
+    return {}
 
 
 _Entry = tuple[bytes, tuple[CommandArg, ...], "asyncio.Future[Any] | None"]
