@@ -359,7 +359,24 @@ def _cross_checks(spec: ControlSpec) -> list[str]:
             parse_host_port(spec.metrics_listen)
         except ValueError as exc:
             problems.append(f"metrics_listen: {exc}")
-    return problems + _publish_problems(spec) + _provider_problems(spec) + _signal_problems(spec)
+    return (problems + _publish_problems(spec) + _provider_problems(spec) + _signal_problems(spec)
+            + _conformance_problems(spec))
+
+
+def _conformance_problems(spec: ControlSpec) -> list[str]:
+    """``conformance.gateway_config`` must be a valid gateway config with every checked provider's cluster."""
+    settings = spec.conformance
+    if settings is None:
+        return []
+    from gateway.config import load_config  # only a spec with conformance reads a gateway config
+
+    try:
+        config = load_config(settings.gateway_config)
+    except ConfigError as exc:
+        return [f"conformance.gateway_config: {settings.gateway_config}: {problem}" for problem in exc.problems]
+    return [f"conformance.gateway_config: {settings.gateway_config} has no cluster {p.cluster_name!r} "
+            f"(providers[{index}])" for index, p in enumerate(spec.providers)
+            if p.kind == "inference_model" and config.cluster(p.cluster_name) is None]
 
 
 def _publish_problems(spec: ControlSpec) -> list[str]:

@@ -16,7 +16,7 @@ import yaml
 
 from gateway.overlay.reasons import OverlayRejected
 from gateway.overlay.snapshot import snapshot_from_bytes
-from tests.harness import candidate, chat, envelope, mock_served, wait_until
+from tests.harness import candidate, chat, envelope, free_port, mock_served, request, wait_until
 from tests.integration.test_route_evidence import line_of
 
 SCOPE = {"network": "net", "gateway": "gw", "namespace": "ns", "local_site": "east"}
@@ -51,7 +51,8 @@ def test_control_plane_excludes_a_nonconformant_provider_until_it_passes(mock_pr
             "scoringPolicy": {"strategy": "noMetrics"}, "selectionPolicy": {"mode": "roundRobin"},
             "providers": [{"name": h.name, "site": "east", "models": ["m"], "health_url": f"{h.base_url}/health"}
                           for h in (good, faulty)],
-            "conformance": {"gateway_config": gateway.config_path, "recheck": "1s", "timeout": "5s"}}
+            "conformance": {"gateway_config": gateway.config_path, "recheck": "1s", "timeout": "5s"},
+            "metrics_listen": f"127.0.0.1:{free_port()}"}
     spec_path = tmp_path / "control.yaml"
     spec_path.write_text(yaml.safe_dump(spec))
     log = open(tmp_path / "control.log", "w")
@@ -69,6 +70,10 @@ def test_control_plane_excludes_a_nonconformant_provider_until_it_passes(mock_pr
         assert mock_served(faulty) == before  # zero requests reached it
         line = line_of(os.path.join(gateway.directory, "access.log"), "r0")
         assert line["excluded"] == {"nonconformant": 1}
+        host, port = spec["metrics_listen"].split(":")
+        page = request(host, int(port), "GET", "/metrics")[2].decode()
+        assert 'gridgate_control_provider_nonconformant{provider="faulty"} 1.0' in page
+        assert 'gridgate_control_provider_nonconformant{provider="good"} 0.0' in page
 
         set_faults(faulty, "")  # repaired: the next recheck (1 s) finds it conformant
         wait_until(lambda: candidates(gateway.overlay_path).get("faulty", {}).get("admission_state")

@@ -43,12 +43,22 @@ def test_the_reason_must_be_a_word() -> None:
     assert admitted.candidates[0].excluded_reason is None  # only an excluded candidate has a reason
 
 
-def test_spec_conformance_section() -> None:
+def test_spec_conformance_section(tmp_path) -> None:
+    (tmp_path / "gw.yaml").write_text(yaml.safe_dump({"clusters": [{"name": "a", "endpoints": ["127.0.0.1:1"]}],
+                                                      "routing": {"overlay_file": "o.json"}}))
     spec = parse_spec(yaml.safe_dump({**BASE, "conformance": {"gateway_config": "gw.yaml", "recheck": "10m"}}),
-                      base_dir="/srv")
-    assert spec.conformance is not None and spec.conformance.gateway_config == "/srv/gw.yaml"
+                      base_dir=str(tmp_path))
+    assert spec.conformance is not None and spec.conformance.gateway_config == str(tmp_path / "gw.yaml")
     assert (float(spec.conformance.recheck), spec.conformance.surfaces, spec.conformance.max_tokens) == (
         600.0, ["chat"], 16)
     with pytest.raises(ConfigError) as info:
         parse_spec(yaml.safe_dump({**BASE, "conformance": {"gateway_config": "gw.yaml", "recheck": "0s"}}))
     assert any(p.startswith("conformance.recheck") for p in info.value.problems)
+    with pytest.raises(ConfigError) as info:  # the provider's cluster is not in that gateway config
+        parse_spec(yaml.safe_dump({**BASE, "providers": [provider("b", "east")],
+                                   "conformance": {"gateway_config": "gw.yaml"}}), base_dir=str(tmp_path))
+    assert info.value.problems == [f"conformance.gateway_config: {tmp_path / 'gw.yaml'} has no cluster 'b' "
+                                   "(providers[0])"]
+    with pytest.raises(ConfigError) as info:
+        parse_spec(yaml.safe_dump({**BASE, "conformance": {"gateway_config": "missing.yaml"}}), base_dir=str(tmp_path))
+    assert info.value.problems[0].startswith("conformance.gateway_config: ")
