@@ -95,6 +95,14 @@ for j = i, #ARGV do fields[#fields + 1] = ARGV[j] end
 return {1, redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(fields))}
 """
 
+# KEYS: 1 log, 2 seq. ARGV: 1 log MAXLEN, then the entry's field/value pairs. An entry that names no
+# key (a console sign-in, sign-out or session expiry): numbered like a change, so followers see no gap.
+NOTE_SCRIPT = """-- gridgate-keys v1: an audit entry that changes no record
+local fields = {'n', redis.call('INCR', KEYS[2])}
+for j = 2, #ARGV do fields[#fields + 1] = ARGV[j] end
+return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(fields))
+"""
+
 # KEYS: 1 log, 2 seq. The newest entry's id and the sequence number, read together.
 HEAD_SCRIPT = """-- gridgate-keys v1: where the log ends
 return {redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1), redis.call('GET', KEYS[2])}
@@ -303,6 +311,13 @@ class KeyStore:
 
         record, _ = await self._change(kid, "rotate", actor, now, change)
         return holder["key"], record
+
+    async def note(self, action: str, actor: str, changed: dict[str, Any]) -> str:
+        """An audit entry that names no key (kid and tenant empty), such as a console sign-in; its id."""
+        reply = await self._client.execute_command(
+            "EVAL", NOTE_SCRIPT, 2, LOG, SEQ, self._log_max, "kid", "", "action", action, "actor", actor,
+            "tenant", "", "changed", json.dumps(changed, separators=(",", ":"), sort_keys=True))
+        return _text(reply)
 
     async def mark_used(self, seconds_by_kid: dict[str, int]) -> None:
         if seconds_by_kid:

@@ -8,7 +8,7 @@ import json
 import re
 
 from tests.harness import candidate, envelope, wait_until
-from tests.integration.test_console_security import OPS, TOKENS, VIEWER, Session, call
+from tests.integration.test_console_security import OPS, TOKENS, VIEWER, Session, call, sign_in
 
 PRICES = {"m": {"input": 1000, "output": 2000}}  # USD per million tokens: the mock's usage costs cents
 
@@ -83,4 +83,25 @@ def test_a_token_without_the_write_scope_sees_no_forms_and_cannot_change_a_key(g
     refused = viewer.post("/console/keys/AbCdEfGhIjKl/revoke")
     assert refused.status == 403
     assert viewer.post("/console/keys/AbCdEfGhIjKl/explode").status == 404
-    assert call(gateway.admin_port, "GET", "/admin/audit", headers={"Authorization": f"Bearer {OPS}"}).json()["data"] == []
+    audit = call(gateway.admin_port, "GET", "/admin/audit", headers={"Authorization": f"Bearer {OPS}"}).json()
+    assert [e["action"] for e in audit["data"]] == ["console_sign_in"]  # the viewer's sign-in; no change
+
+
+def test_sign_ins_failed_sign_ins_and_sign_outs_are_in_the_audit_log(gateway_factory, providers):
+    gateway = keys_gateway(gateway_factory, providers)
+    assert sign_in(gateway.admin_port, "not-a-token").status == 401
+    viewer = Session(gateway.admin_port, VIEWER)
+    assert viewer.post("/console/logout").status == 303
+    audit = call(gateway.admin_port, "GET", "/admin/audit", headers={"Authorization": f"Bearer {OPS}"}).json()
+    signs = [(e["action"], e["actor"], e["kid"], e["changed"]) for e in audit["data"]
+             if e["action"].startswith("console_")]
+    assert signs == [("console_sign_in_failed", "", "", {"address": "127.0.0.1"}),
+                     ("console_sign_in", "viewer", "", {"address": "127.0.0.1"}),
+                     ("console_sign_out", "viewer", "", {"address": "127.0.0.1"})]
+    assert "not-a-token" not in json.dumps(audit) and VIEWER not in json.dumps(audit)
+    # the hosts follow the same stream: a key made after these entries still serves (no gap, no reload)
+    status, made = 0, call(gateway.admin_port, "POST", "/admin/keys", json.dumps({"tenant": "team-a"}),
+                           {"Authorization": f"Bearer {OPS}", "Content-Type": "application/json"})
+    assert made.status == 201, made.body
+    status = wait_until(lambda: chat(gateway, made.json()["key"]) == 200, "the key made after the sign-ins", 10)
+    assert status
