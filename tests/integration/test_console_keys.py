@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 from tests.harness import candidate, envelope, wait_until
 from tests.integration.test_console_security import OPS, TOKENS, VIEWER, Session, call, sign_in
@@ -105,3 +106,28 @@ def test_sign_ins_failed_sign_ins_and_sign_outs_are_in_the_audit_log(gateway_fac
     assert made.status == 201, made.body
     status = wait_until(lambda: chat(gateway, made.json()["key"]) == 200, "the key made after the sign-ins", 10)
     assert status
+
+
+def test_a_rotation_with_a_grace_keeps_the_old_secret_working_until_it_ends(gateway_factory, providers):
+    gateway = keys_gateway(gateway_factory, providers)
+    ops = Session(gateway.admin_port, OPS)
+    created = ops.post("/console/keys/create", {"tenant": "team-a"})
+    old = re.search(r'<code id="new-key">([^<]+)</code>', created.body.decode()).group(1)
+    kid = old.split("-")[1]
+    wait_until(lambda: chat(gateway, old) == 200, "the new key to serve", 10)
+    assert 'name="grace" value="0s"' in ops.get("/console/keys").body.decode()  # the page offers a grace
+    assert ops.post(f"/console/keys/{kid}/rotate", {"grace": "lots"}).status == 400  # the API's check
+    rotated = ops.post(f"/console/keys/{kid}/rotate", {"grace": "3s"})
+    assert rotated.status == 200, rotated.body
+    new = re.search(r'<code id="new-key">([^<]+)</code>', rotated.body.decode()).group(1)
+    assert new != old and new.startswith(f"gg-{kid}-")
+    rotated_at = time.monotonic()
+    wait_until(lambda: chat(gateway, new) == 200, "the new secret to serve", 5)
+    assert chat(gateway, old) == 200  # inside the grace, both open the key
+    assert time.monotonic() - rotated_at < 3, "the machine was too slow to check inside the grace"
+    wait_until(lambda: chat(gateway, old) == 401, "the old secret to be refused after its grace", 6)
+    assert time.monotonic() - rotated_at >= 2.9
+    assert chat(gateway, new) == 200
+    revoked = ops.post(f"/console/keys/{kid}/revoke")
+    assert revoked.status == 303
+    wait_until(lambda: chat(gateway, new) == 401, "the revoked key to be refused", 5)
