@@ -5,6 +5,7 @@ evidence appear, every change is audited under the token's name, and scopes hide
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 
@@ -14,14 +15,14 @@ from tests.integration.test_console_security import OPS, TOKENS, VIEWER, Session
 PRICES = {"m": {"input": 1000, "output": 2000}}  # USD per million tokens: the mock's usage costs cents
 
 
-def keys_gateway(gateway_factory, providers):
+def keys_gateway(gateway_factory, providers, **extra):
     names = ("provider-a", "provider-b", "provider-c")
     return gateway_factory({name: [providers[name].address] for name in names},
                            envelope([candidate("m", name, 0) for name in names]),
                            extra={"admin": {"tokens": TOKENS}, "auth": {}, "pricing": {"overrides": PRICES},
                                   "quota": {"backend": {"kind": "embedded"}, "rules": [  # metered: priced, counted
                                       {"name": "team-a", "match": {"tenant": "team-a"},
-                                       "budgets": [{"window": "1h", "tokens": 1000000}]}]}})
+                                       "budgets": [{"window": "1h", "tokens": 1000000}]}]}, **extra})
 
 
 def chat(gateway, key: str) -> int:
@@ -114,7 +115,7 @@ def test_sign_ins_failed_sign_ins_and_sign_outs_are_in_the_audit_log(gateway_fac
 
 
 def test_a_rotation_with_a_grace_keeps_the_old_secret_working_until_it_ends(gateway_factory, providers):
-    gateway = keys_gateway(gateway_factory, providers)
+    gateway = keys_gateway(gateway_factory, providers, access_log={"enabled": True, "path": "access.log"})
     ops = Session(gateway.admin_port, OPS)
     created = ops.post("/console/keys/create", {"tenant": "team-a"})
     old = re.search(r'<code id="new-key">([^<]+)</code>', created.body.decode()).group(1)
@@ -133,6 +134,18 @@ def test_a_rotation_with_a_grace_keeps_the_old_secret_working_until_it_ends(gate
     wait_until(lambda: chat(gateway, old) == 401, "the old secret to be refused after its grace", 6)
     assert time.monotonic() - rotated_at >= 2.9
     assert chat(gateway, new) == 200
+
+    def lines() -> list[dict]:
+        with open(os.path.join(gateway.directory, "access.log")) as handle:
+            return [json.loads(line) for line in handle if line.strip()]
+
+    served = wait_until(lambda: (found := [line for line in lines() if line["status"] == 200]) and
+                        len(found) >= 5 and found, "the access lines", 5)
+    # the current secret's lines have no mark, the previous one's inside its grace say previous_secret
+    # (workers write their lines on their own, so the file is not in request order)
+    marks = [line.get("identity") for line in served]
+    assert set(marks) == {None, "previous_secret"}, marks
+    assert not any(secret in json.dumps(lines()) for secret in (old, new, old.split("-")[2], new.split("-")[2]))
     revoked = ops.post(f"/console/keys/{kid}/revoke")
     assert revoked.status == 303
     wait_until(lambda: chat(gateway, new) == 401, "the revoked key to be refused", 5)
