@@ -76,6 +76,11 @@ class SharedPrefixTable(PrefixTable):
         self._fresh(entry)
         return entry
 
+    def place(self, entry: PrefixEntry, ranked) -> int:  # type: ignore[no-untyped-def]
+        """As PrefixTable's, over the host's counts read right now (other workers place meanwhile)."""
+        self._fresh(entry)
+        return super().place(entry, ranked)
+
     def _fresh(self, entry: PrefixEntry) -> None:
         """Sum the cells of every row in use that hold the prefix."""
         assert isinstance(entry, SharedEntry)
