@@ -2,9 +2,9 @@
 
 A child gateway (``gridgate run``, one worker, free loopback ports, no auth, quota or access log: the
 pool is under test, not the door) serves one model; a few client connections send small chat requests
-for the duration. Half way, one provider is forced down: the child's config gets a refused address for
-that cluster and a SIGHUP, so the gateway sees what a dead provider looks like while the provider
-itself is untouched. The phases split where the change took effect: when the child's metrics show the
+for the duration (plus the reload's takeover). Half way, one provider is forced down: the child's
+config gets a refused address for that cluster and a SIGHUP, so the gateway sees what a dead provider
+looks like while the provider itself is untouched. The phases split where the change took effect: when the child's metrics show the
 new config generation serving and the old generation's worker gone (bounded by a timeout), not after a
 guessed pause. The report: per phase, each provider's share against the share the picker promises
 (gateway.conformance.promise) with a pass/fail verdict, latency percentiles and the client's error rate
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -57,7 +58,12 @@ class Phase:
         ordered = sorted(self.latencies_ms)
         share = {p: self.served.get(p, 0) / max(1, answered) for p in sorted(set(self.providers) | set(self.served))}
         promised = self.promise.shares
-        misses = None if promised is None or not answered else judge(share, promised, answered, self.tolerance)
+        if promised is None:
+            misses = None
+        elif not answered:
+            misses = ["no request was answered in this phase"]
+        else:
+            misses = judge(share, promised, answered, self.tolerance)
         return {"phase": self.name, "requests": self.requests, "error_rate": self.errors / max(1, self.requests),
                 "picker": self.promise.picker, "share": share, "promised": promised, "tolerance": self.tolerance,
                 "share_verdict": "no promise" if misses is None else "fail" if misses else "pass",
@@ -168,8 +174,8 @@ class ChildGateway:
             held.close()
 
 
-async def _client(target: Target, probe: Probe, phase_of: Any, stop_at: float) -> None:
-    while time.monotonic() < stop_at:
+async def _client(target: Target, probe: Probe, phase_of: Any, stop_at: list[float]) -> None:
+    while time.monotonic() < stop_at[0]:
         phase = phase_of()
         answer = await send(target, probe, 10.0)
         provider = answer.headers.get("x-gridgate-provider")
@@ -196,17 +202,20 @@ async def run_load(config_path: str, model: str, providers: list[str], duration_
         probe = post("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "Hi."}],
                                               "max_tokens": max_tokens}, 8 + max_tokens)
         start = time.monotonic()
-        clients = [asyncio.create_task(_client(target, probe, lambda: current[0], start + duration_s))
+        stop_at = [start + duration_s]
+        clients = [asyncio.create_task(_client(target, probe, lambda: current[0], stop_at))
                    for _ in range(CONNECTIONS)]
         await asyncio.sleep(duration_s / 2)
         generation = (await gateway.metrics()).get("gridgate_config_generation", 0)
         forced_at = time.monotonic()
+        stop_at[0] = math.inf  # the clients keep going while the reload takes over, however long it takes
         gateway.force_down(providers[-1])
         took_over = await gateway.took_over(generation)  # requests meanwhile count as phase one
         waited = time.monotonic() - forced_at
         phases[1].note = (f"split {waited:.2f}s after the SIGHUP, when the new generation served alone" if took_over
                           else f"split after {waited:.0f}s: the reload was not seen taking over")
         current[0] = phases[1]
+        stop_at[0] = time.monotonic() + duration_s / 2  # phase two gets its full half, however long the reload took
         await asyncio.gather(*clients)
     finally:
         gateway.stop()

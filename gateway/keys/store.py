@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -301,12 +302,13 @@ class KeyStore:
             # Ended secrets stay named for a day (at most MAX_ENDED_SECRETS), so every host drops them;
             # one that rotates with no grace ends now.
             ended = [p for p in record.previous if now - ENDED_SECRET_RETENTION_S < p.until <= now]
-            retired = PreviousSecret(record.digest, int(now) + max(0, grace_s))
+            # Whole seconds rounded up: the previous secret works for at least the grace asked for.
+            retired = PreviousSecret(record.digest, (math.ceil(now) + grace_s) if grace_s > 0 else int(now))
             (live if grace_s > 0 else ended).append(retired)
             previous = ended[-MAX_ENDED_SECRETS:] + live
             key = holder["key"] = new_key(kid)
             updated = msgspec.structs.replace(record, digest=key_digest(key).hex(), previous=previous)
-            until = None if grace_s <= 0 else format_time(int(now) + grace_s)
+            until = None if grace_s <= 0 else format_time(retired.until)
             return updated, [], {"secret": "rotated", "previous_secret_valid_until": until}
 
         record, _ = await self._change(kid, "rotate", actor, now, change)

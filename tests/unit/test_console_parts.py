@@ -149,6 +149,12 @@ def test_the_worker_ring_keeps_the_last_requests_and_reports_each_once():
     ring.add(RequestRecord(capability="m", status=499, ended=now, attempts=0))
     (row,) = ring.pending()
     assert (row.status, row.latency_ms, row.request_id) == (499, None, None)
+    for n in range(3):  # a few after a report: only they are new
+        ring.add(RequestRecord(request_id=b"s%d" % n, capability="m", status=200, ended=now, attempts=1))
+    assert [row.request_id for row in ring.pending()] == ["s0", "s1", "s2"]
+    for n in range(RING_SIZE):  # a full ring after a report: the last one reported is gone, all are new
+        ring.add(RequestRecord(request_id=b"u%d" % n, capability="m", status=200, ended=now, attempts=1))
+    assert [row.request_id for row in ring.pending()] == [f"u{n}" for n in range(RING_SIZE)]
 
 
 def test_the_requests_view_formats_what_the_page_shows():
