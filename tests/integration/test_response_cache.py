@@ -31,7 +31,7 @@ def keys() -> tuple[dict[str, Any], dict[str, str]]:
 
 
 async def gateway_for(tmp_path: Path, provider: Provider, valkey_url: str, cache: dict[str, Any] | None = None,
-                      quota: bool = True, **extra: Any) -> InProcessGateway:
+                      quota: bool = True, requests_a_day: int = 1000, **extra: Any) -> InProcessGateway:
     overlay = envelope([candidate("m", provider.name)], "deterministic")
     config: dict[str, Any] = {"routing": {"retry": FAST_RETRY},
                               "cache": {"enabled": True, **({"backend": {"url": valkey_url}} if not quota else {}),
@@ -42,7 +42,7 @@ async def gateway_for(tmp_path: Path, provider: Provider, valkey_url: str, cache
                                       # GCRA gives a slot back every window / count: 1d / 1000 = 86.4 s, so
                                       # no slot comes back while a test runs (1m / 1000 gave one back every
                                       # 60 ms, and a loaded machine read 999 where the test asked 998).
-                                      "requests": [{"window": "1d", "count": 1000}],
+                                      "requests": [{"window": "1d", "count": requests_a_day}],
                                       "budgets": [{"window": "1d", "tokens": 10_000_000}],
                                       "estimate": {"default_max_tokens": 10}}]}
     return await InProcessGateway.start(tmp_path, {provider.name: [provider.address]}, overlay,
