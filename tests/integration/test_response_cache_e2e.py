@@ -1,6 +1,7 @@
 """The response cache through a real gateway (supervisor, worker, managed keys, the bundled Valkey) and a
 real mock provider: a key revoked after its answer was cached cannot read it; the spend report, ``gridgate
-spend`` and the metrics show what hits saved (docs/cache.md)."""
+spend`` and the metrics show what hits saved; the quota's embedded Valkey is the default backend; the
+cache's Valkey stopped and started again passes traffic, then hits again (docs/cache.md)."""
 
 from __future__ import annotations
 
@@ -114,3 +115,46 @@ def test_the_spend_report_the_command_and_the_metric_show_what_the_hits_saved(ga
 def usd(nusd: int) -> str:
     """The report's decimal USD of ``nusd`` (exact: nine decimals, trailing zeros dropped)."""
     return f"{nusd // 10**9}.{nusd % 10**9:09d}".rstrip("0").rstrip(".")
+
+
+def ask_chat(gateway, question: dict) -> tuple[int, str | None, bytes]:
+    status, headers, data = request("127.0.0.1", gateway.port, "POST", "/v1/chat/completions", question)
+    return status, headers.get("x-gridgate-cache"), data
+
+
+def test_the_cache_lives_in_the_quotas_embedded_valkey_by_default(gateway_factory, mock_provider):
+    """No cache backend and a quota block of its own default (the bundled Valkey the supervisor starts):
+    the cache uses it, across two workers."""
+    handle = mock_provider("provider-a")
+    gateway = gateway_factory({"provider-a": [handle.address]}, envelope([candidate("m", "provider-a")]), workers=2,
+                              extra={"quota": {"rules": [{"name": "r", "requests": [{"window": "1d", "count": 100}]}]},
+                                     "cache": {"enabled": True}})
+    question = {"model": "m", "messages": [{"role": "user", "content": uuid.uuid4().hex}], "temperature": 0}
+    status, state, first = ask_chat(gateway, question)
+    assert (status, state) == (200, "miss")
+    answers = [ask_chat(gateway, question) for _ in range(6)]  # new connections: both workers
+    assert answers == [(200, "hit", first)] * 6
+    assert mock_served(handle) == 1
+
+
+def test_the_caches_valkey_stopped_and_started_again(gateway_factory, mock_provider, keys_store):
+    """The cache's own Valkey goes away under a real gateway: every request is answered by the provider
+    (bypass), none with an error; once it is back (its append-only file kept the entry) hits resume."""
+    handle = mock_provider("provider-a")
+    gateway = gateway_factory({"provider-a": [handle.address]}, envelope([candidate("m", "provider-a")]), workers=1,
+                              extra={"cache": {"enabled": True, "backend": {"url": keys_store.url}, "local": None}})
+    question = {"model": "m", "messages": [{"role": "user", "content": uuid.uuid4().hex}], "temperature": 0}
+    status, _, first = ask_chat(gateway, question)
+    assert status == 200
+    wait_until(lambda: ask_chat(gateway, question)[1] == "hit", "the entry stored", timeout=5)
+    served = mock_served(handle)
+    keys_store.stop()
+    down = [ask_chat(gateway, question) for _ in range(5)]
+    assert [(status, state) for status, state, _ in down] == [(200, "bypass")] * 5
+    assert mock_served(handle) == served + 5
+    keys_store.start()
+    meanwhile: list[tuple[int, str | None, bytes]] = []
+    back = wait_until(lambda: (meanwhile.append(ask_chat(gateway, question)) or meanwhile[-1][1] == "hit")
+                      and meanwhile[-1], "hits again", timeout=10)
+    assert back == (200, "hit", first)
+    assert {status for status, _, _ in meanwhile} == {200}  # the bypasses until it answered again

@@ -2,13 +2,14 @@
 fail: an entry is never read by a request that says ``no-store`` or ``bypass``, answers over ``max_entry``
 and cut streams are never stored, an alias and its target share entries, a seed or ``only_deterministic:
 false`` makes a request cacheable, an entry dies with its TTL (and so do the workers' copies of it),
-waiters are bounded in time, a hit takes no token estimate and is refused once the request limit is spent,
+waiters are bounded in time, a crashed leader's claim holds nobody past its expiry, a hit takes no token estimate and is refused once the request limit is spent,
 and with the cache off nothing says ``x-gridgate-cache``. One worker's request path in this process, real
 mock providers on loopback, the session's real Valkey."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 
@@ -224,6 +225,39 @@ def test_with_the_cache_off_nothing_says_x_gridgate_cache(tmp_path, valkey_url):
             assert [answer.status for answer in answers] == [200, 200]
             assert all("x-gridgate-cache" not in answer.headers for answer in answers)
             assert gateway.path.cache is None and provider.served == 2
+        finally:
+            await gateway.close()
+            provider.server.close()
+    run(scenario)
+
+
+def test_a_crashed_leaders_claim_holds_nobody_past_its_expiry(tmp_path, valkey_url, store):
+    """Another host's leader claimed the key (its marker, ``PX`` 400 ms) and died: a request for that key
+    waits, and goes upstream on its own once the marker has expired (not after its own 20 s wait); the next
+    one leads, and its answer is stored."""
+    from gateway.cache.key import cache_key
+    from gateway.config.cache import Cache
+    from workers.response_cache import PENDING
+
+    async def scenario() -> None:
+        provider = await start_provider("p", tokens=5)
+        gateway = await gateway_for(tmp_path, provider, valkey_url, quota=False, cache={"coalesce": {"wait": "20s"}})
+        try:
+            question = body(uuid.uuid4().hex)
+            key = cache_key(Cache(enabled=True), "chat_completions", "anonymous", "m", json.dumps(question).encode(), {})
+            assert key is not None
+            store.set(key.key, PENDING + b"4242:1", px=400)  # the dead leader's claim
+            started = time.monotonic()
+            alone = await gateway.request("POST", CHAT, question)
+            waited = time.monotonic() - started
+            assert (alone.status, alone.headers["x-gridgate-cache"]) == (200, "miss")
+            assert 0.3 <= waited < 3, waited
+            assert provider.served == 1 and gateway.path.cache.stored == 0  # on its own: not stored
+            leader = await gateway.request("POST", CHAT, question)
+            assert leader.headers["x-gridgate-cache"] == "miss"
+            await until_stored(gateway)
+            assert (await gateway.request("POST", CHAT, question)).headers["x-gridgate-cache"] == "hit"
+            assert provider.served == 2
         finally:
             await gateway.close()
             provider.server.close()
