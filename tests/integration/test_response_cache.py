@@ -31,7 +31,7 @@ def keys() -> tuple[dict[str, Any], dict[str, str]]:
 
 
 async def gateway_for(tmp_path: Path, provider: Provider, valkey_url: str, cache: dict[str, Any] | None = None,
-                      quota: bool = True, lease: bool = False, requests_window: str = "1m",
+                      quota: bool = True, requests_a_day: int = 1000, lease: bool = False,
                       **extra: Any) -> InProcessGateway:
     overlay = envelope([candidate("m", provider.name)], "deterministic")
     config: dict[str, Any] = {"routing": {"retry": FAST_RETRY},
@@ -40,7 +40,10 @@ async def gateway_for(tmp_path: Path, provider: Provider, valkey_url: str, cache
     if quota:
         config["quota"] = {"backend": {"kind": "valkey", "url": valkey_url}, "lease": {} if lease else None,
                            "rules": [{"name": f"r-{uuid.uuid4().hex[:8]}",
-                                      "requests": [{"window": requests_window, "count": 1000}],
+                                      # GCRA gives a slot back every window / count: 1d / 1000 = 86.4 s, so
+                                      # no slot comes back while a test runs (1m / 1000 gave one back every
+                                      # 60 ms, and a loaded machine read 999 where the test asked 998).
+                                      "requests": [{"window": "1d", "count": requests_a_day}],
                                       "budgets": [{"window": "1d", "tokens": 10_000_000}],
                                       "estimate": {"default_max_tokens": 10}}]}
     return await InProcessGateway.start(tmp_path, {provider.name: [provider.address]}, overlay,
@@ -65,6 +68,7 @@ def test_a_repeated_request_is_served_from_the_cache_without_tokens(tmp_path, va
             await gateway.path.quota.drain()
             await until_stored(gateway)
             before = await gateway.used()
+            slots = await request_slots(gateway)
             second = await gateway.request("POST", "/v1/chat/completions", question)
             assert second.status == 200 and second.headers["x-gridgate-cache"] == "hit"
             assert second.body == first.body and second.headers["content-type"] == first.headers["content-type"]
@@ -75,8 +79,7 @@ def test_a_repeated_request_is_served_from_the_cache_without_tokens(tmp_path, va
             assert [line.get("cache") for line in lines] == ["miss", "hit"]
             assert lines[1]["tokens_prompt"] is None and lines[1].get("cost_nusd", 0) == 0
             assert lines[1]["saved_tokens"] == lines[0]["tokens_prompt"] + lines[0]["tokens_completion"]
-            report = await gateway.path.quota.quota_report("anonymous")
-            assert report["rules"][0]["requests"][0]["remaining"] == 998  # the hit counted as a request
+            assert (slots, await request_slots(gateway)) == (999, 998)  # the hit counted as a request
             samples = gateway.samples()  # "anonymous" is no configured tenant: counted under "other"
             assert value(samples, "gridgate_cache_hits_total", tenant="other") == 1
             assert value(samples, "gridgate_cache_misses_total", tenant="other") == 1
@@ -87,6 +90,12 @@ def test_a_repeated_request_is_served_from_the_cache_without_tokens(tmp_path, va
             await gateway.close()
             provider.server.close()
     run(scenario)
+
+
+async def request_slots(gateway: InProcessGateway, tenant: str = "anonymous") -> int:
+    """The request slots left of the tenant's first rule's first request limit, in the ledger."""
+    report = await gateway.path.quota.quota_report(tenant)  # type: ignore[union-attr]
+    return report["rules"][0]["requests"][0]["remaining"]
 
 
 async def until_stored(gateway: InProcessGateway, count: int = 1) -> None:
@@ -286,8 +295,7 @@ def test_hits_admitted_by_a_worker_held_block_count_one_request_each_and_no_toke
     miss's tokens."""
     async def scenario() -> None:
         provider = await start_provider("p", tokens=5)
-        # (a day's window: a minute's would give slots back while the test runs)
-        gateway = await gateway_for(tmp_path, provider, valkey_url, lease=True, requests_window="1d")
+        gateway = await gateway_for(tmp_path, provider, valkey_url, lease=True)
         quota_config = gateway.path.quota
         try:
             question = body(uuid.uuid4().hex)
