@@ -2,8 +2,9 @@
 fail: an entry is never read by a request that says ``no-store`` or ``bypass``, answers over ``max_entry``
 and cut streams are never stored, an alias and its target share entries, a seed or ``only_deterministic:
 false`` makes a request cacheable, an entry dies with its TTL (and so do the workers' copies of it),
-waiters are bounded in time, a crashed leader's claim holds nobody past its expiry, a hit takes no token estimate and is refused once the request limit is spent,
-and with the cache off nothing says ``x-gridgate-cache``. One worker's request path in this process, real
+waiters are bounded in time, a crashed leader's claim holds nobody past its expiry, a hit takes no token
+estimate and is refused once the request limit is spent, and with the cache off nothing says
+``x-gridgate-cache``. One worker's request path in this process, real
 mock providers on loopback, the session's real Valkey."""
 
 from __future__ import annotations
