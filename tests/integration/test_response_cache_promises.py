@@ -263,3 +263,72 @@ def test_a_crashed_leaders_claim_holds_nobody_past_its_expiry(tmp_path, valkey_u
             await gateway.close()
             provider.server.close()
     run(scenario)
+
+
+# What this test's own counting clients send (their connection's AUTH and SETINFO, the reset itself).
+_COUNTING = frozenset(("auth", "client|setinfo", "config|resetstat", "info", "hello"))
+
+
+def commands_counted(url: str) -> dict[str, int]:
+    """The calls of each command the Valkey at ``url`` served since its last ``CONFIG RESETSTAT``."""
+    import valkey
+
+    client = valkey.Valkey.from_url(url)
+    try:
+        return {name: stats["calls"] for name, stats in
+                ((name.removeprefix("cmdstat_"), stats) for name, stats in client.info("commandstats").items())
+                if name not in _COUNTING}
+    finally:
+        client.close()
+
+
+def reset_counts(url: str) -> None:
+    import valkey
+
+    client = valkey.Valkey.from_url(url)
+    try:
+        client.config_resetstat()
+    finally:
+        client.close()
+
+
+def test_what_a_miss_and_a_hit_cost_in_valkey_calls(tmp_path, keys_store):
+    """docs/cache.md, "What a hit costs": a miss is one ``SET NX PX GET`` (the lookup and the claim) and
+    one ``SET`` of the entry; a hit one command (the same lookup, which finds the entry); a hit from the
+    worker's local copy none. With coalescing off the lookup is a plain ``GET``. Counted by the cache's own
+    Valkey (``INFO commandstats``), nothing else using it."""
+    async def scenario() -> None:
+        provider = await start_provider("p", tokens=5)
+        url = keys_store.url
+        plain = tmp_path / "plain"
+        plain.mkdir()
+        claims = await gateway_for(tmp_path, provider, url, quota=False, cache={"local": None})
+        gets = await gateway_for(plain, provider, url, quota=False, cache={"local": None, "coalesce": {"enabled": False}})
+        try:
+            for gateway, miss, hit in ((claims, {"set": 2}, {"set": 1}), (gets, {"get": 1, "set": 1}, {"get": 1})):
+                await gateway.request("POST", CHAT, body(uuid.uuid4().hex))  # its connection made
+                await until_stored(gateway)
+                question = body(uuid.uuid4().hex)
+                reset_counts(url)
+                assert (await gateway.request("POST", CHAT, question)).headers["x-gridgate-cache"] == "miss"
+                await until_stored(gateway, 2)
+                assert commands_counted(url) == miss
+                reset_counts(url)
+                assert (await gateway.request("POST", CHAT, question)).headers["x-gridgate-cache"] == "hit"
+                assert commands_counted(url) == hit
+        finally:
+            await claims.close()
+            await gets.close()
+        (tmp_path / "copies").mkdir()
+        copies = await gateway_for(tmp_path / "copies", provider, url, quota=False)
+        try:
+            question = body(uuid.uuid4().hex)
+            await copies.request("POST", CHAT, question)
+            await until_stored(copies)
+            reset_counts(url)
+            assert (await copies.request("POST", CHAT, question)).headers["x-gridgate-cache"] == "hit"
+            assert commands_counted(url) == {}
+        finally:
+            await copies.close()
+            provider.server.close()
+    run(scenario)
