@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 from importlib import metadata
+from typing import Any
 
 from gateway.config import Config, ConfigError, load_config
 from gateway.net import parse_host_port
@@ -234,24 +235,30 @@ def cmd_providers_verify(args: argparse.Namespace) -> int:
     reports = asyncio.run(verify(targets, max_tokens=args.max_tokens, timeout_s=args.timeout))
     document = report.as_json(reports)
     text = report.table(reports)
+    shares_kept = True
     if args.load is not None:
-        load_json, load_text = _verify_load(args, targets)
+        load_json, load_text = _verify_load(args, config, load_overlay_snapshot(config), targets)
         document["load"], text = load_json, text + "\n" + load_text
+        shares_kept = all(phase["share_verdict"] != "fail" for phase in load_json)
     print(json.dumps(document, indent=2) if args.json else text)
-    return EXIT_OK if report.all_conformant(reports) else EXIT_NONCONFORMANT
+    return EXIT_OK if report.all_conformant(reports) and shares_kept else EXIT_NONCONFORMANT
 
 
-def _verify_load(args: argparse.Namespace, targets: list) -> tuple[list[dict], str]:
-    """--load: a child gateway, half the time with every provider of the model, half with one down."""
+def _verify_load(args: argparse.Namespace, config: Config, snapshot: Any, targets: list) -> tuple[list[dict], str]:
+    """--load: a child gateway, half the time with every provider of the model, half with one down; each
+    phase's shares against what the picker promises."""
     import asyncio
 
     from gateway.conformance.load import load_table, plot, run_load
+    from gateway.conformance.promise import promise
 
     model = args.model or targets[0].model
     providers = list(dict.fromkeys(t.cluster for t in targets if t.model == model))
     if len(providers) < 2:
         raise CommandError(f"--load: model {model!r} has {len(providers)} provider(s) here; it needs two or more")
-    phases = asyncio.run(run_load(args.config, model, providers, args.load, args.max_tokens))
+    phases = asyncio.run(run_load(args.config, model, providers, args.load, args.max_tokens,
+                                  lambda usable: promise(snapshot, config.routing, model, usable),
+                                  args.share_tolerance))
     text = load_table(phases)
     if args.report:
         os.makedirs(args.report, exist_ok=True)
@@ -375,6 +382,9 @@ def _providers_commands(commands: argparse._SubParsersAction) -> None:
                         help="also run a short load (e.g. 30s) through a child gateway, one provider forced down "
                         "half way")
     verify.add_argument("--report", metavar="DIR", help="with --load: write load.png and load.json here")
+    verify.add_argument("--share-tolerance", type=_fraction, default=0.05, metavar="FRACTION",
+                        help="with --load: how far a provider's share may be from the picker's promise, plus "
+                        "sampling error (default 0.05)")
     verify.set_defaults(handler=cmd_providers_verify)
 
 
@@ -388,6 +398,16 @@ def _duration(text: str) -> float:
     if not 1 <= seconds <= 3600:
         raise argparse.ArgumentTypeError(f"invalid duration {text!r}: 1s..1h")
     return seconds
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"invalid fraction {text!r}: 0..1")
+    return value
 
 
 def _positive(text: str) -> int:

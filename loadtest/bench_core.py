@@ -30,13 +30,12 @@ from typing import Any
 from loadtest import bench_streams
 from loadtest.mock_provider import child_setup
 from loadtest.report import (
-    REPORTS_DIR,
     core_busy_percent,
     cpu_times,
+    invocation,
     markdown_table,
-    timestamp,
-    write_json,
-    write_text,
+    run_bench,
+    write_report,
 )
 from loadtest.topology import (
     BENCH_CONFIG,
@@ -44,6 +43,7 @@ from loadtest.topology import (
     ROOT,
     GatewayProcess,
     Topology,
+    add_core_arguments,
     pin_self,
     raise_fd_limit,
     split_cores,
@@ -180,12 +180,8 @@ def run(args: argparse.Namespace) -> int:
     if not rows:
         return 0
     table = markdown_table(("measure", "result", "detail"), rows)
-    stamp = timestamp()
-    json_path = write_json(os.path.join(REPORTS_DIR, f"bench-core-{stamp}.json"), results)
-    md_path = write_text(os.path.join(REPORTS_DIR, f"bench-core-{stamp}.md"),
-                         f"# gridgate data-plane benchmark ({results['started']})\n\n{table}\n")
-    print(table)
-    print(f"\nbench_core: wrote {json_path} and {md_path}")
+    write_report("bench-core", results, f"gridgate data-plane benchmark ({results['started']})",
+                 invocation("loadtest.bench_core"), table + "\n")
     return 0
 
 
@@ -196,14 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=int, default=10, help="seconds per throughput run")
     parser.add_argument("--connections", type=int, default=32)
     bench_streams.add_arguments(parser)
-    parser.add_argument("--gateway-core", type=int, default=0)
-    parser.add_argument("--load-core", type=int, default=1)
+    add_core_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except RuntimeError as exc:
-        print(f"bench_core: {exc}", file=sys.stderr)
-        return 1
+    return run_bench("bench_core", run, args)
 
 
 if __name__ == "__main__":

@@ -39,8 +39,8 @@ from loadtest.bench_core import (
 )
 from loadtest.bench_tls import cpu_seconds, make_certificate, write_config
 from loadtest.mock_provider import child_setup
-from loadtest.report import REPORTS_DIR, markdown_table, timestamp, write_json, write_text
-from loadtest.topology import split_cores
+from loadtest.report import invocation, markdown_table, run_bench, write_report
+from loadtest.topology import add_core_arguments, split_cores
 
 _EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
 
@@ -126,12 +126,8 @@ def run(args: argparse.Namespace) -> int:
         finally:
             stop_all(mocks)
     table = _table(results, args)
-    stamp = timestamp()
-    json_path = write_json(os.path.join(REPORTS_DIR, f"bench-mtls-{stamp}.json"), results)
-    md_path = write_text(os.path.join(REPORTS_DIR, f"bench-mtls-{stamp}.md"),
-                         f"# mTLS cost ({results['started']})\n\n{table}\n")
-    print(table)
-    print(f"\nbench_mtls: wrote {json_path} and {md_path}")
+    write_report("bench-mtls", results, f"mTLS cost ({results['started']})",
+                 invocation("loadtest.bench_mtls"), table + "\n")
     return 0
 
 
@@ -159,14 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per run")
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; medians are reported")
-    parser.add_argument("--gateway-core", type=int, default=0)
-    parser.add_argument("--load-core", type=int, default=1)
+    add_core_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except RuntimeError as exc:
-        print(f"bench_mtls: {exc}", file=sys.stderr)
-        return 1
+    return run_bench("bench_mtls", run, args)
 
 
 if __name__ == "__main__":

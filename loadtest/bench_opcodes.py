@@ -42,7 +42,7 @@ from loadtest.bench_features import (
     wrk_script_for,
 )
 from loadtest.opcount import difference, per_request
-from loadtest.report import run_bench, write_report
+from loadtest.report import invocation, run_bench, write_report
 from loadtest.topology import (
     BENCH_CONFIG,
     GatewayProcess,
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
             results[index] = measure(index, work_dir, args, gateway_cpus, load_cpus)
     finally:
         stop_all(mocks)
-    command = "python -m loadtest.bench_opcodes " + " ".join(sys.argv[1:])
+    command = invocation("loadtest.bench_opcodes")
     raw: dict[str, Any] = {"args": {"warm": args.warm, "requests": args.requests, "idle": args.idle},
                            "variants": {str(index): {"name": VARIANT_NAMES[index], "requests": requests,
                                                      "opcodes_per_request": functions}

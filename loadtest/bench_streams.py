@@ -51,19 +51,18 @@ import uvloop
 from loadtest.bare_pipe import start_bare_pipe_process
 from loadtest.mock_provider import MockProviderHandle, terminate
 from loadtest.report import (
-    REPORTS_DIR,
+    invocation,
     markdown_table,
     process_cpu_s,
     summarize,
-    timestamp,
-    write_json,
-    write_text,
+    write_report,
 )
 from loadtest.topology import (
     BENCH_CONFIG,
     CHAT_PATH,
     GatewayProcess,
     Topology,
+    add_core_arguments,
     free_port,
     move_to_free_ports,
     pin_self,
@@ -458,8 +457,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.bench_streams", description=__doc__.split("\n")[0])
     add_arguments(parser)
-    parser.add_argument("--gateway-core", type=int, default=0)
-    parser.add_argument("--load-core", type=int, default=1)
+    add_core_arguments(parser)
     args = parser.parse_args(argv)
     try:
         results = run_streams(args, *split_cores(args.gateway_core, args.load_core))
@@ -467,12 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_streams: {exc}", file=sys.stderr)
         return 1
     table = markdown_table(("measure", "result", "detail"), render_rows(results))
-    stamp = timestamp()
-    json_path = write_json(os.path.join(REPORTS_DIR, f"bench-streams-{stamp}.json"), results)
-    md_path = write_text(os.path.join(REPORTS_DIR, f"bench-streams-{stamp}.md"),
-                         f"# gridgate streams benchmark\n\n{table}\n")
-    print(table)
-    print(f"\nbench_streams: wrote {json_path} and {md_path}")
+    write_report("bench-streams", results, "gridgate streams benchmark",
+                 invocation("loadtest.bench_streams"), table + "\n")
     return 0
 
 

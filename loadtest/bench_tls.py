@@ -44,15 +44,14 @@ from loadtest.bench_core import (
 )
 from loadtest.mock_provider import child_setup
 from loadtest.report import (
-    REPORTS_DIR,
     core_busy_percent,
     cpu_times,
+    invocation,
     markdown_table,
-    timestamp,
-    write_json,
-    write_text,
+    run_bench,
+    write_report,
 )
-from loadtest.topology import split_cores
+from loadtest.topology import add_core_arguments, split_cores
 
 KEY_TYPES = {
     "ecdsa-p256": ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256"],
@@ -188,12 +187,8 @@ def run(args: argparse.Namespace) -> int:
                      f"CPU µs/request per round: {spread}; non-2xx + socket errors {errors}"))
     table = markdown_table((f"1 worker, wrk -t1 -c{args.connections}, median of {args.rounds}",
                             "worker CPU µs/request", "req/s per core", "CPU vs a", "req/s measured", "detail"), rows)
-    stamp = timestamp()
-    json_path = write_json(os.path.join(REPORTS_DIR, f"bench-tls-{stamp}.json"), results)
-    md_path = write_text(os.path.join(REPORTS_DIR, f"bench-tls-{stamp}.md"),
-                         f"# HTTPS and access-log cost ({results['started']})\n\n{table}\n")
-    print(table)
-    print(f"\nbench_tls: wrote {json_path} and {md_path}")
+    write_report("bench-tls", results, f"HTTPS and access-log cost ({results['started']})",
+                 invocation("loadtest.bench_tls"), table + "\n")
     return 0
 
 
@@ -202,14 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=int, default=10, help="seconds per run")
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; medians are reported")
-    parser.add_argument("--gateway-core", type=int, default=0)
-    parser.add_argument("--load-core", type=int, default=1)
+    add_core_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except RuntimeError as exc:
-        print(f"bench_tls: {exc}", file=sys.stderr)
-        return 1
+    return run_bench("bench_tls", run, args)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ import random
 import select
 import signal
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -1142,9 +1143,18 @@ def claim_port(host: str, port: int, processes: int) -> socket.socket:
     return bound_socket(host, port, reuse_port=True)
 
 
-async def serve(sock: socket.socket, state: MockState, backlog: int) -> None:
+def server_tls(cert_file: str | None, key_file: str | None) -> ssl.SSLContext | None:
+    """HTTPS with this certificate (--tls-cert/--tls-key), so TLS, SNI and CA checks meet a real handshake."""
+    if cert_file is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert_file, key_file)
+    return context
+
+
+async def serve(sock: socket.socket, state: MockState, backlog: int, tls: ssl.SSLContext | None = None) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: MockHTTPProtocol(state), sock=sock, backlog=backlog)
+    server = await loop.create_server(lambda: MockHTTPProtocol(state), sock=sock, backlog=backlog, ssl=tls)
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
@@ -1153,13 +1163,13 @@ async def serve(sock: socket.socket, state: MockState, backlog: int) -> None:
 
 
 def run_worker(sock: socket.socket, settings: MockSettings, health: SharedHealth, backlog: int,
-               seed: int | None) -> None:
+               seed: int | None, tls: tuple[str | None, str | None] = (None, None)) -> None:
     import uvloop
 
     state = MockState(settings, health)
     if seed is not None:
         state.rng.seed(seed)
-    uvloop.run(serve(sock, state, backlog))
+    uvloop.run(serve(sock, state, backlog, server_tls(*tls)))
 
 
 def _fault_list(text: str) -> str:
@@ -1208,6 +1218,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--processes", type=int, default=1, help="SO_REUSEPORT processes")
     p.add_argument("--backlog", type=int, default=4096)
     p.add_argument("--seed", type=int, default=None, help="seed for the failure-rate dice")
+    p.add_argument("--tls-cert", default=None, help="serve HTTPS with this certificate (PEM; with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="the --tls-cert certificate's private key (PEM)")
     return p.parse_args(argv)
 
 
@@ -1242,7 +1254,7 @@ def main(argv: list[str] | None = None) -> int:
     port = probe.getsockname()[1]
     print(f"mock-provider {settings.name} listening on {args.host}:{port} ({processes} processes)", flush=True)
     if processes == 1:
-        run_worker(probe, settings, health, args.backlog, args.seed)
+        run_worker(probe, settings, health, args.backlog, args.seed, (args.tls_cert, args.tls_key))
         return 0
     children: list[int] = []
     for index in range(processes):
@@ -1252,7 +1264,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 probe.close()
                 seed = None if args.seed is None else args.seed + index
-                run_worker(bound_socket(args.host, port, reuse_port=True), settings, health, args.backlog, seed)
+                run_worker(bound_socket(args.host, port, reuse_port=True), settings, health, args.backlog, seed,
+                           (args.tls_cert, args.tls_key))
                 exit_code = 0
             finally:
                 os._exit(exit_code)
@@ -1348,10 +1361,15 @@ def child_setup(cpus: set[int] | None) -> Callable[[], None]:
     return setup
 
 
-def _http_status(host: str, port: int, path: str, timeout: float) -> int | None:
-    """The status of one GET, or None when nothing answers."""
+def _http_status(host: str, port: int, path: str, timeout: float, tls: bool = False) -> int | None:
+    """The status of one GET (over unverified TLS with ``tls``), or None when nothing answers."""
     try:
-        with socket.create_connection((host, port), timeout=timeout) as sock:
+        with socket.create_connection((host, port), timeout=timeout) as raw:
+            sock = raw
+            if tls:
+                context = ssl.create_default_context()
+                context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+                sock = context.wrap_socket(raw)
             sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
             head = sock.recv(64)
     except OSError:
@@ -1392,7 +1410,7 @@ def start_mock_provider_process(port: int = 0, name: str = "mock", *, host: str 
         if process.poll() is not None:
             raise RuntimeError(f"mock provider {name} exited with {process.returncode}")
         # Any status counts: /health may start failing on purpose (--health-status 503).
-        if _http_status(host, real_port, "/health", timeout=0.5) is not None:
+        if _http_status(host, real_port, "/health", timeout=0.5, tls="tls_cert" in opts) is not None:
             return handle
         time.sleep(0.02)
     handle.stop()

@@ -164,6 +164,11 @@ def write_json(path: str, data: Any) -> str:
     return write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+def invocation(module: str) -> str:
+    """How this benchmark was started, for its report: ``python -m <module>`` and the arguments given."""
+    return " ".join(["python -m", module, *sys.argv[1:]])
+
+
 def write_report(name: str, results: Any, title: str, command: str, text: str) -> None:
     """``loadtest/reports/<name>-<time>.{json,md}``: the raw results, and the table under its title and
     the command that made it, under the interpreter the gateways ran on (also added to ``results`` when it

@@ -160,6 +160,12 @@ def pin_self(cpus: set[int] | None) -> None:
         os.sched_setaffinity(0, cpus)
 
 
+def add_core_arguments(parser: Any) -> None:
+    """``--gateway-core`` and ``--load-core``: the two cores ``split_cores`` pins to."""
+    parser.add_argument("--gateway-core", type=int, default=0)
+    parser.add_argument("--load-core", type=int, default=1)
+
+
 def split_cores(proxy_core: int = 0, load_core: int = 1) -> tuple[set[int] | None, set[int] | None]:
     """(proxy cores, load cores): one core for the proxy under test and one for the load, mocks and
     Valkey, when this process may use more than one; (None, None) (no pinning) on a single core."""

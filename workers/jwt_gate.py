@@ -44,7 +44,7 @@ class KeyFile:
 class JwtGate:
     """One per worker: ``grant`` on a token-shaped bearer value, ``poll`` from the background task."""
 
-    __slots__ = ("verifier", "files", "_status_fd", "_asked")
+    __slots__ = ("verifier", "files", "counts", "_status_fd", "_asked", "_logged_paths")
 
     def __init__(self, entries: list[Any], paths: dict[str, str], status_fd: int | None = None) -> None:
         """``entries``: the config's ``auth.jwt``; ``paths``: each entry's key file by name."""
@@ -52,6 +52,8 @@ class JwtGate:
         self.files = [KeyFile(name, path) for name, path in paths.items()]
         self._status_fd = status_fd
         self._asked: dict[str, float] = {}
+        self.counts: dict[str, int] = {}  # gateway.metrics.catalogue.JWT_EVENTS -> count (this process)
+        self._logged_paths: set[tuple[str, str]] = set()
         self.poll()
 
     @classmethod
@@ -70,7 +72,9 @@ class JwtGate:
             return refusal
 
     def poll(self) -> bool:
-        """Re-read every key file that changed; True when a key set changed."""
+        """Re-read every key file that changed, and report unusable limit claims; True when a key set
+        changed."""
+        self._report_limit_claims()
         changed = False
         for file in self.files:
             try:
@@ -85,6 +89,19 @@ class JwtGate:
                     self.verifier.set_keys(file.name, keys)
                     changed = True
         return changed
+
+    def _report_limit_claims(self) -> None:
+        """Count tokens whose ``limits_from_claims`` values were unusable, and log each claim once."""
+        ignored = 0
+        for issuer in self.verifier.by_name.values():
+            ignored += issuer.bad_limit_claims
+            for path in issuer.bad_limit_paths:
+                if (issuer.name, path) not in self._logged_paths:
+                    self._logged_paths.add((issuer.name, path))
+                    log.warning("auth.jwt %s: a token's claim %r is not a whole number within the limit's bounds; "
+                                "the configured limits apply (counted in gridgate_jwt_limit_claims_ignored_total)",
+                                issuer.name, path)
+        self.counts["limit_claims_ignored"] = ignored
 
     def _read(self, file: KeyFile) -> KeySet | None:
         try:

@@ -97,15 +97,16 @@ def key_answer(key: KeyIdentity, entry: KeyEntry | None, *, remaining: dict[str,
         body = {"object": "gridgate.key", "source": "mtls", "identity": key.via, "subject": key.alias,
                 "tenant": key.tenant, "status": _ACTIVE, "models": None, "rule": None, "expires_at": None,
                 "limits": None, "remaining": remaining, "spend": spend}
+    elif entry is not None and key.kid is not None:  # a managed key (its previous secret's ``via`` says so)
+        body = key_report(entry, remaining=remaining, spend=spend)
+        body["source"] = "managed"
     elif key.via is not None:  # a JWT's identity (docs/identity.md): its subject, never the token
         grant: Any = entry  # the request's JwtGrant (workers/head_gate.py)
         body = {"object": "gridgate.key", "source": "jwt", "identity": key.via, "subject": key.alias,
                 "tenant": key.tenant, "status": _ACTIVE, "models": grant.models, "rule": key.rule,
                 "expires_at": int(grant.expires_at),
-                "limits": None, "remaining": remaining, "spend": spend}
-    elif entry is not None:
-        body = key_report(entry, remaining=remaining, spend=spend)
-        body["source"] = "managed"
+                "limits": None if key.written is None else key.written.body(), "remaining": remaining,
+                "spend": spend}
     else:
         body = {"object": "gridgate.key", "source": "config", "kid": None, "tenant": key.tenant,
                 "alias": key.alias, "status": _ACTIVE, "models": None, "expires_at": None,

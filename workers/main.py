@@ -164,6 +164,8 @@ class Worker:
         refusals = None if self.tls is None else self.tls.refusals
         if refusals is not None:
             path.metrics.publish_client_cert_refusals(refusals.counts)
+        if path.head_gate.jwt is not None:
+            path.metrics.publish_jwt_counts(path.head_gate.jwt.counts)
 
     def _poll_overlay(self, path: RequestPath, now: float) -> None:
         forced, self.reload_requested = self.reload_requested, False

@@ -164,7 +164,7 @@ class Outcomes:
             return
         usage = result.usage
         learnt = self.prefixes.ended(record.prefix, record.route.provider,  # type: ignore[union-attr]
-                                     None if usage is None else usage.cached_tokens, result.first_byte_s)
+                                     None if usage is None else usage.cached_tokens, result.first_token_s)
         if learnt is not None:
             event, moved = learnt
             self.metrics.prefix_event(event)

@@ -141,7 +141,7 @@ class Proxy:
         record = exchange.record = RequestRecord(exchange=exchange, ends=self.outcomes,
                                                  request_id=admitted.request_id, tenant=admitted.tenant)
         key = admitted.key
-        if key is not None and key.via is not None:  # a JWT or a client certificate: the line says which
+        if key is not None and key.via is not None:  # a JWT, a client certificate or a previous secret
             record.identity, record.subject = key.via, key.alias
         if self.tracer is not None:
             record.trace = self.tracer.begin(record, admitted.headers.balance_keys, admitted.route.surface.name,

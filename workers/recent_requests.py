@@ -1,7 +1,7 @@
 """The last requests' route evidence for the console (docs/console.md#requests): a bounded ring per
 worker, on only while the console is (``admin.tokens`` set).
 
-On the request path ``add`` puts the closed record in a fixed ring: one store, nothing built. A closed
+On the request path ``add`` puts the closed record in a bounded deque: one C call, nothing built. A closed
 record holds no body, headers or exchange any more (``RequestRecord.close`` lets go of them; the access
 log keeps records the same way), only the few fields its line needs. Once a second the worker's
 background task (``report``) turns the records added since into ``RecentRequest`` messages for the
@@ -12,35 +12,42 @@ whatever the rate.
 from __future__ import annotations
 
 import time
+from collections import deque
+from collections.abc import Callable
 
 from gateway.process_protocol import RecentRequest, RecentRequests, encode_status, try_send_status
 from workers.request_record import RequestRecord
 
-RING_SIZE = 64  # a power of two: the slot is the count masked
-_MASK = RING_SIZE - 1
+RING_SIZE = 64
 _PER_MESSAGE = 16  # entries of at most ~230 bytes each stay well inside PIPE_BUF
 
 
 class RequestRing:
-    __slots__ = ("_entries", "_added", "_reported")
+    """``add`` is the bound ``append`` of a ``deque(maxlen=RING_SIZE)``: on the request path one C call,
+    no Python frame, no counter (the oldest entry drops out by itself). The report finds where the
+    new entries start by the identity of the last one it reported."""
+
+    __slots__ = ("_entries", "add", "_last")
 
     def __init__(self) -> None:
-        self._entries: list[RequestRecord | None] = [None] * RING_SIZE
-        self._added = 0  # entries ever added
-        self._reported = 0  # of them, reported (or overwritten before they could be)
-
-    def add(self, record: RequestRecord) -> None:
-        added = self._added
-        self._entries[added & _MASK] = record
-        self._added = added + 1
+        self._entries: deque[RequestRecord] = deque(maxlen=RING_SIZE)
+        self.add: Callable[[RequestRecord], None] = self._entries.append
+        self._last: RequestRecord | None = None  # the newest entry reported (held: its identity stays unique)
 
     def pending(self) -> list[RecentRequest]:
         """The entries added since the last call, oldest first (at most the ring's size), as messages' rows."""
-        added = self._added
-        first = max(self._reported, added - RING_SIZE)
-        self._reported = added
+        entries = list(self._entries)
+        last = self._last
+        if last is not None:
+            for at in range(len(entries) - 1, -1, -1):
+                if entries[at] is last:
+                    del entries[: at + 1]
+                    break  # not found: it was overwritten, so every entry held is new
+        if not entries:
+            return []
+        self._last = entries[-1]
         offset = time.time() - time.perf_counter()  # perf_counter seconds -> Unix seconds
-        return [_row(self._entries[n & _MASK], offset) for n in range(first, added)]  # type: ignore[arg-type]
+        return [_row(record, offset) for record in entries]
 
     def report(self, fd: int) -> None:
         """Send what was added since the last report; a full pipe drops the rest of it (the console shows

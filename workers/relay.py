@@ -18,6 +18,7 @@ and the rest of that response is read and discarded so the connection can be reu
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 from gateway.http.errors import sse_error_event_in
@@ -25,6 +26,7 @@ from gateway.http.media import is_event_stream
 from gateway.models.fallbacks import MAX_REFUSAL_BYTES, refusal_code
 from gateway.request.attempts import AttemptResult
 from gateway.request.failures import Failure
+from gateway.request.first_token import OVERLAP, first_token_pattern
 from gateway.request.headers import connection_tokens
 from gateway.request.surfaces import MESSAGES_USAGE, OPENAI_USAGE, RESPONSES_USAGE
 from gateway.request.usage import SseUsageFilter, UsageObserver, UsageScanner
@@ -63,7 +65,7 @@ class ResponseRelay:
         "exchange", "conn", "done", "failure", "detail", "client_left", "status", "extra_headers",
         "response_started", "is_sse", "metering", "usage", "length_framed", "hold_retryable", "held_status",
         "retry_after", "provider_wide", "sent_at", "first_byte_at", "ended_at", "events", "answer_usage", "_result",
-        "hold_refusals", "held_head", "held_body", "refusal",
+        "hold_refusals", "held_head", "held_body", "refusal", "token_watch", "token_tail", "first_token_at",
     )
 
     def __init__(
@@ -103,6 +105,11 @@ class ResponseRelay:
         self.held_head: list[tuple[bytes, bytes]] | None = None
         self.held_body: bytearray | None = None
         self.refusal: str | None = None
+        # Prefix affinity's first token (gateway/request/first_token.py): a placed stream's content-event
+        # pattern until the first such event arrived (then None), the last bytes scanned, and its time.
+        self.token_watch: re.Pattern[bytes] | None = None
+        self.token_tail = b""
+        self.first_token_at = 0.0
 
     def result(self) -> AttemptResult:
         """What the attempt came to, built once: when it is over, or when its response ends the exchange
@@ -112,11 +119,13 @@ class ResponseRelay:
             ended = self.ended_at = self.ended_at or _monotonic()
             sent = self.sent_at
             answer_usage = self.answer_usage
+            first_byte_s = self.first_byte_at - sent if self.first_byte_at else 0.0
             result = self._result = AttemptResult(
                 self.status, self.response_started, self.held_status != 0, self.failure, self.detail,
                 self.client_left, self.retry_after, self.usage, self.events,
-                self.first_byte_at - sent if self.first_byte_at else 0.0, ended - sent, self.provider_wide,
+                first_byte_s, ended - sent, self.provider_wide,
                 None if answer_usage is None else answer_usage.stream_error, self.refusal,
+                self.first_token_at - sent if self.first_token_at else first_byte_s,
             )
         return result
 
@@ -134,10 +143,9 @@ class ResponseRelay:
         metered = self.metering is not None
         admitted = self.exchange.admitted
         drop = _RESPONSE_DROP if admitted is None or admitted.cors is None else _RESPONSE_DROP_CORS
-        chunked = False
+        chunked, content_type = False, None
         content_length: int | None = None
         listed: set[bytes] | None = None
-        content_type = None
         for name, value in headers:
             if name in drop:
                 if name == b"content-length":
@@ -156,8 +164,7 @@ class ResponseRelay:
         usage_kind = OPENAI_USAGE if admitted is None else admitted.route.surface.usage
         if usage_kind == OPENAI_USAGE:
             if metered or self.exchange.record.prefix is not None:  # prefix affinity reads cached_tokens
-                # ``usage_observer`` written out (one call fewer per request): the SSE filter for a stream
-                # the gateway rewrote to report usage, else the pass-through scanner.
+                # ``usage_observer`` inlined: the SSE filter for a stream rewritten to report usage, else the scanner.
                 self.usage = SseUsageFilter() if self.metering and self.is_sse else UsageScanner()
         elif metered or usage_kind == RESPONSES_USAGE or usage_kind == MESSAGES_USAGE:
             # The Responses and Messages APIs' observer by their surface; not metered, their answers are read
@@ -166,6 +173,8 @@ class ResponseRelay:
                 usage_kind, self.is_sse, bool(self.metering))
         if metered and self.is_sse:
             self.events = 0
+        if self.is_sse and self.exchange.record.prefix is not None:  # a placed stream: time its first token
+            self.token_watch = first_token_pattern(usage_kind)
         # Re-frame as chunked when the provider did, or when the usage filter may shorten the body.
         if chunked or self.metering is True:
             content_length = None
@@ -202,11 +211,22 @@ class ResponseRelay:
                     self._release()
             return  # the body of a held answer is discarded
         usage = self.usage
-        if usage is not None:
+        if usage is not None:  # set whenever a stream is watched for its first token (prefix affinity)
+            if self.token_watch is not None:
+                self._watch_first_token(data)
             data = usage.feed(data)
             if self.events is not None:  # two scans in C, only for a metered event stream
                 self.events += data.count(_DATA_FIELD) + data.startswith(_DATA_START)
         self.exchange.write(data)
+
+    def _watch_first_token(self, data: bytes) -> None:
+        """A placed stream's chunk: the first content event in it is the first token (its time kept)."""
+        scanned = self.token_tail + data
+        if self.token_watch.search(scanned) is not None:  # type: ignore[union-attr]
+            self.first_token_at = _monotonic()
+            self.token_watch, self.token_tail = None, b""
+        else:
+            self.token_tail = scanned[-OVERLAP:]
 
     def upstream_flush(self) -> None:
         if not self.held_status:
@@ -227,6 +247,8 @@ class ResponseRelay:
             # The events relayed so far leave now, before the end's accounting (the record, the access
             # line, spend): a short stream's first token must not wait for its last event's bookkeeping.
             self.exchange.flush()
+            if self.token_watch is not None:  # a stream that ended with no content event: its end is the first
+                self.first_token_at = _monotonic()
         usage = self.usage
         if usage is not None:
             held = usage.flush()

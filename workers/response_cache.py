@@ -6,15 +6,18 @@ when ``cache.enabled``.
 - **bypass**: not cacheable (another API, not deterministic, ``Cache-Control: no-store``,
   ``x-gridgate-cache: bypass``) or the cache's Valkey failed lately: the request goes on as if there were
   no cache, and nothing is stored;
-- **hit**: the entry is in Valkey (one GET), or an identical request in flight on this worker has just
-  made it (coalescing: no GET). The request takes the quota's admission without tokens (it counts against
+- **hit**: the entry is in Valkey (the lookup), or an identical request in flight (on this worker: no
+  command; on another worker or host: this worker's poll of the key) has just made it. The request takes the quota's admission without tokens (it counts against
   request limits, and the deny set of revoked keys), is answered from the entry (the same bytes, a stream's
   SSE events whole) and reaches no provider;
 - **miss**: the request goes on to its provider as the *leader* of its key: its answer is captured as it
   is relayed (``CacheFill``, the relay's sink in front of the exchange) and, when it ended well, stored
   (one SET with the TTL, off the response path) and handed to the requests that waited on it.
 
-A miss costs one GET and one SET; a hit one GET, plus the admission (which a worker-held quota block
+The lookup is one command that also claims the key for coalescing across workers and hosts
+(``SET key marker NX PX <wait> GET``: the entry, or nothing and the request leads, or another leader's
+marker and the request waits); with coalescing off a plain GET. A miss costs the lookup and one SET; a hit
+the lookup, plus the admission (which a worker-held quota block
 answers without any round trip: folding the GET into the admit script would cost every request a round
 trip that blocks make rare). Valkey down: bypass, never an error (the backend is left alone for
 ``_BACKOFF_S`` after a failure).
@@ -24,12 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from gateway.cache.entry import CacheEntry, decode_entry, encode_entry
-from gateway.cache.key import ANSWER_HEADERS, BYPASS, CacheKey, cache_key, request_bypasses
+from gateway.cache.key import BYPASS, CacheKey, cache_key, request_bypasses
 from gateway.cache.local import LocalEntries
 from gateway.config.cache import Cache
 from gateway.http.errors import ErrorReply
@@ -54,15 +58,29 @@ _BACKOFF_S = 1.0  # after a failed Valkey call the cache is bypassed this long (
 _DONE = b"data: [DONE]"
 _OPENAI_STREAMS = frozenset(("chat_completions", "completions"))  # end with [DONE] when complete
 _CONTENT_TYPE = b"content-type"
+# The cache's commands framed in RESP at once (gateway/valkey/resp.py encode_command's output, written out).
+_GET = b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n"
+# The miss's lookup and claim in one command: GET the entry, and when there is none leave this leader's
+# pending marker in its place (NX), for ``PX`` ms at most: the other workers and hosts then wait for it.
+_CLAIM = b"*7\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%b\r\n$3\r\nGET\r\n"
+# A pending marker starts with a NUL byte: never the first byte of an entry (a msgpack array).
+PENDING = b"\x00gridgate-pending:"
+# A failed leader removes its marker only if it is still its own (it may have expired and been claimed anew).
+_RELEASE = b"if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+_POLL_FIRST_S, _POLL_MAX_S = 0.002, 0.05  # a remote waiter's GETs: 2 ms apart at first, doubling to 50 ms
+_SET = b"*5\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$2\r\nPX\r\n$%d\r\n%b\r\n"
 
 
 class Flight:
-    """The leader of one key in flight on this worker, and the requests waiting for its answer."""
+    """The leader of one key in flight on this worker (or, ``remote``, this worker's poll of another
+    worker's or host's leader), and the requests waiting for its answer."""
 
-    __slots__ = ("waiters",)
+    __slots__ = ("waiters", "marker", "remote")
 
-    def __init__(self) -> None:
+    def __init__(self, marker: bytes | None = None, remote: bool = False) -> None:
         self.waiters: list[asyncio.Future[CacheEntry | None]] = []
+        self.marker = marker  # the leader's pending marker in Valkey (None: it claimed nothing)
+        self.remote = remote
 
     def release(self, entry: CacheEntry | None) -> None:
         for waiter in self.waiters:
@@ -82,6 +100,7 @@ class ResponseCache:
         self.commands = TickBatch(client)  # every GET and SET of a loop tick in one write
         self.commands.on_detached = self._written
         self.ttl_ms = int(config.ttl * 1000)
+        self.ttl_text = b"%d" % self.ttl_ms
         self.max_entry = config.max_entry_bytes
         self.coalesce = config.coalesce.enabled
         self.max_waiters = config.coalesce.max_waiters
@@ -93,6 +112,10 @@ class ResponseCache:
         # A worker's own copies of recent entries (None: every hit reads Valkey).
         self.local = None if local is None else LocalEntries(local.max_bytes_int, float(local.ttl))
         self.flights: dict[bytes, Flight] = {}
+        # How long a leader's claim lives in Valkey at most (a crashed leader holds nobody longer).
+        self.lead_ms = b"%d" % max(1, int(self.wait_s * 1000))
+        self.marker_base = PENDING + b"%d:" % os.getpid()
+        self.claims = 0  # leaders' markers made (the marker's per-leader part)
         self.down_until = 0.0
         self.hits = self.misses = self.bypasses = self.coalesced = self.stored = self.backend_errors = 0
         self.local_hits = 0
@@ -123,32 +146,31 @@ class ResponseCache:
             self.local_hits += 1
             return self._serve(flow, entry)
         flight = self.flights.get(key.key) if self.coalesce else None
-        if flight is not None and len(flight.waiters) < self.max_waiters:
-            return self._wait(flow, key, flight)
-        return self._get(flow, key)
+        if flight is not None:
+            if len(flight.waiters) < self.max_waiters:
+                return self._wait(flow, key, flight)
+            return self._alone(flow.record)  # beyond the bound of waiters: upstream on its own
+        return self._get(flow, key) if not self.coalesce else self._claim(flow, key)
+
+    def _alone(self, record: RequestRecord) -> None:
+        record.cache = MISS  # on its own: not a leader, its answer is not stored
+        self.misses += 1
+        self.metrics.cache_miss(record.tenant)
 
     def _key(self, flow: Any, exchange: Exchange) -> CacheKey | None:
         """The request's key, or None when it bypasses the cache."""
         if exchange.method != b"POST":
             return None
         surface = flow.admitted.route.surface.name
-        wanted = ANSWER_HEADERS.get(surface, ())
-        cache_control = cache_header = None
-        answer_headers: dict[bytes, bytes] = {}
-        for name, value in exchange.headers:
-            if name == b"cache-control":
-                cache_control = value
-            elif name == b"x-gridgate-cache":
-                cache_header = value
-            elif name in wanted:
-                answer_headers[name] = value
-        if request_bypasses(cache_control, cache_header):
+        headers = dict(exchange.headers)  # by lowercase name, the last one wins (one C call, not a loop)
+        cache_control, cache_header = headers.get(b"cache-control"), headers.get(b"x-gridgate-cache")
+        if (cache_control is not None or cache_header is not None) and request_bypasses(cache_control, cache_header):
             return None
-        return cache_key(self.config, surface, flow.admitted.tenant, flow.request.name, exchange.body, answer_headers)
+        return cache_key(self.config, surface, flow.admitted.tenant, flow.request.name, exchange.body, headers)
 
     async def _get(self, flow: Any, key: CacheKey) -> ErrorReply | None:
         try:
-            data = await self.commands.call(b"GET", key.key)
+            data = await self.commands.call(b"GET", key.key, encoded=_GET % (len(key.key), key.key))
         except BACKEND_ERRORS as error:
             self._failed(error)
             flow.record.cache = BYPASS
@@ -161,11 +183,67 @@ class ResponseCache:
                 self.local.put(key.key, entry, len(data), _monotonic())
             verdict = self._serve(flow, entry)
             return verdict if verdict is None or isinstance(verdict, ErrorReply) else await verdict
-        flight = self.flights.get(key.key) if self.coalesce else None
-        if flight is not None and len(flight.waiters) < self.max_waiters:  # a leader began meanwhile
-            return await self._wait(flow, key, flight)
-        self._lead(flow.record, flow.exchange, key)
+        self._lead(flow.record, flow.exchange, key)  # coalescing off: nobody waits for it
         return None
+
+    async def _claim(self, flow: Any, key: CacheKey) -> ErrorReply | None:
+        """Coalescing across workers and hosts: one command reads the entry and, when there is none,
+        claims the key for this request (it leads) or finds another's claim (this worker waits for it)."""
+        name = key.key
+        self.claims += 1
+        marker = self.marker_base + b"%d" % self.claims
+        try:
+            data = await self.commands.call(b"SET", name, marker, b"NX", b"PX", self.lead_ms, b"GET", encoded=_CLAIM % (
+                len(name), name, len(marker), marker, len(self.lead_ms), self.lead_ms))
+        except BACKEND_ERRORS as error:
+            self._failed(error)
+            flow.record.cache = BYPASS
+            self.bypasses += 1
+            self.metrics.cache_bypass()
+            return None
+        if data is None:  # claimed: this request leads
+            self._lead(flow.record, flow.exchange, key, marker)
+            return None
+        flight = self.flights.get(name)
+        if data[:1] == b"\x00":  # another's claim: wait with this worker's poll of it (or its own leader)
+            if flight is None:
+                flight = self.flights[name] = Flight(remote=True)
+                asyncio.ensure_future(self._poll(name, flight))
+            if len(flight.waiters) < self.max_waiters:
+                return await self._wait(flow, key, flight)
+            return self._alone(flow.record)
+        entry = decode_entry(data)
+        if entry is None:  # a value this version cannot read: go on alone, leave it be
+            return self._alone(flow.record)
+        if self.local is not None:
+            self.local.put(name, entry, len(data), _monotonic())
+        verdict = self._serve(flow, entry)
+        return verdict if verdict is None or isinstance(verdict, ErrorReply) else await verdict
+
+    async def _poll(self, name: bytes, flight: Flight) -> None:
+        """Read another worker's or host's leader's entry until it is there (release the waiters with it),
+        its claim is gone (it failed or expired: release them to go on their own) or the wait is over."""
+        entry = None
+        pause = _POLL_FIRST_S
+        deadline = _monotonic() + self.wait_s
+        try:
+            while _monotonic() < deadline and flight.waiters:
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, _POLL_MAX_S)
+                data = await self.commands.call(b"GET", name, encoded=_GET % (len(name), name))
+                if data is None:
+                    break
+                if data[:1] != b"\x00":
+                    entry = decode_entry(data)
+                    if entry is not None and self.local is not None:
+                        self.local.put(name, entry, len(data), _monotonic())
+                    break
+        except BACKEND_ERRORS as error:
+            self._failed(error)
+        finally:
+            if self.flights.get(name) is flight:
+                del self.flights[name]
+            flight.release(entry)
 
     async def _wait(self, flow: Any, key: CacheKey, flight: Flight) -> ErrorReply | None:
         """Wait (bounded) for the leader's answer; without it (it failed, or took too long) go on alone."""
@@ -182,18 +260,15 @@ class ResponseCache:
             self.coalesced += 1
             verdict = self._serve(flow, entry)
             return verdict if verdict is None or isinstance(verdict, ErrorReply) else await verdict
-        flow.record.cache = MISS  # on its own: not a leader, its answer is not stored
-        self.misses += 1
-        self.metrics.cache_miss(flow.record.tenant)
-        return None
+        return self._alone(flow.record)
 
-    def _lead(self, record: RequestRecord, exchange: Exchange, key: CacheKey) -> None:
+    def _lead(self, record: RequestRecord, exchange: Exchange, key: CacheKey, marker: bytes | None = None) -> None:
         record.cache = MISS
         self.misses += 1
         self.metrics.cache_miss(record.tenant)
         flight = None
         if self.coalesce:
-            flight = self.flights[key.key] = Flight()
+            flight = self.flights[key.key] = Flight(marker)
         record.cache_fill = CacheFill(self, exchange, key, flight)
 
     def _serve(self, flow: Any, entry: CacheEntry) -> ErrorReply | Awaitable[ErrorReply | None]:
@@ -251,10 +326,15 @@ class ResponseCache:
             else:
                 entry = None
         if flight is not None:
+            if entry is None and flight.marker is not None:  # its claim goes: the others go on their own now
+                released = self.commands.call(b"EVAL", _RELEASE, 1, fill.key.key, flight.marker)
+                released.add_done_callback(_ignore_reply)  # rare (a failed leader): a future is fine
             flight.release(entry)
 
     def _write(self, key: bytes, value: bytes) -> None:
-        self.commands.send(b"SET", key, value, b"PX", self.ttl_ms)  # in this tick's write; nobody waits
+        # In this tick's write; nobody waits. Framed here in one %-format (no per-argument encoding loop).
+        self.commands.send(b"SET", key, value, b"PX", self.ttl_ms,
+                           encoded=_SET % (len(key), key, len(value), value, len(self.ttl_text), self.ttl_text))
 
     def _written(self, error: BaseException | None) -> None:
         if error is None:
@@ -275,6 +355,11 @@ class ResponseCache:
                 break
             await asyncio.sleep(0.01)
         await self.client.aclose()
+
+
+def _ignore_reply(done: asyncio.Future[Any]) -> None:
+    if not done.cancelled():
+        done.exception()  # retrieved: a lost release only makes the waiters wait for the claim's expiry
 
 
 class CacheFill:
@@ -312,9 +397,7 @@ class CacheFill:
 
     def start(self, status: int, headers: list[tuple[bytes, bytes]], content_length: int | None = None) -> None:
         self.status = status
-        for name, value in headers:
-            if name == _CONTENT_TYPE:
-                self.content_type = value
+        self.content_type = dict(headers).get(_CONTENT_TYPE)  # one C call, not a loop over the headers
         self.exchange.start(status, headers, content_length)
 
     def write(self, data: bytes) -> None:

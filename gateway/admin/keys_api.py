@@ -98,6 +98,18 @@ class KeysApi:
             return error_response(503, "the key store is unavailable; nothing was changed by this call "
                                        "unless it says so, retry it", "key_store_unavailable", "server_error")
 
+    async def note(self, action: str, actor: str, changed: dict[str, Any]) -> None:
+        """An audit entry that changes no key (a console sign-in, sign-out, session expiry), when managed
+        keys are on; a store that cannot take it is logged, never raised (the sign-in goes on)."""
+        store = self._host.store()
+        if store is None:
+            return
+        try:
+            await store.note(action, actor, changed)
+        except self._host.backend_errors() as exc:
+            log.warning("admin: key store unavailable, %s by %s not in the audit log: %s", action, actor,
+                        type(exc).__name__)
+
     async def _route(self, store: KeyStore, method: str, path: str, query: dict[str, list[str]], body: bytes,
                      caller: Caller) -> AdminResponse:
         now = self._clock()

@@ -113,6 +113,8 @@ class KeyPages(Protocol):
     def handle(self, method: str, path: str, query: dict[str, list[str]], body: bytes,
                caller: Caller) -> Awaitable[AdminResponse]: ...
 
+    def note(self, action: str, actor: str, changed: dict[str, Any]) -> Awaitable[None]: ...
+
 
 class ConsolePages(Protocol):
     """The console (``gateway.admin.console.app.Console``): the web pages under ``/console``."""
@@ -175,6 +177,11 @@ class AdminApp:
     def tokens(self) -> AdminTokens:
         """The running config's admin tokens (none configured: an empty set)."""
         return AdminTokens(()) if self._tokens is None else self._tokens()
+
+    async def audit(self, action: str, actor: str, changed: dict[str, Any]) -> None:
+        """An entry in the audit log (``GET /admin/audit``) that changes no key; nothing without managed keys."""
+        if self._keys is not None:
+            await self._keys.note(action, actor, changed)
 
     def attach_console(self, console: ConsolePages) -> None:
         self._console = console

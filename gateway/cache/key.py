@@ -84,7 +84,9 @@ def cache_key(cache: Cache, surface: str, tenant: str | None, model: str, body: 
         return None
     fields = cache.key_fields
     if fields is None:
-        kept = {name: value for name, value in members.items() if name not in ignored}
+        kept = members  # freshly decoded, ours: the ignored members present (usually `model` alone) go
+        for name in ignored.intersection(members):
+            del kept[name]
     else:
         kept = {name: members[name] for name in fields if name in members}
     tenant_part = b"" if cache.tenants == "shared" else (tenant or "").encode()

@@ -42,6 +42,27 @@ class JwksRefresh(StrictStruct):
             raise ValueError("min: must be <= max")
 
 
+class ClaimLimits(StrictStruct):
+    """``limits_from_claims``: claims (dotted paths) whose integer values are a subject's own limits,
+    replacing the entry's ``limits`` of that kind (docs/identity.md, "Limits from claims"). A value
+    that is missing keeps the configured limit; one that is not an integer within the bounds keeps it
+    too, counted and logged, never a refusal."""
+
+    requests_per_minute: str | None = None  # a request limit of that many per 1m
+    tokens_per_minute: str | None = None  # a token budget of that many per 1m
+    max_in_flight: str | None = None  # concurrent requests of the subject
+
+    def __post_init__(self) -> None:
+        paths = [self.requests_per_minute, self.tokens_per_minute, self.max_in_flight]
+        if all(path is None for path in paths):
+            raise ValueError("requests_per_minute: name at least one claim (requests_per_minute, "
+                             "tokens_per_minute, max_in_flight)")
+        for field in ("requests_per_minute", "tokens_per_minute", "max_in_flight"):
+            path = getattr(self, field)
+            if path is not None and _CLAIM_PATH.fullmatch(path) is None:
+                raise ValueError(f"{field}: a claim name, or a dotted path (gridgate.rpm)")
+
+
 class JwtIssuer(StrictStruct):
     """One identity provider whose tokens identify clients."""
 
@@ -61,6 +82,7 @@ class JwtIssuer(StrictStruct):
     rule_claim: str | None = None  # the quota rule (by name) that meters the token's requests
     required_claims: dict[str, str | list[str]] = {}  # claim -> the value, or one of the values
     limits: KeyLimits | None = None  # each subject's own limits (docs/limits.md), like a key's
+    limits_from_claims: ClaimLimits | None = None  # or taken from the token's claims, per subject
     refresh: JwksRefresh = JwksRefresh()
 
     _RANGES: ClassVar[dict[str, Range]] = {"leeway": (0, 600)}

@@ -163,6 +163,8 @@ def quota_checks(auth: Auth | None, quota: Quota | None) -> list[str]:
         problems += jwt_checks(auth.jwt)
         problems += [f"auth.jwt[{index}].limits: needs the quota block (limits are counted in its backend)"
                      for index, entry in enumerate(auth.jwt) if entry.limits is not None and quota is None]
+        problems += [f"auth.jwt[{index}].limits_from_claims: needs the quota block (limits are counted in its backend)"
+                     for index, entry in enumerate(auth.jwt) if entry.limits_from_claims is not None and quota is None]
     aliases: dict[str, int] = {}
     for index, key in enumerate(keys):
         if key.alias is None:

@@ -69,6 +69,27 @@ def _chat(target: Target, max_tokens: int, **extra: Any) -> dict[str, Any]:
     return {"model": target.model, "messages": HELLO, "max_tokens": max_tokens, **extra}
 
 
+# ---------------------------------------------------------------- tls
+
+
+def _tls_skip(target: Target) -> str | None:
+    return None if target.tls else "the cluster sets no tls: plain HTTP"
+
+
+def _tls_probes(target: Target, max_tokens: int) -> list[Probe]:
+    return [Probe("GET", "/v1/models")]
+
+
+def _tls_judge(target: Target, answers: list[Answer]) -> Verdict:
+    """The handshake the workers would make succeeded (a refused certificate fails in the runner, naming the
+    server name or the CA); any HTTP answer after it will do: the other checks judge the HTTP."""
+    version, server_name = answers[0].tls or ("TLS", target.sni or target.address)
+    trust = ("verified against " + (f"tls.ca_file {target.ca_file}" if target.ca_file else "the system's CAs")
+             if target.verify else "NOT verified (tls.verify: false)")
+    return f"{version} with server name {server_name}, certificate {trust}", {
+        "version": version, "server_name": server_name, "verified": target.verify}
+
+
 # ---------------------------------------------------------------- models
 
 
@@ -378,6 +399,7 @@ def _always(target: Target) -> str | None:
 
 
 CHECKS: tuple[Check, ...] = (
+    Check("tls", True, _tls_skip, _tls_probes, _tls_judge),
     Check("models", True, _always, _models_probes, _models_judge),
     Check("chat", True, _served("chat"), _chat_probes, _chat_judge),
     Check("chat_stream", True, _served("chat"), _stream_probes, _stream_judge),

@@ -22,6 +22,7 @@ from gateway.net import client_tls_context, parse_host_port
 MAX_ANSWER_BYTES = 16 * 1024 * 1024
 WRONG_CREDENTIAL = "Bearer gridgate-verify-wrong-credential"
 USER_AGENT = b"gridgate-providers-verify"
+SSL_HOSTNAME_MISMATCH = 62  # OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH
 
 
 class ProbeError(Exception):
@@ -75,11 +76,29 @@ async def send(target: Target, probe: Probe, timeout_s: float) -> Answer:
     return answer
 
 
+def _certificate_problem(exc: ssl.SSLCertVerificationError, target: Target, server_name: str) -> ProbeError:
+    """A refused certificate in words an operator acts on: the server name (SNI) it does not match, or the
+    CA it does not chain to."""
+    message = exc.verify_message or exc.reason or str(exc)
+    if exc.verify_code == SSL_HOSTNAME_MISMATCH or "hostname mismatch" in message.lower():
+        return ProbeError(f"TLS: the certificate does not match the server name {server_name!r} (SNI, tls.sni or "
+                          f"the endpoint's host): {message}")
+    trusted = f"tls.ca_file {target.ca_file}" if target.ca_file else "the system's CAs (no tls.ca_file)"
+    return ProbeError(f"TLS: the certificate is not trusted by {trusted}: {message}")
+
+
 async def _exchange(target: Target, probe: Probe, answer: Answer, started: float) -> None:
     host, port = parse_host_port(target.address)
     tls = _tls_context(target.ca_file, target.verify) if target.tls else None
-    reader, writer = await asyncio.open_connection(
-        host, port, ssl=tls, server_hostname=(target.sni or host) if tls is not None else None)
+    server_name = target.sni or host
+    try:
+        reader, writer = await asyncio.open_connection(
+            host, port, ssl=tls, server_hostname=server_name if tls is not None else None)
+    except ssl.SSLCertVerificationError as exc:
+        raise _certificate_problem(exc, target, server_name) from None
+    if tls is not None:
+        tls_object = writer.get_extra_info("ssl_object")
+        answer.tls = (tls_object.version() if tls_object is not None else "TLS", server_name)
     try:
         codec = ClientCodec()
         writer.write(request_bytes(target, probe, codec))

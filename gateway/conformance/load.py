@@ -2,16 +2,20 @@
 
 A child gateway (``gridgate run``, one worker, free loopback ports, no auth, quota or access log: the
 pool is under test, not the door) serves one model; a few client connections send small chat requests
-for the duration. Half way, one provider is forced down: the child's config gets a refused address for
-that cluster and a SIGHUP, so the gateway sees what a dead provider looks like while the provider
-itself is untouched. The report: per phase, each provider's share against the even share the picker
-promises its selection group, latency percentiles and the client's error rate (failover should keep it
-at zero).
+for the duration (plus the reload's takeover). Half way, one provider is forced down: the child's
+config gets a refused address for that cluster and a SIGHUP, so the gateway sees what a dead provider
+looks like while the provider itself is untouched. The phases split where the change took effect: when the child's metrics show the
+new config generation serving and the old generation's worker gone (bounded by a timeout), not after a
+guessed pause. The report: per phase, each provider's share against the share the picker promises
+(gateway.conformance.promise) with a pass/fail verdict, latency percentiles and the client's error rate
+(failover should keep it at zero).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import os
 import signal
 import socket
@@ -19,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,29 +31,43 @@ import yaml
 
 from gateway.conformance.client import send
 from gateway.conformance.probe import Probe, Target, post
+from gateway.conformance.promise import Promise, judge
 
 CONNECTIONS = 4
-RELOAD_SETTLE_S = 1.0  # a SIGHUP's new worker generation takes over well within this on a quiet host
+RELOAD_TIMEOUT_S = 15.0  # the longest a SIGHUP's new generation may take to serve alone before the split anyway
+SHARE_TOLERANCE = 0.05  # a measured share this far (plus sampling error) from its promise still passes
 
 
 @dataclass(slots=True)
 class Phase:
     name: str
     providers: list[str]  # the members the picker may choose in this phase
+    promise: Promise
+    tolerance: float = SHARE_TOLERANCE
     served: dict[str, int] = field(default_factory=dict)
     latencies_ms: list[float] = field(default_factory=list)
     errors: int = 0
+    note: str = ""  # how the phase began (the reload's observed takeover, or its timeout)
 
     @property
     def requests(self) -> int:
         return len(self.latencies_ms) + self.errors
 
     def as_dict(self) -> dict[str, Any]:
-        total = max(1, sum(self.served.values()))
+        answered = sum(self.served.values())
         ordered = sorted(self.latencies_ms)
+        share = {p: self.served.get(p, 0) / max(1, answered) for p in sorted(set(self.providers) | set(self.served))}
+        promised = self.promise.shares
+        if promised is None:
+            misses = None
+        elif not answered:
+            misses = ["no request was answered in this phase"]
+        else:
+            misses = judge(share, promised, answered, self.tolerance)
         return {"phase": self.name, "requests": self.requests, "error_rate": self.errors / max(1, self.requests),
-                "share": {p: self.served.get(p, 0) / total for p in sorted(set(self.providers) | set(self.served))},
-                "promised": {p: 1 / len(self.providers) for p in self.providers},
+                "picker": self.promise.picker, "share": share, "promised": promised, "tolerance": self.tolerance,
+                "share_verdict": "no promise" if misses is None else "fail" if misses else "pass",
+                "share_misses": misses or [], "note": self.note,
                 "latency_ms": {f"p{q}": percentile(ordered, q) for q in (50, 90, 99)}}
 
 
@@ -120,6 +139,30 @@ class ChildGateway:
         self._write()
         self.process.send_signal(signal.SIGHUP)
 
+    async def metrics(self) -> dict[str, float]:
+        """The child's unlabelled gauges and counters (``name value`` lines of /metrics)."""
+        answer = await send(Target("admin", f"127.0.0.1:{self.admin}", "-"), Probe("GET", "/metrics"), 2.0)
+        values: dict[str, float] = {}
+        if answer.status == 200:
+            for line in answer.body.decode("utf-8", "replace").splitlines():
+                name, _, value = line.partition(" ")
+                if name and not name.startswith("#") and "{" not in name:
+                    with contextlib.suppress(ValueError):
+                        values[name] = float(value)
+        return values
+
+    async def took_over(self, generation: float, timeout_s: float = RELOAD_TIMEOUT_S) -> bool:
+        """Wait until a generation after ``generation`` serves and no older worker is left (so every new
+        request meets the new config); False when ``timeout_s`` passed first."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            values = await self.metrics()
+            if (values.get("gridgate_config_generation", 0) > generation
+                    and values.get("gridgate_workers_live", 2) <= values.get("gridgate_workers_target", 1)):
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()
@@ -131,8 +174,8 @@ class ChildGateway:
             held.close()
 
 
-async def _client(target: Target, probe: Probe, phase_of: Any, stop_at: float) -> None:
-    while time.monotonic() < stop_at:
+async def _client(target: Target, probe: Probe, phase_of: Any, stop_at: list[float]) -> None:
+    while time.monotonic() < stop_at[0]:
         phase = phase_of()
         answer = await send(target, probe, 10.0)
         provider = answer.headers.get("x-gridgate-provider")
@@ -143,12 +186,15 @@ async def _client(target: Target, probe: Probe, phase_of: Any, stop_at: float) -
             phase.errors += 1
 
 
-async def run_load(config_path: str, model: str, providers: list[str], duration_s: float,
-                   max_tokens: int) -> list[Phase]:
+async def run_load(config_path: str, model: str, providers: list[str], duration_s: float, max_tokens: int,
+                   promise_of: Callable[[list[str]], Promise], tolerance: float = SHARE_TOLERANCE) -> list[Phase]:
     """Load through a child gateway for ``duration_s``: the first half with every provider, the second
-    with the last one forced down."""
+    (from the moment the reload took effect) with the last one forced down. ``promise_of(usable)`` is
+    what the picker promises those providers."""
     gateway = ChildGateway(config_path, providers)
-    phases = [Phase("all up", list(providers)), Phase(f"{providers[-1]} down", list(providers[:-1]))]
+    up, down = list(providers), list(providers[:-1])
+    phases = [Phase("all up", up, promise_of(up), tolerance), Phase(f"{providers[-1]} down", down, promise_of(down),
+                                                                      tolerance)]
     current = [phases[0]]
     try:
         await gateway.ready()
@@ -156,12 +202,20 @@ async def run_load(config_path: str, model: str, providers: list[str], duration_
         probe = post("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "Hi."}],
                                               "max_tokens": max_tokens}, 8 + max_tokens)
         start = time.monotonic()
-        clients = [asyncio.create_task(_client(target, probe, lambda: current[0], start + duration_s))
+        stop_at = [start + duration_s]
+        clients = [asyncio.create_task(_client(target, probe, lambda: current[0], stop_at))
                    for _ in range(CONNECTIONS)]
         await asyncio.sleep(duration_s / 2)
+        generation = (await gateway.metrics()).get("gridgate_config_generation", 0)
+        forced_at = time.monotonic()
+        stop_at[0] = math.inf  # the clients keep going while the reload takes over, however long it takes
         gateway.force_down(providers[-1])
-        await asyncio.sleep(RELOAD_SETTLE_S)  # the reload takes effect; requests meanwhile count as phase one
+        took_over = await gateway.took_over(generation)  # requests meanwhile count as phase one
+        waited = time.monotonic() - forced_at
+        phases[1].note = (f"split {waited:.2f}s after the SIGHUP, when the new generation served alone" if took_over
+                          else f"split after {waited:.0f}s: the reload was not seen taking over")
         current[0] = phases[1]
+        stop_at[0] = time.monotonic() + duration_s / 2  # phase two gets its full half, however long the reload took
         await asyncio.gather(*clients)
     finally:
         gateway.stop()
@@ -181,10 +235,12 @@ def plot(phases: list[Phase], path: str) -> None:
         names = sorted(view["share"])
         xs = range(len(names))
         axis.bar([x - 0.2 for x in xs], [view["share"][n] for n in names], 0.4, label="observed")
-        axis.bar([x + 0.2 for x in xs], [view["promised"].get(n, 0) for n in names], 0.4, label="promised")
+        promised = view["promised"] or {}
+        axis.bar([x + 0.2 for x in xs], [promised.get(n, 0) for n in names], 0.4, label="promised")
         axis.set_xticks(list(xs), names)
         axis.set_ylim(0, 1)
-        axis.set_title(f"{phase.name}: {view['requests']} requests, errors {view['error_rate']:.1%}")
+        axis.set_title(f"{phase.name}: {view['requests']} requests, errors {view['error_rate']:.1%}, "
+                       f"shares {view['share_verdict']}")
         axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=100)
@@ -198,6 +254,13 @@ def load_table(phases: list[Phase]) -> str:
         latency = view["latency_ms"]
         lines.append(f"load, {view['phase']}: {view['requests']} requests, error rate {view['error_rate']:.2%}, "
                      f"latency p50 {latency['p50']} ms, p90 {latency['p90']} ms, p99 {latency['p99']} ms")
+        verdict = view["share_verdict"]
+        if view["share_misses"]:
+            verdict += ": " + "; ".join(view["share_misses"])
+        lines.append(f"  shares against {view['picker']}'s promise (+-{view['tolerance']:.0%} and sampling error): "
+                     f"{verdict}" + (f"  [{view['note']}]" if view["note"] else ""))
+        promised = view["promised"]
         for name, share in view["share"].items():
-            lines.append(f"  {name:20} share {share:6.1%}  promised {view['promised'].get(name, 0):6.1%}")
+            wanted = "    n/a" if promised is None else f"{promised.get(name, 0):6.1%}"
+            lines.append(f"  {name:20} share {share:6.1%}  promised {wanted}")
     return "\n".join(lines)

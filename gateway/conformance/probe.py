@@ -61,6 +61,7 @@ class Answer:
     chunks: list[tuple[float, bytes]] = field(default_factory=list)  # (seconds since sent, body bytes)
     total_s: float = 0.0
     error: str | None = None  # transport failure: refused, timed out, TLS, malformed
+    tls: tuple[str, str] | None = None  # (protocol version, server name sent as SNI) over TLS
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,8 @@ The algorithm, per provider, then per capability:
 1. **Assess** the observation into what gets published (:class:`Assessment`):
 
    - unreachable or health not 2xx -> admission ``none``, ``fresh: false``,
-     ``score: null``; likewise a metrics page that counts 0 ready endpoints (llm-d's
+     ``score: null``; likewise a provider that failed a required conformance check (spec
+     ``conformance``), published with ``excluded_reason: nonconformant``; likewise a metrics page that counts 0 ready endpoints (llm-d's
      EPP: the pool behind a healthy picker has nothing to serve with);
    - ``noMetrics``: healthy -> ``new_and_existing``, score 0;
    - ``queueDepth`` / ``kvCachePressure``: a metric above its threshold (queue depth >
@@ -69,6 +70,7 @@ from typing import Any
 from gateway.control.spec import GEOGRAPHY_FIRST, KV_CACHE_PRESSURE, NO_METRICS, ControlSpec, Provider
 from gateway.overlay.contract import ADMISSION_NONE, EXISTING_ONLY, NEW_AND_EXISTING
 
+NONCONFORMANT = "nonconformant"  # the candidate's excluded_reason (docs/provider-conformance.md)
 ADMISSION_ORDER = {NEW_AND_EXISTING: 0, EXISTING_ONLY: 1, ADMISSION_NONE: 2}
 _EPSILON = 1e-9  # 0.45 / 0.9 is 0.49999999999999994 in binary; a band edge must not depend on that
 
@@ -87,6 +89,7 @@ class Observation:
     error: str | None = None
     ready_endpoints: float | None = None
     missing: tuple[str, ...] = ()
+    nonconformant: tuple[str, ...] = ()  # required conformance checks it failed (spec ``conformance``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +102,7 @@ class Assessment:
     breakdown: tuple[tuple[str, float], ...]
     fresh: bool
     reason: str = field(default="", compare=False)
+    excluded_reason: str | None = None  # published with admission none: why (``nonconformant``)
 
     def describe(self) -> str:
         score = "null" if self.score is None else f"{self.score:g}"
@@ -142,6 +146,9 @@ def assess(spec: ControlSpec, observation: Observation | None) -> Assessment:
         return Assessment(ADMISSION_NONE, unmeasured, None, (), False, "not observed")
     if not observation.healthy:
         return Assessment(ADMISSION_NONE, unmeasured, None, (), False, observation.error or "unhealthy")
+    if observation.nonconformant:
+        return Assessment(ADMISSION_NONE, unmeasured, None, (), False,
+                          "nonconformant: failed " + ", ".join(observation.nonconformant), NONCONFORMANT)
     if scoring.strategy == NO_METRICS:
         return Assessment(NEW_AND_EXISTING, 0, 0.0, (), True, "healthy")
     if observation.ready_endpoints is not None and observation.ready_endpoints < 1:
@@ -226,6 +233,8 @@ def _candidate(spec: ControlSpec, provider: Provider, model: str, assessment: As
     }
     if provider.credential is not None:
         candidate["credential"] = provider.credential.as_dict()
+    if assessment.excluded_reason is not None:
+        candidate["excluded_reason"] = assessment.excluded_reason  # additive: overlay-v1 readers ignore it
     return candidate
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import sys
@@ -28,6 +29,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from gateway.config import ConfigError
+from gateway.control.conformance import ConformanceWatch
 from gateway.control.decide import Assessment, Hold, Observation, decide, describe_changes
 from gateway.control.observe import observe_all, signal_plans
 from gateway.control.publish import Publisher, PublishResult
@@ -62,9 +64,16 @@ class ControlLoop:
         self._leading = False  # the Valkey lease was held at the last round
         self.plans = signal_plans(spec)  # where each provider's signals are on its metrics page
         self.telemetry = ControlTelemetry(self.plans)
+        # The conformance checks run beside the rounds (each run takes seconds); rounds read the verdicts.
+        self.conformance = ConformanceWatch(spec, spec.conformance) if spec.conformance is not None else None
 
     async def observe(self) -> dict[str, Observation]:
-        return await observe_all(self.spec.providers, self.spec.probe_timeout, self.plans)
+        observed = await observe_all(self.spec.providers, self.spec.probe_timeout, self.plans)
+        if self.conformance is not None:
+            for name, checks in self.conformance.failed.items():
+                if name in observed:
+                    observed[name] = dataclasses.replace(observed[name], nonconformant=checks)
+        return observed
 
     async def apply(self, observations: dict[str, Observation]) -> None:
         """Decide from one round's observations and publish to every destination."""
@@ -111,6 +120,8 @@ class ControlLoop:
         self.unpublished[destination] = []
 
     async def close(self) -> None:
+        if self.conformance is not None:
+            await self.conformance.stop()
         self.telemetry.close()
         if self.valkey is not None:
             await self.valkey.close()
@@ -160,6 +171,9 @@ async def run_control(spec_path: str, stop_event: asyncio.Event, *, clock: Clock
         destinations.append(f"{loop.valkey.where} (lease {loop.valkey.lease.key} as {loop.valkey.lease.owner})")
     if spec.metrics_listen is not None:
         destinations.append(f"metrics on http://{spec.metrics_listen}/metrics")
+    if loop.conformance is not None:
+        loop.conformance.start()
+        destinations.append(f"conformance checks every {float(spec.conformance.recheck):g}s")  # type: ignore[union-attr]
     log.info("control plane started: %d providers, interval %gs, %s/%s/%s admission, %s", len(spec.providers),
              spec.interval, spec.routing_policy, spec.scoring_policy.strategy, spec.admission.mode,
              "; ".join(destinations))

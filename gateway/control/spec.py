@@ -176,6 +176,22 @@ class Publish(_Strict):
     valkey: ValkeyTarget | None = None
 
 
+class ControlConformance(_Strict):
+    """``conformance``: run ``gridgate providers verify``'s checks against every provider's endpoints (as
+    the gateway config ``gateway_config`` describes them: endpoints, TLS, SNI, upstream credentials) and
+    publish a provider that failed a required one as excluded (docs/provider-conformance.md)."""
+
+    gateway_config: str  # a gateway config file (resolved against the spec's directory)
+    recheck: Seconds = Seconds(HOUR)
+    surfaces: list[Literal["chat", "completions", "embeddings", "responses", "messages"]] = msgspec.field(
+        default_factory=lambda: ["chat"])
+    max_tokens: int = 16
+    timeout: Seconds = Seconds(30)
+
+    def __post_init__(self) -> None:
+        check_ranges(self, {"recheck": (1, 30 * DAY), "max_tokens": (1, 4096), "timeout": (0.1, HOUR)})
+
+
 class ControlSpec(_Strict):
     scope: Scope
     providers: list[Provider]
@@ -196,6 +212,7 @@ class ControlSpec(_Strict):
     admission: Admission = msgspec.field(default_factory=Admission)
     # Serve the control plane's own Prometheus metrics (GET /metrics) on host:port; None: not served.
     metrics_listen: str | None = None
+    conformance: ControlConformance | None = None  # None: no conformance checks
 
     _RANGES: ClassVar[dict[str, Range]] = {"refresh": (0.1, 30 * DAY), "interval": (0.1, HOUR),
                                            "probe_timeout": (0.01, MINUTE)}
@@ -342,7 +359,24 @@ def _cross_checks(spec: ControlSpec) -> list[str]:
             parse_host_port(spec.metrics_listen)
         except ValueError as exc:
             problems.append(f"metrics_listen: {exc}")
-    return problems + _publish_problems(spec) + _provider_problems(spec) + _signal_problems(spec)
+    return (problems + _publish_problems(spec) + _provider_problems(spec) + _signal_problems(spec)
+            + _conformance_problems(spec))
+
+
+def _conformance_problems(spec: ControlSpec) -> list[str]:
+    """``conformance.gateway_config`` must be a valid gateway config with every checked provider's cluster."""
+    settings = spec.conformance
+    if settings is None:
+        return []
+    from gateway.config import load_config  # only a spec with conformance reads a gateway config
+
+    try:
+        config = load_config(settings.gateway_config)
+    except ConfigError as exc:
+        return [f"conformance.gateway_config: {settings.gateway_config}: {problem}" for problem in exc.problems]
+    return [f"conformance.gateway_config: {settings.gateway_config} has no cluster {p.cluster_name!r} "
+            f"(providers[{index}])" for index, p in enumerate(spec.providers)
+            if p.kind == "inference_model" and config.cluster(p.cluster_name) is None]
 
 
 def _publish_problems(spec: ControlSpec) -> list[str]:
@@ -370,6 +404,10 @@ def parse_spec(text: str, base_dir: str = ".") -> ControlSpec:
     spec = convert_yaml(text, ControlSpec)
     if spec.output is not None:
         spec = msgspec.structs.replace(spec, output=os.path.join(base_dir, spec.output))
+    if spec.conformance is not None:
+        checks = msgspec.structs.replace(spec.conformance,
+                                         gateway_config=os.path.join(base_dir, spec.conformance.gateway_config))
+        spec = msgspec.structs.replace(spec, conformance=checks)
     problems = _cross_checks(spec)
     if problems:
         raise ConfigError(problems)

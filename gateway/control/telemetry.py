@@ -53,6 +53,10 @@ class ControlTelemetry:
         self.rounds = Counter("gridgate_control_rounds", "Observation rounds completed", registry=self.registry)
         self.last_round = Gauge("gridgate_control_last_round_timestamp_seconds",
                                 "Unix time the last observation round completed", registry=self.registry)
+        self.nonconformant = Gauge(
+            "gridgate_control_provider_nonconformant",
+            "1 while the provider failed a required conformance check (spec conformance) and is published excluded",
+            ["provider"], registry=self.registry)
         for provider, plan in plans.items():  # every series exists from the start, at 0
             for signal, _ in plan.signals:
                 self.missing_gauge.labels(provider, SIGNAL_WORDS[signal]).set(0)
@@ -70,6 +74,8 @@ class ControlTelemetry:
             for signal, _ in self.plans[provider].signals:
                 self.missing_gauge.labels(provider, SIGNAL_WORDS[signal]).set(1 if signal in missing else 0)
         self.missing = after
+        for provider, observation in observations.items():
+            self.nonconformant.labels(provider).set(1 if observation.nonconformant else 0)
         self.rounds.inc()
         self.last_round.set(time.time())
 

@@ -26,7 +26,10 @@ from typing import Any
 import jwt
 
 from gateway.identity.auth import KeyIdentity
+from gateway.identity.claim_limits import NO_VALUES, ClaimValues, claim_values, subject_limits
 from gateway.identity.jwt_keys import EMPTY_KEY_SET, KeySet
+from gateway.identity.key_limits import KeyLimits
+from gateway.identity.limits import Limits
 
 MAX_TOKEN_BYTES = 8 * 1024
 MAX_CACHED_TOKENS = 10_000
@@ -96,6 +99,12 @@ class IssuerVerifier:
         self.keys = keys
         self._algorithms = frozenset(entry.algorithms)
         self._limits = None if entry.limits is None else entry.limits.counted()
+        self._claim_limits = entry.limits_from_claims
+        # limits_from_claims: each distinct set of claim values -> its limits (written, counted), built once
+        self._limits_of: dict[ClaimValues, tuple[KeyLimits | None, Limits | None]] = {
+            NO_VALUES: (entry.limits, self._limits)}
+        self.bad_limit_claims = 0  # tokens whose limit claims were unusable (the config's limits applied)
+        self.bad_limit_paths: set[str] = set()  # which claims (the gate logs each once)
         self._required = [(claim, value if isinstance(value, list) else [value])
                           for claim, value in entry.required_claims.items()]
         self._identities: dict[tuple[str, str, str | None], KeyIdentity] = {}
@@ -146,14 +155,39 @@ class IssuerVerifier:
             rule = claim_at(claims, entry.rule_claim)
             if rule is not None and not isinstance(rule, str):
                 raise JwtRefusal("rule_claim", f"claim {entry.rule_claim!r} is not a string", self.name)
-        memo = (tenant, str(subject), rule)
+        values = NO_VALUES if self._claim_limits is None else self._claim_values(claims)
+        memo = (tenant, str(subject), rule, values)
         identity = self._identities.get(memo)
         if identity is None:
             if len(self._identities) >= MAX_INTERNED_IDENTITIES:
                 self._identities.clear()
-            identity = KeyIdentity(tenant, str(subject), None, self._limits, via=self.via, rule=rule)
+            written, counted = self._limits_for(values)
+            identity = KeyIdentity(tenant, str(subject), None, counted, via=self.via, rule=rule, written=written)
             self._identities[memo] = identity
         return identity
+
+    def _claim_values(self, claims: dict[str, Any]) -> ClaimValues:
+        values, bad = claim_values(self._claim_limits, claims, claim_at)
+        if bad:
+            self.bad_limit_claims += 1
+            self.bad_limit_paths.update(bad)
+        return values
+
+    def _limits_for(self, values: ClaimValues) -> tuple[KeyLimits | None, Limits | None]:
+        """The subject's limits for these claim values (the entry's own when the result is invalid)."""
+        found = self._limits_of.get(values)
+        if found is None:
+            try:
+                written = subject_limits(self.entry.limits, values)
+            except ValueError:  # e.g. a ninth request limit: the configured limits apply
+                self.bad_limit_claims += 1
+                found = self._limits_of[NO_VALUES]
+            else:
+                found = (written, None if written is None else written.counted())
+            if len(self._limits_of) >= MAX_INTERNED_IDENTITIES:
+                self._limits_of = {NO_VALUES: self._limits_of[NO_VALUES]}
+            self._limits_of[values] = found
+        return found
 
     def _tenant(self, claims: dict[str, Any]) -> str:
         entry = self.entry

@@ -175,7 +175,7 @@ class KeyFollower:
                         "the log before this host read them")
             await self.load()
             return
-        kids = list(dict.fromkeys(entry.kid for entry in entries))
+        kids = list(dict.fromkeys(entry.kid for entry in entries if entry.kid))  # "": a sign-in, no key
         records = await self._store.records(kids)
         now = self._clock()
         for kid, record in zip(kids, records, strict=True):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -93,6 +94,14 @@ end
 local fields = {'n', redis.call('INCR', KEYS[3])}
 for j = i, #ARGV do fields[#fields + 1] = ARGV[j] end
 return {1, redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(fields))}
+"""
+
+# KEYS: 1 log, 2 seq. ARGV: 1 log MAXLEN, then the entry's field/value pairs. An entry that names no
+# key (a console sign-in, sign-out or session expiry): numbered like a change, so followers see no gap.
+NOTE_SCRIPT = """-- gridgate-keys v1: an audit entry that changes no record
+local fields = {'n', redis.call('INCR', KEYS[2])}
+for j = 2, #ARGV do fields[#fields + 1] = ARGV[j] end
+return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(fields))
 """
 
 # KEYS: 1 log, 2 seq. The newest entry's id and the sequence number, read together.
@@ -293,16 +302,24 @@ class KeyStore:
             # Ended secrets stay named for a day (at most MAX_ENDED_SECRETS), so every host drops them;
             # one that rotates with no grace ends now.
             ended = [p for p in record.previous if now - ENDED_SECRET_RETENTION_S < p.until <= now]
-            retired = PreviousSecret(record.digest, int(now) + max(0, grace_s))
+            # Whole seconds rounded up: the previous secret works for at least the grace asked for.
+            retired = PreviousSecret(record.digest, (math.ceil(now) + grace_s) if grace_s > 0 else int(now))
             (live if grace_s > 0 else ended).append(retired)
             previous = ended[-MAX_ENDED_SECRETS:] + live
             key = holder["key"] = new_key(kid)
             updated = msgspec.structs.replace(record, digest=key_digest(key).hex(), previous=previous)
-            until = None if grace_s <= 0 else format_time(int(now) + grace_s)
+            until = None if grace_s <= 0 else format_time(retired.until)
             return updated, [], {"secret": "rotated", "previous_secret_valid_until": until}
 
         record, _ = await self._change(kid, "rotate", actor, now, change)
         return holder["key"], record
+
+    async def note(self, action: str, actor: str, changed: dict[str, Any]) -> str:
+        """An audit entry that names no key (kid and tenant empty), such as a console sign-in; its id."""
+        reply = await self._client.execute_command(
+            "EVAL", NOTE_SCRIPT, 2, LOG, SEQ, self._log_max, "kid", "", "action", action, "actor", actor,
+            "tenant", "", "changed", json.dumps(changed, separators=(",", ":"), sort_keys=True))
+        return _text(reply)
 
     async def mark_used(self, seconds_by_kid: dict[str, int]) -> None:
         if seconds_by_kid:

@@ -19,7 +19,7 @@ from gateway.keys.record import KeyRecord, Status
 from gateway.request.cors import OriginList, parse_key_origins
 
 
-class KeyView(msgspec.Struct, array_like=True, frozen=True):
+class KeyView(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True):
     """The request path's part of a record, for one secret. No digest, no metadata."""
 
     kid: str
@@ -33,7 +33,14 @@ class KeyView(msgspec.Struct, array_like=True, frozen=True):
     # The supervisor's metrics index of the tenant (``gridgate_tenant_tokens_total``), -1 for none; last,
     # with a default, so a blob written without it still decodes.
     tenant_index: int = -1
+    # A secret in its rotation grace (not the key's current one): the access line says so; last, with a
+    # default, for the same reason (trailing defaults are not written: a current secret's blob is as before).
+    previous: bool = False
 
+
+# ``KeyIdentity.via`` of a request made with a previous secret: its access line's ``identity`` (the
+# current secret's line has none). A managed key's limits count under its kid whatever ``via`` says.
+PREVIOUS_SECRET = "previous_secret"
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(KeyView).decode
@@ -43,9 +50,9 @@ def views_of(record: KeyRecord, now: float, tenant_index: int = -1) -> dict[byte
     """Table blobs by 32-byte digest, for every secret of ``record`` that still opens it; ``tenant_index``:
     the supervisor's metrics index of the record's tenant."""
     blobs: dict[bytes, bytes] = {}
-    for digest, expires_at in record.secrets(now):
+    for at, (digest, expires_at) in enumerate(record.secrets(now)):  # the current secret first
         view = KeyView(record.kid, record.tenant, record.alias, record.status, record.models, record.limits,
-                       expires_at, record.allowed_origins, tenant_index)
+                       expires_at, record.allowed_origins, tenant_index, at > 0)
         blobs[bytes.fromhex(digest)] = _encode(view)
     return blobs
 
@@ -87,7 +94,8 @@ def identity_of(view: KeyView) -> KeyIdentity:
     """Who a request on this key is, for the quota and the tenant's metrics; its ``limits`` None when the
     key has none of its own."""
     limits = view.limits.counted()
-    return KeyIdentity(view.tenant, view.alias, view.kid, None if limits.empty else limits, view.tenant_index)
+    return KeyIdentity(view.tenant, view.alias, view.kid, None if limits.empty else limits, view.tenant_index,
+                       via=PREVIOUS_SECRET if view.previous else None)
 
 
 def _one_pattern(globs: list[str]) -> re.Pattern[str]:

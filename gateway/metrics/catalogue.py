@@ -93,7 +93,11 @@ CACHE_BACKEND_ERRORS = CACHE_BYPASSES + 1
 # Handshakes refused for their client certificate (mTLS, docs/identity.md), per REFUSAL_REASONS entry.
 CLIENT_CERT_REFUSALS = CACHE_BACKEND_ERRORS + 1
 PREFIX_AFFINITY = CLIENT_CERT_REFUSALS + len(REFUSAL_REASONS)  # per PREFIX_EVENTS entry
-COUNTERS = PREFIX_AFFINITY + len(PREFIX_EVENTS)
+# JWT bearer tokens (docs/identity.md), per JWT_EVENTS entry: tokens whose limit claims were unusable (the
+# config's limits applied), and the worker's waits on an unknown kid by how they ended.
+JWT_EVENTS = ("limit_claims_ignored", "unknown_kid_found", "unknown_kid_timeout")
+JWT_COUNTS = PREFIX_AFFINITY + len(PREFIX_EVENTS)
+COUNTERS = JWT_COUNTS + len(JWT_EVENTS)
 
 _GATEWAY_STATUS_INDEX = {status: i for i, status in enumerate(GATEWAY_STATUSES)}
 

@@ -28,6 +28,8 @@ from gateway.metrics.catalogue import (
     GATEWAY_CLUSTER,
     GATEWAY_ERROR_LABELS,
     GATEWAY_ERRORS,
+    JWT_COUNTS,
+    JWT_EVENTS,
     MAX_CLUSTERS,
     MAX_FALLBACK_EDGES,
     MAX_TENANTS,
@@ -247,6 +249,15 @@ def _process_families(totals: list[int]) -> Iterator:
     for index, reason in enumerate(REFUSAL_REASONS):
         refused.add_metric([reason], totals[CLIENT_CERT_REFUSALS + index])
     yield refused
+    jwt = dict(zip(JWT_EVENTS, totals[JWT_COUNTS:JWT_COUNTS + len(JWT_EVENTS)], strict=True))
+    yield CounterMetricFamily(
+        "gridgate_jwt_limit_claims_ignored", "JWTs whose limits_from_claims values were unusable (not a whole "
+        "number within bounds): the configured limits applied.", value=jwt["limit_claims_ignored"])
+    waits = CounterMetricFamily("gridgate_jwt_unknown_kid_waits", "Worker waits for a refetched key set on a "
+                                "token's unknown kid, by outcome (found, timeout).", labels=["outcome"])
+    for outcome in ("found", "timeout"):
+        waits.add_metric([outcome], jwt[f"unknown_kid_{outcome}"])
+    yield waits
 
 
 def _cache_families(totals: list[int], tenant_names: Sequence[str]) -> Iterator:

@@ -25,6 +25,8 @@ from gateway.metrics.catalogue import (
     FIRST_BYTE_BUCKETS_S,
     FIRST_BYTE_SUM_US,
     GATEWAY_CLUSTER,
+    JWT_COUNTS,
+    JWT_EVENTS,
     MAX_CLUSTERS,
     MAX_FALLBACK_EDGES,
     MAX_TENANTS,
@@ -224,6 +226,11 @@ class WorkerMetrics:
         """Handshakes refused for their client certificate so far, per reason (mTLS)."""
         for index, reason in enumerate(REFUSAL_REASONS):
             self.row[CLIENT_CERT_REFUSALS + index] = counts[reason]
+
+    def publish_jwt_counts(self, counts: dict[str, int]) -> None:
+        """The JWT gate's counts so far (per process, monotonic), per ``JWT_EVENTS`` entry."""
+        for index, event in enumerate(JWT_EVENTS):
+            self.row[JWT_COUNTS + index] = counts.get(event, 0)
 
     def publish_trace_drops(self, dropped: int) -> None:
         """Trace spans lost so far (export queue full, or their export failed: docs/tracing.md)."""

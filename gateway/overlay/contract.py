@@ -104,6 +104,9 @@ class Candidate(msgspec.Struct, frozen=True):
     rank: int | None
     fresh: bool
     credential: Credential | None
+    # Additive (overlay-v1 accepts unknown fields): why a producer excluded it (admission none), e.g.
+    # gridgate control's ``nonconformant``; route evidence counts it under this reason.
+    excluded_reason: str | None = None
 
 
 class ValidatedOverlay(msgspec.Struct, frozen=True):
@@ -216,6 +219,10 @@ def _candidate(raw: Any, position: int) -> Candidate:
     credential = raw.get("credential")
     if credential is not None:
         credential = _credential(credential, f"{path}.credential")
+    excluded_reason = raw.get("excluded_reason")
+    if excluded_reason is not None and not (type(excluded_reason) is str and excluded_reason.isidentifier()
+                                            and len(excluded_reason) <= 64):
+        raise field_error(f"{path}.excluded_reason", "must be a reason word (letters, digits, _; up to 64)")
 
     return Candidate(
         position=position,
@@ -231,6 +238,7 @@ def _candidate(raw: Any, position: int) -> Candidate:
         rank=rank,
         fresh=fresh,
         credential=credential,
+        excluded_reason=excluded_reason if admission == ADMISSION_NONE else None,
     )
 
 

@@ -52,6 +52,9 @@ class AttemptResult(msgspec.Struct, gc=False):
     # The provider ended a Responses or Messages stream with an `error` event (the access line's error code).
     stream_error: str | None = None
     refusal: str | None = None  # a held 400's error code a fallback chain moves on (docs/models.md)
+    # Request written -> first token: a stream's first content event (gateway/request/first_token.py; its
+    # end when it had none) when prefix affinity placed it; else, and for a non-stream, the response head.
+    first_token_s: float = 0.0
 
     @property
     def total_tokens(self) -> int | None:

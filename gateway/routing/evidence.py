@@ -15,6 +15,9 @@ Each left-out candidate is counted under one reason, the first that applies:
 - ``unhealthy``: no endpoint of its provider is routable (health checks, outlier detection);
 - ``cooled``: its provider is cooling after a 429/503.
 
+Candidates the overlay itself excluded with a reason (``excluded_reason``, e.g. ``nonconformant`` from
+``gridgate control``'s conformance checks) are counted under that reason too.
+
 A request prefix affinity placed (selection mode ``prefix``) also carries ``prefix``: its prompt
 prefix's hash, how far misses have moved it, how far it spilled.
 """
@@ -81,6 +84,8 @@ def route_evidence(decision: RouteDecision, view: ProviderView, needs: Needs | N
         else:
             continue
         excluded[reason] = excluded.get(reason, 0) + 1
+    for reason, count in plan.overlay_excluded.items():
+        excluded[reason] = excluded.get(reason, 0) + count
     candidate = decision.candidate
     return RouteEvidence(candidate.site, candidate.admission, len(plan.options), excluded,
                          picker_inputs(decision, view))

@@ -228,7 +228,7 @@ class CapabilityPlan:
     """Everything selection needs for one capability in one revision."""
 
     __slots__ = ("groups", "reusable", "capability_hash", "accepts_any_binding", "unavailable", "unconfigured",
-                 "provider_count", "label", "restricts", "options", "pinnable")
+                 "provider_count", "label", "restricts", "options", "pinnable", "overlay_excluded")
 
     def __init__(self, cap: Capability, snapshot: Snapshot, worker_index: int, rng: random.Random,
                  provider_index: Mapping[str, int] | None, picker: str = "overlay",
@@ -270,6 +270,7 @@ class CapabilityPlan:
                 self.reusable[candidate.stable_id_hash] = option(candidate, candidate.selection_group)
         self.capability_hash = cap.hash
         self.accepts_any_binding = cap.accepts_any_binding
+        self.overlay_excluded = _overlay_excluded(cap)
         self.unavailable = ErrorReply(
             503, "no_admissible", f"No provider currently admits new requests for the {self.label}."
         )
@@ -295,6 +296,15 @@ def _admitting_groups(cap: Capability, option: Callable[[Candidate, int | None],
             if candidate.admission == NEW_AND_EXISTING:
                 groups.append(GroupPlan(None, (option(candidate, None),), DETERMINISTIC, 0, rng))
     return groups
+
+
+def _overlay_excluded(cap: Capability) -> dict[str, int]:
+    """Candidates the overlay's producer excluded, by its reason (route evidence reports them)."""
+    counts: dict[str, int] = {}
+    for candidate in {c.stable_id: c for c in cap.members if c.excluded_reason}.values():
+        reason = candidate.excluded_reason or ""
+        counts[reason] = counts.get(reason, 0) + 1
+    return counts
 
 
 def label(kind: str, name: str) -> str:

@@ -199,7 +199,7 @@ class Arbiter:
         self._spend_reporter = SpendReporter(running, self._quota_backend)
         self._conformance = ConformanceWatch(self._segment, self._clusters)
         admin_sources = SupervisorAdminSources(self._readiness, lambda: self._swap.config, self._segment,
-                                               self._quota_backend, self._quota_reporter)
+                                               self._quota_backend, self._quota_reporter, self._keys.managed_keys)
         admin_app = AdminApp(
             admin_sources,
             metrics,

@@ -4,7 +4,7 @@ are ``worker_counters.py``)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -13,11 +13,14 @@ from gateway.admin.quota import QuotaReporter
 from gateway.cluster.report import endpoints_report
 from gateway.cluster.spec import cluster_specs_from_config
 from gateway.config import Config
+from gateway.identity.auth import KeyIdentity
 from gateway.supervisor.quota_backend import EmbeddedQuotaBackend, quota_url_for
 from gateway.supervisor.readiness import Readiness
 from gateway.supervisor.reload import GenerationSwap
 from gateway.supervisor.worker_set import WorkerSet
 from shm.segment import Segment
+
+MAX_MANAGED_REPORTED = 200  # managed keys per tenant whose own limits /admin/quota reads (one ledger call)
 
 
 class SupervisorAdminSources:
@@ -30,12 +33,14 @@ class SupervisorAdminSources:
         segment: Segment,
         quota_backend: EmbeddedQuotaBackend,
         quota_reporter: QuotaReporter,
+        managed_keys: Callable[[], Awaitable[list[KeyIdentity]]] | None = None,
     ) -> None:
         self._readiness = readiness
         self._running_config = running_config
         self._segment = segment
         self._quota_backend = quota_backend
         self._quota_reporter = quota_reporter
+        self._managed_keys = managed_keys  # KeyService.managed_keys: their own limits are in the report
 
     def readiness(self) -> tuple[bool, str]:
         return self._readiness.readiness()
@@ -53,7 +58,18 @@ class SupervisorAdminSources:
         config = self._running_config()
         url = quota_url_for(config, self._quota_backend)
         assert url is not None and config.quota is not None  # the page checks quota_enabled first
-        return await self._quota_reporter.report(url, config.quota, tenant, config.auth)
+        return await self._quota_reporter.report(url, config.quota, tenant, config.auth,
+                                                 await self._managed_scopes(tenant))
+
+    async def _managed_scopes(self, tenant: str) -> tuple[Any, ...]:
+        """The quota scopes of the tenant's managed keys with limits of their own (at most
+        ``MAX_MANAGED_REPORTED``, in table order): each key's row of ``/admin/quota`` names its kid."""
+        if self._managed_keys is None:
+            return ()
+        from gateway.quota.ledger import scopes_of  # here: the ledger loads the valkey client
+
+        keys = [key for key in await self._managed_keys() if key.tenant == tenant and key.limits is not None]
+        return tuple(scope for key in keys[:MAX_MANAGED_REPORTED] for scope in scopes_of(None, key))
 
 
 class SupervisorCollector:

@@ -31,8 +31,9 @@ class TickBatch:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._batched = hasattr(client, "send_encoded")
 
-    def call(self, *args: CommandArg) -> asyncio.Future[Any]:
-        """Queue one command for this tick's write; its future gets the reply (or raises the error)."""
+    def call(self, *args: CommandArg, encoded: bytes | None = None) -> asyncio.Future[Any]:
+        """Queue one command for this tick's write; its future gets the reply (or raises the error).
+        ``encoded``: the command already framed (``encode_command(args)``'s bytes), so it is not framed again."""
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
@@ -40,18 +41,25 @@ class TickBatch:
         pending = self._pending
         if not pending:
             loop.call_soon(self._flush)
-        pending.append((encode_command(args) if self._batched else b"", args, future))
+        if self._batched:
+            pending.append((encoded or encode_command(args), args, future))
+        else:
+            pending.append((b"", args, future))
         return future
 
-    def send(self, *args: CommandArg) -> None:
-        """Queue one command nobody waits for (a SET): ``on_detached`` hears how it went."""
+    def send(self, *args: CommandArg, encoded: bytes | None = None) -> None:
+        """Queue one command nobody waits for (a SET): ``on_detached`` hears how it went. ``encoded``: as
+        ``call``'s."""
         pending = self._pending
         if not pending:
             loop = self._loop
             if loop is None:
                 loop = self._loop = asyncio.get_running_loop()
             loop.call_soon(self._flush)
-        pending.append((encode_command(args) if self._batched else b"", args, None))
+        if self._batched:
+            pending.append((encoded or encode_command(args), args, None))
+        else:
+            pending.append((b"", args, None))
         self.detached += 1
 
     def _flush(self) -> None:
@@ -69,7 +77,7 @@ class TickBatch:
 
     def _resolve_later(self, future: asyncio.Future[Any] | None, args: tuple[CommandArg, ...]) -> None:
         try:
-            sent = asyncio.ensure_future(self.client.execute_command(*args))
+            sent = asyncio.ensure_future(self.client.execute_command(*_routed(args), **_reply_options(args)))
         except BACKEND_ERRORS as error:
             self._fail([(b"", args, future)], error)
             return
@@ -104,6 +112,20 @@ class TickBatch:
                     self.on_detached(error)
             elif not future.done():
                 future.set_exception(error)
+
+
+def _routed(args: tuple[CommandArg, ...]) -> tuple[CommandArg, ...]:
+    """valkey-py's Cluster client routes by the command's name as a str (a bytes name is unknown to it)."""
+    name = args[0]
+    return (name.decode(), *args[1:]) if name.__class__ is bytes else args  # type: ignore[union-attr]
+
+
+def _reply_options(args: tuple[CommandArg, ...]) -> dict[str, bool]:
+    """A ``SET ... GET`` reply is the old value: valkey-py's SET callback turns it into a bool unless told."""
+    name = args[0]
+    if name in (b"SET", "SET") and any(arg in (b"GET", "GET") for arg in args[3:]):
+        return {"get": True}
+    return {}
 
 
 _Entry = tuple[bytes, tuple[CommandArg, ...], "asyncio.Future[Any] | None"]

@@ -88,7 +88,8 @@ def test_the_console_in_a_browser_from_sign_in_to_a_revoked_key(browser, gateway
     screenshot(browser, "sign-in")
     browser.find_element(By.ID, "token").send_keys("not-the-token")
     browser.find_element(By.ID, "sign-in").click()
-    assert "invalid admin token" in browser.find_element(By.ID, "problem").text
+    # the answer comes after the failed sign-in is written to the audit log: wait for it
+    assert "invalid admin token" in wait.until(expected_conditions.presence_of_element_located((By.ID, "problem"))).text
     browser.find_element(By.ID, "token").send_keys(OPS)
     browser.find_element(By.ID, "sign-in").click()
     wait.until(expected_conditions.presence_of_element_located((By.ID, "live")))

@@ -182,3 +182,41 @@ def test_a_slow_first_token_breaks_stickiness(mock_provider, loopback_gateway_fa
     assert served_by(gateway.port, 11, "slow") == home  # this answer is the slow one...
     moved = {served_by(gateway.port, 11, f"after-{n}") for n in range(3)}
     assert len(moved) == 1 and home not in moved  # ...and the prefix moved on
+
+
+def stream_served_by(port: int, prompt: int, user: str) -> tuple[str, float, bytes]:
+    """A streamed ask: the provider, the seconds until its head, and the whole body."""
+    client = Client(port)
+    try:
+        body = {"model": "m", "stream": True,
+                "messages": [system(prompt), {"role": "user", "content": f"question of {user}"}]}
+        started = time.monotonic()
+        response = client.request("POST", "/v1/chat/completions", body, [])
+        assert response.status == 200, response.body
+        return response.headers["x-gridgate-provider"], time.monotonic() - started, response.body
+    finally:
+        client.close()
+
+
+def test_a_stream_whose_first_token_is_late_breaks_stickiness_though_its_head_is_quick(
+        mock_provider, loopback_gateway_factory):
+    handles = {name: mock_provider(name) for name in ("p-a", "p-b", "p-c")}
+    extra = {"routing": {"prefix_affinity": {"enabled": True, "slow_first_token": "150ms"}}}
+    gateway = loopback_gateway_factory(three(handles), overlay(handles), extra=extra)
+    home, _, _ = stream_served_by(gateway.port, 12, "first")
+    assert stream_served_by(gateway.port, 12, "again")[0] == home  # quick: it stays
+    # The head and the role-only opening event leave at once; the first token 300 ms later.
+    assert request("127.0.0.1", handles[home].port, "POST", "/admin/config", {"ttft_ms": 300})[0] == 200
+    slow, _, body = stream_served_by(gateway.port, 12, "slow")
+    assert slow == home and b"[DONE]" in body  # this stream is the slow one...
+    moved = {stream_served_by(gateway.port, 12, f"after-{n}")[0] for n in range(3)}
+    assert len(moved) == 1 and home not in moved  # ...and the prefix moved on
+
+
+def test_a_stream_whose_first_token_is_quick_stays(mock_provider, loopback_gateway_factory):
+    """Quick first tokens (20 ms, under the 150 ms bound): the prefix stays on its provider."""
+    handles = {name: mock_provider(name, ttft_ms=20) for name in ("p-a", "p-b", "p-c")}
+    extra = {"routing": {"prefix_affinity": {"enabled": True, "slow_first_token": "150ms"}}}
+    gateway = loopback_gateway_factory(three(handles), overlay(handles), extra=extra)
+    homes = {stream_served_by(gateway.port, 13, f"u{n}")[0] for n in range(6)}
+    assert len(homes) == 1

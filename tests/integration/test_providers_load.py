@@ -25,8 +25,11 @@ def test_load_share_moves_when_a_provider_goes_down(mock_provider, tmp_path, cap
     finally:
         killer.cancel()
     document = json.loads(capsys.readouterr().out)
-    assert code == 0
     first, second = document["load"]
+    # b's death is not the announced change: phase two's shares miss the promise, and the exit says so
+    assert first["share_verdict"] == "pass" and second["share_verdict"] == "fail", (first, second)
+    assert any(miss.startswith("b ") for miss in second["share_misses"])
+    assert code == 3 and document["conformant"]  # every check passed; the load's shares did not
     assert first["error_rate"] == 0 and second["error_rate"] == 0  # failover hides both deaths
     assert set(first["share"]) == {"a", "b", "c"} and all(0.2 < s < 0.45 for s in first["share"].values())
     assert second["share"].get("c", 0) < 0.05  # forced down half way (an old worker may drain a last few)

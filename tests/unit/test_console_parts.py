@@ -28,6 +28,18 @@ def test_a_session_lives_until_its_expiry_and_is_found_only_by_its_id():
     assert book.find(first) is None and len(book) == 0
 
 
+def test_expired_sessions_are_handed_out_once_for_the_audit_log():
+    clock = FakeClock(100.0)
+    book = SessionBook(ttl_s=60, clock=clock)
+    first, second = book.open(b"a" * 32), book.open(b"b" * 32)
+    assert book.take_expired() == []
+    clock.advance(61)
+    assert book.find(first) is None  # its cookie came back after the expiry
+    expired = book.take_expired()  # the other one, swept although its cookie never came back
+    assert sorted(s.token_digest for s in expired) == [b"a" * 32, b"b" * 32] and len(book) == 0
+    assert book.find(second) is None and book.take_expired() == []
+
+
 def test_the_book_is_bounded_and_forgets_the_oldest_sessions_first():
     book = SessionBook(max_sessions=3, clock=FakeClock(0.0))
     ids = [book.open(bytes([n]) * 32) for n in range(5)]
@@ -137,6 +149,12 @@ def test_the_worker_ring_keeps_the_last_requests_and_reports_each_once():
     ring.add(RequestRecord(capability="m", status=499, ended=now, attempts=0))
     (row,) = ring.pending()
     assert (row.status, row.latency_ms, row.request_id) == (499, None, None)
+    for n in range(3):  # a few after a report: only they are new
+        ring.add(RequestRecord(request_id=b"s%d" % n, capability="m", status=200, ended=now, attempts=1))
+    assert [row.request_id for row in ring.pending()] == ["s0", "s1", "s2"]
+    for n in range(RING_SIZE):  # a full ring after a report: the last one reported is gone, all are new
+        ring.add(RequestRecord(request_id=b"u%d" % n, capability="m", status=200, ended=now, attempts=1))
+    assert [row.request_id for row in ring.pending()] == [f"u{n}" for n in range(RING_SIZE)]
 
 
 def test_the_requests_view_formats_what_the_page_shows():

@@ -142,6 +142,8 @@ TABLE_ENTRY = bytes.fromhex(
     "656e649285a3757364cb4014666666666666a6706572696f64a23164a2747ac0a7656e666f726365a468617264a8616c6572745f6174"
     "93cb3fe0000000000000cb3fe999999999999acb3ff000000000000085a3757364cb4034000000000000a6706572696f64a3316d6fa2"
     "747aac4575726f70652f5061726973a7656e666f726365a4736f6674a8616c6572745f617491cb3feccccccccccccdc0c004")
+# Since the previous-secret mark: one more element (false for the current secret); the older blob decodes.
+TABLE_ENTRY_BEFORE, TABLE_ENTRY = TABLE_ENTRY, b"\x9a" + TABLE_ENTRY[1:] + b"\xc2"
 
 
 def test_a_stored_record_and_its_table_entry_keep_their_bytes():
@@ -151,6 +153,7 @@ def test_a_stored_record_and_its_table_entry_keep_their_bytes():
     record = decode_record(STORED_RECORD)
     assert encode_record(record) == STORED_RECORD
     assert views_of(record, now=10, tenant_index=4) == {b"\xab" * 32: TABLE_ENTRY}
+    assert decode_entry(TABLE_ENTRY_BEFORE, slot=0).identity.via is None  # a blob written before the mark
     limits = decode_entry(TABLE_ENTRY, slot=0).identity.limits
     assert [(r.window_s, r.count, r.burst, r.shadow) for r in limits.requests] == [(60, 60, 60, False),
                                                                                    (86400, 5000, 10, True)]

@@ -114,9 +114,10 @@ class Console:
         if request.path.startswith("/console/static/"):
             return self._static_file(request)
         if request.path == "/console/login":
-            return self._login(request)
+            return await self._login(request)
         session_id = cookie_value(request.headers.get("cookie"))
         session = self._sessions.find(session_id)
+        await self._audit_expired()
         caller = None if session is None else self._admin.tokens().caller_by_digest(session.token_digest)
         if session is None or caller is None:
             self._sessions.close(session_id)  # a token taken out of admin.tokens ends its sessions
@@ -129,6 +130,7 @@ class Console:
             if request.path == "/console/logout":
                 self._sessions.close(session_id)
                 log.info("console: %s signed out", caller.name)
+                await self._admin.audit("console_sign_out", caller.name, {"address": request.peer})
                 return _redirect("/console", cleared_cookie(is_https(request.headers)))
             return await self._action(request, caller, session.csrf)
         if request.method not in ("GET", "HEAD"):
@@ -190,7 +192,7 @@ class Console:
 
     # ------------------------------------------------------------------ signing in and out
 
-    def _login(self, request: Request) -> AdminResponse:
+    async def _login(self, request: Request) -> AdminResponse:
         if request.method != "POST":
             return _not_allowed(request, "POST")
         if not same_origin(request.headers):
@@ -206,10 +208,20 @@ class Console:
         if caller is None:
             self._admin.throttle.failed(request.peer)
             log.warning("console: a sign-in with an invalid admin token from %s", request.peer)
+            await self._admin.audit("console_sign_in_failed", "", {"address": request.peer})  # no name: no token
             return self._login_page(401, "invalid admin token")
         session_id = self._sessions.open(digest)
         log.info("console: %s signed in from %s", caller.name, request.peer)
+        await self._admin.audit("console_sign_in", caller.name, {"address": request.peer})
+        await self._audit_expired()
         return _redirect("/console", session_cookie(session_id, int(self._sessions.ttl_s), is_https(request.headers)))
+
+    async def _audit_expired(self) -> None:
+        for session in self._sessions.take_expired():
+            caller = self._admin.tokens().caller_by_digest(session.token_digest)
+            name = "" if caller is None else caller.name  # "": the token has left admin.tokens since
+            log.info("console: a session of %s expired", name or "a removed token")
+            await self._admin.audit("console_session_expired", name, {})
 
     def _signed_out(self, request: Request) -> AdminResponse:
         if request.method in ("GET", "HEAD") and not request.path.startswith("/console/api/"):

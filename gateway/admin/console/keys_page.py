@@ -41,9 +41,14 @@ class KeysPage:
             view["spend"] = await self._spend(caller, "", today, view["problems"])
         tenants = sorted({record["tenant"] for record in records})
         for tenant in tenants[:MAX_TENANTS]:
+            budgets = await self._budgets(caller, tenant, view["problems"]) if view["can_quota"] else None
+            key_rows = [_key_row(r) for r in records if r["tenant"] == tenant]
+            if budgets is not None:  # each managed key's own limits beside it, the tenant's rules above
+                for row in key_rows:
+                    row["left"] = [b for b in budgets if b["owner"] == f"key {row['kid']}"]
+                budgets = [b for b in budgets if b["owner"] not in {f"key {row['kid']}" for row in key_rows}]
             view["tenants"].append({
-                "name": tenant, "key_rows": [_key_row(r) for r in records if r["tenant"] == tenant],
-                "budgets": await self._budgets(caller, tenant, view["problems"]) if view["can_quota"] else None,
+                "name": tenant, "key_rows": key_rows, "budgets": budgets,
                 "spend": await self._spend(caller, tenant, today, view["problems"]) if view["can_spend"] else None,
             })
         for tenant in tenants[MAX_TENANTS:]:
@@ -132,7 +137,7 @@ def _key_row(record: dict[str, Any]) -> dict[str, Any]:
     return {"kid": record["kid"], "alias": record.get("alias"), "status": record["status"],
             "models": ", ".join(record.get("models") or []) or "tenant's",
             "limits": "; ".join(parts) or "-", "expires_at": record.get("expires_at"),
-            "last_used_at": record.get("last_used_at"), "created_by": record.get("created_by")}
+            "last_used_at": record.get("last_used_at"), "created_by": record.get("created_by"), "left": None}
 
 
 def _message(answer: AdminResponse) -> str:

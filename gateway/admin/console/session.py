@@ -36,10 +36,12 @@ class SessionBook:
         self._max = max_sessions
         self._clock = clock
         self._sessions: dict[bytes, Session] = {}  # sha256(session id) -> session, oldest first
+        self._expired: list[Session] = []  # ended by their expiry since the last take_expired()
 
     def open(self, token_digest: bytes) -> str:
         """A new session for the token; returns its id (the cookie's value, not kept here)."""
         session_id = secrets.token_urlsafe(32)
+        self._sweep()
         self._sessions[_key(session_id)] = Session(token_digest, secrets.token_urlsafe(32),
                                                    self._clock() + self.ttl_s)
         while len(self._sessions) > self._max:
@@ -53,8 +55,25 @@ class SessionBook:
         session = self._sessions.get(key)
         if session is not None and session.expires_at <= self._clock():
             del self._sessions[key]
+            self._expired.append(session)
             return None
         return session
+
+    def take_expired(self) -> list[Session]:
+        """The sessions that ended by expiry since the last call (for the audit log), found when their
+        cookie came back or a sign-in swept them."""
+        self._sweep()
+        expired, self._expired = self._expired, []
+        return expired
+
+    def _sweep(self) -> None:
+        """Drop the expired sessions at the front (every session lives ``ttl_s``: oldest first)."""
+        now = self._clock()
+        while self._sessions:
+            key = next(iter(self._sessions))
+            if self._sessions[key].expires_at > now:
+                return
+            self._expired.append(self._sessions.pop(key))
 
     def close(self, session_id: str | None) -> None:
         if session_id:
