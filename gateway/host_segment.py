@@ -1,4 +1,4 @@
-"""The host's shared-memory segment as gridgate lays it out: endpoint rows plus four extra regions.
+"""The host's shared-memory segment as gridgate lays it out: endpoint rows plus five extra regions.
 
 Created once by the supervisor before it forks (or privately by a worker run on its own for
 profiling). Capacities are fixed for the segment's life, so they leave room for reloads.
@@ -12,6 +12,7 @@ from gateway.metrics.catalogue import COUNTERS, MAX_CLUSTERS
 from shm.affinity import AffinityTable
 from shm.conformance import ConformanceFlags
 from shm.metrics import MetricsTable
+from shm.prefixes import PrefixCells
 from shm.providers import ProviderCells
 from shm.segment import Segment
 
@@ -21,6 +22,8 @@ METRICS_REGION = "metrics"  # shm.metrics.MetricsTable: one gateway.metrics coun
 PROVIDERS_REGION = "providers"  # shm.providers.ProviderCells: cooling and latency per provider, per worker
 # shm.conformance.ConformanceFlags: providers the supervisor's conformance checks keep out of selection
 CONFORMANCE_REGION = "conformance"
+# shm.prefixes.PrefixCells: prefix affinity's placements, one row per worker slot (routing.prefix_affinity)
+PREFIXES_REGION = "prefixes"
 MAX_PROVIDERS = MAX_CLUSTERS
 
 
@@ -37,8 +40,17 @@ def create_segment(config: Config, worker_rows: int) -> Segment:
         METRICS_REGION: MetricsTable.required_bytes(worker_rows, COUNTERS),
         PROVIDERS_REGION: ProviderCells.required_bytes(worker_rows, MAX_PROVIDERS),
         CONFORMANCE_REGION: ConformanceFlags.required_bytes(MAX_PROVIDERS),
+        # Carved whether prefix affinity is on or not (a reload may turn it on); pages never written cost no memory.
+        PREFIXES_REGION: PrefixCells.required_bytes(worker_rows, prefix_slots(config)),
     }
-    return Segment.create(worker_rows, endpoint_capacity(config), extra_regions=regions)
+    segment = Segment.create(worker_rows, endpoint_capacity(config), extra_regions=regions)
+    PrefixCells(segment.region(PREFIXES_REGION), worker_rows, prefix_slots(config))  # writes its header
+    return segment
+
+
+def prefix_slots(config: Config) -> int:
+    """The prefix table's slots for the segment's life (``table_size`` at start; a reload keeps them)."""
+    return config.routing.prefix_affinity.table_size
 
 
 def endpoint_ids(*configs: Config) -> list[str]:

@@ -4,7 +4,7 @@ The supervisor calls :meth:`Segment.create` *before* forking; the anonymous ``MA
 inherited by every child (workers, health process), so nothing is ever looked up by name. Layout, all
 offsets 64-byte aligned, all cells little-endian int64::
 
-    header      256 B   magic, layout version, sizes, region offsets, rows in use, extra-region table
+    header      512 B   magic, layout version, sizes, region offsets, rows in use, extra-region table
     directory   64 B + max_endpoints * 256 B    endpoint id -> slot (writer: supervisor, seqlocked)
     rows        max_workers * (1 + max_endpoints) * 64 B   one row per worker (writer: that worker)
     health      64 B + max_endpoints * 128 B    verdict per slot (writer: the health process, seqlocked)
@@ -23,21 +23,22 @@ from dataclasses import dataclass
 from shm.seqlock import read_record, write_record
 
 MAGIC = int.from_bytes(b"GRIDGSHM", "little")
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: a 512-byte header with room for 8 extra regions (1: 256 bytes, 4)
 LINE_BYTES = 64
 WORD_BYTES = 8
 LINE_WORDS = LINE_BYTES // WORD_BYTES
 
-HEADER_BYTES = 256
+HEADER_BYTES = 512
 MAX_WORKERS_LIMIT = 1024
 MAX_ENDPOINTS_LIMIT = 65_536
-MAX_EXTRA_REGIONS = 4
+MAX_EXTRA_REGIONS = 8
 EXTRA_NAME_BYTES = 16
 
 # Header word indexes.
 H_MAGIC, H_VERSION, H_TOTAL, H_MAX_WORKERS, H_MAX_ENDPOINTS = 0, 1, 2, 3, 4
 H_DIRECTORY, H_ROWS, H_ROW_STRIDE, H_HEALTH, H_EXTRA_COUNT, H_ROWS_IN_USE = 5, 6, 7, 8, 9, 10
 H_EXTRAS = 16  # then MAX_EXTRA_REGIONS entries of 4 words: name (2 words), offset, size
+assert H_EXTRAS + 4 * MAX_EXTRA_REGIONS <= HEADER_BYTES // WORD_BYTES, "the extra-region table overflows the header"
 
 # Directory: one header line [seq, epoch, in_use_count, ...] then one 256-byte entry per slot.
 DIRECTORY_ENTRY_WORDS = 32

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from gateway.config import Config, PrefixAffinity
-from gateway.host_segment import CONFORMANCE_REGION, MAX_PROVIDERS, PROVIDERS_REGION
+from gateway.host_segment import CONFORMANCE_REGION, MAX_PROVIDERS, PREFIXES_REGION, PROVIDERS_REGION
 from gateway.identity.auth import Authenticator
 from gateway.identity.client_cert import CertificateTenants
 from gateway.keys.lookup import KeyLookup
@@ -32,6 +32,7 @@ from gateway.request.routes import RouteTable
 from gateway.routing import Router
 from gateway.routing.eligibility import FactsTable
 from gateway.routing.prefix import PrefixTable
+from gateway.routing.prefix_shared import SharedPrefixTable
 from gateway.routing.tenants import TenantPolicies
 from gateway.spend.price_book import PriceBook
 from gateway.valkey.client import create_client
@@ -40,6 +41,7 @@ from shm.conformance import ConformanceFlags
 from shm.counters import WorkerRow
 from shm.keys import KeyTable
 from shm.metrics import MetricsTable
+from shm.prefixes import PrefixCells
 from shm.providers import EndpointCooling, ProviderCells
 from shm.segment import Segment
 from workers.access_log import AccessLog
@@ -137,7 +139,7 @@ class RequestPath:
             max(ctx.slot, 0), affinity=_affinity_table(ctx, segment),
             affinity_ttl_s=float(routing.session_affinity.ttl), provider_index=provider_index,
             providers=providers.view, picker=routing.picker, facts=FactsTable(routing.models),
-            prefixes=prefix_table(routing.prefix_affinity, config.worker_count()),
+            prefixes=prefix_table(routing.prefix_affinity, segment, row.index),
         )
         report_unconfigured(router.prepare(overlay.snapshot))
         # One price book per worker (docs/pricing.md): what a request costs when it ends, the worst case a
@@ -231,14 +233,18 @@ async def _quota_gate(ctx: WorkerContext, prices: PriceBook) -> QuotaGate | None
     return gate
 
 
-def prefix_table(prefix: PrefixAffinity, workers: int) -> PrefixTable | None:
-    """Prefix affinity's per-worker placements (None: off). A prefix's share of a provider's capacity is
-    split over the host's workers, each counting its own requests (SO_REUSEPORT spreads them evenly)."""
+def prefix_table(prefix: PrefixAffinity, segment: Segment | None = None, worker: int = 0) -> PrefixTable | None:
+    """Prefix affinity's placements (None: off): over the host's shared cells (gateway/routing/prefix_shared.py),
+    a prefix's requests in flight counted across the host against its share of a provider's capacity;
+    without a segment (a unit's own table), this worker's alone."""
     if not prefix.enabled:
         return None
-    share = math.ceil(prefix.spill_at * prefix.capacity / max(1, workers))
+    share = math.ceil(prefix.spill_at * prefix.capacity)
     slow = None if prefix.slow_first_token is None else float(prefix.slow_first_token)
-    return PrefixTable(prefix.table_size, share, prefix.misses, slow)
+    if segment is None:
+        return PrefixTable(prefix.table_size, share, prefix.misses, slow)
+    cells = PrefixCells.attach(segment.region(PREFIXES_REGION))
+    return SharedPrefixTable(cells, worker, segment.rows_in_use, share, prefix.misses, slow)
 
 
 def _head_gate(config: Config, clusters: ClusterManager, settings: ProxySettings,

@@ -110,7 +110,7 @@ class PrefixAffinity(StrictStruct):
     capacity: int = 64  # requests in flight one provider takes well (per host): spill_at's whole
     misses: int = 4  # consecutive cache misses on its provider that move a prefix to the next one
     slow_first_token: Seconds | None = None  # a first token slower than this moves the prefix on; None: never
-    table_size: int = 4096  # prefixes each worker remembers (placement, misses, in flight)
+    table_size: int = 4096  # slots of the prefix table the host's workers share (fixed at start)
 
     _RANGES: ClassVar[dict[str, Range]] = {
         "prefix_tokens": (16, 1_000_000), "spill_at": (0.01, 1.0), "capacity": (1, 1_000_000),

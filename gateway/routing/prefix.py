@@ -47,13 +47,14 @@ class Placement:
     """One request's prefix placement: the entry, the provider it went to, and how far it spilled
     (0: the prefix's place; 1: the next provider; ...). The request's record holds it until its end."""
 
-    __slots__ = ("entry", "provider", "spilled", "ring")
+    __slots__ = ("entry", "provider", "spilled", "ring", "counted")
 
-    def __init__(self, entry: PrefixEntry, provider: int, spilled: int, ring: int) -> None:
+    def __init__(self, entry: PrefixEntry, provider: int, spilled: int, ring: int, counted: int = 0) -> None:
         self.entry = entry
         self.provider = provider
         self.spilled = spilled
         self.ring = ring  # usable providers in the ranking when placed
+        self.counted = counted  # where its in-flight count went (the shared table's word; -1: not counted)
 
 
 class PrefixTable:
@@ -105,36 +106,58 @@ class PrefixTable:
             if fewest is None or load < fewest:
                 fewest, chosen = load, index
         provider = ranked[chosen].provider
-        inflight[provider] = inflight.get(provider, 0) + 1
+        counted = self._enter(entry, provider)
         spilled = chosen - start if chosen >= start else chosen + count - start
-        self.placed = Placement(entry, provider, spilled, count)
+        self.placed = Placement(entry, provider, spilled, count, counted)
         return chosen
 
-    def ended(self, placement: Placement, served_by: int, cached_tokens: int | None,
-              first_token_s: float | None) -> tuple[int, bool] | None:
-        """The request is over: its in-flight count goes back; an answer from the prefix's own place
-        confirms it (cached tokens reported) or counts against it (none, or a slow first token). Says
-        what it learnt: (HIT or MISS or MOVED, whether the prefix moved), None when nothing."""
-        entry = placement.entry
+    def _enter(self, entry: PrefixEntry, provider: int) -> int:
+        """Count the prefix's new request in flight on ``provider``; says where (``Placement.counted``)."""
         inflight = entry.inflight
+        inflight[provider] = inflight.get(provider, 0) + 1
+        return 0
+
+    def _leave(self, placement: Placement) -> None:
+        """The placed request is over: its in-flight count goes back."""
+        inflight = placement.entry.inflight
         provider = placement.provider
         left = inflight.get(provider, 0) - 1
         if left > 0:
             inflight[provider] = left
         else:
             inflight.pop(provider, None)
-        if placement.spilled or served_by != provider:
+
+    def _fresh(self, entry: PrefixEntry) -> None:
+        """Bring the entry up to date before feedback (the shared table reads the host's cells)."""
+
+    def _hit(self, entry: PrefixEntry) -> None:
+        entry.misses = entry.moves = 0
+
+    def _missed(self, entry: PrefixEntry) -> bool:
+        """One more miss in a row; whether the run reached ``misses``."""
+        entry.misses += 1
+        return entry.misses >= self.miss_limit
+
+    def ended(self, placement: Placement, served_by: int, cached_tokens: int | None,
+              first_token_s: float | None) -> tuple[int, bool] | None:
+        """The request is over: its in-flight count goes back; an answer from the prefix's own place
+        confirms it (cached tokens reported) or counts against it (none, or a slow first token). Says
+        what it learnt: (HIT or MISS or MOVED, whether the prefix moved), None when nothing."""
+        self._leave(placement)
+        if placement.spilled or served_by != placement.provider:
             return None  # served elsewhere than its place: says nothing about the place's cache
         slow = self.slow_first_token_s
-        if slow is not None and first_token_s is not None and first_token_s > slow:
-            return MOVED, self._move(entry, placement.ring)
-        if cached_tokens is None:  # the provider reports nothing of its cache
+        slow = slow is not None and first_token_s is not None and first_token_s > slow
+        if not slow and cached_tokens is None:  # the provider reports nothing of its cache
             return None
-        if cached_tokens > 0:
-            entry.misses = entry.moves = 0
+        entry = placement.entry
+        self._fresh(entry)
+        if slow:
+            return MOVED, self._move(entry, placement.ring)
+        if cached_tokens > 0:  # type: ignore[operator]
+            self._hit(entry)
             return HIT, False
-        entry.misses += 1
-        return MISS, entry.misses >= self.miss_limit and self._move(entry, placement.ring)
+        return MISS, self._missed(entry) and self._move(entry, placement.ring)
 
     def _move(self, entry: PrefixEntry, ring: int) -> bool:
         entry.misses = 0

@@ -220,3 +220,22 @@ def test_a_stream_whose_first_token_is_quick_stays(mock_provider, loopback_gatew
     gateway = loopback_gateway_factory(three(handles), overlay(handles), extra=extra)
     homes = {stream_served_by(gateway.port, 13, f"u{n}")[0] for n in range(6)}
     assert len(homes) == 1
+
+
+def test_two_workers_share_a_prefixs_spill_share_and_its_moves(mock_provider, gateway_factory):
+    """Requests of one prefix that SO_REUSEPORT spreads over two workers: the spill share is the host's
+    (one in flight on a provider with capacity 2 x spill_at 0.5, not one per worker), and a move learnt
+    from misses on either worker is followed by both."""
+    handles = {name: mock_provider(name, latency_ms=400, prefix_cache=64) for name in ("p-a", "p-b", "p-c")}
+    extra = {"routing": {"prefix_affinity": {"enabled": True, "capacity": 2, "spill_at": 0.5, "misses": 2}}}
+    gateway = gateway_factory(three(handles), overlay(handles), workers=2, extra=extra)
+    home = served_by(gateway.port, 21)
+    for _ in range(3):  # new connections land on both workers: each burst spills over the host's share
+        with ThreadPoolExecutor(3) as pool:
+            burst = list(pool.map(lambda n: served_by(gateway.port, 21, f"burst-{n}"), range(3)))
+        assert Counter(burst) == {name: 1 for name in handles}, burst
+    assert request("127.0.0.1", handles[home].port, "POST", "/admin/config", {"prefix_cache_ttl_ms": 0.001})[0] == 200
+    path = [served_by(gateway.port, 21, f"user-{n}") for n in range(8)]
+    moved = path[2]
+    assert path[:2] == [home, home] and moved != home and path[2:] == [moved] * 6, path
+    assert metric_value(gateway.admin_port, 'gridgate_prefix_affinity_total{event="moved"}') == 1

@@ -160,3 +160,20 @@ def test_fresh_health_records_read_as_healthy_and_round_trip() -> None:
                           ejected_until_ns=123, consecutive_failures=5)
     table.publish(3, record)
     assert table.read(3) == record
+
+
+def test_the_header_holds_eight_extra_regions_and_refuses_a_ninth():
+    import pytest
+
+    from shm.segment import MAX_EXTRA_REGIONS
+
+    regions = {f"region-{n}": 64 * (n + 1) for n in range(MAX_EXTRA_REGIONS)}
+    segment = Segment.create(2, 4, extra_regions=regions)
+    assert MAX_EXTRA_REGIONS == 8 and LAYOUT_VERSION == 2
+    for name, size in regions.items():
+        view = segment.region(name)
+        assert len(view) == size
+        view[:] = bytes([len(name)]) * size  # each region is its own: writing one leaves the others
+    assert all(bytes(segment.region(name)) == bytes([len(name)]) * size for name, size in regions.items())
+    with pytest.raises(ShmCapacityError):
+        Segment.create(2, 4, extra_regions={**regions, "one-more": 64})
