@@ -22,8 +22,8 @@ same code as before, which never sees the stand-in. Pure: bytes in, bytes out.
 
 from __future__ import annotations
 
-# The shortest value worth setting aside: below it the few C calls here cost about what h11's regex does.
-MIN_SET_ASIDE_BYTES = 128
+# The shortest value worth setting aside: measured break-even near 300 bytes (the set-aside costs ~1.7 µs).
+MIN_SET_ASIDE_BYTES = 256
 # A valid field value h11 parses in one regex step, never a credential: it lives only between the codec's
 # two calls and is never seen by the gateway.
 STAND_IN = b"-"
