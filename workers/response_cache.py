@@ -168,15 +168,18 @@ class ResponseCache:
             return None
         return cache_key(self.config, surface, flow.admitted.tenant, flow.request.name, exchange.body, headers)
 
+    def _bypass_after(self, flow: Any, error: BaseException) -> None:
+        """A failed lookup: the request goes on as if there were no cache (never an error)."""
+        self._failed(error)
+        flow.record.cache = BYPASS
+        self.bypasses += 1
+        self.metrics.cache_bypass()
+
     async def _get(self, flow: Any, key: CacheKey) -> ErrorReply | None:
         try:
             data = await self.commands.call(b"GET", key.key, encoded=_GET % (len(key.key), key.key))
         except BACKEND_ERRORS as error:
-            self._failed(error)
-            flow.record.cache = BYPASS
-            self.bypasses += 1
-            self.metrics.cache_bypass()
-            return None
+            return self._bypass_after(flow, error)
         entry = None if data is None else decode_entry(data)
         if entry is not None:
             if self.local is not None:
@@ -196,11 +199,7 @@ class ResponseCache:
             data = await self.commands.call(b"SET", name, marker, b"NX", b"PX", self.lead_ms, b"GET", encoded=_CLAIM % (
                 len(name), name, len(marker), marker, len(self.lead_ms), self.lead_ms))
         except BACKEND_ERRORS as error:
-            self._failed(error)
-            flow.record.cache = BYPASS
-            self.bypasses += 1
-            self.metrics.cache_bypass()
-            return None
+            return self._bypass_after(flow, error)
         if data is None:  # claimed: this request leads
             self._lead(flow.record, flow.exchange, key, marker)
             return None

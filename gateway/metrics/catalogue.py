@@ -95,7 +95,7 @@ CLIENT_CERT_REFUSALS = CACHE_BACKEND_ERRORS + 1
 PREFIX_AFFINITY = CLIENT_CERT_REFUSALS + len(REFUSAL_REASONS)  # per PREFIX_EVENTS entry
 # JWT bearer tokens (docs/identity.md), per JWT_EVENTS entry: tokens whose limit claims were unusable (the
 # config's limits applied), and the worker's waits on an unknown kid by how they ended.
-JWT_EVENTS = ("limit_claims_ignored", "unknown_kid_found", "unknown_kid_timeout")
+JWT_EVENTS = ("limit_claims_ignored",)
 JWT_COUNTS = PREFIX_AFFINITY + len(PREFIX_EVENTS)
 COUNTERS = JWT_COUNTS + len(JWT_EVENTS)
 

@@ -253,11 +253,6 @@ def _process_families(totals: list[int]) -> Iterator:
     yield CounterMetricFamily(
         "gridgate_jwt_limit_claims_ignored", "JWTs whose limits_from_claims values were unusable (not a whole "
         "number within bounds): the configured limits applied.", value=jwt["limit_claims_ignored"])
-    waits = CounterMetricFamily("gridgate_jwt_unknown_kid_waits", "Worker waits for a refetched key set on a "
-                                "token's unknown kid, by outcome (found, timeout).", labels=["outcome"])
-    for outcome in ("found", "timeout"):
-        waits.add_metric([outcome], jwt[f"unknown_kid_{outcome}"])
-    yield waits
 
 
 def _cache_families(totals: list[int], tenant_names: Sequence[str]) -> Iterator:

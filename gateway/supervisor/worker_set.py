@@ -18,12 +18,14 @@ from collections.abc import Callable
 
 from gateway.config import Config
 from gateway.health.watch import HealthWatch
+from gateway.host_segment import PREFIXES_REGION
 from gateway.process_protocol import StatusMessage, WorkerContext
 from gateway.supervisor.children import describe_exit, fork_child, needs_health_process
 from gateway.supervisor.lifecycle import Child, CrashBackoff, SlotPool, StartupGuard
 from gateway.supervisor.listeners import ListenerKey, ListenerSockets, lowest_free_position
 from gateway.supervisor.policy import BOOT_TIMEOUT, HUNG_AFTER, KILL_GRACE
 from gateway.supervisor.worker_counters import WorkerCounters
+from shm.prefixes import PrefixCells
 from shm.segment import Segment
 
 log = logging.getLogger("gridgate.supervisor")
@@ -214,6 +216,7 @@ class WorkerSet:
             os.close(child.status_fd)
         if child.slot >= 0:
             self._segment.reset_worker_row(child.slot)  # its in-flight counts must not leak
+            PrefixCells.attach(self._segment.region(PREFIXES_REGION)).reset_inflight(child.slot)  # nor its prefixes'
             self._counters.retire(child.slot)
             self._slots.release(child.slot)
 
