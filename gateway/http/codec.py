@@ -190,6 +190,9 @@ class BodyReader:
         return NEED_DATA
 
 
+# h11 quotes the line it refused ("illegal header line: bytearray(b'Authorization: Bearer ...')"): cut from
+# the quote on, so an error never echoes a credential (or any request bytes) back or into a log.
+_ECHOED = re.compile(r":? ?(?:bytearray\()?b['\"].*\Z", re.DOTALL)
 # The end of a request head, found the way h11 finds it (a bare LF is a line end too).
 _HEAD_END = re.compile(rb"\n\r?\n")
 _CONNECTION_CLOSED = h11.ConnectionClosed()
@@ -308,7 +311,7 @@ class ServerCodec:
         except h11.RemoteProtocolError as error:
             if head[:2] == _TLS_HANDSHAKE and self._first_request:  # a ClientHello holding a blank line
                 raise NotHttp("a TLS handshake on a plain HTTP listener") from None
-            raise ParseError(str(error), error.error_status_hint) from None
+            raise ParseError(_ECHOED.sub("", str(error)), error.error_status_hint) from None
         if type(event) is not h11.Request:  # a complete head is a request or an error
             raise ParseError("malformed request head")
         return event
