@@ -1,11 +1,12 @@
 """The promises of docs/cache.md that tests/integration/test_response_cache.py left without a test that can
-fail: an entry is never read by a request that says ``no-store`` or ``bypass``, answers over ``max_entry``,
-cut streams, chat streams without their [DONE] and streams ending in an error event are never stored, an alias and its target share entries, a seed or ``only_deterministic:
-false`` makes a request cacheable, an entry dies with its TTL (and so do the workers' copies of it),
-waiters are bounded in time, a crashed leader's claim holds nobody past its expiry, a hit takes no token
-estimate and is refused once the request limit is spent, and with the cache off nothing says
-``x-gridgate-cache``. One worker's request path in this process, real
-mock providers on loopback, the session's real Valkey."""
+fail: an entry is never read by a request that says ``no-store`` or ``bypass``; answers over ``max_entry``,
+cut streams, chat streams without their [DONE] and streams ending in an error event are never stored; an
+alias and its target share entries; a seed or ``only_deterministic: false`` makes a request cacheable; an
+entry dies with its TTL (and so do the workers' copies of it); waiters are bounded in time; a crashed
+leader's claim holds nobody past its expiry; a hit takes no token estimate and is refused once the request
+limit is spent; a miss and a hit cost the Valkey calls the docs say; with the cache off nothing says
+``x-gridgate-cache``. One worker's request path in this process, real mock providers on loopback, the
+session's real Valkey (the call counts: a Valkey of the test's own)."""
 
 from __future__ import annotations
 
