@@ -351,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     spend.add_argument("--from", dest="from_day", metavar="YYYY-MM-DD", help="first UTC day (default: 29 days "
                        "before --to)")
     spend.add_argument("--to", dest="to_day", metavar="YYYY-MM-DD", help="last UTC day (default: today)")
-    spend.add_argument("--group-by", default="day", choices=["day", "model", "key", "tenant"])
+    spend.add_argument("--group-by", default="day", choices=["day", "model", "key", "tenant", "subject"])
     spend.add_argument("--json", action="store_true", help="print the API's JSON answer (for scripts)")
     spend.set_defaults(handler=cmd_spend)
     _providers_commands(commands)

@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from gateway.identity.auth import SUBJECT_SEPARATOR
 from gateway.pricing.table import shipped_table
 from gateway.process_protocol import SpendAlertReport, SpendCounts, encode_status, try_send_status
 from gateway.spend.alerts import AlertOutbox, SpendAlert, alert_text, install_outbox, publish_alert
@@ -88,7 +89,7 @@ class SpendTracker:
         exchange = record.exchange
         admitted = None if exchange is None else exchange.admitted
         identity = None if admitted is None else admitted.key
-        key = (identity.kid or identity.alias or NO_KEY) if identity is not None else NO_KEY
+        key = identity.rollup_name if identity is not None else NO_KEY  # a subject's: "<via>\x1e<subject>"
         cell = (int(_time() // DAY_S), record.tenant or NO_KEY, key, model)
         try:  # a cell the batch holds (nearly every request): no method call; a new one raises, once a batch
             counts = self.batch.cells[cell]
@@ -113,7 +114,7 @@ class SpendTracker:
         exchange = record.exchange
         admitted = None if exchange is None else exchange.admitted
         identity = None if admitted is None else admitted.key
-        key = (identity.kid or identity.alias or NO_KEY) if identity is not None else NO_KEY
+        key = identity.rollup_name if identity is not None else NO_KEY  # a subject's: "<via>\x1e<subject>"
         cell = (int(_time() // DAY_S), record.tenant or NO_KEY, key, model)
         if not self.batch.add_hit(cell, record.saved_tokens or 0, record.saved_nusd or 0):
             self.cells_dropped += 1
@@ -130,8 +131,8 @@ class SpendTracker:
         if self.batch.cells and not flushing and self._failed is None:
             batch, self.batch = self.batch, RollupBatch()
             for (_day, tenant, key, model), counts in batch.cells.items():
-                if counts[5]:
-                    self.counters.add(tenant, model, key, counts[5])
+                if counts[5]:  # the metric's key label: a subject without its via
+                    self.counters.add(tenant, model, key.rpartition(SUBJECT_SEPARATOR)[2], counts[5])
             if self._store_url is not None:
                 self._flushes += 1
                 self._failed = (f"{self._flush_prefix}-{self._flushes}", batch)

@@ -42,11 +42,13 @@ OPERATIONS = {"chat_completions": "chat", "messages": "chat", "responses": "chat
 class Tracer:
     """One per worker: the sampling rule, the id source and the exporter."""
 
-    __slots__ = ("sample", "exporter", "_bits", "_random")
+    __slots__ = ("sample", "exporter", "issuers", "_bits", "_random")
 
-    def __init__(self, sample: float, exporter: SpanExporter, rng: random.Random | None = None) -> None:
+    def __init__(self, sample: float, exporter: SpanExporter, rng: random.Random | None = None,
+                 issuers: dict[str, str] | None = None) -> None:
         self.sample = sample
         self.exporter = exporter
+        self.issuers = issuers or {}  # a JWT identity (``jwt:<name>``) -> its issuer's ``iss`` (auth.jwt)
         rng = rng or random.Random()
         self._bits = rng.getrandbits
         self._random = rng.random
@@ -55,7 +57,10 @@ class Tracer:
     def from_config(cls, config: Config) -> Tracer | None:
         """The worker's tracer (its exporter thread starts), or None when ``tracing`` is not configured."""
         settings = config.tracing
-        return None if settings is None else cls(settings.sample, SpanExporter(settings))
+        if settings is None:
+            return None
+        issuers = {f"jwt:{entry.name}": entry.issuer for entry in config.auth.jwt} if config.auth is not None else {}
+        return cls(settings.sample, SpanExporter(settings), issuers=issuers)
 
     def begin(self, record: RequestRecord, headers: dict[bytes, bytes] | None, surface: str,
               t_start: float) -> RequestTrace | None:
@@ -158,6 +163,7 @@ class RequestTrace:
             self.operation, model, record.method, record.target, status, record.attempts, record.request_id,
             record.tenant, record.route, result is not None and result.started,
             record.tokens_prompt, record.tokens_completion, record.evidence, record.filtered,
+            record.identity, self.tracer.issuers,
         ))
         done = self.done
         done.append(span)
@@ -188,7 +194,8 @@ def attempt_attributes(operation: str, model: str, cluster: str, address: str, a
 def request_attributes(operation: str, model: str | None, method: bytes | None, target: bytes | None, status: int,
                        attempts: int, request_id: bytes | None, tenant: str | None,
                        route: RouteDecision | None, served: bool, prompt: int | None, completion: int | None,
-                       evidence: RouteEvidence | None, filtered: int) -> list[tuple[str, AttributeValue]]:
+                       evidence: RouteEvidence | None, filtered: int, identity: str | None = None,
+                       issuers: dict[str, str] | None = None) -> list[tuple[str, AttributeValue]]:
     attributes: list[tuple[str, AttributeValue]] = [
         ("gen_ai.operation.name", operation), ("gen_ai.request.model", model or ""),
         ("http.request.method", (method or b"").decode("latin-1")),
@@ -199,6 +206,8 @@ def request_attributes(operation: str, model: str | None, method: bytes | None, 
         attributes.append(("gridgate.request_id", request_id.decode("latin-1")))
     if tenant is not None:
         attributes.append(("gridgate.tenant", tenant))
+    if identity is not None:
+        attributes += identity_attributes(identity, issuers or {})
     if route is not None:
         attributes += [
             ("gen_ai.provider.name", route.cluster), ("gridgate.route.stable_id", route.stable_id),
@@ -215,6 +224,21 @@ def request_attributes(operation: str, model: str | None, method: bytes | None, 
     if filtered:
         attributes.append(("gridgate.route.filtered", filtered))
     return attributes
+
+
+def identity_attributes(identity: str, issuers: dict[str, str]) -> list[tuple[str, AttributeValue]]:
+    """Who a request a JWT, a client certificate or a managed key's previous secret identified is
+    (docs/tracing.md): the access line's ``identity``, its kind and a JWT's issuer. Never the subject: a
+    trace goes to a collector outside the gateway, and a subject may be a person (CONTRACT 21 gives the
+    subject to the access log and the spend report, not to traces or metrics)."""
+    if identity.startswith("jwt:"):
+        attributes: list[tuple[str, AttributeValue]] = [("gridgate.identity", identity),
+                                                        ("gridgate.identity.kind", "jwt")]
+        issuer = issuers.get(identity)
+        if issuer is not None:
+            attributes.append(("gridgate.identity.issuer", issuer))
+        return attributes
+    return [("gridgate.identity", identity), ("gridgate.identity.kind", "mtls" if identity == "mtls" else "api_key")]
 
 
 def evidence_attributes(evidence: RouteEvidence) -> list[tuple[str, AttributeValue]]:

@@ -31,6 +31,10 @@ if TYPE_CHECKING:
     from gateway.identity.limits import Limits
 
 KEY_DIGEST_PREFIX = "sha256:"
+# A spend rollup's key column for a subject (a JWT's key claim, a certificate's value): ``<via>`` RS
+# ``<subject>``, so the report tells a subject from an API key's alias of the same name (group_by=subject).
+SUBJECT_SEPARATOR = "\x1e"
+NO_NAME = "-"  # the key column of a request without a key name (gateway.spend.rollups.NO_KEY)
 _DIGEST_FORM = re.compile(r"sha256:[0-9a-f]{64}")
 _BEARER = b"bearer "
 
@@ -54,6 +58,11 @@ def is_key_digest(value: str) -> bool:
     return _DIGEST_FORM.fullmatch(value) is not None
 
 
+def is_subject_via(via: str | None) -> bool:
+    """True for the ``via`` of an identity named by a subject: a JWT's (``jwt:<issuer>``), a certificate's."""
+    return via is not None and (via.startswith("jwt:") or via == "mtls")
+
+
 class KeyIdentity:
     """Who a request is: the tenant its key belongs to, the key's name and its own limits.
 
@@ -65,7 +74,7 @@ class KeyIdentity:
     one object per key.
     """
 
-    __slots__ = ("tenant", "kid", "alias", "limits", "tenant_index", "written", "via", "rule")
+    __slots__ = ("tenant", "kid", "alias", "limits", "tenant_index", "written", "via", "rule", "rollup_name")
 
     def __init__(self, tenant: str, alias: str | None = None, kid: str | None = None,
                  limits: Limits | None = None, tenant_index: int = -1, written: KeyLimits | None = None,
@@ -80,6 +89,9 @@ class KeyIdentity:
         # alias its subject (the key claim), ``rule`` the quota rule its claims name (None: rules match).
         self.via = via
         self.rule = rule
+        # The spend rollups' key column (made once here, not per request): a subject's ``via`` RS subject.
+        name = kid or alias or NO_NAME
+        self.rollup_name = f"{via}{SUBJECT_SEPARATOR}{name}" if is_subject_via(via) else name
 
     @property
     def name(self) -> str | None:

@@ -211,6 +211,20 @@ class Lease:
         self.taken += 1
         return headers
 
+    def take_hit(self, now: float) -> bool:
+        """``take`` and ``end`` of a request of 0 tokens and 0 nano-USD that reached its answer (a response
+        cache hit): its one request slot, if the block is open and has one. False changes nothing but what
+        ``take`` would close; ``take`` then tells why."""
+        if self.closed or now >= self.closes_at:
+            return False
+        slots = self.slots
+        if slots is not None:
+            if slots.committed >= slots.capacity:
+                return False
+            slots.committed += 1
+        self.taken += 1
+        return True
+
     def end(self, estimate: int, charged: int, reached: bool = True, worst: int = 0, cost: int | None = None) -> bool:
         """A request of this block ended and was charged ``charged`` tokens (its estimate, the
         provider's usage, or 0) and ``cost`` nano-USD (None: its ``worst`` case); ``reached`` False: it

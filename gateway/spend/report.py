@@ -4,8 +4,10 @@ calls both).
 
 Query: ``tenant``, ``kid`` (the key column: a kid, an alias or ``-``), ``model``, ``from`` and ``to``
 (UTC dates ``YYYY-MM-DD``, both included; default the last 30 days up to today; at most
-``RETENTION_DAYS`` days; ``to`` >= ``from``), ``group_by`` (``day``, ``model``, ``key`` or ``tenant``;
-default ``day``). A bad value is a ``QueryProblem`` naming the parameter (400).
+``RETENTION_DAYS`` days; ``to`` >= ``from``), ``group_by`` (``day``, ``model``, ``key``, ``tenant`` or
+``subject``; default ``day``). ``subject`` groups by the identity a JWT or a client certificate proved
+(its ``identity`` and subject: ``alice`` of ``jwt:okta`` is not ``alice`` of ``jwt:corp``, nor a YAML
+key's alias ``alice``); the requests of API keys and without auth are one row, subject ``-``. A bad value is a ``QueryProblem`` naming the parameter (400).
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from typing import Any
 
 from gateway.pricing.units import format_usd
 from gateway.query_params import QueryProblem, single_params
-from gateway.spend.rollups import COLUMNS, RETENTION_DAYS, RollupRow, day_number, day_text
+from gateway.spend.rollups import COLUMNS, NO_KEY, RETENTION_DAYS, RollupRow, day_number, day_text
 
-GROUPS = ("day", "model", "key", "tenant")
+GROUPS = ("day", "model", "key", "tenant", "subject")
 DEFAULT_DAYS = 30
 PARAMETERS = ("tenant", "kid", "model", "from", "to", "group_by")
 MAX_NAME = 256
@@ -72,20 +74,29 @@ def _date(params: dict[str, str], name: str, default: int) -> int:
         raise QueryProblem(f"{name}: must be a date YYYY-MM-DD, not {text!r}") from None
 
 
-def _group_value(row: RollupRow, group_by: str) -> str:
+def _group_value(row: RollupRow, group_by: str) -> tuple[str, str]:
+    """The group a row counts in: its name, and (``subject``) the identity that names it."""
     if group_by == "day":
-        return day_text(row.day)
+        return day_text(row.day), ""
     if group_by == "model":
-        return row.model
+        return row.model, ""
     if group_by == "key":
-        return row.key
-    return row.tenant
+        return row.key, ""
+    if group_by == "subject":
+        return (row.key, row.identity) if row.identity else (NO_KEY, "")
+    return row.tenant, ""
+
+
+def _group_fields(group_by: str, name: str, identity: str) -> dict[str, Any]:
+    if group_by == "subject":
+        return {"subject": name, "identity": identity or None}
+    return {group_by: name}
 
 
 def spend_report(query: SpendQuery, rows: Iterable[RollupRow]) -> dict[str, Any]:
     """The page's JSON: one row per group (sorted by it), each with the ``COLUMNS`` and ``cost_usd``
     (the exact decimal of ``cost_nusd``), then the totals."""
-    groups: dict[str, list[int]] = {}
+    groups: dict[tuple[str, str], list[int]] = {}
     totals = [0] * len(COLUMNS)
     for row in rows:
         if not query.keeps(row):
@@ -100,7 +111,7 @@ def spend_report(query: SpendQuery, rows: Iterable[RollupRow]) -> dict[str, Any]
         "to": day_text(query.last_day),
         "group_by": query.group_by,
         "filters": {"tenant": query.tenant, "kid": query.key, "model": query.model},
-        "data": [{query.group_by: name, **_columns(counts)} for name, counts in sorted(groups.items())],
+        "data": [{**_group_fields(query.group_by, *group), **_columns(counts)} for group, counts in sorted(groups.items())],
         "totals": _columns(totals),
     }
 
@@ -119,14 +130,16 @@ TABLE_COLUMNS = (("requests", "requests"), ("prompt", "tokens_prompt"), ("cached
 
 def spend_table(report: dict[str, Any]) -> str:
     """The report as an aligned table (``gridgate spend``): one line per group, the totals last; the
-    group column left-aligned, the numbers right-aligned."""
+    group column (with ``subject``: and the identity's) left-aligned, the numbers right-aligned."""
     group = report["group_by"]
-    lines = [[group, *(title for title, _ in TABLE_COLUMNS)]]
-    lines += [[str(row[group]), *(str(row[name]) for _, name in TABLE_COLUMNS)] for row in report["data"]]
-    lines.append(["total", *(str(report["totals"][name]) for _, name in TABLE_COLUMNS)])
+    named = [group, "identity"] if group == "subject" else [group]  # a subject beside the identity it is of
+    lines = [[*named, *(title for title, _ in TABLE_COLUMNS)]]
+    lines += [[*(str(row[name] or "-") for name in named), *(str(row[name]) for _, name in TABLE_COLUMNS)]
+              for row in report["data"]]
+    lines.append(["total", *([""] * (len(named) - 1)), *(str(report["totals"][name]) for _, name in TABLE_COLUMNS)])
     widths = [max(len(line[index]) for line in lines) for index in range(len(lines[0]))]
     rule = "  ".join("-" * width for width in widths)
-    text = ["  ".join(cell.ljust(width) if index == 0 else cell.rjust(width)
+    text = ["  ".join(cell.ljust(width) if index < len(named) else cell.rjust(width)
                       for index, (cell, width) in enumerate(zip(line, widths, strict=True))).rstrip()
             for line in lines]
     return "\n".join([*text[:-1], rule, text[-1]])

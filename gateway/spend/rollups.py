@@ -8,7 +8,8 @@ Layout, in the quota backend's Valkey (or the ``auth.store`` one without a quota
     gridgate:spend:{YYYY-MM-DD}:tenants      set: the tenants that have a hash that day
 
 ``<counter>`` is one letter per column (``COUNTERS``); ``<key>`` is a managed key's kid, a YAML key's
-alias, or ``-`` (a YAML key without alias, or no auth); ``<model>`` the model that served, last so
+alias, ``-`` (a YAML key without alias, or no auth), or for a subject (docs/identity.md) its identity and
+the subject joined by ``\x1e`` (``jwt:okta\x1ealice``, ``mtls\x1espiffe://...``); ``<model>`` the model that served, last so
 that any character it holds splits nothing. The day in braces is a Cluster hash tag: one day's hashes
 live in one slot, so a report reads a day in one pipeline batch. A report over N days reads the N
 ``tenants`` sets (one pipelined round trip), then one hash per (day, tenant) it needs (a second
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass
+
+from gateway.identity.auth import SUBJECT_SEPARATOR
 
 PREFIX = "gridgate:spend:"
 RETENTION_DAYS = 400
@@ -167,6 +170,7 @@ class RollupRow:
     key: str
     model: str
     counts: tuple[int, ...]  # COLUMNS
+    identity: str = ""  # a subject's identity (``jwt:<issuer>``, ``mtls``; its subject is ``key``); "" for a key
 
 
 def parse_hash(day: int, tenant: str, fields: dict[bytes, bytes]) -> list[RollupRow]:
@@ -183,4 +187,11 @@ def parse_hash(day: int, tenant: str, fields: dict[bytes, bytes]) -> list[Rollup
             continue
         counts = rows.setdefault((parts[1], parts[2]), [0] * len(COLUMNS))
         counts[_COLUMN_OF[parts[0]]] += value
-    return [RollupRow(day, tenant, key, model, tuple(counts)) for (key, model), counts in rows.items()]
+    return [_row(day, tenant, key, model, counts) for (key, model), counts in rows.items()]
+
+
+def _row(day: int, tenant: str, key: str, model: str, counts: list[int]) -> RollupRow:
+    identity, separator, subject = key.partition(SUBJECT_SEPARATOR)
+    if separator:
+        return RollupRow(day, tenant, subject, model, tuple(counts), identity)
+    return RollupRow(day, tenant, key, model, tuple(counts))

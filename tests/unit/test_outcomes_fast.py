@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from gateway.config import Cooling, PriceOverride, Pricing
+from gateway.identity.auth import KeyIdentity
 from gateway.metrics.catalogue import COUNTERS
 from gateway.metrics.writer import WorkerMetrics
 from gateway.pricing.table import shipped_table
@@ -115,7 +116,7 @@ class World:
         result = AttemptResult(status=case["status"], started=True, usage=usage, first_byte_s=0.01, duration_s=0.2,
                                client_left=case["client_left"])
         relay = SimpleNamespace(result=lambda: result)
-        identity = SimpleNamespace(kid=None, alias="ops")
+        identity = KeyIdentity("acme", "ops")
         exchange = SimpleNamespace(admitted=SimpleNamespace(key=identity), client_gone=False)
         reservation = None if self.lease is not None else Reservation(b"z", b"p", b"one", case["estimate"])
         admission = Admission(True, "admitted", None, (), reservation, case["estimate"], 0, None, self.lease, True,

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from gateway.config import Pricing
+from gateway.identity.auth import KeyIdentity
 from gateway.pricing.table import shipped_table
 from gateway.spend import rollups
 from gateway.spend.alerts import install_outbox
@@ -33,15 +34,17 @@ def general_count(batch: RollupBatch, record: RequestRecord, with_store: bool) -
     admitted = None if exchange is None else exchange.admitted
     identity = None if admitted is None else admitted.key
     key = (identity.kid or identity.alias or NO_KEY) if identity is not None else NO_KEY
+    if identity is not None and identity.via in ("jwt:okta", "mtls"):  # a subject: its identity's name with it
+        key = f"{identity.via}\x1e{key}"
     cell = (int(NOW // DAY_S), record.tenant or NO_KEY, key, model)
     return batch.add(cell, record.tokens_prompt or 0, record.tokens_cached or 0, record.tokens_completion or 0,
                      record.tokens_reasoning or 0, record.cost_nusd or 0)
 
 
-def exchange(kid: str | None, alias: str | None) -> Any:
+def exchange(kid: str | None, alias: str | None, via: str | None = None) -> Any:
     if kid is None and alias is None:
         return SimpleNamespace(admitted=None)
-    return SimpleNamespace(admitted=SimpleNamespace(key=SimpleNamespace(kid=kid, alias=alias)))
+    return SimpleNamespace(admitted=SimpleNamespace(key=KeyIdentity("acme", alias, kid, via=via)))
 
 
 def records(count: int) -> list[RequestRecord]:
@@ -55,7 +58,9 @@ def records(count: int) -> list[RequestRecord]:
             served_model=pick.choice((None, None, "fallback")),
             reached=pick.random() < 0.3,
             attempt=pick.choice((None, object(), object())),
-            exchange=pick.choice((None, exchange("k1", None), exchange(None, "ops"), exchange(None, None))),
+            exchange=pick.choice((None, exchange("k1", None), exchange(None, "ops"), exchange(None, None),
+                                  exchange(None, "alice", "jwt:okta"), exchange(None, "spiffe://a", "mtls"),
+                                  exchange("k2", None, "previous_secret"))),
             tokens_prompt=pick.choice(tokens), tokens_cached=pick.choice(tokens),
             tokens_completion=pick.choice(tokens), tokens_reasoning=pick.choice(tokens),
             cost_nusd=pick.choice((None, 0, 0, 17, 350_000)),

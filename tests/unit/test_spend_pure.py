@@ -59,6 +59,18 @@ def test_the_cost_counter_is_written_and_parsed_back_with_the_model_whole():
     assert parse_hash(TODAY, "t", fields) == [RollupRow(TODAY, "t", "k", "a\x1fb", (1, 3, 1, 2, 1, 123, 0, 0, 0))]
 
 
+def test_a_subjects_cell_is_parsed_back_with_its_identity_apart():
+    batch = RollupBatch()
+    batch.add((TODAY, "t", "jwt:okta\x1ealice", "m"), 3, 0, 2, 0, 5)
+    batch.add((TODAY, "t", "alice", "m"), 1, 0, 1, 0, 1)
+    args = batch.scripts("x")[0][6:]
+    pairs = args[3:]
+    fields = {field.encode(): str(value).encode() for field, value in zip(pairs[0::2], pairs[1::2], strict=True)}
+    assert sorted(parse_hash(TODAY, "t", fields), key=lambda row: row.identity) == [
+        RollupRow(TODAY, "t", "alice", "m", (1, 1, 0, 1, 0, 1, 0, 0, 0)),
+        RollupRow(TODAY, "t", "alice", "m", (1, 3, 0, 2, 0, 5, 0, 0, 0), "jwt:okta")]
+
+
 def test_a_full_batch_refuses_new_cells_but_keeps_counting_known_ones(monkeypatch):
     monkeypatch.setattr(rollups, "MAX_CELLS", 2)
     batch = RollupBatch()
@@ -112,6 +124,29 @@ def test_rows_are_grouped_each_way_with_exact_decimal_costs_and_totals():
     assert [row["key"] for row in spend_report(q(group_by="key", tenant="team-a"), ROWS)["data"]] == ["ci", "web"]
     only = spend_report(q(group_by="tenant", model="m", kid="-"), ROWS)
     assert [(row["tenant"], row["requests"]) for row in only["data"]] == [("team-b", 1)]
+
+
+SUBJECT_ROWS = [
+    RollupRow(TODAY, "acme", "alice", "m", (2, 10, 0, 2, 0, 20), "jwt:okta"),
+    RollupRow(TODAY - 1, "acme", "alice", "n", (1, 10, 0, 2, 0, 10), "jwt:okta"),
+    RollupRow(TODAY, "acme", "alice", "m", (1, 10, 0, 2, 0, 5), "jwt:corp"),
+    RollupRow(TODAY, "acme", "spiffe://a/b", "m", (1, 10, 0, 2, 0, 1), "mtls"),
+    RollupRow(TODAY, "acme", "alice", "m", (4, 10, 0, 2, 0, 3)),  # a YAML key aliased alice
+    RollupRow(TODAY, "acme", "-", "m", (1, 10, 0, 2, 0, 2)),
+]
+
+
+def test_rows_are_grouped_by_subject_and_identity_and_keys_are_one_row():
+    report = spend_report(q(group_by="subject"), SUBJECT_ROWS)
+    assert [(row["subject"], row["identity"], row["requests"], row["cost_nusd"]) for row in report["data"]] == [
+        ("-", None, 5, 5), ("alice", "jwt:corp", 1, 5), ("alice", "jwt:okta", 3, 30), ("spiffe://a/b", "mtls", 1, 1)]
+    assert report["totals"]["requests"] == 10
+    by_key = spend_report(q(group_by="key"), SUBJECT_ROWS)  # a key name, whoever it names
+    assert [(row["key"], row["requests"]) for row in by_key["data"]] == [("-", 1), ("alice", 8), ("spiffe://a/b", 1)]
+    text = spend_table(report)
+    header, first, *_, total = text.splitlines()
+    assert header.split()[:3] == ["subject", "identity", "requests"] and first.split()[:3] == ["-", "-", "5"]
+    assert total.split()[:2] == ["total", "10"]
 
 
 def test_the_table_is_aligned_with_the_totals_last():

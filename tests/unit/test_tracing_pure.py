@@ -94,3 +94,15 @@ def test_the_traces_url() -> None:
     assert Tracing(endpoint="https://c/otlp/v1/traces").traces_url() == "https://c/otlp/v1/traces"
     with pytest.raises(ValueError, match="endpoint"):
         Tracing(endpoint="c:4318")
+
+
+def test_identity_attributes_name_the_kind_and_a_jwts_issuer_never_a_subject():
+    from workers.tracing import identity_attributes
+
+    issuers = {"jwt:okta": "https://example.okta.com/oauth2/default"}
+    assert identity_attributes("jwt:okta", issuers) == [
+        ("gridgate.identity", "jwt:okta"), ("gridgate.identity.kind", "jwt"),
+        ("gridgate.identity.issuer", "https://example.okta.com/oauth2/default")]
+    assert identity_attributes("mtls", issuers) == [("gridgate.identity", "mtls"), ("gridgate.identity.kind", "mtls")]
+    assert identity_attributes("previous_secret", issuers) == [("gridgate.identity", "previous_secret"),
+                                                               ("gridgate.identity.kind", "api_key")]
