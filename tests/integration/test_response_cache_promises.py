@@ -15,6 +15,7 @@ import json
 import time
 import uuid
 
+from tests.harness import candidate
 from tests.inprocess import start_provider
 from tests.integration.test_response_cache import body, gateway_for, request_slots, run, until_stored
 
@@ -417,4 +418,39 @@ def test_a_stream_that_ends_in_an_error_event_is_never_stored(tmp_path, valkey_u
             await gateway.close()
             assert provider.server is not None
             provider.server.close()
+    run(scenario)
+
+
+def test_a_hit_of_an_answer_a_fallback_made_names_the_model_that_made_it(tmp_path, valkey_url):
+    """Model m with the chain [n]: m's provider fails, n answers, and the answer is stored under m's key.
+    The hit says the model that made it (``x-gridgate-model: n``, the access line's ``served_model``), as
+    the miss did, with no moves of its own (``x-gridgate-fallback-hops: 0``), and reaches neither provider."""
+    from tests.harness import envelope as overlay_of
+    from tests.inprocess import InProcessGateway
+
+    async def scenario() -> None:
+        failing = await start_provider("p-m", tokens=5, fail_rate=1.0)
+        serving = await start_provider("p-n", tokens=5)
+        overlay = overlay_of([candidate("m", "p-m"), candidate("n", "p-n")], "deterministic")
+        gateway = await InProcessGateway.start(
+            tmp_path, {"p-m": [failing.address], "p-n": [serving.address]}, overlay,
+            extra={"routing": {"retry": {"attempts": 2, "deadline": "10s", "backoff": {"base": "1ms", "max": "5ms"}}},
+                   "models": {"fallbacks": {"m": {"chain": ["n"], "on": ["unavailable"]}}},
+                   "cache": {"enabled": True, "backend": {"url": valkey_url}}})
+        try:
+            question = body(uuid.uuid4().hex)
+            miss = await gateway.request("POST", CHAT, question)
+            assert (miss.status, miss.headers["x-gridgate-cache"], miss.headers["x-gridgate-model"]) == (200, "miss", "n")
+            await until_stored(gateway)
+            served = (failing.served, serving.served)
+            hit = await gateway.request("POST", CHAT, question)
+            assert (hit.headers["x-gridgate-cache"], hit.body) == ("hit", miss.body)
+            assert (hit.headers["x-gridgate-model"], hit.headers["x-gridgate-fallback-hops"]) == ("n", "0")  # no moves
+            assert (failing.served, serving.served) == served
+            lines = gateway.access_lines()
+            assert [line.get("served_model") for line in lines] == ["n", "n"]
+        finally:
+            await gateway.close()
+            failing.server.close()
+            serving.server.close()
     run(scenario)
