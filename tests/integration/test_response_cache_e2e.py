@@ -158,3 +158,40 @@ def test_the_caches_valkey_stopped_and_started_again(gateway_factory, mock_provi
                       and meanwhile[-1], "hits again", timeout=10)
     assert back == (200, "hit", first)
     assert {status for status, _, _ in meanwhile} == {200}  # the bypasses until it answered again
+
+
+def test_with_worker_held_blocks_a_revoked_key_reads_no_cached_answer_after_a_second(
+        gateway_factory, mock_provider, keys_store):
+    """Leases on (the default): the key's hits are admitted from its worker-held block, in memory. Once it
+    is revoked, docs/keys.md bounds what a block may still admit to 1 s: within that (and a little for the
+    host table) every repeat is refused 401 ``key_revoked`` and none is answered from the cache again."""
+    import time
+
+    handle = mock_provider("provider-a")
+    extra = {"auth": {}, "admin": {"tokens": TOKENS}, "workers": 1,
+             "quota": {"backend": {"kind": "valkey", "url": keys_store.url},
+                       "rules": [{"name": "r", "requests": [{"window": "1d", "count": 100_000}]}]},
+             "cache": {"enabled": True}}
+    gateway = gateway_factory({"provider-a": [handle.address]}, envelope([candidate("m", "provider-a")]), extra=extra)
+    status, created = admin(gateway, "POST", "/admin/keys", {"tenant": "team-d"})
+    assert status == 201
+    kid, secret = created["record"]["kid"], created["key"]
+    body = {"model": "m", "messages": [{"role": "user", "content": uuid.uuid4().hex}], "temperature": 0}
+    auth = [("Authorization", f"Bearer {secret}")]
+
+    def ask() -> tuple[int, str | None, bytes]:
+        status, headers, data = request("127.0.0.1", gateway.port, "POST", "/v1/chat/completions", body, auth)
+        return status, headers.get("x-gridgate-cache"), data
+
+    assert ask()[:2] == (200, "miss")
+    wait_until(lambda: ask()[1] == "hit", "the entry stored", timeout=5)
+    assert [ask()[:2] for _ in range(10)] == [(200, "hit")] * 10  # from the key's block
+    served = mock_served(handle)
+    assert admin(gateway, "POST", f"/admin/keys/{kid}/revoke")[0] == 200
+    revoked_at = time.monotonic()
+    first_refusal = wait_until(lambda: (answer := ask())[0] == 401 and answer, "the revoked key refused", timeout=5)
+    assert time.monotonic() - revoked_at < 2.0
+    assert json.loads(first_refusal[2])["error"]["code"] == "key_revoked"
+    after = [ask() for _ in range(5)]
+    assert [(status, state) for status, state, _ in after] == [(401, None)] * 5
+    assert mock_served(handle) == served

@@ -1,10 +1,12 @@
 """The promises of docs/cache.md that tests/integration/test_response_cache.py left without a test that can
-fail: an entry is never read by a request that says ``no-store`` or ``bypass``, answers over ``max_entry``
-and cut streams are never stored, an alias and its target share entries, a seed or ``only_deterministic:
-false`` makes a request cacheable, an entry dies with its TTL (and so do the workers' copies of it),
-waiters are bounded in time, a crashed leader's claim holds nobody past its expiry, a hit takes no token estimate and is refused once the request limit is spent,
-and with the cache off nothing says ``x-gridgate-cache``. One worker's request path in this process, real
-mock providers on loopback, the session's real Valkey."""
+fail: an entry is never read by a request that says ``no-store`` or ``bypass``; answers over ``max_entry``,
+cut streams, chat streams without their [DONE] and streams ending in an error event are never stored; an
+alias and its target share entries; a seed or ``only_deterministic: false`` makes a request cacheable; an
+entry dies with its TTL (and so do the workers' copies of it); waiters are bounded in time; a crashed
+leader's claim holds nobody past its expiry; a hit takes no token estimate and is refused once the request
+limit is spent; a miss and a hit cost the Valkey calls the docs say; with the cache off nothing says
+``x-gridgate-cache``. One worker's request path in this process, real mock providers on loopback, the
+session's real Valkey (the call counts: a Valkey of the test's own)."""
 
 from __future__ import annotations
 
@@ -260,5 +262,159 @@ def test_a_crashed_leaders_claim_holds_nobody_past_its_expiry(tmp_path, valkey_u
             assert provider.served == 2
         finally:
             await gateway.close()
+            provider.server.close()
+    run(scenario)
+
+
+# What this test's own counting clients send (their connection's AUTH and SETINFO, the reset itself).
+_COUNTING = frozenset(("auth", "client|setinfo", "config|resetstat", "info", "hello"))
+
+
+def commands_counted(url: str) -> dict[str, int]:
+    """The calls of each command the Valkey at ``url`` served since its last ``CONFIG RESETSTAT``."""
+    import valkey
+
+    client = valkey.Valkey.from_url(url)
+    try:
+        return {name: stats["calls"] for name, stats in
+                ((name.removeprefix("cmdstat_"), stats) for name, stats in client.info("commandstats").items())
+                if name not in _COUNTING}
+    finally:
+        client.close()
+
+
+def reset_counts(url: str) -> None:
+    import valkey
+
+    client = valkey.Valkey.from_url(url)
+    try:
+        client.config_resetstat()
+    finally:
+        client.close()
+
+
+def test_what_a_miss_and_a_hit_cost_in_valkey_calls(tmp_path, keys_store):
+    """docs/cache.md, "What a hit costs": a miss is one ``SET NX PX GET`` (the lookup and the claim) and
+    one ``SET`` of the entry; a hit one command (the same lookup, which finds the entry); a hit from the
+    worker's local copy none. With coalescing off the lookup is a plain ``GET``. Counted by the cache's own
+    Valkey (``INFO commandstats``), nothing else using it."""
+    async def scenario() -> None:
+        provider = await start_provider("p", tokens=5)
+        url = keys_store.url
+        plain = tmp_path / "plain"
+        plain.mkdir()
+        claims = await gateway_for(tmp_path, provider, url, quota=False, cache={"local": None})
+        gets = await gateway_for(plain, provider, url, quota=False, cache={"local": None, "coalesce": {"enabled": False}})
+        try:
+            for gateway, miss, hit in ((claims, {"set": 2}, {"set": 1}), (gets, {"get": 1, "set": 1}, {"get": 1})):
+                await gateway.request("POST", CHAT, body(uuid.uuid4().hex))  # its connection made
+                await until_stored(gateway)
+                question = body(uuid.uuid4().hex)
+                reset_counts(url)
+                assert (await gateway.request("POST", CHAT, question)).headers["x-gridgate-cache"] == "miss"
+                await until_stored(gateway, 2)
+                assert commands_counted(url) == miss
+                reset_counts(url)
+                assert (await gateway.request("POST", CHAT, question)).headers["x-gridgate-cache"] == "hit"
+                assert commands_counted(url) == hit
+        finally:
+            await claims.close()
+            await gets.close()
+        (tmp_path / "copies").mkdir()
+        copies = await gateway_for(tmp_path / "copies", provider, url, quota=False)
+        try:
+            question = body(uuid.uuid4().hex)
+            await copies.request("POST", CHAT, question)
+            await until_stored(copies)
+            reset_counts(url)
+            assert (await copies.request("POST", CHAT, question)).headers["x-gridgate-cache"] == "hit"
+            assert commands_counted(url) == {}
+        finally:
+            await copies.close()
+            provider.server.close()
+    run(scenario)
+
+
+def test_a_chat_stream_without_its_done_is_never_stored(tmp_path, valkey_url):
+    """A provider whose chat streams end without ``data: [DONE]`` (the mock's ``no_done``): relayed, never
+    stored, so each repeat reaches the provider (a whole stream is stored: test_response_cache.py)."""
+    async def scenario() -> None:
+        provider = await start_provider("p", tokens=5, nonconformance="no_done")
+        gateway = await gateway_for(tmp_path, provider, valkey_url, quota=False)
+        try:
+            question = body(uuid.uuid4().hex, stream=True)
+            answers = [await gateway.request("POST", CHAT, question) for _ in range(2)]
+            assert all(answer.status == 200 and b"[DONE]" not in answer.body for answer in answers)
+            assert [answer.headers["x-gridgate-cache"] for answer in answers] == ["miss", "miss"]
+            await asyncio.sleep(0.05)
+            assert provider.served == 2 and gateway.path.cache.stored == 0
+        finally:
+            await gateway.close()
+            provider.server.close()
+    run(scenario)
+
+
+MESSAGES_FAILED_STREAM = (
+    b'event: message_start\ndata: {"type":"message_start","message":{"id":"msg_1","type":"message","role":'
+    b'"assistant","model":"m","content":[],"usage":{"input_tokens":5,"output_tokens":0}}}\n\n'
+    b'event: content_block_start\ndata: {"type":"content_block_start","index":0,"content_block":{"type":"text",'
+    b'"text":""}}\n\n'
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta",'
+    b'"text":"Hel"}}\n\n'
+    b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}\n\n')
+
+
+class FailingStreams:
+    """A provider on loopback that answers every request 200 with a Messages stream that ends in an error
+    event (as Anthropic's does when it fails mid-answer): whole, with its length, the connection kept."""
+
+    def __init__(self) -> None:
+        self.name = "failing"
+        self.served = 0
+        self.server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> FailingStreams:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    @property
+    def address(self) -> str:
+        assert self.server is not None
+        host, port = self.server.sockets[0].getsockname()[:2]
+        return f"{host}:{port}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                self.served += 1
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n%b"
+                             % (len(MESSAGES_FAILED_STREAM), MESSAGES_FAILED_STREAM))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+
+def test_a_stream_that_ends_in_an_error_event_is_never_stored(tmp_path, valkey_url):
+    """A Messages stream answered 200 that ends with ``event: error``: relayed as it came, never stored."""
+    async def scenario() -> None:
+        provider = await FailingStreams().start()
+        gateway = await gateway_for(tmp_path, provider, valkey_url, quota=False)  # type: ignore[arg-type]
+        try:
+            question = {"model": "m", "max_tokens": 16, "temperature": 0, "stream": True,
+                        "messages": [{"role": "user", "content": uuid.uuid4().hex}]}
+            headers = [("anthropic-version", "2023-06-01")]
+            answers = [await gateway.request("POST", "/v1/messages", question, headers) for _ in range(2)]
+            assert all(answer.status == 200 and b"event: error" in answer.body for answer in answers), answers
+            assert [answer.headers["x-gridgate-cache"] for answer in answers] == ["miss", "miss"]
+            await asyncio.sleep(0.05)
+            assert provider.served == 2 and gateway.path.cache.stored == 0
+            assert [line.get("error") for line in gateway.access_lines()] == ["upstream_error_event"] * 2
+        finally:
+            await gateway.close()
+            assert provider.server is not None
             provider.server.close()
     run(scenario)
