@@ -454,3 +454,23 @@ def test_a_hit_of_an_answer_a_fallback_made_names_the_model_that_made_it(tmp_pat
             failing.server.close()
             serving.server.close()
     run(scenario)
+
+
+def test_identical_streams_in_flight_share_one_upstream_call_and_replay_its_events(tmp_path, valkey_url):
+    """Streamed requests coalesce too: the waiters get the leader's stream, event for event, as hits."""
+    async def scenario() -> None:
+        provider = await start_provider("p", tokens=8, latency_ms=300)
+        gateway = await gateway_for(tmp_path, provider, valkey_url, quota=False)
+        try:
+            question = body(uuid.uuid4().hex, stream=True)
+            answers = await asyncio.gather(*(gateway.request("POST", CHAT, question) for _ in range(5)))
+            assert sorted(answer.headers["x-gridgate-cache"] for answer in answers) == ["hit"] * 4 + ["miss"]
+            assert all(answer.complete and answer.headers["content-type"].startswith("text/event-stream")
+                       for answer in answers)
+            (stream,) = {answer.body for answer in answers}
+            assert stream.endswith(b"data: [DONE]\n\n") and stream.count(b"data: ") > 8
+            assert provider.served == 1
+        finally:
+            await gateway.close()
+            provider.server.close()
+    run(scenario)
