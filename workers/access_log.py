@@ -142,6 +142,17 @@ _SKIP = b"%.0a"  # takes its argument and writes nothing: an optional field that
 _OPTIONAL_FIELDS = frozenset(("cost_nusd", "tokens_cached", "tokens_reasoning", "subject"))
 # A per-request field None on a template's line, written as msgspec writes None (the tenant: encoded by it).
 _NULL_SPECS = {"tenant": b"%s", "tokens_prompt": b"null" + _SKIP, "tokens_completion": b"null" + _SKIP}
+# A response cache hit's line (docs/cache.md) from a template of its own: its overhead_ms is null (no
+# upstream), the savings are its own values and the token counts are null. Kept under the line's `_fill` key
+# and whether each saving is None; the arguments: `_HIT_FIELDS`' values in this order, as `_hit_line` reads them.
+_HIT_FIELDS = (
+    ("ts", b'"%s%03dZ"'), ("request_id", b"%s"), ("tenant", b"%s"), ("status", b"%d"), ("attempts", b"%d"),
+    ("bytes_in", b"%d"), ("bytes_out", b"%d"), ("first_byte_ms", b"%s"), ("duration_ms", b"%s"),
+    ("cost_nusd", b"%d"), ("subject", b"%s"), ("saved_tokens", b"%d"), ("saved_nusd", b"%d"),
+)
+_HIT_OPTIONAL_FIELDS = frozenset(("cost_nusd", "subject", "saved_tokens", "saved_nusd"))
+_hit_values = attrgetter("t_start", "t_first_byte", "ended", "status", "attempts", "bytes_in", "bytes_out",
+                         "cost_nusd", "subject", "saved_tokens", "saved_nusd")
 # The others of a template's line: none of them may be None.
 _required = attrgetter(*(name for name, _ in _TEMPLATE_FIELDS
                           if name not in _OPTIONAL_FIELDS and name not in _NULL_SPECS))
@@ -180,6 +191,7 @@ class AccessLog:
         self._paths = _Paths()
         # The values a line shares with others (`_fill`'s key) -> its template (`_template`).
         self._templates: dict[tuple, bytes] = {}
+        self._hit_templates: dict[tuple, bytes] = {}  # (the `_fill` key, savings None) -> a hit's template
         if writer is not None:
             writer.fill = self._fill
 
@@ -347,6 +359,10 @@ class AccessLog:
     def _encode_line(self, entry: RequestRecord, millis: int, buffer: bytearray, key: tuple | None) -> None:
         """The line of ``entry`` (ended at ``millis`` since the epoch) encoded whole, into ``buffer``; and
         the template of ``key`` made of it, when a line can have one and ``key`` has none yet."""
+        if (key is not None and entry.cache == "hit" and entry.overhead_s is None and entry.t_start is not None
+                and entry.request_id is not None and _rare_fields(entry) == _PLAIN):  # (a rarer field: the key may not even be hashable)
+            self._hit_line(entry, millis, buffer, key)
+            return
         line = self._line(entry, self._timestamp(millis))
         self._encode_into(line, buffer, -1)
         buffer.append(10)  # "\n"
@@ -355,7 +371,31 @@ class AccessLog:
                 and key not in self._templates):
             self._template(key, line)
 
-    def _template(self, key: tuple, line: AccessLine) -> None:
+    def _hit_line(self, entry: RequestRecord, millis: int, buffer: bytearray, key: tuple) -> None:
+        """A response cache hit's line, from its template (the first line of its kind is encoded whole, and
+        its template made of it unless a rarer field is set or a value no template can hold is None)."""
+        (t_start, t_first_byte, ended, status, attempts, bytes_in, bytes_out, cost, subject, saved_tokens,
+         saved_nusd) = _hit_values(entry)
+        hit_key = (key, saved_tokens is None, saved_nusd is None)
+        template = self._hit_templates.get(hit_key)
+        if template is None:  # the first of its kind: encoded whole, and its template made of it when it can be
+            line = self._line(entry, self._timestamp(millis))
+            self._encode_into(line, buffer, -1)
+            buffer.append(10)  # "\n"
+            if (line.tokens_prompt is None and line.tokens_completion is None and line.tokens_cached is None
+                    and line.tokens_reasoning is None):
+                self._template(key, line, _HIT_FIELDS, _HIT_OPTIONAL_FIELDS, self._hit_templates, hit_key)
+            return
+        request_id = entry.request_id
+        buffer += template % (
+            self._date(millis // 1000), millis % 1000, _encode(request_id.decode("latin-1")), _encode(entry.tenant),
+            status, attempts, bytes_in, bytes_out, _encode(int((t_first_byte - t_start) * 1e6 + 0.5) / 1000),
+            _encode(int((ended - t_start) * 1e6 + 0.5) / 1000), cost, subject if subject is None else _encode(subject),
+            saved_tokens, saved_nusd)
+
+    def _template(self, key: tuple, line: AccessLine, fields: tuple[tuple[str, bytes], ...] = _TEMPLATE_FIELDS,
+                  optional: frozenset[str] = _OPTIONAL_FIELDS, templates: dict[tuple, bytes] | None = None,
+                  kept_as: tuple | None = None) -> bytes | None:
         """The template of the lines that share ``key``, made of ``line`` (one of them, with no rarer
         field and no None where `_required`), kept under ``key`` (bounded): the line as msgspec encodes it,
         with its per-request values (_TEMPLATE_FIELDS) in as unique markers, each marker then replaced by
@@ -364,9 +404,9 @@ class AccessLog:
         (those read only with a rarer field set aside): nothing of one request's own reaches another's
         line. No template is made should a marker not come out exactly once (a shared value holds one)."""
         replaced: list[tuple[bytes, bytes]] = []
-        for index, (name, spec) in enumerate(_TEMPLATE_FIELDS):
+        for index, (name, spec) in enumerate(fields):
             if getattr(line, name) is None:
-                if name in _OPTIONAL_FIELDS:
+                if name in optional:
                     marker, previous = replaced[-1]
                     replaced[-1] = (marker, previous + _SKIP)
                     continue
@@ -378,11 +418,14 @@ class AccessLog:
         template = text + b"\n"
         for marker, spec in replaced:
             if text.count(marker) != 1:
-                return
+                return None
             template = template.replace(marker, spec)
-        if len(self._templates) >= _MAX_TEMPLATES:
-            self._templates.clear()
-        self._templates[key] = template
+        if templates is None:
+            templates = self._templates
+        if len(templates) >= _MAX_TEMPLATES:
+            templates.clear()
+        templates[key if kept_as is None else kept_as] = template
+        return template
 
     def reopen(self) -> None:
         if self.writer is not None:

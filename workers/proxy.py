@@ -266,9 +266,12 @@ class Proxy:
         """A cache hit's admission (docs/cache.md): one request against the request limits (and the deny set
         of revoked keys), no tokens; settled at once, as a request that reached a provider and cost nothing."""
         admitted = flow.admitted
-        if self.quota is None or not admitted.route.surface.metered:
+        quota = self.quota
+        if quota is None or not admitted.route.surface.metered:
             return None
-        admission = self.quota.admission(admitted.tenant, flow.request.name, 0, 0, admitted.key)
+        if quota.admit_hit(admitted.tenant, flow.request.name, admitted.key):  # a worker-held block took it
+            return None
+        admission = quota.admission(admitted.tenant, flow.request.name, 0, 0, admitted.key)
         if admission is None:
             return None
         if admission.__class__ is not Admission:

@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from gateway.cache.entry import CacheEntry, decode_entry, encode_entry
-from gateway.cache.key import BYPASS, CacheKey, cache_key, request_bypasses
+from gateway.cache.key import BYPASS, CacheKey, cache_key, request_bypasses, request_digest, request_seed
 from gateway.cache.local import LocalEntries
 from gateway.config.cache import Cache
 from gateway.http.errors import ErrorReply
@@ -69,6 +69,7 @@ PENDING = b"\x00gridgate-pending:"
 _RELEASE = b"if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 _POLL_FIRST_S, _POLL_MAX_S = 0.002, 0.05  # a remote waiter's GETs: 2 ms apart at first, doubling to 50 ms
 _SET = b"*5\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$2\r\nPX\r\n$%d\r\n%b\r\n"
+_MAX_KNOWN = 8192  # request digests -> keys a worker remembers (of requests whose entry it stored or read)
 
 
 class Flight:
@@ -112,6 +113,10 @@ class ResponseCache:
         # A worker's own copies of recent entries (None: every hit reads Valkey).
         self.local = None if local is None else LocalEntries(local.max_bytes_int, float(local.ttl))
         self.flights: dict[bytes, Flight] = {}
+        # The keys of requests whose entry this worker stored or read, by ``request_digest``: the same bytes
+        # again (a repeated request: the likely next hit) skip making the key (a decode and a sorted encode).
+        self.known_keys: dict[int, CacheKey] = {}
+        self.seeds: dict[tuple[str | None, str, str], int] = {}  # (tenant, API, model) -> its request_seed
         # How long a leader's claim lives in Valkey at most (a crashed leader holds nobody longer).
         self.lead_ms = b"%d" % max(1, int(self.wait_s * 1000))
         self.marker_base = PENDING + b"%d:" % os.getpid()
@@ -144,6 +149,7 @@ class ResponseCache:
         local = self.local
         if local is not None and (entry := local.get(key.key, now, _time())) is not None:
             self.local_hits += 1
+            self._remember(key)
             return self._serve(flow, entry)
         flight = self.flights.get(key.key) if self.coalesce else None
         if flight is not None:
@@ -166,7 +172,26 @@ class ResponseCache:
         cache_control, cache_header = headers.get(b"cache-control"), headers.get(b"x-gridgate-cache")
         if (cache_control is not None or cache_header is not None) and request_bypasses(cache_control, cache_header):
             return None
-        return cache_key(self.config, surface, flow.admitted.tenant, flow.request.name, exchange.body, headers)
+        tenant, model, body = flow.admitted.tenant, flow.request.name, exchange.body
+        seeds = self.seeds
+        seed = seeds.get((tenant, surface, model))
+        if seed is None:
+            if len(seeds) >= _MAX_KNOWN:
+                seeds.clear()
+            seed = seeds[(tenant, surface, model)] = request_seed(surface, tenant, model)
+        digest = request_digest(seed, surface, body, headers)
+        known = self.known_keys.get(digest)
+        if known is not None:
+            return known
+        return cache_key(self.config, surface, tenant, model, body, headers, digest)
+
+    def _remember(self, key: CacheKey) -> None:
+        """``key`` has an entry: a request of the same bytes finds its key without making it."""
+        known = self.known_keys
+        if key.digest not in known:
+            if len(known) >= _MAX_KNOWN:
+                known.clear()
+            known[key.digest] = key
 
     def _bypass_after(self, flow: Any, error: BaseException) -> None:
         """A failed lookup: the request goes on as if there were no cache (never an error)."""
@@ -182,6 +207,7 @@ class ResponseCache:
             return self._bypass_after(flow, error)
         entry = None if data is None else decode_entry(data)
         if entry is not None:
+            self._remember(key)
             if self.local is not None:
                 self.local.put(key.key, entry, len(data), _monotonic())
             verdict = self._serve(flow, entry)
@@ -214,6 +240,7 @@ class ResponseCache:
         entry = decode_entry(data)
         if entry is None:  # a value this version cannot read: go on alone, leave it be
             return self._alone(flow.record)
+        self._remember(key)
         if self.local is not None:
             self.local.put(name, entry, len(data), _monotonic())
         verdict = self._serve(flow, entry)
@@ -319,6 +346,7 @@ class ResponseCache:
         if entry is not None:
             value = encode_entry(entry)
             if len(value) <= self.max_entry:
+                self._remember(fill.key)
                 self._write(fill.key.key, value)
                 if self.local is not None:
                     self.local.put(fill.key.key, entry, len(value), _monotonic())

@@ -40,13 +40,35 @@ _decode = msgspec.json.decode
 _encode = msgspec.json.Encoder(order="sorted").encode
 _KEY_PREFIX = b"gridgate:cache:"
 _digest = xxhash.xxh3_128_hexdigest
+_int_digest = xxhash.xxh3_128_intdigest
 
 
 class CacheKey(msgspec.Struct, frozen=True, gc=False):
-    """A cacheable request's key in Valkey (``key``) and whether its answer is a stream."""
+    """A cacheable request's key in Valkey (``key``), whether its answer is a stream, and the
+    ``request_digest`` it was made for (0: none)."""
 
     key: bytes
     stream: bool
+    digest: int = 0
+
+
+def request_seed(surface: str, tenant: str | None, model: str) -> int:
+    """The 64-bit seed of ``request_digest`` for one tenant, API and resolved model (a worker keeps them)."""
+    tenant_part, model_part = (tenant or "").encode(), model.encode()
+    return xxhash.xxh3_64_intdigest(b"%d:%b%d:%b%d:%b" % (len(tenant_part), tenant_part, len(surface), surface.encode(),
+                                                        len(model_part), model_part))
+
+
+def request_digest(seed: int, surface: str, body: bytes, headers: dict[bytes, bytes]) -> int:
+    """The request as sent (``seed``: its tenant, API and resolved model; its answer headers; the body's raw
+    bytes), as one 128-bit integer: equal for two requests whose bytes are equal, so a worker that made a
+    request's key once (``cache_key``: the body decoded, re-encoded sorted) can reuse it for the same bytes
+    again. Not the key: two spellings of one request have different digests and the same key."""
+    names = ANSWER_HEADERS.get(surface)
+    if names is not None:
+        values = [headers.get(name, b"") for name in names]
+        body = b"".join(b"%d:%b" % (len(value), value) for value in values) + body
+    return _int_digest(body, seed)
 
 
 def request_bypasses(cache_control: bytes | None, cache_header: bytes | None) -> bool:
@@ -67,7 +89,7 @@ def is_deterministic(surface: str, body: dict[str, Any]) -> bool:
 
 
 def cache_key(cache: Cache, surface: str, tenant: str | None, model: str, body: bytes,
-              headers: dict[bytes, bytes]) -> CacheKey | None:
+              headers: dict[bytes, bytes], digest: int = 0) -> CacheKey | None:
     """The request's key, or None when it is not cacheable (another API, a body that is not a JSON
     object, not deterministic while ``only_deterministic``). ``headers``: the request's headers by
     lowercase name (only ``ANSWER_HEADERS`` are read)."""
@@ -97,4 +119,4 @@ def cache_key(cache: Cache, surface: str, tenant: str | None, model: str, body: 
     for name in ANSWER_HEADERS.get(surface, ()):
         value = headers.get(name, b"")
         material += b"%d:%b" % (len(value), value)
-    return CacheKey(_KEY_PREFIX + _digest(material + _encode(kept)).encode(), members.get("stream") is True)
+    return CacheKey(_KEY_PREFIX + _digest(material + _encode(kept)).encode(), members.get("stream") is True, digest)

@@ -235,8 +235,10 @@ class QuotaGate:
             lease = open_leases.get(account.lease_key)
             if lease is not None:
                 # ``LeaseBook.take`` written out for a block that admits (every request but a few per
-                # block): one call fewer on the request path.
-                headers = lease.take(estimate, _monotonic(), worst)
+                # block): one call fewer on the request path. A block of tokens and request slots only (the
+                # production config's) takes its own path: no allowance tested for None.
+                headers = (lease.take_tokens_and_slot(estimate, _monotonic()) if lease.tokens_and_slots
+                           else lease.take(estimate, _monotonic(), worst))
                 if headers is not None:
                     counters = self.counters
                     counters.admitted += 1
@@ -248,6 +250,27 @@ class QuotaGate:
         if self._breaker.is_open:
             return self._breaker.unavailable()
         return self._batcher.submit(self._ledger.admit_command(account, estimate, self._ids.next(), 1, worst), metered)
+
+    def admit_hit(self, tenant: str, model: str | None, key: KeyIdentity | None = None) -> bool:
+        """A response cache hit's admission and settlement at once, when a worker-held block takes it (the
+        request limits' one slot; no tokens, no nano-USD, nothing left in flight): True. False when this
+        cannot decide it here (no open block, a block without room, a USD period over, nothing meters it
+        either way): then ``admission`` with no estimate decides, and ``settle`` with 0 ends it. The same
+        outcome as that pair for a block that admits; without its rate-limit headers (a hit sends none)."""
+        metered = self._metered.get((tenant, model, key))
+        open_leases = self._open_leases
+        if metered is None or not open_leases:
+            return False
+        account = metered[0]
+        if account.spend and _time() >= account.spend_until:
+            return False
+        lease = open_leases.get(account.lease_key)
+        if lease is None or not lease.take_hit(_monotonic()):
+            return False
+        counters = self.counters
+        counters.admitted += 1
+        counters.leased += 1
+        return True
 
     def settle(self, admission: Admission, actual_tokens: int | None, prompt_tokens: int | None = None,
                completion_tokens: int | None = None, *, reached: bool = True, cost_nusd: int | None = None) -> None:

@@ -31,18 +31,19 @@ def keys() -> tuple[dict[str, Any], dict[str, str]]:
 
 
 async def gateway_for(tmp_path: Path, provider: Provider, valkey_url: str, cache: dict[str, Any] | None = None,
-                      quota: bool = True, **extra: Any) -> InProcessGateway:
+                      quota: bool = True, requests_a_day: int = 1000, lease: bool = False,
+                      **extra: Any) -> InProcessGateway:
     overlay = envelope([candidate("m", provider.name)], "deterministic")
     config: dict[str, Any] = {"routing": {"retry": FAST_RETRY},
                               "cache": {"enabled": True, **({"backend": {"url": valkey_url}} if not quota else {}),
                                         **(cache or {})}, **extra}
     if quota:
-        config["quota"] = {"backend": {"kind": "valkey", "url": valkey_url}, "lease": None,
+        config["quota"] = {"backend": {"kind": "valkey", "url": valkey_url}, "lease": {} if lease else None,
                            "rules": [{"name": f"r-{uuid.uuid4().hex[:8]}",
                                       # GCRA gives a slot back every window / count: 1d / 1000 = 86.4 s, so
                                       # no slot comes back while a test runs (1m / 1000 gave one back every
                                       # 60 ms, and a loaded machine read 999 where the test asked 998).
-                                      "requests": [{"window": "1d", "count": 1000}],
+                                      "requests": [{"window": "1d", "count": requests_a_day}],
                                       "budgets": [{"window": "1d", "tokens": 10_000_000}],
                                       "estimate": {"default_max_tokens": 10}}]}
     return await InProcessGateway.start(tmp_path, {provider.name: [provider.address]}, overlay,
@@ -286,3 +287,40 @@ def test_a_ticks_commands_leave_together_and_each_gets_its_own_reply(valkey_url)
         results = await asyncio.gather(dead.call(b"GET", key), return_exceptions=True)
         assert isinstance(results[0], Exception) and isinstance(heard[-1], Exception) and dead.detached == 0
     run(scenario)
+
+
+def test_hits_admitted_by_a_worker_held_block_count_one_request_each_and_no_tokens(tmp_path, valkey_url):
+    """With blocks on (the default) a hit takes one request slot of the worker's block and settles at once
+    (docs/cache.md): once the blocks are settled the ledger counts every request, hit or not, and only the
+    miss's tokens."""
+    async def scenario() -> None:
+        provider = await start_provider("p", tokens=5)
+        gateway = await gateway_for(tmp_path, provider, valkey_url, lease=True)
+        quota_config = gateway.path.quota
+        try:
+            question = body(uuid.uuid4().hex)
+            first = await gateway.request("POST", "/v1/chat/completions", question)
+            assert first.headers["x-gridgate-cache"] == "miss"
+            await until_stored(gateway)
+            leased = quota_config.counters.leased
+            for _ in range(30):
+                hit = await gateway.request("POST", "/v1/chat/completions", question)
+                assert hit.status == 200 and hit.headers["x-gridgate-cache"] == "hit" and hit.body == first.body
+            assert provider.served == 1
+            assert quota_config.counters.leased - leased >= 20  # most hits from a block, not each a round trip
+            quota_config._leases.close()  # the blocks settled now (as at shutdown): what they did not use goes back
+            await quota_config._batcher.settled(1.0)
+            await quota_config.drain()
+            report = await quota_config.quota_report("anonymous")
+            assert report["rules"][0]["requests"][0]["remaining"] == 1000 - 31
+            used = await gateway.used()
+            assert used["reserved"] == 0
+            assert used["used"] == first_tokens(gateway.access_lines()[0])
+        finally:
+            await gateway.close()
+            provider.server.close()
+    run(scenario)
+
+
+def first_tokens(line: dict[str, Any]) -> int:
+    return line["tokens_prompt"] + line["tokens_completion"]
