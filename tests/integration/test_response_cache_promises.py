@@ -474,3 +474,25 @@ def test_identical_streams_in_flight_share_one_upstream_call_and_replay_its_even
             await gateway.close()
             provider.server.close()
     run(scenario)
+
+
+def test_waiters_of_a_leader_whose_answer_is_too_large_go_on_at_once(tmp_path, valkey_url):
+    """The leader's answer is over ``max_entry``: not stored, so its waiters (on its worker) are released
+    the moment it ends and go upstream on their own, long before their 20 s wait; none gets an error."""
+    async def scenario() -> None:
+        provider = await start_provider("p", latency_ms=300)
+        gateway = await gateway_for(tmp_path, provider, valkey_url, quota=False,
+                                    cache={"max_entry": 1500, "coalesce": {"wait": "20s"}})
+        try:
+            question = body(uuid.uuid4().hex)
+            large = [("x-mock-tokens", "300")]
+            started = time.monotonic()
+            answers = await asyncio.gather(*(gateway.request("POST", CHAT, question, large) for _ in range(4)))
+            assert [answer.status for answer in answers] == [200] * 4
+            assert [answer.headers["x-gridgate-cache"] for answer in answers] == ["miss"] * 4
+            assert time.monotonic() - started < 5
+            assert provider.served == 4 and gateway.path.cache.stored == 0
+        finally:
+            await gateway.close()
+            provider.server.close()
+    run(scenario)
