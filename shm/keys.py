@@ -101,8 +101,10 @@ class KeyTable:
     def __init__(self, mapping: mmap.mmap, layout: TableLayout) -> None:
         self._map = mapping
         self.layout = layout
-        self._words = memoryview(mapping).cast("q")
-        self._used = memoryview(mapping)[layout.used : layout.used + layout.slots * 4].cast("i")
+        # Public for a worker's lookup (gateway/keys/lookup.py), which reads ``words[H_SEQ]`` and
+        # ``words[H_MINUTE]`` and stores ``used[slot]`` itself on the request path: a call fewer each.
+        self.words = self._words = memoryview(mapping).cast("q")
+        self.used = self._used = memoryview(mapping)[layout.used : layout.used + layout.slots * 4].cast("i")
         self._slots = layout.slots
         self._digests = layout.digests
         self._meta_word = layout.meta // 8

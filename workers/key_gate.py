@@ -76,15 +76,13 @@ class ManagedKeyGate:
     def admit(self, digest: bytes) -> KeyEntry | KeyRefusal | None:
         """The table's entry for ``digest`` if it may be used now (then marked used this minute), its
         refusal if not, None if the table does not hold it."""
-        lookup = self.lookup
-        entry = lookup(digest)
-        if entry is None:
-            return None
-        if entry.status != _ACTIVE or entry.expires_at is not None:
-            refused = refusal(entry, time())
-            if refused is not None:
-                return refused[0], refused[1], entry.tenant
-        lookup.mark_used(entry)
+        entry = self.lookup.use(digest)  # an active key without expiry (``plain``) comes marked used
+        if entry is None or entry.plain:
+            return entry
+        refused = refusal(entry, time())
+        if refused is not None:
+            return refused[0], refused[1], entry.tenant
+        self.lookup.mark_used(entry)
         return entry
 
 

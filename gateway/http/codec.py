@@ -38,6 +38,7 @@ from http import HTTPStatus
 
 import h11
 
+from gateway.http.credential_line import MIN_SET_ASIDE_BYTES, STAND_IN, SetAside, set_aside
 from gateway.http.framing import ChunkedDecoder
 
 RequestHead = h11.Request
@@ -118,6 +119,20 @@ def header_pairs(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, by
     return [(name, value) for _raw, name, value in items]
 
 
+def _restore(headers: Sequence[tuple[bytes, bytes]], aside: SetAside) -> bool:
+    """Put the value set aside back in its stand-in's place in h11's parsed fields (False: not found
+    where expected, the head must be parsed as it came)."""
+    items = getattr(headers, "_full_items", None)
+    index = aside.index
+    if items is None or index >= len(items):
+        return False
+    raw_name, name, value = items[index]
+    if name != b"authorization" or value != STAND_IN:
+        return False
+    items[index] = (raw_name, name, aside.value)
+    return True
+
+
 class BodyReader:
     """Frames one message body after its head: ``length`` bytes, or a chunked body through ``chunked``
     (gateway/http/framing.py ChunkedDecoder).
@@ -175,6 +190,9 @@ class BodyReader:
         return NEED_DATA
 
 
+# h11 quotes the line it refused ("illegal header line: bytearray(b'Authorization: Bearer ...')"): cut from
+# the quote on, so an error never echoes a credential (or any request bytes) back or into a log.
+_ECHOED = re.compile(r":? ?(?:bytearray\()?b['\"].*\Z", re.DOTALL)
 # The end of a request head, found the way h11 finds it (a bare LF is a line end too).
 _HEAD_END = re.compile(rb"\n\r?\n")
 _CONNECTION_CLOSED = h11.ConnectionClosed()
@@ -193,10 +211,13 @@ class ServerCodec:
 
     __slots__ = (
         "_buf", "_closed", "_parser", "_head", "_body", "_scan", "_at_start", "_first_request", "_max_head", "_max_lines",
-        "_mode", "_remaining", "must_close", "_method", "_http11", "_keep_alive",
+        "_mode", "_remaining", "must_close", "_method", "_http11", "_keep_alive", "_set_aside_bytes",
     )
 
-    def __init__(self, max_header_bytes: int, max_header_count: int = 100) -> None:
+    def __init__(self, max_header_bytes: int, max_header_count: int = 100,
+                 set_aside_bytes: int = MIN_SET_ASIDE_BYTES) -> None:
+        """``set_aside_bytes``: an Authorization value at least this long is validated here, not by h11
+        (gateway/http/credential_line.py); ``sys.maxsize`` gives every head to h11 as it is."""
         self._buf = bytearray()  # received and not parsed yet (while no body is being read)
         self._closed = False  # the client half-closed
         self._parser: h11.Connection | None = None  # parsed the current request's head
@@ -214,6 +235,7 @@ class ServerCodec:
         self._method = b"GET"
         self._http11 = True
         self._keep_alive = True
+        self._set_aside_bytes = set_aside_bytes
 
     # -- parsing ------------------------------------------------------------------------------
     def feed(self, data: bytes) -> None:
@@ -269,21 +291,29 @@ class ServerCodec:
         # for the price of one scan.
         if buf.count(b"\n", 0, end) > self._max_lines:
             raise ParseError("too many header fields", 431)
-        parser = self._parser = h11.Connection(h11.SERVER, max_incomplete_event_size=self._max_head)
         head = buf[:end]
-        parser.receive_data(head)
         del buf[:end]
         self._scan = 0
+        aside = set_aside(head, self._set_aside_bytes) if end > self._set_aside_bytes else None
+        event = self._parse_head(head if aside is None else aside.head, head)
+        if aside is not None and not _restore(event.headers, aside):
+            event = self._parse_head(head, head)  # cannot happen for a head set_aside accepted: h11 decides
+        self._head = event
+        self._first_request = False
+        return event
+
+    def _parse_head(self, data: bytes | bytearray, head: bytearray) -> h11.Request:
+        """h11's Request for ``data`` (``head``, or its stand-in form), in a fresh parser, or raise."""
+        parser = self._parser = h11.Connection(h11.SERVER, max_incomplete_event_size=self._max_head)
+        parser.receive_data(data)
         try:
             event = parser.next_event()
         except h11.RemoteProtocolError as error:
             if head[:2] == _TLS_HANDSHAKE and self._first_request:  # a ClientHello holding a blank line
                 raise NotHttp("a TLS handshake on a plain HTTP listener") from None
-            raise ParseError(str(error), error.error_status_hint) from None
+            raise ParseError(_ECHOED.sub("", str(error)), error.error_status_hint) from None
         if type(event) is not h11.Request:  # a complete head is a request or an error
             raise ParseError("malformed request head")
-        self._head = event
-        self._first_request = False
         return event
 
     def read_body(self, content_length: int, chunked: ChunkedDecoder | None = None) -> None:

@@ -61,7 +61,7 @@ class KeyEntry:
     """A decoded table entry, as the request path sees a managed key (one per secret and version)."""
 
     __slots__ = ("kid", "tenant", "alias", "status", "models", "limits", "expires_at", "allowed_origins",
-                 "origins", "slot", "identity", "_models")
+                 "origins", "slot", "identity", "plain", "_models")
 
     def __init__(self, view: KeyView, slot: int) -> None:
         self.kid = view.kid
@@ -76,6 +76,9 @@ class KeyEntry:
         # None: any. An entry that does not parse (the admin API refuses those) admits no origin.
         self.origins = None if not view.allowed_origins else _key_origins(view.allowed_origins)
         self.slot = slot  # where the table keeps it (for marking it used)
+        # Active and without an expiry (nearly every key): usable whenever the table holds this version, so
+        # the request path asks neither its status nor the clock (``KeyLookup.use``).
+        self.plain = view.status == "active" and view.expires_at is None
         # Who the request is, for the quota (docs/limits.md): made once per decoded version, so the
         # quota's memo of (tenant, model, key) sees one object per key version, as for a YAML key.
         self.identity = identity_of(view)

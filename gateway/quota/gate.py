@@ -235,8 +235,10 @@ class QuotaGate:
             lease = open_leases.get(account.lease_key)
             if lease is not None:
                 # ``LeaseBook.take`` written out for a block that admits (every request but a few per
-                # block): one call fewer on the request path.
-                headers = lease.take(estimate, _monotonic(), worst)
+                # block): one call fewer on the request path. A block of tokens and request slots only (the
+                # production config's) takes its own path: no allowance tested for None.
+                headers = (lease.take_tokens_and_slot(estimate, _monotonic()) if lease.tokens_and_slots
+                           else lease.take(estimate, _monotonic(), worst))
                 if headers is not None:
                     counters = self.counters
                     counters.admitted += 1

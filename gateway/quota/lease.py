@@ -145,7 +145,7 @@ class Lease:
     waits for its requests to end, then it is settled (``end``/``close`` say when)."""
 
     __slots__ = ("reservation", "tokens", "slots", "spend", "in_flight", "taken", "closes_at", "closed",
-                 "tenant_slot", "opened_at", "last_estimate", "last_worst")
+                 "tenant_slot", "opened_at", "last_estimate", "last_worst", "tokens_and_slots")
 
     def __init__(self, reservation: Reservation, tokens: Allowance | None, closes_at: float, tenant_slot: int = -1,
                  slots: Allowance | None = None, spend: SpendAllowance | None = None,
@@ -162,6 +162,9 @@ class Lease:
         self.opened_at = opened_at  # monotonic seconds of the grant (None: unknown), for the next size
         self.last_estimate = 0  # the estimate of the latest request it admitted, for the next size
         self.last_worst = 0  # and its worst-case cost (nano-USD), when USD budgets apply
+        # Token budgets and request limits, no USD budget (the production config's every block): admitted by
+        # ``take_tokens_and_slot``, which tests no allowance for None.
+        self.tokens_and_slots = tokens is not None and slots is not None and spend is None
 
     def take(self, estimate: int, now: float, worst: int = 0) -> tuple[tuple[bytes, bytes], ...] | None:
         """Admit a request of ``estimate`` tokens (and ``worst`` nano-USD at most) if the block is open and
@@ -170,6 +173,8 @@ class Lease:
         than the block's tokens or nano-USD goes to Valkey and leaves the block open."""
         if self.closed:
             return None
+        if self.tokens_and_slots:
+            return self.take_tokens_and_slot(estimate, now)
         tokens, slots, spend = self.tokens, self.slots, self.spend
         if tokens is not None and estimate > tokens.capacity:
             return None
@@ -210,6 +215,38 @@ class Lease:
         self.in_flight += 1
         self.taken += 1
         return headers
+
+    def take_tokens_and_slot(self, estimate: int, now: float) -> tuple[tuple[bytes, bytes], ...] | None:
+        """``take`` of a block that holds tokens and request slots and no nano-USD (``tokens_and_slots``;
+        the quota gate calls it directly): the same checks in the same order, the same headers."""
+        if self.closed:
+            return None
+        tokens: Allowance = self.tokens  # type: ignore[assignment]  # both held (``tokens_and_slots``)
+        slots: Allowance = self.slots  # type: ignore[assignment]
+        if estimate > tokens.capacity:
+            return None
+        if now >= self.closes_at:
+            self.closed = True
+            return None
+        used = slots.committed
+        if used >= slots.capacity:
+            slots.filled = self.closed = True
+            return None
+        committed = tokens.committed + estimate
+        if committed > tokens.capacity:
+            tokens.filled = self.closed = True
+            return None
+        tokens.committed = committed
+        self.last_estimate = estimate
+        slots.committed = used = used + 1
+        self.in_flight += 1
+        self.taken += 1
+        # ``remaining`` without its max() (committed <= capacity here), the reset header without its call
+        # while it still holds (``Allowance.reset_header``).
+        return (tokens.limit_header, (tokens.remaining_name, b"%d" % (tokens.room - committed)),
+                tokens._reset_header if now <= tokens._reset_until else tokens.reset_header(now),
+                slots.limit_header, (slots.remaining_name, b"%d" % (slots.room - used)),
+                slots._reset_header if now <= slots._reset_until else slots.reset_header(now))
 
     def take_hit(self, now: float) -> bool:
         """``take`` and ``end`` of a request of 0 tokens and 0 nano-USD that reached its answer (a response

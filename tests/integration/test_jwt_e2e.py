@@ -9,7 +9,7 @@ import os
 import time
 
 from gateway.identity.auth import hash_api_key
-from tests.harness import Client, candidate, chat, envelope, mock_served, wait_until
+from tests.harness import Client, candidate, chat, envelope, mock_served, raw_exchange, status_of, wait_until
 from tests.jwt_idp import SigningKey, claims, hmac_with_public_key, jwks, unsigned_token
 
 ISS = "https://idp.example.com"
@@ -123,3 +123,32 @@ def test_a_rewritten_key_file_is_followed_without_a_restart(gateway_factory, moc
         handle.write(b"<html>garbage</html>")  # a broken file keeps the last good set
     time.sleep(0.6)
     assert chat(gateway.port, "m", headers=_bearer(fresh)).status == 200
+
+
+def test_a_long_token_sent_whole_or_in_small_writes_is_served_and_a_bad_byte_is_refused(gateway_factory, mock_provider):
+    # An RS256 token is long enough to be set aside before h11 (gateway/http/credential_line.py): the gateway
+    # must read it whole however the head arrives, and still refuse what h11 or the strict checks refuse.
+    rsa = SigningKey("RS256", "k1")
+    gateway, p, _ = _gateway(gateway_factory, mock_provider, rsa)
+    token = rsa.sign(claims(ISS, models=["m"])).encode()
+    assert len(token) > 300
+
+    def wire(value: bytes) -> bytes:
+        return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nAuthorization: Bearer " + value
+                + b"\r\nContent-Type: application/json\r\nContent-Length: 14\r\nConnection: close\r\n\r\n"
+                b'{"model": "m"}')
+
+    served = mock_served(p)
+    for split in (None, 1, 7):
+        raw = raw_exchange(gateway.port, wire(token), split=split, pause=0.0002)
+        assert status_of(raw) == 200, (split, raw[:300])
+    assert mock_served(p) == served + 3
+    forged = token[:-5] + (b"A" if token[-5:-4] != b"A" else b"B") + token[-4:]
+    middle = len(token) // 2
+    for value, status in ((forged, 401), (token[:middle] + b"\x01" + token[middle:], 400),
+                          (token[:middle] + b"\x00" + token[middle:], 400)):
+        for split in (None, 7):
+            raw = raw_exchange(gateway.port, wire(value), split=split, pause=0.0002)
+            assert status_of(raw) == status, (status, split, raw[:300])
+            assert token[:40] not in raw
+    assert mock_served(p) == served + 3

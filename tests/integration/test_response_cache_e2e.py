@@ -1,6 +1,7 @@
 """The response cache through a real gateway (supervisor, worker, managed keys, the bundled Valkey) and a
 real mock provider: a key revoked after its answer was cached cannot read it; the spend report, ``gridgate
-spend`` and the metrics show what hits saved (docs/cache.md)."""
+spend`` and the metrics show what hits saved; the quota's embedded Valkey is the default backend; the
+cache's Valkey stopped and started again passes traffic, then hits again (docs/cache.md)."""
 
 from __future__ import annotations
 
@@ -114,3 +115,83 @@ def test_the_spend_report_the_command_and_the_metric_show_what_the_hits_saved(ga
 def usd(nusd: int) -> str:
     """The report's decimal USD of ``nusd`` (exact: nine decimals, trailing zeros dropped)."""
     return f"{nusd // 10**9}.{nusd % 10**9:09d}".rstrip("0").rstrip(".")
+
+
+def ask_chat(gateway, question: dict) -> tuple[int, str | None, bytes]:
+    status, headers, data = request("127.0.0.1", gateway.port, "POST", "/v1/chat/completions", question)
+    return status, headers.get("x-gridgate-cache"), data
+
+
+def test_the_cache_lives_in_the_quotas_embedded_valkey_by_default(gateway_factory, mock_provider):
+    """No cache backend and a quota block of its own default (the bundled Valkey the supervisor starts):
+    the cache uses it, across two workers."""
+    handle = mock_provider("provider-a")
+    gateway = gateway_factory({"provider-a": [handle.address]}, envelope([candidate("m", "provider-a")]), workers=2,
+                              extra={"quota": {"rules": [{"name": "r", "requests": [{"window": "1d", "count": 100}]}]},
+                                     "cache": {"enabled": True}})
+    question = {"model": "m", "messages": [{"role": "user", "content": uuid.uuid4().hex}], "temperature": 0}
+    status, state, first = ask_chat(gateway, question)
+    assert (status, state) == (200, "miss")
+    answers = [ask_chat(gateway, question) for _ in range(6)]  # new connections: both workers
+    assert answers == [(200, "hit", first)] * 6
+    assert mock_served(handle) == 1
+
+
+def test_the_caches_valkey_stopped_and_started_again(gateway_factory, mock_provider, keys_store):
+    """The cache's own Valkey goes away under a real gateway: every request is answered by the provider
+    (bypass), none with an error; once it is back (its append-only file kept the entry) hits resume."""
+    handle = mock_provider("provider-a")
+    gateway = gateway_factory({"provider-a": [handle.address]}, envelope([candidate("m", "provider-a")]), workers=1,
+                              extra={"cache": {"enabled": True, "backend": {"url": keys_store.url}, "local": None}})
+    question = {"model": "m", "messages": [{"role": "user", "content": uuid.uuid4().hex}], "temperature": 0}
+    status, _, first = ask_chat(gateway, question)
+    assert status == 200
+    wait_until(lambda: ask_chat(gateway, question)[1] == "hit", "the entry stored", timeout=5)
+    served = mock_served(handle)
+    keys_store.stop()
+    down = [ask_chat(gateway, question) for _ in range(5)]
+    assert [(status, state) for status, state, _ in down] == [(200, "bypass")] * 5
+    assert mock_served(handle) == served + 5
+    keys_store.start()
+    meanwhile: list[tuple[int, str | None, bytes]] = []
+    back = wait_until(lambda: (meanwhile.append(ask_chat(gateway, question)) or meanwhile[-1][1] == "hit")
+                      and meanwhile[-1], "hits again", timeout=10)
+    assert back == (200, "hit", first)
+    assert {status for status, _, _ in meanwhile} == {200}  # the bypasses until it answered again
+
+
+def test_with_worker_held_blocks_a_revoked_key_reads_no_cached_answer_after_a_second(
+        gateway_factory, mock_provider, keys_store):
+    """Leases on (the default): the key's hits are admitted from its worker-held block, in memory. Once it
+    is revoked, docs/keys.md bounds what a block may still admit to 1 s: within that (and a little for the
+    host table) every repeat is refused 401 ``key_revoked`` and none is answered from the cache again."""
+    import time
+
+    handle = mock_provider("provider-a")
+    extra = {"auth": {}, "admin": {"tokens": TOKENS}, "workers": 1,
+             "quota": {"backend": {"kind": "valkey", "url": keys_store.url},
+                       "rules": [{"name": "r", "requests": [{"window": "1d", "count": 100_000}]}]},
+             "cache": {"enabled": True}}
+    gateway = gateway_factory({"provider-a": [handle.address]}, envelope([candidate("m", "provider-a")]), extra=extra)
+    status, created = admin(gateway, "POST", "/admin/keys", {"tenant": "team-d"})
+    assert status == 201
+    kid, secret = created["record"]["kid"], created["key"]
+    body = {"model": "m", "messages": [{"role": "user", "content": uuid.uuid4().hex}], "temperature": 0}
+    auth = [("Authorization", f"Bearer {secret}")]
+
+    def ask() -> tuple[int, str | None, bytes]:
+        status, headers, data = request("127.0.0.1", gateway.port, "POST", "/v1/chat/completions", body, auth)
+        return status, headers.get("x-gridgate-cache"), data
+
+    assert ask()[:2] == (200, "miss")
+    wait_until(lambda: ask()[1] == "hit", "the entry stored", timeout=5)
+    assert [ask()[:2] for _ in range(10)] == [(200, "hit")] * 10  # from the key's block
+    served = mock_served(handle)
+    assert admin(gateway, "POST", f"/admin/keys/{kid}/revoke")[0] == 200
+    revoked_at = time.monotonic()
+    first_refusal = wait_until(lambda: (answer := ask())[0] == 401 and answer, "the revoked key refused", timeout=5)
+    assert time.monotonic() - revoked_at < 2.0
+    assert json.loads(first_refusal[2])["error"]["code"] == "key_revoked"
+    after = [ask() for _ in range(5)]
+    assert [(status, state) for status, state, _ in after] == [(401, None)] * 5
+    assert mock_served(handle) == served

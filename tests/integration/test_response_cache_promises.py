@@ -1,17 +1,21 @@
 """The promises of docs/cache.md that tests/integration/test_response_cache.py left without a test that can
-fail: an entry is never read by a request that says ``no-store`` or ``bypass``, answers over ``max_entry``
-and cut streams are never stored, an alias and its target share entries, a seed or ``only_deterministic:
-false`` makes a request cacheable, an entry dies with its TTL (and so do the workers' copies of it),
-waiters are bounded in time, a hit takes no token estimate and is refused once the request limit is spent,
-and with the cache off nothing says ``x-gridgate-cache``. One worker's request path in this process, real
-mock providers on loopback, the session's real Valkey."""
+fail: an entry is never read by a request that says ``no-store`` or ``bypass``; answers over ``max_entry``,
+cut streams, chat streams without their [DONE] and streams ending in an error event are never stored; an
+alias and its target share entries; a seed or ``only_deterministic: false`` makes a request cacheable; an
+entry dies with its TTL (and so do the workers' copies of it); waiters are bounded in time; a crashed
+leader's claim holds nobody past its expiry; a hit takes no token estimate and is refused once the request
+limit is spent; a miss and a hit cost the Valkey calls the docs say; with the cache off nothing says
+``x-gridgate-cache``. One worker's request path in this process, real mock providers on loopback, the
+session's real Valkey (the call counts: a Valkey of the test's own)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 
+from tests.harness import candidate
 from tests.inprocess import start_provider
 from tests.integration.test_response_cache import body, gateway_for, request_slots, run, until_stored
 
@@ -224,6 +228,270 @@ def test_with_the_cache_off_nothing_says_x_gridgate_cache(tmp_path, valkey_url):
             assert [answer.status for answer in answers] == [200, 200]
             assert all("x-gridgate-cache" not in answer.headers for answer in answers)
             assert gateway.path.cache is None and provider.served == 2
+        finally:
+            await gateway.close()
+            provider.server.close()
+    run(scenario)
+
+
+def test_a_crashed_leaders_claim_holds_nobody_past_its_expiry(tmp_path, valkey_url, store):
+    """Another host's leader claimed the key (its marker, ``PX`` 400 ms) and died: a request for that key
+    waits, and goes upstream on its own once the marker has expired (not after its own 20 s wait); the next
+    one leads, and its answer is stored."""
+    from gateway.cache.key import cache_key
+    from gateway.config.cache import Cache
+    from workers.response_cache import PENDING
+
+    async def scenario() -> None:
+        provider = await start_provider("p", tokens=5)
+        gateway = await gateway_for(tmp_path, provider, valkey_url, quota=False, cache={"coalesce": {"wait": "20s"}})
+        try:
+            question = body(uuid.uuid4().hex)
+            key = cache_key(Cache(enabled=True), "chat_completions", "anonymous", "m", json.dumps(question).encode(), {})
+            assert key is not None
+            store.set(key.key, PENDING + b"4242:1", px=400)  # the dead leader's claim
+            started = time.monotonic()
+            alone = await gateway.request("POST", CHAT, question)
+            waited = time.monotonic() - started
+            assert (alone.status, alone.headers["x-gridgate-cache"]) == (200, "miss")
+            assert 0.3 <= waited < 3, waited
+            assert provider.served == 1 and gateway.path.cache.stored == 0  # on its own: not stored
+            leader = await gateway.request("POST", CHAT, question)
+            assert leader.headers["x-gridgate-cache"] == "miss"
+            await until_stored(gateway)
+            assert (await gateway.request("POST", CHAT, question)).headers["x-gridgate-cache"] == "hit"
+            assert provider.served == 2
+        finally:
+            await gateway.close()
+            provider.server.close()
+    run(scenario)
+
+
+# What this test's own counting clients send (their connection's AUTH and SETINFO, the reset itself).
+_COUNTING = frozenset(("auth", "client|setinfo", "config|resetstat", "info", "hello"))
+
+
+def commands_counted(url: str) -> dict[str, int]:
+    """The calls of each command the Valkey at ``url`` served since its last ``CONFIG RESETSTAT``."""
+    import valkey
+
+    client = valkey.Valkey.from_url(url)
+    try:
+        return {name: stats["calls"] for name, stats in
+                ((name.removeprefix("cmdstat_"), stats) for name, stats in client.info("commandstats").items())
+                if name not in _COUNTING}
+    finally:
+        client.close()
+
+
+def reset_counts(url: str) -> None:
+    import valkey
+
+    client = valkey.Valkey.from_url(url)
+    try:
+        client.config_resetstat()
+    finally:
+        client.close()
+
+
+def test_what_a_miss_and_a_hit_cost_in_valkey_calls(tmp_path, keys_store):
+    """docs/cache.md, "What a hit costs": a miss is one ``SET NX PX GET`` (the lookup and the claim) and
+    one ``SET`` of the entry; a hit one command (the same lookup, which finds the entry); a hit from the
+    worker's local copy none. With coalescing off the lookup is a plain ``GET``. Counted by the cache's own
+    Valkey (``INFO commandstats``), nothing else using it."""
+    async def scenario() -> None:
+        provider = await start_provider("p", tokens=5)
+        url = keys_store.url
+        plain = tmp_path / "plain"
+        plain.mkdir()
+        claims = await gateway_for(tmp_path, provider, url, quota=False, cache={"local": None})
+        gets = await gateway_for(plain, provider, url, quota=False, cache={"local": None, "coalesce": {"enabled": False}})
+        try:
+            for gateway, miss, hit in ((claims, {"set": 2}, {"set": 1}), (gets, {"get": 1, "set": 1}, {"get": 1})):
+                await gateway.request("POST", CHAT, body(uuid.uuid4().hex))  # its connection made
+                await until_stored(gateway)
+                question = body(uuid.uuid4().hex)
+                reset_counts(url)
+                assert (await gateway.request("POST", CHAT, question)).headers["x-gridgate-cache"] == "miss"
+                await until_stored(gateway, 2)
+                assert commands_counted(url) == miss
+                reset_counts(url)
+                assert (await gateway.request("POST", CHAT, question)).headers["x-gridgate-cache"] == "hit"
+                assert commands_counted(url) == hit
+        finally:
+            await claims.close()
+            await gets.close()
+        (tmp_path / "copies").mkdir()
+        copies = await gateway_for(tmp_path / "copies", provider, url, quota=False)
+        try:
+            question = body(uuid.uuid4().hex)
+            await copies.request("POST", CHAT, question)
+            await until_stored(copies)
+            reset_counts(url)
+            assert (await copies.request("POST", CHAT, question)).headers["x-gridgate-cache"] == "hit"
+            assert commands_counted(url) == {}
+        finally:
+            await copies.close()
+            provider.server.close()
+    run(scenario)
+
+
+def test_a_chat_stream_without_its_done_is_never_stored(tmp_path, valkey_url):
+    """A provider whose chat streams end without ``data: [DONE]`` (the mock's ``no_done``): relayed, never
+    stored, so each repeat reaches the provider (a whole stream is stored: test_response_cache.py)."""
+    async def scenario() -> None:
+        provider = await start_provider("p", tokens=5, nonconformance="no_done")
+        gateway = await gateway_for(tmp_path, provider, valkey_url, quota=False)
+        try:
+            question = body(uuid.uuid4().hex, stream=True)
+            answers = [await gateway.request("POST", CHAT, question) for _ in range(2)]
+            assert all(answer.status == 200 and b"[DONE]" not in answer.body for answer in answers)
+            assert [answer.headers["x-gridgate-cache"] for answer in answers] == ["miss", "miss"]
+            await asyncio.sleep(0.05)
+            assert provider.served == 2 and gateway.path.cache.stored == 0
+        finally:
+            await gateway.close()
+            provider.server.close()
+    run(scenario)
+
+
+MESSAGES_FAILED_STREAM = (
+    b'event: message_start\ndata: {"type":"message_start","message":{"id":"msg_1","type":"message","role":'
+    b'"assistant","model":"m","content":[],"usage":{"input_tokens":5,"output_tokens":0}}}\n\n'
+    b'event: content_block_start\ndata: {"type":"content_block_start","index":0,"content_block":{"type":"text",'
+    b'"text":""}}\n\n'
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta",'
+    b'"text":"Hel"}}\n\n'
+    b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}\n\n')
+
+
+class FailingStreams:
+    """A provider on loopback that answers every request 200 with a Messages stream that ends in an error
+    event (as Anthropic's does when it fails mid-answer): whole, with its length, the connection kept."""
+
+    def __init__(self) -> None:
+        self.name = "failing"
+        self.served = 0
+        self.server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> FailingStreams:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    @property
+    def address(self) -> str:
+        assert self.server is not None
+        host, port = self.server.sockets[0].getsockname()[:2]
+        return f"{host}:{port}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                self.served += 1
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n%b"
+                             % (len(MESSAGES_FAILED_STREAM), MESSAGES_FAILED_STREAM))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+
+def test_a_stream_that_ends_in_an_error_event_is_never_stored(tmp_path, valkey_url):
+    """A Messages stream answered 200 that ends with ``event: error``: relayed as it came, never stored."""
+    async def scenario() -> None:
+        provider = await FailingStreams().start()
+        gateway = await gateway_for(tmp_path, provider, valkey_url, quota=False)  # type: ignore[arg-type]
+        try:
+            question = {"model": "m", "max_tokens": 16, "temperature": 0, "stream": True,
+                        "messages": [{"role": "user", "content": uuid.uuid4().hex}]}
+            headers = [("anthropic-version", "2023-06-01")]
+            answers = [await gateway.request("POST", "/v1/messages", question, headers) for _ in range(2)]
+            assert all(answer.status == 200 and b"event: error" in answer.body for answer in answers), answers
+            assert [answer.headers["x-gridgate-cache"] for answer in answers] == ["miss", "miss"]
+            await asyncio.sleep(0.05)
+            assert provider.served == 2 and gateway.path.cache.stored == 0
+            assert [line.get("error") for line in gateway.access_lines()] == ["upstream_error_event"] * 2
+        finally:
+            await gateway.close()
+            assert provider.server is not None
+            provider.server.close()
+    run(scenario)
+
+
+def test_a_hit_of_an_answer_a_fallback_made_names_the_model_that_made_it(tmp_path, valkey_url):
+    """Model m with the chain [n]: m's provider fails, n answers, and the answer is stored under m's key.
+    The hit says the model that made it (``x-gridgate-model: n``, the access line's ``served_model``), as
+    the miss did, with no moves of its own (``x-gridgate-fallback-hops: 0``), and reaches neither provider."""
+    from tests.harness import envelope as overlay_of
+    from tests.inprocess import InProcessGateway
+
+    async def scenario() -> None:
+        failing = await start_provider("p-m", tokens=5, fail_rate=1.0)
+        serving = await start_provider("p-n", tokens=5)
+        overlay = overlay_of([candidate("m", "p-m"), candidate("n", "p-n")], "deterministic")
+        gateway = await InProcessGateway.start(
+            tmp_path, {"p-m": [failing.address], "p-n": [serving.address]}, overlay,
+            extra={"routing": {"retry": {"attempts": 2, "deadline": "10s", "backoff": {"base": "1ms", "max": "5ms"}}},
+                   "models": {"fallbacks": {"m": {"chain": ["n"], "on": ["unavailable"]}}},
+                   "cache": {"enabled": True, "backend": {"url": valkey_url}}})
+        try:
+            question = body(uuid.uuid4().hex)
+            miss = await gateway.request("POST", CHAT, question)
+            assert (miss.status, miss.headers["x-gridgate-cache"], miss.headers["x-gridgate-model"]) == (200, "miss", "n")
+            await until_stored(gateway)
+            served = (failing.served, serving.served)
+            hit = await gateway.request("POST", CHAT, question)
+            assert (hit.headers["x-gridgate-cache"], hit.body) == ("hit", miss.body)
+            assert (hit.headers["x-gridgate-model"], hit.headers["x-gridgate-fallback-hops"]) == ("n", "0")  # no moves
+            assert (failing.served, serving.served) == served
+            lines = gateway.access_lines()
+            assert [line.get("served_model") for line in lines] == ["n", "n"]
+        finally:
+            await gateway.close()
+            failing.server.close()
+            serving.server.close()
+    run(scenario)
+
+
+def test_identical_streams_in_flight_share_one_upstream_call_and_replay_its_events(tmp_path, valkey_url):
+    """Streamed requests coalesce too: the waiters get the leader's stream, event for event, as hits."""
+    async def scenario() -> None:
+        provider = await start_provider("p", tokens=8, latency_ms=300)
+        gateway = await gateway_for(tmp_path, provider, valkey_url, quota=False)
+        try:
+            question = body(uuid.uuid4().hex, stream=True)
+            answers = await asyncio.gather(*(gateway.request("POST", CHAT, question) for _ in range(5)))
+            assert sorted(answer.headers["x-gridgate-cache"] for answer in answers) == ["hit"] * 4 + ["miss"]
+            assert all(answer.complete and answer.headers["content-type"].startswith("text/event-stream")
+                       for answer in answers)
+            (stream,) = {answer.body for answer in answers}
+            assert stream.endswith(b"data: [DONE]\n\n") and stream.count(b"data: ") > 8
+            assert provider.served == 1
+        finally:
+            await gateway.close()
+            provider.server.close()
+    run(scenario)
+
+
+def test_waiters_of_a_leader_whose_answer_is_too_large_go_on_at_once(tmp_path, valkey_url):
+    """The leader's answer is over ``max_entry``: not stored, so its waiters (on its worker) are released
+    the moment it ends and go upstream on their own, long before their 20 s wait; none gets an error."""
+    async def scenario() -> None:
+        provider = await start_provider("p", latency_ms=300)
+        gateway = await gateway_for(tmp_path, provider, valkey_url, quota=False,
+                                    cache={"max_entry": 1500, "coalesce": {"wait": "20s"}})
+        try:
+            question = body(uuid.uuid4().hex)
+            large = [("x-mock-tokens", "300")]
+            started = time.monotonic()
+            answers = await asyncio.gather(*(gateway.request("POST", CHAT, question, large) for _ in range(4)))
+            assert [answer.status for answer in answers] == [200] * 4
+            assert [answer.headers["x-gridgate-cache"] for answer in answers] == ["miss"] * 4
+            assert time.monotonic() - started < 5
+            assert provider.served == 4 and gateway.path.cache.stored == 0
         finally:
             await gateway.close()
             provider.server.close()

@@ -130,6 +130,30 @@ def test_a_lookup_is_reused_only_while_the_table_is_unchanged():
     assert lookup(key_digest(key)).status == "revoked"
 
 
+def test_use_marks_an_active_key_used_and_leaves_a_blocked_or_expiring_one_to_the_caller():
+    table = KeyTable.create(100)
+    writer = KeyTableWriter(table)
+    writer.set_minute(29_000_000)
+    plain, expiring = new_key(new_kid()), new_key(new_kid())
+    for key, fields in ((plain, {}), (expiring, {"expires_at": 5000})):
+        for digest_, blob in views_of(record(key, **fields), 0).items():
+            writer.put(digest_, blob)
+    lookup = KeyLookup(table)
+    entry = lookup.use(key_digest(plain))
+    assert entry is not None and entry.plain and table.used_since(1) == [(entry.slot, 29_000_000)]
+    writer.set_minute(29_000_001)
+    assert lookup.use(key_digest(plain)) is entry  # the table did not change: the same entry, marked again
+    assert table.used_since(29_000_001) == [(entry.slot, 29_000_001)]
+    dated = lookup.use(key_digest(expiring))
+    assert dated is not None and not dated.plain and dated.expires_at == 5000
+    assert table.used_since(29_000_001) == [(entry.slot, 29_000_001)]  # the caller decides and marks it
+    for digest_, blob in views_of(record(plain, status="blocked", version=2), 0).items():
+        writer.put(digest_, blob)
+    blocked = lookup.use(key_digest(plain))
+    assert blocked is not entry and blocked.status == "blocked" and not blocked.plain
+    assert lookup.use(key_digest(new_key(new_kid()))) is None
+
+
 def test_a_rotated_key_opens_with_both_secrets_until_the_grace_ends():
     old, new = new_key("AAAAAAAAAAAA"), new_key("AAAAAAAAAAAA")
     rotated = record(new, previous=[PreviousSecret(key_digest(old).hex(), until=2000)], expires_at=5000)

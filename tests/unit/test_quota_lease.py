@@ -180,3 +180,28 @@ def test_the_reset_header_is_whole_seconds_rounded_up_and_made_once_per_second()
     assert lease.tokens.reset_header(now=2.9) is first
     assert lease.tokens.reset_header(now=3.2) == (b"x-ratelimit-reset-tokens", b"17s")
     assert lease.tokens.reset_header(now=25.0)[1] == b"0ms"  # past the window's end: nothing left to wait
+
+
+def test_a_block_of_tokens_and_slots_takes_its_own_path_with_takes_answers() -> None:
+    def block() -> Lease:
+        return Lease(LeaseReservation(b"z", b"p", b"m", 100, 5), Allowance(100, 5000, 900, 20.0), 10.0,
+                     slots=request_allowance(5, 60, 40, 20.0))
+
+    fast, general = block(), block()
+    assert fast.tokens_and_slots
+    general.tokens_and_slots = False  # the general path of take, for the same block
+    steps = [(30, 1.0), (101, 1.0), (30, 1.5), (10, 2.0), (10, 2.0), (40, 2.0), (1, 2.0)]
+    answers = [(fast.take(estimate, now), general.take(estimate, now)) for estimate, now in steps]
+    assert [a for a, _ in answers] == [b for _, b in answers]
+    assert answers[0][0] == ((b"x-ratelimit-limit-tokens", b"5000"), (b"x-ratelimit-remaining-tokens", b"970"),
+                             (b"x-ratelimit-reset-tokens", b"19s"), (b"x-ratelimit-limit-requests", b"60"),
+                             (b"x-ratelimit-remaining-requests", b"44"), (b"x-ratelimit-reset-requests", b"19s"))
+    assert answers[1][0] is None and answers[-1][0] is None  # larger than the block; then it closed, full
+    for lease in (fast, general):
+        assert (lease.closed, lease.tokens.filled, lease.slots.committed, lease.tokens.committed) == (True, True, 4, 80)
+        assert (lease.in_flight, lease.taken, lease.last_estimate) == (4, 4, 10)
+    slots_full = block()
+    for _ in range(5):
+        assert slots_full.take_tokens_and_slot(1, 1.0)
+    assert slots_full.take_tokens_and_slot(1, 1.0) is None and slots_full.slots.filled and slots_full.closed
+    assert block().take_tokens_and_slot(1, 10.0) is None  # past its ttl: closed
