@@ -92,12 +92,22 @@ class LocalIdp:
     def __init__(self, *keys: SigningKey, max_age: int | None = 300) -> None:
         self.keys = list(keys)
         self.max_age = max_age
-        self.mode = "ok"  # "ok", "down" (503) or "garbage" (200 with a body that is no JWKS)
+        # "ok", "down" (503), "garbage" (200 with a body that is no JWKS) or "hang" (no answer until the mode
+        # changes: the gateway's fetch times out); ``stop_serving`` closes the port itself.
+        self.mode = "ok"
         self.jwks_fetches = 0
         idp = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+                while idp.mode == "hang":
+                    time.sleep(0.05)
+                try:
+                    self._answer()
+                except OSError:  # the client gave up (it timed out while the IdP hung)
+                    pass
+
+            def _answer(self) -> None:
                 if self.path == "/.well-known/openid-configuration":
                     body = json.dumps({"issuer": idp.issuer, "jwks_uri": idp.issuer + "/jwks"}).encode()
                 elif self.path == "/jwks":
@@ -120,14 +130,33 @@ class LocalIdp:
             def log_message(self, *args: Any) -> None:
                 pass
 
+        self._handler = Handler
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.issuer = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.port = self.server.server_address[1]
+        self.issuer = f"http://127.0.0.1:{self.port}"
+        self._serving = False
+
+    def _serve(self) -> None:
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self._serving = True
+
+    def stop_serving(self) -> None:
+        """The IdP's process is gone: its port refuses connections until ``resume_serving``."""
+        if self._serving:
+            self._serving = False
+            self.server.shutdown()
+            self.server.server_close()
+
+    def resume_serving(self) -> None:
+        """Back on the same port (the issuer URL does not change)."""
+        if not self._serving:
+            self.server = ThreadingHTTPServer(("127.0.0.1", self.port), self._handler)
+            self._serve()
 
     def __enter__(self) -> LocalIdp:
-        self._thread.start()
+        self._serve()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.mode = "ok"  # (a handler that hangs returns)
+        self.stop_serving()

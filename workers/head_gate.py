@@ -46,12 +46,14 @@ _INVALID_KEY = "invalid API key"
 
 # (authorization, x-api-key, the YAML key's identity; with managed keys, a managed key's digest instead)
 AuthMemo = tuple[bytes, bytes, KeyIdentity | bytes]
+JwtMemo = tuple[bytes, bytes, JwtGrant]
 
 
 class GatedConnection(Protocol):
     """The per-connection slots the server keeps for the gate (and only the gates write)."""
 
     auth_memo: AuthMemo | None
+    jwt_memo: JwtMemo | None  # the last granted token's (authorization, x-api-key, grant): ``admit_jwt``
     peer_identity: object  # workers/cert_gate.py
 
 
@@ -116,9 +118,9 @@ class HeadGate:
         scanned = self.header_plan.scan(headers)
         request_id = scanned.request_id or self.ids.next()
         if self.jwt is not None:
-            token = presented_key(scanned.authorization, scanned.api_key)
-            if token is not None and looks_like_jwt(token):  # an opaque API key never has a JWT's shape
-                return self.admit_token(self.jwt.grant(token), method, target, scanned, request_id)
+            admitted = self.admit_jwt(conn, method, target, scanned, request_id)
+            if admitted is not None:
+                return admitted
         auth = self.auth
         keys = self.keys
         managed = None
@@ -156,6 +158,29 @@ class HeadGate:
         if route is None:
             return route_not_allowed(method, target, request_id, tenant)
         return Admitted(route, tenant, scanned, request_id, key, managed)
+
+    def admit_jwt(self, conn: GatedConnection, method: bytes, target: bytes, scanned: RequestHeaders,
+                  request_id: bytes) -> Admitted | HeadRefusal | None:
+        """A JWT bearer's request, or None when the credential has no JWT's shape (an opaque API key).
+
+        A keep-alive client sends its token with every request: when both key headers equal those the
+        connection's last granted token came in (compared in constant time), that grant serves while
+        ``JwtGate.current`` (unexpired, key sets unchanged), without hashing the token again. Like
+        ``auth_memo``, it stays with the connection, whose buffers hold the token anyway."""
+        authorization = scanned.authorization or b""
+        api_key = scanned.api_key or b""
+        jwt = self.jwt
+        memo = conn.jwt_memo
+        if (memo is not None and compare_digest(memo[0], authorization) and compare_digest(memo[1], api_key)
+                and jwt.current(memo[2])):  # type: ignore[union-attr]
+            return self.admit_token(memo[2], method, target, scanned, request_id)
+        token = presented_key(scanned.authorization, scanned.api_key)
+        if token is None or not looks_like_jwt(token):
+            return None
+        found = jwt.grant(token)  # type: ignore[union-attr]
+        if found.__class__ is JwtGrant:
+            conn.jwt_memo = (authorization, api_key, found)  # type: ignore[assignment]
+        return self.admit_token(found, method, target, scanned, request_id)
 
     def admit_token(self, found: JwtGrant | JwtRefusal, method: bytes, target: bytes, scanned: RequestHeaders,
                     request_id: bytes) -> Admitted | HeadRefusal:

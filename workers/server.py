@@ -135,7 +135,7 @@ class ServerConnection(asyncio.Protocol):
     __slots__ = (
         "server", "settings", "transport", "codec", "state", "exchange", "peer", "_timer", "_deadline",
         "_on_deadline", "_head_bytes", "_t_head", "_body", "_body_len", "_body_counted", "_framing", "_request",
-        "_headers", "_reading_paused", "writing_paused", "_loop", "pending", "served", "_eof", "auth_memo",
+        "_headers", "_reading_paused", "writing_paused", "_loop", "pending", "served", "_eof", "auth_memo", "jwt_memo",
         "admitted", "peer_identity",
     )
 
@@ -159,6 +159,7 @@ class ServerConnection(asyncio.Protocol):
         self._request: codec.RequestHead | None = None
         self._headers: list[tuple[bytes, bytes]] = []
         self.auth_memo: tuple[bytes, bytes, str] | None = None  # the head gate's: the last key admitted here
+        self.jwt_memo: tuple[bytes, bytes, object] | None = None  # the head gate's: the last token granted here
         self.admitted: object = None  # the head gate's verdict on the current request (exchange.admitted)
         self.peer_identity: object = False  # the mTLS identity (workers/cert_gate.py); False: not read yet
         self._reading_paused = False

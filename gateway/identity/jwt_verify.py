@@ -51,7 +51,7 @@ class JwtRefusal(Exception):
 class JwtGrant:
     """A verified token: its identity, model globs (None: no models claim) and expiry (Unix seconds)."""
 
-    __slots__ = ("identity", "models", "expires_at", "valid_until", "kid", "origins", "_models")
+    __slots__ = ("identity", "models", "expires_at", "valid_until", "kid", "origins", "_models", "keys_generation")
 
     def __init__(self, identity: KeyIdentity, models: list[str] | None, expires_at: float, leeway: float = 0.0) -> None:
         self.identity = identity
@@ -61,6 +61,7 @@ class JwtGrant:
         self.kid = None  # what a managed key's entry has (the request path reads both alike)
         self.origins = None
         self._models = None if models is None else re.compile("|".join(translate(glob) for glob in models))
+        self.keys_generation = 0  # the verifier's key-set generation it was verified under (``JwtVerifier``)
 
     def allows_model(self, model: str) -> bool:
         return self._models is None or self._models.match(model) is not None
@@ -228,12 +229,20 @@ class JwtVerifier:
         self._only = next(iter(self.issuers.values())) if len(self.issuers) == 1 else None
         self._cache: dict[bytes, JwtGrant] = {}
         self.on_unknown_kid = on_unknown_kid
+        # Counts key-set changes: a grant verified under an older generation is not served from a memo
+        # (``current``), as the emptied cache no longer serves it.
+        self.keys_generation = 0
 
     def set_keys(self, name: str, keys: KeySet) -> None:
         """A new key set for issuer ``name``: the cache is emptied, so a key the IdP dropped stops
         admitting the tokens it signed now, not at their exp."""
         self.by_name[name].keys = keys
         self._cache.clear()
+        self.keys_generation += 1
+
+    def current(self, grant: JwtGrant, now: float) -> bool:
+        """``grant`` still admits its token now: unexpired, and verified under today's key sets."""
+        return grant.valid_until > now and grant.keys_generation == self.keys_generation
 
     def grant(self, token: bytes, now: float) -> JwtGrant:
         """The grant of a presented token (cached until its exp), or raise JwtRefusal."""
@@ -246,6 +255,7 @@ class JwtVerifier:
                 return cached
             del self._cache[digest]
         grant = self.verify(token, now)
+        grant.keys_generation = self.keys_generation
         cache = self._cache
         if len(cache) >= MAX_CACHED_TOKENS:
             for stale in [d for d, g in cache.items() if g.valid_until <= now]:

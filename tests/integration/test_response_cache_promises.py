@@ -1,11 +1,12 @@
 """The promises of docs/cache.md that tests/integration/test_response_cache.py left without a test that can
-fail: an entry is never read by a request that says ``no-store`` or ``bypass``, answers over ``max_entry``,
-cut streams, chat streams without their [DONE] and streams ending in an error event are never stored, an alias and its target share entries, a seed or ``only_deterministic:
-false`` makes a request cacheable, an entry dies with its TTL (and so do the workers' copies of it),
-waiters are bounded in time, a crashed leader's claim holds nobody past its expiry, a hit takes no token
-estimate and is refused once the request limit is spent, and with the cache off nothing says
-``x-gridgate-cache``. One worker's request path in this process, real
-mock providers on loopback, the session's real Valkey."""
+fail: an entry is never read by a request that says ``no-store`` or ``bypass``; answers over ``max_entry``,
+cut streams, chat streams without their [DONE] and streams ending in an error event are never stored; an
+alias and its target share entries; a seed or ``only_deterministic: false`` makes a request cacheable; an
+entry dies with its TTL (and so do the workers' copies of it); waiters are bounded in time; a crashed
+leader's claim holds nobody past its expiry; a hit takes no token estimate and is refused once the request
+limit is spent; a miss and a hit cost the Valkey calls the docs say; with the cache off nothing says
+``x-gridgate-cache``. One worker's request path in this process, real mock providers on loopback, the
+session's real Valkey (the call counts: a Valkey of the test's own)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import json
 import time
 import uuid
 
+from tests.harness import candidate
 from tests.inprocess import start_provider
 from tests.integration.test_response_cache import body, gateway_for, request_slots, run, until_stored
 
@@ -201,10 +203,19 @@ def test_a_hit_takes_no_token_estimate_and_is_refused_once_the_request_limit_is_
             assert (await gateway.request("POST", CHAT, question)).headers["x-gridgate-cache"] == "miss"
             await until_stored(gateway)
             quota = gateway.path.quota
-            estimated = quota.counters.tokens_estimated
+
+            def token_counters() -> tuple[int, ...]:
+                counters, tenants = quota.counters, quota.tenant_tokens
+                return (counters.tokens_estimated, counters.tokens_actual, counters.tokens_refunded,
+                        counters.tokens_overage, sum(tenants.tokens_in), sum(tenants.tokens_out))
+
+            await quota.drain()  # the miss's settlement counted
+            before = token_counters()
+            assert before[1] > 0 and before[4] > 0  # the miss's prompt counted: the counters are live
             hit = await gateway.request("POST", CHAT, question)
             assert (hit.status, hit.headers["x-gridgate-cache"]) == (200, "hit")
-            assert quota.counters.tokens_estimated == estimated  # no token estimate reserved for the hit
+            await quota.drain()
+            assert token_counters() == before  # no estimate, no charge, no tokens in or out for the hit
             assert await request_slots(gateway) == 0
             refused = await gateway.request("POST", CHAT, question)
             assert refused.status == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded", refused
@@ -415,5 +426,82 @@ def test_a_stream_that_ends_in_an_error_event_is_never_stored(tmp_path, valkey_u
         finally:
             await gateway.close()
             assert provider.server is not None
+            provider.server.close()
+    run(scenario)
+
+
+def test_a_hit_of_an_answer_a_fallback_made_names_the_model_that_made_it(tmp_path, valkey_url):
+    """Model m with the chain [n]: m's provider fails, n answers, and the answer is stored under m's key.
+    The hit says the model that made it (``x-gridgate-model: n``, the access line's ``served_model``), as
+    the miss did, with no moves of its own (``x-gridgate-fallback-hops: 0``), and reaches neither provider."""
+    from tests.harness import envelope as overlay_of
+    from tests.inprocess import InProcessGateway
+
+    async def scenario() -> None:
+        failing = await start_provider("p-m", tokens=5, fail_rate=1.0)
+        serving = await start_provider("p-n", tokens=5)
+        overlay = overlay_of([candidate("m", "p-m"), candidate("n", "p-n")], "deterministic")
+        gateway = await InProcessGateway.start(
+            tmp_path, {"p-m": [failing.address], "p-n": [serving.address]}, overlay,
+            extra={"routing": {"retry": {"attempts": 2, "deadline": "10s", "backoff": {"base": "1ms", "max": "5ms"}}},
+                   "models": {"fallbacks": {"m": {"chain": ["n"], "on": ["unavailable"]}}},
+                   "cache": {"enabled": True, "backend": {"url": valkey_url}}})
+        try:
+            question = body(uuid.uuid4().hex)
+            miss = await gateway.request("POST", CHAT, question)
+            assert (miss.status, miss.headers["x-gridgate-cache"], miss.headers["x-gridgate-model"]) == (200, "miss", "n")
+            await until_stored(gateway)
+            served = (failing.served, serving.served)
+            hit = await gateway.request("POST", CHAT, question)
+            assert (hit.headers["x-gridgate-cache"], hit.body) == ("hit", miss.body)
+            assert (hit.headers["x-gridgate-model"], hit.headers["x-gridgate-fallback-hops"]) == ("n", "0")  # no moves
+            assert (failing.served, serving.served) == served
+            lines = gateway.access_lines()
+            assert [line.get("served_model") for line in lines] == ["n", "n"]
+        finally:
+            await gateway.close()
+            failing.server.close()
+            serving.server.close()
+    run(scenario)
+
+
+def test_identical_streams_in_flight_share_one_upstream_call_and_replay_its_events(tmp_path, valkey_url):
+    """Streamed requests coalesce too: the waiters get the leader's stream, event for event, as hits."""
+    async def scenario() -> None:
+        provider = await start_provider("p", tokens=8, latency_ms=300)
+        gateway = await gateway_for(tmp_path, provider, valkey_url, quota=False)
+        try:
+            question = body(uuid.uuid4().hex, stream=True)
+            answers = await asyncio.gather(*(gateway.request("POST", CHAT, question) for _ in range(5)))
+            assert sorted(answer.headers["x-gridgate-cache"] for answer in answers) == ["hit"] * 4 + ["miss"]
+            assert all(answer.complete and answer.headers["content-type"].startswith("text/event-stream")
+                       for answer in answers)
+            (stream,) = {answer.body for answer in answers}
+            assert stream.endswith(b"data: [DONE]\n\n") and stream.count(b"data: ") > 8
+            assert provider.served == 1
+        finally:
+            await gateway.close()
+            provider.server.close()
+    run(scenario)
+
+
+def test_waiters_of_a_leader_whose_answer_is_too_large_go_on_at_once(tmp_path, valkey_url):
+    """The leader's answer is over ``max_entry``: not stored, so its waiters (on its worker) are released
+    the moment it ends and go upstream on their own, long before their 20 s wait; none gets an error."""
+    async def scenario() -> None:
+        provider = await start_provider("p", latency_ms=300)
+        gateway = await gateway_for(tmp_path, provider, valkey_url, quota=False,
+                                    cache={"max_entry": 1500, "coalesce": {"wait": "20s"}})
+        try:
+            question = body(uuid.uuid4().hex)
+            large = [("x-mock-tokens", "300")]
+            started = time.monotonic()
+            answers = await asyncio.gather(*(gateway.request("POST", CHAT, question, large) for _ in range(4)))
+            assert [answer.status for answer in answers] == [200] * 4
+            assert [answer.headers["x-gridgate-cache"] for answer in answers] == ["miss"] * 4
+            assert time.monotonic() - started < 5
+            assert provider.served == 4 and gateway.path.cache.stored == 0
+        finally:
+            await gateway.close()
             provider.server.close()
     run(scenario)

@@ -4,17 +4,25 @@ server's connection (the gate only reads and writes its ``auth_memo``)."""
 
 from __future__ import annotations
 
+import json
+import os
+import time
+
+from gateway.config import parse_config
 from gateway.identity.auth import Authenticator, hash_api_key
 from gateway.request.headers import HeaderPlan
 from gateway.request.routes import API, MODELS, RouteTable
+from tests.jwt_idp import SigningKey, claims, jwks
 from workers.head_gate import ANONYMOUS_TENANT, Admitted, HeadGate, HeadRefusal
+from workers.jwt_gate import JwtGate
 
 
 class Connection:
-    __slots__ = ("auth_memo",)
+    __slots__ = ("auth_memo", "jwt_memo")
 
     def __init__(self) -> None:
         self.auth_memo = None
+        self.jwt_memo = None
 
 
 def gate(auth: bool = True) -> HeadGate:
@@ -80,3 +88,49 @@ def test_generated_request_ids_are_unique() -> None:
     front = gate(auth=False)
     ids = {front(Connection(), b"POST", b"/v1/completions", []).request_id for _ in range(100)}  # type: ignore[union-attr]
     assert len(ids) == 100
+
+
+ISS = "https://idp.example.com"
+
+
+def jwt_gate(directory: str, *keys: SigningKey) -> tuple[HeadGate, JwtGate, str]:
+    entry = {"name": "okta", "issuer": ISS, "audience": ["gridgate"], "jwks_file": "keys.json",
+             "algorithms": ["RS256"], "tenant_claim": "org", "leeway": "0s"}
+    config = parse_config('clusters: [{name: a, endpoints: ["127.0.0.1:9001"]}]\nrouting: {overlay_file: o.json}\n'
+                          "auth: {jwt: [" + json.dumps(entry) + "]}\n")
+    path = os.path.join(directory, "keys.json")
+    with open(path, "wb") as handle:
+        handle.write(jwks(*keys))
+    tokens = JwtGate(config.auth.jwt, {"okta": path})
+    keys_ = Authenticator([("team-a", hash_api_key("sk-a"))])
+    return HeadGate(RouteTable("/mcp", [], {}), keys_, HeaderPlan("X-Model"), jwt=tokens), tokens, path
+
+
+def test_a_connection_reusing_its_token_is_admitted_while_the_grant_is_current(tmp_path) -> None:
+    old, new = SigningKey("RS256", "k1"), SigningKey("RS256", "k2")
+    front, tokens, path = jwt_gate(str(tmp_path), old)
+    conn = Connection()
+    alice, bob = old.sign(claims(ISS, sub="alice")), old.sign(claims(ISS, sub="bob", org="other"))
+    for token, tenant in ((alice, "acme"), (alice, "acme"), (bob, "other"), ("sk-a", "team-a"), (alice, "acme")):
+        admitted = front(conn, b"POST", b"/v1/chat/completions", bearer(token))
+        assert type(admitted) is Admitted and admitted.tenant == tenant, (token[:10], admitted)
+    assert conn.jwt_memo is not None and conn.jwt_memo[0] == b"Bearer " + alice.encode()
+    # The IdP drops k1: the connection's kept grant no longer admits the token it signed.
+    with open(path + ".tmp", "wb") as handle:
+        handle.write(jwks(new))
+    os.replace(path + ".tmp", path)
+    assert tokens.poll()
+    refused = front(conn, b"POST", b"/v1/chat/completions", bearer(alice))
+    assert type(refused) is HeadRefusal and (refused.status, refused.code) == (401, "invalid_token")
+    assert "(kid)" in refused.message
+
+
+def test_a_kept_grant_expires_with_its_token(tmp_path) -> None:
+    key = SigningKey("RS256", "k1")
+    front, _, _ = jwt_gate(str(tmp_path), key)
+    conn = Connection()
+    token = key.sign(claims(ISS, lifetime=1))
+    assert type(front(conn, b"POST", b"/v1/chat/completions", bearer(token))) is Admitted
+    time.sleep(1.3)
+    refused = front(conn, b"POST", b"/v1/chat/completions", bearer(token))
+    assert type(refused) is HeadRefusal and refused.code == "invalid_token" and "(exp)" in refused.message
