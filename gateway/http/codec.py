@@ -123,14 +123,13 @@ def _restore(headers: Sequence[tuple[bytes, bytes]], aside: SetAside) -> bool:
     """Put the value set aside back in its stand-in's place in h11's parsed fields (False: not found
     where expected, the head must be parsed as it came)."""
     items = getattr(headers, "_full_items", None)
-    index = aside.index
-    if items is None or index >= len(items):
-        return False
-    raw_name, name, value = items[index]
-    if name != b"authorization" or value != STAND_IN:
-        return False
-    items[index] = (raw_name, name, aside.value)
-    return True
+    _, index, value = aside
+    if items is not None and index < len(items):
+        field = items[index]
+        if field[1] == b"authorization" and field[2] == STAND_IN:
+            items[index] = (field[0], b"authorization", value)
+            return True
+    return False
 
 
 class BodyReader:
@@ -295,9 +294,12 @@ class ServerCodec:
         del buf[:end]
         self._scan = 0
         aside = set_aside(head, self._set_aside_bytes) if end > self._set_aside_bytes else None
-        event = self._parse_head(head if aside is None else aside.head, head)
-        if aside is not None and not _restore(event.headers, aside):
-            event = self._parse_head(head, head)  # cannot happen for a head set_aside accepted: h11 decides
+        if aside is None:
+            event = self._parse_head(head, head)
+        else:
+            event = self._parse_head(aside[0], head)
+            if not _restore(event.headers, aside):
+                event = self._parse_head(head, head)  # cannot happen for a head set_aside accepted: h11 decides
         self._head = event
         self._first_request = False
         return event
