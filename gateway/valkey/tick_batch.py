@@ -41,8 +41,9 @@ class TickBatch:
             # CLUSTERDOWN (3 times by default, once as create_client makes it), re-reading the topology each
             # time and sleeping 0.25 s before each CLUSTERDOWN retry: with the default one call took about
             # 1 s while a node was down. This batch's caller judges a failure itself (the cache: bypassed
-            # for a second), so one attempt; slot moves are still followed (not these retries). Single commands only: its pipelines never run with 0 (ClusterPipeline loops
-            # ``range(attempts)``), and this batch sends none.
+            # for a second), so one attempt; slot moves are still followed (not these retries). Single
+            # commands only: its pipelines never run with 0 (ClusterPipeline loops ``range(attempts)``),
+            # and this batch sends none.
             client.cluster_error_retry_attempts = 0
 
     def call(self, *args: CommandArg, encoded: bytes | None = None) -> asyncio.Future[Any]:
