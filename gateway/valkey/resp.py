@@ -227,7 +227,13 @@ class _Connection(asyncio.Protocol):
         pos, end = 0, len(data)
         try:
             while pos < end:
-                value, after = read_reply(data, pos)
+                # The two commonest replies (a SET's OK, a GET's nil) without the parser's call.
+                if data.startswith(b"+OK\r\n", pos):
+                    value, after = b"OK", pos + 5
+                elif data.startswith(b"$-1\r\n", pos):
+                    value, after = None, pos + 5
+                else:
+                    value, after = read_reply(data, pos)
                 if value is INCOMPLETE:
                     self._partial += memoryview(data)[pos:]
                     self._need = after - pos

@@ -37,12 +37,13 @@ class TickBatch:
         self._receivers: list[tuple[Any, int]] = []
         self._detached = (_Detached(self), 0)  # the receiver of every detached command's reply
         if not self._batched and hasattr(client, "cluster_error_retry_attempts"):
-            # valkey-py's Cluster client retries a whole command 3 times on a connection error, a timeout or
-            # CLUSTERDOWN, re-reading the topology each time and sleeping 0.25 s before each CLUSTERDOWN
-            # retry: one call took about 1 s while a node was down. This batch's caller judges a failure
-            # itself (the cache: bypassed for a second), so one attempt; slot moves are still followed (not
-            # these retries). Single commands only: its pipelines never run with 0 (ClusterPipeline loops
-            # ``range(attempts)``), and this batch sends none.
+            # valkey-py's Cluster client retries a whole command on a connection error, a timeout or
+            # CLUSTERDOWN (3 times by default, once as create_client makes it), re-reading the topology each
+            # time and sleeping 0.25 s before each CLUSTERDOWN retry: with the default one call took about
+            # 1 s while a node was down. This batch's caller judges a failure itself (the cache: bypassed
+            # for a second), so one attempt; slot moves are still followed (not these retries). Single
+            # commands only: its pipelines never run with 0 (ClusterPipeline loops ``range(attempts)``),
+            # and this batch sends none.
             client.cluster_error_retry_attempts = 0
 
     def call(self, *args: CommandArg, encoded: bytes | None = None) -> asyncio.Future[Any]:

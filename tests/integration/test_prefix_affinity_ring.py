@@ -2,7 +2,7 @@
 its own prefixes along, each to the next provider of its ranking (so they spread over the others, no herd
 onto one), every other prefix stays where it was; past every provider's share the least loaded takes the
 next request; a pinned route is never placed by prefix; a dead worker's requests in flight leave the host's
-share. Real gateways, mock providers on loopback."""
+share; the route evidence says how far each request spilled. Real gateways, mock providers on loopback."""
 
 from __future__ import annotations
 
@@ -93,3 +93,32 @@ def test_a_dead_workers_requests_in_flight_are_cleared_from_the_host_share(mock_
     wait_until(lambda: (pids := gateway.worker_pids()) and pids != [pid], "a new worker", timeout=10)
     gateway.wait_ready()
     assert served_by(gateway.port, 31, "after") == home
+
+
+def test_the_route_evidence_says_which_requests_spilled(mock_provider, loopback_gateway_factory, tmp_path):
+    """Three requests of one prefix at once at share 1: the access lines' ``prefix`` evidence has one hash
+    and ``spilled``, the places each request went past its place (docs/operations.md): 0 for the two at the
+    place, 1 and 2 for the two that spilled, each on a provider of its own."""
+    import json
+    import time
+
+    handles = {name: mock_provider(name, latency_ms=500) for name in ("p-a", "p-b", "p-c")}
+    log = tmp_path / "access.log"
+    extra = {"workers": 1, "routing": {"prefix_affinity": {"enabled": True, "capacity": 2, "spill_at": 0.5}},
+             "access_log": {"enabled": True, "path": str(log), "evidence_sample": 1.0}}
+    gateway = loopback_gateway_factory(three(handles), overlay(handles), extra=extra)
+    home = served_by(gateway.port, 17)
+    with ThreadPoolExecutor(3) as pool:
+        burst = list(pool.map(lambda n: served_by(gateway.port, 17, f"burst-{n}"), range(3)))
+    assert sorted(burst) == sorted(handles)
+    deadline = time.monotonic() + 5
+    while True:  # the access log writes its lines out in batches
+        lines = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+        if len(lines) >= 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    evidence = [(line["provider"] if "provider" in line else line.get("cluster"), line["prefix"]) for line in lines]
+    assert len(evidence) == 4 and len({entry["hash"] for _, entry in evidence}) == 1
+    assert sorted(entry["spilled"] for _, entry in evidence) == [0, 0, 1, 2]
+    assert {provider for provider, entry in evidence if entry["spilled"] == 0} == {home}
+    assert len({provider for provider, entry in evidence if entry["spilled"]}) == 2
