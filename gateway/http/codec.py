@@ -119,12 +119,13 @@ def header_pairs(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, by
     return [(name, value) for _raw, name, value in items]
 
 
-def _restore(headers: Sequence[tuple[bytes, bytes]], aside: SetAside) -> bool:
+def _restore(headers: Sequence[tuple[bytes, bytes]], aside: SetAside, field_lines: int) -> bool:
     """Put the value set aside back in its stand-in's place in h11's parsed fields (False: not found
-    where expected, the head must be parsed as it came)."""
+    where expected, the head must be parsed as it came). ``field_lines``: the head's; h11 made fewer
+    fields when it joined an obs-fold line (credential_line.py), and every index after it moved."""
     items = getattr(headers, "_full_items", None)
     _, index, value = aside
-    if items is not None and index < len(items):
+    if items is not None and len(items) == field_lines:
         field = items[index]
         if field[1] == b"authorization" and field[2] == STAND_IN:
             items[index] = (field[0], b"authorization", value)
@@ -288,7 +289,8 @@ class ServerCodec:
             raise ParseError("request header block too large", 431)
         # Counted in C before h11 spends Python time per line: a block of many tiny fields is refused
         # for the price of one scan.
-        if buf.count(b"\n", 0, end) > self._max_lines:
+        lines = buf.count(b"\n", 0, end)
+        if lines > self._max_lines:
             raise ParseError("too many header fields", 431)
         head = buf[:end]
         del buf[:end]
@@ -298,7 +300,7 @@ class ServerCodec:
             event = self._parse_head(head, head)
         else:
             event = self._parse_head(aside[0], head)
-            if not _restore(event.headers, aside):
+            if not _restore(event.headers, aside, lines - 2):  # less the request line and the empty one
                 event = self._parse_head(head, head)  # cannot happen for a head set_aside accepted: h11 decides
         self._head = event
         self._first_request = False

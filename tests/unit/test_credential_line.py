@@ -75,6 +75,8 @@ def test_the_head_h11_sees_holds_only_the_stand_in():
     [b"authorization: Bearer short", b"Authorization: Bearer " + TOKEN],
     [b"Authorization: Bearer " + TOKEN, b" folded-onto-the-token"],  # obs-fold joins the next line to it
     [b"X-Before: a", b"\tfolded", b"Authorization: Bearer " + TOKEN, b"authorization: -"],  # a fold before it
+    [b"Authorization: Bearer " + TOKEN, b"Content-Length: 0"],  # h11 merges the two: one field fewer
+    [b"Content-Length: 0", b"X-A: b", b" c", b"Authorization: Bearer " + TOKEN, b"authorization: -"],
     [b"AUTHORIZATION: Bearer " + TOKEN],  # another spelling: h11 alone
     [b"Authorization: Bearer " + TOKEN + b"\r"],  # a CR left after h11 drops one
     [b"Authorization: Bearer " + TOKEN[:300] + b"\x00" + TOKEN[300:]],
