@@ -352,7 +352,7 @@ class AccessLog:
             line.spend_alert = entry.spend_alert
         if entry.identity is not None:
             line.identity, line.subject = entry.identity, entry.subject
-        if entry.cache is not None:  # a hit's line is never a template's: it has no overhead_ms
+        if entry.cache is not None:  # a hit's line is never the common template's (no overhead_ms): `_hit_line`
             line.cache, line.saved_tokens, line.saved_nusd = entry.cache, entry.saved_tokens, entry.saved_nusd
         return line
 

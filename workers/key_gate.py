@@ -60,7 +60,11 @@ class ManagedKeyGate:
             if compare_digest(memo_authorization, authorization) and compare_digest(memo_api_key, api_key):
                 if known.__class__ is KeyIdentity:
                     return known  # type: ignore[return-value]
-                return self.admit(known)  # type: ignore[arg-type]
+                # ``admit`` written out for a key in steady use (active, no expiry): one call fewer per request
+                entry = self.lookup.use(known)  # type: ignore[arg-type]
+                if entry is None or entry.plain:
+                    return entry
+                return self._dated(entry)
         digest = presented_digest(headers.authorization, headers.api_key)
         if digest is None:
             return None
@@ -79,6 +83,11 @@ class ManagedKeyGate:
         entry = self.lookup.use(digest)  # an active key without expiry (``plain``) comes marked used
         if entry is None or entry.plain:
             return entry
+        return self._dated(entry)
+
+    def _dated(self, entry: KeyEntry) -> KeyEntry | KeyRefusal:
+        """A key the table holds that is not ``plain``: its refusal (blocked, revoked, expired), else the
+        entry, marked used."""
         refused = refusal(entry, time())
         if refused is not None:
             return refused[0], refused[1], entry.tenant

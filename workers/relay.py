@@ -74,7 +74,8 @@ class ResponseRelay:
     ) -> None:
         self.exchange = exchange
         self.conn = conn
-        self.done: asyncio.Future[AttemptResult] = asyncio.get_running_loop().create_future()
+        # The connection's loop: asyncio.get_running_loop() costs a getpid system call per request.
+        self.done: asyncio.Future[AttemptResult] = conn.pool.loop.create_future()
         self.failure: Failure | None = None
         self.detail = ""
         self.client_left = False

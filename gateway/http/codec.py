@@ -119,18 +119,18 @@ def header_pairs(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, by
     return [(name, value) for _raw, name, value in items]
 
 
-def _restore(headers: Sequence[tuple[bytes, bytes]], aside: SetAside) -> bool:
+def _restore(headers: Sequence[tuple[bytes, bytes]], aside: SetAside, field_lines: int) -> bool:
     """Put the value set aside back in its stand-in's place in h11's parsed fields (False: not found
-    where expected, the head must be parsed as it came)."""
+    where expected, the head must be parsed as it came). ``field_lines``: the head's; h11 made fewer
+    fields when it joined an obs-fold line (credential_line.py), and every index after it moved."""
     items = getattr(headers, "_full_items", None)
-    index = aside.index
-    if items is None or index >= len(items):
-        return False
-    raw_name, name, value = items[index]
-    if name != b"authorization" or value != STAND_IN:
-        return False
-    items[index] = (raw_name, name, aside.value)
-    return True
+    _, index, value = aside
+    if items is not None and len(items) == field_lines:
+        field = items[index]
+        if field[1] == b"authorization" and field[2] == STAND_IN:
+            items[index] = (field[0], b"authorization", value)
+            return True
+    return False
 
 
 class BodyReader:
@@ -289,15 +289,19 @@ class ServerCodec:
             raise ParseError("request header block too large", 431)
         # Counted in C before h11 spends Python time per line: a block of many tiny fields is refused
         # for the price of one scan.
-        if buf.count(b"\n", 0, end) > self._max_lines:
+        lines = buf.count(b"\n", 0, end)
+        if lines > self._max_lines:
             raise ParseError("too many header fields", 431)
         head = buf[:end]
         del buf[:end]
         self._scan = 0
         aside = set_aside(head, self._set_aside_bytes) if end > self._set_aside_bytes else None
-        event = self._parse_head(head if aside is None else aside.head, head)
-        if aside is not None and not _restore(event.headers, aside):
-            event = self._parse_head(head, head)  # cannot happen for a head set_aside accepted: h11 decides
+        if aside is None:
+            event = self._parse_head(head, head)
+        else:
+            event = self._parse_head(aside[0], head)
+            if not _restore(event.headers, aside, lines - 2):  # less the request line and the empty one
+                event = self._parse_head(head, head)  # cannot happen for a head set_aside accepted: h11 decides
         self._head = event
         self._first_request = False
         return event

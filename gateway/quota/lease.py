@@ -250,14 +250,21 @@ class Lease:
 
     def take_hit(self, now: float) -> bool:
         """``take`` and ``end`` of a request of 0 tokens and 0 nano-USD that reached its answer (a response
-        cache hit): its one request slot, if the block is open and has one. False changes nothing but what
-        ``take`` would close; ``take`` then tells why."""
+        cache hit), in one step: its one request slot, when ``take(0, now, 0)`` would admit it (open, before
+        its deadline, a slot free, neither tokens nor nano-USD committed past the block's capacity by an
+        overage). False changes nothing: ``take`` then decides (and closes the block as it would)."""
         if self.closed or now >= self.closes_at:
             return False
-        slots = self.slots
+        tokens, slots, spend = self.tokens, self.slots, self.spend
+        if ((slots is not None and slots.committed >= slots.capacity)
+                or (tokens is not None and tokens.committed > tokens.capacity)
+                or (spend is not None and spend.committed > spend.capacity)):
+            return False
+        if tokens is not None:
+            self.last_estimate = 0  # as `take` keeps it, for the next block's size
+        if spend is not None:
+            self.last_worst = 0
         if slots is not None:
-            if slots.committed >= slots.capacity:
-                return False
             slots.committed += 1
         self.taken += 1
         return True

@@ -55,4 +55,9 @@ def create_client(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> RespTran
         lib_version=None,
         # Slot moves are retried inside the client; connection failures are ours to judge.
         connection_error_retry_attempts=1,
+        # One attempt of a pipeline (the quota's batches), one retry of a single command, on a connection
+        # error, a timeout or CLUSTERDOWN: valkey-py's default (3) re-reads the topology and sleeps 0.25 s
+        # before each, so an admit batch to a dead node took 0.85 s to fail (now about 0.3 s) until the
+        # quota's breaker opened. Not 0: valkey-py's ClusterPipeline then never runs (``range(attempts)``).
+        cluster_error_retry_attempts=1,
     )

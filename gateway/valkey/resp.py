@@ -181,6 +181,23 @@ class _Connection(asyncio.Protocol):
             self._watchdog = self._loop.call_later(self._timeout_s, self._check_progress)
         return future
 
+    def request_each(self, payload: bytes, receivers: list[tuple[Any, int]]) -> None:
+        """Write ``payload`` (``len(receivers)`` commands) at once; each command's reply goes straight to its
+        receiver, ``(future, 0)`` (or anything with ``done``, ``set_result``, ``set_exception``): an error
+        reply as its exception, as a single command's. No batch future, no callback between the reply and
+        the waiter: the caller's task wakes in the turn the reply is read."""
+        if self._error is not None:
+            raise type(self._error)(*self._error.args)
+        queued = self._queued + len(receivers)
+        if queued > self._max_pending:
+            raise ConnectionError(f"Too many pending commands to {self._address} (max {self._max_pending})")
+        self._transport.write(payload)  # type: ignore[union-attr]
+        self._pending.extend(receivers)
+        self._queued = queued
+        if self._watchdog is None and self._timeout_s is not None:
+            self._replies_seen = self._replies
+            self._watchdog = self._loop.call_later(self._timeout_s, self._check_progress)
+
     @property
     def error(self) -> ConnectionError | TimeoutError | None:
         return self._error
@@ -210,7 +227,13 @@ class _Connection(asyncio.Protocol):
         pos, end = 0, len(data)
         try:
             while pos < end:
-                value, after = read_reply(data, pos)
+                # The two commonest replies (a SET's OK, a GET's nil) without the parser's call.
+                if data.startswith(b"+OK\r\n", pos):
+                    value, after = b"OK", pos + 5
+                elif data.startswith(b"$-1\r\n", pos):
+                    value, after = None, pos + 5
+                else:
+                    value, after = read_reply(data, pos)
                 if value is INCOMPLETE:
                     self._partial += memoryview(data)[pos:]
                     self._need = after - pos
@@ -313,6 +336,7 @@ class RespClient:
         self._auth = bool(password)
         self._conn: _Connection | None = None
         self._connecting: asyncio.Task[_Connection] | None = None
+        self._sending: set[asyncio.Future[None]] = set()  # send_each calls waiting for a connection
 
     @classmethod
     def from_url(
@@ -343,6 +367,31 @@ class RespClient:
         their replies as one list (error replies in place). Not a coroutine: when connected this is a
         plain future, so a caller may batch without a task."""
         return self._send(payload, count)
+
+    def send_each(self, payload: bytes, receivers: list[tuple[Any, int]]) -> None:
+        """Send ``len(receivers)`` commands, already RESP-encoded, in one write; each reply resolves its own
+        receiver (``_Connection.request_each``). Raises valkey-py's errors when connected and the connection
+        cannot take them; not connected, it connects first and a failure goes to every receiver."""
+        conn = self._conn
+        if conn is None:
+            task = asyncio.ensure_future(self._send_each_when_connected(payload, receivers))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+            return
+        conn.request_each(payload, receivers)
+
+    async def _send_each_when_connected(self, payload: bytes, receivers: list[tuple[Any, int]]) -> None:
+        try:
+            task = self._connecting
+            if task is None:
+                task = self._connecting = asyncio.get_running_loop().create_task(self._connect())
+                task.add_done_callback(self._connect_done)
+            conn = await asyncio.shield(task)
+            conn.request_each(payload, receivers)
+        except Exception as error:  # noqa: BLE001 - every receiver hears it, whatever it is
+            for receiver, _ in receivers:
+                if not receiver.done():
+                    receiver.set_exception(error)
 
     def ping(self) -> Awaitable[Any]:
         return self._send(b"*1\r\n$4\r\nPING\r\n", 0)

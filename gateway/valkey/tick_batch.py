@@ -3,9 +3,10 @@ cache's GETs and SETs: workers/response_cache.py), so a busy worker pays one sen
 request.
 
 The first command of a tick schedules the flush (``call_soon``); the flush sends them all with
-``send_encoded`` (the single-node client: one write, the replies in one list, error replies in place), or
-one by one on a client without it (Valkey Cluster: valkey-py routes each key to its node). Each command's
-future gets its reply, or the error; a failed batch fails every one of its futures.
+``send_each`` (the single-node client: one write, each reply read straight into its command's future, so
+a waiter wakes in the turn its reply is read: no batch future and no callback in between), or one by one
+on a client without it (Valkey Cluster: valkey-py routes each key to its node). Each command's future gets
+its reply, or the error; a failed batch fails every one of its futures.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from gateway.valkey.resp import CommandArg, encode_command
 class TickBatch:
     """One client's commands of this tick, sent together."""
 
-    __slots__ = ("client", "_pending", "_loop", "_batched", "on_detached", "detached")
+    __slots__ = ("client", "_pending", "_loop", "_batched", "on_detached", "detached", "_wires", "_receivers",
+                 "_detached")
 
     def __init__(self, client: Any) -> None:
         self.client = client
@@ -29,14 +31,19 @@ class TickBatch:
         self.on_detached: Any = None
         self.detached = 0  # detached commands sent and not yet answered
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._batched = hasattr(client, "send_encoded")
+        self._batched = hasattr(client, "send_each")
+        # The batched path's commands of this tick: their framed bytes, and who hears each reply.
+        self._wires: list[bytes] = []
+        self._receivers: list[tuple[Any, int]] = []
+        self._detached = (_Detached(self), 0)  # the receiver of every detached command's reply
         if not self._batched and hasattr(client, "cluster_error_retry_attempts"):
-            # valkey-py's Cluster client retries a whole command 3 times on a connection error, a timeout or
-            # CLUSTERDOWN, re-reading the topology each time and sleeping 0.25 s before each CLUSTERDOWN
-            # retry: one call took about 1 s while a node was down. This batch's caller judges a failure
-            # itself (the cache: bypassed for a second), so one attempt; slot moves are still followed (not
-            # these retries). Single commands only: its pipelines never run with 0 (ClusterPipeline loops
-            # ``range(attempts)``), and this batch sends none.
+            # valkey-py's Cluster client retries a whole command on a connection error, a timeout or
+            # CLUSTERDOWN (3 times by default, once as create_client makes it), re-reading the topology each
+            # time and sleeping 0.25 s before each CLUSTERDOWN retry: with the default one call took about
+            # 1 s while a node was down. This batch's caller judges a failure itself (the cache: bypassed
+            # for a second), so one attempt; slot moves are still followed (not these retries). Single
+            # commands only: its pipelines never run with 0 (ClusterPipeline loops ``range(attempts)``),
+            # and this batch sends none.
             client.cluster_error_retry_attempts = 0
 
     def call(self, *args: CommandArg, encoded: bytes | None = None) -> asyncio.Future[Any]:
@@ -46,42 +53,55 @@ class TickBatch:
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
         future = loop.create_future()
+        if self._batched:
+            wires = self._wires
+            if not wires:
+                loop.call_soon(self._flush)
+            wires.append(encoded or encode_command(args))
+            self._receivers.append((future, 0))
+            return future
         pending = self._pending
         if not pending:
             loop.call_soon(self._flush)
-        if self._batched:
-            pending.append((encoded or encode_command(args), args, future))
-        else:
-            pending.append((b"", args, future))
+        pending.append((b"", args, future))
         return future
 
     def send(self, *args: CommandArg, encoded: bytes | None = None) -> None:
         """Queue one command nobody waits for (a SET): ``on_detached`` hears how it went. ``encoded``: as
         ``call``'s."""
+        self.detached += 1
+        if self._batched:
+            wires = self._wires
+            if not wires:
+                loop = self._loop
+                if loop is None:
+                    loop = self._loop = asyncio.get_running_loop()
+                loop.call_soon(self._flush)
+            wires.append(encoded or encode_command(args))
+            self._receivers.append(self._detached)
+            return
         pending = self._pending
         if not pending:
             loop = self._loop
             if loop is None:
                 loop = self._loop = asyncio.get_running_loop()
             loop.call_soon(self._flush)
-        if self._batched:
-            pending.append((encoded or encode_command(args), args, None))
-        else:
-            pending.append((b"", args, None))
-        self.detached += 1
+        pending.append((b"", args, None))
 
     def _flush(self) -> None:
-        batch, self._pending = self._pending, []
         if not self._batched:
+            batch, self._pending = self._pending, []
             for _, args, future in batch:
                 self._resolve_later(future, args)
             return
+        wires, receivers = self._wires, self._receivers
+        self._wires, self._receivers = [], []
         try:
-            sent = asyncio.ensure_future(self.client.send_encoded(b"".join(entry[0] for entry in batch), len(batch)))
+            self.client.send_each(b"".join(wires), receivers)
         except BACKEND_ERRORS as error:  # e.g. too many commands pending on a stuck connection
-            self._fail(batch, error)
-            return
-        sent.add_done_callback(lambda done: self._replied(batch, done))
+            for receiver, _ in receivers:
+                if not receiver.done():
+                    receiver.set_exception(error)
 
     def _resolve_later(self, future: asyncio.Future[Any] | None, args: tuple[CommandArg, ...]) -> None:
         try:
@@ -120,6 +140,30 @@ class TickBatch:
                     self.on_detached(error)
             elif not future.done():
                 future.set_exception(error)
+
+
+class _Detached:
+    """The receiver of a detached command's reply (a connection takes it as a future): tells the batch."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: TickBatch) -> None:
+        self.batch = batch
+
+    def done(self) -> bool:
+        return False
+
+    def set_result(self, _reply: Any) -> None:
+        batch = self.batch
+        batch.detached -= 1
+        if batch.on_detached is not None:
+            batch.on_detached(None)
+
+    def set_exception(self, error: BaseException) -> None:
+        batch = self.batch
+        batch.detached -= 1
+        if batch.on_detached is not None:
+            batch.on_detached(error)
 
 
 def _routed(args: tuple[CommandArg, ...]) -> tuple[CommandArg, ...]:

@@ -387,3 +387,36 @@ def test_replies_dribbled_byte_by_byte_resolve_in_order(run: Run) -> None:
             server.close()
 
     run(scenario())
+
+
+def test_send_each_resolves_each_commands_own_future_whole_or_split(run: Run) -> None:
+    """``send_each``: one write, each reply straight into its receiver (an error reply as its exception),
+    the OK and nil fast paths in place whether a read holds the replies whole or cut anywhere."""
+    answers = b"+OK\r\n$-1\r\n$3\r\nabc\r\n-ERR wrong\r\n+OK\r\n:7\r\n$-1\r\n"
+
+    async def scenario(cut: int) -> None:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readexactly(len(encode_command(("PING",))) * 7)
+            writer.write(answers[:cut])
+            await writer.drain()
+            await asyncio.sleep(0.01)
+            writer.write(answers[cut:])
+            await reader.read()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = RespClient.from_url(f"valkey://127.0.0.1:{port}/0", timeout_s=2)
+        loop = asyncio.get_running_loop()
+        try:
+            futures = [loop.create_future() for _ in range(7)]
+            client.send_each(encode_command(("PING",)) * 7, [(future, 0) for future in futures])
+            replies = await asyncio.gather(*futures, return_exceptions=True)
+            assert replies[:3] == [b"OK", None, b"abc"] and replies[4:] == [b"OK", 7, None], cut
+            assert type(replies[3]) is ResponseError
+        finally:
+            await client.aclose()
+            server.close()
+
+    for cut in range(len(answers) + 1):
+        run(scenario(cut))

@@ -203,10 +203,19 @@ def test_a_hit_takes_no_token_estimate_and_is_refused_once_the_request_limit_is_
             assert (await gateway.request("POST", CHAT, question)).headers["x-gridgate-cache"] == "miss"
             await until_stored(gateway)
             quota = gateway.path.quota
-            estimated = quota.counters.tokens_estimated
+
+            def token_counters() -> tuple[int, ...]:
+                counters, tenants = quota.counters, quota.tenant_tokens
+                return (counters.tokens_estimated, counters.tokens_actual, counters.tokens_refunded,
+                        counters.tokens_overage, sum(tenants.tokens_in), sum(tenants.tokens_out))
+
+            await quota.drain()  # the miss's settlement counted
+            before = token_counters()
+            assert before[1] > 0 and before[4] > 0  # the miss's prompt counted: the counters are live
             hit = await gateway.request("POST", CHAT, question)
             assert (hit.status, hit.headers["x-gridgate-cache"]) == (200, "hit")
-            assert quota.counters.tokens_estimated == estimated  # no token estimate reserved for the hit
+            await quota.drain()
+            assert token_counters() == before  # no estimate, no charge, no tokens in or out for the hit
             assert await request_slots(gateway) == 0
             refused = await gateway.request("POST", CHAT, question)
             assert refused.status == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded", refused

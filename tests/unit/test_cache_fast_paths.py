@@ -53,3 +53,17 @@ def test_a_hit_takes_one_request_slot_and_no_tokens_and_holds_nothing_in_flight(
     closed = _block(slots=5)
     closed.close()
     assert not closed.take_hit(1.0)
+
+
+def test_a_hit_is_left_to_take_where_take_would_not_admit_it() -> None:
+    # A block whose tokens an overage committed past its capacity: `take` of 0 tokens closes it (the
+    # ledger decides), so the hit is not admitted from it either.
+    over = _block(slots=5)
+    assert over.take(90, now=1.0)
+    over.end(90, 150)  # charged more than its estimate: 150 committed of 100
+    assert not over.take_hit(1.0) and over.slots.committed == 1
+    assert not over.take(0, now=1.0) and over.closed
+    # Within capacity, a hit leaves the tokens committed as they are and the next size sees a 0 estimate.
+    fine = _block(slots=5)
+    assert fine.take(40, now=1.0) and fine.take_hit(1.0)
+    assert (fine.tokens.committed, fine.last_estimate, fine.slots.committed, fine.in_flight) == (40, 0, 2, 1)
