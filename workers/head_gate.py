@@ -25,7 +25,7 @@ from __future__ import annotations
 from hmac import compare_digest
 from typing import Protocol
 
-from gateway.http.errors import ErrorReply
+from gateway.http.errors import ErrorReply, HeadWait
 from gateway.identity.auth import Authenticator, KeyIdentity, presented_key
 from gateway.identity.jwt_verify import JwtGrant, JwtRefusal, looks_like_jwt
 from gateway.ids import CounterIds
@@ -55,6 +55,7 @@ class GatedConnection(Protocol):
     auth_memo: AuthMemo | None
     jwt_memo: JwtMemo | None  # the last granted token's (authorization, x-api-key, grant): ``admit_jwt``
     peer_identity: object  # workers/cert_gate.py
+    head_waited: bool  # the current head is judged again after a wait (``HeadWait``): no second wait
 
 
 def request_origin(headers: list[tuple[bytes, bytes]]) -> bytes | None:
@@ -180,6 +181,10 @@ class HeadGate:
         found = jwt.grant(token)  # type: ignore[union-attr]
         if found.__class__ is JwtGrant:
             conn.jwt_memo = (authorization, api_key, found)  # type: ignore[assignment]
+        elif found.kid is not None and not conn.head_waited:  # type: ignore[union-attr]  # an unknown kid
+            until = jwt.waits.wait_for(found.issuer, found.kid)  # type: ignore[union-attr]
+            if until is not None:  # wait for the issuer's next key set, then this head is judged again
+                raise HeadWait(until)
         return self.admit_token(found, method, target, scanned, request_id)
 
     def admit_token(self, found: JwtGrant | JwtRefusal, method: bytes, target: bytes, scanned: RequestHeaders,

@@ -9,7 +9,8 @@ change). Nothing here talks to the IdP.
 
 A token naming an unknown ``kid`` asks the supervisor to refetch that issuer (``JwksWanted`` on the
 status pipe), at most once per ``_ASK_EVERY_S`` per issuer from one worker; the supervisor itself
-refetches at most once per 30 s per issuer.
+refetches at most once per 30 s per issuer. With ``unknown_kid_wait``, its request waits for the
+issuer's next key set (``waits``: workers/kid_wait.py; a new set read by ``poll`` ends the waits).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 from gateway.identity.jwt_keys import KeySet, KeySetError, parse_key_set
 from gateway.identity.jwt_verify import JwtGrant, JwtRefusal, JwtVerifier
 from gateway.process_protocol import JwksWanted, send_status
+from workers.kid_wait import KidWaits
 
 log = logging.getLogger("gridgate.jwt")
 
@@ -44,11 +46,12 @@ class KeyFile:
 class JwtGate:
     """One per worker: ``grant`` on a token-shaped bearer value, ``poll`` from the background task."""
 
-    __slots__ = ("verifier", "files", "counts", "_status_fd", "_asked", "_logged_paths")
+    __slots__ = ("verifier", "files", "counts", "waits", "_status_fd", "_asked", "_logged_paths")
 
     def __init__(self, entries: list[Any], paths: dict[str, str], status_fd: int | None = None) -> None:
         """``entries``: the config's ``auth.jwt``; ``paths``: each entry's key file by name."""
         self.verifier = JwtVerifier(entries, self._unknown_kid)
+        self.waits = KidWaits({entry.name: float(getattr(entry, "unknown_kid_wait", 0)) for entry in entries})
         self.files = [KeyFile(name, path) for name, path in paths.items()]
         self._status_fd = status_fd
         self._asked: dict[str, float] = {}
@@ -92,6 +95,7 @@ class JwtGate:
                 keys = self._read(file)
                 if keys is not None:
                     self.verifier.set_keys(file.name, keys)
+                    self.waits.keys_changed(file.name)
                     changed = True
         return changed
 

@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Callable
 
 from gateway.config import Config
 from gateway.http import codec
-from gateway.http.errors import ErrorReply, GatewayError
+from gateway.http.errors import ErrorReply, GatewayError, HeadWait
 from gateway.http.framing import ChunkedDecoder, RequestFraming, check_request_head
 from workers.exchange import Exchange
 from workers.raw_answers import CorsPolicy, raw_answer
@@ -50,7 +50,8 @@ _PIPELINE_BUFFER_LIMIT = 65536
 # this, the connection is dropped rather than buffering on (a plain socket stays below 320 KiB).
 _PIPELINE_HARD_LIMIT = 1048576
 # _UNREAD: between requests, the client has not read its answers; nothing is parsed until it does.
-_HEAD, _BODY, _HANDLING, _UNREAD, _CLOSED = range(5)
+# _GATED: the head gate waits before it judges the head (``HeadWait``); nothing is read or parsed meanwhile.
+_HEAD, _BODY, _HANDLING, _UNREAD, _CLOSED, _GATED = range(6)
 _LINGER_S = 2.0
 # Draining: a connection idle this long between requests (or since it opened) is closed. A client
 # that just sent a request is answered (with `Connection: close`) instead.
@@ -136,7 +137,7 @@ class ServerConnection(asyncio.Protocol):
         "server", "settings", "transport", "codec", "state", "exchange", "peer", "_timer", "_deadline",
         "_on_deadline", "_head_bytes", "_t_head", "_body", "_body_len", "_body_counted", "_framing", "_request",
         "_headers", "_reading_paused", "writing_paused", "_loop", "pending", "served", "_eof", "auth_memo", "jwt_memo",
-        "admitted", "peer_identity",
+        "admitted", "peer_identity", "head_waited",
     )
 
     def __init__(self, server: ServerState) -> None:
@@ -162,6 +163,7 @@ class ServerConnection(asyncio.Protocol):
         self.jwt_memo: tuple[bytes, bytes, object] | None = None  # the head gate's: the last token granted here
         self.admitted: object = None  # the head gate's verdict on the current request (exchange.admitted)
         self.peer_identity: object = False  # the mTLS identity (workers/cert_gate.py); False: not read yet
+        self.head_waited = False  # the head gate judges the current head again after its wait
         self._reading_paused = False
         self.writing_paused = False
         self._loop = asyncio.get_running_loop()
@@ -267,6 +269,8 @@ class ServerConnection(asyncio.Protocol):
                     return
         except GatewayError as error:
             self._reject(error.reply)
+        except HeadWait as wait:  # (the refusal path of an unknown kid only: never a request admitted at once)
+            self._wait_on_gate(wait.until)
         except codec.NotHttp:
             self.close()  # e.g. https:// to the plain listener: nothing to answer, no request to log
         except codec.ParseError as error:
@@ -299,6 +303,38 @@ class ServerConnection(asyncio.Protocol):
         # the strict decoder, which accepts zero-padded sizes and limits the value.
         chunked = ChunkedDecoder(settings.max_body_bytes, settings.max_header_bytes) if framing.chunked else None
         parser.read_body(framing.content_length, chunked)
+
+    def _wait_on_gate(self, until: Awaitable[None]) -> None:
+        """The head gate needs a wait before its verdict (an unknown kid: docs/identity.md). The head is
+        kept, nothing more is read from the socket or parsed (the body, pipelined requests: they stay in
+        order behind it), and the gate judges the head again once ``until`` is done."""
+        self.state = _GATED
+        self._deadline = _INF  # the wait is bounded by the gate (unknown_kid_wait)
+        if not self._reading_paused:
+            self._reading_paused = True
+            self.transport.pause_reading()
+        self._loop.create_task(self._judge_after_wait(until))
+
+    async def _judge_after_wait(self, until: Awaitable[None]) -> None:
+        try:
+            await asyncio.shield(until)  # shared by every request waiting on it: never cancel it for all
+        except Exception:  # the wait itself failed: judge the head as it stands
+            log.exception("head gate wait failed")
+        if self.state != _GATED:  # the connection closed meanwhile
+            return
+        self.state = _HEAD
+        self.head_waited = True
+        try:
+            self._on_request_head(self._request)  # type: ignore[arg-type]
+        except GatewayError as error:
+            self._reject(error.reply)
+            return
+        finally:
+            self.head_waited = False
+        if self._reading_paused and self.codec.buffered <= _PIPELINE_BUFFER_LIMIT:
+            self._reading_paused = False
+            self.transport.resume_reading()
+        self._process()  # its body, as it was going to be read
 
     def _dispatch(self) -> None:
         event = self._request

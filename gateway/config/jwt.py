@@ -84,8 +84,11 @@ class JwtIssuer(StrictStruct):
     limits: KeyLimits | None = None  # each subject's own limits (docs/limits.md), like a key's
     limits_from_claims: ClaimLimits | None = None  # or taken from the token's claims, per subject
     refresh: JwksRefresh = JwksRefresh()
+    # A token naming a kid the key set lacks waits this long (at most) for the supervisor's refetch on the
+    # worker, then is verified again; 0: refused at once (docs/identity.md, "Rotation").
+    unknown_kid_wait: Seconds = Seconds(2)
 
-    _RANGES: ClassVar[dict[str, Range]] = {"leeway": (0, 600)}
+    _RANGES: ClassVar[dict[str, Range]] = {"leeway": (0, 600), "unknown_kid_wait": (0, 10)}
 
     def __post_init__(self) -> None:
         check_ranges(self, self._RANGES)

@@ -14,6 +14,8 @@ deep inside a byte loop).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+
 import msgspec
 
 _TYPE_BY_STATUS = {
@@ -110,6 +112,16 @@ class GatewayError(Exception):
     def __init__(self, reply: ErrorReply) -> None:
         super().__init__(reply.message)
         self.reply = reply
+
+
+class HeadWait(Exception):  # noqa: N818 - a verdict deferred, not an error
+    """Raised by the head gate when its verdict on a head needs a wait (a token naming a kid its issuer's
+    key set lacks: docs/identity.md): the server reads and parses nothing more of the connection until
+    ``until`` is done, then calls the gate again, once, with ``head_waited`` set."""
+
+    def __init__(self, until: Awaitable[None]) -> None:
+        super().__init__("the head gate waits")
+        self.until = until
 
 
 def error_type_for(status: int) -> str:

@@ -41,11 +41,13 @@ _MAX_TENANT = 128
 class JwtRefusal(Exception):
     """401 ``invalid_token``: ``check`` names what failed (``alg``, ``kid``, ``exp`` ...)."""
 
-    def __init__(self, check: str, message: str, issuer: str | None = None) -> None:
+    def __init__(self, check: str, message: str, issuer: str | None = None, kid: str | None = None) -> None:
         super().__init__(message)
         self.check = check
         self.message = message
         self.issuer = issuer  # the entry's name when the token was matched to one
+        # A kid its issuer's set lacks ("" for a token without one; None: no such refusal): worth a wait
+        self.kid = kid
 
 
 class JwtGrant:
@@ -139,7 +141,8 @@ class IssuerVerifier:
         candidates = self.keys.candidates(kid)
         if not candidates:
             named = "no kid" if kid is None else f"kid {_shown(kid)!r}"
-            raise JwtRefusal("kid", f"{named}: no such key in the key set of issuer {self.name!r}", self.name)
+            raise JwtRefusal("kid", f"{named}: no such key in the key set of issuer {self.name!r}", self.name,
+                             kid or "")
         for key in candidates:
             if alg in key.algorithms:
                 return key

@@ -112,17 +112,37 @@ def test_an_unknown_kid_refetches_at_most_once_per_30_seconds(gateway_factory, m
     first, second, third = SigningKey("RS256", "k1"), SigningKey("RS256", "k2"), SigningKey("RS256", "k3")
     slow = {"min": "1h", "max": "1h", "default": "1h"}
     with LocalIdp(first, max_age=3600) as idp:
-        gateway = _gateway(gateway_factory, mock_provider("p"), idp, workers=1, refresh=slow)
+        gateway = _gateway(gateway_factory, mock_provider("p"), idp, workers=1, refresh=slow)  # waits 2 s
         assert chat(gateway.port, "m", headers=_bearer(first.sign(claims(idp.issuer)))).status == 200
         fetched = idp.jwks_fetches
         idp.keys = [first, second]  # rotated without the gateway knowing: no refresh due for an hour
         token = second.sign(claims(idp.issuer))
-        assert chat(gateway.port, "m", headers=_bearer(token)).status == 401  # unknown kid: asks for a refetch
-        wait_until(lambda: chat(gateway.port, "m", headers=_bearer(token)).status == 200, "refetched on the kid")
+        started = time.monotonic()
+        assert chat(gateway.port, "m", headers=_bearer(token)).status == 200  # waited for the refetch it asked
+        assert time.monotonic() - started < 2.0
         assert idp.jwks_fetches == fetched + 1
         idp.keys = [first, second, third]
         other = third.sign(claims(idp.issuer))
-        for _ in range(20):  # made-up or new kids within 30 s: no further fetch
+        for _ in range(3):  # new (or made-up) kids within 30 s: no further fetch; 401 once the wait is over
+            started = time.monotonic()
+            refused = chat(gateway.port, "m", headers=_bearer(other))
+            assert refused.status == 401 and "(kid)" in refused.json()["error"]["message"]
+            assert 1.9 <= time.monotonic() - started < 4.0
+        assert idp.jwks_fetches == fetched + 1
+
+    # unknown_kid_wait: 0 is today's immediate 401; the refetch it asked for admits the token next time.
+    with LocalIdp(first, max_age=3600) as idp:
+        gateway = _gateway(gateway_factory, mock_provider("p"), idp, workers=1, refresh=slow, unknown_kid_wait="0s")
+        fetched = idp.jwks_fetches
+        idp.keys = [first, second]
+        token = second.sign(claims(idp.issuer))
+        started = time.monotonic()
+        assert chat(gateway.port, "m", headers=_bearer(token)).status == 401  # unknown kid: asks for a refetch
+        assert time.monotonic() - started < 1.0
+        wait_until(lambda: chat(gateway.port, "m", headers=_bearer(token)).status == 200, "refetched on the kid")
+        assert idp.jwks_fetches == fetched + 1
+        other = third.sign(claims(idp.issuer))
+        for _ in range(20):
             assert chat(gateway.port, "m", headers=_bearer(other)).status == 401
         time.sleep(1.5)
         assert idp.jwks_fetches == fetched + 1

@@ -85,6 +85,7 @@ BASE_SPEC: dict[str, Any] = {
 ZERO_MEANS_SOMETHING = {
     "auth.jwt[0].leeway",  # no clock skew allowed
     "auth.jwt[0].refresh.early",  # refresh when the key set's lifetime ends
+    "auth.jwt[0].unknown_kid_wait",  # an unknown kid is refused at once
     "clusters[0].outlier_detection.consecutive_failures",  # never eject
     "timeouts.graceful_shutdown",  # cut what is in flight at once
     "pricing.alerts_webhook.retries",  # one attempt per alert, no retry

@@ -18,11 +18,12 @@ from workers.jwt_gate import JwtGate
 
 
 class Connection:
-    __slots__ = ("auth_memo", "jwt_memo")
+    __slots__ = ("auth_memo", "jwt_memo", "head_waited")
 
     def __init__(self) -> None:
         self.auth_memo = None
         self.jwt_memo = None
+        self.head_waited = False
 
 
 def gate(auth: bool = True) -> HeadGate:
