@@ -294,6 +294,9 @@ class AccessLog:
             numbers = _numbers(entry)
             key = ((route or _NO_ROUTE)[_ROUTE_FIELDS], paths[target], _shared(entry), numbers.count(None),
                    cost is None, cached is None, reasoning is None, subject is None)
+            if overhead_s is None:  # a cache hit's line (never the common template's: no overhead_ms)
+                self._encode_line(entry, millis, buffer, key)
+                continue
             try:
                 # The times in milliseconds with three decimals: whole microseconds, a quarter of the cost of
                 # round().
