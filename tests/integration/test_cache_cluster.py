@@ -25,6 +25,7 @@ from gateway.config.cache import Cache
 from tests.harness import candidate, envelope
 from tests.inprocess import InProcessGateway, Provider, start_provider
 from tests.integration.test_quota_cluster import SLOT_RANGES, cluster_url  # noqa: F401  (a fixture: the cluster)
+from tests.integration.test_response_cache import until_stored
 
 FAST_RETRY = {"attempts": 1, "deadline": "10s", "backoff": {"base": "1ms", "max": "5ms"}}
 CHAT = "/v1/chat/completions"
@@ -95,16 +96,6 @@ async def gateway_on(directory: Path, provider: Provider, url: str, auth: dict[s
     if auth is not None:
         extra["auth"] = auth
     return await InProcessGateway.start(directory, {provider.name: [provider.address]}, overlay, extra=extra)
-
-
-async def until_stored(gateway: InProcessGateway, count: int) -> None:
-    cache = gateway.path.cache
-    assert cache is not None
-    for _ in range(400):
-        if cache.stored >= count:
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"stored {cache.stored} of {count}")
 
 
 def test_each_tenant_reads_only_its_own_entries_on_their_own_nodes(tmp_path, cluster_url):  # noqa: F811

@@ -30,6 +30,17 @@ def node_addresses(url: str) -> list[tuple[str, int]]:
     return [by_first_slot[first] for first in sorted(by_first_slot)]
 
 
+def shut_down(host: str, port: int) -> None:
+    """Stop one cluster node for good (SHUTDOWN NOSAVE): the outage the tests that import this meet."""
+    node = valkey.Valkey(host=host, port=port)
+    try:
+        node.execute_command("SHUTDOWN", "NOSAVE")
+    except valkey.ConnectionError:
+        pass  # the node went away before it could answer: as asked
+    finally:
+        node.close()
+
+
 def test_a_failed_node_never_errors_a_request(tmp_path, cluster_url):  # noqa: F811
     """Entries on all three nodes; one node shut down: its key's request and every other one are answered
     200 by the provider (bypass, or a hit from a node still up before the cluster marks itself failed), each
@@ -49,13 +60,7 @@ def test_a_failed_node_never_errors_a_request(tmp_path, cluster_url):  # noqa: F
             victim = next(q for q in questions if node_of(key_of(ANONYMOUS, q)) == 1)  # not the seed node (0)
             node_addresses_seen = node_addresses(cluster_url)
             host, port = node_addresses_seen[1]
-            node = valkey.Valkey(host=host, port=port)
-            try:
-                node.execute_command("SHUTDOWN", "NOSAVE")
-            except valkey.ConnectionError:
-                pass  # the node went away before it could answer: as asked
-            finally:
-                node.close()
+            shut_down(host, port)
             states: list[str] = []
             deadline = time.monotonic() + 4
             while time.monotonic() < deadline:

@@ -16,6 +16,7 @@ import uuid
 import pytest
 
 from tests.harness import candidate, chat, envelope, metric_value, mock_served, wait_until
+from tests.integration.test_jwks_feed import _fetches
 from tests.jwt_idp import LocalIdp, SigningKey, claims
 
 REFRESH = {"min": "1s", "max": "1m", "default": "5s", "early": 0.2, "retry": "2s", "timeout": "1s"}
@@ -59,10 +60,6 @@ class Traffic:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(10)
-
-
-def _fetches(gateway, outcome: str) -> float:
-    return metric_value(gateway.admin_port, f'gridgate_jwks_fetches_total{{issuer="corp",outcome="{outcome}"}}')
 
 
 def _up(gateway) -> float:

@@ -9,11 +9,9 @@ import asyncio
 import time
 import uuid
 
-import valkey
-
 from gateway.quota.ledger import key_prefix
 from tests.integration.test_cache_cluster import node_of
-from tests.integration.test_cache_cluster_outage import node_addresses
+from tests.integration.test_cache_cluster_outage import node_addresses, shut_down
 from tests.integration.test_quota_cluster import _gate, _rule, cluster_url  # noqa: F401  (the fixture)
 from tests.integration.test_quota_ledger import admit
 
@@ -27,13 +25,7 @@ def test_admits_to_a_dead_node_fail_fast(cluster_url):  # noqa: F811
         try:
             assert (await admit(gate, tenant, 10)).allowed
             host, port = node_addresses(cluster_url)[1]
-            node = valkey.Valkey(host=host, port=port)
-            try:
-                node.execute_command("SHUTDOWN", "NOSAVE")
-            except valkey.ConnectionError:
-                pass  # the node went away before it could answer: as asked
-            finally:
-                node.close()
+            shut_down(host, port)
             took = []
             for _ in range(5):
                 started = time.monotonic()
