@@ -34,6 +34,8 @@ KEY_DIGEST_PREFIX = "sha256:"
 # A spend rollup's key column for a subject (a JWT's key claim, a certificate's value): ``<via>`` RS
 # ``<subject>``, so the report tells a subject from an API key's alias of the same name (group_by=subject).
 SUBJECT_SEPARATOR = "\x1e"
+# The spend rollups' separators (this one, and the field separator "\x1f"), never in a subject's name.
+_NO_ROLLUP_SEPARATORS = str.maketrans({"\x1e": "\ufffd", "\x1f": "\ufffd"})
 NO_NAME = "-"  # the key column of a request without a key name (gateway.spend.rollups.NO_KEY)
 _DIGEST_FORM = re.compile(r"sha256:[0-9a-f]{64}")
 _BEARER = b"bearer "
@@ -90,8 +92,11 @@ class KeyIdentity:
         self.via = via
         self.rule = rule
         # The spend rollups' key column (made once here, not per request): a subject's ``via`` RS subject.
+        # A subject comes from a token or a certificate: the rollup field's separators in it are replaced,
+        # or "a\x1fb" would split into the model column (docs/identity.md, subject).
         name = kid or alias or NO_NAME
-        self.rollup_name = f"{via}{SUBJECT_SEPARATOR}{name}" if is_subject_via(via) else name
+        self.rollup_name = (f"{via}{SUBJECT_SEPARATOR}{name.translate(_NO_ROLLUP_SEPARATORS)}"
+                            if is_subject_via(via) else name)
 
     @property
     def name(self) -> str | None:

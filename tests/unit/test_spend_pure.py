@@ -71,6 +71,18 @@ def test_a_subjects_cell_is_parsed_back_with_its_identity_apart():
         RollupRow(TODAY, "t", "alice", "m", (1, 3, 0, 2, 0, 5, 0, 0, 0), "jwt:okta")]
 
 
+def test_a_subject_holding_the_rollup_separators_keeps_its_own_row_and_the_model_whole():
+    # A subject is whatever the IdP or the certificate says: "\x1f" in it must not split into the model.
+    from gateway.identity.auth import KeyIdentity
+    identity = KeyIdentity("t", alias="a\x1fb\x1ec", via="jwt:okta")
+    batch = RollupBatch()
+    batch.add((TODAY, "t", identity.rollup_name, "m"), 1, 0, 1, 0, 1)
+    pairs = batch.scripts("x")[0][6:][3:]
+    fields = {field.encode(): str(value).encode() for field, value in zip(pairs[0::2], pairs[1::2], strict=True)}
+    assert parse_hash(TODAY, "t", fields) == [
+        RollupRow(TODAY, "t", "a\ufffdb\ufffdc", "m", (1, 1, 0, 1, 0, 1, 0, 0, 0), "jwt:okta")]
+
+
 def test_a_full_batch_refuses_new_cells_but_keeps_counting_known_ones(monkeypatch):
     monkeypatch.setattr(rollups, "MAX_CELLS", 2)
     batch = RollupBatch()
