@@ -35,7 +35,8 @@ from shm.counters import WorkerRow
 from tests.sansio_server import StandInTransport
 from workers.main import Worker, _private_segment
 from workers.request_path import RequestPath
-from workers.server import ServerConnection, ServerState
+from workers.server import ServerConnection
+from workers.server_state import ServerState
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

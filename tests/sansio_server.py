@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from gateway.config import Limits, Timeouts
 from workers.exchange import Exchange
-from workers.server import ServerConnection, ServerSettings, ServerState
+from workers.server import ServerConnection
+from workers.server_state import ServerSettings, ServerState
 
 
 def settings(**limits) -> ServerSettings:

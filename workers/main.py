@@ -37,7 +37,8 @@ from gateway.process_protocol import (
 from shm.counters import WorkerRow, WorkerStatus
 from shm.segment import Segment
 from workers.request_path import RequestPath, report_unconfigured
-from workers.server import ServerConnection, ServerState
+from workers.server import ServerConnection
+from workers.server_state import ServerState
 
 log = logging.getLogger("gridgate.worker")
 

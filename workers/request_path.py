@@ -58,7 +58,7 @@ from workers.proxy import Proxy
 from workers.proxy_settings import ProxySettings
 from workers.recent_requests import RequestRing
 from workers.response_cache import ResponseCache
-from workers.server import ServerSettings, ServerState
+from workers.server_state import ServerSettings, ServerState
 from workers.spend_tracker import SpendTracker
 from workers.tracing import TRACE_HEADERS, Tracer
 

@@ -10,8 +10,8 @@ Keep-alive ends on purpose in two cases (docs/operations.md, "Drains and listeni
 response that reaches ``limits.max_requests_per_connection`` says ``Connection: close`` (so clients
 reconnect and spread onto replaced or added workers), and so does every response of a draining
 worker. A drain closes a connection only after such a response or once it sat idle for
-``_DRAIN_IDLE_S``: a client that is sending a request is never cut. Streams still open at the graceful
-deadline end with an SSE error event.
+``_DRAIN_IDLE_S`` (workers/server_state.py): a client that is sending a request is never cut. Streams
+still open at the graceful deadline end with an SSE error event.
 
 Deadlines: one timer per connection, re-armed only when it fires. A connection keeps a deadline
 (header block, whole body, keep-alive idle, answers left unread) in a field; the timer never sleeps
@@ -30,14 +30,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 
-from gateway.config import Config
 from gateway.http import codec
 from gateway.http.errors import ErrorReply, GatewayError, HeadWait
 from gateway.http.framing import ChunkedDecoder, RequestFraming, check_request_head
 from workers.exchange import Exchange
-from workers.raw_answers import CorsPolicy, raw_answer
+from workers.raw_answers import raw_answer
+from workers.server_state import ServerState
 
 log = logging.getLogger("gridgate.server")
 
@@ -53,83 +53,8 @@ _PIPELINE_HARD_LIMIT = 1048576
 # _GATED: the head gate waits before it judges the head (``HeadWait``); nothing is read or parsed meanwhile.
 _HEAD, _BODY, _HANDLING, _UNREAD, _CLOSED, _GATED = range(6)
 _LINGER_S = 2.0
-# Draining: a connection idle this long between requests (or since it opened) is closed. A client
-# that just sent a request is answered (with `Connection: close`) instead.
-_DRAIN_IDLE_S = 1.0
-# After the graceful deadline: how long the last bytes of ended streams get to leave before exit.
-_FLUSH_S = 1.0
 # What a deadline means when it passes.
 _ON_IDLE, _ON_HEADER, _ON_BODY, _ON_UNREAD = range(4)
-
-
-class ServerSettings:
-    """What every connection of a worker needs, resolved once from the config."""
-
-    __slots__ = (
-        "max_header_bytes", "max_header_count", "max_body_bytes", "max_url_bytes", "max_connections",
-        "max_requests", "max_buffered_body", "header_read_s", "keepalive_idle_s", "body_read_s", "timer_period_s",
-    )
-
-    def __init__(self, config: Config) -> None:
-        limits, timeouts = config.limits, config.timeouts
-        self.max_header_bytes = limits.max_header_bytes
-        self.max_header_count = limits.max_header_count
-        self.max_body_bytes = limits.max_body_bytes
-        self.max_url_bytes = limits.max_url_bytes
-        self.max_connections = limits.max_connections_per_worker
-        self.max_requests = limits.max_requests_per_connection
-        self.max_buffered_body = limits.max_buffered_body_bytes_per_worker
-        self.header_read_s = float(timeouts.header_read)
-        self.keepalive_idle_s = float(timeouts.keepalive_idle)
-        self.body_read_s = float(timeouts.body_read)
-        # The connection timer never sleeps longer than the shortest deadline (see the module doc).
-        self.timer_period_s = min(self.header_read_s, self.keepalive_idle_s, self.body_read_s)
-
-
-class ServerState:
-    """Per-worker server state shared by all connections: settings, handler, live connections."""
-
-    def __init__(self, settings: ServerSettings, handler: Callable[[Exchange], Awaitable[None]]) -> None:
-        self.settings = settings
-        self.handler = handler
-        self.connections: set[ServerConnection] = set()
-        self.draining = False
-        # Request body bytes held by this worker's connections (limits.max_buffered_body_bytes_per_worker).
-        self.body_bytes = 0
-        # Called with the answer to every request rejected before it reached the handler (metrics, access log).
-        self.on_reject: Callable[[ErrorReply], None] | None = None
-        # Decides on each request head, before its body is read (workers/head_gate.py): an ErrorReply
-        # refuses the request (answered at once, the body never read, the connection closed); anything
-        # else admits it and travels to the handler as ``exchange.admitted``.
-        self.head_gate: Callable[[ServerConnection, bytes, bytes, list[tuple[bytes, bytes]]], object] | None = None
-        self.cors: CorsPolicy | None = None  # the CORS policy (None: off) of the answers written here
-
-    def close_idle(self, now: float) -> None:
-        """Draining: close the connections that sat idle between requests for ``_DRAIN_IDLE_S``.
-
-        The others are answered with ``Connection: close`` and closed after that response. Closing a
-        connection the client has just sent a request on would reset that request, so an idle one
-        gets a moment first (a connection accepted moments ago has not sent its first request yet).
-        """
-        for conn in list(self.connections):
-            if conn.idle_for(now) >= _DRAIN_IDLE_S:
-                conn.close()
-
-    async def cut_remaining(self) -> None:
-        """The graceful deadline passed: event streams end with an error event, everything else is cut."""
-        ending = []
-        for conn in list(self.connections):
-            exchange = conn.exchange
-            if exchange is not None and exchange.end_stream_for_shutdown():
-                ending.append(conn)
-            else:
-                conn.close(abort=True)
-        # The process exits next: give the ended streams' last bytes a moment to leave (kernel buffers
-        # are sent after exit; only what is still queued in the event loop would be lost).
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + _FLUSH_S
-        while any(conn.transport.get_write_buffer_size() for conn in ending) and loop.time() < deadline:
-            await asyncio.sleep(0.02)
 
 
 class ServerConnection(asyncio.Protocol):

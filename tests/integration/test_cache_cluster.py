@@ -172,7 +172,9 @@ def test_coalescing_claims_work_in_each_keys_slot(tmp_path, cluster_url):  # noq
     in its key's slot and wait for its entry: three upstream calls for nine requests, b's answered as hits
     with a's bytes."""
     async def scenario() -> None:
-        provider = await start_provider("p", tokens=5, latency_ms=300)
+        # The leaders' answers take 1.5 s: b's six requests (0.1 s later) must all still find the markers,
+        # even on a machine loaded by the whole suite (at 300 ms some found the entries already stored).
+        provider = await start_provider("p", tokens=5, latency_ms=1500)
         a, b = await two_hosts(tmp_path, provider, cluster_url)
         try:
             questions = three_questions()

@@ -13,7 +13,8 @@ import pytest
 from gateway.config import ConfigError, parse_config
 from tests.fuzz_http import request
 from tests.sansio_server import StandInTransport, echo_handler, serve, settings, settle, split_answers
-from workers.server import _PIPELINE_BUFFER_LIMIT, _PIPELINE_HARD_LIMIT, ServerConnection, ServerState
+from workers.server import _PIPELINE_BUFFER_LIMIT, _PIPELINE_HARD_LIMIT, ServerConnection
+from workers.server_state import ServerState
 
 GET = b"GET /r HTTP/1.1\r\nHost: g\r\n\r\n"
 
