@@ -73,20 +73,21 @@ class TickBatch:
         if self._batched:
             wires = self._wires
             if not wires:
-                loop = self._loop
-                if loop is None:
-                    loop = self._loop = asyncio.get_running_loop()
-                loop.call_soon(self._flush)
+                self._flush_soon()
             wires.append(encoded or encode_command(args))
             self._receivers.append(self._detached)
             return
         pending = self._pending
         if not pending:
-            loop = self._loop
-            if loop is None:
-                loop = self._loop = asyncio.get_running_loop()
-            loop.call_soon(self._flush)
+            self._flush_soon()
         pending.append((b"", args, None))
+
+    def _flush_soon(self) -> None:
+        """The tick's first command: its write goes out when the loop's current callbacks are done."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         if not self._batched:
