@@ -10,7 +10,7 @@ from pathlib import Path
 
 import msgspec
 
-from tests.unit.test_access_log_lines import varied_records
+from tests.unit.test_access_log_lines import filled_lines, varied_records
 from workers.access_log import AccessLog
 from workers.line_writer import LineWriter
 
@@ -38,14 +38,7 @@ def test_a_hit_line_from_its_template_is_byte_for_byte_the_line_encoded_whole(tm
 
     async def write() -> tuple[AccessLog, list[bytes]]:
         access_log = AccessLog(LineWriter(str(tmp_path / "access.log"), flush_delay_s=10.0))
-        lines: list[bytes] = []
-        for batch in range(0, len(records), 500):
-            for record in records[batch:batch + 500]:
-                access_log.record(record)
-            access_log._fill()
-            buffer = access_log.writer.buffer  # type: ignore[union-attr]
-            lines += bytes(buffer).splitlines(keepends=True)
-            buffer.clear()
+        lines = filled_lines(access_log, records)
         await access_log.close()
         return access_log, lines
 

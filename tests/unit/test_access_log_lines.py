@@ -205,6 +205,19 @@ def varied_records(count: int, seed: int = 7) -> list[RequestRecord]:
     return records
 
 
+def filled_lines(access_log: AccessLog, records: list, batch_size: int = 500) -> list[bytes]:
+    """The lines ``access_log`` writes for ``records``, recorded and filled in batches (no file I/O)."""
+    lines: list[bytes] = []
+    for batch in range(0, len(records), batch_size):
+        for record in records[batch:batch + batch_size]:
+            access_log.record(record)
+        access_log._fill()
+        buffer = access_log.writer.buffer  # type: ignore[union-attr]
+        lines += bytes(buffer).splitlines(keepends=True)
+        buffer.clear()
+    return lines
+
+
 def test_a_line_from_a_template_is_byte_for_byte_the_line_encoded_whole(tmp_path: Path) -> None:
     # Lines sharing their tenant, path, route, endpoint ... are written from a template (`_template`); each
     # must be exactly what encoding its AccessLine writes, for every shape of record, in several batches.
@@ -223,14 +236,7 @@ def test_a_line_from_a_template_is_byte_for_byte_the_line_encoded_whole(tmp_path
             encode_line(*args)  # type: ignore[arg-type]
 
         access_log._encode_line = counted  # type: ignore[method-assign]
-        lines: list[bytes] = []
-        for batch in range(0, len(records), 500):
-            for record in records[batch:batch + 500]:
-                access_log.record(record)
-            access_log._fill()
-            buffer = access_log.writer.buffer  # type: ignore[union-attr]
-            lines += bytes(buffer).splitlines(keepends=True)
-            buffer.clear()
+        lines = filled_lines(access_log, records)
         await access_log.close()
         return access_log, lines, whole
 
