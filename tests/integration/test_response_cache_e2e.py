@@ -85,8 +85,9 @@ def test_the_spend_report_the_command_and_the_metric_show_what_the_hits_saved(ga
     assert lines[0]["cost_nusd"] == cost and all(line["saved_nusd"] == cost for line in lines[1:])
     saved = HITS * cost
     saved_tokens = HITS * (usage["prompt_tokens"] + usage["completion_tokens"])
+    # Each worker flushes its own rollups: wait for the miss's worker and the hits' worker(s) alike.
     report = wait_until(lambda: (answer := spend(gateway, "?group_by=tenant")[1])["totals"]["cache_hits"] == HITS
-                        and answer, "the hits in the rollups")
+                        and answer["totals"]["requests"] == 1 and answer, "the miss and the hits in the rollups")
     (row,) = report["data"]
     assert row["tenant"] == tenant
     assert (row["requests"], row["cost_nusd"], row["cache_hits"]) == (1, cost, HITS)  # requests: reached a provider
