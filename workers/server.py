@@ -331,6 +331,15 @@ class ServerConnection(asyncio.Protocol):
         close = close_requested or self.server.draining or self.served + 1 >= self.settings.max_requests
         self.pending.append(self.codec.response_head(status, headers, content_length, close))
 
+    def queue_whole(self, head: bytes, body: bytes, close_requested: bool) -> bool:
+        """A whole response framed once (``ServerCodec.whole_response``); False: queued nothing."""
+        close = close_requested or self.server.draining or self.served + 1 >= self.settings.max_requests
+        data = self.codec.whole_response(head, body, close)
+        if data is None:
+            return False
+        self.pending.append(data)
+        return True
+
     def queue_data(self, data: bytes) -> None:
         self.pending.append(self.codec.response_data(data))
 

@@ -76,6 +76,7 @@ _NO_BODY, _LENGTH, _CHUNKED, _UNTIL_CLOSE = range(4)
 _CHUNKED_HEADER = (b"transfer-encoding", b"chunked")
 _CLOSE_HEADER = (b"connection", b"close")
 _LAST_CHUNK = b"0\r\n\r\n"
+_CLOSE_LINE = b"connection: close\r\n"
 
 
 class ParseError(Exception):
@@ -406,6 +407,17 @@ class ServerCodec:
             headers.append(_CLOSE_HEADER)
         self.must_close = must_close
         return _head_bytes(b"HTTP/1.1 %d %s" % (status, REASONS.get(status, b"")), headers)
+
+    def whole_response(self, head: bytes, body: bytes, close: bool = False) -> bytes | None:
+        """A whole response in one piece, framed once by whoever made it ready (a response cache hit:
+        gateway/cache/entry.py ``ReadyAnswer``): ``head`` its start line and fields, its framing field
+        (a Content-Length, or chunked with ``body`` framed so) included, without the Connection field and
+        the blank line. Only for an HTTP/1.1 request other than HEAD; None: frame it with ``response_head``."""
+        if not self._http11 or self._method == b"HEAD":
+            return None
+        must_close = self.must_close = close or not self._keep_alive
+        self._mode = _NO_BODY
+        return b"%b%b\r\n%b" % (head, _CLOSE_LINE if must_close else b"", body)
 
     def response_data(self, data: bytes) -> bytes:
         mode = self._mode
