@@ -306,16 +306,14 @@ class AccessLog:
     def _fill(self) -> None:
         """The writer is about to write out: encode the pending lines into its buffer. Lines past its bound
         are dropped and counted by it, after the loop (``trim``): the loop does no per-line checks. The lines
-        are gathered in a list and joined into the buffer at once: appended one by one, the buffer (emptied
-        at each write-out, which gives its memory back) grew by reallocations, each copying it."""
+        are joined into the buffer at once: one by one, it grew by reallocations (a write-out empties it)."""
         pending = self._pending
         if not pending:
             return
         self._pending = []
         writer = self.writer
         assert writer is not None
-        paths, templates, tenant_texts, millis_texts = (self._paths, self._templates, self._tenant_texts,
-                                                       self._millis_texts)
+        paths, templates, tenant_texts, millis_texts = self._paths, self._templates, self._tenant_texts, self._millis_texts
         lines: list[bytes] = []
         add = lines.append
         wall_offset = _time() - _perf()  # perf_counter -> epoch seconds, for the lines' timestamps
@@ -352,9 +350,8 @@ class AccessLog:
                 # unhashable or never kept), or a None among its request id and times (refused, cut short:
                 # no template is made of such a line): encoded whole.
                 self._encode_line(entry, millis, add, key)
-        buffer = writer.buffer
-        start = len(buffer)
-        buffer += b"".join(lines)
+        start = len(writer.buffer)
+        writer.buffer += b"".join(lines)
         writer.trim(start)
 
     def _line(self, entry: RequestRecord, ts: str) -> AccessLine:
