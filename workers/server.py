@@ -205,7 +205,7 @@ class ServerConnection(asyncio.Protocol):
     def _on_request_head(self, event: codec.RequestHead) -> None:
         self._request = event  # first: a refusal of this head is answered in its API's error shape
         settings = self.settings
-        headers = self._headers = codec.header_pairs(event.headers)
+        headers = self._headers = event.headers
         framing = self._framing = check_request_head(
             event.method, event.target, event.http_version, headers, settings.max_url_bytes, settings.max_body_bytes,
         )
