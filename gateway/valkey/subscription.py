@@ -16,7 +16,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from valkey.exceptions import ConnectionError, TimeoutError
+from valkey.exceptions import ConnectionError as ValkeyConnectionError
+from valkey.exceptions import TimeoutError as ValkeyTimeoutError
 
 from gateway.valkey.resp import RespClient
 from gateway.valkey.resp_wire import INCOMPLETE, encode_command, read_reply
@@ -55,15 +56,15 @@ class Subscription(asyncio.Protocol):
                 protocol._setup_replies = 1 if auth else 0
                 protocol.transport.write(auth + encode_command((b"SUBSCRIBE", channel)))  # type: ignore[union-attr]
                 await protocol.subscribed
-        except TimeoutError:
+        except TimeoutError:  # asyncio.timeout's (an OSError too: first)
             protocol.close()
-            raise
-        except asyncio.TimeoutError:
-            protocol.close()
-            raise TimeoutError("Timeout subscribing") from None
+            raise ValkeyTimeoutError(f"Timeout subscribing at {settings._address}") from None
         except OSError as error:
             protocol.close()
-            raise ConnectionError(f"Error connecting to {settings._address}: {error}") from error
+            raise ValkeyConnectionError(f"Error connecting to {settings._address}: {error}") from error
+        except BaseException:
+            protocol.close()
+            raise
         return protocol
 
     def ping(self) -> None:
@@ -91,7 +92,7 @@ class Subscription(asyncio.Protocol):
 
     def _take(self, value: Any) -> None:
         if isinstance(value, Exception):
-            self._end(ConnectionError(f"the subscription was refused: {value}"))
+            self._end(ValkeyConnectionError(f"the subscription was refused: {value}"))
             return
         if self._setup_replies:  # AUTH's +OK
             self._setup_replies -= 1
@@ -107,7 +108,7 @@ class Subscription(asyncio.Protocol):
                 self.subscribed.set_result(None)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._end(ConnectionError(f"the subscription's connection was lost: {exc}" if exc else
+        self._end(ValkeyConnectionError(f"the subscription's connection was lost: {exc}" if exc else
                                   "the subscription's connection was closed"))
 
     def _end(self, error: Exception) -> None:
