@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from gateway.cache.announce import CHANNEL, announcement, key_digest
-from gateway.cache.entry import CacheEntry, decode_entry, encode_entry
+from gateway.cache.entry import CacheEntry, ReadyAnswer, decode_entry, encode_entry
 from gateway.cache.key import BYPASS, CacheKey, cache_key, request_bypasses, request_digest, request_seed
 from gateway.cache.local import LocalEntries
 from gateway.config.cache import Cache
@@ -63,6 +63,7 @@ _BACKOFF_S = 1.0  # after a failed Valkey call the cache is bypassed this long (
 _DONE = b"data: [DONE]"
 _OPENAI_STREAMS = frozenset(("chat_completions", "completions"))  # end with [DONE] when complete
 _CONTENT_TYPE = b"content-type"
+_FIELD_LINE = b"%b: %b\r\n".__mod__  # (name, value) -> its field line
 # The cache's commands framed in RESP at once (gateway/valkey/resp.py encode_command's output, written out).
 _GET = b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n"
 # The miss's lookup and claim in one command: GET the entry, and when there is none leave this leader's
@@ -178,10 +179,10 @@ class ResponseCache:
             self.metrics.cache_bypass()
             return None
         local = self.local
-        if local is not None and (entry := local.get(key.key, now, _time())) is not None:
+        if local is not None and (ready := local.get(key.key, now, _time())) is not None:
             self.local_hits += 1
             self._remember(key)
-            return self._serve(flow, entry)
+            return self._serve_ready(flow, ready)
         flight = self.flights.get(key.key) if self.coalesce else None
         if flight is not None:
             if len(flight.waiters) < self.max_waiters:
@@ -431,42 +432,44 @@ class ResponseCache:
         record.cache_fill = CacheFill(self, exchange, key, flight)
 
     def _serve(self, flow: Any, entry: CacheEntry) -> ErrorReply | Awaitable[ErrorReply | None]:
-        """Answer from ``entry`` once the quota admitted the request (a refusal is the answer then): at once
+        """Answer from ``entry`` (read from Valkey, or another request's just now), as ``_serve_ready``."""
+        return self._serve_ready(flow, ReadyAnswer(entry))
+
+    def _serve_ready(self, flow: Any, ready: ReadyAnswer) -> ErrorReply | Awaitable[ErrorReply | None]:
+        """Answer from ``ready`` once the quota admitted the request (a refusal is the answer then): at once
         when the admission needs no wait (a worker-held block, or no quota), else after it."""
         admit = self.admit_hit
         verdict = None if admit is None else admit(flow)
         if verdict is None:
-            return self._answer(flow, entry)
+            return self._answer(flow, ready)
         if isinstance(verdict, ErrorReply):
             return verdict
-        return self._answer_after(flow, entry, verdict)
+        return self._answer_after(flow, ready, verdict)
 
-    async def _answer_after(self, flow: Any, entry: CacheEntry, pending: Awaitable[ErrorReply | None]) -> ErrorReply:
+    async def _answer_after(self, flow: Any, ready: ReadyAnswer, pending: Awaitable[ErrorReply | None]) -> ErrorReply:
         verdict = await pending
-        return self._answer(flow, entry) if verdict is None else verdict
+        return self._answer(flow, ready) if verdict is None else verdict
 
-    def _answer(self, flow: Any, entry: CacheEntry) -> ErrorReply:
+    def _answer(self, flow: Any, ready: ReadyAnswer) -> ErrorReply:
         """The hit's answer: the entry's bytes, recorded with what they saved; ``ANSWERED``."""
         record = flow.record
         exchange = flow.exchange
         if exchange.client_gone:
             return ANSWERED  # nothing to answer: the record closes as the client's leaving
+        entry = ready.entry
         self.hits += 1
         self.metrics.cache_hit(record.tenant, entry.cost_nusd)
         record.cache = HIT
         record.status = entry.status
         record.cost_nusd = 0
-        record.saved_tokens, record.saved_nusd = entry.saved_tokens, entry.cost_nusd
+        record.saved_tokens, record.saved_nusd = ready.saved_tokens, entry.cost_nusd
         if entry.model is not None and entry.model != record.capability:
             record.served_model = entry.model  # a fallback chain's model made the answer
-        headers = [(b"x-request-id", record.request_id), CACHE_HEADERS[HIT]]
-        if record.model_route is not None:  # an alias or a fallback chain: which model served (docs/models.md)
-            headers += served_model_headers(record)
-        if entry.content_type is not None:
-            headers.insert(0, (_CONTENT_TYPE, entry.content_type))
-        exchange.start(entry.status, headers, None if entry.stream else len(entry.body))
-        exchange.write(entry.body)
-        exchange.end()  # closes the record (workers/outcomes.py), then the bytes leave
+        # An alias or a fallback chain: which model served (docs/models.md).
+        served = None if record.model_route is None else served_model_headers(record)
+        fields = b"".join(map(_FIELD_LINE, served)) if served else b""
+        if not exchange.answer_whole(ready.head % (record.request_id, fields), ready.body, len(entry.body)):
+            _answer_framed(exchange, record, entry, served)  # a client the ready bytes cannot answer
         return ANSWERED
 
     # -- storing ----------------------------------------------------------------------------------------
@@ -545,6 +548,17 @@ class ResponseCache:
                 break
             await asyncio.sleep(0.01)
         await self.client.aclose()
+
+
+def _answer_framed(exchange: Exchange, record: RequestRecord, entry: CacheEntry,
+                   served: list[tuple[bytes, bytes]] | None) -> None:
+    """A hit's answer framed the general way (an HTTP/1.0 client, a browser's CORS fields): the same fields."""
+    headers = [(b"x-request-id", record.request_id), CACHE_HEADERS[HIT], *(served or ())]
+    if entry.content_type is not None:
+        headers.insert(0, (_CONTENT_TYPE, entry.content_type))
+    exchange.start(entry.status, headers, None if entry.stream else len(entry.body))
+    exchange.write(entry.body)
+    exchange.end()  # closes the record (workers/outcomes.py), then the bytes leave
 
 
 def _ignore_reply(done: asyncio.Future[Any]) -> None:

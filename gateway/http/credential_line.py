@@ -38,7 +38,7 @@ _NAME_LENGTH = len(_NAME)
 SetAside = tuple[bytes, int, bytes]
 
 
-def set_aside(head: bytearray, min_bytes: int = MIN_SET_ASIDE_BYTES) -> SetAside | None:
+def set_aside(head: bytes | bytearray, min_bytes: int = MIN_SET_ASIDE_BYTES) -> SetAside | None:
     """``head`` (a complete request head, up to and including its empty line) with its long
     Authorization value replaced by ``STAND_IN``, or None when the head should go to h11 as it is."""
     start = head.find(_NAME)
