@@ -46,7 +46,7 @@ from gateway.metrics.writer import WorkerMetrics
 from gateway.valkey.client import BACKEND_ERRORS, create_client
 from gateway.valkey.tick_batch import TickBatch
 from shm.cache_index import H_VALID_UNTIL, CacheIndex, KeyPlace
-from workers.outcomes import served_model_headers
+from workers.outcomes import HitEnds, served_model_headers
 
 if TYPE_CHECKING:
     from workers.exchange import Exchange
@@ -124,6 +124,8 @@ class ResponseCache:
         # The quota's admission of a hit, without tokens (the proxy's ``admit_hit``): None, an ErrorReply,
         # or an awaitable of either.
         self.admit_hit = admit_hit
+        # How a hit's record closes (the proxy's ``HitEnds`` of its outcomes).
+        self.ends: HitEnds | None = None
         local = config.local
         # A worker's own copies of recent entries (None: every hit reads Valkey).
         self.local = None if local is None else LocalEntries(local.max_bytes_int, float(local.ttl))
@@ -458,7 +460,8 @@ class ResponseCache:
             return ANSWERED  # nothing to answer: the record closes as the client's leaving
         entry = ready.entry
         self.hits += 1
-        self.metrics.cache_hit(record.tenant, entry.cost_nusd)
+        self.metrics.hit_answered(record.tenant, entry.cost_nusd)  # its request's count too
+        record.ends = self.ends  # closed as a hit: no attempt, nothing to settle (HitEnds)
         record.cache = HIT
         record.status = entry.status
         record.cost_nusd = 0
