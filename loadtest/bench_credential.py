@@ -52,6 +52,8 @@ def steps(token_bytes: int) -> dict[str, Callable[[], object]]:
         "codec head parse, set-aside": parse(wire, MIN_SET_ASIDE_BYTES),
         "header_pairs": lambda: codec.header_pairs(event.headers),
         "check_request_head": lambda: check_request_head(b"POST", b"/v1/chat/completions", b"1.1", pairs, 8192, 1 << 20),
+        "check_request_head, a plain head": lambda: check_request_head(
+            b"POST", b"/v1/chat/completions", b"1.1", pairs, 8192, 1 << 20, values_checked=True),
         "HeaderPlan.scan": lambda: plan.scan(pairs),
         "presented_digest (sha256)": lambda: presented_digest(authorization, None),
         "sha256 of the value": lambda: hashlib.sha256(authorization).digest(),

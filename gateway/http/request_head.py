@@ -47,15 +47,18 @@ _MAX_LENGTH_DIGITS = 18  # any body limit is far below; a longer value goes to h
 
 class RequestHead:
     """A parsed request head: ``method``, ``target``, ``http_version`` (b"1.1" / b"1.0"; h11 passes any
-    digit.digit on), ``headers`` (a plain list of (lowercase name, value), in order)."""
+    digit.digit on), ``headers`` (a plain list of (lowercase name, value), in order); ``plain``: parsed
+    here, so its values are known to hold no control byte (the strict checks need not look again)."""
 
-    __slots__ = ("method", "target", "http_version", "headers")
+    __slots__ = ("method", "target", "http_version", "headers", "plain")
 
-    def __init__(self, method: bytes, target: bytes, http_version: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    def __init__(self, method: bytes, target: bytes, http_version: bytes, headers: list[tuple[bytes, bytes]],
+                 plain: bool = False) -> None:
         self.method = method
         self.target = target
         self.http_version = http_version
         self.headers = headers
+        self.plain = plain
 
     def __repr__(self) -> str:
         return f"RequestHead({self.method!r}, {self.target!r}, {self.http_version!r}, {self.headers!r})"
@@ -91,7 +94,7 @@ def parse_plain_head(head: bytes) -> RequestHead | None:
         return None
     if b"" in names or b"\x00" in b"".join(names).translate(_TOKEN_ONLY):
         return None  # an empty name, an obs-fold line, a space before the colon...
-    return _checked(RequestHead(method, target, http_version, headers), names)
+    return _checked(RequestHead(method, target, http_version, headers, True), names)
 
 
 def _checked(parsed: RequestHead, names: list[bytes]) -> RequestHead | None:
