@@ -1,0 +1,31 @@
+"""The cache's announcements (docs/cache.md, "The host index"): every claim of a key is published on one
+channel, so each host's index learns the keys that exist or are about to, anywhere in the fleet. Pure.
+
+A payload is ``<known for, ms>:`` then the 32 hex digits of each key announced (a worker's claims of one
+loop tick in one message). The key's 128-bit digest is the hex part of its Valkey name.
+"""
+
+from __future__ import annotations
+
+CHANNEL = b"gridgate:cache:announce"
+KEY_PATTERN = b"gridgate:cache:*"  # the entries (and pending markers) a scan of the store finds
+DIGEST_HEX = 32
+
+
+def key_digest(name: bytes) -> int:
+    """The 128-bit digest of a cache key's Valkey name (``gridgate:cache:<32 hex>``)."""
+    return int(name[-DIGEST_HEX:], 16)
+
+
+def announcement(known_ms: int, names: list[bytes]) -> bytes:
+    """One payload announcing ``names`` (cache keys) as known for ``known_ms`` from now."""
+    return b"%d:" % known_ms + b"".join([name[-DIGEST_HEX:] for name in names])
+
+
+def parse_announcement(payload: bytes) -> tuple[int, list[int]]:
+    """``(known for ms, the keys' digests)``; ValueError for a payload that is not one."""
+    head, sep, digests = payload.partition(b":")
+    if not sep or len(digests) % DIGEST_HEX:
+        raise ValueError("not a cache announcement")
+    known_ms = int(head)
+    return known_ms, [int(digests[i:i + DIGEST_HEX], 16) for i in range(0, len(digests), DIGEST_HEX)]
