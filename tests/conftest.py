@@ -10,6 +10,13 @@ import pytest
 from loadtest.mock_provider import MockProviderHandle, start_mock_provider_process
 from tests.harness import Gateway
 from tests.inprocess import LoopbackGateway
+from tests.schedule import load_durations, longest_files_first
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest test files first (tests/schedule.py): with the Makefile's ``--dist loadfile
+    --no-loadscope-reorder`` no long file is handed out last to make the run's tail alone."""
+    items[:] = longest_files_first(items, load_durations())
 
 
 @pytest.fixture(scope="session")
