@@ -145,6 +145,8 @@ class ResponseCache:
         self.led_at_once = 0  # misses the host index let go upstream with no awaited lookup
         # The host index (shm.cache_index; None: every miss awaits its lookup), this worker's row in it, and
         # the keys claimed this tick, announced in one PUBLISH as the tick's commands are written.
+        if not hasattr(client, "send_each"):
+            index = None  # the index's commands go out with a single node's batched writes only
         self.index = index
         self.worker = worker
         self.announced: list[bytes] = []
@@ -207,7 +209,7 @@ class ResponseCache:
             if not raw or index.known(raw, now):
                 return _AWAIT
             self._lead(flow.record, flow.exchange, key)
-            self._announce_later(key.key)
+            self._announce_later(raw)
             self.led_at_once += 1
             return None
         cell = index.take(raw, self.worker, now) if raw else KNOWN
@@ -217,9 +219,9 @@ class ResponseCache:
             name = key.key
             self._lead(flow.record, flow.exchange, key, marker, cell)
             # Its claim, for the other hosts (their index hears of it by the announcement): nobody waits.
-            self.commands.send(b"SET", name, marker, b"NX", b"PX", self.lead_ms, quiet=True, encoded=_CLAIM_QUIET % (
-                len(name), name, len(marker), marker, len(self.lead_ms), self.lead_ms))
-            self._announce_later(name)
+            self.commands.send_quiet(_CLAIM_QUIET % (len(name), name, len(marker), marker, len(self.lead_ms),
+                                                     self.lead_ms))
+            self._announce_later(raw)
             self.led_at_once += 1
             return None
         if cell != HOSTED:
@@ -233,18 +235,20 @@ class ResponseCache:
             return self._wait(flow, key, flight)
         return self._alone(flow.record)
 
-    def _announce_later(self, name: bytes) -> None:
-        """``name`` is claimed: announce it with this tick's write (one PUBLISH for the tick's claims)."""
-        if not self.announced:
+    def _announce_later(self, raw: bytes) -> None:
+        """The key of ``raw`` (its digest) is claimed: announce it with this tick's write (one PUBLISH for
+        the tick's claims)."""
+        announced = self.announced
+        if not announced:
             self.commands.flush_soon()
-        self.announced.append(name)
+        announced.append(raw)
 
     def _announce(self) -> None:
         names = self.announced
         if names:
             self.announced = []
             payload = announcement(self.known_ms, names)
-            self.commands.send(b"PUBLISH", CHANNEL, payload, quiet=True, encoded=_PUBLISH % (len(payload), payload))
+            self.commands.send_quiet(_PUBLISH % (len(payload), payload))
 
     def _alone(self, record: RequestRecord) -> None:
         record.cache = MISS  # on its own: not a leader, its answer is not stored
@@ -301,8 +305,8 @@ class ResponseCache:
             verdict = self._serve(flow, entry)
             return verdict if verdict is None or isinstance(verdict, ErrorReply) else await verdict
         self._lead(flow.record, flow.exchange, key)  # coalescing off: nobody waits for it
-        if self.index is not None:
-            self._announce_later(key.key)
+        if self.index is not None and key.raw:
+            self._announce_later(key.raw)
         return None
 
     async def _claim(self, flow: Any, key: CacheKey) -> ErrorReply | None:
@@ -318,8 +322,8 @@ class ResponseCache:
             return self._bypass_after(flow, error)
         if data is None:  # claimed: this request leads
             self._lead(flow.record, flow.exchange, key, marker)
-            if self.index is not None:
-                self._announce_later(name)
+            if self.index is not None and key.raw:
+                self._announce_later(key.raw)
             return None
         flight = self.flights.get(name)
         if data[:1] == b"\x00":  # another's claim: wait with this worker's poll of it (or its own leader)
@@ -460,24 +464,20 @@ class ResponseCache:
                 released = self.commands.call(b"EVAL", _RELEASE, 1, fill.key.key, flight.marker)
                 released.add_done_callback(_ignore_reply)  # rare (a failed leader): a future is fine
             if flight.cell >= 0:
-                self._leave_cell(flight.cell, fill.key.raw, stored=entry is not None)
+                self._leave_cell(flight.cell, entry is not None)
             flight.release(entry)
 
-    def _leave_cell(self, cell: int, raw: bytes, stored: bool) -> None:
+    def _leave_cell(self, cell: int, stored: bool) -> None:
         """This worker no longer leads the key of its in-flight ``cell``. For a stored key the cell stays
-        taken ``_CELL_HOLD_S`` unless the host index knows the key already: meanwhile the other workers wait
-        for it and read the entry, instead of taking the key for unknown while its announcement is on its
-        way to the supervisor."""
-        index = self.index
-        assert index is not None
-        now = _monotonic()
-        if not stored or index.known(raw, now):
-            index.release(cell)
+        taken ``_CELL_HOLD_S`` more: meanwhile the other workers wait for it and read the entry, instead of
+        taking the key for unknown while its announcement may still be on its way to the supervisor."""
+        if not stored:
+            self.index.release(cell)  # type: ignore[union-attr]
             return
         held = self.held_cells
         if not held:
             asyncio.get_running_loop().call_later(_CELL_HOLD_S, self._release_cells)
-        held.append((now + _CELL_HOLD_S, cell))
+        held.append((_monotonic() + _CELL_HOLD_S, cell))
 
     def _release_cells(self) -> None:
         """The held cells whose time is over are empty again (one timer for all of them)."""

@@ -17,9 +17,9 @@ def key_digest(name: bytes) -> bytes:
     return bytes.fromhex(name[-DIGEST_HEX:].decode("ascii"))
 
 
-def announcement(known_ms: int, names: list[bytes]) -> bytes:
-    """One payload announcing ``names`` (cache keys) as known for ``known_ms`` from now."""
-    return b"%d:" % known_ms + b"".join([name[-DIGEST_HEX:] for name in names])
+def announcement(known_ms: int, digests: list[bytes]) -> bytes:
+    """One payload announcing the keys of ``digests`` (16 bytes each) as known for ``known_ms`` from now."""
+    return b"%d:%b" % (known_ms, b"".join(digests).hex().encode())
 
 
 def parse_announcement(payload: bytes) -> tuple[int, list[bytes]]:

@@ -31,7 +31,7 @@ def fresh(capacity: int = 1024, workers: int = 4) -> tuple[CacheIndex, CacheInde
 
 def test_an_announcement_round_trips_the_keys_digests() -> None:
     other = b"gridgate:cache:" + b"f" * 32
-    payload = announcement(3_600_500, [NAME, other])
+    payload = announcement(3_600_500, [key_digest(NAME), key_digest(other)])
     assert payload.startswith(b"3600500:")
     assert parse_announcement(payload) == (3_600_500, [key_digest(NAME), key_digest(other)])
     for garbage in (b"", b"12", b"12:abc", b"x:" + b"0" * 32):
