@@ -186,7 +186,8 @@ class ResponseCache:
         local = self.local
         if local is not None and (ready := local.get(key.key, now, _time())) is not None:
             self.local_hits += 1
-            self._remember(key)
+            if key.digest not in self.known_keys:  # (a key made anew: its digest's was forgotten)
+                self._remember(key)
             return self._serve_ready(flow, ready)
         flight = self.flights.get(key.key) if self.coalesce else None
         if flight is not None:
@@ -426,21 +427,26 @@ class ResponseCache:
         exchange = flow.exchange
         if exchange.client_gone:
             return ANSWERED  # nothing to answer: the record closes as the client's leaving
-        entry = ready.entry
         self.hits += 1
-        self.metrics.hit_answered(record.tenant, entry.cost_nusd)  # its request's count too
+        saved_nusd = ready.saved_nusd
+        self.metrics.hit_answered(record.tenant, saved_nusd)  # its request's count too
         record.ends = self.ends  # closed as a hit: no attempt, nothing to settle (HitEnds)
         record.cache = HIT
-        record.status = entry.status
+        record.status = ready.status
         record.cost_nusd = 0
-        record.saved_tokens, record.saved_nusd = ready.saved_tokens, entry.cost_nusd
-        if entry.model is not None and entry.model != record.capability:
-            record.served_model = entry.model  # a fallback chain's model made the answer
-        # An alias or a fallback chain: which model served (docs/models.md).
-        served = None if record.model_route is None else served_model_headers(record)
-        fields = b"".join(map(_FIELD_LINE, served)) if served else b""
-        if not exchange.answer_whole(ready.head % (record.request_id, fields), ready.body, len(entry.body)):
-            _answer_framed(exchange, record, entry, served)  # a client the ready bytes cannot answer
+        record.saved_tokens = ready.saved_tokens
+        record.saved_nusd = saved_nusd
+        model = ready.model
+        if model is not None and model != record.capability:
+            record.served_model = model  # a fallback chain's model made the answer
+        if record.model_route is None:
+            served = None
+            head = ready.head % (record.request_id, b"")
+        else:  # an alias or a fallback chain: which model served (docs/models.md)
+            served = served_model_headers(record)
+            head = ready.head % (record.request_id, b"".join(map(_FIELD_LINE, served)))
+        if not exchange.answer_whole(head, ready.body, ready.size):
+            _answer_framed(exchange, record, ready.entry, served)  # a client the ready bytes cannot answer
         return ANSWERED
 
     # -- storing ----------------------------------------------------------------------------------------
