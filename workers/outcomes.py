@@ -242,7 +242,7 @@ class HitEnds:
     def close(self, record: RequestRecord) -> None:
         outcomes = self.outcomes
         if (spend := outcomes.spend) is not None:
-            spend.count(record)
+            spend.count_hit(record)
         if record.trace is not None:
             record.trace.end(record, None)
         outcomes.access_log.record(record)

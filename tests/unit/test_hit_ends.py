@@ -1,7 +1,8 @@
 """A response cache hit's record closes through ``HitEnds`` (workers/outcomes.py), its request counted with
-the hit (``WorkerMetrics.hit_answered``). Together they must leave what ``Outcomes.close`` leaves for the
-same record, plus the hit's own cells: the metrics row (its request under the gateway's 200s), the spend
-rollup (what it saved), the line the access log keeps and the console's ring."""
+the hit (``WorkerMetrics.hit_answered``), its savings rolled up by ``SpendTracker.count_hit``. Together
+they must leave what ``Outcomes.close`` leaves for the same record, plus the hit's own cells: the metrics
+row (its request under the gateway's 200s), the spend rollup (what it saved, in a new cell and in one the
+batch holds), the line the access log keeps and the console's ring."""
 
 from __future__ import annotations
 
@@ -55,14 +56,15 @@ class World:
 def test_hit_ends_leaves_what_outcomes_close_leaves(tenant: str, saved: tuple[Any, Any], store: str | None,
                                                     traced: bool) -> None:
     general, hit = World(store, traced), World(store, traced)
-    general.record(tenant, *saved).close()  # the general path: Outcomes.close
-    record = hit.record(tenant, *saved)
-    hit.metrics.hit_answered(tenant, saved[1])
-    record.ends = HitEnds(hit.outcomes)
-    record.close()
+    for _ in range(2):  # a new rollup cell, then one the batch holds
+        general.record(tenant, *saved).close()  # the general path: Outcomes.close
+        record = hit.record(tenant, *saved)
+        hit.metrics.hit_answered(tenant, saved[1])
+        record.ends = HitEnds(hit.outcomes)
+        record.close()
     assert hit.state() == general.state()
     at = CACHE_TENANT + hit.metrics.tenant_index.get(tenant, OTHER_TENANT) * 3  # the tenant's hits cell
-    expected = {at: (0, 1), **({at + 2: (0, saved[1])} if saved[1] else {})}
+    expected = {at: (0, 2), **({at + 2: (0, 2 * saved[1])} if saved[1] else {})}
     differing = {index: (general.row[index], hit.row[index]) for index in range(COUNTERS)
                  if general.row[index] != hit.row[index]}
     assert differing == expected  # the hit's own cells, and nothing else (its request counted the same)
