@@ -14,6 +14,7 @@ import types
 from dataclasses import dataclass, field
 
 from gateway.config import Limits, Timeouts
+from gateway.http.codec import ServerCodec
 from workers.exchange import Exchange
 from workers.server import ServerConnection
 from workers.server_state import ServerSettings, ServerState
@@ -135,15 +136,19 @@ async def settle() -> None:
 
 
 async def serve(pieces: list[bytes], server_settings: ServerSettings, *, eof: bool = True, window: int | None = None,
-                handler=echo_handler, reads_when_stalled: bool = True) -> Run:
+                handler=echo_handler, reads_when_stalled: bool = True, plain_heads: bool = True) -> Run:
     """Deliver ``pieces`` one by one as a client would: only while the server reads (a paused server
     leaves the rest in the client's socket), reading answers when ``window`` is reached if
-    ``reads_when_stalled``; then half-close if ``eof``."""
+    ``reads_when_stalled``; then half-close if ``eof``. ``plain_heads`` False: the server's codec gives
+    every head to h11 (gateway/http/request_head.py parses none)."""
     loop = asyncio.get_running_loop()
     errors: list = []
     loop.set_exception_handler(lambda _loop, context: errors.append(context))
     state = ServerState(server_settings, handler)
     connection = ServerConnection(state)
+    if not plain_heads:
+        connection.codec = ServerCodec(server_settings.max_header_bytes, server_settings.max_header_count,
+                                       plain_heads=False)
     transport = StandInTransport(connection, window)
     connection.connection_made(transport)
     run = Run(transport, state, connection, loop_errors=errors)

@@ -5,7 +5,7 @@ request path.
 (workers/request_record.py), which holds what the line needs (clock readings, the exchange's fields, the
 route decision, the outcome): it keeps the record and returns. Before each write-out
 (every ``flush_delay_s``, at reopen and at close) the ``LineWriter`` asks for the lines: the pending
-records are formatted and encoded with msgspec straight into its bounded buffer, in one tight loop.
+records are formatted and encoded with msgspec, joined into its bounded buffer, in one tight loop.
 The work is the same, but a batch runs with warm caches, where one line at the end of each request
 ran cold: a third of the CPU per line on the request path. Most lines share all but a dozen values
 with others (the same path, route, endpoint and model): such a line is written from a template, the
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from operator import attrgetter
 
 import msgspec
@@ -108,6 +109,11 @@ _MAX_PATHS = 256
 # Templates kept, at most (about 1 kB each with its key): paths x routes x endpoints x models in use. The
 # tenant is not among the shared values (a store of managed keys may hold many): a line's own, like its id.
 _MAX_TEMPLATES = 1024
+_MAX_TENANTS = 4096  # tenants' JSON texts kept (`_JsonTexts`)
+_MAX_MILLIS_TEXTS = 4096  # overheads' texts kept (`_MillisTexts`)
+# A line whose spend fields and subject are all None (nearly every one without pricing or identities) has a key
+# of this many values, and a template that takes none of their arguments (`_fill`, `_template`'s skip_absent).
+_PLAIN_KEY_LENGTH = 4
 
 # A line from a template (`_template`): what it takes from its record as it is, read in one C call each.
 # `_fill`'s own values; the per-request numbers, in the line's order; the values the line shares with
@@ -127,13 +133,13 @@ assert RouteDecision._fields[_ROUTE_FIELDS] == (
     "cluster", "stable_id", "selection_group", "mode", "revision", "affinity")
 # The per-request fields of a template's line, in the line's order, and their ``%`` specs: the arguments
 # `_fill` formats a template with follow this order (the timestamp's date and millisecond, the request id
-# and the tenant encoded by msgspec, the numbers, the times encoded by msgspec, the spend fields, the subject
-# encoded by msgspec). Of these, a template's line may have the tenant or both token counts None (null:
+# inside its quotes (`_escaped_id`), the tenant encoded by msgspec (`_JsonTexts`), the numbers, the times encoded
+# by msgspec, the spend fields, the subject encoded by msgspec). Of these, a template's line may have the tenant or both token counts None (null:
 # `_NULL_SPECS`; usage not reported) and lack spend fields (on a line only when priced, each only when not
 # None) and the subject (only for a JWT's or a certificate's request); with any other None (or one token
 # count), no template is made of it.
 _TEMPLATE_FIELDS = (
-    ("ts", b'"%s%03dZ"'), ("request_id", b"%s"), ("tenant", b"%s"), ("status", b"%d"), ("attempts", b"%d"),
+    ("ts", b'"%s%03dZ"'), ("request_id", b'"%s"'), ("tenant", b"%s"), ("status", b"%d"), ("attempts", b"%d"),
     ("bytes_in", b"%d"), ("bytes_out", b"%d"), ("tokens_prompt", b"%d"), ("tokens_completion", b"%d"),
     ("overhead_ms", b"%s"), ("first_byte_ms", b"%s"), ("duration_ms", b"%s"), ("cost_nusd", b"%d"),
     ("tokens_cached", b"%d"), ("tokens_reasoning", b"%d"), ("subject", b"%s"),
@@ -146,7 +152,7 @@ _NULL_SPECS = {"tenant": b"%s", "tokens_prompt": b"null" + _SKIP, "tokens_comple
 # upstream), the savings are its own values and the token counts are null. Kept under the line's `_fill` key
 # and whether each saving is None; the arguments: `_HIT_FIELDS`' values in this order, as `_hit_line` reads them.
 _HIT_FIELDS = (
-    ("ts", b'"%s%03dZ"'), ("request_id", b"%s"), ("tenant", b"%s"), ("status", b"%d"), ("attempts", b"%d"),
+    ("ts", b'"%s%03dZ"'), ("request_id", b'"%s"'), ("tenant", b"%s"), ("status", b"%d"), ("attempts", b"%d"),
     ("bytes_in", b"%d"), ("bytes_out", b"%d"), ("first_byte_ms", b"%s"), ("duration_ms", b"%s"),
     ("cost_nusd", b"%d"), ("subject", b"%s"), ("saved_tokens", b"%d"), ("saved_nusd", b"%d"),
 )
@@ -156,6 +162,34 @@ _hit_values = attrgetter("t_start", "t_first_byte", "ended", "status", "attempts
 # The others of a template's line: none of them may be None.
 _required = attrgetter(*(name for name, _ in _TEMPLATE_FIELDS
                           if name not in _OPTIONAL_FIELDS and name not in _NULL_SPECS))
+
+
+class _JsonTexts(dict[str | None, bytes]):
+    """A tenant -> its JSON text (null for None), encoded once: a worker's lines name few tenants (bounded all
+    the same: a store of managed keys may hold many)."""
+
+    def __missing__(self, value: str | None) -> bytes:
+        if len(self) >= _MAX_TENANTS:
+            self.clear()
+        text = self[value] = _encode(value)
+        return text
+
+
+class _MillisTexts(dict[int, bytes]):
+    """Whole microseconds -> the milliseconds (three decimals) as msgspec encodes them, for the overheads: a
+    worker's span a few hundred values, so nearly each is encoded once and then looked up (bounded)."""
+
+    def __missing__(self, micros: int) -> bytes:
+        if len(self) >= _MAX_MILLIS_TEXTS:
+            self.clear()
+        text = self[micros] = _encode(micros / 1000)
+        return text
+
+
+def _escaped_id(request_id: bytes) -> bytes:
+    """A request id as it stands between its line's quotes, as msgspec encodes its latin-1 text (escapes and
+    all). The lines write one of letters and digits only (the gateway's own ids, nearly every one) as it is."""
+    return _encode(request_id.decode("latin-1"))[1:-1]
 
 
 class _Paths(dict[bytes | None, str | None]):
@@ -182,13 +216,14 @@ class AccessLog:
     def __init__(self, writer: LineWriter | None, sample: float = 1.0) -> None:
         self.writer = writer  # None: the access log is off
         self.sample = sample
-        self._encode_into = msgspec.json.Encoder().encode_into
         self._pending: list[RequestRecord] = []  # what `record` keeps until `_fill`
         self._second = -1
         self._second_text = b""
         # Lines waiting for a write-out, at most: about what the writer's buffer holds.
         self._max_pending = 16 if writer is None else max(16, writer.max_buffer_bytes // 512)
         self._paths = _Paths()
+        self._tenant_texts = _JsonTexts()
+        self._millis_texts = _MillisTexts()
         # The values a line shares with others (`_fill`'s key) -> its template (`_template`).
         self._templates: dict[tuple, bytes] = {}
         self._hit_templates: dict[tuple, bytes] = {}  # (the `_fill` key, savings None) -> a hit's template
@@ -270,15 +305,17 @@ class AccessLog:
 
     def _fill(self) -> None:
         """The writer is about to write out: encode the pending lines into its buffer. Lines past its bound
-        are dropped and counted by it, after the loop (``trim``): the loop does no per-line checks."""
+        are dropped and counted by it, after the loop (``trim``): the loop does no per-line checks. The lines
+        are joined into the buffer at once: one by one, it grew by reallocations (a write-out empties it)."""
         pending = self._pending
         if not pending:
             return
         self._pending = []
         writer = self.writer
         assert writer is not None
-        buffer, paths, templates = writer.buffer, self._paths, self._templates
-        start = len(buffer)
+        paths, templates, tenant_texts, millis_texts = self._paths, self._templates, self._tenant_texts, self._millis_texts
+        lines: list[bytes] = []
+        add = lines.append
         wall_offset = _time() - _perf()  # perf_counter -> epoch seconds, for the lines' timestamps
         second, date = -1, b""  # the date part of the lines' timestamps, formatted once per second
         for entry in pending:
@@ -289,28 +326,32 @@ class AccessLog:
                 second = millis // 1000
                 date = self._date(second)
             if not t_first_byte:  # no answer was sent (or the record has no exchange): no first_byte_ms
-                self._encode_line(entry, millis, buffer, None)
+                self._encode_line(entry, millis, add, None)
                 continue
             numbers = _numbers(entry)
-            key = ((route or _NO_ROUTE)[_ROUTE_FIELDS], paths[target], _shared(entry), numbers.count(None),
-                   cost is None, cached is None, reasoning is None, subject is None)
+            plain = cost is None and cached is None and reasoning is None and subject is None
+            key = (((route or _NO_ROUTE)[_ROUTE_FIELDS], paths[target], _shared(entry), numbers.count(None)) if plain
+                   else ((route or _NO_ROUTE)[_ROUTE_FIELDS], paths[target], _shared(entry), numbers.count(None),
+                         cost is None, cached is None, reasoning is None, subject is None))
             if overhead_s is None:  # a cache hit's line (never the common template's: no overhead_ms)
-                self._encode_line(entry, millis, buffer, key)
+                self._encode_line(entry, millis, add, key)
                 continue
             try:
-                # The times in milliseconds with three decimals: whole microseconds, a quarter of the cost of
-                # round().
-                buffer += templates[key] % (
-                    (date, millis % 1000, _encode(request_id.decode("latin-1")), _encode(tenant)) + numbers + (
-                        _encode(int(overhead_s * 1e6 + 0.5) / 1000),
-                        _encode(int((t_first_byte - t_start) * 1e6 + 0.5) / 1000),
-                        _encode(int((ended - t_start) * 1e6 + 0.5) / 1000), cost, cached, reasoning,
-                        subject if subject is None else _encode(subject)))
+                # The times in milliseconds with three decimals: whole microseconds (a quarter of the cost of
+                # round()); the overhead's text looked up (the latencies' spread too wide to repeat).
+                values = (date, millis % 1000, request_id if request_id.isalnum() else _escaped_id(request_id),
+                          tenant_texts[tenant]) + numbers + (
+                    millis_texts[int(overhead_s * 1e6 + 0.5)], _encode(int((t_first_byte - t_start) * 1e6 + 0.5) / 1000),
+                    _encode(int((ended - t_start) * 1e6 + 0.5) / 1000))
+                add(templates[key] % (values if plain else values + (
+                    cost, cached, reasoning, subject if subject is None else _encode(subject))))
             except (KeyError, TypeError, AttributeError):
                 # No template yet for its shared values (the line makes it), a rarer field set (its key is
                 # unhashable or never kept), or a None among its request id and times (refused, cut short:
                 # no template is made of such a line): encoded whole.
-                self._encode_line(entry, millis, buffer, key)
+                self._encode_line(entry, millis, add, key)
+        start = len(writer.buffer)
+        writer.buffer += b"".join(lines)
         writer.trim(start)
 
     def _line(self, entry: RequestRecord, ts: str) -> AccessLine:
@@ -359,22 +400,22 @@ class AccessLog:
             line.cache, line.saved_tokens, line.saved_nusd = entry.cache, entry.saved_tokens, entry.saved_nusd
         return line
 
-    def _encode_line(self, entry: RequestRecord, millis: int, buffer: bytearray, key: tuple | None) -> None:
-        """The line of ``entry`` (ended at ``millis`` since the epoch) encoded whole, into ``buffer``; and
+    def _encode_line(self, entry: RequestRecord, millis: int, add: Callable[[bytes], None],
+                     key: tuple | None) -> None:
+        """The line of ``entry`` (ended at ``millis`` since the epoch) encoded whole, given to ``add``; and
         the template of ``key`` made of it, when a line can have one and ``key`` has none yet."""
         if (key is not None and entry.cache == "hit" and entry.overhead_s is None and entry.t_start is not None
                 and entry.request_id is not None and _rare_fields(entry) == _PLAIN):  # (a rarer field: the key may not even be hashable)
-            self._hit_line(entry, millis, buffer, key)
+            self._hit_line(entry, millis, add, key)
             return
         line = self._line(entry, self._timestamp(millis))
-        self._encode_into(line, buffer, -1)
-        buffer.append(10)  # "\n"
+        add(_encode(line) + b"\n")
         if (key is not None and _rare_fields(entry) == _PLAIN and None not in _required(line)
                 and (line.tokens_prompt is None) == (line.tokens_completion is None)
                 and key not in self._templates):
-            self._template(key, line)
+            self._template(key, line, skip_absent=len(key) != _PLAIN_KEY_LENGTH)
 
-    def _hit_line(self, entry: RequestRecord, millis: int, buffer: bytearray, key: tuple) -> None:
+    def _hit_line(self, entry: RequestRecord, millis: int, add: Callable[[bytes], None], key: tuple) -> None:
         """A response cache hit's line, from its template (the first line of its kind is encoded whole, and
         its template made of it unless a rarer field is set or a value no template can hold is None)."""
         (t_start, t_first_byte, ended, status, attempts, bytes_in, bytes_out, cost, subject, saved_tokens,
@@ -383,35 +424,36 @@ class AccessLog:
         template = self._hit_templates.get(hit_key)
         if template is None:  # the first of its kind: encoded whole, and its template made of it when it can be
             line = self._line(entry, self._timestamp(millis))
-            self._encode_into(line, buffer, -1)
-            buffer.append(10)  # "\n"
+            add(_encode(line) + b"\n")
             if (line.tokens_prompt is None and line.tokens_completion is None and line.tokens_cached is None
                     and line.tokens_reasoning is None):
                 self._template(key, line, _HIT_FIELDS, _HIT_OPTIONAL_FIELDS, self._hit_templates, hit_key)
             return
         request_id = entry.request_id
-        buffer += template % (
-            self._date(millis // 1000), millis % 1000, _encode(request_id.decode("latin-1")), _encode(entry.tenant),
+        add(template % (
+            self._date(millis // 1000), millis % 1000, request_id if request_id.isalnum() else _escaped_id(request_id),
+            self._tenant_texts[entry.tenant],
             status, attempts, bytes_in, bytes_out, _encode(int((t_first_byte - t_start) * 1e6 + 0.5) / 1000),
             _encode(int((ended - t_start) * 1e6 + 0.5) / 1000), cost, subject if subject is None else _encode(subject),
-            saved_tokens, saved_nusd)
+            saved_tokens, saved_nusd))
 
     def _template(self, key: tuple, line: AccessLine, fields: tuple[tuple[str, bytes], ...] = _TEMPLATE_FIELDS,
                   optional: frozenset[str] = _OPTIONAL_FIELDS, templates: dict[tuple, bytes] | None = None,
-                  kept_as: tuple | None = None) -> bytes | None:
+                  kept_as: tuple | None = None, skip_absent: bool = True) -> bytes | None:
         """The template of the lines that share ``key``, made of ``line`` (one of them, with no rarer
         field and no None where `_required`), kept under ``key`` (bounded): the line as msgspec encodes it,
         with its per-request values (_TEMPLATE_FIELDS) in as unique markers, each marker then replaced by
         its ``%`` spec (a literal ``%`` doubled first). A spend field not on the line takes its argument
-        with ``_SKIP`` after the spec before it. ``key`` holds every other value the line is made of
+        with ``_SKIP`` after the spec before it (``skip_absent``; else it takes none: a plain line's). ``key`` holds every other value the line is made of
         (those read only with a rarer field set aside): nothing of one request's own reaches another's
         line. No template is made should a marker not come out exactly once (a shared value holds one)."""
         replaced: list[tuple[bytes, bytes]] = []
         for index, (name, spec) in enumerate(fields):
             if getattr(line, name) is None:
                 if name in optional:
-                    marker, previous = replaced[-1]
-                    replaced[-1] = (marker, previous + _SKIP)
+                    if skip_absent:
+                        marker, previous = replaced[-1]
+                        replaced[-1] = (marker, previous + _SKIP)
                     continue
                 spec = _NULL_SPECS[name]
             marker = f"\0{index}"

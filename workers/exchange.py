@@ -64,6 +64,9 @@ class ExchangeConnection(Protocol):
     # the declared framing); nothing leaves before ``flush``. ``close_requested``: the last response.
     def queue_head(self, status: int, headers: list[tuple[bytes, bytes]], content_length: int | None,
                    close_requested: bool) -> None: ...
+    # A whole response whose head and body were framed once by whoever made it (False: nothing queued, the
+    # request needs the general framing: ``ServerCodec.whole_response``).
+    def queue_whole(self, head: bytes, body: bytes, close_requested: bool) -> bool: ...
     def queue_data(self, data: bytes) -> None: ...
     def queue_end(self) -> None: ...
     def flush(self) -> None: ...
@@ -139,6 +142,23 @@ class Exchange:
 
     def flush(self) -> None:
         self.conn.flush()
+
+    def answer_whole(self, head: bytes, body: bytes, body_bytes: int) -> bool:
+        """``start``, ``write`` and ``end`` in one step, for a response the gateway made ready itself: ``head``
+        and ``body`` framed already (``ServerCodec.whole_response``; ``body_bytes``: the body's own length).
+        False, nothing done: the request takes the general framing (HTTP/1.0, HEAD, an allowed origin's
+        CORS fields)."""
+        admitted = self.admitted
+        conn = self.conn
+        if (self.started or (admitted is not None and admitted.cors)
+                or not conn.queue_whole(head, body, self.close_after)):
+            return False
+        self.started = self.finished = True
+        self.t_first_byte = _perf()
+        self.bytes_out = body_bytes
+        self.response_headers = []  # (read only for an unfinished stream at shutdown)
+        self._over(conn, False)
+        return True
 
     def end(self) -> None:
         if self.finished:

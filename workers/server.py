@@ -205,9 +205,10 @@ class ServerConnection(asyncio.Protocol):
     def _on_request_head(self, event: codec.RequestHead) -> None:
         self._request = event  # first: a refusal of this head is answered in its API's error shape
         settings = self.settings
-        headers = self._headers = codec.header_pairs(event.headers)
+        headers = self._headers = event.headers
         framing = self._framing = check_request_head(
             event.method, event.target, event.http_version, headers, settings.max_url_bytes, settings.max_body_bytes,
+            event.plain,
         )
         gate = self.server.head_gate
         if gate is not None:
@@ -330,6 +331,15 @@ class ServerConnection(asyncio.Protocol):
         # The last response of a connection: asked for, draining, or the per-connection request cap.
         close = close_requested or self.server.draining or self.served + 1 >= self.settings.max_requests
         self.pending.append(self.codec.response_head(status, headers, content_length, close))
+
+    def queue_whole(self, head: bytes, body: bytes, close_requested: bool) -> bool:
+        """A whole response framed once (``ServerCodec.whole_response``); False: queued nothing."""
+        close = close_requested or self.server.draining or self.served + 1 >= self.settings.max_requests
+        data = self.codec.whole_response(head, body, close)
+        if data is None:
+            return False
+        self.pending.append(data)
+        return True
 
     def queue_data(self, data: bytes) -> None:
         self.pending.append(self.codec.response_data(data))

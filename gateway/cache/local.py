@@ -1,18 +1,20 @@
 """A worker's own copies of recent cache entries (``cache.local``): a hit from here takes no Valkey round
 trip. Bounded in bytes (least recently used out first) and in time: a copy lives until its entry's own
 expiry in Valkey or ``ttl`` after it was copied, whichever comes first. Entries never change while they
-live (the cache is exact and nothing rewrites a key), so a copy is the entry. Pure: the clock is handed in.
+live (the cache is exact and nothing rewrites a key), so a copy is the entry, kept ready to answer with
+(``ReadyAnswer``: its head template and framed body made once, not per hit). Pure: the clock is handed in.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-from gateway.cache.entry import CacheEntry
+from gateway.cache.entry import CacheEntry, ReadyAnswer
 
 
 class LocalEntries:
-    """Key -> (expires at, entry, size), in least-recently-used order."""
+    """Key -> (expires at: monotonic, and the entry's own in epoch seconds; ready answer, size), in
+    least-recently-used order."""
 
     __slots__ = ("max_bytes", "ttl_s", "size", "_entries")
 
@@ -21,34 +23,36 @@ class LocalEntries:
         self.ttl_s = ttl_s
         self.size = 0
         # An OrderedDict: the oldest leaves in O(1) (a dict's front fills with deleted slots when popped there).
-        self._entries: OrderedDict[bytes, tuple[float, CacheEntry, int]] = OrderedDict()
+        self._entries: OrderedDict[bytes, tuple[float, float, ReadyAnswer, int]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: bytes, now: float, wall: float) -> CacheEntry | None:
+    def get(self, key: bytes, now: float, wall: float) -> ReadyAnswer | None:
         """The live copy of ``key`` (``now``: monotonic seconds; ``wall``: epoch seconds, the entry's clock)."""
         entries = self._entries
         found = entries.get(key)
         if found is None:
             return None
-        expires, entry, size = found
-        if now >= expires or (entry.expires_at and wall >= entry.expires_at):
+        expires, expires_at, ready, size = found
+        if now >= expires or (expires_at and wall >= expires_at):
             del entries[key]
             self.size -= size
             return None
         entries.move_to_end(key)  # the most recently used goes last
-        return entry
+        return ready
 
-    def put(self, key: bytes, entry: CacheEntry, size: int, now: float) -> None:
-        """Keep a copy (one larger than the whole budget is not kept); the least recently used go first."""
+    def put(self, key: bytes, entry: CacheEntry, size: int, now: float) -> ReadyAnswer | None:
+        """Keep a copy (one larger than the whole budget is not kept: None); the least recently used go first."""
         if size > self.max_bytes:
-            return
+            return None
         entries = self._entries
         old = entries.pop(key, None)
         if old is not None:
-            self.size -= old[2]
+            self.size -= old[3]
         while entries and self.size + size > self.max_bytes:
-            self.size -= entries.popitem(last=False)[1][2]
-        entries[key] = (now + self.ttl_s, entry, size)
+            self.size -= entries.popitem(last=False)[1][3]
+        ready = ReadyAnswer(entry)
+        entries[key] = (now + self.ttl_s, entry.expires_at, ready, size)
         self.size += size
+        return ready

@@ -7,8 +7,10 @@ about a third of a request's codec cost. h11 only has to learn what it needs to 
 next message:
 
 - server side (``ServerCodec``): the codec keeps the connection's receive buffer, finds each request
-  head in it (size and line count checked first) and gives h11 that head alone, in a fresh parser per
-  request, so responses never pass through it and pipelined bytes are never copied per request;
+  head in it (size and line count checked first) and parses that head alone: a plainly valid one (almost
+  all) by gateway/http/request_head.py, any other by h11 in a fresh parser per request (same errors, same
+  words as h11 alone), so responses never pass through h11 and pipelined bytes are never copied per
+  request;
 - client side (``ClientCodec``, in gateway/http/client_codec.py): a fresh parser
   per response; only a HEAD request (its answer has no
   body) or a 1xx head needs a canned request event passed through h11 first.
@@ -21,8 +23,8 @@ h11 parses only response heads.
 Events: the gateway reads only the attributes documented here, so swapping the parser is a change
 to this module alone:
 
-- ``RequestHead``: ``method``, ``target``, ``headers`` (see ``header_pairs``), ``http_version``
-  (b"1.0" / b"1.1");
+- ``RequestHead`` (gateway/http/request_head.py, whichever parser made it): ``method``, ``target``,
+  ``headers`` (a plain list of (lowercase name, value)), ``http_version`` (b"1.0" / b"1.1");
 - ``ResponseHead``: ``status_code``, ``headers``; ``Informational``: a 1xx head;
 - ``Body``: ``data``; ``EndOfMessage``; ``ConnectionClosed``;
 - the sentinels ``NEED_DATA`` (feed more bytes) and ``PAUSED`` (a complete message is waiting for
@@ -40,8 +42,8 @@ import h11
 
 from gateway.http.credential_line import MIN_SET_ASIDE_BYTES, STAND_IN, SetAside, set_aside
 from gateway.http.framing import ChunkedDecoder
+from gateway.http.request_head import RequestHead, parse_plain_head
 
-RequestHead = h11.Request
 ResponseHead = h11.Response
 Informational = h11.InformationalResponse
 ConnectionClosed = h11.ConnectionClosed
@@ -74,6 +76,7 @@ _NO_BODY, _LENGTH, _CHUNKED, _UNTIL_CLOSE = range(4)
 _CHUNKED_HEADER = (b"transfer-encoding", b"chunked")
 _CLOSE_HEADER = (b"connection", b"close")
 _LAST_CHUNK = b"0\r\n\r\n"
+_CLOSE_LINE = b"connection: close\r\n"
 
 
 class ParseError(Exception):
@@ -211,17 +214,18 @@ class ServerCodec:
 
     __slots__ = (
         "_buf", "_closed", "_parser", "_head", "_body", "_scan", "_at_start", "_first_request", "_max_head", "_max_lines",
-        "_mode", "_remaining", "must_close", "_method", "_http11", "_keep_alive", "_set_aside_bytes",
+        "_mode", "_remaining", "must_close", "_method", "_http11", "_keep_alive", "_set_aside_bytes", "_plain_heads",
     )
 
     def __init__(self, max_header_bytes: int, max_header_count: int = 100,
-                 set_aside_bytes: int = MIN_SET_ASIDE_BYTES) -> None:
+                 set_aside_bytes: int = MIN_SET_ASIDE_BYTES, plain_heads: bool = True) -> None:
         """``set_aside_bytes``: an Authorization value at least this long is validated here, not by h11
-        (gateway/http/credential_line.py); ``sys.maxsize`` gives every head to h11 as it is."""
+        (gateway/http/credential_line.py); ``plain_heads``: a plainly valid head is parsed by
+        gateway/http/request_head.py. ``sys.maxsize`` and False give every head to h11 as it is."""
         self._buf = bytearray()  # received and not parsed yet (while no body is being read)
         self._closed = False  # the client half-closed
-        self._parser: h11.Connection | None = None  # parsed the current request's head
-        self._head: h11.Request | None = None
+        self._parser: h11.Connection | None = None  # parsed the current request's head (None: not h11)
+        self._head: RequestHead | None = None
         # The current request's body framing (``read_body``); later bytes wait for the next cycle.
         self._body: BodyReader | None = None
         self._scan = 0  # where the search for the end of the head resumes
@@ -236,6 +240,7 @@ class ServerCodec:
         self._http11 = True
         self._keep_alive = True
         self._set_aside_bytes = set_aside_bytes
+        self._plain_heads = plain_heads
 
     # -- parsing ------------------------------------------------------------------------------
     def feed(self, data: bytes) -> None:
@@ -252,7 +257,7 @@ class ServerCodec:
         body = self._body
         if body is not None:
             return body.next_event()
-        if self._parser is not None:  # a head was returned and the caller did not ask for ``read_body``
+        if self._head is not None:  # a head was returned and the caller did not ask for ``read_body``
             self._frame_body_as_declared()
             return self._body.next_event()
         return self._next_head()
@@ -292,9 +297,19 @@ class ServerCodec:
         lines = buf.count(b"\n", 0, end)
         if lines > self._max_lines:
             raise ParseError("too many header fields", 431)
-        head = buf[:end]
+        head = bytes(buf[:end])
         del buf[:end]
         self._scan = 0
+        event = parse_plain_head(head) if self._plain_heads else None
+        if event is None:
+            event = self._h11_head(head, lines)
+        self._head = event
+        self._first_request = False
+        return event
+
+    def _h11_head(self, head: bytes, lines: int) -> RequestHead:
+        """``head`` parsed by h11 (with a long credential set aside first: credential_line.py), or raise."""
+        end = len(head)
         aside = set_aside(head, self._set_aside_bytes) if end > self._set_aside_bytes else None
         if aside is None:
             event = self._parse_head(head, head)
@@ -302,11 +317,9 @@ class ServerCodec:
             event = self._parse_head(aside[0], head)
             if not _restore(event.headers, aside, lines - 2):  # less the request line and the empty one
                 event = self._parse_head(head, head)  # cannot happen for a head set_aside accepted: h11 decides
-        self._head = event
-        self._first_request = False
-        return event
+        return RequestHead(event.method, event.target, event.http_version, header_pairs(event.headers))
 
-    def _parse_head(self, data: bytes | bytearray, head: bytearray) -> h11.Request:
+    def _parse_head(self, data: bytes, head: bytes) -> h11.Request:
         """h11's Request for ``data`` (``head``, or its stand-in form), in a fresh parser, or raise."""
         parser = self._parser = h11.Connection(h11.SERVER, max_incomplete_event_size=self._max_head)
         parser.receive_data(data)
@@ -329,7 +342,7 @@ class ServerCodec:
 
     def _frame_body_as_declared(self) -> None:
         length, chunked = 0, False
-        for name, value in header_pairs(self._head.headers):  # h11 validated and merged them
+        for name, value in self._head.headers:  # validated (and merged, by h11) when parsed
             if name == b"transfer-encoding":
                 chunked = True
             elif name == b"content-length":
@@ -394,6 +407,17 @@ class ServerCodec:
             headers.append(_CLOSE_HEADER)
         self.must_close = must_close
         return _head_bytes(b"HTTP/1.1 %d %s" % (status, REASONS.get(status, b"")), headers)
+
+    def whole_response(self, head: bytes, body: bytes, close: bool = False) -> bytes | None:
+        """A whole response in one piece, framed once by whoever made it ready (a response cache hit:
+        gateway/cache/entry.py ``ReadyAnswer``): ``head`` its start line and fields, its framing field
+        (a Content-Length, or chunked with ``body`` framed so) included, without the Connection field and
+        the blank line. Only for an HTTP/1.1 request other than HEAD; None: frame it with ``response_head``."""
+        if not self._http11 or self._method == b"HEAD":
+            return None
+        must_close = self.must_close = close or not self._keep_alive
+        self._mode = _NO_BODY
+        return b"%b%b\r\n%b" % (head, _CLOSE_LINE if must_close else b"", body)
 
     def response_data(self, data: bytes) -> bytes:
         mode = self._mode

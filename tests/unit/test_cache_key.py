@@ -133,9 +133,9 @@ def test_local_copies_are_bounded_in_bytes_and_time() -> None:
     local = LocalEntries(max_bytes=10, ttl_s=5.0)
     local.put(b"a", entry, 4, now=0.0)
     local.put(b"b", entry, 4, now=0.0)
-    assert local.get(b"a", 1.0, 900.0) is entry  # a is now the most recently used
+    assert local.get(b"a", 1.0, 900.0).entry is entry  # a is now the most recently used
     local.put(b"c", entry, 4, now=1.0)  # over 10 bytes: b (least recently used) goes
-    assert local.get(b"b", 1.0, 900.0) is None and local.get(b"a", 1.0, 900.0) is entry
+    assert local.get(b"b", 1.0, 900.0) is None and local.get(b"a", 1.0, 900.0).entry is entry
     assert local.size == 8 and len(local) == 2
     assert local.get(b"c", 6.5, 900.0) is None  # its own ttl (copied at 1.0, 5 s)
     assert local.get(b"a", 2.0, 1000.0) is None  # its entry expired in Valkey
