@@ -39,12 +39,15 @@ MAGIC = int.from_bytes(b"GGCACHIX", "little")
 LAYOUT_VERSION = 1
 SLOTS_PER_BUCKET = 8
 HEADER_BYTES = 64
-LEADER_SLOTS = 4096  # host in-flight slots: two keys in one slot only cost the awaited path
+LEADER_SLOTS = 16384  # host in-flight slots: two keys in one slot only cost the awaited path
+_SLOT_MASK = LEADER_SLOTS - 1
+# What ``CacheIndex.take`` found when it did not take a cell (a cell's offset, >= 0, when it did).
+KNOWN, TAKEN, HOSTED = -1, -2, -3
 MIN_CAPACITY, MAX_CAPACITY = 1024, 64 * 1024 * 1024
 H_MAGIC, H_VERSION, H_BUCKETS, H_LEADER_SLOTS, H_WORKERS, H_VALID_UNTIL, H_DROPPED = 0, 1, 2, 3, 4, 5, 6
-_MASK64 = (1 << 64) - 1
 _ZERO = bytes(8)
-_pack_fp = struct.Struct("<Q").pack
+_ONE = b"\x01" + bytes(7)
+_high = struct.Struct("<Q").unpack_from
 
 
 class KeyPlace:
@@ -58,10 +61,12 @@ class KeyPlace:
         self.slot = slot
 
 
-def place_of(digest: int, buckets: int) -> KeyPlace:
-    """The place of a key whose digest is ``digest`` (128 bits; ``buckets`` a power of two)."""
-    high = digest >> 64
-    return KeyPlace(_pack_fp((digest & _MASK64) or 1), high & (buckets - 1), (high >> 40) & (LEADER_SLOTS - 1))
+def place_of(digest: bytes, buckets: int) -> KeyPlace:
+    """The place of a key whose 128-bit digest is ``digest`` (16 bytes; ``buckets`` a power of two): the
+    first 8 bytes choose the bucket and the in-flight slot, the last 8 are the fingerprint."""
+    high = _high(digest, 0)[0]
+    fingerprint = digest[8:16]
+    return KeyPlace(_ONE if fingerprint == _ZERO else fingerprint, high & (buckets - 1), (high >> 40) & _SLOT_MASK)
 
 
 class IndexLayout:
@@ -101,6 +106,7 @@ class CacheIndex:
         self._fingerprints = layout.fingerprints
         self._leaders = layout.leaders
         self._row = layout.workers * 8
+        self._mask = layout.buckets - 1
         self.no_leaders = bytes(self._row)
 
     @classmethod
@@ -113,8 +119,61 @@ class CacheIndex:
         words[H_LEADER_SLOTS], words[H_WORKERS] = LEADER_SLOTS, workers
         return index
 
+    # -- a worker's miss, in one call (the request path: every attribute read once)
+    def take(self, digest: bytes, worker: int, now: float) -> int:
+        """For a key nobody in the fleet is known to have (``digest``: its 16 bytes): take ``worker``'s
+        in-flight cell for it and return the cell's offset (release it with ``release``). Else ``KNOWN``
+        (stored or claimed somewhere, or its bucket dropped keys; an ambiguous read counts as known),
+        ``TAKEN`` (its in-flight slot holds another key, or this worker's own) or ``HOSTED`` (another
+        worker of this host leads it). The index's authority is the caller's to check."""
+        high = _high(digest, 0)[0]
+        fingerprint = digest[8:16]
+        if fingerprint == _ZERO:
+            fingerprint = _ONE
+        bucket = high & self._mask
+        base = self._fingerprints + (bucket << 6)
+        mapping = self.map
+        found = mapping.find(fingerprint, base, base + 64)
+        if found >= 0:
+            if (found - base) & 7 or self.expiries[(bucket << 3) + ((found - base) >> 3)] > now:
+                return KNOWN
+        elif self.overflow[bucket] > now:
+            return KNOWN
+        row = self._row
+        start = self._leaders + ((high >> 40) & _SLOT_MASK) * row
+        if mapping[start:start + row] != self.no_leaders:
+            return HOSTED if self._elsewhere(mapping[start:start + row], fingerprint, worker) else TAKEN
+        cell = start + (worker << 3)
+        mapping[cell:cell + 8] = fingerprint
+        cells = mapping[start:start + row]
+        if cells.count(fingerprint) == 1:
+            return cell
+        # Another worker took it at this very instant: the lowest row leads, the others wait for it.
+        rows = [at >> 3 for at in range(0, row, 8) if cells[at:at + 8] == fingerprint]
+        if rows[0] == worker:
+            return cell
+        mapping[cell:cell + 8] = _ZERO
+        return HOSTED
+
+    def known(self, digest: bytes, now: float) -> bool:
+        """The key of ``digest`` was stored or claimed somewhere (or may have been: ``take``'s KNOWN)."""
+        return self.knows(place_of(digest, self.buckets), now)
+
+    def release(self, cell: int) -> None:
+        """A cell ``take`` returned is empty again (its worker's: the one writer)."""
+        self.map[cell:cell + 8] = _ZERO
+
+    def hosted(self, digest: bytes, worker: int) -> bool:
+        """Another worker than ``worker`` of this host leads the key of ``digest`` now."""
+        place = place_of(digest, self.buckets)
+        return self._elsewhere(self.leaders(place.slot), place.fingerprint, worker)
+
+    @staticmethod
+    def _elsewhere(cells: bytes, fingerprint: bytes, worker: int) -> bool:
+        return any(cells[at:at + 8] == fingerprint for at in range(0, len(cells), 8) if at >> 3 != worker)
+
     # -- readers
-    def place(self, digest: int) -> KeyPlace:
+    def place(self, digest: bytes) -> KeyPlace:
         return place_of(digest, self.buckets)
 
     def authoritative(self, now: float) -> bool:
@@ -122,16 +181,12 @@ class CacheIndex:
         return self.header[H_VALID_UNTIL] > now
 
     def knows(self, place: KeyPlace, now: float) -> bool:
-        """The key was stored or claimed somewhere (or its bucket dropped keys): it may exist."""
-        base = self._fingerprints + place.bucket * 64
-        end = base + 64
-        fingerprint = place.fingerprint
-        find = self.map.find
-        found = find(fingerprint, base, end)
-        while found >= 0:
-            if not (found - base) & 7:  # a whole slot, not bytes across two
-                return self.expiries[place.bucket * 8 + ((found - base) >> 3)] > now
-            found = find(fingerprint, found + 1, end)
+        """The key was stored or claimed somewhere (or its bucket dropped keys, or its fingerprint's bytes
+        straddle two slots: the safe side): it may exist."""
+        base = self._fingerprints + (place.bucket << 6)
+        found = self.map.find(place.fingerprint, base, base + 64)
+        if found >= 0:
+            return bool((found - base) & 7) or self.expiries[(place.bucket << 3) + ((found - base) >> 3)] > now
         return self.overflow[place.bucket] > now
 
     def leaders(self, slot: int) -> bytes:

@@ -32,10 +32,11 @@ import asyncio
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from gateway.cache.announce import CHANNEL, announcement, key_digest
+from gateway.cache.announce import CHANNEL, announcement
 from gateway.cache.entry import CacheEntry, ReadyAnswer, decode_entry, encode_entry
 from gateway.cache.key import BYPASS, CacheKey, cache_key, request_bypasses, request_digest, request_seed
 from gateway.cache.local import LocalEntries
@@ -45,7 +46,7 @@ from gateway.http.media import is_event_stream
 from gateway.metrics.writer import WorkerMetrics
 from gateway.valkey.client import BACKEND_ERRORS, create_client
 from gateway.valkey.tick_batch import TickBatch
-from shm.cache_index import H_VALID_UNTIL, CacheIndex, KeyPlace
+from shm.cache_index import H_VALID_UNTIL, HOSTED, KNOWN, CacheIndex
 from workers.outcomes import HitEnds, served_model_headers
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ _SET = b"*5\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$2\r\nPX\r\n$%d\r\n%b\r\n"
 _CLAIM_QUIET = b"*6\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%b\r\n"
 _PUBLISH = b"*3\r\n$7\r\nPUBLISH\r\n$%d\r\n%b\r\n$%%d\r\n%%b\r\n" % (len(CHANNEL), CHANNEL)
 _AWAIT = object()
-_CELL_CHECK_S, _CELL_HOLD_S = 0.002, 1.0  # a stored key's cell: checked this often, held this long at most  # the host index cannot tell: the lookup is awaited
+_CELL_HOLD_S = 0.05  # a stored key's cell is held this long when the host index did not know the key yet  # the host index cannot tell: the lookup is awaited
 _MAX_KNOWN = 8192  # request digests -> keys a worker remembers (of requests whose entry it stored or read)
 
 
@@ -87,15 +88,15 @@ class Flight:
     """The leader of one key in flight on this worker (or, ``remote``, this worker's poll of another
     worker's or host's leader), and the requests waiting for its answer."""
 
-    __slots__ = ("waiters", "marker", "remote", "place")
+    __slots__ = ("waiters", "marker", "remote", "cell", "hosted")
 
-    def __init__(self, marker: bytes | None = None, remote: bool = False, place: KeyPlace | None = None) -> None:
+    def __init__(self, marker: bytes | None = None, remote: bool = False, cell: int = -1,
+                 hosted: bytes | None = None) -> None:
         self.waiters: list[asyncio.Future[CacheEntry | None]] = []
         self.marker = marker  # the leader's pending marker in Valkey (None: it claimed nothing)
         self.remote = remote
-        # The key's place in the host index while a worker of this host leads it: this worker's own cell
-        # (a leader), or another worker's (a poll of a host leader).
-        self.place = place
+        self.cell = cell  # a leader's own cell in the host's in-flight table (-1: none)
+        self.hosted = hosted  # a poll of another worker of this host: the key's digest (its cell says it leads)
 
     def release(self, entry: CacheEntry | None) -> None:
         for waiter in self.waiters:
@@ -144,10 +145,12 @@ class ResponseCache:
         self.led_at_once = 0  # misses the host index let go upstream with no awaited lookup
         # The host index (shm.cache_index; None: every miss awaits its lookup), this worker's row in it, and
         # the keys claimed this tick, announced in one PUBLISH as the tick's commands are written.
+        if not hasattr(client, "send_each"):
+            index = None  # the index's commands go out with a single node's batched writes only
         self.index = index
         self.worker = worker
         self.announced: list[bytes] = []
-        self.held_cells: list[tuple[KeyPlace, float]] = []  # cells of stored keys the index does not know yet
+        self.held_cells: deque[tuple[float, int]] = deque()  # (until, cell): stored keys the index may not know
         self.known_ms = int(self.lead_ms) + self.ttl_ms  # a claim's key may exist this long: its wait, its TTL
         if index is not None:
             index.clear_worker(worker)  # a previous worker of this row may have died leading
@@ -202,86 +205,51 @@ class ResponseCache:
         """An authoritative host index: a key nobody in the fleet stored or claimed, and no other worker of
         this host leads, is led at once (None: go on, nothing awaited); a key another worker of this host
         leads is waited for (its poll); anything else ``_AWAIT``s the lookup."""
-        place = index.place(key_digest(key.key))
-        if index.knows(place, now):
-            return _AWAIT
-        if not self.coalesce:
+        raw = key.raw
+        if not self.coalesce:  # nothing to coalesce: only whether the key may exist matters
+            if not raw or index.known(raw, now):
+                return _AWAIT
             self._lead(flow.record, flow.exchange, key)
-            self._announce_later(key.key)
+            self._announce_later(raw)
             self.led_at_once += 1
             return None
-        cells = index.leaders(place.slot)
-        if cells != index.no_leaders:
-            return self._host_leader(flow, key, index, place, cells, took=False)
-        index.lead(place.slot, self.worker, place.fingerprint)
-        cells = index.leaders(place.slot)
-        if cells.count(place.fingerprint) != 1:  # another worker took it at this instant
-            return self._host_leader(flow, key, index, place, cells, took=True)
-        return self._lead_at_once(flow, key, place)
-
-    def _lead_at_once(self, flow: Any, key: CacheKey, place: KeyPlace) -> None:
-        """Lead with this worker's cell of the host's in-flight table taken, awaiting nothing: the claim
-        for other hosts (theirs hear of it by the announcement) leaves with this tick's write."""
-        self.claims += 1
-        marker = self.marker_base + b"%d" % self.claims
-        name = key.key
-        self._lead(flow.record, flow.exchange, key, marker, place)
-        self.commands.send(b"SET", name, marker, b"NX", b"PX", self.lead_ms, quiet=True, encoded=_CLAIM_QUIET % (
-            len(name), name, len(marker), marker, len(self.lead_ms), self.lead_ms))
-        self._announce_later(name)
-        self.led_at_once += 1
-
-    def _host_leader(self, flow: Any, key: CacheKey, index: CacheIndex, place: KeyPlace, cells: bytes,
-                     took: bool) -> object:
-        """The key's in-flight slot is taken on this host: by another worker leading this very key (the
-        lowest such row leads; this request waits for it by a poll), or by another key (await the lookup).
-        ``took``: this request has just taken its own cell (and gives it back unless it leads)."""
-        rows = [at >> 3 for at in range(0, len(cells), 8) if cells[at:at + 8] == place.fingerprint]
-        mine = took and self.worker in rows
-        if not took and self.worker in rows:  # this worker's cell, held for a key it just stored
+        cell = index.take(raw, self.worker, now) if raw else KNOWN
+        if cell >= 0:
+            self.claims += 1
+            marker = self.marker_base + b"%d" % self.claims
+            name = key.key
+            self._lead(flow.record, flow.exchange, key, marker, cell)
+            # Its claim, for the other hosts (their index hears of it by the announcement): nobody waits.
+            self.commands.send_quiet(_CLAIM_QUIET % (len(name), name, len(marker), marker, len(self.lead_ms),
+                                                     self.lead_ms))
+            self._announce_later(raw)
+            self.led_at_once += 1
+            return None
+        if cell != HOSTED:
             return _AWAIT
-        if not rows or rows == [self.worker]:
-            if mine:
-                index.unlead(place.slot, self.worker)
-            return _AWAIT
-        if took and rows[0] == self.worker:  # the lowest row keeps leading; the others will wait for it
-            return self._lead_at_once(flow, key, place)
-        if mine:
-            index.unlead(place.slot, self.worker)
         name = key.key
         flight = self.flights.get(name)
         if flight is None:
-            flight = self.flights[name] = Flight(remote=True, place=place)
+            flight = self.flights[name] = Flight(remote=True, hosted=raw)
             asyncio.ensure_future(self._poll(name, flight))
         if len(flight.waiters) < self.max_waiters:
             return self._wait(flow, key, flight)
         return self._alone(flow.record)
 
-    def _announce_later(self, name: bytes) -> None:
-        """``name`` is claimed: announce it with this tick's write (one PUBLISH for the tick's claims)."""
-        if not self.announced:
+    def _announce_later(self, raw: bytes) -> None:
+        """The key of ``raw`` (its digest) is claimed: announce it with this tick's write (one PUBLISH for
+        the tick's claims)."""
+        announced = self.announced
+        if not announced:
             self.commands.flush_soon()
-        self.announced.append(name)
+        announced.append(raw)
 
     def _announce(self) -> None:
         names = self.announced
         if names:
             self.announced = []
             payload = announcement(self.known_ms, names)
-            self.commands.send(b"PUBLISH", CHANNEL, payload, quiet=True, encoded=_PUBLISH % (len(payload), payload))
-
-    def _host_leads(self, place: KeyPlace) -> bool:
-        """Another worker of this host still leads the key at ``place``."""
-        index = self.index
-        if index is None:
-            return False
-        cells = index.leaders(place.slot)
-        found = cells.find(place.fingerprint)
-        while found >= 0:
-            if not found & 7:
-                return True
-            found = cells.find(place.fingerprint, found + 1)
-        return False
+            self.commands.send_quiet(_PUBLISH % (len(payload), payload))
 
     def _alone(self, record: RequestRecord) -> None:
         record.cache = MISS  # on its own: not a leader, its answer is not stored
@@ -338,8 +306,8 @@ class ResponseCache:
             verdict = self._serve(flow, entry)
             return verdict if verdict is None or isinstance(verdict, ErrorReply) else await verdict
         self._lead(flow.record, flow.exchange, key)  # coalescing off: nobody waits for it
-        if self.index is not None:
-            self._announce_later(key.key)
+        if self.index is not None and key.raw:
+            self._announce_later(key.raw)
         return None
 
     async def _claim(self, flow: Any, key: CacheKey) -> ErrorReply | None:
@@ -355,8 +323,8 @@ class ResponseCache:
             return self._bypass_after(flow, error)
         if data is None:  # claimed: this request leads
             self._lead(flow.record, flow.exchange, key, marker)
-            if self.index is not None:
-                self._announce_later(name)
+            if self.index is not None and key.raw:
+                self._announce_later(key.raw)
             return None
         flight = self.flights.get(name)
         if data[:1] == b"\x00":  # another's claim: wait with this worker's poll of it (or its own leader)
@@ -381,15 +349,15 @@ class ResponseCache:
         entry = None
         pause = _POLL_FIRST_S
         deadline = _monotonic() + self.wait_s
-        place = flight.place  # a host leader's key: nothing stored yet is not the end while it still leads
-        grace = place is not None
+        hosted = flight.hosted  # a host leader's key: nothing stored yet is not the end while it still leads
+        grace = hosted is not None
         try:
             while _monotonic() < deadline and flight.waiters:
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, _POLL_MAX_S)
                 data = await self.commands.call(b"GET", name, encoded=_GET % (len(name), name))
                 if data is None:
-                    if place is not None and self._host_leads(place):
+                    if hosted is not None and self.index is not None and self.index.hosted(hosted, self.worker):
                         continue
                     if grace:  # it just stopped leading: its SET may be in its tick's write still
                         grace = False
@@ -425,13 +393,13 @@ class ResponseCache:
         return self._alone(flow.record)
 
     def _lead(self, record: RequestRecord, exchange: Exchange, key: CacheKey, marker: bytes | None = None,
-              place: KeyPlace | None = None) -> None:
+              cell: int = -1) -> None:
         record.cache = MISS
         self.misses += 1
         self.metrics.cache_miss(record.tenant)
         flight = None
         if self.coalesce:
-            flight = self.flights[key.key] = Flight(marker, place=place)
+            flight = self.flights[key.key] = Flight(marker, cell=cell)
         record.cache_fill = CacheFill(self, exchange, key, flight)
 
     def _serve(self, flow: Any, entry: CacheEntry) -> ErrorReply | Awaitable[ErrorReply | None]:
@@ -501,37 +469,31 @@ class ResponseCache:
             if entry is None and flight.marker is not None:  # its claim goes: the others go on their own now
                 released = self.commands.call(b"EVAL", _RELEASE, 1, fill.key.key, flight.marker)
                 released.add_done_callback(_ignore_reply)  # rare (a failed leader): a future is fine
-            if flight.place is not None:
-                self._leave_cell(flight.place, stored=entry is not None)
+            if flight.cell >= 0:
+                self._leave_cell(flight.cell, entry is not None)
             flight.release(entry)
 
-    def _leave_cell(self, place: KeyPlace, stored: bool) -> None:
-        """This worker no longer leads the key at ``place``. Its cell stays taken until the host index knows
-        the stored key (at most ``_CELL_HOLD_S``): the other workers meanwhile wait for it and read the entry,
-        instead of taking the key for unknown while its announcement is on its way to the supervisor."""
-        index = self.index
-        if index is None:
+    def _leave_cell(self, cell: int, stored: bool) -> None:
+        """This worker no longer leads the key of its in-flight ``cell``. For a stored key the cell stays
+        taken ``_CELL_HOLD_S`` more: meanwhile the other workers wait for it and read the entry, instead of
+        taking the key for unknown while its announcement may still be on its way to the supervisor."""
+        if not stored:
+            self.index.release(cell)  # type: ignore[union-attr]
             return
-        if not stored or index.knows(place, _monotonic()):
-            index.unlead(place.slot, self.worker)
-            return
-        if not self.held_cells:
-            asyncio.get_running_loop().call_later(_CELL_CHECK_S, self._release_cells)
-        self.held_cells.append((place, _monotonic() + _CELL_HOLD_S))
+        held = self.held_cells
+        if not held:
+            asyncio.get_running_loop().call_later(_CELL_HOLD_S, self._release_cells)
+        held.append((_monotonic() + _CELL_HOLD_S, cell))
 
     def _release_cells(self) -> None:
-        index = self.index
+        """The held cells whose time is over are empty again (one timer for all of them)."""
+        index, held = self.index, self.held_cells
         assert index is not None
         now = _monotonic()
-        kept = []
-        for place, until in self.held_cells:
-            if now >= until or index.knows(place, now):
-                index.unlead(place.slot, self.worker)
-            else:
-                kept.append((place, until))
-        self.held_cells = kept
-        if kept:
-            asyncio.get_running_loop().call_later(_CELL_CHECK_S, self._release_cells)
+        while held and held[0][0] <= now:
+            index.release(held.popleft()[1])
+        if held:
+            asyncio.get_running_loop().call_later(held[0][0] - now, self._release_cells)
 
     def _write(self, key: bytes, value: bytes) -> None:
         # In this tick's write; nobody waits. Framed here in one %-format (no per-argument encoding loop).

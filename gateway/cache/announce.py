@@ -12,20 +12,21 @@ KEY_PATTERN = b"gridgate:cache:*"  # the entries (and pending markers) a scan of
 DIGEST_HEX = 32
 
 
-def key_digest(name: bytes) -> int:
-    """The 128-bit digest of a cache key's Valkey name (``gridgate:cache:<32 hex>``)."""
-    return int(name[-DIGEST_HEX:], 16)
+def key_digest(name: bytes) -> bytes:
+    """The 16-byte digest of a cache key's Valkey name (``gridgate:cache:<32 hex>``); ValueError if none."""
+    return bytes.fromhex(name[-DIGEST_HEX:].decode("ascii"))
 
 
-def announcement(known_ms: int, names: list[bytes]) -> bytes:
-    """One payload announcing ``names`` (cache keys) as known for ``known_ms`` from now."""
-    return b"%d:" % known_ms + b"".join([name[-DIGEST_HEX:] for name in names])
+def announcement(known_ms: int, digests: list[bytes]) -> bytes:
+    """One payload announcing the keys of ``digests`` (16 bytes each) as known for ``known_ms`` from now."""
+    return b"%d:%b" % (known_ms, b"".join(digests).hex().encode())
 
 
-def parse_announcement(payload: bytes) -> tuple[int, list[int]]:
+def parse_announcement(payload: bytes) -> tuple[int, list[bytes]]:
     """``(known for ms, the keys' digests)``; ValueError for a payload that is not one."""
     head, sep, digests = payload.partition(b":")
     if not sep or len(digests) % DIGEST_HEX:
         raise ValueError("not a cache announcement")
     known_ms = int(head)
-    return known_ms, [int(digests[i:i + DIGEST_HEX], 16) for i in range(0, len(digests), DIGEST_HEX)]
+    raw = bytes.fromhex(digests.decode("ascii"))
+    return known_ms, [raw[i:i + 16] for i in range(0, len(raw), 16)]

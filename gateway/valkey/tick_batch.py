@@ -85,6 +85,16 @@ class TickBatch:
             self._flush_soon()
         pending.append((b"", args, None))
 
+    def send_quiet(self, encoded: bytes) -> None:
+        """``send(..., encoded=encoded, quiet=True)`` without its arguments (a command framed already), for
+        a client with ``send_each`` only (one node: the response cache's host index runs on no other)."""
+        self.detached += 1
+        wires = self._wires
+        if not wires:
+            self._flush_soon()
+        wires.append(encoded)
+        self._receivers.append(self._quiet)
+
     def flush_soon(self) -> None:
         """Make sure this tick's write happens (``before_flush`` has something to add to it)."""
         if not (self._wires if self._batched else self._pending):

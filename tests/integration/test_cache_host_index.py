@@ -163,7 +163,8 @@ def test_identical_requests_on_two_workers_of_a_host_share_one_upstream_call(tmp
                 assert [state for _, state, _ in others] == ["hit"] * 5
                 assert {payload for _, _, payload in others} == {first[2]}
                 assert provider.served == 1 and b.path.cache.led_at_once == 0
-                assert host.index.leaders(host.index.place(_digest_of(a)).slot) == host.index.no_leaders
+                slot = host.index.place(_digest_of(a)).slot  # its cell: held a moment after the store, then free
+                await eventually(lambda: host.index.leaders(slot) == host.index.no_leaders, timeout=3)
         finally:
             await host.stop()
             provider.server.close()
@@ -286,10 +287,12 @@ def test_a_real_gateways_index_is_authoritative_and_hears_its_workers_claims(gat
     assert re.search(rb"^gridgate_cache_index_dropped_total 0", page, re.M)
 
 
-def test_a_stored_keys_cell_is_held_until_the_index_knows_it(tmp_path, valkey_url):
+def test_a_stored_keys_cell_is_held_until_the_index_knows_it(tmp_path, valkey_url, monkeypatch):
     """An index that has not heard the announcement yet (authoritative, but nobody writes it here): the
     leader's cell stays taken after its store, so its repeat, on its own worker and on another, reads the
     entry instead of taking the key for unknown; past the hold the cell is free again."""
+    monkeypatch.setattr("workers.response_cache._CELL_HOLD_S", 1.0)  # (50 ms: a loaded machine may take longer)
+
     async def scenario() -> None:
         provider = await start_provider("p", tokens=5)
         index = CacheIndex.create(1024, 2)

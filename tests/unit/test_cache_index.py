@@ -9,7 +9,17 @@ import os
 import pytest
 
 from gateway.cache.announce import announcement, key_digest, parse_announcement
-from shm.cache_index import LEADER_SLOTS, CacheIndex, CacheIndexWriter, IndexLayout, KeyPlace, place_of
+from shm.cache_index import (
+    HOSTED,
+    KNOWN,
+    LEADER_SLOTS,
+    TAKEN,
+    CacheIndex,
+    CacheIndexWriter,
+    IndexLayout,
+    KeyPlace,
+    place_of,
+)
 
 NAME = b"gridgate:cache:" + b"%032x" % 0x1234_5678_9ABC_DEF0_0FED_CBA9_8765_4321
 
@@ -21,7 +31,7 @@ def fresh(capacity: int = 1024, workers: int = 4) -> tuple[CacheIndex, CacheInde
 
 def test_an_announcement_round_trips_the_keys_digests() -> None:
     other = b"gridgate:cache:" + b"f" * 32
-    payload = announcement(3_600_500, [NAME, other])
+    payload = announcement(3_600_500, [key_digest(NAME), key_digest(other)])
     assert payload.startswith(b"3600500:")
     assert parse_announcement(payload) == (3_600_500, [key_digest(NAME), key_digest(other)])
     for garbage in (b"", b"12", b"12:abc", b"x:" + b"0" * 32):
@@ -57,11 +67,12 @@ def test_expired_slots_are_reused_and_a_full_bucket_makes_its_keys_known() -> No
     assert index.knows(places[8], 350.0) and not index.knows(stranger, 350.0)
 
 
-def test_a_fingerprint_across_two_slots_is_not_a_match() -> None:
+def test_a_fingerprint_across_two_slots_counts_as_known() -> None:
+    """Ambiguous (its bytes straddle two slots' fingerprints): the safe side, the awaited lookup."""
     index, writer = fresh()
     writer.note(KeyPlace(b"\x00\x00\x00\x00\xaa\xbb\xcc\xdd", 3, 0), 100.0, 0.0)
     writer.note(KeyPlace(b"\xee\xff\x11\x22\x00\x00\x00\x01", 3, 0), 100.0, 0.0)
-    assert not index.knows(KeyPlace(b"\xaa\xbb\xcc\xdd\xee\xff\x11\x22", 3, 0), 50.0)
+    assert index.knows(KeyPlace(b"\xaa\xbb\xcc\xdd\xee\xff\x11\x22", 3, 0), 50.0)
 
 
 def test_authority_lasts_until_the_writer_says() -> None:
@@ -98,4 +109,19 @@ def test_the_layout_is_sized_from_the_capacity_and_refuses_out_of_range() -> Non
 
 
 def test_a_place_never_has_a_zero_fingerprint() -> None:
-    assert place_of(1 << 64, 1024).fingerprint == (1).to_bytes(8, "little")
+    assert place_of(b"\x05" + bytes(15), 1024).fingerprint == (1).to_bytes(8, "little")
+
+
+def test_take_leads_an_unknown_key_once_per_host_and_tells_the_others_why_not() -> None:
+    index, writer = fresh(workers=3)
+    digest = key_digest(NAME)
+    cell = index.take(digest, 1, 10.0)
+    assert cell >= 0 and index.take(digest, 2, 10.0) == HOSTED and index.hosted(digest, 2)
+    assert index.take(digest, 1, 10.0) == TAKEN  # its own cell already holds it: the awaited lookup
+    other = bytes(8) + digest[8:15] + b"\x7f"  # the same slot (its first 8 bytes equal), another key
+    assert index.take(digest[:8] + other[8:], 0, 10.0) == TAKEN
+    index.release(cell)
+    assert not index.hosted(digest, 2) and index.leaders(index.place(digest).slot) == index.no_leaders
+    writer.note(index.place(digest), 20.0, 10.0)
+    assert index.take(digest, 0, 15.0) == KNOWN and index.known(digest, 15.0)
+    assert index.take(digest, 0, 25.0) >= 0  # expired: unknown again
