@@ -29,9 +29,13 @@ browser:
 
 # The layer contracts first (pyproject.toml [tool.importlinter]: seconds), then the suite on every core
 # (pytest-xdist; --dist loadfile keeps a file's tests, and the fixtures they share, in one process).
+# --no-loadscope-reorder keeps the order tests/conftest.py gives (the longest files first,
+# tests/schedule.py) instead of xdist's most-tests-first, which handed the one-test 70 s file out last.
+# More processes than cores (TEST_WORKERS=4 on 2) was slower on a busy machine, and flakier.
+TEST_WORKERS ?= auto
 test: install browser
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -q -n auto --dist loadfile tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The codec fuzzers' long run (hypothesis profile "long" in tests/fuzz_http.py; a short, derandomized
 # run is part of `make test`). More examples: make fuzz GRIDGATE_FUZZ_EXAMPLES=50000. Paste the seed of

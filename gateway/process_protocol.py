@@ -20,6 +20,7 @@ import msgspec
 
 from gateway.config import Config
 from gateway.spend.alerts import SpendAlert
+from shm.cache_index import CacheIndex
 from shm.keys import KeyTable
 from shm.segment import Segment
 
@@ -72,6 +73,9 @@ class WorkerContext:
     # The host's managed-key table (shm.keys), created before the first fork; None: managed keys are
     # off (no store configured at start) or a worker runs on its own. Read it with gateway.keys.lookup.
     key_table: KeyTable | None = None
+    # The response cache's host index (shm.cache_index), created before the first fork; None: the cache or its
+    # index is off, its Valkey is a Cluster, or a worker runs on its own. Read it in workers/response_cache.py.
+    cache_index: CacheIndex | None = None
     # Where the daily spend rollups go (docs/pricing.md): the quota backend's Valkey, else the managed
     # keys' ``auth.store``; None: rollups are off (no store configured).
     spend_url: str | None = None

@@ -2,8 +2,9 @@
 
     python -m loadtest.bench_credential [--number 20000]
 
-Prints µs per call (best of 5) of the codec's head parse with and without the set-aside
-(gateway/http/credential_line.py), the strict head checks, the header scan and the credential's digest.
+Prints µs per call (best of 5) of the codec's head parse: by the plain-head parser (the server's config,
+gateway/http/request_head.py), and by h11 with and without the set-aside (gateway/http/credential_line.py);
+the plain-head parser alone; the strict head checks, the header scan and the credential's digest.
 The difference between the two lengths is the per-byte work the JWT and long-key variants pay.
 """
 
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from gateway.http import codec
 from gateway.http.credential_line import MIN_SET_ASIDE_BYTES
 from gateway.http.framing import check_request_head
+from gateway.http.request_head import parse_plain_head
 from gateway.identity.auth import presented_digest
 from gateway.request.headers import HeaderPlan
 
@@ -29,9 +31,9 @@ def head(token_bytes: int) -> bytes:
     return WRK_HEAD % (b"eyJ" + b"x" * (token_bytes - 3))
 
 
-def parse(wire: bytes, set_aside_bytes: int) -> Callable[[], object]:
+def parse(wire: bytes, set_aside_bytes: int, plain_heads: bool = False) -> Callable[[], object]:
     def run() -> object:
-        server = codec.ServerCodec(65536, 100, set_aside_bytes)
+        server = codec.ServerCodec(65536, 100, set_aside_bytes, plain_heads)
         server.feed(wire)
         return server.next_event()
     return run
@@ -44,10 +46,14 @@ def steps(token_bytes: int) -> dict[str, Callable[[], object]]:
     plan = HeaderPlan("x-model")
     authorization = dict(pairs)[b"authorization"]
     return {
+        "codec head parse, plain-head parser": parse(wire, MIN_SET_ASIDE_BYTES, plain_heads=True),
+        "parse_plain_head alone": lambda: parse_plain_head(wire),
         "codec head parse, h11 alone": parse(wire, sys.maxsize),
         "codec head parse, set-aside": parse(wire, MIN_SET_ASIDE_BYTES),
         "header_pairs": lambda: codec.header_pairs(event.headers),
         "check_request_head": lambda: check_request_head(b"POST", b"/v1/chat/completions", b"1.1", pairs, 8192, 1 << 20),
+        "check_request_head, a plain head": lambda: check_request_head(
+            b"POST", b"/v1/chat/completions", b"1.1", pairs, 8192, 1 << 20, values_checked=True),
         "HeaderPlan.scan": lambda: plan.scan(pairs),
         "presented_digest (sha256)": lambda: presented_digest(authorization, None),
         "sha256 of the value": lambda: hashlib.sha256(authorization).digest(),

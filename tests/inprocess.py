@@ -172,7 +172,9 @@ class InProcessGateway:
 
     @classmethod
     async def start(cls, directory: Path, clusters: dict[str, list[str]], overlay: dict[str, Any], *,
-                    quota_url: str | None = None, extra: dict[str, Any] | None = None) -> InProcessGateway:
+                    quota_url: str | None = None, extra: dict[str, Any] | None = None,
+                    cache_index: Any = None, slot: int = 0) -> InProcessGateway:
+        """``cache_index``: a response-cache host index (shm.cache_index) this worker reads, as row ``slot``."""
         config_dict: dict[str, Any] = {
             "clusters": [{"name": name, "endpoints": endpoints} for name, endpoints in clusters.items()],
             "routing": {"overlay_file": "overlay.json"},
@@ -187,10 +189,10 @@ class InProcessGateway:
         config = parse_config(yaml.safe_dump(config_dict), str(directory))
         segment = _private_segment(config)
         ctx = WorkerContext(
-            config=config, slot=0, generation=1, segment=segment, status_fd=-1, listen_fd=None,
+            config=config, slot=slot, generation=1, segment=segment, status_fd=-1, listen_fd=None,
             quota_url=quota_url, affinity_region=AFFINITY_REGION,
             affinity_capacity=config.routing.session_affinity.capacity, metrics_region=METRICS_REGION,
-            metric_clusters=tuple(clusters),
+            metric_clusters=tuple(clusters), cache_index=cache_index,
         )
         path = await RequestPath.build(ctx, segment, WorkerRow(segment, 0))
         return cls(path, path.server_state(), directory)

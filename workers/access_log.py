@@ -433,8 +433,9 @@ class AccessLog:
         add(template % (
             self._date(millis // 1000), millis % 1000, request_id if request_id.isalnum() else _escaped_id(request_id),
             self._tenant_texts[entry.tenant],
-            status, attempts, bytes_in, bytes_out, _encode(int((t_first_byte - t_start) * 1e6 + 0.5) / 1000),
-            _encode(int((ended - t_start) * 1e6 + 0.5) / 1000), cost, subject if subject is None else _encode(subject),
+            # A hit's times are short (no upstream): their texts looked up, as the overheads' are.
+            status, attempts, bytes_in, bytes_out, self._millis_texts[int((t_first_byte - t_start) * 1e6 + 0.5)],
+            self._millis_texts[int((ended - t_start) * 1e6 + 0.5)], cost, subject if subject is None else _encode(subject),
             saved_tokens, saved_nusd))
 
     def _template(self, key: tuple, line: AccessLine, fields: tuple[tuple[str, bytes], ...] = _TEMPLATE_FIELDS,

@@ -224,3 +224,27 @@ class Outcomes:
                                      reply.tenant)
         else:
             self.access_log.rejected(reply.status, reply.code)
+
+
+class HitEnds:
+    """The end of a request a response cache hit answered (workers/response_cache.py makes it the record's
+    ``ends`` as it answers): ``Outcomes.close`` for what such a record holds, nothing more asked of it. It
+    has no attempt (no provider, no price, no cooling), no admission left (``Proxy.admit_hit`` settled it),
+    no prefix placement (that step comes after the cache's), and its request was counted with the hit
+    (``WorkerMetrics.hit_answered``). What it saved goes into the rollup, its trace ends, its line is kept.
+    tests/unit/test_hit_ends.py holds it equal to ``Outcomes.close``."""
+
+    __slots__ = ("outcomes",)
+
+    def __init__(self, outcomes: Outcomes) -> None:
+        self.outcomes = outcomes
+
+    def close(self, record: RequestRecord) -> None:
+        outcomes = self.outcomes
+        if (spend := outcomes.spend) is not None:
+            spend.count_hit(record)
+        if record.trace is not None:
+            record.trace.end(record, None)
+        outcomes.access_log.record(record)
+        if (recent := outcomes.recent) is not None:
+            recent.add(record)

@@ -52,7 +52,7 @@ from workers.head_gate import Admitted
 from workers.local_answers import LocalAnswers
 from workers.model_access import model_refusal
 from workers.model_chain import ModelChain
-from workers.outcomes import Outcomes
+from workers.outcomes import HitEnds, Outcomes
 from workers.overlay_follower import OverlayFollower
 from workers.providers import ProviderStates
 from workers.proxy_settings import ProxySettings
@@ -112,6 +112,7 @@ class Proxy:
         self.cache = cache  # None: no response cache (docs/cache.md)
         if cache is not None:
             cache.admit_hit = self.admit_hit
+            cache.ends = HitEnds(outcomes)
         self.steps = self.build_steps()
 
     def build_steps(self) -> tuple[Step, ...]:

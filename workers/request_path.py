@@ -156,7 +156,8 @@ class RequestPath:
         outcomes.prefixes = router.prefixes
         tracer = Tracer.from_config(config)
         cache = config.cache
-        response_cache = ResponseCache.from_config(cache, ctx.quota_url, metrics) if cache is not None and cache.enabled else None
+        response_cache = (ResponseCache.from_config(cache, ctx.quota_url, metrics, ctx.cache_index, ctx.slot)
+                          if cache is not None and cache.enabled else None)
         proxy = Proxy(settings=settings, tenants=TenantPolicies(config.tenants), overlay=overlay, router=router,
                       clusters=clusters, providers=providers, quota=quota, metrics=metrics, outcomes=outcomes,
                       tracer=tracer, cache=response_cache)

@@ -16,7 +16,10 @@ when ``cache.enabled``.
 
 The lookup is one command that also claims the key for coalescing across workers and hosts
 (``SET key marker NX PX <wait> GET``: the entry, or nothing and the request leads, or another leader's
-marker and the request waits); with coalescing off a plain GET. A miss costs the lookup and one SET; a hit
+marker and the request waits); with coalescing off a plain GET. With the host index (shm/cache_index.py, authoritative: the supervisor
+follows every host's announcements of its claims) a key nobody in the fleet has is led at once: its claim
+(``SET NX PX``) and announcement (``PUBLISH``) leave with the tick's write, nothing is awaited; a key the
+index knows, or an index that cannot tell, takes the awaited lookup. A miss costs the lookup and one SET; a hit
 the lookup, plus the admission (which a worker-held quota block
 answers without any round trip: folding the GET into the admit script would cost every request a round
 trip that blocks make rare). Valkey down: bypass, never an error (the backend is left alone for
@@ -29,9 +32,11 @@ import asyncio
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from gateway.cache.announce import CHANNEL, announcement
 from gateway.cache.entry import CacheEntry, ReadyAnswer, decode_entry, encode_entry
 from gateway.cache.key import BYPASS, CacheKey, cache_key, request_bypasses, request_digest, request_seed
 from gateway.cache.local import LocalEntries
@@ -41,7 +46,8 @@ from gateway.http.media import is_event_stream
 from gateway.metrics.writer import WorkerMetrics
 from gateway.valkey.client import BACKEND_ERRORS, create_client
 from gateway.valkey.tick_batch import TickBatch
-from workers.outcomes import served_model_headers
+from shm.cache_index import H_VALID_UNTIL, HOSTED, KNOWN, CacheIndex
+from workers.outcomes import HitEnds, served_model_headers
 
 if TYPE_CHECKING:
     from workers.exchange import Exchange
@@ -70,6 +76,11 @@ PENDING = b"\x00gridgate-pending:"
 _RELEASE = b"if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 _POLL_FIRST_S, _POLL_MAX_S = 0.002, 0.05  # a remote waiter's GETs: 2 ms apart at first, doubling to 50 ms
 _SET = b"*5\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$2\r\nPX\r\n$%d\r\n%b\r\n"
+# A fast leader's claim (no GET: it awaits nothing), and the tick's announcements (gateway/cache/announce.py).
+_CLAIM_QUIET = b"*6\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%b\r\n"
+_PUBLISH = b"*3\r\n$7\r\nPUBLISH\r\n$%d\r\n%b\r\n$%%d\r\n%%b\r\n" % (len(CHANNEL), CHANNEL)
+_AWAIT = object()
+_CELL_HOLD_S = 0.05  # a stored key's cell is held this long when the host index did not know the key yet  # the host index cannot tell: the lookup is awaited
 _MAX_KNOWN = 8192  # request digests -> keys a worker remembers (of requests whose entry it stored or read)
 
 
@@ -77,12 +88,15 @@ class Flight:
     """The leader of one key in flight on this worker (or, ``remote``, this worker's poll of another
     worker's or host's leader), and the requests waiting for its answer."""
 
-    __slots__ = ("waiters", "marker", "remote")
+    __slots__ = ("waiters", "marker", "remote", "cell", "hosted")
 
-    def __init__(self, marker: bytes | None = None, remote: bool = False) -> None:
+    def __init__(self, marker: bytes | None = None, remote: bool = False, cell: int = -1,
+                 hosted: bytes | None = None) -> None:
         self.waiters: list[asyncio.Future[CacheEntry | None]] = []
         self.marker = marker  # the leader's pending marker in Valkey (None: it claimed nothing)
         self.remote = remote
+        self.cell = cell  # a leader's own cell in the host's in-flight table (-1: none)
+        self.hosted = hosted  # a poll of another worker of this host: the key's digest (its cell says it leads)
 
     def release(self, entry: CacheEntry | None) -> None:
         for waiter in self.waiters:
@@ -95,7 +109,8 @@ class ResponseCache:
     """One worker's cache: its Valkey client, its flights in progress, its counters."""
 
     def __init__(self, config: Cache, client: Any, metrics: WorkerMetrics,
-                 admit_hit: Callable[[Any], Any] | None = None) -> None:
+                 admit_hit: Callable[[Any], Any] | None = None, index: CacheIndex | None = None,
+                 worker: int = 0) -> None:
         self.config = config
         self.metrics = metrics
         self.client = client
@@ -110,6 +125,8 @@ class ResponseCache:
         # The quota's admission of a hit, without tokens (the proxy's ``admit_hit``): None, an ErrorReply,
         # or an awaitable of either.
         self.admit_hit = admit_hit
+        # How a hit's record closes (the proxy's ``HitEnds`` of its outcomes).
+        self.ends: HitEnds | None = None
         local = config.local
         # A worker's own copies of recent entries (None: every hit reads Valkey).
         self.local = None if local is None else LocalEntries(local.max_bytes_int, float(local.ttl))
@@ -125,14 +142,33 @@ class ResponseCache:
         self.down_until = 0.0
         self.hits = self.misses = self.bypasses = self.coalesced = self.stored = self.backend_errors = 0
         self.local_hits = 0
+        self.led_at_once = 0  # misses the host index let go upstream with no awaited lookup
+        # The host index (shm.cache_index; None: every miss awaits its lookup), this worker's row in it, and
+        # the keys claimed this tick, announced in one PUBLISH as the tick's commands are written.
+        if not hasattr(client, "send_each"):
+            index = None  # the index's commands go out with a single node's batched writes only
+        self.index = index
+        self.worker = worker
+        self.announced: list[bytes] = []
+        self.held_cells: deque[tuple[float, int]] = deque()  # (until, cell): stored keys the index may not know
+        self.known_ms = int(self.lead_ms) + self.ttl_ms  # a claim's key may exist this long: its wait, its TTL
+        if index is not None:
+            index.clear_worker(worker)  # a previous worker of this row may have died leading
+            self.commands.before_flush = self._announce
 
     @classmethod
-    def from_config(cls, config: Cache, quota_url: str | None, metrics: WorkerMetrics) -> ResponseCache:
-        """The cache of ``config`` on its backend: its own URL, else the quota's Valkey."""
+    def from_config(cls, config: Cache, quota_url: str | None, metrics: WorkerMetrics,
+                    index: CacheIndex | None = None, worker: int = 0) -> ResponseCache:
+        """The cache of ``config`` on its backend: its own URL, else the quota's Valkey; ``index``: the host
+        index the supervisor made for it (when ``cache.index`` is on), ``worker`` this worker's row in it."""
         url = config.backend.url if config.backend is not None else quota_url
         if not url:
             raise ValueError("cache.backend: the cache needs a Valkey (cache.backend.url, or a quota block)")
-        return cls(config, create_client(url), metrics)
+        if config.index is None:
+            index = None
+        elif index is not None and not 0 <= worker < index.workers:
+            index = None  # a row the index was not made for (cannot happen from the supervisor): no index
+        return cls(config, create_client(url), metrics, index=index, worker=worker)
 
     # -- the step -------------------------------------------------------------------------------------
     def look_up(self, flow: Any) -> ErrorReply | Awaitable[ErrorReply | None] | None:
@@ -150,14 +186,70 @@ class ResponseCache:
         local = self.local
         if local is not None and (ready := local.get(key.key, now, _time())) is not None:
             self.local_hits += 1
-            self._remember(key)
+            if key.digest not in self.known_keys:  # (a key made anew: its digest's was forgotten)
+                self._remember(key)
             return self._serve_ready(flow, ready)
         flight = self.flights.get(key.key) if self.coalesce else None
         if flight is not None:
             if len(flight.waiters) < self.max_waiters:
                 return self._wait(flow, key, flight)
             return self._alone(flow.record)  # beyond the bound of waiters: upstream on its own
+        index = self.index
+        if index is not None and index.header[H_VALID_UNTIL] > now:
+            verdict = self._by_index(flow, key, index, now)
+            if verdict is not _AWAIT:
+                return verdict  # type: ignore[return-value]
         return self._get(flow, key) if not self.coalesce else self._claim(flow, key)
+
+    def _by_index(self, flow: Any, key: CacheKey, index: CacheIndex, now: float) -> object:
+        """An authoritative host index: a key nobody in the fleet stored or claimed, and no other worker of
+        this host leads, is led at once (None: go on, nothing awaited); a key another worker of this host
+        leads is waited for (its poll); anything else ``_AWAIT``s the lookup."""
+        raw = key.raw
+        if not self.coalesce:  # nothing to coalesce: only whether the key may exist matters
+            if not raw or index.known(raw, now):
+                return _AWAIT
+            self._lead(flow.record, flow.exchange, key)
+            self._announce_later(raw)
+            self.led_at_once += 1
+            return None
+        cell = index.take(raw, self.worker, now) if raw else KNOWN
+        if cell >= 0:
+            self.claims += 1
+            marker = self.marker_base + b"%d" % self.claims
+            name = key.key
+            self._lead(flow.record, flow.exchange, key, marker, cell)
+            # Its claim, for the other hosts (their index hears of it by the announcement): nobody waits.
+            self.commands.send_quiet(_CLAIM_QUIET % (len(name), name, len(marker), marker, len(self.lead_ms),
+                                                     self.lead_ms))
+            self._announce_later(raw)
+            self.led_at_once += 1
+            return None
+        if cell != HOSTED:
+            return _AWAIT
+        name = key.key
+        flight = self.flights.get(name)
+        if flight is None:
+            flight = self.flights[name] = Flight(remote=True, hosted=raw)
+            asyncio.ensure_future(self._poll(name, flight))
+        if len(flight.waiters) < self.max_waiters:
+            return self._wait(flow, key, flight)
+        return self._alone(flow.record)
+
+    def _announce_later(self, raw: bytes) -> None:
+        """The key of ``raw`` (its digest) is claimed: announce it with this tick's write (one PUBLISH for
+        the tick's claims)."""
+        announced = self.announced
+        if not announced:
+            self.commands.flush_soon()
+        announced.append(raw)
+
+    def _announce(self) -> None:
+        names = self.announced
+        if names:
+            self.announced = []
+            payload = announcement(self.known_ms, names)
+            self.commands.send_quiet(_PUBLISH % (len(payload), payload))
 
     def _alone(self, record: RequestRecord) -> None:
         record.cache = MISS  # on its own: not a leader, its answer is not stored
@@ -214,6 +306,8 @@ class ResponseCache:
             verdict = self._serve(flow, entry)
             return verdict if verdict is None or isinstance(verdict, ErrorReply) else await verdict
         self._lead(flow.record, flow.exchange, key)  # coalescing off: nobody waits for it
+        if self.index is not None and key.raw:
+            self._announce_later(key.raw)
         return None
 
     async def _claim(self, flow: Any, key: CacheKey) -> ErrorReply | None:
@@ -229,6 +323,8 @@ class ResponseCache:
             return self._bypass_after(flow, error)
         if data is None:  # claimed: this request leads
             self._lead(flow.record, flow.exchange, key, marker)
+            if self.index is not None and key.raw:
+                self._announce_later(key.raw)
             return None
         flight = self.flights.get(name)
         if data[:1] == b"\x00":  # another's claim: wait with this worker's poll of it (or its own leader)
@@ -253,12 +349,19 @@ class ResponseCache:
         entry = None
         pause = _POLL_FIRST_S
         deadline = _monotonic() + self.wait_s
+        hosted = flight.hosted  # a host leader's key: nothing stored yet is not the end while it still leads
+        grace = hosted is not None
         try:
             while _monotonic() < deadline and flight.waiters:
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, _POLL_MAX_S)
                 data = await self.commands.call(b"GET", name, encoded=_GET % (len(name), name))
                 if data is None:
+                    if hosted is not None and self.index is not None and self.index.hosted(hosted, self.worker):
+                        continue
+                    if grace:  # it just stopped leading: its SET may be in its tick's write still
+                        grace = False
+                        continue
                     break
                 if data[:1] != b"\x00":
                     entry = decode_entry(data)
@@ -289,13 +392,14 @@ class ResponseCache:
             return verdict if verdict is None or isinstance(verdict, ErrorReply) else await verdict
         return self._alone(flow.record)
 
-    def _lead(self, record: RequestRecord, exchange: Exchange, key: CacheKey, marker: bytes | None = None) -> None:
+    def _lead(self, record: RequestRecord, exchange: Exchange, key: CacheKey, marker: bytes | None = None,
+              cell: int = -1) -> None:
         record.cache = MISS
         self.misses += 1
         self.metrics.cache_miss(record.tenant)
         flight = None
         if self.coalesce:
-            flight = self.flights[key.key] = Flight(marker)
+            flight = self.flights[key.key] = Flight(marker, cell=cell)
         record.cache_fill = CacheFill(self, exchange, key, flight)
 
     def _serve(self, flow: Any, entry: CacheEntry) -> ErrorReply | Awaitable[ErrorReply | None]:
@@ -323,20 +427,26 @@ class ResponseCache:
         exchange = flow.exchange
         if exchange.client_gone:
             return ANSWERED  # nothing to answer: the record closes as the client's leaving
-        entry = ready.entry
         self.hits += 1
-        self.metrics.cache_hit(record.tenant, entry.cost_nusd)
+        saved_nusd = ready.saved_nusd
+        self.metrics.hit_answered(record.tenant, saved_nusd)  # its request's count too
+        record.ends = self.ends  # closed as a hit: no attempt, nothing to settle (HitEnds)
         record.cache = HIT
-        record.status = entry.status
+        record.status = ready.status
         record.cost_nusd = 0
-        record.saved_tokens, record.saved_nusd = ready.saved_tokens, entry.cost_nusd
-        if entry.model is not None and entry.model != record.capability:
-            record.served_model = entry.model  # a fallback chain's model made the answer
-        # An alias or a fallback chain: which model served (docs/models.md).
-        served = None if record.model_route is None else served_model_headers(record)
-        fields = b"".join(map(_FIELD_LINE, served)) if served else b""
-        if not exchange.answer_whole(ready.head % (record.request_id, fields), ready.body, len(entry.body)):
-            _answer_framed(exchange, record, entry, served)  # a client the ready bytes cannot answer
+        record.saved_tokens = ready.saved_tokens
+        record.saved_nusd = saved_nusd
+        model = ready.model
+        if model is not None and model != record.capability:
+            record.served_model = model  # a fallback chain's model made the answer
+        if record.model_route is None:
+            served = None
+            head = ready.head % (record.request_id, b"")
+        else:  # an alias or a fallback chain: which model served (docs/models.md)
+            served = served_model_headers(record)
+            head = ready.head % (record.request_id, b"".join(map(_FIELD_LINE, served)))
+        if not exchange.answer_whole(head, ready.body, ready.size):
+            _answer_framed(exchange, record, ready.entry, served)  # a client the ready bytes cannot answer
         return ANSWERED
 
     # -- storing ----------------------------------------------------------------------------------------
@@ -359,7 +469,31 @@ class ResponseCache:
             if entry is None and flight.marker is not None:  # its claim goes: the others go on their own now
                 released = self.commands.call(b"EVAL", _RELEASE, 1, fill.key.key, flight.marker)
                 released.add_done_callback(_ignore_reply)  # rare (a failed leader): a future is fine
+            if flight.cell >= 0:
+                self._leave_cell(flight.cell, entry is not None)
             flight.release(entry)
+
+    def _leave_cell(self, cell: int, stored: bool) -> None:
+        """This worker no longer leads the key of its in-flight ``cell``. For a stored key the cell stays
+        taken ``_CELL_HOLD_S`` more: meanwhile the other workers wait for it and read the entry, instead of
+        taking the key for unknown while its announcement may still be on its way to the supervisor."""
+        if not stored:
+            self.index.release(cell)  # type: ignore[union-attr]
+            return
+        held = self.held_cells
+        if not held:
+            asyncio.get_running_loop().call_later(_CELL_HOLD_S, self._release_cells)
+        held.append((_monotonic() + _CELL_HOLD_S, cell))
+
+    def _release_cells(self) -> None:
+        """The held cells whose time is over are empty again (one timer for all of them)."""
+        index, held = self.index, self.held_cells
+        assert index is not None
+        now = _monotonic()
+        while held and held[0][0] <= now:
+            index.release(held.popleft()[1])
+        if held:
+            asyncio.get_running_loop().call_later(held[0][0] - now, self._release_cells)
 
     def _write(self, key: bytes, value: bytes) -> None:
         # In this tick's write; nobody waits. Framed here in one %-format (no per-argument encoding loop).

@@ -208,6 +208,7 @@ class ServerConnection(asyncio.Protocol):
         headers = self._headers = event.headers
         framing = self._framing = check_request_head(
             event.method, event.target, event.http_version, headers, settings.max_url_bytes, settings.max_body_bytes,
+            event.plain,
         )
         gate = self.server.head_gate
         if gate is not None:

@@ -119,6 +119,28 @@ class SpendTracker:
         if not self.batch.add_hit(cell, record.saved_tokens or 0, record.saved_nusd or 0):
             self.cells_dropped += 1
 
+    def count_hit(self, record: RequestRecord) -> None:
+        """``count`` of a response cache hit's record (workers/outcomes.py ``HitEnds``: it reached no provider,
+        so only what it saved is counted, with a store), ``RollupBatch.add_hit`` written out for a cell the
+        batch holds (nearly every hit). tests/unit/test_hit_ends.py holds it equal to ``count``."""
+        model = record.served_model or record.capability
+        if self._store_url is None or model is None:
+            return
+        exchange = record.exchange
+        admitted = None if exchange is None else exchange.admitted
+        identity = None if admitted is None else admitted.key
+        key = identity.rollup_name if identity is not None else NO_KEY  # a subject's: "<via>\x1e<subject>"
+        cell = (int(_time() // DAY_S), record.tenant or NO_KEY, key, model)
+        counts = self.batch.cells.get(cell)
+        if counts is None:  # a new cell (or a full batch: not rolled up)
+            self._count_hit(record, model)
+            return
+        counts[6] += 1
+        if saved_tokens := record.saved_tokens:
+            counts[7] += saved_tokens
+        if saved_nusd := record.saved_nusd:
+            counts[8] += saved_nusd
+
     # -- once a second ------------------------------------------------------------------------------
     def tick(self) -> None:
         """Swap the batch out (its costs into the metrics; to the store in the background), resend the

@@ -63,12 +63,17 @@ class ReadyAnswer:
     byte). A client the template cannot answer (HTTP/1.0, a browser's CORS fields) gets the entry framed
     the general way."""
 
-    __slots__ = ("entry", "saved_tokens", "head", "body")
+    __slots__ = ("entry", "status", "saved_tokens", "saved_nusd", "model", "size", "head", "body")
 
     def __init__(self, entry: CacheEntry) -> None:
         self.entry = entry
+        # What every hit of it records (read here, not from the entry: one attribute each).
+        self.status = entry.status
         self.saved_tokens = entry.saved_tokens
+        self.saved_nusd = entry.cost_nusd
+        self.model = entry.model
         body = entry.body
+        self.size = len(body)
         start = _status_line(entry.status)  # a 200: the only status stored (workers/response_cache.py)
         if entry.content_type is not None:
             start += b"content-type: " + entry.content_type.replace(b"%", b"%%") + b"\r\n"

@@ -39,17 +39,19 @@ BYPASS = "bypass"  # the request says not to use the cache, or is not cacheable
 _decode = msgspec.json.decode
 _encode = msgspec.json.Encoder(order="sorted").encode
 _KEY_PREFIX = b"gridgate:cache:"
-_digest = xxhash.xxh3_128_hexdigest
+_digest = xxhash.xxh3_128_digest
 _int_digest = xxhash.xxh3_128_intdigest
 
 
 class CacheKey(msgspec.Struct, frozen=True, gc=False):
-    """A cacheable request's key in Valkey (``key``), whether its answer is a stream, and the
-    ``request_digest`` it was made for (0: none)."""
+    """A cacheable request's key in Valkey (``key``), whether its answer is a stream, the
+    ``request_digest`` it was made for (0: none), and the key's own 16-byte digest (``raw``: the hex
+    part of ``key``; the host index places the key by it)."""
 
     key: bytes
     stream: bool
     digest: int = 0
+    raw: bytes = b""
 
 
 def request_seed(surface: str, tenant: str | None, model: str) -> int:
@@ -119,4 +121,5 @@ def cache_key(cache: Cache, surface: str, tenant: str | None, model: str, body: 
     for name in ANSWER_HEADERS.get(surface, ()):
         value = headers.get(name, b"")
         material += b"%d:%b" % (len(value), value)
-    return CacheKey(_KEY_PREFIX + _digest(material + _encode(kept)).encode(), members.get("stream") is True, digest)
+    raw = _digest(material + _encode(kept))
+    return CacheKey(_KEY_PREFIX + raw.hex().encode(), members.get("stream") is True, digest, raw)

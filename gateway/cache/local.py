@@ -13,7 +13,8 @@ from gateway.cache.entry import CacheEntry, ReadyAnswer
 
 
 class LocalEntries:
-    """Key -> (expires at, ready answer, size), in least-recently-used order."""
+    """Key -> (expires at: monotonic, and the entry's own in epoch seconds; ready answer, size), in
+    least-recently-used order."""
 
     __slots__ = ("max_bytes", "ttl_s", "size", "_entries")
 
@@ -22,7 +23,7 @@ class LocalEntries:
         self.ttl_s = ttl_s
         self.size = 0
         # An OrderedDict: the oldest leaves in O(1) (a dict's front fills with deleted slots when popped there).
-        self._entries: OrderedDict[bytes, tuple[float, ReadyAnswer, int]] = OrderedDict()
+        self._entries: OrderedDict[bytes, tuple[float, float, ReadyAnswer, int]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -33,8 +34,7 @@ class LocalEntries:
         found = entries.get(key)
         if found is None:
             return None
-        expires, ready, size = found
-        expires_at = ready.entry.expires_at
+        expires, expires_at, ready, size = found
         if now >= expires or (expires_at and wall >= expires_at):
             del entries[key]
             self.size -= size
@@ -49,10 +49,10 @@ class LocalEntries:
         entries = self._entries
         old = entries.pop(key, None)
         if old is not None:
-            self.size -= old[2]
+            self.size -= old[3]
         while entries and self.size + size > self.max_bytes:
-            self.size -= entries.popitem(last=False)[1][2]
+            self.size -= entries.popitem(last=False)[1][3]
         ready = ReadyAnswer(entry)
-        entries[key] = (now + self.ttl_s, ready, size)
+        entries[key] = (now + self.ttl_s, entry.expires_at, ready, size)
         self.size += size
         return ready

@@ -73,6 +73,17 @@ class LocalCopies(StrictStruct):
         return parse_size(self.max_bytes)
 
 
+class HostIndex(StrictStruct):
+    """The host's index of the keys known in the fleet: a miss of a key nobody has awaits no Valkey call."""
+
+    capacity: int = 1_048_576  # keys the index tells apart (32 B of shared memory each, touched as used)
+
+    _RANGES: ClassVar[dict[str, Range]] = {"capacity": (1024, 64 * 1024 * 1024)}
+
+    def __post_init__(self) -> None:
+        check_ranges(self, self._RANGES)
+
+
 class Cache(StrictStruct):
     """The exact response cache (off unless ``enabled``)."""
 
@@ -87,6 +98,7 @@ class Cache(StrictStruct):
     tenants: Literal["isolated", "shared"] = "isolated"
     coalesce: Coalesce = Coalesce()
     local: LocalCopies | None = LocalCopies()  # null: every hit reads Valkey
+    index: HostIndex | None = HostIndex()  # null: every miss awaits its lookup (docs/cache.md, "The host index")
 
     _RANGES: ClassVar[dict[str, Range]] = {"ttl": (1, 30 * DAY)}
 

@@ -54,8 +54,11 @@ def check_request_head(
     headers: list[tuple[bytes, bytes]],
     max_url_bytes: int,
     max_body_bytes: int,
+    values_checked: bool = False,
 ) -> RequestFraming:
-    """Validate what h11 let through; return the origin-form target and body framing, or raise."""
+    """Validate what the parser let through; return the origin-form target and body framing, or raise.
+    ``values_checked``: the parser already refused every control byte in the values (a plain head,
+    gateway/http/request_head.py), so they are not scanned again."""
     if version != b"1.1" and version != b"1.0":
         raise _reject(505, "http_version_not_supported", "only HTTP/1.0 and HTTP/1.1 are supported")
     if len(target) > max_url_bytes:
@@ -79,7 +82,7 @@ def check_request_head(
             chunked = True
         elif name == b"connection" and keep_alive and b"close" in value.lower():
             keep_alive = not any(token.strip() == b"close" for token in value.lower().split(b","))
-    if b"\x00" in b"\t".join([value for _, value in headers]).translate(_CONTROL_TO_NUL):
+    if not values_checked and b"\x00" in b"\t".join([value for _, value in headers]).translate(_CONTROL_TO_NUL):
         raise _reject(400, "invalid_header", "a header value contains a control character")
     if hosts == 0 and version == b"1.1":
         raise _reject(400, "invalid_host", "HTTP/1.1 requests need a Host header")

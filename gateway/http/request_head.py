@@ -29,6 +29,16 @@ _TOKEN = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqr
 _VCHAR = bytes(range(0x21, 0x7F))
 # Every byte a plainly valid head may hold anywhere (where each may stand is checked per part).
 _HEAD_BYTES = b"\t\n\r" + bytes(range(0x20, 0x7F)) + bytes(range(0x80, 0x100))
+
+
+def _to_nul_unless(allowed: bytes) -> bytes:
+    """A ``translate`` table: every byte not in ``allowed`` becomes NUL (then one memchr finds any)."""
+    return bytes(1 if byte in allowed else 0 for byte in range(256))
+
+
+# translate + memchr is ~1 ns a byte, a third less than translate's deleting form and a fifth of sre's.
+_HEAD_BYTES_ONLY = _to_nul_unless(_HEAD_BYTES)
+_TOKEN_ONLY = _to_nul_unless(_TOKEN)
 _VERSIONS = {b"HTTP/1.1": b"1.1", b"HTTP/1.0": b"1.0"}
 _COMMON_METHODS = frozenset((b"GET", b"POST", b"HEAD", b"PUT", b"DELETE", b"OPTIONS", b"PATCH"))
 _OWS = b" \t"
@@ -37,15 +47,18 @@ _MAX_LENGTH_DIGITS = 18  # any body limit is far below; a longer value goes to h
 
 class RequestHead:
     """A parsed request head: ``method``, ``target``, ``http_version`` (b"1.1" / b"1.0"; h11 passes any
-    digit.digit on), ``headers`` (a plain list of (lowercase name, value), in order)."""
+    digit.digit on), ``headers`` (a plain list of (lowercase name, value), in order); ``plain``: parsed
+    here, so its values are known to hold no control byte (the strict checks need not look again)."""
 
-    __slots__ = ("method", "target", "http_version", "headers")
+    __slots__ = ("method", "target", "http_version", "headers", "plain")
 
-    def __init__(self, method: bytes, target: bytes, http_version: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    def __init__(self, method: bytes, target: bytes, http_version: bytes, headers: list[tuple[bytes, bytes]],
+                 plain: bool = False) -> None:
         self.method = method
         self.target = target
         self.http_version = http_version
         self.headers = headers
+        self.plain = plain
 
     def __repr__(self) -> str:
         return f"RequestHead({self.method!r}, {self.target!r}, {self.http_version!r}, {self.headers!r})"
@@ -54,12 +67,12 @@ class RequestHead:
 def parse_plain_head(head: bytes) -> RequestHead | None:
     """``head`` (a complete request head, up to and including its empty line) when it is plainly valid
     (see the module doc), else None: h11 decides."""
-    if head.translate(None, _HEAD_BYTES):
+    if b"\x00" in head.translate(_HEAD_BYTES_ONLY):
         return None  # a control byte somewhere
-    line_ends = head.count(b"\n")
-    if head.count(b"\r\n") != line_ends or head.count(b"\r") != line_ends:
-        return None  # a bare LF or a bare CR
     lines = head.split(b"\r\n")  # ends with the two empty pieces of the final CRLF CRLF
+    line_ends = len(lines) - 1
+    if head.count(b"\n") != line_ends or head.count(b"\r") != line_ends:
+        return None  # a bare LF or a bare CR: not every one is part of a CRLF
     request_line = lines[0].split(b" ")
     if len(request_line) != 3:
         return None
@@ -69,15 +82,19 @@ def parse_plain_head(head: bytes) -> RequestHead | None:
         return None
     if method not in _COMMON_METHODS and (not method or method.translate(None, _TOKEN)):
         return None
+    headers = []
+    names = []
     try:
-        fields = [line.split(b":", 1) for line in lines[1:-2]]
-        headers = [(name.lower(), value.strip(_OWS)) for name, value in fields]  # ValueError: a line without ":"
+        for line in lines[1:-2]:
+            name, value = line.split(b":", 1)  # ValueError: a line without a colon
+            name = name.lower()
+            names.append(name)
+            headers.append((name, value.strip(_OWS)))
     except ValueError:
         return None
-    names = [name for name, _ in headers]
-    if b"" in names or b"".join(names).translate(None, _TOKEN):
+    if b"" in names or b"\x00" in b"".join(names).translate(_TOKEN_ONLY):
         return None  # an empty name, an obs-fold line, a space before the colon...
-    return _checked(RequestHead(method, target, http_version, headers), names)
+    return _checked(RequestHead(method, target, http_version, headers, True), names)
 
 
 def _checked(parsed: RequestHead, names: list[bytes]) -> RequestHead | None:

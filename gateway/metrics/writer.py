@@ -68,6 +68,7 @@ _FILTER_CELLS = tuple((bit, ROUTE_FILTERED + FILTER_REASONS.index(name)) for bit
 
 _AFFINITY_CELLS = {outcome: AFFINITY + i for i, outcome in enumerate(AFFINITY_OUTCOMES)}
 _FALLBACK_CELL = {name: i for i, name in enumerate(FALLBACK_CELLS)}
+_GATEWAY_OK = request_cell(GATEWAY_CLUSTER, 200)  # a request the gateway answered 200 itself (a cache hit)
 
 
 class WorkerMetrics:
@@ -85,11 +86,13 @@ class WorkerMetrics:
         self.fallback_index = {name: i for i, name in enumerate(fallback_edges[:MAX_FALLBACK_EDGES])}
 
     # -- per request ----------------------------------------------------------------------------
-    def cache_hit(self, tenant: str | None, saved_nusd: int | None) -> None:
-        """A response cache hit (docs/cache.md), and the nano-USD it saved."""
+    def hit_answered(self, tenant: str | None, saved_nusd: int | None) -> None:
+        """A response cache hit answered (a 200 the gateway gave itself: no provider): ``cache_hit`` and
+        ``request(None, 200)`` in one step (workers/outcomes.py ``HitEnds`` counts no request then)."""
         at = CACHE_TENANT + self.tenant_index.get(tenant or "", OTHER_TENANT) * 3  # type: ignore[arg-type]
         row = self.row
         row[at] += 1
+        row[_GATEWAY_OK] += 1
         if saved_nusd:
             row[at + 2] += saved_nusd
 

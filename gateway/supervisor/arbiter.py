@@ -45,6 +45,7 @@ from gateway.process_protocol import (
     WorkerContext,
 )
 from gateway.quota.counters import configured_tenants
+from gateway.supervisor.cache_index import CacheIndexService
 from gateway.supervisor.children import (
     _default_health_entry,
     _default_worker_entry,
@@ -116,6 +117,7 @@ class Arbiter:
         self._reservation_sweeper = ReservationSweeper(self._quota_backend)
         # managed keys: the host table and its follower (which labels each key's tenant for the metrics)
         self._keys = KeyService(self._quota_backend, tenant_index=self._tenant_index)
+        self._cache_index = CacheIndexService(self._quota_backend)
         self._keys_config: Config | None = None  # the config the key service follows
         self._last_good_overlay = LastGoodOverlay()
         # Stable metrics label indexes (shared-memory cells), for the life of the supervisor.
@@ -159,6 +161,7 @@ class Arbiter:
             admin_sock = bind_admin_socket(config.admin.listen)
             quota_url_for(config, self._quota_backend)  # the embedded Valkey starts before any fork
             self._keys.prepare(config)  # the key table too: every worker inherits it
+            self._cache_index.prepare(config, self._rows)  # and the response cache's host index
             self._keys_config = config
             self._segment = self._create_segment(config)
             return asyncio.run(self._serve(admin_sock))
@@ -222,6 +225,7 @@ class Arbiter:
         metrics.register(self._conformance)
         metrics.register(self._jwks_feed)
         metrics.register(self._keys)
+        metrics.register(self._cache_index)
         metrics.register(self._spend_metrics)
         metrics.register_text(lambda: counters.render(self._workers.worker_slots(), self._clusters.names,
                                                       self._tenants.names, self._fallbacks.names))
@@ -254,6 +258,7 @@ class Arbiter:
         # The config's tenants take their metrics indexes before the managed keys' tenants do.
         _register_labels(self._tenants, "tenant", configured_tenants(config))
         await self._keys.start()  # before the first fork: the first workers already know the keys
+        await self._cache_index.start()  # its first scan, so the first workers' misses await nothing
         log.info(
             "supervisor pid %d: listen %s, admin %s, %d workers",
             os.getpid(), config.listen, config.admin.listen, self._workers.target,
@@ -277,6 +282,7 @@ class Arbiter:
             await self._conformance.stop()
             await self._jwks_feed.stop()
             await self._keys.close()
+            await self._cache_index.close()
             await self._admin.close()
             await self._reservation_sweeper.close()
             await self._quota_reporter.close()
@@ -368,6 +374,7 @@ class Arbiter:
             metric_fallbacks=self._fallbacks.names,
             overlay_fallback=self._last_good_overlay.data,
             key_table=self._keys.table,
+            cache_index=self._cache_index.index,
             spend_url=spend_store_url_for(config, self._quota_backend),
         )
 

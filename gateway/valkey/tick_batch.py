@@ -22,7 +22,7 @@ class TickBatch:
     """One client's commands of this tick, sent together."""
 
     __slots__ = ("client", "_pending", "_loop", "_batched", "on_detached", "detached", "_wires", "_receivers",
-                 "_detached")
+                 "_detached", "_quiet", "before_flush")
 
     def __init__(self, client: Any) -> None:
         self.client = client
@@ -36,6 +36,9 @@ class TickBatch:
         self._wires: list[bytes] = []
         self._receivers: list[tuple[Any, int]] = []
         self._detached = (_Detached(self), 0)  # the receiver of every detached command's reply
+        self._quiet = (_Detached(self, quiet=True), 0)  # the same, telling ``on_detached`` only its errors
+        # Called as a tick's write is made, before its commands are taken (it may ``send`` more into it).
+        self.before_flush: Any = None
         if not self._batched and hasattr(client, "cluster_error_retry_attempts"):
             # valkey-py's Cluster client retries a whole command on a connection error, a timeout or
             # CLUSTERDOWN (3 times by default, once as create_client makes it), re-reading the topology each
@@ -66,21 +69,36 @@ class TickBatch:
         pending.append((b"", args, future))
         return future
 
-    def send(self, *args: CommandArg, encoded: bytes | None = None) -> None:
-        """Queue one command nobody waits for (a SET): ``on_detached`` hears how it went. ``encoded``: as
-        ``call``'s."""
+    def send(self, *args: CommandArg, encoded: bytes | None = None, quiet: bool = False) -> None:
+        """Queue one command nobody waits for (a SET): ``on_detached`` hears how it went (``quiet``: only when
+        it failed). ``encoded``: as ``call``'s."""
         self.detached += 1
         if self._batched:
             wires = self._wires
             if not wires:
                 self._flush_soon()
             wires.append(encoded or encode_command(args))
-            self._receivers.append(self._detached)
+            self._receivers.append(self._quiet if quiet else self._detached)
             return
         pending = self._pending
         if not pending:
             self._flush_soon()
         pending.append((b"", args, None))
+
+    def send_quiet(self, encoded: bytes) -> None:
+        """``send(..., encoded=encoded, quiet=True)`` without its arguments (a command framed already), for
+        a client with ``send_each`` only (one node: the response cache's host index runs on no other)."""
+        self.detached += 1
+        wires = self._wires
+        if not wires:
+            self._flush_soon()
+        wires.append(encoded)
+        self._receivers.append(self._quiet)
+
+    def flush_soon(self) -> None:
+        """Make sure this tick's write happens (``before_flush`` has something to add to it)."""
+        if not (self._wires if self._batched else self._pending):
+            self._flush_soon()
 
     def _flush_soon(self) -> None:
         """The tick's first command: its write goes out when the loop's current callbacks are done."""
@@ -90,12 +108,16 @@ class TickBatch:
         loop.call_soon(self._flush)
 
     def _flush(self) -> None:
+        if self.before_flush is not None:
+            self.before_flush()
         if not self._batched:
             batch, self._pending = self._pending, []
             for _, args, future in batch:
                 self._resolve_later(future, args)
             return
         wires, receivers = self._wires, self._receivers
+        if not wires:
+            return
         self._wires, self._receivers = [], []
         try:
             self.client.send_each(b"".join(wires), receivers)
@@ -146,10 +168,11 @@ class TickBatch:
 class _Detached:
     """The receiver of a detached command's reply (a connection takes it as a future): tells the batch."""
 
-    __slots__ = ("batch",)
+    __slots__ = ("batch", "quiet")
 
-    def __init__(self, batch: TickBatch) -> None:
+    def __init__(self, batch: TickBatch, quiet: bool = False) -> None:
         self.batch = batch
+        self.quiet = quiet
 
     def done(self) -> bool:
         return False
@@ -157,7 +180,7 @@ class _Detached:
     def set_result(self, _reply: Any) -> None:
         batch = self.batch
         batch.detached -= 1
-        if batch.on_detached is not None:
+        if batch.on_detached is not None and not self.quiet:
             batch.on_detached(None)
 
     def set_exception(self, error: BaseException) -> None:

@@ -151,6 +151,16 @@ def test_shared_tenants_share_one_entry_on_a_cluster(tmp_path, cluster_url):  # 
     asyncio.run(scenario())
 
 
+async def until_claimed(url: str, keys: list[bytes], timeout_s: float = 10.0) -> None:
+    """Until each of ``keys`` is on the cluster (a leader's claim marker): a fixed sleep after the leaders
+    started was not always enough on a loaded machine, and a request of host b that came before the
+    marker led itself (its twin then coalesced on it within b), which is not what the test is about."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not set(keys) <= set(await asyncio.to_thread(keys_on_nodes, url)):  # a thread: the leaders run here
+        assert asyncio.get_running_loop().time() < deadline, "the leaders' claims never reached the cluster"
+        await asyncio.sleep(0.02)
+
+
 async def two_hosts(tmp_path: Path, provider: Provider, url: str, **cache: Any) -> tuple[InProcessGateway, ...]:
     """Two request paths (two workers, or two hosts) whose only shared state is the cluster."""
     return (await gateway_on(tmp_path / "a", provider, url, local=None, **cache),
@@ -179,7 +189,7 @@ def test_coalescing_claims_work_in_each_keys_slot(tmp_path, cluster_url):  # noq
         try:
             questions = three_questions()
             leaders = [asyncio.ensure_future(a.request("POST", CHAT, question)) for question in questions]
-            await asyncio.sleep(0.1)  # a has claimed the three keys
+            await until_claimed(cluster_url, [key_of(ANONYMOUS, question) for question in questions])
             waiters = await asyncio.gather(*(b.request("POST", CHAT, question)
                                              for question in questions for _ in range(2)))
             firsts = [await leader for leader in leaders]
@@ -199,13 +209,14 @@ def test_a_failed_leader_releases_its_claim_in_its_keys_slot(tmp_path, cluster_u
     """The leader's answer is an error: its release (an EVAL routed to its key's node) removes the claim at
     once, so b's waiters go upstream on their own long before the claim's 20 s expiry, none with an error."""
     async def scenario() -> None:
-        provider = await start_provider("p", tokens=5, latency_ms=300)
+        # The leader fails after 1 s: b's requests must all find its marker first, even on a loaded machine.
+        provider = await start_provider("p", tokens=5, latency_ms=1000)
         a, b = await two_hosts(tmp_path, provider, cluster_url, coalesce={"wait": "20s"})
         try:
             provider.state.settings.fail_next = 1
             question = body(uuid.uuid4().hex)
             leader = asyncio.ensure_future(a.request("POST", CHAT, question))
-            await asyncio.sleep(0.1)
+            await until_claimed(cluster_url, [key_of(ANONYMOUS, question)])
             started = asyncio.get_running_loop().time()
             waiters = await asyncio.gather(*(b.request("POST", CHAT, question) for _ in range(3)))
             assert (await leader).status == 503

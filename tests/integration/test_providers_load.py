@@ -5,9 +5,30 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 from gateway.cli import main
-from tests.harness import candidate, envelope
+from loadtest.mock_provider import MockProviderHandle
+from tests.harness import candidate, envelope, mock_served
+
+
+def _stop_once_forced_down(forced: MockProviderHandle, alive: MockProviderHandle, victim: MockProviderHandle,
+                           done: threading.Event) -> None:
+    """Stop ``victim`` once the second phase has begun: ``forced`` served the load (more requests than the
+    checks before it send) and then nothing for 0.3 s while ``alive`` kept serving. A fixed delay from the
+    start was racy: on a busy machine the checks and the child's start took long enough for the kill to land
+    in the first phase, whose shares then missed too."""
+    seen = mock_served(forced)
+    armed = False
+    last = (seen, mock_served(alive), time.monotonic())
+    while not done.wait(0.05):
+        now = (mock_served(forced), mock_served(alive), time.monotonic())
+        if now[0] != last[0]:
+            armed = armed or now[0] - seen >= 30
+            last = now
+        elif armed and now[2] - last[2] >= 0.3 and now[1] - last[1] > 10:
+            victim.stop()
+            return
 
 
 def test_load_share_moves_when_a_provider_goes_down(mock_provider, tmp_path, capsys) -> None:
@@ -17,13 +38,15 @@ def test_load_share_moves_when_a_provider_goes_down(mock_provider, tmp_path, cap
               "routing": {"overlay_file": "overlay.json", "retry": {"attempts": 3}}}
     path = tmp_path / "gateway.yaml"
     path.write_text(json.dumps(config))
-    killer = threading.Timer(3.0, mocks["b"].stop)  # a provider that really dies, late in the second phase
+    done = threading.Event()  # b really dies, early in the second phase
+    killer = threading.Thread(target=_stop_once_forced_down, args=(mocks["c"], mocks["a"], mocks["b"], done))
     killer.start()
     try:
         code = main(["providers", "verify", "-c", str(path), "--load", "4s", "--report", str(tmp_path / "r"),
                      "--json"])
     finally:
-        killer.cancel()
+        done.set()
+        killer.join()
     document = json.loads(capsys.readouterr().out)
     first, second = document["load"]
     # b's death is not the announced change: phase two's shares miss the promise, and the exit says so

@@ -157,7 +157,7 @@ def test_the_caches_valkey_stopped_and_started_again(gateway_factory, mock_provi
     meanwhile: list[tuple[int, str | None, bytes]] = []
     back = wait_until(lambda: (meanwhile.append(ask_chat(gateway, question)) or meanwhile[-1][1] == "hit")
                       and meanwhile[-1], "hits again", timeout=10)
-    assert back == (200, "hit", first)
+    assert back == (200, "hit", first), [(s, st) for s, st, _ in meanwhile][-5:]
     assert {status for status, _, _ in meanwhile} == {200}  # the bypasses until it answered again
 
 

@@ -67,7 +67,7 @@ BASE_CONFIG: dict[str, Any] = {
     "cors": {"allowed_origins": ["https://app.example.com"]},
     "models": {"fallbacks": {"m": {"chain": ["n"], "max_hops": 1}}},
     "tracing": {"endpoint": "http://127.0.0.1:4318"},
-    "cache": {"enabled": True, "coalesce": {}, "local": {}},
+    "cache": {"enabled": True, "coalesce": {}, "local": {}, "index": {}},
 }
 
 BASE_SPEC: dict[str, Any] = {

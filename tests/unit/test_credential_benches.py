@@ -10,8 +10,9 @@ from loadtest import bench_credential, jwt_verify_cost
 def test_bench_credential_prints_every_step_at_every_length(capsys):
     assert bench_credential.main(["--number", "5", "--lengths", "40,700"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "µs" not in line]
-    assert len(rows) == 8 and all(len(row.split("|")) == 5 for row in rows)
+    assert len(rows) == 11 and all(len(row.split("|")) == 5 for row in rows)
     assert any(row.startswith("| codec head parse, set-aside |") for row in rows)
+    assert any(row.startswith("| codec head parse, plain-head parser |") for row in rows)
 
 
 def test_jwt_verify_cost_measures_a_fresh_a_cached_and_a_kept_grant():

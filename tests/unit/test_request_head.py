@@ -13,6 +13,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from gateway.http import codec
+from gateway.http.errors import GatewayError
+from gateway.http.framing import check_request_head
 from gateway.http.request_head import RequestHead, parse_plain_head
 from tests.fuzz_http import fuzz_settings
 
@@ -48,7 +50,18 @@ def same_as_h11(head: bytes) -> RequestHead | None:
         assert (fast.method, fast.target, fast.http_version, fast.headers) == expected
         assert all(type(part) is bytes for pair in fast.headers for part in pair)
         assert type(fast.headers) is list and type(fast.method) is bytes and type(fast.target) is bytes
+        assert fast.plain and strict_checks(fast, True) == strict_checks(fast, False)
     return fast
+
+
+def strict_checks(head: RequestHead, values_checked: bool) -> tuple:
+    """What gateway/http/framing.py makes of ``head``: its framing facts, or its refusal."""
+    try:
+        framing = check_request_head(head.method, head.target, head.http_version, head.headers, 1024, 1 << 20,
+                                     values_checked)
+    except GatewayError as error:
+        return error.reply.status, error.reply.code, error.reply.message
+    return framing.target, framing.content_length, framing.chunked, framing.keep_alive
 
 
 # -- pieces a head is made of: plain ones and every kind of odd one ------------------------------------------
