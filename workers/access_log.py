@@ -111,9 +111,6 @@ _MAX_PATHS = 256
 _MAX_TEMPLATES = 1024
 _MAX_TENANTS = 4096  # tenants' JSON texts kept (`_JsonTexts`)
 _MAX_MILLIS_TEXTS = 4096  # overheads' texts kept (`_MillisTexts`)
-# A line whose spend fields and subject are all None (nearly every one without pricing or identities) has a key
-# of this many values, and a template that takes none of their arguments (`_fill`, `_template`'s skip_absent).
-_PLAIN_KEY_LENGTH = 4
 
 # A line from a template (`_template`): what it takes from its record as it is, read in one C call each.
 # `_fill`'s own values; the per-request numbers, in the line's order; the values the line shares with
@@ -145,6 +142,9 @@ _TEMPLATE_FIELDS = (
     ("tokens_cached", b"%d"), ("tokens_reasoning", b"%d"), ("subject", b"%s"),
 )
 _SKIP = b"%.0a"  # takes its argument and writes nothing: an optional field that is not on the line
+# A template's optional field not on its line takes b"" (`_fill` passes it for each), written by a plain %s:
+# ``_SKIP`` formats the repr of what it drops, a third of a line's formatting for its three absent fields.
+_EMPTY_SKIPS = {"cost_nusd": b"%s", "tokens_cached": b"%s", "tokens_reasoning": b"%s", "subject": b"%s"}
 _OPTIONAL_FIELDS = frozenset(("cost_nusd", "tokens_cached", "tokens_reasoning", "subject"))
 # A per-request field None on a template's line, written as msgspec writes None (the tenant: encoded by it).
 _NULL_SPECS = {"tenant": b"%s", "tokens_prompt": b"null" + _SKIP, "tokens_completion": b"null" + _SKIP}
@@ -329,22 +329,21 @@ class AccessLog:
                 self._encode_line(entry, millis, add, None)
                 continue
             numbers = _numbers(entry)
-            plain = cost is None and cached is None and reasoning is None and subject is None
-            key = (((route or _NO_ROUTE)[_ROUTE_FIELDS], paths[target], _shared(entry), numbers.count(None)) if plain
-                   else ((route or _NO_ROUTE)[_ROUTE_FIELDS], paths[target], _shared(entry), numbers.count(None),
-                         cost is None, cached is None, reasoning is None, subject is None))
+            key = ((route or _NO_ROUTE)[_ROUTE_FIELDS], paths[target], _shared(entry), numbers.count(None),
+                   cost is None, cached is None, reasoning is None, subject is None)
             if overhead_s is None:  # a cache hit's line (never the common template's: no overhead_ms)
                 self._encode_line(entry, millis, add, key)
                 continue
             try:
                 # The times in milliseconds with three decimals: whole microseconds (a quarter of the cost of
-                # round()); the overhead's text looked up (the latencies' spread too wide to repeat).
-                values = (date, millis % 1000, request_id if request_id.isalnum() else _escaped_id(request_id),
-                          tenant_texts[tenant]) + numbers + (
+                # round()); the overhead's text looked up (the latencies' spread too wide to repeat). A field
+                # not on the line gives b"" (the cached and reasoning parts are there only when priced).
+                add(templates[key] % ((date, millis % 1000, request_id if request_id.isalnum() else _escaped_id(request_id),
+                                       tenant_texts[tenant]) + numbers + (
                     millis_texts[int(overhead_s * 1e6 + 0.5)], _encode(int((t_first_byte - t_start) * 1e6 + 0.5) / 1000),
-                    _encode(int((ended - t_start) * 1e6 + 0.5) / 1000))
-                add(templates[key] % (values if plain else values + (
-                    cost, cached, reasoning, subject if subject is None else _encode(subject))))
+                    _encode(int((ended - t_start) * 1e6 + 0.5) / 1000), b"" if cost is None else cost,
+                    b"" if cost is None or cached is None else cached, b"" if cost is None or reasoning is None else reasoning,
+                    b"" if subject is None else _encode(subject))))
             except (KeyError, TypeError, AttributeError):
                 # No template yet for its shared values (the line makes it), a rarer field set (its key is
                 # unhashable or never kept), or a None among its request id and times (refused, cut short:
@@ -412,8 +411,9 @@ class AccessLog:
         add(_encode(line) + b"\n")
         if (key is not None and _rare_fields(entry) == _PLAIN and None not in _required(line)
                 and (line.tokens_prompt is None) == (line.tokens_completion is None)
+                and (entry.subject is None or line.subject is not None)  # (a subject off the line: it would get b"")
                 and key not in self._templates):
-            self._template(key, line, skip_absent=len(key) != _PLAIN_KEY_LENGTH)
+            self._template(key, line, skips=_EMPTY_SKIPS)
 
     def _hit_line(self, entry: RequestRecord, millis: int, add: Callable[[bytes], None], key: tuple) -> None:
         """A response cache hit's line, from its template (the first line of its kind is encoded whole, and
@@ -440,21 +440,20 @@ class AccessLog:
 
     def _template(self, key: tuple, line: AccessLine, fields: tuple[tuple[str, bytes], ...] = _TEMPLATE_FIELDS,
                   optional: frozenset[str] = _OPTIONAL_FIELDS, templates: dict[tuple, bytes] | None = None,
-                  kept_as: tuple | None = None, skip_absent: bool = True) -> bytes | None:
+                  kept_as: tuple | None = None, skips: dict[str, bytes] | None = None) -> bytes | None:
         """The template of the lines that share ``key``, made of ``line`` (one of them, with no rarer
         field and no None where `_required`), kept under ``key`` (bounded): the line as msgspec encodes it,
         with its per-request values (_TEMPLATE_FIELDS) in as unique markers, each marker then replaced by
         its ``%`` spec (a literal ``%`` doubled first). A spend field not on the line takes its argument
-        with ``_SKIP`` after the spec before it (``skip_absent``; else it takes none: a plain line's). ``key`` holds every other value the line is made of
-        (those read only with a rarer field set aside): nothing of one request's own reaches another's
+        with ``_SKIP`` (or its spec in ``skips``) after the spec before it. ``key`` holds every other value
+        the line is made of (those read only with a rarer field set aside): nothing of one request's own reaches another's
         line. No template is made should a marker not come out exactly once (a shared value holds one)."""
         replaced: list[tuple[bytes, bytes]] = []
         for index, (name, spec) in enumerate(fields):
             if getattr(line, name) is None:
                 if name in optional:
-                    if skip_absent:
-                        marker, previous = replaced[-1]
-                        replaced[-1] = (marker, previous + _SKIP)
+                    marker, previous = replaced[-1]
+                    replaced[-1] = (marker, previous + (_SKIP if skips is None else skips[name]))
                     continue
                 spec = _NULL_SPECS[name]
             marker = f"\0{index}"
