@@ -23,20 +23,21 @@ from tests.harness import admin_get, candidate, chat, envelope, metric_value, mo
 
 FAST_RETRY = {"attempts": 3, "deadline": "10s", "backoff": {"base": "1ms", "max": "5ms"}}
 DEFAULT_MAX_TOKENS = 10
+FAST_LEASE = {"ttl": "100ms"}  # blocks as by default, but given back 0.1 s after their last request
 HI = [{"role": "user", "content": "hi"}]
 
 
 def metered(gateway_factory, valkey_url: str, clusters: dict[str, list[str]], *, routing: dict | None = None,
             tokens: int = 10_000_000, timeout: str = "2m", lease: dict | None = None, **rule: Any):
     """A gateway whose one quota rule meters every request (tenant ``anonymous``); the providers are
-    tried in the order of ``clusters``."""
+    tried in the order of ``clusters``. Worker-held blocks live ``FAST_LEASE`` unless ``lease`` says:
+    what a block did not use goes back when it ends, and ``ledger`` waits for that (the default 1 s)."""
     config: dict[str, Any] = {
         "backend": {"kind": "valkey", "url": valkey_url}, "reservation_timeout": timeout,
         "rules": [{"name": f"r-{uuid.uuid4().hex[:8]}", "budgets": [{"window": "1d", "tokens": tokens}],
                    "estimate": {"default_max_tokens": DEFAULT_MAX_TOKENS}, **rule}],
+        "lease": FAST_LEASE if lease is None else lease,
     }
-    if lease is not None:
-        config["lease"] = lease
     overlay = envelope([candidate("m", name) for name in clusters], mode="deterministic")
     return gateway_factory(clusters, overlay, extra={"quota": config, "routing": {"retry": FAST_RETRY, **(routing or {})}})
 

@@ -58,9 +58,10 @@ def _options(url: str, tenant: str, spend: dict[str, Any], **extra: Any) -> dict
             "pricing": PRICING}
 
 
-def _window(url: str, tenant: str, period: str = "1d") -> dict[bytes, int]:
-    """The rule's spend window of the current period: u (spent) and r (reserved), nano-USD."""
-    name = (f"{key_prefix(tenant)}r:{escape_key_part(f'team-{tenant}')}:s:{period}:"
+def _window(url: str, tenant: str, period: str = "1d", rule: str | None = None) -> dict[bytes, int]:
+    """The rule's (default ``team-<tenant>``) spend window of the current period: u (spent) and r (reserved),
+    nano-USD."""
+    name = (f"{key_prefix(tenant)}r:{escape_key_part(rule or f'team-{tenant}')}:s:{period}:"
             f"{period_span(period, None, time.time()).id}")  # type: ignore[arg-type]
     client = valkey.Valkey.from_url(url)
     try:
@@ -194,7 +195,10 @@ def test_the_budget_remaining_gauge_reads_what_is_left_of_the_tenants_and_each_k
     answer = chat(gateway.port, "m", headers=_bearer("sk-1"), max_tokens=MAX_TOKENS)
     assert answer.status == 200
     cost = _cost(answer)
-    wait_until(lambda: _report(gateway, tenant)["rules"][0]["spend"][0]["spent_nusd"] == cost, "charged")
+    # Charged, and the worker's block given back: the first refresh (the first scrape's) then reads the final
+    # state; one made while the block was still reserved would be the gauge's value for 10 s (REFRESH_S).
+    wait_until(lambda: (report := _report(gateway, tenant))["rules"][0]["spend"][0]["spent_nusd"] == cost
+               and report["open_reservations"] == 0, "charged, nothing reserved")
     if per_key:
         expected = {f'gridgate_budget_remaining_nanousd{{key="-",tenant="{tenant}"}}': 5_000_000_000 - cost,
                     f'gridgate_budget_remaining_nanousd{{key="ci",tenant="{tenant}"}}': 2_500_000_000 - cost}
@@ -231,6 +235,8 @@ def test_the_budget_remaining_gauge_covers_managed_keys_and_the_tenants_only_the
     answer = wait_until(lambda: (a := chat(gateway.port, "m", headers=_bearer(key), max_tokens=MAX_TOKENS))
                         .status == 200 and a, "the key in the table")
     cost = _cost(answer)
+    # Nothing reserved before the first scrape, whose refresh then reads the final state (see above).
+    wait_until(lambda: _window(keys_store.url, tenant, "1mo", rule="everyone").get(b"r") == 0, "nothing reserved")
     expected = {f'gridgate_budget_remaining_nanousd{{key="-",tenant="{tenant}"}}': 5_000_000_000 - cost,
                 f'gridgate_budget_remaining_nanousd{{key="{kid}",tenant="{tenant}"}}': 2_500_000_000 - cost}
     wait_until(lambda: all(metric_value(gateway.admin_port, sample) == value for sample, value in expected.items()),
