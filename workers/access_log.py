@@ -225,6 +225,12 @@ class AccessLog:
         self._hit_templates: dict[tuple, bytes] = {}  # (the `_fill` key, savings None) -> a hit's template
         if writer is not None:
             writer.fill = self._fill
+            if sample >= 1.0:
+                # Every line kept: ``record`` is the pending list's own append, one C call on the request path
+                # (no frame, no checks), and the writer writes out on its timer whether or not a line came
+                # (``LineWriter.keep_flushing``), so no request arms it; `_fill` applies the bound.
+                self.record = self._pending.append  # type: ignore[method-assign]
+                writer.keep_flushing()
 
     @classmethod
     def from_config(cls, config: Config) -> AccessLog:
@@ -254,7 +260,8 @@ class AccessLog:
 
     def record(self, record: RequestRecord) -> None:
         """One request ended (a closed record: ``status`` as answered, 499 when the client left before
-        any answer). The record itself is kept until the next write-out: it holds what its line says."""
+        any answer). The record itself is kept until the next write-out: it holds what its line says.
+        Sampled lines only: unsampled, ``record`` is the pending list's append (``__init__``)."""
         writer = self.writer
         if writer is None:
             return
@@ -299,14 +306,24 @@ class AccessLog:
             writer.wrote()
         pending.append(entry)
 
+    def _taken(self) -> list[RequestRecord]:
+        """The pending records, at most ``_max_pending`` (more: the loop was held up; dropped and counted),
+        emptied in place: the same list keeps taking lines (``record`` may be its bound append)."""
+        kept = self._pending
+        pending = kept.copy()
+        kept.clear()
+        if len(pending) > self._max_pending and self.writer is not None:
+            self.writer.dropped += len(pending) - self._max_pending
+            del pending[self._max_pending:]
+        return pending
+
     def _fill(self) -> None:
         """The writer is about to write out: encode the pending lines into its buffer. Lines past its bound
         are dropped and counted by it, after the loop (``trim``): the loop does no per-line checks. The lines
         are joined into the buffer at once: one by one, it grew by reallocations (a write-out empties it)."""
-        pending = self._pending
+        pending = self._taken()
         if not pending:
             return
-        self._pending = []
         writer = self.writer
         assert writer is not None
         paths, templates, tenant_texts = self._paths, self._templates, self._tenant_texts
