@@ -110,7 +110,7 @@ _MAX_PATHS = 256
 # tenant is not among the shared values (a store of managed keys may hold many): a line's own, like its id.
 _MAX_TEMPLATES = 1024
 _MAX_TENANTS = 4096  # tenants' JSON texts kept (`_JsonTexts`)
-_MAX_MILLIS_TEXTS = 4096  # overheads' texts kept (`_MillisTexts`)
+_MAX_MILLIS_TEXTS = 4096  # a cache hit's times' texts kept (`_MillisTexts`)
 
 # A line from a template (`_template`): what it takes from its record as it is, read in one C call each.
 # `_fill`'s own values; the per-request numbers, in the line's order; the values the line shares with
@@ -130,13 +130,13 @@ assert RouteDecision._fields[_ROUTE_FIELDS] == (
     "cluster", "stable_id", "selection_group", "mode", "revision", "affinity")
 # The per-request fields of a template's line, in the line's order, and their ``%`` specs: the arguments
 # `_fill` formats a template with follow this order (the timestamp's date and millisecond, the request id
-# inside its quotes (`_escaped_id`), the tenant encoded by msgspec (`_JsonTexts`), the numbers, the times encoded
-# by msgspec, the spend fields, the subject encoded by msgspec). Of these, a template's line may have the tenant or both token counts None (null:
-# `_NULL_SPECS`; usage not reported) and lack spend fields (on a line only when priced, each only when not
+# encoded by msgspec, the tenant encoded by msgspec (`_JsonTexts`), the numbers, the times encoded by msgspec,
+# the spend fields, the subject encoded by msgspec). Of these, a template's line may have the tenant or both
+# token counts None (null: `_NULL_SPECS`; usage not reported) and lack spend fields (on a line only when priced, each only when not
 # None) and the subject (only for a JWT's or a certificate's request); with any other None (or one token
 # count), no template is made of it.
 _TEMPLATE_FIELDS = (
-    ("ts", b'"%s%03dZ"'), ("request_id", b'"%s"'), ("tenant", b"%s"), ("status", b"%d"), ("attempts", b"%d"),
+    ("ts", b'"%s%03dZ"'), ("request_id", b"%s"), ("tenant", b"%s"), ("status", b"%d"), ("attempts", b"%d"),
     ("bytes_in", b"%d"), ("bytes_out", b"%d"), ("tokens_prompt", b"%d"), ("tokens_completion", b"%d"),
     ("overhead_ms", b"%s"), ("first_byte_ms", b"%s"), ("duration_ms", b"%s"), ("cost_nusd", b"%d"),
     ("tokens_cached", b"%d"), ("tokens_reasoning", b"%d"), ("subject", b"%s"),
@@ -152,7 +152,7 @@ _NULL_SPECS = {"tenant": b"%s", "tokens_prompt": b"null" + _SKIP, "tokens_comple
 # upstream), the savings are its own values and the token counts are null. Kept under the line's `_fill` key
 # and whether each saving is None; the arguments: `_HIT_FIELDS`' values in this order, as `_hit_line` reads them.
 _HIT_FIELDS = (
-    ("ts", b'"%s%03dZ"'), ("request_id", b'"%s"'), ("tenant", b"%s"), ("status", b"%d"), ("attempts", b"%d"),
+    ("ts", b'"%s%03dZ"'), ("request_id", b"%s"), ("tenant", b"%s"), ("status", b"%d"), ("attempts", b"%d"),
     ("bytes_in", b"%d"), ("bytes_out", b"%d"), ("first_byte_ms", b"%s"), ("duration_ms", b"%s"),
     ("cost_nusd", b"%d"), ("subject", b"%s"), ("saved_tokens", b"%d"), ("saved_nusd", b"%d"),
 )
@@ -176,20 +176,16 @@ class _JsonTexts(dict[str | None, bytes]):
 
 
 class _MillisTexts(dict[int, bytes]):
-    """Whole microseconds -> the milliseconds (three decimals) as msgspec encodes them, for the overheads: a
-    worker's span a few hundred values, so nearly each is encoded once and then looked up (bounded)."""
+    """Whole microseconds -> the milliseconds (three decimals) as msgspec encodes them, for a cache hit's
+    times: short (no upstream), they span few values, so nearly each is encoded once and then looked up
+    (bounded). Not for the other lines: their latencies spread too wide (under bench_opcodes' tracing even
+    their overheads missed once a line)."""
 
     def __missing__(self, micros: int) -> bytes:
         if len(self) >= _MAX_MILLIS_TEXTS:
             self.clear()
         text = self[micros] = _encode(micros / 1000)
         return text
-
-
-def _escaped_id(request_id: bytes) -> bytes:
-    """A request id as it stands between its line's quotes, as msgspec encodes its latin-1 text (escapes and
-    all). The lines write one of letters and digits only (the gateway's own ids, nearly every one) as it is."""
-    return _encode(request_id.decode("latin-1"))[1:-1]
 
 
 class _Paths(dict[bytes | None, str | None]):
@@ -223,12 +219,18 @@ class AccessLog:
         self._max_pending = 16 if writer is None else max(16, writer.max_buffer_bytes // 512)
         self._paths = _Paths()
         self._tenant_texts = _JsonTexts()
-        self._millis_texts = _MillisTexts()
+        self._millis_texts = _MillisTexts()  # a cache hit's times (`_hit_line`)
         # The values a line shares with others (`_fill`'s key) -> its template (`_template`).
         self._templates: dict[tuple, bytes] = {}
         self._hit_templates: dict[tuple, bytes] = {}  # (the `_fill` key, savings None) -> a hit's template
         if writer is not None:
             writer.fill = self._fill
+            if sample >= 1.0:
+                # Every line kept: ``record`` is the pending list's own append, one C call on the request path
+                # (no frame, no checks), and the writer writes out on its timer whether or not a line came
+                # (``LineWriter.keep_flushing``), so no request arms it; `_fill` applies the bound.
+                self.record = self._pending.append  # type: ignore[method-assign]
+                writer.keep_flushing()
 
     @classmethod
     def from_config(cls, config: Config) -> AccessLog:
@@ -258,7 +260,8 @@ class AccessLog:
 
     def record(self, record: RequestRecord) -> None:
         """One request ended (a closed record: ``status`` as answered, 499 when the client left before
-        any answer). The record itself is kept until the next write-out: it holds what its line says."""
+        any answer). The record itself is kept until the next write-out: it holds what its line says.
+        Sampled lines only: unsampled, ``record`` is the pending list's append (``__init__``)."""
         writer = self.writer
         if writer is None:
             return
@@ -303,17 +306,27 @@ class AccessLog:
             writer.wrote()
         pending.append(entry)
 
+    def _taken(self) -> list[RequestRecord]:
+        """The pending records, at most ``_max_pending`` (more: the loop was held up; dropped and counted),
+        emptied in place: the same list keeps taking lines (``record`` may be its bound append)."""
+        kept = self._pending
+        pending = kept.copy()
+        kept.clear()
+        if len(pending) > self._max_pending and self.writer is not None:
+            self.writer.dropped += len(pending) - self._max_pending
+            del pending[self._max_pending:]
+        return pending
+
     def _fill(self) -> None:
         """The writer is about to write out: encode the pending lines into its buffer. Lines past its bound
         are dropped and counted by it, after the loop (``trim``): the loop does no per-line checks. The lines
         are joined into the buffer at once: one by one, it grew by reallocations (a write-out empties it)."""
-        pending = self._pending
+        pending = self._taken()
         if not pending:
             return
-        self._pending = []
         writer = self.writer
         assert writer is not None
-        paths, templates, tenant_texts, millis_texts = self._paths, self._templates, self._tenant_texts, self._millis_texts
+        paths, templates, tenant_texts = self._paths, self._templates, self._tenant_texts
         lines: list[bytes] = []
         add = lines.append
         wall_offset = _time() - _perf()  # perf_counter -> epoch seconds, for the lines' timestamps
@@ -336,11 +349,10 @@ class AccessLog:
                 continue
             try:
                 # The times in milliseconds with three decimals: whole microseconds (a quarter of the cost of
-                # round()); the overhead's text looked up (the latencies' spread too wide to repeat). A field
-                # not on the line gives b"" (the cached and reasoning parts are there only when priced).
-                add(templates[key] % ((date, millis % 1000, request_id if request_id.isalnum() else _escaped_id(request_id),
+                # round()). A field not on the line gives b"" (cached and reasoning are on it only when priced).
+                add(templates[key] % ((date, millis % 1000, _encode(request_id.decode("latin-1")),
                                        tenant_texts[tenant]) + numbers + (
-                    millis_texts[int(overhead_s * 1e6 + 0.5)], _encode(int((t_first_byte - t_start) * 1e6 + 0.5) / 1000),
+                    _encode(int(overhead_s * 1e6 + 0.5) / 1000), _encode(int((t_first_byte - t_start) * 1e6 + 0.5) / 1000),
                     _encode(int((ended - t_start) * 1e6 + 0.5) / 1000), b"" if cost is None else cost,
                     b"" if cost is None or cached is None else cached, b"" if cost is None or reasoning is None else reasoning,
                     b"" if subject is None else _encode(subject))))
@@ -431,9 +443,9 @@ class AccessLog:
             return
         request_id = entry.request_id
         add(template % (
-            self._date(millis // 1000), millis % 1000, request_id if request_id.isalnum() else _escaped_id(request_id),
+            self._date(millis // 1000), millis % 1000, _encode(request_id.decode("latin-1")),
             self._tenant_texts[entry.tenant],
-            # A hit's times are short (no upstream): their texts looked up, as the overheads' are.
+            # A hit's times are short (no upstream): their texts looked up (`_MillisTexts`).
             status, attempts, bytes_in, bytes_out, self._millis_texts[int((t_first_byte - t_start) * 1e6 + 0.5)],
             self._millis_texts[int((ended - t_start) * 1e6 + 0.5)], cost, subject if subject is None else _encode(subject),
             saved_tokens, saved_nusd))

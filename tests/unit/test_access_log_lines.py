@@ -255,3 +255,30 @@ def test_a_line_from_a_template_is_byte_for_byte_the_line_encoded_whole(tmp_path
     assert len(templated) > len(records) / 3
     assert whole == len(records) - len(templated) + len(access_log._templates)
     assert all(b"secret" not in repr(key).encode() for key in access_log._templates)
+
+
+def test_unsampled_lines_are_written_out_on_the_writers_own_timer_and_bounded_per_write_out(tmp_path: Path) -> None:
+    # Unsampled, ``record`` is the pending list's append (no call arms the flush): the writer writes out every
+    # flush_delay_s whether or not lines came, and a write-out takes at most `_max_pending` (the rest counted).
+    async def write() -> tuple[list[dict], int, list[dict], int]:
+        path = tmp_path / "access.log"
+        access_log = AccessLog(LineWriter(str(path), flush_delay_s=0.01))
+        ends = SimpleNamespace(close=access_log.record)
+        await asyncio.sleep(0.05)  # idle write-outs: nothing to write
+        RequestRecord(exchange=_exchange(ended_ms_ago=0, took_ms=1), ends=ends, request_id=b"req-1", tenant="t",
+                      status=200).close()
+        await asyncio.sleep(0.1)  # no close, no flush asked for: the timer wrote it
+        early = [json.loads(text) for text in path.read_text().splitlines()]
+        access_log._max_pending = 3
+        for number in range(5):
+            RequestRecord(exchange=_exchange(ended_ms_ago=0, took_ms=1), ends=ends, request_id=b"more-%d" % number,
+                          tenant="t", status=200).close()
+        await asyncio.sleep(0.1)
+        dropped = access_log.dropped
+        await access_log.close()
+        return early, dropped, [json.loads(text) for text in path.read_text().splitlines()], len(access_log._pending)
+
+    early, dropped, lines, left = asyncio.run(write())
+    assert [line["request_id"] for line in early] == ["req-1"]
+    assert [line["request_id"] for line in lines] == ["req-1", "more-0", "more-1", "more-2"]
+    assert (dropped, left) == (2, 0)
