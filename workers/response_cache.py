@@ -7,23 +7,22 @@ when ``cache.enabled``.
   ``x-gridgate-cache: bypass``) or the cache's Valkey failed lately: the request goes on as if there were
   no cache, and nothing is stored;
 - **hit**: the entry is in Valkey (the lookup), or an identical request in flight (on this worker: no
-  command; on another worker or host: this worker's poll of the key) has just made it. The request takes the quota's admission without tokens (it counts against
-  request limits, and the deny set of revoked keys), is answered from the entry (the same bytes, a stream's
-  SSE events whole) and reaches no provider;
+  command; on another worker or host: this worker's poll of the key) has just made it. The request takes
+  the quota's admission without tokens (it counts against request limits, and the deny set of revoked
+  keys), is answered from the entry (the same bytes, a stream's SSE events whole), reaches no provider;
 - **miss**: the request goes on to its provider as the *leader* of its key: its answer is captured as it
   is relayed (``CacheFill``, the relay's sink in front of the exchange) and, when it ended well, stored
   (one SET with the TTL, off the response path) and handed to the requests that waited on it.
 
 The lookup is one command that also claims the key for coalescing across workers and hosts
 (``SET key marker NX PX <wait> GET``: the entry, or nothing and the request leads, or another leader's
-marker and the request waits); with coalescing off a plain GET. With the host index (shm/cache_index.py, authoritative: the supervisor
-follows every host's announcements of its claims) a key nobody in the fleet has is led at once: its claim
-(``SET NX PX``) and announcement (``PUBLISH``) leave with the tick's write, nothing is awaited; a key the
-index knows, or an index that cannot tell, takes the awaited lookup. A miss costs the lookup and one SET; a hit
-the lookup, plus the admission (which a worker-held quota block
-answers without any round trip: folding the GET into the admit script would cost every request a round
-trip that blocks make rare). Valkey down: bypass, never an error (the backend is left alone for
-``_BACKOFF_S`` after a failure).
+marker and the request waits); with coalescing off a plain GET. With the host index (shm/cache_index.py,
+authoritative: the supervisor follows every host's announcements of its claims) a key nobody in the fleet
+has is led at once: its claim (``SET NX PX``) and announcement (``PUBLISH``) leave with the tick's write,
+nothing is awaited; a key the index knows, or an index that cannot tell, takes the awaited lookup. A miss
+costs the lookup and one SET; a hit the lookup, plus the admission (which a worker-held quota block answers
+without any round trip: folding the GET into the admit script would cost every request a round trip that
+blocks make rare). Valkey down: bypass, never an error (left alone ``_BACKOFF_S`` after a failure).
 """
 
 from __future__ import annotations
@@ -36,17 +35,18 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from gateway.cache.announce import CHANNEL, announcement
+from gateway.cache.announce import announcement
+from gateway.cache.commands import _CLAIM, _CLAIM_QUIET, _GET, _PUBLISH, _RELEASE, _SET, PENDING
 from gateway.cache.entry import CacheEntry, ReadyAnswer, decode_entry, encode_entry
 from gateway.cache.key import BYPASS, CacheKey, cache_key, request_bypasses, request_digest, request_seed
 from gateway.cache.local import LocalEntries
 from gateway.config.cache import Cache
 from gateway.http.errors import ErrorReply
-from gateway.http.media import is_event_stream
 from gateway.metrics.writer import WorkerMetrics
 from gateway.valkey.client import BACKEND_ERRORS, create_client
 from gateway.valkey.tick_batch import TickBatch
 from shm.cache_index import H_VALID_UNTIL, HOSTED, KNOWN, CacheIndex
+from workers.cache_fill import _CONTENT_TYPE, CacheFill, Flight
 from workers.outcomes import HitEnds, served_model_headers
 
 if TYPE_CHECKING:
@@ -61,48 +61,11 @@ CACHE_HEADERS = {state: (b"x-gridgate-cache", state.encode()) for state in (HIT,
 # The verdict of a step that answered the request itself (a hit): the proxy ends the request there.
 ANSWERED = ErrorReply(200, "answered_from_cache", "")
 _BACKOFF_S = 1.0  # after a failed Valkey call the cache is bypassed this long (no timeout per request)
-_DONE = b"data: [DONE]"
-_OPENAI_STREAMS = frozenset(("chat_completions", "completions"))  # end with [DONE] when complete
-_CONTENT_TYPE = b"content-type"
 _FIELD_LINE = b"%b: %b\r\n".__mod__  # (name, value) -> its field line
-# The cache's commands framed in RESP at once (gateway/valkey/resp.py encode_command's output, written out).
-_GET = b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n"
-# The miss's lookup and claim in one command: GET the entry, and when there is none leave this leader's
-# pending marker in its place (NX), for ``PX`` ms at most: the other workers and hosts then wait for it.
-_CLAIM = b"*7\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%b\r\n$3\r\nGET\r\n"
-# A pending marker starts with a NUL byte: never the first byte of an entry (a msgpack array).
-PENDING = b"\x00gridgate-pending:"
-# A failed leader removes its marker only if it is still its own (it may have expired and been claimed anew).
-_RELEASE = b"if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 _POLL_FIRST_S, _POLL_MAX_S = 0.002, 0.05  # a remote waiter's GETs: 2 ms apart at first, doubling to 50 ms
-_SET = b"*5\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$2\r\nPX\r\n$%d\r\n%b\r\n"
-# A fast leader's claim (no GET: it awaits nothing), and the tick's announcements (gateway/cache/announce.py).
-_CLAIM_QUIET = b"*6\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%b\r\n"
-_PUBLISH = b"*3\r\n$7\r\nPUBLISH\r\n$%d\r\n%b\r\n$%%d\r\n%%b\r\n" % (len(CHANNEL), CHANNEL)
 _AWAIT = object()
-_CELL_HOLD_S = 0.05  # a stored key's cell is held this long when the host index did not know the key yet  # the host index cannot tell: the lookup is awaited
+_CELL_HOLD_S = 0.05  # a stored key's cell is held this long when the host index did not know the key yet
 _MAX_KNOWN = 8192  # request digests -> keys a worker remembers (of requests whose entry it stored or read)
-
-
-class Flight:
-    """The leader of one key in flight on this worker (or, ``remote``, this worker's poll of another
-    worker's or host's leader), and the requests waiting for its answer."""
-
-    __slots__ = ("waiters", "marker", "remote", "cell", "hosted")
-
-    def __init__(self, marker: bytes | None = None, remote: bool = False, cell: int = -1,
-                 hosted: bytes | None = None) -> None:
-        self.waiters: list[asyncio.Future[CacheEntry | None]] = []
-        self.marker = marker  # the leader's pending marker in Valkey (None: it claimed nothing)
-        self.remote = remote
-        self.cell = cell  # a leader's own cell in the host's in-flight table (-1: none)
-        self.hosted = hosted  # a poll of another worker of this host: the key's digest (its cell says it leads)
-
-    def release(self, entry: CacheEntry | None) -> None:
-        for waiter in self.waiters:
-            if not waiter.done():
-                waiter.set_result(entry)
-        self.waiters = []
 
 
 class ResponseCache:
@@ -535,78 +498,3 @@ def _answer_framed(exchange: Exchange, record: RequestRecord, entry: CacheEntry,
 def _ignore_reply(done: asyncio.Future[Any]) -> None:
     if not done.cancelled():
         done.exception()  # retrieved: a lost release only makes the waiters wait for the claim's expiry
-
-
-class CacheFill:
-    """A leader's answer, captured as the relay writes it: the relay's sink in front of the exchange (it
-    reads only what the relay writes to the client, so a stream rewritten for usage is stored as the
-    client saw it). Past ``max_entry`` it stops keeping bytes; the answer is then not stored."""
-
-    __slots__ = ("cache", "exchange", "key", "flight", "status", "content_type", "parts", "size")
-
-    def __init__(self, cache: ResponseCache, exchange: Exchange, key: CacheKey, flight: Flight | None) -> None:
-        self.cache = cache
-        self.exchange = exchange
-        self.key = key
-        self.flight = flight
-        self.status = 0
-        self.content_type: bytes | None = None
-        self.parts: list[bytes] | None = []
-        self.size = 0
-
-    # -- what the relay uses of its exchange: the common ones here, anything else from the exchange itself
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.exchange, name)
-
-    @property
-    def admitted(self) -> Any:
-        return self.exchange.admitted
-
-    @property
-    def client_gone(self) -> bool:
-        return self.exchange.client_gone
-
-    @property
-    def error_shape(self) -> int:
-        return self.exchange.error_shape
-
-    def start(self, status: int, headers: list[tuple[bytes, bytes]], content_length: int | None = None) -> None:
-        self.status = status
-        self.content_type = dict(headers).get(_CONTENT_TYPE)  # one C call, not a loop over the headers
-        self.exchange.start(status, headers, content_length)
-
-    def write(self, data: bytes) -> None:
-        parts = self.parts
-        if parts is not None:
-            self.size += len(data)
-            if self.size > self.cache.max_entry:
-                self.parts = None
-            else:
-                parts.append(data)
-        self.exchange.write(data)
-
-    def flush(self) -> None:
-        self.exchange.flush()
-
-    def end(self) -> None:
-        self.exchange.end()
-
-    def abort(self) -> None:
-        self.parts = None  # a cut answer is never stored
-        self.exchange.abort()
-
-    # -- the end
-    def entry(self, record: RequestRecord, expires_at: float) -> CacheEntry | None:
-        """What to store: a 200 that ended well, whole and under the cap (a complete stream: its [DONE])."""
-        parts = self.parts
-        if parts is None or self.status != 200 or record.status != 200 or record.error is not None:
-            return None
-        body = b"".join(parts)
-        stream = is_event_stream(self.content_type)
-        if stream and self.key.stream is False and not body:
-            return None
-        surface = self.exchange.admitted.route.surface.name if self.exchange.admitted is not None else ""
-        if stream and surface in _OPENAI_STREAMS and _DONE not in body[-64:]:
-            return None  # a stream cut before its [DONE]
-        return CacheEntry(200, self.content_type, body, stream, record.tokens_prompt, record.tokens_completion,
-                          record.cost_nusd, record.served, expires_at)

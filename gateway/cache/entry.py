@@ -46,12 +46,7 @@ def decode_entry(data: bytes) -> CacheEntry | None:
         return None
 
 
-def _status_line(status: int) -> bytes:
-    try:
-        reason = HTTPStatus(status).phrase.encode()
-    except ValueError:
-        reason = b""
-    return b"HTTP/1.1 %d %s\r\n" % (status, reason)
+_STATUS_LINES = {status.value: b"HTTP/1.1 %d %s\r\n" % (status.value, status.phrase.encode()) for status in HTTPStatus}
 
 
 class ReadyAnswer:
@@ -74,7 +69,8 @@ class ReadyAnswer:
         self.model = entry.model
         body = entry.body
         self.size = len(body)
-        start = _status_line(entry.status)  # a 200: the only status stored (workers/response_cache.py)
+        # A 200: the only status stored (workers/response_cache.py).
+        start = _STATUS_LINES.get(entry.status) or b"HTTP/1.1 %d \r\n" % entry.status
         if entry.content_type is not None:
             start += b"content-type: " + entry.content_type.replace(b"%", b"%%") + b"\r\n"
         if entry.stream:

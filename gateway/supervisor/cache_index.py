@@ -13,16 +13,18 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from gateway.cache.index_follower import IndexFollower
 from gateway.config import Config
 from gateway.supervisor.quota_backend import EmbeddedQuotaBackend, quota_url_for
 from gateway.supervisor.startup import StartupError
 from gateway.valkey.urls import is_cluster_url
 from shm.cache_index import CacheIndex, CacheIndexWriter
+
+if TYPE_CHECKING:
+    from gateway.cache.index_follower import IndexFollower
 
 log = logging.getLogger("gridgate.cache")
 FIRST_SCAN_WAIT_S = 2.0
@@ -58,6 +60,10 @@ class CacheIndexService:
         except (OSError, ValueError) as exc:
             raise StartupError(f"cache.index.capacity: cannot map the cache's host index: {exc}") from None
         claim_ms = max(1, int(float(cache.coalesce.wait) * 1000))
+        # Imported here: its Valkey client is loaded only by a supervisor whose cache runs an index (the
+        # supervisor's own imports load no data plane and no valkey: tests/integration/test_layers.py).
+        from gateway.cache.index_follower import IndexFollower
+
         self._follower = IndexFollower(url, CacheIndexWriter(self.index), claim_ms, int(cache.ttl * 1000))
 
     async def start(self) -> None:

@@ -214,6 +214,8 @@ def test_backend_down_reject_and_allow_policies_then_recovery(tmp_path, mock_pro
             time.sleep(0.3)
         assert status == 200
     finally:
+        reject.stop()  # before their Valkey: stopping after it, each retried its last settlement for seconds
+        allow.stop()
         restarted.stop()
 
 

@@ -31,8 +31,12 @@ def test_a_key_revoked_after_its_answer_was_cached_cannot_read_it(gateway_factor
     kid, secret = created["record"]["kid"], created["key"]
     body = {"model": "m", "messages": [{"role": "user", "content": uuid.uuid4().hex}], "temperature": 0}
     auth = [("Authorization", f"Bearer {secret}")]
-    states = []
-    for _ in range(3):
+    # A key just made reaches the worker's table a moment later (401 until then; nothing cached or sent).
+    first = wait_until(lambda: (answer := request("127.0.0.1", gateway.port, "POST", "/v1/chat/completions", body,
+                                                  auth))[0] != 401 and answer, "the new key in the worker's table")
+    states = [dict(first[1]).get("x-gridgate-cache")]
+    assert first[0] == 200
+    for _ in range(2):
         status, headers, _ = request("127.0.0.1", gateway.port, "POST", "/v1/chat/completions", body, auth)
         assert status == 200
         states.append(dict(headers)["x-gridgate-cache"])
@@ -184,7 +188,9 @@ def test_with_worker_held_blocks_a_revoked_key_reads_no_cached_answer_after_a_se
         status, headers, data = request("127.0.0.1", gateway.port, "POST", "/v1/chat/completions", body, auth)
         return status, headers.get("x-gridgate-cache"), data
 
-    assert ask()[:2] == (200, "miss")
+    # A key just made reaches the worker's table a moment later (401 until then; nothing cached or sent).
+    first = wait_until(lambda: (answer := ask())[0] != 401 and answer, "the new key in the worker's table")
+    assert first[:2] == (200, "miss")
     wait_until(lambda: ask()[1] == "hit", "the entry stored", timeout=5)
     assert [ask()[:2] for _ in range(10)] == [(200, "hit")] * 10  # from the key's block
     served = mock_served(handle)
