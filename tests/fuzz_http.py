@@ -203,5 +203,24 @@ MALFORMED: list[tuple[str, bytes, frozenset[int]]] = [
     ("url_too_long", b"GET /" + b"a" * 2000 + b" HTTP/1.1\r\nHost: g\r\n\r\n", frozenset({414})),
 ]
 MALFORMED_NAMES = [name for name, _, _ in MALFORMED]
+
+# Up to four byte mutations of a stream ("flip", "insert", "delete" at a position, with a byte): ``mutated``.
+MUTATIONS = st.lists(st.tuples(st.sampled_from(["flip", "insert", "delete"]), st.integers(0, 1 << 16),
+                               st.integers(0, 255)), min_size=1, max_size=4)
+
+
+def mutated(wire: bytes, mutations: list[tuple[str, int, int]]) -> bytes:
+    """``wire`` with ``mutations`` (from ``MUTATIONS``) applied in order, positions taken modulo its length."""
+    changed = bytearray(wire)
+    for kind, at, value in mutations:
+        at %= len(changed) + 1
+        if kind == "insert":
+            changed[at:at] = bytes([value])
+        elif at < len(changed):
+            if kind == "flip":
+                changed[at] = value
+            else:
+                del changed[at]
+    return bytes(changed)
 # The limits the malformed cases above are written against (pass them to the server under test).
 LIMITS = {"max_header_bytes": 4096, "max_header_count": 100, "max_body_bytes": 65536, "max_url_bytes": 1024}

@@ -13,7 +13,16 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from gateway.http.request_head import parse_plain_head
-from tests.fuzz_http import LIMITS, MALFORMED, MALFORMED_NAMES, fuzz_settings, pieces, valid_streams
+from tests.fuzz_http import (
+    LIMITS,
+    MALFORMED,
+    MALFORMED_NAMES,
+    MUTATIONS,
+    fuzz_settings,
+    mutated,
+    pieces,
+    valid_streams,
+)
 from tests.sansio_server import serve, settings
 from tests.unit.test_request_head import BENCH_HEAD, as_cut, build
 
@@ -56,20 +65,10 @@ def test_malformed_requests_are_refused_the_same(case, before, cuts, half_close)
 
 @fuzz_settings()
 @given(stream=valid_streams(3), cuts=CUTS,
-       mutations=st.lists(st.tuples(st.sampled_from(["flip", "insert", "delete"]), st.integers(0, 1 << 16),
-                                    st.integers(0, 255)), min_size=1, max_size=4))
+       mutations=MUTATIONS)
 def test_mutated_streams_end_the_same(stream, cuts, mutations):
-    wire = bytearray(b"".join(item.wire for item in stream))
-    for kind, at, value in mutations:
-        at %= len(wire) + 1
-        if kind == "insert":
-            wire[at:at] = bytes([value])
-        elif at < len(wire):
-            if kind == "flip":
-                wire[at] = value
-            else:
-                del wire[at]
-    same_both_ways(bytes(wire), cuts)
+    wire = mutated(b"".join(item.wire for item in stream), mutations)
+    same_both_ways(wire, cuts)
 
 
 @fuzz_settings(short_examples=150)

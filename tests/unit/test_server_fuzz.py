@@ -27,8 +27,10 @@ from tests.fuzz_http import (
     LIMITS,
     MALFORMED,
     MALFORMED_NAMES,
+    MUTATIONS,
     Sent,
     fuzz_settings,
+    mutated,
     pieces,
     request,
     valid_streams,
@@ -146,20 +148,10 @@ def test_a_stream_cut_short_by_a_half_close_answers_what_came_whole_then_ends(st
 
 @fuzz_settings()
 @given(stream=valid_streams(), delivery=DELIVERIES, cuts=CUTS,
-       mutations=st.lists(st.tuples(st.sampled_from(["flip", "insert", "delete"]), st.integers(0, 1 << 16),
-                                    st.integers(0, 255)), min_size=1, max_size=4))
+       mutations=MUTATIONS)
 def test_random_byte_mutations_never_crash_hang_or_leak(stream, delivery, cuts, mutations):
-    wire = bytearray(b"".join(item.wire for item in stream))
-    for kind, at, value in mutations:
-        at %= len(wire) + 1
-        if kind == "insert":
-            wire[at:at] = bytes([value])
-        elif at < len(wire):
-            if kind == "flip":
-                wire[at] = value
-            else:
-                del wire[at]
-    chunks = deliver(bytes(wire), delivery, cuts)
+    wire = mutated(b"".join(item.wire for item in stream), mutations)
+    chunks = deliver(wire, delivery, cuts)
     result = run(chunks)
     check_invariants(result, chunks)
     assert result.transport.finished  # after the half-close, the server always ends the connection
