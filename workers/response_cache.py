@@ -19,15 +19,15 @@ The lookup is one command that also claims the key for coalescing across workers
 marker and the request waits); with coalescing off a plain GET. With the host index (shm/cache_index.py,
 authoritative: the supervisor follows every host's announcements of its claims) a key nobody in the fleet
 has is led at once: its claim (``SET NX PX``) and announcement (``PUBLISH``) leave with the tick's write,
-nothing is awaited; a key the index knows, or an index that cannot tell, takes the awaited lookup. A miss
-costs the lookup and one SET; a hit the lookup, plus the admission (which a worker-held quota block answers
-without any round trip: folding the GET into the admit script would cost every request a round trip that
-blocks make rare). Valkey down: bypass, never an error (left alone ``_BACKOFF_S`` after a failure).
+nothing is awaited; a key the index knows, or an index that cannot tell, takes the awaited lookup. The
+commands nobody waits for (claims, announcements, SETs) mostly get no reply (``TickBatch.send_quiet``).
+Valkey down: bypass, never an error (left alone ``_BACKOFF_S`` after a failure).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from gateway.cache.announce import announcement
-from gateway.cache.commands import _CLAIM, _CLAIM_QUIET, _GET, _PUBLISH, _RELEASE, _SET, PENDING
+from gateway.cache.commands import _CLAIM, _CLAIM_QUIET, _GET, _PING, _PUBLISH, _RELEASE, _SET, PENDING
 from gateway.cache.entry import CacheEntry, ReadyAnswer, decode_entry, encode_entry
 from gateway.cache.key import BYPASS, CacheKey, cache_key, request_bypasses, request_digest, request_seed
 from gateway.cache.local import LocalEntries
@@ -104,8 +104,7 @@ class ResponseCache:
         self.claims = 0  # leaders' markers made (the marker's per-leader part)
         self.down_until = 0.0
         self.hits = self.misses = self.bypasses = self.coalesced = self.stored = self.backend_errors = 0
-        self.local_hits = 0
-        self.led_at_once = 0  # misses the host index let go upstream with no awaited lookup
+        self.local_hits = self.led_at_once = 0  # led at once: misses the host index let go with no awaited lookup
         # The host index (shm.cache_index; None: every miss awaits its lookup), this worker's row in it, and
         # the keys claimed this tick, announced in one PUBLISH as the tick's commands are written.
         if not hasattr(client, "send_each"):
@@ -131,7 +130,7 @@ class ResponseCache:
             index = None
         elif index is not None and not 0 <= worker < index.workers:
             index = None  # a row the index was not made for (cannot happen from the supervisor): no index
-        return cls(config, create_client(url), metrics, index=index, worker=worker)
+        return cls(config, create_client(url, skip_replies=True), metrics, index=index, worker=worker)
 
     # -- the step -------------------------------------------------------------------------------------
     def look_up(self, flow: Any) -> ErrorReply | Awaitable[ErrorReply | None] | None:
@@ -430,8 +429,7 @@ class ResponseCache:
                 entry = None
         if flight is not None:
             if entry is None and flight.marker is not None:  # its claim goes: the others go on their own now
-                released = self.commands.call(b"EVAL", _RELEASE, 1, fill.key.key, flight.marker)
-                released.add_done_callback(_ignore_reply)  # rare (a failed leader): a future is fine
+                self.commands.send(b"EVAL", _RELEASE, 1, fill.key.key, flight.marker, quiet=True)  # rare
             if flight.cell >= 0:
                 self._leave_cell(flight.cell, entry is not None)
             flight.release(entry)
@@ -459,15 +457,19 @@ class ResponseCache:
             asyncio.get_running_loop().call_later(held[0][0] - now, self._release_cells)
 
     def _write(self, key: bytes, value: bytes) -> None:
-        # In this tick's write; nobody waits. Framed here in one %-format (no per-argument encoding loop).
-        self.commands.send(b"SET", key, value, b"PX", self.ttl_ms,
+        # In this tick's write; nobody waits, and mostly no reply comes (``send_quiet``: CLIENT REPLY SKIP),
+        # so ``stored`` counts the SETs written. Framed here in one %-format (no per-argument encoding loop).
+        self.stored += 1
+        self.commands.send(b"SET", key, value, b"PX", self.ttl_ms, quiet=True,
                            encoded=_SET % (len(key), key, len(value), value, len(self.ttl_text), self.ttl_text))
 
     def _written(self, error: BaseException | None) -> None:
-        if error is None:
-            self.stored += 1
-        else:
+        if error is not None:
             self._failed(error)
+
+    async def synced(self) -> None:
+        """Every command written so far was served (a PING behind them answered: skipped replies cannot say)."""
+        await self.commands.call(b"PING", encoded=_PING)
 
     def _failed(self, error: BaseException) -> None:
         self.backend_errors += 1
@@ -477,10 +479,8 @@ class ResponseCache:
         self.down_until = _monotonic() + _BACKOFF_S
 
     async def close(self) -> None:
-        for _ in range(100):  # the SETs sent get their replies (bounded: 1 s)
-            if not self.commands.detached:
-                break
-            await asyncio.sleep(0.01)
+        with contextlib.suppress(TimeoutError, *BACKEND_ERRORS):  # the SETs written are served first (1 s at most)
+            await asyncio.wait_for(self.synced(), 1.0)
         await self.client.aclose()
 
 
@@ -493,8 +493,3 @@ def _answer_framed(exchange: Exchange, record: RequestRecord, entry: CacheEntry,
     exchange.start(entry.status, headers, None if entry.stream else len(entry.body))
     exchange.write(entry.body)
     exchange.end()  # closes the record (workers/outcomes.py), then the bytes leave
-
-
-def _ignore_reply(done: asyncio.Future[Any]) -> None:
-    if not done.cancelled():
-        done.exception()  # retrieved: a lost release only makes the waiters wait for the claim's expiry

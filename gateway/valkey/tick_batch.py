@@ -15,14 +15,19 @@ import asyncio
 from typing import Any
 
 from gateway.valkey.client import BACKEND_ERRORS
-from gateway.valkey.resp import CommandArg, encode_command
+from gateway.valkey.resp import SKIP_REPLY, CommandArg, encode_command
+
+# Of the quiet commands written with no reply (``send_quiet`` on a connection that skips replies), every
+# ``_HEAR_EVERY``-th keeps its reply: a failure that repeats (a full Valkey, a read-only replica, a refused
+# ACL) is still heard, by ``on_detached``, within that many commands.
+_HEAR_EVERY = 16
 
 
 class TickBatch:
     """One client's commands of this tick, sent together."""
 
     __slots__ = ("client", "_pending", "_loop", "_batched", "on_detached", "detached", "_wires", "_receivers",
-                 "_detached", "_quiet", "before_flush")
+                 "_detached", "_quiet", "before_flush", "_skipping", "_unheard", "_skipped")
 
     def __init__(self, client: Any) -> None:
         self.client = client
@@ -39,6 +44,12 @@ class TickBatch:
         self._quiet = (_Detached(self, quiet=True), 0)  # the same, telling ``on_detached`` only its errors
         # Called as a tick's write is made, before its commands are taken (it may ``send`` more into it).
         self.before_flush: Any = None
+        # Whether the client's connection, as of the last write, takes ``CLIENT REPLY SKIP``: quiet commands
+        # are then framed without a reply; ``_unheard`` counts them since the last one that kept its reply;
+        # ``_skipped``: this tick's write holds such commands (the client checks the connection it goes on).
+        self._skipping = False
+        self._unheard = 0
+        self._skipped = False
         if not self._batched and hasattr(client, "cluster_error_retry_attempts"):
             # valkey-py's Cluster client retries a whole command on a connection error, a timeout or
             # CLUSTERDOWN (3 times by default, once as create_client makes it), re-reading the topology each
@@ -72,6 +83,9 @@ class TickBatch:
     def send(self, *args: CommandArg, encoded: bytes | None = None, quiet: bool = False) -> None:
         """Queue one command nobody waits for (a SET): ``on_detached`` hears how it went (``quiet``: only when
         it failed). ``encoded``: as ``call``'s."""
+        if self._batched and quiet and encoded is not None:
+            self.send_quiet(encoded)
+            return
         self.detached += 1
         if self._batched:
             wires = self._wires
@@ -87,11 +101,19 @@ class TickBatch:
 
     def send_quiet(self, encoded: bytes) -> None:
         """``send(..., encoded=encoded, quiet=True)`` without its arguments (a command framed already), for
-        a client with ``send_each`` only (one node: the response cache's host index runs on no other)."""
-        self.detached += 1
+        a client with ``send_each`` only (one node). On a connection that skips replies it goes after
+        ``CLIENT REPLY SKIP``: Valkey sends no reply, and nothing here reads, parses or resolves one (one
+        in ``_HEAR_EVERY`` keeps its reply, so its failures are heard)."""
         wires = self._wires
         if not wires:
             self._flush_soon()
+        if self._skipping and self._unheard < _HEAR_EVERY:
+            self._unheard += 1
+            self._skipped = True
+            wires.append(SKIP_REPLY + encoded)
+            return
+        self._unheard = 0
+        self.detached += 1
         wires.append(encoded)
         self._receivers.append(self._quiet)
 
@@ -119,12 +141,20 @@ class TickBatch:
         if not wires:
             return
         self._wires, self._receivers = [], []
+        client = self.client
         try:
-            self.client.send_each(b"".join(wires), receivers)
+            if self._skipped:
+                self._skipped = False
+                client.send_each(b"".join(wires), receivers, skipping=True)
+            else:
+                client.send_each(b"".join(wires), receivers)
         except BACKEND_ERRORS as error:  # e.g. too many commands pending on a stuck connection
             for receiver, _ in receivers:
                 if not receiver.done():
                     receiver.set_exception(error)
+            if not receivers and self.on_detached is not None:
+                self.on_detached(error)  # a write of skipped commands only: still heard
+        self._skipping = client.skips_replies
 
     def _resolve_later(self, future: asyncio.Future[Any] | None, args: tuple[CommandArg, ...]) -> None:
         try:
