@@ -31,7 +31,6 @@ import contextlib
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +63,7 @@ _BACKOFF_S = 1.0  # after a failed Valkey call the cache is bypassed this long (
 _FIELD_LINE = b"%b: %b\r\n".__mod__  # (name, value) -> its field line
 _POLL_FIRST_S, _POLL_MAX_S = 0.002, 0.05  # a remote waiter's GETs: 2 ms apart at first, doubling to 50 ms
 _AWAIT = object()
-_CELL_HOLD_S = 0.05  # a stored key's cell is held this long when the host index did not know the key yet
+_CELL_HOLD_S = 0.05  # a stored key's cell is held this long (up to twice) when the index may not know it yet
 _MAX_KNOWN = 8192  # request digests -> keys a worker remembers (of requests whose entry it stored or read)
 
 
@@ -112,7 +111,9 @@ class ResponseCache:
         self.index = index
         self.worker = worker
         self.announced: list[bytes] = []
-        self.held_cells: deque[tuple[float, int]] = deque()  # (until, cell): stored keys the index may not know
+        # Stored keys' cells the index may not know yet, held (``_leave_cell``): this period's, and the last's.
+        self.held_cells: list[int] = []
+        self.aging_cells: list[int] = []
         self.known_ms = int(self.lead_ms) + self.ttl_ms  # a claim's key may exist this long: its wait, its TTL
         if index is not None:
             index.clear_worker(worker)  # a previous worker of this row may have died leading
@@ -442,19 +443,17 @@ class ResponseCache:
             self.index.release(cell)  # type: ignore[union-attr]
             return
         held = self.held_cells
-        if not held:
+        if not held and not self.aging_cells:
             asyncio.get_running_loop().call_later(_CELL_HOLD_S, self._release_cells)
-        held.append((_monotonic() + _CELL_HOLD_S, cell))
+        held.append(cell)
 
     def _release_cells(self) -> None:
-        """The held cells whose time is over are empty again (one timer for all of them)."""
-        index, held = self.index, self.held_cells
-        assert index is not None
-        now = _monotonic()
-        while held and held[0][0] <= now:
-            index.release(held.popleft()[1])
-        if held:
-            asyncio.get_running_loop().call_later(held[0][0] - now, self._release_cells)
+        """Every ``_CELL_HOLD_S`` while cells are held: those held since the last time are empty again (a
+        cell is held one to two periods; one timer and one call for all of them, no clock read per key)."""
+        self.index.release_all(self.aging_cells)  # type: ignore[union-attr]
+        self.aging_cells, self.held_cells = self.held_cells, []
+        if self.aging_cells:
+            asyncio.get_running_loop().call_later(_CELL_HOLD_S, self._release_cells)
 
     def _write(self, key: bytes, value: bytes) -> None:
         # In this tick's write; nobody waits, and mostly no reply comes (``send_quiet``: CLIENT REPLY SKIP),
