@@ -20,7 +20,7 @@ marker and the request waits); with coalescing off a plain GET. With the host in
 authoritative: the supervisor follows every host's announcements of its claims) a key nobody in the fleet
 has is led at once: its claim (``SET NX PX``) and announcement (``PUBLISH``) leave with the tick's write,
 nothing is awaited; a key the index knows, or an index that cannot tell, takes the awaited lookup. The
-commands nobody waits for (claims, announcements, SETs) mostly get no reply (``TickBatch.send_quiet``).
+commands nobody waits for (claims, announcements, SETs) mostly get no reply (valkey/quiet_writer.py).
 Valkey down: bypass, never an error (left alone ``_BACKOFF_S`` after a failure).
 """
 
@@ -37,15 +37,16 @@ from typing import TYPE_CHECKING, Any
 from gateway.cache.announce import announcement
 from gateway.cache.commands import _CLAIM, _CLAIM_QUIET, _GET, _PING, _PUBLISH, _RELEASE, _SET, PENDING
 from gateway.cache.entry import CacheEntry, ReadyAnswer, decode_entry, encode_entry
-from gateway.cache.key import BYPASS, CacheKey, cache_key, request_bypasses, request_digest, request_seed
+from gateway.cache.key import BYPASS, CacheKey, cache_key, key_parts, request_bypasses, request_digest
 from gateway.cache.local import LocalEntries
 from gateway.config.cache import Cache
 from gateway.http.errors import ErrorReply
 from gateway.metrics.writer import WorkerMetrics
-from gateway.valkey.client import BACKEND_ERRORS, create_client
+from gateway.valkey.client import BACKEND_ERRORS, DEFAULT_TIMEOUT_S, create_client
+from gateway.valkey.quiet_writer import QuietWriter
 from gateway.valkey.tick_batch import TickBatch
 from shm.cache_index import H_VALID_UNTIL, HOSTED, KNOWN, CacheIndex
-from workers.cache_fill import _CONTENT_TYPE, CacheFill, Flight
+from workers.cache_fill import _CONTENT_TYPE, CacheFill, Flight, HeldCells
 from workers.outcomes import HitEnds, served_model_headers
 
 if TYPE_CHECKING:
@@ -72,14 +73,20 @@ class ResponseCache:
 
     def __init__(self, config: Cache, client: Any, metrics: WorkerMetrics,
                  admit_hit: Callable[[Any], Any] | None = None, index: CacheIndex | None = None,
-                 worker: int = 0) -> None:
+                 worker: int = 0, quiet: QuietWriter | None = None) -> None:
         self.config = config
         self.metrics = metrics
         self.client = client
-        self.commands = TickBatch(client)  # every GET and SET of a loop tick in one write
+        # Every GET and SET of a loop tick in one write; those nobody waits for mostly on ``quiet``'s
+        # connection, which gets no replies (gateway/valkey/quiet_writer.py).
+        self.quiet = quiet
+        if quiet is not None:
+            quiet.on_error = self._failed
+        self.commands = TickBatch(client, quiet)
         self.commands.on_detached = self._written
         self.ttl_ms = int(config.ttl * 1000)
         self.ttl_text = b"%d" % self.ttl_ms
+        self.ttl_s = self.ttl_ms / 1000
         self.max_entry = config.max_entry_bytes
         self.coalesce = config.coalesce.enabled
         self.max_waiters = config.coalesce.max_waiters
@@ -96,7 +103,8 @@ class ResponseCache:
         # The keys of requests whose entry this worker stored or read, by ``request_digest``: the same bytes
         # again (a repeated request: the likely next hit) skip making the key (a decode and a sorted encode).
         self.known_keys: dict[int, CacheKey] = {}
-        self.seeds: dict[tuple[str | None, str, str], int] = {}  # (tenant, API, model) -> its request_seed
+        # (tenant, API, model) -> its request_seed and its key_prefix
+        self.seeds: dict[tuple[str | None, str, str], tuple[int, bytes]] = {}
         # How long a leader's claim lives in Valkey at most (a crashed leader holds nobody longer).
         self.lead_ms = b"%d" % max(1, int(self.wait_s * 1000))
         self.marker_base = PENDING + b"%d:" % os.getpid()
@@ -111,9 +119,8 @@ class ResponseCache:
         self.index = index
         self.worker = worker
         self.announced: list[bytes] = []
-        # Stored keys' cells the index may not know yet, held (``_leave_cell``): this period's, and the last's.
-        self.held_cells: list[int] = []
-        self.aging_cells: list[int] = []
+        # Stored keys' cells the index may not know yet, held a little longer (workers/cache_fill.py).
+        self.held_cells = None if index is None else HeldCells(index, _CELL_HOLD_S)
         self.known_ms = int(self.lead_ms) + self.ttl_ms  # a claim's key may exist this long: its wait, its TTL
         if index is not None:
             index.clear_worker(worker)  # a previous worker of this row may have died leading
@@ -131,7 +138,9 @@ class ResponseCache:
             index = None
         elif index is not None and not 0 <= worker < index.workers:
             index = None  # a row the index was not made for (cannot happen from the supervisor): no index
-        return cls(config, create_client(url, skip_replies=True), metrics, index=index, worker=worker)
+        client = create_client(url)
+        quiet = QuietWriter.from_url(url, DEFAULT_TIMEOUT_S) if hasattr(client, "send_each") else None
+        return cls(config, client, metrics, index=index, worker=worker, quiet=quiet)
 
     # -- the step -------------------------------------------------------------------------------------
     def look_up(self, flow: Any) -> ErrorReply | Awaitable[ErrorReply | None] | None:
@@ -230,16 +239,16 @@ class ResponseCache:
             return None
         tenant, model, body = flow.admitted.tenant, flow.request.name, exchange.body
         seeds = self.seeds
-        seed = seeds.get((tenant, surface, model))
-        if seed is None:
+        seeded = seeds.get((tenant, surface, model))
+        if seeded is None:
             if len(seeds) >= _MAX_KNOWN:
                 seeds.clear()
-            seed = seeds[(tenant, surface, model)] = request_seed(surface, tenant, model)
-        digest = request_digest(seed, surface, body, headers)
+            seeded = seeds[(tenant, surface, model)] = key_parts(self.config, surface, tenant, model)
+        digest = request_digest(seeded[0], surface, body, headers)
         known = self.known_keys.get(digest)
         if known is not None:
             return known
-        return cache_key(self.config, surface, tenant, model, body, headers, digest)
+        return cache_key(self.config, surface, tenant, model, body, headers, digest, seeded[1])
 
     def _remember(self, key: CacheKey) -> None:
         """``key`` has an entry: a request of the same bytes finds its key without making it."""
@@ -415,48 +424,34 @@ class ResponseCache:
     # -- storing ----------------------------------------------------------------------------------------
     def store(self, fill: CacheFill, record: RequestRecord) -> None:
         """The leader's request is over: store its answer when it ended well, and release its waiters."""
+        key = fill.key
+        name = key.key
         flight = fill.flight
-        if flight is not None and self.flights.get(fill.key.key) is flight:
-            del self.flights[fill.key.key]
-        entry = fill.entry(record, _time() + self.ttl_ms / 1000)
+        if flight is not None and self.flights.get(name) is flight:
+            del self.flights[name]
+        entry = fill.entry(record, _time() + self.ttl_s)
         if entry is not None:
             value = encode_entry(entry)
             if len(value) <= self.max_entry:
-                self._remember(fill.key)
-                self._write(fill.key.key, value)
+                self._remember(key)
+                self._write(name, value)
                 if self.local is not None:
-                    self.local.put(fill.key.key, entry, len(value), _monotonic())
+                    self.local.put(name, entry, len(value), _monotonic())
             else:
                 entry = None
         if flight is not None:
             if entry is None and flight.marker is not None:  # its claim goes: the others go on their own now
-                self.commands.send(b"EVAL", _RELEASE, 1, fill.key.key, flight.marker, quiet=True)  # rare
-            if flight.cell >= 0:
-                self._leave_cell(flight.cell, entry is not None)
-            flight.release(entry)
-
-    def _leave_cell(self, cell: int, stored: bool) -> None:
-        """This worker no longer leads the key of its in-flight ``cell``. For a stored key the cell stays
-        taken ``_CELL_HOLD_S`` more: meanwhile the other workers wait for it and read the entry, instead of
-        taking the key for unknown while its announcement may still be on its way to the supervisor."""
-        if not stored:
-            self.index.release(cell)  # type: ignore[union-attr]
-            return
-        held = self.held_cells
-        if not held and not self.aging_cells:
-            asyncio.get_running_loop().call_later(_CELL_HOLD_S, self._release_cells)
-        held.append(cell)
-
-    def _release_cells(self) -> None:
-        """Every ``_CELL_HOLD_S`` while cells are held: those held since the last time are empty again (a
-        cell is held one to two periods; one timer and one call for all of them, no clock read per key)."""
-        self.index.release_all(self.aging_cells)  # type: ignore[union-attr]
-        self.aging_cells, self.held_cells = self.held_cells, []
-        if self.aging_cells:
-            asyncio.get_running_loop().call_later(_CELL_HOLD_S, self._release_cells)
+                self.commands.send(b"EVAL", _RELEASE, 1, name, flight.marker, quiet=True)  # rare
+            if flight.cell >= 0:  # this worker no longer leads the key of its in-flight cell
+                if entry is None:
+                    self.index.release(flight.cell)  # type: ignore[union-attr]
+                else:
+                    self.held_cells.hold(flight.cell)  # type: ignore[union-attr]
+            if flight.waiters:
+                flight.release(entry)
 
     def _write(self, key: bytes, value: bytes) -> None:
-        # In this tick's write; nobody waits, and mostly no reply comes (``send_quiet``: CLIENT REPLY SKIP),
+        # In this tick's write; nobody waits, and mostly no reply comes (``send_quiet``: CLIENT REPLY OFF),
         # so ``stored`` counts the SETs written. Framed here in one %-format (no per-argument encoding loop).
         self.stored += 1
         self.commands.send(b"SET", key, value, b"PX", self.ttl_ms, quiet=True,
@@ -467,8 +462,10 @@ class ResponseCache:
             self._failed(error)
 
     async def synced(self) -> None:
-        """Every command written so far was served (a PING behind them answered: skipped replies cannot say)."""
+        """Every command written so far was served (a PING behind them answered, on each connection)."""
         await self.commands.call(b"PING", encoded=_PING)
+        if self.quiet is not None:
+            await self.quiet.synced()
 
     def _failed(self, error: BaseException) -> None:
         self.backend_errors += 1
@@ -481,6 +478,8 @@ class ResponseCache:
         with contextlib.suppress(TimeoutError, *BACKEND_ERRORS):  # the SETs written are served first (1 s at most)
             await asyncio.wait_for(self.synced(), 1.0)
         await self.client.aclose()
+        if self.quiet is not None:
+            await self.quiet.aclose()
 
 
 def _answer_framed(exchange: Exchange, record: RequestRecord, entry: CacheEntry,

@@ -32,8 +32,7 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-def create_client(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                  skip_replies: bool = False) -> RespTransport | ClusterTransport:
+def create_client(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> RespTransport | ClusterTransport:
     """A ``RespTransport`` (``RespClient``) for a single node, a ``ClusterTransport`` (valkey-py's
     ``ValkeyCluster``) for a cluster URL: the ledger's transport and a command client both. Both
     return bytes replies and make no client-side retries (the gate's breaker and policy decide what
@@ -42,10 +41,9 @@ def create_client(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
     Single node: the lean pipelined client (one connection per worker; about a third of the worker
     CPU per admit and per settle of valkey-py's pooled client, whose per-command machinery dominated
     the quota's cost per request). Cluster: valkey-py, which knows slots, redirections and topology;
-    it initialises lazily on first use. ``skip_replies``: a single node's connections are probed for
-    ``CLIENT REPLY`` (``RespClient.skips_replies``: the response cache's commands nobody waits for)."""
+    it initialises lazily on first use."""
     if not is_cluster_url(url):
-        return RespTransport.from_url(url, timeout_s=timeout_s, skip_replies=skip_replies)
+        return RespTransport.from_url(url, timeout_s=timeout_s)
     # The pool is not capped: the transport bounds its batches in flight, and that bounds the connections.
     return ClusterTransport.from_url(
         single_node_url(url),

@@ -46,10 +46,6 @@ _URL_KEYS = frozenset(
 )
 
 _CLOSED_BY_SERVER = "Connection closed by server."
-# Written before a command nobody reads the reply of, on a connection that ``skips_replies``: the server then
-# sends no reply to either (CLIENT REPLY SKIP is answered with nothing, and so is the command after it).
-SKIP_REPLY = b"*3\r\n$6\r\nCLIENT\r\n$5\r\nREPLY\r\n$4\r\nSKIP\r\n"
-_REPLY_ON = b"*3\r\n$6\r\nCLIENT\r\n$5\r\nREPLY\r\n$2\r\nON\r\n"
 
 class _Connection(asyncio.Protocol):
     """One socket: writes commands, parses replies, resolves the pending futures in order.
@@ -62,7 +58,7 @@ class _Connection(asyncio.Protocol):
     __slots__ = (
         "_loop", "_address", "_timeout_s", "_max_pending", "_on_lost", "_transport", "_pending",
         "_queued", "_batch", "_partial", "_need", "_replies", "_replies_seen", "_watchdog", "_error",
-        "closed", "skips_replies",
+        "closed", "quiet",
     )  # fmt: skip
 
     def __init__(
@@ -89,9 +85,8 @@ class _Connection(asyncio.Protocol):
         self._watchdog: asyncio.TimerHandle | None = None
         self._error: ConnectionError | TimeoutError | None = None  # set once the connection is unusable
         self.closed: asyncio.Future[None] = loop.create_future()
-        # Its server answered ``CLIENT REPLY ON`` (the probe of ``RespClient(skip_replies=True)``): a command
-        # sent after ``CLIENT REPLY SKIP`` gets no reply at all, so it takes no place among the pending ones.
-        self.skips_replies = False
+        # In CLIENT REPLY OFF (gateway/valkey/quiet_writer.py): no command waits, and a reply is a fault.
+        self.quiet = False
 
     def request(self, payload: bytes, count: int) -> asyncio.Future[Any]:
         """Write ``payload`` (``count`` commands, 0 meaning one unbatched) and return its future."""
@@ -126,6 +121,17 @@ class _Connection(asyncio.Protocol):
             self._replies_seen = self._replies
             self._watchdog = self._loop.call_later(self._timeout_s, self._check_progress)
 
+    def write_quiet(self, payload: bytes, max_buffer: int) -> None:
+        """Write commands nobody waits for (a connection in CLIENT REPLY OFF); a connection whose server
+        stopped reading (more than ``max_buffer`` bytes unsent) is aborted rather than left to grow."""
+        if self._error is not None:
+            raise type(self._error)(*self._error.args)
+        transport = self._transport
+        if transport.get_write_buffer_size() > max_buffer:  # type: ignore[union-attr]
+            self.abort(ConnectionError(f"{self._address} takes no more writes"))
+            raise ConnectionError(f"{self._address} takes no more writes")
+        transport.write(payload)  # type: ignore[union-attr]
+
     @property
     def error(self) -> ConnectionError | TimeoutError | None:
         return self._error
@@ -145,6 +151,9 @@ class _Connection(asyncio.Protocol):
         self._transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        if self.quiet:  # its CLIENT REPLY OFF did not take (refused): nothing here can tell what replied
+            self.abort(ConnectionError(f"A reply from {self._address} on a connection in CLIENT REPLY OFF"))
+            return
         if self._partial:
             self._partial += data
             if len(self._partial) < self._need:
@@ -247,11 +256,8 @@ class RespClient:
         ssl_context: ssl.SSLContext | None = None,
         timeout_s: float | None = None,
         max_pending: int = DEFAULT_MAX_PENDING,
-        skip_replies: bool = False,
     ) -> None:
         self._host, self._port, self._path = host, port, path
-        # Probe each new connection for ``CLIENT REPLY`` (``skips_replies``): one more command in its setup.
-        self._skip_replies = skip_replies
         self._ssl = ssl_context
         self._timeout_s = timeout_s
         self._max_pending = max_pending
@@ -271,7 +277,7 @@ class RespClient:
 
     @classmethod
     def from_url(
-        cls, url: str, *, timeout_s: float | None, max_pending: int = DEFAULT_MAX_PENDING, skip_replies: bool = False
+        cls, url: str, *, timeout_s: float | None, max_pending: int = DEFAULT_MAX_PENDING
     ) -> RespClient:
         """``valkey://``, ``redis://``, ``valkeys://``, ``rediss://`` or ``unix://`` URLs, parsed by
         valkey-py's own parser so they mean what they meant with its client (user, password, db in
@@ -285,8 +291,7 @@ class RespClient:
             context = ValkeySSLContext(**{k[4:]: options.pop(k) for k in _SSL_OPTIONS if k in options}).get()
         elif any(k in options for k in _SSL_OPTIONS):
             raise ValueError("ssl_* options need a valkeys:// or rediss:// URL")
-        return cls(**options, ssl_context=context, timeout_s=timeout_s, max_pending=max_pending,
-                   skip_replies=skip_replies)
+        return cls(**options, ssl_context=context, timeout_s=timeout_s, max_pending=max_pending)
 
     # -- commands
 
@@ -300,46 +305,41 @@ class RespClient:
         plain future, so a caller may batch without a task."""
         return self._send(payload, count)
 
-    def send_each(self, payload: bytes, receivers: list[tuple[Any, int]], skipping: bool = False) -> None:
+    def send_each(self, payload: bytes, receivers: list[tuple[Any, int]]) -> None:
         """Send ``len(receivers)`` commands, already RESP-encoded, in one write; each reply resolves its own
         receiver (``_Connection.request_each``). Raises valkey-py's errors when connected and the connection
-        cannot take them; not connected, it connects first and a failure goes to every receiver.
-        ``skipping``: ``payload`` also holds commands after ``SKIP_REPLY`` (no receiver of their own): it is
-        written only on a connection that ``skips_replies`` (else ConnectionError: never a reply taken for
-        another command's)."""
+        cannot take them; not connected, it connects first and a failure goes to every receiver."""
         conn = self._conn
         if conn is None:
-            task = asyncio.ensure_future(self._send_each_when_connected(payload, receivers, skipping))
+            task = asyncio.ensure_future(self._send_each_when_connected(payload, receivers))
             self._sending.add(task)
             task.add_done_callback(self._sending.discard)
             return
-        if skipping and not conn.skips_replies:
-            raise ConnectionError(f"{self._address} does not take CLIENT REPLY SKIP")
         conn.request_each(payload, receivers)
 
-    async def _send_each_when_connected(self, payload: bytes, receivers: list[tuple[Any, int]],
-                                        skipping: bool = False) -> None:
+    async def _send_each_when_connected(self, payload: bytes, receivers: list[tuple[Any, int]]) -> None:
         try:
             task = self._connecting
             if task is None:
                 task = self._connecting = asyncio.get_running_loop().create_task(self._connect())
                 task.add_done_callback(self._connect_done)
             conn = await asyncio.shield(task)
-            if skipping and not conn.skips_replies:  # a new connection, to a server without CLIENT REPLY
-                raise ConnectionError(f"{self._address} does not take CLIENT REPLY SKIP")
             conn.request_each(payload, receivers)
         except Exception as error:  # noqa: BLE001 - every receiver hears it, whatever it is
             for receiver, _ in receivers:
                 if not receiver.done():
                     receiver.set_exception(error)
 
-    @property
-    def skips_replies(self) -> bool:
-        """Connected, and its server takes ``CLIENT REPLY SKIP`` (probed as the connection was made): a
-        command written now with ``SKIP_REPLY`` in front gets no reply. Not connected: False (a write then
-        waits for the connection, whose server is not known yet)."""
+    async def connection(self) -> _Connection:
+        """The connection, made (AUTH and SELECT included) if there is none."""
         conn = self._conn
-        return conn is not None and conn.skips_replies
+        if conn is not None:
+            return conn
+        task = self._connecting
+        if task is None:
+            task = self._connecting = asyncio.get_running_loop().create_task(self._connect())
+            task.add_done_callback(self._connect_done)
+        return await asyncio.shield(task)
 
     def ping(self) -> Awaitable[Any]:
         return self._send(b"*1\r\n$4\r\nPING\r\n", 0)
@@ -416,8 +416,6 @@ class RespClient:
                     await loop.create_connection(lambda: conn, self._host, self._port, ssl=self._ssl)
                 if self._setup_count:
                     await self._greet(conn)
-                if self._skip_replies:
-                    await self._probe_skip(conn)
         except BaseException as exc:
             conn.abort(ConnectionError("Connection setup failed."))
             # TimeoutError is an OSError: test it first. Both carry valkey-py's wording.
@@ -439,14 +437,6 @@ class RespClient:
                 raise reply
         if self._auth and replies[0] != b"OK":
             raise AuthenticationError("Invalid Username or Password")
-
-    @staticmethod
-    async def _probe_skip(conn: _Connection) -> None:
-        """``CLIENT REPLY ON`` answers ``OK`` where ``CLIENT REPLY`` exists (Redis >= 3.2, Valkey), an error
-        where it does not (some proxies): one reply either way, so a server without it is never sent a
-        ``SKIP`` whose missing reply would shift every later reply onto the wrong command."""
-        replies = await conn.request(_REPLY_ON, 1)  # as a batch of one: an error reply in place, not raised
-        conn.skips_replies = replies[0] == b"OK"
 
     def _lost(self, conn: _Connection) -> None:
         if self._conn is conn:

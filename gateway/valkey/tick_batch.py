@@ -15,11 +15,11 @@ import asyncio
 from typing import Any
 
 from gateway.valkey.client import BACKEND_ERRORS
-from gateway.valkey.resp import SKIP_REPLY, CommandArg, encode_command
+from gateway.valkey.resp import CommandArg, encode_command
 
-# Of the quiet commands written with no reply (``send_quiet`` on a connection that skips replies), every
-# ``_HEAR_EVERY``-th keeps its reply: a failure that repeats (a full Valkey, a read-only replica, a refused
-# ACL) is still heard, by ``on_detached``, within that many commands.
+# Of the quiet commands (``send_quiet``), every ``_HEAR_EVERY``-th goes on the ordinary connection with its
+# reply; the others on the quiet writer's, with none: a failure that repeats (a full Valkey, a read-only
+# replica, a refused ACL) is still heard, by ``on_detached``, within that many commands.
 _HEAR_EVERY = 16
 
 
@@ -27,10 +27,15 @@ class TickBatch:
     """One client's commands of this tick, sent together."""
 
     __slots__ = ("client", "_pending", "_loop", "_batched", "on_detached", "detached", "_wires", "_receivers",
-                 "_detached", "_quiet", "before_flush", "_skipping", "_unheard", "_skipped")
+                 "_detached", "_quiet", "before_flush", "quiet_writer", "_unheard", "_unreplied")
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, quiet_writer: Any = None) -> None:
+        """``quiet_writer``: a ``QuietWriter`` on the same server (gateway/valkey/quiet_writer.py), for the
+        commands of ``send_quiet`` (None: they go with their replies)."""
         self.client = client
+        self.quiet_writer = quiet_writer
+        self._unheard = 0  # quiet commands written without a reply since the last one with its reply
+        self._unreplied: list[bytes] = []  # this tick's, for the quiet writer
         self._pending: list[tuple[bytes, tuple[CommandArg, ...], asyncio.Future[Any] | None]] = []
         # What a detached command's reply tells its sender: None (it succeeded) or the error, once per command.
         self.on_detached: Any = None
@@ -44,12 +49,6 @@ class TickBatch:
         self._quiet = (_Detached(self, quiet=True), 0)  # the same, telling ``on_detached`` only its errors
         # Called as a tick's write is made, before its commands are taken (it may ``send`` more into it).
         self.before_flush: Any = None
-        # Whether the client's connection, as of the last write, takes ``CLIENT REPLY SKIP``: quiet commands
-        # are then framed without a reply; ``_unheard`` counts them since the last one that kept its reply;
-        # ``_skipped``: this tick's write holds such commands (the client checks the connection it goes on).
-        self._skipping = False
-        self._unheard = 0
-        self._skipped = False
         if not self._batched and hasattr(client, "cluster_error_retry_attempts"):
             # valkey-py's Cluster client retries a whole command on a connection error, a timeout or
             # CLUSTERDOWN (3 times by default, once as create_client makes it), re-reading the topology each
@@ -101,25 +100,29 @@ class TickBatch:
 
     def send_quiet(self, encoded: bytes) -> None:
         """``send(..., encoded=encoded, quiet=True)`` without its arguments (a command framed already), for
-        a client with ``send_each`` only (one node). On a connection that skips replies it goes after
-        ``CLIENT REPLY SKIP``: Valkey sends no reply, and nothing here reads, parses or resolves one (one
-        in ``_HEAR_EVERY`` keeps its reply, so its failures are heard)."""
-        wires = self._wires
-        if not wires:
-            self._flush_soon()
-        if self._skipping and self._unheard < _HEAR_EVERY:
+        a client with ``send_each`` only (one node). With a quiet writer whose server takes CLIENT REPLY, it
+        goes there: no reply, nothing read, parsed or resolved (one in ``_HEAR_EVERY`` stays here, with its
+        reply, so its failures are heard). Order among the quiet commands is kept; against the others it
+        is not (nothing needs it: a claim is ``NX``, and a later read finds the entry or waits for it)."""
+        writer = self.quiet_writer
+        if writer is not None and writer.supported is not False and self._unheard < _HEAR_EVERY:
             self._unheard += 1
-            self._skipped = True
-            wires.append(SKIP_REPLY + encoded)
+            unreplied = self._unreplied
+            if not unreplied and not self._wires:
+                self._flush_soon()
+            unreplied.append(encoded)
             return
         self._unheard = 0
         self.detached += 1
+        wires = self._wires
+        if not wires and not self._unreplied:
+            self._flush_soon()
         wires.append(encoded)
         self._receivers.append(self._quiet)
 
     def flush_soon(self) -> None:
         """Make sure this tick's write happens (``before_flush`` has something to add to it)."""
-        if not (self._wires if self._batched else self._pending):
+        if not (self._wires or self._unreplied if self._batched else self._pending):
             self._flush_soon()
 
     def _flush_soon(self) -> None:
@@ -137,24 +140,20 @@ class TickBatch:
             for _, args, future in batch:
                 self._resolve_later(future, args)
             return
+        unreplied = self._unreplied
+        if unreplied:
+            self._unreplied = []
+            self.quiet_writer.write(b"".join(unreplied))
         wires, receivers = self._wires, self._receivers
         if not wires:
             return
         self._wires, self._receivers = [], []
-        client = self.client
         try:
-            if self._skipped:
-                self._skipped = False
-                client.send_each(b"".join(wires), receivers, skipping=True)
-            else:
-                client.send_each(b"".join(wires), receivers)
+            self.client.send_each(b"".join(wires), receivers)
         except BACKEND_ERRORS as error:  # e.g. too many commands pending on a stuck connection
             for receiver, _ in receivers:
                 if not receiver.done():
                     receiver.set_exception(error)
-            if not receivers and self.on_detached is not None:
-                self.on_detached(error)  # a write of skipped commands only: still heard
-        self._skipping = client.skips_replies
 
     def _resolve_later(self, future: asyncio.Future[Any] | None, args: tuple[CommandArg, ...]) -> None:
         try:
