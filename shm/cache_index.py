@@ -163,6 +163,12 @@ class CacheIndex:
         """A cell ``take`` returned is empty again (its worker's: the one writer)."""
         self.map[cell:cell + 8] = _ZERO
 
+    def release_all(self, cells: list[int]) -> None:
+        """``release`` of each of ``cells``."""
+        mapping = self.map
+        for cell in cells:
+            mapping[cell:cell + 8] = _ZERO
+
     def hosted(self, digest: bytes, worker: int) -> bool:
         """Another worker than ``worker`` of this host leads the key of ``digest`` now."""
         place = place_of(digest, self.buckets)
@@ -241,16 +247,23 @@ class CacheIndexWriter:
         mapping, expiries = index.map, index.expiries
         base = self._fingerprints + place.bucket * 64
         first = place.bucket * 8
+        fingerprint = place.fingerprint
+        # Its own slot: a match on a slot's boundary (one found across two slots is no match).
+        found = mapping.find(fingerprint, base, base + 64)
+        while found >= 0 and (found - base) & 7:
+            found = mapping.find(fingerprint, found + 1, base + 64)
+        if found >= 0:
+            i = first + ((found - base) >> 3)
+            if expiries[i] < known_until:
+                expiries[i] = known_until
+            return
+        # Else the first free one: never used (its expiry still 0) or expired (a slot's expiry is written
+        # before its fingerprint, and only here, so an empty fingerprint always has an expiry of 0).
         free = -1
-        for i in range(SLOTS_PER_BUCKET):
-            start = base + i * 8
-            held = mapping[start:start + 8]
-            if held == place.fingerprint:
-                if expiries[first + i] < known_until:
-                    expiries[first + i] = known_until
-                return
-            if free < 0 and (held == _ZERO or expiries[first + i] <= now):
+        for i, expiry in enumerate(expiries[first:first + SLOTS_PER_BUCKET].tolist()):
+            if expiry <= now:
                 free = i
+                break
         if free < 0:
             self.dropped += 1
             index.words[H_DROPPED] = self.dropped

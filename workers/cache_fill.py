@@ -1,5 +1,6 @@
-"""A leader's flight (the requests waiting on its answer) and ``CacheFill``, the capture of its answer as
-the relay writes it (workers/response_cache.py, its ``cache``, stores what it captured)."""
+"""A leader's flight (the requests waiting on its answer), ``CacheFill``, the capture of its answer as
+the relay writes it (workers/response_cache.py, its ``cache``, stores what it captured), and the in-flight
+cells of the keys a worker just stored (``HeldCells``)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from gateway.cache.key import CacheKey
 from gateway.http.media import is_event_stream
 
 if TYPE_CHECKING:
+    from shm.cache_index import CacheIndex
     from workers.exchange import Exchange
     from workers.request_record import RequestRecord
 
 _DONE = b"data: [DONE]"
 _OPENAI_STREAMS = frozenset(("chat_completions", "completions"))  # end with [DONE] when complete
 _CONTENT_TYPE = b"content-type"
+_STREAM_TYPES: dict[bytes | None, bool] = {}  # an answer's content type -> whether it is an event stream
 
 
 class Flight:
@@ -38,6 +41,34 @@ class Flight:
             if not waiter.done():
                 waiter.set_result(entry)
         self.waiters = []
+
+
+class HeldCells:
+    """A worker's in-flight cells (shm/cache_index.py) of keys it just stored, held ``hold_s`` more: meanwhile
+    the other workers of the host wait for the key and read its entry, instead of taking it for unknown
+    while its announcement may still be on its way to the supervisor. Released by generation: every
+    ``hold_s`` while any are held, those held since the last time (each cell one to two periods; one
+    timer and one call for all of them, no clock read per key)."""
+
+    __slots__ = ("index", "hold_s", "held", "aging")
+
+    def __init__(self, index: CacheIndex, hold_s: float) -> None:
+        self.index = index
+        self.hold_s = hold_s
+        self.held: list[int] = []  # this period's
+        self.aging: list[int] = []  # the last period's: released at the next timer
+
+    def hold(self, cell: int) -> None:
+        held = self.held
+        if not held and not self.aging:
+            asyncio.get_running_loop().call_later(self.hold_s, self._release)
+        held.append(cell)
+
+    def _release(self) -> None:
+        self.index.release_all(self.aging)
+        self.aging, self.held = self.held, []
+        if self.aging:
+            asyncio.get_running_loop().call_later(self.hold_s, self._release)
 
 
 class CacheFill:
@@ -105,11 +136,17 @@ class CacheFill:
         if parts is None or self.status != 200 or record.status != 200 or record.error is not None:
             return None
         body = b"".join(parts)
-        stream = is_event_stream(self.content_type)
-        if stream and self.key.stream is False and not body:
-            return None
-        surface = self.exchange.admitted.route.surface.name if self.exchange.admitted is not None else ""
-        if stream and surface in _OPENAI_STREAMS and _DONE not in body[-64:]:
-            return None  # a stream cut before its [DONE]
-        return CacheEntry(200, self.content_type, body, stream, record.tokens_prompt, record.tokens_completion,
+        content_type = self.content_type
+        stream = _STREAM_TYPES.get(content_type)
+        if stream is None:
+            if len(_STREAM_TYPES) >= 64:  # (content types are few; a bound all the same)
+                _STREAM_TYPES.clear()
+            stream = _STREAM_TYPES[content_type] = is_event_stream(content_type)
+        if stream:
+            if self.key.stream is False and not body:
+                return None
+            admitted = self.exchange.admitted
+            if admitted is not None and admitted.route.surface.name in _OPENAI_STREAMS and _DONE not in body[-64:]:
+                return None  # a stream cut before its [DONE]
+        return CacheEntry(200, content_type, body, stream, record.tokens_prompt, record.tokens_completion,
                           record.cost_nusd, record.served, expires_at)

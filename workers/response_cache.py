@@ -19,34 +19,34 @@ The lookup is one command that also claims the key for coalescing across workers
 marker and the request waits); with coalescing off a plain GET. With the host index (shm/cache_index.py,
 authoritative: the supervisor follows every host's announcements of its claims) a key nobody in the fleet
 has is led at once: its claim (``SET NX PX``) and announcement (``PUBLISH``) leave with the tick's write,
-nothing is awaited; a key the index knows, or an index that cannot tell, takes the awaited lookup. A miss
-costs the lookup and one SET; a hit the lookup, plus the admission (which a worker-held quota block answers
-without any round trip: folding the GET into the admit script would cost every request a round trip that
-blocks make rare). Valkey down: bypass, never an error (left alone ``_BACKOFF_S`` after a failure).
+nothing is awaited; a key the index knows, or an index that cannot tell, takes the awaited lookup. The
+commands nobody waits for (claims, announcements, SETs) mostly get no reply (valkey/quiet_writer.py).
+Valkey down: bypass, never an error (left alone ``_BACKOFF_S`` after a failure).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from gateway.cache.announce import announcement
-from gateway.cache.commands import _CLAIM, _CLAIM_QUIET, _GET, _PUBLISH, _RELEASE, _SET, PENDING
+from gateway.cache.commands import _CLAIM, _CLAIM_QUIET, _GET, _PING, _PUBLISH, _RELEASE, _SET, PENDING
 from gateway.cache.entry import CacheEntry, ReadyAnswer, decode_entry, encode_entry
-from gateway.cache.key import BYPASS, CacheKey, cache_key, request_bypasses, request_digest, request_seed
+from gateway.cache.key import BYPASS, CacheKey, cache_key, key_parts, request_bypasses, request_digest
 from gateway.cache.local import LocalEntries
 from gateway.config.cache import Cache
 from gateway.http.errors import ErrorReply
 from gateway.metrics.writer import WorkerMetrics
-from gateway.valkey.client import BACKEND_ERRORS, create_client
+from gateway.valkey.client import BACKEND_ERRORS, DEFAULT_TIMEOUT_S, create_client
+from gateway.valkey.quiet_writer import QuietWriter
 from gateway.valkey.tick_batch import TickBatch
 from shm.cache_index import H_VALID_UNTIL, HOSTED, KNOWN, CacheIndex
-from workers.cache_fill import _CONTENT_TYPE, CacheFill, Flight
+from workers.cache_fill import _CONTENT_TYPE, CacheFill, Flight, HeldCells
 from workers.outcomes import HitEnds, served_model_headers
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ _BACKOFF_S = 1.0  # after a failed Valkey call the cache is bypassed this long (
 _FIELD_LINE = b"%b: %b\r\n".__mod__  # (name, value) -> its field line
 _POLL_FIRST_S, _POLL_MAX_S = 0.002, 0.05  # a remote waiter's GETs: 2 ms apart at first, doubling to 50 ms
 _AWAIT = object()
-_CELL_HOLD_S = 0.05  # a stored key's cell is held this long when the host index did not know the key yet
+_CELL_HOLD_S = 0.05  # a stored key's cell is held this long (up to twice) when the index may not know it yet
 _MAX_KNOWN = 8192  # request digests -> keys a worker remembers (of requests whose entry it stored or read)
 
 
@@ -73,14 +73,20 @@ class ResponseCache:
 
     def __init__(self, config: Cache, client: Any, metrics: WorkerMetrics,
                  admit_hit: Callable[[Any], Any] | None = None, index: CacheIndex | None = None,
-                 worker: int = 0) -> None:
+                 worker: int = 0, quiet: QuietWriter | None = None) -> None:
         self.config = config
         self.metrics = metrics
         self.client = client
-        self.commands = TickBatch(client)  # every GET and SET of a loop tick in one write
+        # Every GET and SET of a loop tick in one write; those nobody waits for mostly on ``quiet``'s
+        # connection, which gets no replies (gateway/valkey/quiet_writer.py).
+        self.quiet = quiet
+        if quiet is not None:
+            quiet.on_error = self._failed
+        self.commands = TickBatch(client, quiet)
         self.commands.on_detached = self._written
         self.ttl_ms = int(config.ttl * 1000)
         self.ttl_text = b"%d" % self.ttl_ms
+        self.ttl_s = self.ttl_ms / 1000
         self.max_entry = config.max_entry_bytes
         self.coalesce = config.coalesce.enabled
         self.max_waiters = config.coalesce.max_waiters
@@ -97,15 +103,15 @@ class ResponseCache:
         # The keys of requests whose entry this worker stored or read, by ``request_digest``: the same bytes
         # again (a repeated request: the likely next hit) skip making the key (a decode and a sorted encode).
         self.known_keys: dict[int, CacheKey] = {}
-        self.seeds: dict[tuple[str | None, str, str], int] = {}  # (tenant, API, model) -> its request_seed
+        # (tenant, API, model) -> its request_seed and its key_prefix
+        self.seeds: dict[tuple[str | None, str, str], tuple[int, bytes]] = {}
         # How long a leader's claim lives in Valkey at most (a crashed leader holds nobody longer).
         self.lead_ms = b"%d" % max(1, int(self.wait_s * 1000))
         self.marker_base = PENDING + b"%d:" % os.getpid()
         self.claims = 0  # leaders' markers made (the marker's per-leader part)
         self.down_until = 0.0
         self.hits = self.misses = self.bypasses = self.coalesced = self.stored = self.backend_errors = 0
-        self.local_hits = 0
-        self.led_at_once = 0  # misses the host index let go upstream with no awaited lookup
+        self.local_hits = self.led_at_once = 0  # led at once: misses the host index let go with no awaited lookup
         # The host index (shm.cache_index; None: every miss awaits its lookup), this worker's row in it, and
         # the keys claimed this tick, announced in one PUBLISH as the tick's commands are written.
         if not hasattr(client, "send_each"):
@@ -113,7 +119,8 @@ class ResponseCache:
         self.index = index
         self.worker = worker
         self.announced: list[bytes] = []
-        self.held_cells: deque[tuple[float, int]] = deque()  # (until, cell): stored keys the index may not know
+        # Stored keys' cells the index may not know yet, held a little longer (workers/cache_fill.py).
+        self.held_cells = None if index is None else HeldCells(index, _CELL_HOLD_S)
         self.known_ms = int(self.lead_ms) + self.ttl_ms  # a claim's key may exist this long: its wait, its TTL
         if index is not None:
             index.clear_worker(worker)  # a previous worker of this row may have died leading
@@ -131,7 +138,9 @@ class ResponseCache:
             index = None
         elif index is not None and not 0 <= worker < index.workers:
             index = None  # a row the index was not made for (cannot happen from the supervisor): no index
-        return cls(config, create_client(url), metrics, index=index, worker=worker)
+        client = create_client(url)
+        quiet = QuietWriter.from_url(url, DEFAULT_TIMEOUT_S) if hasattr(client, "send_each") else None
+        return cls(config, client, metrics, index=index, worker=worker, quiet=quiet)
 
     # -- the step -------------------------------------------------------------------------------------
     def look_up(self, flow: Any) -> ErrorReply | Awaitable[ErrorReply | None] | None:
@@ -230,16 +239,16 @@ class ResponseCache:
             return None
         tenant, model, body = flow.admitted.tenant, flow.request.name, exchange.body
         seeds = self.seeds
-        seed = seeds.get((tenant, surface, model))
-        if seed is None:
+        seeded = seeds.get((tenant, surface, model))
+        if seeded is None:
             if len(seeds) >= _MAX_KNOWN:
                 seeds.clear()
-            seed = seeds[(tenant, surface, model)] = request_seed(surface, tenant, model)
-        digest = request_digest(seed, surface, body, headers)
+            seeded = seeds[(tenant, surface, model)] = key_parts(self.config, surface, tenant, model)
+        digest = request_digest(seeded[0], surface, body, headers)
         known = self.known_keys.get(digest)
         if known is not None:
             return known
-        return cache_key(self.config, surface, tenant, model, body, headers, digest)
+        return cache_key(self.config, surface, tenant, model, body, headers, digest, seeded[1])
 
     def _remember(self, key: CacheKey) -> None:
         """``key`` has an entry: a request of the same bytes finds its key without making it."""
@@ -415,59 +424,48 @@ class ResponseCache:
     # -- storing ----------------------------------------------------------------------------------------
     def store(self, fill: CacheFill, record: RequestRecord) -> None:
         """The leader's request is over: store its answer when it ended well, and release its waiters."""
+        key = fill.key
+        name = key.key
         flight = fill.flight
-        if flight is not None and self.flights.get(fill.key.key) is flight:
-            del self.flights[fill.key.key]
-        entry = fill.entry(record, _time() + self.ttl_ms / 1000)
+        if flight is not None and self.flights.get(name) is flight:
+            del self.flights[name]
+        entry = fill.entry(record, _time() + self.ttl_s)
         if entry is not None:
             value = encode_entry(entry)
             if len(value) <= self.max_entry:
-                self._remember(fill.key)
-                self._write(fill.key.key, value)
+                self._remember(key)
+                self._write(name, value)
                 if self.local is not None:
-                    self.local.put(fill.key.key, entry, len(value), _monotonic())
+                    self.local.put(name, entry, len(value), _monotonic())
             else:
                 entry = None
         if flight is not None:
             if entry is None and flight.marker is not None:  # its claim goes: the others go on their own now
-                released = self.commands.call(b"EVAL", _RELEASE, 1, fill.key.key, flight.marker)
-                released.add_done_callback(_ignore_reply)  # rare (a failed leader): a future is fine
-            if flight.cell >= 0:
-                self._leave_cell(flight.cell, entry is not None)
-            flight.release(entry)
-
-    def _leave_cell(self, cell: int, stored: bool) -> None:
-        """This worker no longer leads the key of its in-flight ``cell``. For a stored key the cell stays
-        taken ``_CELL_HOLD_S`` more: meanwhile the other workers wait for it and read the entry, instead of
-        taking the key for unknown while its announcement may still be on its way to the supervisor."""
-        if not stored:
-            self.index.release(cell)  # type: ignore[union-attr]
-            return
-        held = self.held_cells
-        if not held:
-            asyncio.get_running_loop().call_later(_CELL_HOLD_S, self._release_cells)
-        held.append((_monotonic() + _CELL_HOLD_S, cell))
-
-    def _release_cells(self) -> None:
-        """The held cells whose time is over are empty again (one timer for all of them)."""
-        index, held = self.index, self.held_cells
-        assert index is not None
-        now = _monotonic()
-        while held and held[0][0] <= now:
-            index.release(held.popleft()[1])
-        if held:
-            asyncio.get_running_loop().call_later(held[0][0] - now, self._release_cells)
+                self.commands.send(b"EVAL", _RELEASE, 1, name, flight.marker, quiet=True)  # rare
+            if flight.cell >= 0:  # this worker no longer leads the key of its in-flight cell
+                if entry is None:
+                    self.index.release(flight.cell)  # type: ignore[union-attr]
+                else:
+                    self.held_cells.hold(flight.cell)  # type: ignore[union-attr]
+            if flight.waiters:
+                flight.release(entry)
 
     def _write(self, key: bytes, value: bytes) -> None:
-        # In this tick's write; nobody waits. Framed here in one %-format (no per-argument encoding loop).
-        self.commands.send(b"SET", key, value, b"PX", self.ttl_ms,
+        # In this tick's write; nobody waits, and mostly no reply comes (``send_quiet``: CLIENT REPLY OFF),
+        # so ``stored`` counts the SETs written. Framed here in one %-format (no per-argument encoding loop).
+        self.stored += 1
+        self.commands.send(b"SET", key, value, b"PX", self.ttl_ms, quiet=True,
                            encoded=_SET % (len(key), key, len(value), value, len(self.ttl_text), self.ttl_text))
 
     def _written(self, error: BaseException | None) -> None:
-        if error is None:
-            self.stored += 1
-        else:
+        if error is not None:
             self._failed(error)
+
+    async def synced(self) -> None:
+        """Every command written so far was served (a PING behind them answered, on each connection)."""
+        await self.commands.call(b"PING", encoded=_PING)
+        if self.quiet is not None:
+            await self.quiet.synced()
 
     def _failed(self, error: BaseException) -> None:
         self.backend_errors += 1
@@ -477,11 +475,11 @@ class ResponseCache:
         self.down_until = _monotonic() + _BACKOFF_S
 
     async def close(self) -> None:
-        for _ in range(100):  # the SETs sent get their replies (bounded: 1 s)
-            if not self.commands.detached:
-                break
-            await asyncio.sleep(0.01)
+        with contextlib.suppress(TimeoutError, *BACKEND_ERRORS):  # the SETs written are served first (1 s at most)
+            await asyncio.wait_for(self.synced(), 1.0)
         await self.client.aclose()
+        if self.quiet is not None:
+            await self.quiet.aclose()
 
 
 def _answer_framed(exchange: Exchange, record: RequestRecord, entry: CacheEntry,
@@ -493,8 +491,3 @@ def _answer_framed(exchange: Exchange, record: RequestRecord, entry: CacheEntry,
     exchange.start(entry.status, headers, None if entry.stream else len(entry.body))
     exchange.write(entry.body)
     exchange.end()  # closes the record (workers/outcomes.py), then the bytes leave
-
-
-def _ignore_reply(done: asyncio.Future[Any]) -> None:
-    if not done.cancelled():
-        done.exception()  # retrieved: a lost release only makes the waiters wait for the claim's expiry

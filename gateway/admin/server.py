@@ -70,7 +70,7 @@ class AdminServer:
                     break
                 head, body = request
                 framing = check_request_head(head.method, head.target, head.http_version, head.headers,
-                                             _MAX_URL_BYTES, _MAX_BODY_BYTES)
+                                             _MAX_URL_BYTES, _MAX_BODY_BYTES, head.plain)
                 parser.expect_response(head.method, head.http_version == b"1.1", framing.keep_alive)
                 method = head.method.decode("ascii", "replace")
                 headers = _headers(head.headers)

@@ -17,3 +17,4 @@ _SET = b"*5\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$2\r\nPX\r\n$%d\r\n%b\r\n"
 # A fast leader's claim (no GET: it awaits nothing), and the tick's announcements (gateway/cache/announce.py).
 _CLAIM_QUIET = b"*6\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%b\r\n"
 _PUBLISH = b"*3\r\n$7\r\nPUBLISH\r\n$%d\r\n%b\r\n$%%d\r\n%%b\r\n" % (len(CHANNEL), CHANNEL)
+_PING = b"*1\r\n$4\r\nPING\r\n"  # answered once every command written before it was served

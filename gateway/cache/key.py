@@ -41,6 +41,7 @@ _encode = msgspec.json.Encoder(order="sorted").encode
 _KEY_PREFIX = b"gridgate:cache:"
 _digest = xxhash.xxh3_128_digest
 _int_digest = xxhash.xxh3_128_intdigest
+_NUMBERS = (int, float)  # a temperature's types (bool is neither: ``.__class__`` is tested, not isinstance)
 
 
 class CacheKey(msgspec.Struct, frozen=True, gc=False):
@@ -87,14 +88,29 @@ def is_deterministic(surface: str, body: dict[str, Any]) -> bool:
     if body.get("seed") is not None:
         return True
     temperature = body.get("temperature")
-    return temperature is not None and temperature.__class__ in (int, float) and temperature == 0
+    return temperature.__class__ in _NUMBERS and temperature == 0
+
+
+def key_prefix(cache: Cache, surface: str, tenant: str | None, model: str) -> bytes:
+    """The key's material before the request's own part: the tenant (unless ``tenants: shared``), the API
+    and the resolved model, each length-prefixed (no two part lists make the same bytes). A worker keeps
+    it per (tenant, API, model), beside ``request_seed``."""
+    tenant_part = b"" if cache.tenants == "shared" else (tenant or "").encode()
+    model_part = model.encode()
+    return b"%d:%b%d:%b%d:%b" % (len(tenant_part), tenant_part, len(surface), surface.encode(), len(model_part),
+                                 model_part)
+
+
+def key_parts(cache: Cache, surface: str, tenant: str | None, model: str) -> tuple[int, bytes]:
+    """``request_seed``'s and ``key_prefix``'s, for a worker to keep per (tenant, API, model)."""
+    return request_seed(surface, tenant, model), key_prefix(cache, surface, tenant, model)
 
 
 def cache_key(cache: Cache, surface: str, tenant: str | None, model: str, body: bytes,
-              headers: dict[bytes, bytes], digest: int = 0) -> CacheKey | None:
+              headers: dict[bytes, bytes], digest: int = 0, prefix: bytes | None = None) -> CacheKey | None:
     """The request's key, or None when it is not cacheable (another API, a body that is not a JSON
     object, not deterministic while ``only_deterministic``). ``headers``: the request's headers by
-    lowercase name (only ``ANSWER_HEADERS`` are read)."""
+    lowercase name (only ``ANSWER_HEADERS`` are read); ``prefix``: ``key_prefix``'s, when the caller kept it."""
     ignored = IGNORED_MEMBERS.get(surface)
     if ignored is None:
         return None
@@ -104,8 +120,12 @@ def cache_key(cache: Cache, surface: str, tenant: str | None, model: str, body: 
         return None
     if members.__class__ is not dict:
         return None
-    if cache.only_deterministic and not is_deterministic(surface, members):
-        return None
+    # Deterministic (``is_deterministic``, inline: every miss and every first hit asks): a seed, or a
+    # temperature of 0 (an int or a float: not False, not "0"); embeddings always.
+    if cache.only_deterministic and surface not in _ALWAYS_DETERMINISTIC and members.get("seed") is None:
+        temperature = members.get("temperature")
+        if temperature.__class__ not in _NUMBERS or temperature != 0:
+            return None
     fields = cache.key_fields
     if fields is None:
         kept = members  # freshly decoded, ours: the ignored members present (usually `model` alone) go
@@ -113,13 +133,11 @@ def cache_key(cache: Cache, surface: str, tenant: str | None, model: str, body: 
             del kept[name]
     else:
         kept = {name: members[name] for name in fields if name in members}
-    tenant_part = b"" if cache.tenants == "shared" else (tenant or "").encode()
-    model_part = model.encode()
-    # Length-prefixed parts (no two part lists make the same bytes); the body's canonical form last.
-    material = b"%d:%b%d:%b%d:%b" % (len(tenant_part), tenant_part, len(surface), surface.encode(), len(model_part),
-                                     model_part)
-    for name in ANSWER_HEADERS.get(surface, ()):
-        value = headers.get(name, b"")
-        material += b"%d:%b" % (len(value), value)
-    raw = _digest(material + _encode(kept))
+    material = key_prefix(cache, surface, tenant, model) if prefix is None else prefix
+    names = ANSWER_HEADERS.get(surface)
+    if names is not None:
+        for name in names:
+            value = headers.get(name, b"")
+            material += b"%d:%b" % (len(value), value)
+    raw = _digest(material + _encode(kept))  # the body's canonical form last
     return CacheKey(_KEY_PREFIX + raw.hex().encode(), members.get("stream") is True, digest, raw)

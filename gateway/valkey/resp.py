@@ -58,7 +58,7 @@ class _Connection(asyncio.Protocol):
     __slots__ = (
         "_loop", "_address", "_timeout_s", "_max_pending", "_on_lost", "_transport", "_pending",
         "_queued", "_batch", "_partial", "_need", "_replies", "_replies_seen", "_watchdog", "_error",
-        "closed",
+        "closed", "quiet",
     )  # fmt: skip
 
     def __init__(
@@ -85,6 +85,8 @@ class _Connection(asyncio.Protocol):
         self._watchdog: asyncio.TimerHandle | None = None
         self._error: ConnectionError | TimeoutError | None = None  # set once the connection is unusable
         self.closed: asyncio.Future[None] = loop.create_future()
+        # In CLIENT REPLY OFF (gateway/valkey/quiet_writer.py): no command waits, and a reply is a fault.
+        self.quiet = False
 
     def request(self, payload: bytes, count: int) -> asyncio.Future[Any]:
         """Write ``payload`` (``count`` commands, 0 meaning one unbatched) and return its future."""
@@ -119,6 +121,17 @@ class _Connection(asyncio.Protocol):
             self._replies_seen = self._replies
             self._watchdog = self._loop.call_later(self._timeout_s, self._check_progress)
 
+    def write_quiet(self, payload: bytes, max_buffer: int) -> None:
+        """Write commands nobody waits for (a connection in CLIENT REPLY OFF); a connection whose server
+        stopped reading (more than ``max_buffer`` bytes unsent) is aborted rather than left to grow."""
+        if self._error is not None:
+            raise type(self._error)(*self._error.args)
+        transport = self._transport
+        if transport.get_write_buffer_size() > max_buffer:  # type: ignore[union-attr]
+            self.abort(ConnectionError(f"{self._address} takes no more writes"))
+            raise ConnectionError(f"{self._address} takes no more writes")
+        transport.write(payload)  # type: ignore[union-attr]
+
     @property
     def error(self) -> ConnectionError | TimeoutError | None:
         return self._error
@@ -138,6 +151,9 @@ class _Connection(asyncio.Protocol):
         self._transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        if self.quiet:  # its CLIENT REPLY OFF did not take (refused): nothing here can tell what replied
+            self.abort(ConnectionError(f"A reply from {self._address} on a connection in CLIENT REPLY OFF"))
+            return
         if self._partial:
             self._partial += data
             if len(self._partial) < self._need:
@@ -313,6 +329,17 @@ class RespClient:
             for receiver, _ in receivers:
                 if not receiver.done():
                     receiver.set_exception(error)
+
+    async def connection(self) -> _Connection:
+        """The connection, made (AUTH and SELECT included) if there is none."""
+        conn = self._conn
+        if conn is not None:
+            return conn
+        task = self._connecting
+        if task is None:
+            task = self._connecting = asyncio.get_running_loop().create_task(self._connect())
+            task.add_done_callback(self._connect_done)
+        return await asyncio.shield(task)
 
     def ping(self) -> Awaitable[Any]:
         return self._send(b"*1\r\n$4\r\nPING\r\n", 0)

@@ -17,15 +17,25 @@ from typing import Any
 from gateway.valkey.client import BACKEND_ERRORS
 from gateway.valkey.resp import CommandArg, encode_command
 
+# Of the quiet commands (``send_quiet``), every ``_HEAR_EVERY``-th goes on the ordinary connection with its
+# reply; the others on the quiet writer's, with none: a failure that repeats (a full Valkey, a read-only
+# replica, a refused ACL) is still heard, by ``on_detached``, within that many commands.
+_HEAR_EVERY = 16
+
 
 class TickBatch:
     """One client's commands of this tick, sent together."""
 
     __slots__ = ("client", "_pending", "_loop", "_batched", "on_detached", "detached", "_wires", "_receivers",
-                 "_detached", "_quiet", "before_flush")
+                 "_detached", "_quiet", "before_flush", "quiet_writer", "_unheard", "_unreplied")
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, quiet_writer: Any = None) -> None:
+        """``quiet_writer``: a ``QuietWriter`` on the same server (gateway/valkey/quiet_writer.py), for the
+        commands of ``send_quiet`` (None: they go with their replies)."""
         self.client = client
+        self.quiet_writer = quiet_writer
+        self._unheard = 0  # quiet commands written without a reply since the last one with its reply
+        self._unreplied: list[bytes] = []  # this tick's, for the quiet writer
         self._pending: list[tuple[bytes, tuple[CommandArg, ...], asyncio.Future[Any] | None]] = []
         # What a detached command's reply tells its sender: None (it succeeded) or the error, once per command.
         self.on_detached: Any = None
@@ -72,6 +82,9 @@ class TickBatch:
     def send(self, *args: CommandArg, encoded: bytes | None = None, quiet: bool = False) -> None:
         """Queue one command nobody waits for (a SET): ``on_detached`` hears how it went (``quiet``: only when
         it failed). ``encoded``: as ``call``'s."""
+        if self._batched and quiet and encoded is not None:
+            self.send_quiet(encoded)
+            return
         self.detached += 1
         if self._batched:
             wires = self._wires
@@ -87,17 +100,29 @@ class TickBatch:
 
     def send_quiet(self, encoded: bytes) -> None:
         """``send(..., encoded=encoded, quiet=True)`` without its arguments (a command framed already), for
-        a client with ``send_each`` only (one node: the response cache's host index runs on no other)."""
+        a client with ``send_each`` only (one node). With a quiet writer whose server takes CLIENT REPLY, it
+        goes there: no reply, nothing read, parsed or resolved (one in ``_HEAR_EVERY`` stays here, with its
+        reply, so its failures are heard). Order among the quiet commands is kept; against the others it
+        is not (nothing needs it: a claim is ``NX``, and a later read finds the entry or waits for it)."""
+        writer = self.quiet_writer
+        if writer is not None and writer.supported is not False and self._unheard < _HEAR_EVERY:
+            self._unheard += 1
+            unreplied = self._unreplied
+            if not unreplied and not self._wires:
+                self._flush_soon()
+            unreplied.append(encoded)
+            return
+        self._unheard = 0
         self.detached += 1
         wires = self._wires
-        if not wires:
+        if not wires and not self._unreplied:
             self._flush_soon()
         wires.append(encoded)
         self._receivers.append(self._quiet)
 
     def flush_soon(self) -> None:
         """Make sure this tick's write happens (``before_flush`` has something to add to it)."""
-        if not (self._wires if self._batched else self._pending):
+        if not (self._wires or self._unreplied if self._batched else self._pending):
             self._flush_soon()
 
     def _flush_soon(self) -> None:
@@ -115,6 +140,10 @@ class TickBatch:
             for _, args, future in batch:
                 self._resolve_later(future, args)
             return
+        unreplied = self._unreplied
+        if unreplied:
+            self._unreplied = []
+            self.quiet_writer.write(b"".join(unreplied))
         wires, receivers = self._wires, self._receivers
         if not wires:
             return

@@ -277,7 +277,9 @@ def test_a_crashed_leaders_claim_holds_nobody_past_its_expiry(tmp_path, valkey_u
 
 
 # What this test's own counting clients send (their connection's AUTH and SETINFO, the reset itself).
-_COUNTING = frozenset(("auth", "client|setinfo", "config|resetstat", "info", "hello"))
+# Not the cache's own calls: the counting's, and ``until_stored``'s sync (a PING on each connection, its
+# replies turned on and off again on the one in CLIENT REPLY OFF).
+_COUNTING = frozenset(("auth", "client|setinfo", "config|resetstat", "info", "hello", "ping", "client|reply"))
 
 
 def commands_counted(url: str) -> dict[str, int]:
@@ -305,9 +307,10 @@ def reset_counts(url: str) -> None:
 
 def test_what_a_miss_and_a_hit_cost_in_valkey_calls(tmp_path, keys_store):
     """docs/cache.md, "What a hit costs": a miss is one ``SET NX PX GET`` (the lookup and the claim) and
-    one ``SET`` of the entry; a hit one command (the same lookup, which finds the entry); a hit from the
-    worker's local copy none. With coalescing off the lookup is a plain ``GET``. Counted by the cache's own
-    Valkey (``INFO commandstats``), nothing else using it."""
+    one ``SET`` of the entry (on the connection in CLIENT REPLY OFF: nobody reads its reply); a hit one
+    command (the same lookup, which finds the entry); a hit from the worker's local copy none. With
+    coalescing off the lookup is a plain ``GET``. Counted by the cache's own Valkey (``INFO commandstats``),
+    nothing else using it."""
     async def scenario() -> None:
         provider = await start_provider("p", tokens=5)
         url = keys_store.url

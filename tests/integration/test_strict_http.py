@@ -270,3 +270,20 @@ def test_obs_fold_is_replaced_by_a_space_before_forwarding(strict_gateway):
     assert status_of(raw) == 200
     echoed = {k.lower(): v for k, v in json.loads(raw.partition(b"\r\n\r\n")[2])["headers"]}
     assert echoed["x-folded"] == "a b"
+
+
+@pytest.mark.parametrize("split", [None, 3], ids=["whole", "split"])
+@pytest.mark.parametrize("value", [b"a\x01b", b"a\x7fb", b"a\x00b"], ids=["soh", "del", "nul"])
+def test_the_admin_listener_refuses_control_bytes_in_header_values(strict_gateway, value, split):
+    # Its heads are parsed by the same plain-head parser: a control byte must still be refused there.
+    _, gateway = strict_gateway
+    raw = raw_exchange(gateway.admin_port, b"GET /healthz HTTP/1.1\r\nHost: g\r\nX-A: " + value + b"\r\n\r\n",
+                       split=split)
+    assert status_of(raw) == 400
+    assert json.loads(raw.partition(b"\r\n\r\n")[2])["error"]["type"] == "invalid_request_error"
+
+
+def test_the_admin_listener_answers_a_plain_head(strict_gateway):
+    _, gateway = strict_gateway
+    raw = raw_exchange(gateway.admin_port, b"GET /healthz HTTP/1.1\r\nHost: g\r\nConnection: close\r\n\r\n")
+    assert status_of(raw) == 200
