@@ -316,11 +316,7 @@ class AccessLog:
             key = ((route or _NO_ROUTE)[_ROUTE_FIELDS], paths[target], values[_SHARED_AT], numbers.count(None),
                    cost is None, cached is None, reasoning is None, subject is None)
             if overhead_s is None:  # a cache hit's line (never the common template's: no overhead_ms)
-                if (values[_CACHE_AT] == "hit" and t_start is not None and request_id is not None
-                        and values[_RARE_AT] == _PLAIN):  # (a rarer field: the key may not even be hashable)
-                    self._hit_line(values, millis, date, add, key)
-                else:
-                    self._encode_line(_record_of(entry), millis, add, key)
+                self._hit_line(entry, values, millis, date, add, key)
                 continue
             try:
                 # The times in milliseconds with three decimals: whole microseconds (a quarter of the cost of
@@ -398,12 +394,17 @@ class AccessLog:
                 and key not in self._templates):
             self._template(key, line, skips=_EMPTY_SKIPS)
 
-    def _hit_line(self, values: tuple, millis: int, date: bytes, add: Callable[[bytes], None], key: tuple) -> None:
-        """A response cache hit's line (``values``: its kept values, ``_KEPT``), from its template (the first
-        line of its kind is encoded whole, and its template made of it unless a value no template can hold is
-        None)."""
+    def _hit_line(self, entry: RequestRecord | tuple, values: tuple, millis: int, date: bytes,
+                  add: Callable[[bytes], None], key: tuple) -> None:
+        """A line with no overhead_ms (``values``: its kept values, ``_KEPT``): a response cache hit's from its
+        template (the first line of its kind is encoded whole, and its template made of it unless a value no
+        template can hold is None); any other, or with a rarer field set, encoded whole."""
         (t_start, t_first_byte, ended, status, attempts, bytes_in, bytes_out, cost, subject, saved_tokens,
          saved_nusd, request_id, tenant) = _hit_values(values)
+        if (values[_CACHE_AT] != "hit" or t_start is None or request_id is None
+                or values[_RARE_AT] != _PLAIN):  # (a rarer field: the key may not even be hashable)
+            self._encode_line(_record_of(entry), millis, add, key)
+            return
         hit_key = (key, saved_tokens is None, saved_nusd is None)
         template = self._hit_templates.get(hit_key)
         if template is None:  # the first of its kind: encoded whole, and its template made of it when it can be

@@ -22,7 +22,8 @@ Bounds (docs/conformance.md): one request is parsed at a time, and the next one 
 before it ended and the client reads its answers (the transport is below its write high-water mark);
 bytes received beyond the request being read stop the reading of the socket past
 ``_PIPELINE_BUFFER_LIMIT``; the body bytes a worker holds are counted against
-``limits.max_buffered_body_bytes_per_worker``.
+``limits.max_buffered_body_bytes_per_worker``. Answers made in the read of their requests wait for the
+tick's reads to end (at most ``_PIPELINE_BUFFER_LIMIT`` bytes), then leave with every connection's.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class ServerConnection(asyncio.Protocol):
         "_on_deadline", "_head_bytes", "_t_head", "_body", "_body_len", "_body_counted", "_framing", "_request",
         "_headers", "_reading_paused", "writing_paused", "_loop", "pending", "served", "_eof", "auth_memo", "jwt_memo",
         "admitted", "peer_identity", "head_waited", "_answering", "_next_ready",
+        "_deferred",
     )
 
     def __init__(self, server: ServerState) -> None:
@@ -97,7 +99,7 @@ class ServerConnection(asyncio.Protocol):
         self.served = 0
         self._eof = False
         # Inside the handler's call in _dispatch; the request was answered inside it (parse the next one).
-        self._answering = self._next_ready = False
+        self._answering = self._next_ready = self._deferred = False  # (_deferred: in ServerState.unwritten)
 
     # -- transport callbacks -------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -308,19 +310,7 @@ class ServerConnection(asyncio.Protocol):
 
     def _count_body(self, size: int) -> None:
         """Count ``size`` bytes of the current request's body against the worker's budget, or refuse it."""
-        settings = self.settings
-        if size > settings.max_body_bytes:
-            raise GatewayError(ErrorReply(
-                413, "request_too_large", f"request body larger than {settings.max_body_bytes} bytes", close=True,
-            ))
-        server = self.server
-        held = server.body_bytes + size - self._body_counted
-        if held > settings.max_buffered_body:
-            raise GatewayError(ErrorReply(
-                503, "server_busy", "the gateway holds too many request bodies right now, retry",
-                ((b"retry-after", b"1"),), close=True,
-            ))
-        server.body_bytes = held
+        self.server.count_body(size, self._body_counted)
         self._body_counted = size
 
     def _uncount_body(self) -> None:
@@ -347,6 +337,7 @@ class ServerConnection(asyncio.Protocol):
 
     def write(self, data: bytes) -> None:
         if self.state != _CLOSED:
+            self.write_pending()  # (answers deferred by flush go first)
             self.transport.write(data)
 
     # The exchange's side (workers/exchange.py ExchangeConnection): framed, queued, written by ``flush``.
@@ -374,6 +365,17 @@ class ServerConnection(asyncio.Protocol):
             self.pending.append(end)
 
     def flush(self) -> None:
+        # Answered in the read of its request: written with the other connections' after this tick's reads
+        # (ServerState.write_soon), up to a bound (past it, the client must read before more is parsed).
+        if self._answering and sum(map(len, self.pending)) <= _PIPELINE_BUFFER_LIMIT:
+            if not self._deferred:
+                self._deferred = True
+                self.server.write_soon(self)
+            return
+        self.write_pending()
+
+    def write_pending(self) -> None:
+        self._deferred = False
         pending = self.pending
         if pending:
             if self.state != _CLOSED:
@@ -439,11 +441,8 @@ class ServerConnection(asyncio.Protocol):
         self._linger_close()
 
     def _linger_close(self) -> None:
-        """Half-close and discard input for a moment before closing.
-
-        Closing a socket with unread input makes the kernel send RST, which can destroy the error
-        response we just wrote before the client reads it (the classic lingering-close problem).
-        """
+        """Half-close and discard input for a moment before closing: closing a socket with unread input makes
+        the kernel send RST, which can destroy the error response just written (the lingering-close problem)."""
         self.state = _CLOSED
         self.server.connections.discard(self)
         self._cancel_timer()
@@ -456,6 +455,7 @@ class ServerConnection(asyncio.Protocol):
     def close(self, abort: bool = False) -> None:
         if self.state == _CLOSED:
             return
+        self.write_pending()
         self.state = _CLOSED
         self._cancel_timer()
         self.server.connections.discard(self)

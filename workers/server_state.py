@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from gateway.config import Config
-from gateway.http.errors import ErrorReply
+from gateway.http.errors import ErrorReply, GatewayError
 from workers.exchange import Exchange
 from workers.raw_answers import CorsPolicy
 
@@ -29,6 +29,8 @@ class LiveConnection(Protocol):
     def idle_for(self, now: float) -> float: ...
 
     def close(self, abort: bool = False) -> None: ...
+
+    def write_pending(self) -> None: ...  # write the answers queued for it (ServerState.write_soon)
 
 
 class ServerSettings:
@@ -74,6 +76,37 @@ class ServerState:
         # else admits it and travels to the handler as ``exchange.admitted``.
         self.head_gate: Callable[[LiveConnection, bytes, bytes, list[tuple[bytes, bytes]]], object] | None = None
         self.cors: CorsPolicy | None = None  # the CORS policy (None: off) of the answers written here
+        self.unwritten: list[LiveConnection] = []  # connections whose answers leave after this tick's reads
+
+    def count_body(self, size: int, counted: int) -> None:
+        """A request's body of ``size`` bytes (``counted`` of them counted already) against the worker's
+        budget of held body bytes: counted, or refused (GatewayError: 413 past the limit, 503 when full)."""
+        settings = self.settings
+        if size > settings.max_body_bytes:
+            raise GatewayError(ErrorReply(
+                413, "request_too_large", f"request body larger than {settings.max_body_bytes} bytes", close=True,
+            ))
+        held = self.body_bytes + size - counted
+        if held > settings.max_buffered_body:
+            raise GatewayError(ErrorReply(
+                503, "server_busy", "the gateway holds too many request bodies right now, retry",
+                ((b"retry-after", b"1"),), close=True,
+            ))
+        self.body_bytes = held
+
+    def write_soon(self, conn: LiveConnection) -> None:
+        """``conn``'s answers, made in the read of their requests, are written after this loop tick's reads, with
+        every other connection's (one callback for all): the kernel's send path then runs back to back, as it
+        did when a task per request wrote them (interleaved with the reads, a hit cost about 8 % more)."""
+        unwritten = self.unwritten
+        if not unwritten:
+            asyncio.get_running_loop().call_soon(self._write_unwritten)
+        unwritten.append(conn)
+
+    def _write_unwritten(self) -> None:
+        unwritten, self.unwritten = self.unwritten, []
+        for conn in unwritten:
+            conn.write_pending()
 
     def close_idle(self, now: float) -> None:
         """Draining: close the connections that sat idle between requests for ``_DRAIN_IDLE_S``.

@@ -39,7 +39,7 @@ async def wait_then_answer(exchange) -> None:
     at_once(exchange)
 
 
-def test_pipelined_requests_answered_at_once_leave_in_order_before_the_loop_runs_again():
+def test_pipelined_requests_answered_at_once_leave_in_order_after_the_ticks_reads():
     count = 3000  # far beyond the recursion limit, were each answer to parse the next one inside it
 
     async def scenario():
@@ -47,15 +47,21 @@ def test_pipelined_requests_answered_at_once_leave_in_order_before_the_loop_runs
         transport = StandInTransport(connection)
         connection.connection_made(transport)
         connection.data_received(b"".join(get(b"/r%d" % i) for i in range(count)))
-        written = split_answers(bytes(transport.out))  # before any task or callback could run
+        during = len(transport.out)  # in the read: only what passed the bound of deferred answers
         tasks = len(asyncio.all_tasks())
+        await asyncio.sleep(0)  # the tick's write of the deferred answers (ServerState.write_soon)
+        after = split_answers(bytes(transport.out))
+        connection.data_received(get(b"/one"))
+        await asyncio.sleep(0)
         connection.eof_received()
         await settle()
-        return written, tasks, transport
+        return during, tasks, after, transport
 
-    written, tasks, transport = asyncio.run(scenario())
-    assert [body for _, _, body in written] == [b"GET /r%d\n" % i for i in range(count)]
+    during, tasks, after, transport = asyncio.run(scenario())
+    assert [body for _, _, body in after] == [b"GET /r%d\n" % i for i in range(count)]
+    assert 0 < during < len(bytes(transport.out))  # the bound wrote some at once, the rest waited for the tick
     assert tasks == 1  # the scenario's own: no request took one
+    assert split_answers(bytes(transport.out))[-1][2] == b"GET /one\n"
     assert not transport.aborted
 
 
@@ -95,22 +101,26 @@ def test_a_handler_that_returns_without_answering_cuts_the_connection():
     assert run.transport.aborted  # the client sees a cut, never a false end; /b is not answered
 
 
-def test_answers_at_once_stop_while_the_client_leaves_them_unread():
+def test_answers_at_once_stop_past_a_bound_while_the_client_leaves_them_unread():
+    def large(exchange) -> None:  # 8 KiB answers: the deferred ones pass the bound after 8 of them
+        exchange.respond(200, [(b"content-type", b"text/plain")], exchange.target + b"\n" + b"x" * 8192)
+
     async def scenario():
-        connection = ServerConnection(ServerState(settings(), at_once))
-        transport = StandInTransport(connection, window=10)  # the first answer fills the client's window
+        connection = ServerConnection(ServerState(settings(), large))
+        transport = StandInTransport(connection, window=10)  # the first write fills the client's window
         connection.connection_made(transport)
         connection.data_received(get(b"/r") * 50)
+        await asyncio.sleep(0)
         unread = len(split_answers(bytes(transport.out)))
         waiting = connection.codec.buffered
         for _ in range(60):
             transport.client_reads()
             await settle()
-        return unread, waiting, len(split_answers(bytes(transport.out)))
+        return unread, waiting, split_answers(bytes(transport.out))
 
-    unread, waiting, answered = asyncio.run(scenario())
-    assert unread == 1 and waiting == len(get(b"/r")) * 49
-    assert answered == 50
+    unread, waiting, answers = asyncio.run(scenario())
+    assert 8 <= unread <= 10 and waiting == len(get(b"/r")) * (50 - unread)  # nothing more parsed meanwhile
+    assert len(answers) == 50 and all(body.startswith(b"/r\n") for _, _, body in answers)
 
 
 def test_an_async_handler_still_serves_every_request():
