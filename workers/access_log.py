@@ -3,7 +3,8 @@ request path.
 
 ``AccessLog.record`` runs once when a request ends, with its closed ``RequestRecord``
 (workers/request_record.py), which holds what the line needs (clock readings, the exchange's fields, the
-route decision, the outcome): it keeps the record and returns. Before each write-out
+route decision, the outcome): it keeps the line's values (read off the record in one C call, so the record
+itself is freed at once; a line with a rarer field keeps its record) and returns. Before each write-out
 (every ``flush_delay_s``, at reopen and at close) the ``LineWriter`` asks for the lines: the pending
 records are formatted and encoded with msgspec, joined into its bounded buffer, in one tight loop.
 The work is the same, but a batch runs with warm caches, where one line at the end of each request
@@ -31,8 +32,8 @@ import msgspec
 from gateway.config import AccessLog as AccessLogConfig
 from gateway.config import Config
 from gateway.routing.eligibility import reason_names
-from gateway.routing.evidence import PickerInput, PrefixEvidence
 from gateway.routing.plan import RouteDecision
+from workers.access_line import AccessLine
 from workers.line_writer import LineWriter
 from workers.request_record import RequestRecord
 
@@ -41,67 +42,6 @@ _time = time.time
 _random = random.random
 _astuple = msgspec.structs.astuple
 _encode = msgspec.json.encode
-
-
-class AccessLine(msgspec.Struct, omit_defaults=True, gc=False):
-    """One line, in the documented key order; ``filtered`` (candidates the eligibility filters removed)
-    and ``filtered_reasons`` (why: context_window, feature, region) only when there were any."""
-
-    ts: str
-    request_id: str | None
-    tenant: str | None
-    method: str | None
-    path: str | None
-    status: int
-    capability: str | None
-    provider: str | None
-    stable_id: str | None
-    selection_group: int | None
-    selection_mode: str | None
-    affinity: str | None
-    attempts: int
-    endpoint: str | None
-    overlay_revision: str | None
-    bytes_in: int
-    bytes_out: int
-    tokens_prompt: int | None
-    tokens_completion: int | None
-    overhead_ms: float | None
-    first_byte_ms: float | None
-    duration_ms: float | None
-    error: str | None
-    filtered: int = 0
-    filtered_reasons: list[str] | None = None
-    # The route evidence of a sampled request (access_log.evidence_sample; gateway/routing/evidence.py).
-    site: str | None = None
-    admission_state: str | None = None
-    candidates: int | None = None
-    excluded: dict[str, int] | None = None
-    picker_inputs: list[PickerInput] | None = None
-    prefix: PrefixEvidence | None = None  # prefix affinity's pick (docs/routing.md, "Prefix affinity")
-    trace_id: str | None = None  # a traced request's trace (docs/tracing.md)
-    shadow: tuple[str, ...] | None = None  # quota limits in shadow mode that would have refused it
-    # An alias or a fallback chain (docs/models.md): the name asked for (when an alias), the model that
-    # served (or was tried last), the moves along the chain and why, and chain models skipped.
-    requested_model: str | None = None
-    served_model: str | None = None
-    fallback_hops: int = 0
-    fallback_reasons: list[str] | None = None
-    fallback_skipped: int = 0
-    # Spend (docs/pricing.md): the request's cost in nano-USD at the served model's price, the cached
-    # and reasoning parts of its usage, and a budget threshold it crossed; present when known.
-    cost_nusd: int | None = None
-    tokens_cached: int | None = None
-    tokens_reasoning: int | None = None
-    spend_alert: str | None = None
-    # Who, beyond the tenant, for a request a JWT or a client certificate identified (docs/identity.md): the
-    # identity (``jwt:<issuer>``, ``mtls``) and its subject (the key claim, the certificate's value).
-    identity: str | None = None
-    subject: str | None = None
-    # The response cache (docs/cache.md): hit, miss or bypass; what a hit saved (its entry's usage and cost).
-    cache: str | None = None
-    saved_tokens: int | None = None
-    saved_nusd: int | None = None
 
 
 _NO_ROUTE = (None, None, None, None, None, None, None)  # a RouteDecision's fields up to _ROUTE_FIELDS' end
@@ -117,13 +57,27 @@ _MAX_MILLIS_TEXTS = 4096  # a cache hit's times' texts kept (`_MillisTexts`)
 # others (with the route's, the path, how many token counts and which spend fields are None: its
 # template's key; the endpoint as itself: the worker's own for its life, its address fixed), the rarer
 # fields among them: a line with one set is encoded whole (no template is kept under its key).
-_line_values = attrgetter("ended", "t_start", "t_first_byte", "overhead_s", "request_id", "tenant", "route",
-                          "target", "cost_nusd", "tokens_cached", "tokens_reasoning", "subject")
-_numbers = attrgetter("status", "attempts", "bytes_in", "bytes_out", "tokens_prompt", "tokens_completion")
-_shared = attrgetter("method", "capability", "endpoint", "error", "served_model", "identity",
-                     "filtered", "evidence", "trace", "shadow", "model_route", "spend_alert", "cache")
-_rare_fields = attrgetter("filtered", "evidence", "trace", "shadow", "model_route", "spend_alert")
+_LINE_VALUES = ("ended", "t_start", "t_first_byte", "overhead_s", "request_id", "tenant", "route", "target",
+                "cost_nusd", "tokens_cached", "tokens_reasoning", "subject")
+_NUMBERS = ("status", "attempts", "bytes_in", "bytes_out", "tokens_prompt", "tokens_completion")
+_SHARED = ("method", "capability", "endpoint", "error", "served_model", "identity",
+           "filtered", "evidence", "trace", "shadow", "model_route", "spend_alert", "cache")
+_RARE = ("filtered", "evidence", "trace", "shadow", "model_route", "spend_alert")
+_numbers = attrgetter(*_NUMBERS)
+_rare_fields = attrgetter(*_RARE)
 _PLAIN = (0, None, None, None, None, None)
+# What a line is made of, read off its record in one C call as the request ends (``AccessLog.keep``): a plain
+# line (no rarer field set) is kept as these values and its record is freed at once (a record kept until the
+# write-out held about 0.6 kB of cold memory per line, which cost more than its values' tuple); a line with a
+# rarer field keeps its record (``_line`` reads more of it). The first values are `_fill`'s own, then the
+# numbers, then the shared values; the savings last (a cache hit's: `_hit_line`, through ``_record_of``).
+_KEPT = (*_LINE_VALUES, *_NUMBERS, *_SHARED, "saved_tokens", "saved_nusd")
+_kept = attrgetter(*_KEPT)
+_OWN = slice(0, len(_LINE_VALUES))
+_NUMBERS_AT = slice(len(_LINE_VALUES), len(_LINE_VALUES) + len(_NUMBERS))
+_SHARED_AT = slice(_NUMBERS_AT.stop, _NUMBERS_AT.stop + len(_SHARED))
+_RARE_AT = slice(_SHARED_AT.start + _SHARED.index(_RARE[0]), _SHARED_AT.start + _SHARED.index(_RARE[-1]) + 1)
+assert _KEPT[_RARE_AT] == _RARE
 # The route's values on the line, a slice of the decision (a tuple): cluster .. affinity.
 _ROUTE_FIELDS = slice(1, 7)
 assert RouteDecision._fields[_ROUTE_FIELDS] == (
@@ -206,13 +160,21 @@ class _Paths(dict[bytes | None, str | None]):
         return path
 
 
+def _record_of(entry: RequestRecord | tuple) -> RequestRecord:
+    """The record a pending entry stands for: itself, or one made again of a plain line's kept values
+    (``_KEPT``: all a line with no rarer field is made of), for a line encoded whole."""
+    if entry.__class__ is not tuple:
+        return entry  # type: ignore[return-value]
+    return RequestRecord(**dict(zip(_KEPT, entry, strict=True)), closed=True)  # type: ignore[arg-type]
+
+
 class AccessLog:
     """Per-worker access log. ``record`` never blocks and never raises for a full output."""
 
     def __init__(self, writer: LineWriter | None, sample: float = 1.0) -> None:
         self.writer = writer  # None: the access log is off
         self.sample = sample
-        self._pending: list[RequestRecord] = []  # what `record` keeps until `_fill`
+        self._pending: list[RequestRecord | tuple] = []  # what `record` keeps until `_fill` (records, `_KEPT`)
         self._second = -1
         self._second_text = b""
         # Lines waiting for a write-out, at most: about what the writer's buffer holds.
@@ -226,10 +188,10 @@ class AccessLog:
         if writer is not None:
             writer.fill = self._fill
             if sample >= 1.0:
-                # Every line kept: ``record`` is the pending list's own append, one C call on the request path
-                # (no frame, no checks), and the writer writes out on its timer whether or not a line came
+                # Every line kept: ``record`` is ``keep``, with no checks (a record's values or the record in the
+                # pending list), and the writer writes out on its timer whether or not a line came
                 # (``LineWriter.keep_flushing``), so no request arms it; `_fill` applies the bound.
-                self.record = self._pending.append  # type: ignore[method-assign]
+                self.record = self.keep  # type: ignore[method-assign]
                 writer.keep_flushing()
 
     @classmethod
@@ -278,6 +240,11 @@ class AccessLog:
             writer.wrote()
         pending.append(record)
 
+    def keep(self, record: RequestRecord) -> None:
+        """``record`` unsampled: a plain line's values (``_KEPT``, the record itself let go), else the record."""
+        values = _kept(record)
+        self._pending.append(values if values[_RARE_AT] == _PLAIN else record)
+
     def rejected(self, status: int, error: str, request_id: bytes | None = None, method: bytes | None = None,
                  target: bytes | None = None, tenant: str | None = None) -> None:
         """A request refused before it reached the handler (malformed HTTP, limits, timeouts; or refused on
@@ -306,7 +273,7 @@ class AccessLog:
             writer.wrote()
         pending.append(entry)
 
-    def _taken(self) -> list[RequestRecord]:
+    def _taken(self) -> list[RequestRecord | tuple]:
         """The pending records, at most ``_max_pending`` (more: the loop was held up; dropped and counted),
         emptied in place: the same list keeps taking lines (``record`` may be its bound append)."""
         kept = self._pending
@@ -332,20 +299,21 @@ class AccessLog:
         wall_offset = _time() - _perf()  # perf_counter -> epoch seconds, for the lines' timestamps
         second, date = -1, b""  # the date part of the lines' timestamps, formatted once per second
         for entry in pending:
+            values = entry if entry.__class__ is tuple else _kept(entry)
             (ended, t_start, t_first_byte, overhead_s, request_id, tenant, route, target, cost, cached, reasoning,
-             subject) = _line_values(entry)
+             subject) = values[_OWN]
             millis = int((ended + wall_offset) * 1000)
             if millis // 1000 != second:  # _timestamp written out, its date formatted once per second
                 second = millis // 1000
                 date = self._date(second)
             if not t_first_byte:  # no answer was sent (or the record has no exchange): no first_byte_ms
-                self._encode_line(entry, millis, add, None)
+                self._encode_line(_record_of(entry), millis, add, None)
                 continue
-            numbers = _numbers(entry)
-            key = ((route or _NO_ROUTE)[_ROUTE_FIELDS], paths[target], _shared(entry), numbers.count(None),
+            numbers = values[_NUMBERS_AT]
+            key = ((route or _NO_ROUTE)[_ROUTE_FIELDS], paths[target], values[_SHARED_AT], numbers.count(None),
                    cost is None, cached is None, reasoning is None, subject is None)
             if overhead_s is None:  # a cache hit's line (never the common template's: no overhead_ms)
-                self._encode_line(entry, millis, add, key)
+                self._encode_line(_record_of(entry), millis, add, key)
                 continue
             try:
                 # The times in milliseconds with three decimals: whole microseconds (a quarter of the cost of
@@ -360,7 +328,7 @@ class AccessLog:
                 # No template yet for its shared values (the line makes it), a rarer field set (its key is
                 # unhashable or never kept), or a None among its request id and times (refused, cut short:
                 # no template is made of such a line): encoded whole.
-                self._encode_line(entry, millis, add, key)
+                self._encode_line(_record_of(entry), millis, add, key)
         start = len(writer.buffer)
         writer.buffer += b"".join(lines)
         writer.trim(start)
