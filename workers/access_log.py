@@ -25,7 +25,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 
 import msgspec
 
@@ -111,8 +111,11 @@ _HIT_FIELDS = (
     ("cost_nusd", b"%d"), ("subject", b"%s"), ("saved_tokens", b"%d"), ("saved_nusd", b"%d"),
 )
 _HIT_OPTIONAL_FIELDS = frozenset(("cost_nusd", "subject", "saved_tokens", "saved_nusd"))
-_hit_values = attrgetter("t_start", "t_first_byte", "ended", "status", "attempts", "bytes_in", "bytes_out",
-                         "cost_nusd", "subject", "saved_tokens", "saved_nusd")
+# A hit's values, read off its kept values (``_KEPT``: no record is made again for its line).
+_hit_values = itemgetter(*map(_KEPT.index, ("t_start", "t_first_byte", "ended", "status", "attempts", "bytes_in",
+                                            "bytes_out", "cost_nusd", "subject", "saved_tokens", "saved_nusd",
+                                            "request_id", "tenant")))
+_CACHE_AT = _KEPT.index("cache")
 # The others of a template's line: none of them may be None.
 _required = attrgetter(*(name for name, _ in _TEMPLATE_FIELDS
                           if name not in _OPTIONAL_FIELDS and name not in _NULL_SPECS))
@@ -313,7 +316,11 @@ class AccessLog:
             key = ((route or _NO_ROUTE)[_ROUTE_FIELDS], paths[target], values[_SHARED_AT], numbers.count(None),
                    cost is None, cached is None, reasoning is None, subject is None)
             if overhead_s is None:  # a cache hit's line (never the common template's: no overhead_ms)
-                self._encode_line(_record_of(entry), millis, add, key)
+                if (values[_CACHE_AT] == "hit" and t_start is not None and request_id is not None
+                        and values[_RARE_AT] == _PLAIN):  # (a rarer field: the key may not even be hashable)
+                    self._hit_line(values, millis, date, add, key)
+                else:
+                    self._encode_line(_record_of(entry), millis, add, key)
                 continue
             try:
                 # The times in milliseconds with three decimals: whole microseconds (a quarter of the cost of
@@ -383,10 +390,6 @@ class AccessLog:
                      key: tuple | None) -> None:
         """The line of ``entry`` (ended at ``millis`` since the epoch) encoded whole, given to ``add``; and
         the template of ``key`` made of it, when a line can have one and ``key`` has none yet."""
-        if (key is not None and entry.cache == "hit" and entry.overhead_s is None and entry.t_start is not None
-                and entry.request_id is not None and _rare_fields(entry) == _PLAIN):  # (a rarer field: the key may not even be hashable)
-            self._hit_line(entry, millis, add, key)
-            return
         line = self._line(entry, self._timestamp(millis))
         add(_encode(line) + b"\n")
         if (key is not None and _rare_fields(entry) == _PLAIN and None not in _required(line)
@@ -395,27 +398,26 @@ class AccessLog:
                 and key not in self._templates):
             self._template(key, line, skips=_EMPTY_SKIPS)
 
-    def _hit_line(self, entry: RequestRecord, millis: int, add: Callable[[bytes], None], key: tuple) -> None:
-        """A response cache hit's line, from its template (the first line of its kind is encoded whole, and
-        its template made of it unless a rarer field is set or a value no template can hold is None)."""
+    def _hit_line(self, values: tuple, millis: int, date: bytes, add: Callable[[bytes], None], key: tuple) -> None:
+        """A response cache hit's line (``values``: its kept values, ``_KEPT``), from its template (the first
+        line of its kind is encoded whole, and its template made of it unless a value no template can hold is
+        None)."""
         (t_start, t_first_byte, ended, status, attempts, bytes_in, bytes_out, cost, subject, saved_tokens,
-         saved_nusd) = _hit_values(entry)
+         saved_nusd, request_id, tenant) = _hit_values(values)
         hit_key = (key, saved_tokens is None, saved_nusd is None)
         template = self._hit_templates.get(hit_key)
         if template is None:  # the first of its kind: encoded whole, and its template made of it when it can be
-            line = self._line(entry, self._timestamp(millis))
+            line = self._line(_record_of(values), self._timestamp(millis))
             add(_encode(line) + b"\n")
             if (line.tokens_prompt is None and line.tokens_completion is None and line.tokens_cached is None
                     and line.tokens_reasoning is None):
                 self._template(key, line, _HIT_FIELDS, _HIT_OPTIONAL_FIELDS, self._hit_templates, hit_key)
             return
-        request_id = entry.request_id
+        millis_texts = self._millis_texts  # a hit's times are short (no upstream): their texts looked up
         add(template % (
-            self._date(millis // 1000), millis % 1000, _encode(request_id.decode("latin-1")),
-            self._tenant_texts[entry.tenant],
-            # A hit's times are short (no upstream): their texts looked up (`_MillisTexts`).
-            status, attempts, bytes_in, bytes_out, self._millis_texts[int((t_first_byte - t_start) * 1e6 + 0.5)],
-            self._millis_texts[int((ended - t_start) * 1e6 + 0.5)], cost, subject if subject is None else _encode(subject),
+            date, millis % 1000, _encode(request_id.decode("latin-1")), self._tenant_texts[tenant],
+            status, attempts, bytes_in, bytes_out, millis_texts[int((t_first_byte - t_start) * 1e6 + 0.5)],
+            millis_texts[int((ended - t_start) * 1e6 + 0.5)], cost, subject if subject is None else _encode(subject),
             saved_tokens, saved_nusd))
 
     def _template(self, key: tuple, line: AccessLine, fields: tuple[tuple[str, bytes], ...] = _TEMPLATE_FIELDS,

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from itertools import chain
 
 import msgspec
 
@@ -34,10 +35,9 @@ from gateway.request.capability import (
     session_key,
 )
 from gateway.request.estimate import MAX_ALLOWANCE, estimate_prompt_tokens
-from gateway.request.headers import ACCEPT_ENCODING, RequestHeaders
+from gateway.request.headers import RequestHeaders
 from gateway.request.prefix import has_prompt, prompt_prefix
 from gateway.request.routes import MCP, MODELS, AllowedRoute
-from gateway.request.usage import rewrite_request_for_usage
 from gateway.routing import RouteDecision, Router
 from gateway.routing.decision import RouteRefusal
 from gateway.routing.eligibility import Needs
@@ -59,11 +59,11 @@ from workers.proxy_settings import ProxySettings
 from workers.request_record import RequestRecord
 from workers.response_cache import ANSWERED, ResponseCache
 from workers.tracing import Tracer
+from workers.upstream_request import BODYLESS_METHODS, forwarded_headers, upstream_body
 
 _monotonic = time.monotonic
 _random = random.random
 _FORM_URLENCODED = b"application/x-www-form-urlencoded"
-_BODYLESS_METHODS = (b"GET", b"HEAD", b"DELETE", b"OPTIONS")
 INFERENCE_MODEL = "inference_model"
 
 
@@ -114,6 +114,11 @@ class Proxy:
             cache.admit_hit = self.admit_hit
             cache.ends = HitEnds(outcomes)
         self.steps = self.build_steps()
+        # Run at once, in the server's read of the request: the steps up to routing (a hit or a refusal needs
+        # no task). Routing and forwarding run together in the request's task, as one step of the loop: no
+        # other request's pick comes between a route and the lease its forwarding takes.
+        routed = next(i for i, step in enumerate(self.steps) if step in (self.read_prefix, self.choose_route))
+        self.at_once, self.in_task = self.steps[:routed], self.steps[routed:]
 
     def build_steps(self) -> tuple[Step, ...]:
         """The proxied path's steps, in order; the features the configuration leaves off are left out."""
@@ -132,10 +137,12 @@ class Proxy:
         steps += (self.choose_route, self.forward)
         return tuple(steps)
 
-    async def handle(self, exchange: Exchange) -> None:
-        """One request, from its admitted head to its end. Its record closes exactly once: as its answer
-        ends (the exchange closes it), or here when the request ends without one (the client left, an
-        exception: the server answers 500)."""
+    def handle(self, exchange: Exchange) -> Awaitable[None] | None:
+        """One request, from its admitted head to its end, run at once (in the server's read of it) up to its
+        first step that must wait: None when it is over without one (a hit from the worker's own copy, a
+        refusal: no task), else the awaitable of the rest (``go_on``: the server awaits it in a task). Its
+        record closes exactly once: as its answer ends (the exchange closes it), or as the request ends
+        without one (the client left, an exception: the server answers 500)."""
         admitted: Admitted | None = exchange.admitted  # key, route and headers, decided on the head
         if admitted is None:  # fail closed: nothing is forwarded unless the head gate admitted it
             raise RuntimeError("the server in front of the proxy runs no head gate (workers/head_gate.py)")
@@ -147,28 +154,61 @@ class Proxy:
         if self.tracer is not None:
             record.trace = self.tracer.begin(record, admitted.headers.balance_keys, admitted.route.surface.name,
                                              exchange.t_start)
+        later = None  # the rest, once a step must wait: it closes the record then
         try:
             policy = self.tenants.get(admitted.tenant)
             kind = admitted.route.kind
             if kind <= MODELS:  # the kinds below the proxied ones: answered by the gateway itself
-                return await self.answers[kind](record, admitted, policy)
+                later = self.answer_locally(record, admitted, policy, kind)
+                return later
             record.batch = policy.batch
             flow = Flow(record, exchange, admitted, policy)
-            for step in self.steps:
+            steps = iter(self.at_once)
+            for step in steps:
                 verdict = step(flow)
                 if verdict is None:
                     continue
                 if not isinstance(verdict, ErrorReply):  # (a refusal may be a subclass: RouteRefusal)
-                    verdict = await verdict
+                    later = self.go_on(flow, verdict, chain(steps, self.in_task))
+                    return later
+                self.end_with(flow, verdict)
+                return None
+            later = self.go_on(flow, None, iter(self.in_task))
+            return later
+        finally:
+            if later is None:
+                record.close()
+
+    async def go_on(self, flow: Flow, pending: Awaitable[ErrorReply | None] | None, steps: Iterator[Step]) -> None:
+        """The rest of the request in its task: the verdict of the step that waits (``pending``), then ``steps``."""
+        try:
+            verdict = None if pending is None else await pending
+            if verdict is None:
+                for step in steps:
+                    verdict = step(flow)
                     if verdict is None:
                         continue
-                if verdict is ANSWERED:  # answered by the step itself (a cache hit)
-                    return
-                if not exchange.client_gone:
-                    self.outcomes.refuse(record, verdict)  # type: ignore[arg-type]
-                return
+                    if not isinstance(verdict, ErrorReply):
+                        verdict = await verdict
+                        if verdict is None:
+                            continue
+                    break
+            if verdict is not None:
+                self.end_with(flow, verdict)
+        finally:
+            flow.record.close()
+
+    async def answer_locally(self, record: RequestRecord, admitted: Admitted, policy: Policy, kind: int) -> None:
+        """A route the gateway answers itself (workers/local_answers.py)."""
+        try:
+            await self.answers[kind](record, admitted, policy)
         finally:
             record.close()
+
+    def end_with(self, flow: Flow, verdict: ErrorReply) -> None:
+        """A step's local answer ends the request (``ANSWERED``: the step answered it itself, a cache hit)."""
+        if verdict is not ANSWERED and not flow.exchange.client_gone:
+            self.outcomes.refuse(flow.record, verdict)
 
     # -- the steps, in their order ------------------------------------------------------------------
     def read_capability(self, flow: Flow) -> ErrorReply | None:
@@ -176,7 +216,7 @@ class Proxy:
         exchange = flow.exchange
         headers = flow.admitted.headers
         body = exchange.body
-        if not body and headers.model is None and exchange.method in _BODYLESS_METHODS:
+        if not body and headers.model is None and exchange.method in BODYLESS_METHODS:
             return self.bodyless_capability(flow)
         content_type = headers.content_type
         if content_type is not None and content_type.startswith(_FORM_URLENCODED) and body[:1] == b"{":
@@ -435,44 +475,6 @@ def no_allowed_provider(exchange: Exchange, allowed: AllowedRoute, capability: s
     path = exchange.target.split(b"?", 1)[0].decode("latin-1")
     return ErrorReply(404, "route_not_allowed", f"{exchange.method.decode('latin-1')} {path} is allowed only on "
                       f"{', '.join(sorted(allowed.clusters or ()))}, and no provider there serves {capability!r}.")
-
-
-def upstream_body(request: CapabilityRequest, body: bytes, admission: Admission | None,
-                  rewrites_stream: bool = True) -> tuple[bytes, bool | None]:
-    """The body to send and the metering mode (None: not metered; True: rewritten to ask for usage).
-
-    A metered stream whose client did not ask for a usage chunk is rewritten to ask for one, on the
-    APIs that define that member (``route.surface.rewrites_stream``: the Responses and Messages APIs
-    refuse it, and report usage in every stream anyway); the relay's usage filter then removes that
-    chunk so the client sees exactly what it asked for.
-    """
-    if admission is None or not admission.metered:
-        return body, None
-    fields = request.body
-    if rewrites_stream and fields is not None and fields.stream and not fields.include_usage:
-        rewritten = rewrite_request_for_usage(body)
-        if rewritten is not None:
-            return rewritten, True
-    return body, False
-
-
-def forwarded_headers(exchange: Exchange, headers: RequestHeaders, request_id: bytes,
-                      body: bytes) -> list[tuple[bytes, bytes]]:
-    """The headers every provider attempt sends (each provider's own are added per attempt). The
-    client's ``Accept-Encoding`` goes last, where a metered request's ``identity`` replaces it
-    (``gateway.request.headers.ask_identity_encoding``)."""
-    forward = headers.forward
-    peer = exchange.peer
-    xff = headers.xff
-    forward.append((b"x-forwarded-for", xff + b", " + peer if xff else peer))
-    forward.append((b"x-request-id", request_id))
-    if body:
-        forward.append((b"content-length", b"%d" % len(body)))
-    elif exchange.method not in _BODYLESS_METHODS:
-        forward.append((b"content-length", b"0"))
-    if headers.accept_encoding is not None:
-        forward.append((ACCEPT_ENCODING, headers.accept_encoding))
-    return forward
 
 
 def model_not_priced(model: str) -> ErrorReply:

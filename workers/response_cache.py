@@ -347,10 +347,14 @@ class ResponseCache:
                 del self.flights[name]
             flight.release(entry)
 
-    async def _wait(self, flow: Any, key: CacheKey, flight: Flight) -> ErrorReply | None:
-        """Wait (bounded) for the leader's answer; without it (it failed, or took too long) go on alone."""
+    def _wait(self, flow: Any, key: CacheKey, flight: Flight) -> Awaitable[ErrorReply | None]:
+        # The flight's waiter joins now: its poll, which may run before the request's task, sees it.
         waiter: asyncio.Future[CacheEntry | None] = asyncio.get_running_loop().create_future()
         flight.waiters.append(waiter)
+        return self._waited(flow, flight, waiter)
+
+    async def _waited(self, flow: Any, flight: Flight, waiter: asyncio.Future[CacheEntry | None]) -> ErrorReply | None:
+        """Wait (bounded) for the leader's answer; without it (it failed, or took too long) go on alone."""
         entry = None
         try:
             async with asyncio.timeout(self.wait_s):
@@ -390,8 +394,7 @@ class ResponseCache:
         return self._answer_after(flow, ready, verdict)
 
     async def _answer_after(self, flow: Any, ready: ReadyAnswer, pending: Awaitable[ErrorReply | None]) -> ErrorReply:
-        verdict = await pending
-        return self._answer(flow, ready) if verdict is None else verdict
+        return self._answer(flow, ready) if (verdict := await pending) is None else verdict
 
     def _answer(self, flow: Any, ready: ReadyAnswer) -> ErrorReply:
         """The hit's answer: the entry's bytes, recorded with what they saved; ``ANSWERED``."""
@@ -411,12 +414,9 @@ class ResponseCache:
         model = ready.model
         if model is not None and model != record.capability:
             record.served_model = model  # a fallback chain's model made the answer
-        if record.model_route is None:
-            served = None
-            head = ready.head % (record.request_id, b"")
-        else:  # an alias or a fallback chain: which model served (docs/models.md)
-            served = served_model_headers(record)
-            head = ready.head % (record.request_id, b"".join(map(_FIELD_LINE, served)))
+        # An alias or a fallback chain: which model served (docs/models.md).
+        served = None if record.model_route is None else served_model_headers(record)
+        head = ready.head % (record.request_id, b"".join(map(_FIELD_LINE, served)) if served else b"")
         if not exchange.answer_whole(head, ready.body, ready.size):
             _answer_framed(exchange, record, ready.entry, served)  # a client the ready bytes cannot answer
         return ANSWERED

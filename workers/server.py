@@ -53,6 +53,7 @@ _PIPELINE_HARD_LIMIT = 1048576
 # _GATED: the head gate waits before it judges the head (``HeadWait``); nothing is read or parsed meanwhile.
 _HEAD, _BODY, _HANDLING, _UNREAD, _CLOSED, _GATED = range(6)
 _LINGER_S = 2.0
+_HANDLER_FAILED = ErrorReply(500, "internal_error", "the gateway failed to handle the request")
 # What a deadline means when it passes.
 _ON_IDLE, _ON_HEADER, _ON_BODY, _ON_UNREAD = range(4)
 
@@ -62,7 +63,7 @@ class ServerConnection(asyncio.Protocol):
         "server", "settings", "transport", "codec", "state", "exchange", "peer", "_timer", "_deadline",
         "_on_deadline", "_head_bytes", "_t_head", "_body", "_body_len", "_body_counted", "_framing", "_request",
         "_headers", "_reading_paused", "writing_paused", "_loop", "pending", "served", "_eof", "auth_memo", "jwt_memo",
-        "admitted", "peer_identity", "head_waited",
+        "admitted", "peer_identity", "head_waited", "_answering", "_next_ready",
     )
 
     def __init__(self, server: ServerState) -> None:
@@ -95,6 +96,8 @@ class ServerConnection(asyncio.Protocol):
         self.pending: list[bytes] = []
         self.served = 0
         self._eof = False
+        # Inside the handler's call in _dispatch; the request was answered inside it (parse the next one).
+        self._answering = self._next_ready = False
 
     # -- transport callbacks -------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -141,8 +144,8 @@ class ServerConnection(asyncio.Protocol):
         exchange = self.exchange
         if exchange is not None and exchange.listener is not None:
             exchange.listener.resume_writing()
-        if self.state == _UNREAD:  # the client reads its answers again: on to its next request
-            self._next_request()
+        if self.state == _UNREAD and self._next_request():  # the client reads its answers again: on to the next
+            self._process()
 
     def data_received(self, data: bytes) -> None:
         state = self.state
@@ -185,7 +188,8 @@ class ServerConnection(asyncio.Protocol):
                 elif kind is codec.RequestHead:
                     self._on_request_head(event)
                 elif kind is codec.EndOfMessage:
-                    self._dispatch()
+                    if self._dispatch() and self._next_request():  # answered at once: on to the next request
+                        continue
                     return
                 elif event is codec.NEED_DATA:
                     return
@@ -262,7 +266,10 @@ class ServerConnection(asyncio.Protocol):
             self.transport.resume_reading()
         self._process()  # its body, as it was going to be read
 
-    def _dispatch(self) -> None:
+    def _dispatch(self) -> bool:
+        """Hand the request to the handler here and now: it returns None when it is over (a hit from the worker's
+        copy, a refusal: no task), else the awaitable of the rest, which a task runs. True: it was answered
+        at once and the next request may be parsed (by the caller's loop: no recursion per pipelined one)."""
         event = self._request
         framing = self._framing
         assert event is not None and framing is not None
@@ -279,9 +286,25 @@ class ServerConnection(asyncio.Protocol):
         self.state = _HANDLING
         self._deadline = _INF
         self.exchange = exchange
-        self._loop.create_task(self._run(exchange))
+        pending = None
+        self._answering = True  # finish_exchange leaves the next request to this call's caller
+        try:
+            pending = self.server.handler(exchange)
+        except Exception:
+            log.exception("request handler failed")
+            exchange.send_error(_HANDLER_FAILED)
+        finally:
+            if pending is None and not exchange.finished:
+                exchange.abort()
+            self._answering = False
+        if pending is not None:
+            self._loop.create_task(self._run(exchange, pending))
+        if self._next_ready:
+            self._next_ready = False
+            return True
         if self.codec.buffered > _PIPELINE_BUFFER_LIMIT:  # later requests came with this one
             self._bound_backlog()
+        return False
 
     def _count_body(self, size: int) -> None:
         """Count ``size`` bytes of the current request's body against the worker's budget, or refuse it."""
@@ -306,12 +329,13 @@ class ServerConnection(asyncio.Protocol):
             self.server.body_bytes -= self._body_counted
             self._body_counted = 0
 
-    async def _run(self, exchange: Exchange) -> None:
+    async def _run(self, exchange: Exchange, pending: Awaitable[None]) -> None:
+        """The rest of a request the handler could not answer at once."""
         try:
-            await self.server.handler(exchange)
+            await pending
         except Exception:
             log.exception("request handler failed")
-            exchange.send_error(ErrorReply(500, "internal_error", "the gateway failed to handle the request"))
+            exchange.send_error(_HANDLER_FAILED)
         finally:
             if not exchange.finished:
                 exchange.abort()
@@ -383,10 +407,13 @@ class ServerConnection(asyncio.Protocol):
             self.state = _UNREAD
             self._set_deadline(self.settings.keepalive_idle_s, _ON_UNREAD)
             return
-        self._next_request()
+        if self._answering:  # answered inside _dispatch: its caller parses on (no recursion)
+            self._next_ready = True
+        elif self._next_request():
+            self._process()
 
-    def _next_request(self) -> None:
-        """Parse the next request from what is buffered, or wait for it."""
+    def _next_request(self) -> bool:
+        """Ready the connection for its next request; True: bytes of it (or the client's EOF) are there to parse."""
         parser = self.codec
         self.state = _HEAD
         buffered = self._head_bytes = parser.buffered
@@ -396,9 +423,9 @@ class ServerConnection(asyncio.Protocol):
         if buffered or self._eof:
             self._t_head = _perf()
             self._set_deadline(self.settings.header_read_s, _ON_HEADER)
-            self._process()
-        else:
-            self._set_deadline(self.settings.keepalive_idle_s, _ON_IDLE)
+            return True
+        self._set_deadline(self.settings.keepalive_idle_s, _ON_IDLE)
+        return False
 
     def _reject(self, reply: ErrorReply) -> None:
         """Answer a request whose framing is in doubt, then close without reading more."""

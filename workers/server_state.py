@@ -58,8 +58,10 @@ class ServerSettings:
 class ServerState:
     """Per-worker server state shared by all connections: settings, handler, live connections."""
 
-    def __init__(self, settings: ServerSettings, handler: Callable[[Exchange], Awaitable[None]]) -> None:
+    def __init__(self, settings: ServerSettings, handler: Callable[[Exchange], Awaitable[None] | None]) -> None:
         self.settings = settings
+        # Called in the read of each request (workers/server.py ``_dispatch``): None when it answered it at
+        # once, else the awaitable of the rest (an ``async def`` handler's coroutine: all of it), run in a task.
         self.handler = handler
         self.connections: set[LiveConnection] = set()
         self.draining = False
