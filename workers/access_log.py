@@ -3,8 +3,7 @@ request path.
 
 ``AccessLog.record`` runs once when a request ends, with its closed ``RequestRecord``
 (workers/request_record.py), which holds what the line needs (clock readings, the exchange's fields, the
-route decision, the outcome): it keeps the line's values (read off the record in one C call, so the record
-itself is freed at once; a line with a rarer field keeps its record) and returns. Before each write-out
+route decision, the outcome): it keeps the record and returns. Before each write-out
 (every ``flush_delay_s``, at reopen and at close) the ``LineWriter`` asks for the lines: the pending
 records are formatted and encoded with msgspec, joined into its bounded buffer, in one tight loop.
 The work is the same, but a batch runs with warm caches, where one line at the end of each request
@@ -25,7 +24,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 
 import msgspec
 
@@ -66,11 +65,11 @@ _RARE = ("filtered", "evidence", "trace", "shadow", "model_route", "spend_alert"
 _numbers = attrgetter(*_NUMBERS)
 _rare_fields = attrgetter(*_RARE)
 _PLAIN = (0, None, None, None, None, None)
-# What a line is made of, read off its record in one C call as the request ends (``AccessLog.keep``): a plain
-# line (no rarer field set) is kept as these values and its record is freed at once (a record kept until the
-# write-out held about 0.6 kB of cold memory per line, which cost more than its values' tuple); a line with a
-# rarer field keeps its record (``_line`` reads more of it). The first values are `_fill`'s own, then the
-# numbers, then the shared values; the savings last (a cache hit's: `_hit_line`, through ``_record_of``).
+# What a line is made of, read off its kept record in one C call at the write-out (`_fill`): its own values,
+# then the numbers, then the shared values; the savings last (a cache hit's: `_hit_line`). Reading them as the
+# request ended instead (and freeing the record then) measured slower: a frame and the reads on the request
+# path cost more than a record kept cold until the write-out. (``_record_of`` makes a record again of such
+# values, for a cache hit's line encoded whole.)
 _KEPT = (*_LINE_VALUES, *_NUMBERS, *_SHARED, "saved_tokens", "saved_nusd")
 _kept = attrgetter(*_KEPT)
 _OWN = slice(0, len(_LINE_VALUES))
@@ -111,8 +110,11 @@ _HIT_FIELDS = (
     ("cost_nusd", b"%d"), ("subject", b"%s"), ("saved_tokens", b"%d"), ("saved_nusd", b"%d"),
 )
 _HIT_OPTIONAL_FIELDS = frozenset(("cost_nusd", "subject", "saved_tokens", "saved_nusd"))
-_hit_values = attrgetter("t_start", "t_first_byte", "ended", "status", "attempts", "bytes_in", "bytes_out",
-                         "cost_nusd", "subject", "saved_tokens", "saved_nusd")
+# A hit's values, read off its kept values (``_KEPT``: no record is made again for its line).
+_hit_values = itemgetter(*map(_KEPT.index, ("t_start", "t_first_byte", "ended", "status", "attempts", "bytes_in",
+                                            "bytes_out", "cost_nusd", "subject", "saved_tokens", "saved_nusd",
+                                            "request_id", "tenant")))
+_CACHE_AT = _KEPT.index("cache")
 # The others of a template's line: none of them may be None.
 _required = attrgetter(*(name for name, _ in _TEMPLATE_FIELDS
                           if name not in _OPTIONAL_FIELDS and name not in _NULL_SPECS))
@@ -174,7 +176,7 @@ class AccessLog:
     def __init__(self, writer: LineWriter | None, sample: float = 1.0) -> None:
         self.writer = writer  # None: the access log is off
         self.sample = sample
-        self._pending: list[RequestRecord | tuple] = []  # what `record` keeps until `_fill` (records, `_KEPT`)
+        self._pending: list[RequestRecord] = []  # what `record` keeps until `_fill`
         self._second = -1
         self._second_text = b""
         # Lines waiting for a write-out, at most: about what the writer's buffer holds.
@@ -188,10 +190,10 @@ class AccessLog:
         if writer is not None:
             writer.fill = self._fill
             if sample >= 1.0:
-                # Every line kept: ``record`` is ``keep``, with no checks (a record's values or the record in the
-                # pending list), and the writer writes out on its timer whether or not a line came
+                # Every line kept: ``record`` is the pending list's own append, one C call on the request path
+                # (no frame, no checks), and the writer writes out on its timer whether or not a line came
                 # (``LineWriter.keep_flushing``), so no request arms it; `_fill` applies the bound.
-                self.record = self.keep  # type: ignore[method-assign]
+                self.record = self._pending.append  # type: ignore[method-assign]
                 writer.keep_flushing()
 
     @classmethod
@@ -240,11 +242,6 @@ class AccessLog:
             writer.wrote()
         pending.append(record)
 
-    def keep(self, record: RequestRecord) -> None:
-        """``record`` unsampled: a plain line's values (``_KEPT``, the record itself let go), else the record."""
-        values = _kept(record)
-        self._pending.append(values if values[_RARE_AT] == _PLAIN else record)
-
     def rejected(self, status: int, error: str, request_id: bytes | None = None, method: bytes | None = None,
                  target: bytes | None = None, tenant: str | None = None) -> None:
         """A request refused before it reached the handler (malformed HTTP, limits, timeouts; or refused on
@@ -273,7 +270,7 @@ class AccessLog:
             writer.wrote()
         pending.append(entry)
 
-    def _taken(self) -> list[RequestRecord | tuple]:
+    def _taken(self) -> list[RequestRecord]:
         """The pending records, at most ``_max_pending`` (more: the loop was held up; dropped and counted),
         emptied in place: the same list keeps taking lines (``record`` may be its bound append)."""
         kept = self._pending
@@ -299,7 +296,7 @@ class AccessLog:
         wall_offset = _time() - _perf()  # perf_counter -> epoch seconds, for the lines' timestamps
         second, date = -1, b""  # the date part of the lines' timestamps, formatted once per second
         for entry in pending:
-            values = entry if entry.__class__ is tuple else _kept(entry)
+            values = _kept(entry)
             (ended, t_start, t_first_byte, overhead_s, request_id, tenant, route, target, cost, cached, reasoning,
              subject) = values[_OWN]
             millis = int((ended + wall_offset) * 1000)
@@ -313,7 +310,11 @@ class AccessLog:
             key = ((route or _NO_ROUTE)[_ROUTE_FIELDS], paths[target], values[_SHARED_AT], numbers.count(None),
                    cost is None, cached is None, reasoning is None, subject is None)
             if overhead_s is None:  # a cache hit's line (never the common template's: no overhead_ms)
-                self._encode_line(_record_of(entry), millis, add, key)
+                if (values[_CACHE_AT] == "hit" and t_start is not None and request_id is not None
+                        and values[_RARE_AT] == _PLAIN):  # (a rarer field: the key may not even be hashable)
+                    self._hit_line(values, millis, date, add, key)
+                else:
+                    self._encode_line(_record_of(entry), millis, add, key)
                 continue
             try:
                 # The times in milliseconds with three decimals: whole microseconds (a quarter of the cost of
@@ -383,10 +384,6 @@ class AccessLog:
                      key: tuple | None) -> None:
         """The line of ``entry`` (ended at ``millis`` since the epoch) encoded whole, given to ``add``; and
         the template of ``key`` made of it, when a line can have one and ``key`` has none yet."""
-        if (key is not None and entry.cache == "hit" and entry.overhead_s is None and entry.t_start is not None
-                and entry.request_id is not None and _rare_fields(entry) == _PLAIN):  # (a rarer field: the key may not even be hashable)
-            self._hit_line(entry, millis, add, key)
-            return
         line = self._line(entry, self._timestamp(millis))
         add(_encode(line) + b"\n")
         if (key is not None and _rare_fields(entry) == _PLAIN and None not in _required(line)
@@ -395,27 +392,26 @@ class AccessLog:
                 and key not in self._templates):
             self._template(key, line, skips=_EMPTY_SKIPS)
 
-    def _hit_line(self, entry: RequestRecord, millis: int, add: Callable[[bytes], None], key: tuple) -> None:
-        """A response cache hit's line, from its template (the first line of its kind is encoded whole, and
-        its template made of it unless a rarer field is set or a value no template can hold is None)."""
+    def _hit_line(self, values: tuple, millis: int, date: bytes, add: Callable[[bytes], None], key: tuple) -> None:
+        """A response cache hit's line (``values``: its kept values, ``_KEPT``), from its template (the first
+        line of its kind is encoded whole, and its template made of it unless a value no template can hold is
+        None)."""
         (t_start, t_first_byte, ended, status, attempts, bytes_in, bytes_out, cost, subject, saved_tokens,
-         saved_nusd) = _hit_values(entry)
+         saved_nusd, request_id, tenant) = _hit_values(values)
         hit_key = (key, saved_tokens is None, saved_nusd is None)
         template = self._hit_templates.get(hit_key)
         if template is None:  # the first of its kind: encoded whole, and its template made of it when it can be
-            line = self._line(entry, self._timestamp(millis))
+            line = self._line(_record_of(values), self._timestamp(millis))
             add(_encode(line) + b"\n")
             if (line.tokens_prompt is None and line.tokens_completion is None and line.tokens_cached is None
                     and line.tokens_reasoning is None):
                 self._template(key, line, _HIT_FIELDS, _HIT_OPTIONAL_FIELDS, self._hit_templates, hit_key)
             return
-        request_id = entry.request_id
+        millis_texts = self._millis_texts  # a hit's times are short (no upstream): their texts looked up
         add(template % (
-            self._date(millis // 1000), millis % 1000, _encode(request_id.decode("latin-1")),
-            self._tenant_texts[entry.tenant],
-            # A hit's times are short (no upstream): their texts looked up (`_MillisTexts`).
-            status, attempts, bytes_in, bytes_out, self._millis_texts[int((t_first_byte - t_start) * 1e6 + 0.5)],
-            self._millis_texts[int((ended - t_start) * 1e6 + 0.5)], cost, subject if subject is None else _encode(subject),
+            date, millis % 1000, _encode(request_id.decode("latin-1")), self._tenant_texts[tenant],
+            status, attempts, bytes_in, bytes_out, millis_texts[int((t_first_byte - t_start) * 1e6 + 0.5)],
+            millis_texts[int((ended - t_start) * 1e6 + 0.5)], cost, subject if subject is None else _encode(subject),
             saved_tokens, saved_nusd))
 
     def _template(self, key: tuple, line: AccessLine, fields: tuple[tuple[str, bytes], ...] = _TEMPLATE_FIELDS,

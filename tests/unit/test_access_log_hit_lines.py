@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from tests.unit.test_access_log_lines import filled_lines, varied_records
 from workers.access_log import AccessLog
@@ -33,11 +34,12 @@ def _hit_records(count: int, seed: int = 43) -> list:
     return records
 
 
-def test_a_hit_line_from_its_template_is_byte_for_byte_the_line_encoded_whole(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sample", [1.0, 1.0 - 1e-12])  # every line kept as its values; or as its record
+def test_a_hit_line_from_its_template_is_byte_for_byte_the_line_encoded_whole(tmp_path: Path, sample: float) -> None:
     records = _hit_records(4000)
 
     async def write() -> tuple[AccessLog, list[bytes]]:
-        access_log = AccessLog(LineWriter(str(tmp_path / "access.log"), flush_delay_s=10.0))
+        access_log = AccessLog(LineWriter(str(tmp_path / "access.log"), flush_delay_s=10.0), sample)
         lines = filled_lines(access_log, records)
         await access_log.close()
         return access_log, lines
