@@ -3,8 +3,7 @@ request path.
 
 ``AccessLog.record`` runs once when a request ends, with its closed ``RequestRecord``
 (workers/request_record.py), which holds what the line needs (clock readings, the exchange's fields, the
-route decision, the outcome): it keeps the line's values (read off the record in one C call, so the record
-itself is freed at once; a line with a rarer field keeps its record) and returns. Before each write-out
+route decision, the outcome): it keeps the record and returns. Before each write-out
 (every ``flush_delay_s``, at reopen and at close) the ``LineWriter`` asks for the lines: the pending
 records are formatted and encoded with msgspec, joined into its bounded buffer, in one tight loop.
 The work is the same, but a batch runs with warm caches, where one line at the end of each request
@@ -66,11 +65,11 @@ _RARE = ("filtered", "evidence", "trace", "shadow", "model_route", "spend_alert"
 _numbers = attrgetter(*_NUMBERS)
 _rare_fields = attrgetter(*_RARE)
 _PLAIN = (0, None, None, None, None, None)
-# What a line is made of, read off its record in one C call as the request ends (``AccessLog.keep``): a plain
-# line (no rarer field set) is kept as these values and its record is freed at once (a record kept until the
-# write-out held about 0.6 kB of cold memory per line, which cost more than its values' tuple); a line with a
-# rarer field keeps its record (``_line`` reads more of it). The first values are `_fill`'s own, then the
-# numbers, then the shared values; the savings last (a cache hit's: `_hit_line`, through ``_record_of``).
+# What a line is made of, read off its kept record in one C call at the write-out (`_fill`): its own values,
+# then the numbers, then the shared values; the savings last (a cache hit's: `_hit_line`). Reading them as the
+# request ended instead (and freeing the record then) measured slower: a frame and the reads on the request
+# path cost more than a record kept cold until the write-out. (``_record_of`` makes a record again of such
+# values, for a cache hit's line encoded whole.)
 _KEPT = (*_LINE_VALUES, *_NUMBERS, *_SHARED, "saved_tokens", "saved_nusd")
 _kept = attrgetter(*_KEPT)
 _OWN = slice(0, len(_LINE_VALUES))
@@ -177,7 +176,7 @@ class AccessLog:
     def __init__(self, writer: LineWriter | None, sample: float = 1.0) -> None:
         self.writer = writer  # None: the access log is off
         self.sample = sample
-        self._pending: list[RequestRecord | tuple] = []  # what `record` keeps until `_fill` (records, `_KEPT`)
+        self._pending: list[RequestRecord] = []  # what `record` keeps until `_fill`
         self._second = -1
         self._second_text = b""
         # Lines waiting for a write-out, at most: about what the writer's buffer holds.
@@ -191,10 +190,10 @@ class AccessLog:
         if writer is not None:
             writer.fill = self._fill
             if sample >= 1.0:
-                # Every line kept: ``record`` is ``keep``, with no checks (a record's values or the record in the
-                # pending list), and the writer writes out on its timer whether or not a line came
+                # Every line kept: ``record`` is the pending list's own append, one C call on the request path
+                # (no frame, no checks), and the writer writes out on its timer whether or not a line came
                 # (``LineWriter.keep_flushing``), so no request arms it; `_fill` applies the bound.
-                self.record = self.keep  # type: ignore[method-assign]
+                self.record = self._pending.append  # type: ignore[method-assign]
                 writer.keep_flushing()
 
     @classmethod
@@ -243,11 +242,6 @@ class AccessLog:
             writer.wrote()
         pending.append(record)
 
-    def keep(self, record: RequestRecord) -> None:
-        """``record`` unsampled: a plain line's values (``_KEPT``, the record itself let go), else the record."""
-        values = _kept(record)
-        self._pending.append(values if values[_RARE_AT] == _PLAIN else record)
-
     def rejected(self, status: int, error: str, request_id: bytes | None = None, method: bytes | None = None,
                  target: bytes | None = None, tenant: str | None = None) -> None:
         """A request refused before it reached the handler (malformed HTTP, limits, timeouts; or refused on
@@ -276,7 +270,7 @@ class AccessLog:
             writer.wrote()
         pending.append(entry)
 
-    def _taken(self) -> list[RequestRecord | tuple]:
+    def _taken(self) -> list[RequestRecord]:
         """The pending records, at most ``_max_pending`` (more: the loop was held up; dropped and counted),
         emptied in place: the same list keeps taking lines (``record`` may be its bound append)."""
         kept = self._pending
@@ -302,7 +296,7 @@ class AccessLog:
         wall_offset = _time() - _perf()  # perf_counter -> epoch seconds, for the lines' timestamps
         second, date = -1, b""  # the date part of the lines' timestamps, formatted once per second
         for entry in pending:
-            values = entry if entry.__class__ is tuple else _kept(entry)
+            values = _kept(entry)
             (ended, t_start, t_first_byte, overhead_s, request_id, tenant, route, target, cost, cached, reasoning,
              subject) = values[_OWN]
             millis = int((ended + wall_offset) * 1000)

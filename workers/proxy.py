@@ -290,13 +290,14 @@ class Proxy:
             if (allowance.__class__ is not int or not 0 <= allowance <= MAX_ALLOWANCE  # type: ignore[operator]
                     or fields.max_completion_tokens is not None or fields.max_output_tokens is not None):
                 allowance = fields.completion_allowance
-        admission = self.quota.admission(admitted.tenant, request.name,  # type: ignore[union-attr]
-                                         len(flow.exchange.body), allowance, admitted.key)
+        record = flow.record
+        # A worker-held block's admission is set on the record there (None: go on, as for an unmetered request).
+        admission = self.quota.admit_into(record, admitted.tenant, request.name,  # type: ignore[union-attr]
+                                          len(flow.exchange.body), allowance, admitted.key)
         if admission is None:
             return None
         if admission.__class__ is not Admission:  # the ledger decides: await this tick's batch
-            return self.admitted_later(flow.record, admission)
-        record = flow.record
+            return self.admitted_later(record, admission)
         record.shadow = admission.shadow  # limits in shadow mode that would have refused it
         if not admission.allowed:
             return refusal(admission)

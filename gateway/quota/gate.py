@@ -251,6 +251,48 @@ class QuotaGate:
             return self._breaker.unavailable()
         return self._batcher.submit(self._ledger.admit_command(account, estimate, self._ids.next(), 1, worst), metered)
 
+    def admit_into(self, record: Any, tenant: str, model: str | None, body_len: int,
+                   completion_allowance: int | None, key: KeyIdentity | None = None) -> Admission | Awaitable[Admission] | None:
+        """``admission`` for the proxy's admit step: a request an open block of tokens and request slots admits
+        (the production config's nearly every one) is decided here in one frame, and its Admission set as
+        ``record.admission`` (None returned: go on); anything else is ``admission``'s (None: nothing meters it).
+        ``Lease.take_tokens_and_slot`` written out: the same checks, counts and headers; a request it would not
+        admit (a closed or full block, past its deadline, larger than its tokens) goes to ``admission``, which
+        decides it as before (and closes the block as ``take`` does). tests/integration/test_quota_admit_into.py
+        holds the two equal."""
+        metered = self._metered.get((tenant, model, key))
+        if metered is not None:
+            account = metered[0]
+            lease = self._open_leases.get(account.lease_key) if self._open_leases and not account.spend else None
+            if lease is not None and lease.tokens_and_slots and not lease.closed:
+                # ``estimate.estimate_prompt_tokens`` written out, as in ``admission``
+                estimate = -(-body_len // PROMPT_BYTES_PER_TOKEN) + (
+                    account.default_max_tokens if completion_allowance is None else completion_allowance)
+                tokens: Any = lease.tokens
+                slots: Any = lease.slots
+                committed = tokens.committed + estimate
+                used = slots.committed
+                now = _monotonic()
+                if committed <= tokens.capacity and used < slots.capacity and now < lease.closes_at:
+                    tokens.committed = committed
+                    lease.last_estimate = estimate
+                    slots.committed = used = used + 1
+                    lease.in_flight += 1
+                    lease.taken += 1
+                    counters = self.counters
+                    counters.admitted += 1
+                    counters.leased += 1
+                    counters.tokens_estimated += estimate
+                    record.admission = Admission(
+                        True, "admitted", None,
+                        (tokens.limit_header, (tokens.remaining_name, b"%d" % (tokens.room - committed)),
+                         tokens._reset_header if now <= tokens._reset_until else tokens.reset_header(now),
+                         slots.limit_header, (slots.remaining_name, b"%d" % (slots.room - used)),
+                         slots._reset_header if now <= slots._reset_until else slots.reset_header(now)),
+                        None, estimate, lease.tenant_slot, None, lease, True)
+                    return None
+        return self.admission(tenant, model, body_len, completion_allowance, key)
+
     def admit_hit(self, tenant: str, model: str | None, key: KeyIdentity | None = None) -> bool:
         """A response cache hit's admission and settlement at once, when a worker-held block takes it (the
         request limits' one slot; no tokens, no nano-USD, nothing left in flight): True. False when this

@@ -102,7 +102,8 @@ class TickBatch:
         """``send(..., encoded=encoded, quiet=True)`` without its arguments (a command framed already), for
         a client with ``send_each`` only (one node). With a quiet writer whose server takes CLIENT REPLY, it
         goes there: no reply, nothing read, parsed or resolved (one in ``_HEAR_EVERY`` stays here, with its
-        reply, so its failures are heard). Order among the quiet commands is kept; against the others it
+        reply, so its failures are heard), unless the tick writes other commands here anyway: then they
+        ride in that write with their replies (read with the others': one write and no read saved). Order among the quiet commands is kept; against the others it
         is not (nothing needs it: a claim is ``NX``, and a later read finds the entry or waits for it)."""
         writer = self.quiet_writer
         if writer is not None and writer.supported is not False and self._unheard < _HEAR_EVERY:
@@ -143,7 +144,12 @@ class TickBatch:
         unreplied = self._unreplied
         if unreplied:
             self._unreplied = []
-            self.quiet_writer.write(b"".join(unreplied))
+            if self._wires:  # a write here anyway (and a read of its replies): they ride in it, one syscall less
+                self._wires += unreplied
+                self._receivers += [self._quiet] * len(unreplied)
+                self.detached += len(unreplied)
+            else:
+                self.quiet_writer.write(b"".join(unreplied))
         wires, receivers = self._wires, self._receivers
         if not wires:
             return

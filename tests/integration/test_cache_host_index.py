@@ -56,7 +56,7 @@ async def worker(tmp_path: Path, provider: Provider, valkey_url: str, host: Host
     directory = tmp_path / uuid.uuid4().hex[:8]
     directory.mkdir()
     config = {"routing": {"retry": FAST_RETRY},
-              "cache": {"enabled": True, "backend": {"url": valkey_url}, **(cache or {})}}
+              "cache": {"enabled": True, "backend": {"url": valkey_url}, "index": {}, **(cache or {})}}
     path = await InProcessGateway.start(directory, {provider.name: [provider.address]},
                                         envelope([candidate("m", provider.name)], "deterministic"), extra=config,
                                         cache_index=None if host is None else host.index, slot=slot)
@@ -275,7 +275,7 @@ def test_a_real_gateways_index_is_authoritative_and_hears_its_workers_claims(gat
                                                                             valkey_url):
     provider = mock_provider("p")
     gateway = gateway_factory({"p": [provider.address]}, envelope([candidate("m", "p")], "deterministic"),
-                              workers=2, extra={"cache": {"enabled": True, "backend": {"url": valkey_url}}})
+                              workers=2, extra={"cache": {"enabled": True, "backend": {"url": valkey_url}, "index": {}}})
     wait_until(lambda: metric_value(gateway.admin_port, "gridgate_cache_index_authoritative") == 1, "authority")
     before = metric_value(gateway.admin_port, "gridgate_cache_index_announced_total")
     question = body(uuid.uuid4().hex)

@@ -283,27 +283,3 @@ def test_unsampled_lines_are_written_out_on_the_writers_own_timer_and_bounded_pe
     assert [line["request_id"] for line in lines] == ["req-1", "more-0", "more-1", "more-2"]
     assert (dropped, left) == (2, 0)
 
-
-def test_a_plain_line_lets_go_of_its_record_as_the_request_ends_and_a_rare_one_keeps_it(tmp_path: Path) -> None:
-    # A plain line is kept as its values (the record freed at once: kept until the write-out, records cost
-    # more than their values); a line with a rarer field keeps its record, which its encoding reads further.
-    import sys
-
-    async def write() -> tuple[list[int], list[dict]]:
-        access_log = AccessLog(LineWriter(str(tmp_path / "access.log"), flush_delay_s=10.0))
-        ends = SimpleNamespace(close=access_log.record)
-        plain = RequestRecord(exchange=_exchange(ended_ms_ago=0, took_ms=1), ends=ends, request_id=b"req-1",
-                              tenant="t", capability="m", overhead_s=0.0001, status=200)
-        shadowed = RequestRecord(exchange=_exchange(ended_ms_ago=0, took_ms=1), ends=ends, request_id=b"req-2",
-                                 tenant="t", capability="m", overhead_s=0.0001, status=200, shadow=("key requests 1/1m",))
-        before = [sys.getrefcount(plain), sys.getrefcount(shadowed)]
-        plain.close()
-        shadowed.close()
-        held = [sys.getrefcount(plain) - before[0], sys.getrefcount(shadowed) - before[1]]
-        await access_log.close()
-        return held, [json.loads(text) for text in (tmp_path / "access.log").read_text().splitlines()]
-
-    held, lines = asyncio.run(write())
-    assert held == [0, 1]
-    assert [(line["request_id"], line["capability"], line.get("shadow")) for line in lines] == [
-        ("req-1", "m", None), ("req-2", "m", ["key requests 1/1m"])]
