@@ -112,16 +112,18 @@ class ResponseCache:
         self.down_until = 0.0
         self.hits = self.misses = self.bypasses = self.coalesced = self.stored = self.backend_errors = 0
         self.local_hits = self.led_at_once = 0  # led at once: misses the host index let go with no awaited lookup
-        # The host index (shm.cache_index; None: every miss awaits its lookup), this worker's row in it, and
-        # the keys claimed this tick, announced in one PUBLISH as the tick's commands are written.
-        if not hasattr(client, "send_each"):
-            index = None  # the index's commands go out with a single node's batched writes only
+        self.known_ms = int(self.lead_ms) + self.ttl_ms  # a claim's key may exist this long: its wait, its TTL
+        self._join_index(index if hasattr(client, "send_each") else None, worker)
+
+    def _join_index(self, index: CacheIndex | None, worker: int) -> None:
+        """The host index (shm.cache_index; None: every miss awaits its lookup; its commands go out with a
+        single node's batched writes only), this worker's row in it, and the keys claimed this tick,
+        announced in one PUBLISH as the tick's commands are written."""
         self.index = index
         self.worker = worker
         self.announced: list[bytes] = []
         # Stored keys' cells the index may not know yet, held a little longer (workers/cache_fill.py).
         self.held_cells = None if index is None else HeldCells(index, _CELL_HOLD_S)
-        self.known_ms = int(self.lead_ms) + self.ttl_ms  # a claim's key may exist this long: its wait, its TTL
         if index is not None:
             index.clear_worker(worker)  # a previous worker of this row may have died leading
             self.commands.before_flush = self._announce

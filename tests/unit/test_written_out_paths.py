@@ -55,6 +55,10 @@ class _Quota:
         self.allowances.append(allowance)
         return Admission(False, "denied", 429, ())
 
+    def admit_into(self, record: object, tenant: str, model: str | None, body_len: int, allowance: int | None,
+                   key: object) -> Admission:
+        return self.admission(tenant, model, body_len, allowance, key)
+
 
 def _allowance_passed(fields: BodyFields) -> int | None:
     """The allowance ``Proxy.admit`` (the quota step) passes for a body with these fields."""
