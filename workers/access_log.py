@@ -43,11 +43,11 @@ _astuple = msgspec.structs.astuple
 _encode = msgspec.json.encode
 
 
-# How often a worker writes its lines out. 200 ms, not 50: a write-out has a fixed cost (its timer, the
-# batch's setup, the write) and larger batches amortise it; paired runs (bench_features 0,7) read production
-# 82.9-83.4 % of the core at 200 ms, 82.3 % at 500 ms, 81.0-81.8 % at 50 ms. The pending bound (``_max_pending``,
-# 8,192 lines) holds 200 ms of 40,000 requests a second, beyond what one worker serves.
-WRITE_OUT_S = 0.2
+# How often a worker writes its lines out. 50 ms: 200 ms read 82.9-83.4 % of the core against 81.0-81.8 % at
+# 50 ms in a copy of main, but nothing once landed (81.7/81.6 % against 81.9/81.8 % before, alternated), and
+# its larger batches held the loop longer (LineWriter's FILL_SLICE_LINES). The pending bound
+# (``_max_pending``, 8,192 lines) holds 50 ms of far more requests than one worker serves.
+WRITE_OUT_S = 0.05
 _NO_ROUTE = (None, None, None, None, None, None, None)  # a RouteDecision's fields up to _ROUTE_FIELDS' end
 _MAX_PATHS = 256
 # Templates kept, at most (about 1 kB each with its key): paths x routes x endpoints x models in use. The
@@ -275,24 +275,30 @@ class AccessLog:
             writer.wrote()
         pending.append(entry)
 
-    def _taken(self) -> list[RequestRecord]:
-        """The pending records, at most ``_max_pending`` (more: the loop was held up; dropped and counted),
-        emptied in place: the same list keeps taking lines (``record`` may be its bound append)."""
+    def _taken(self, most: int | None) -> list[RequestRecord]:
+        """The first ``most`` pending records (None: all) of at most ``_max_pending`` (more: the loop was held
+        up; dropped and counted), taken out in place: the same list keeps taking lines (``record`` may be
+        its bound append)."""
         kept = self._pending
+        if len(kept) > self._max_pending and self.writer is not None:
+            self.writer.dropped += len(kept) - self._max_pending
+            del kept[self._max_pending:]
+        if most is not None and len(kept) > most:
+            pending = kept[:most]
+            del kept[:most]
+            return pending
         pending = kept.copy()
         kept.clear()
-        if len(pending) > self._max_pending and self.writer is not None:
-            self.writer.dropped += len(pending) - self._max_pending
-            del pending[self._max_pending:]
         return pending
 
-    def _fill(self) -> None:
-        """The writer is about to write out: encode the pending lines into its buffer. Lines past its bound
+    def _fill(self, most: int | None = None) -> bool:
+        """The writer is about to write out: encode the first ``most`` pending lines (None: all) into its
+        buffer; True: more are pending. Lines past its bound
         are dropped and counted by it, after the loop (``trim``): the loop does no per-line checks. The lines
         are joined into the buffer at once: one by one, it grew by reallocations (a write-out empties it)."""
-        pending = self._taken()
+        pending = self._taken(most)
         if not pending:
-            return
+            return False
         writer = self.writer
         assert writer is not None
         paths, templates, tenant_texts = self._paths, self._templates, self._tenant_texts
@@ -334,6 +340,7 @@ class AccessLog:
         start = len(writer.buffer)
         writer.buffer += b"".join(lines)
         writer.trim(start)
+        return bool(self._pending)
 
     def _line(self, entry: RequestRecord, ts: str) -> AccessLine:
         """The line of ``entry``, field by field."""

@@ -31,6 +31,10 @@ log = logging.getLogger("gridgate.access_log")
 STDOUT = "-"
 _FILE_BATCH = 256 * 1024
 _ERROR_LOG_INTERVAL_S = 60.0
+# Deferred lines made per callback: making one costs about 3 µs, so a write-out of a busy worker's 50 ms
+# (hundreds of lines) in one go held its loop, and every request waiting on it, for a millisecond or more
+# (a cache hit's p99 at one connection: 1.6 ms at 50 ms, 6.7 ms at 200 ms). 128 lines: about 0.4 ms at most.
+FILL_SLICE_LINES = 128
 
 
 class _Output:
@@ -89,11 +93,12 @@ class LineWriter:
         self.buffer = bytearray()
         self.dropped = 0  # lines lost: buffer full, or the output failed
         self._loop = asyncio.get_running_loop()
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.Handle | None = None
         self._output = open_output(path)
         self._last_error_log = float("-inf")
-        # Called before each write-out to put deferred lines into `buffer` (the access log's).
-        self.fill: Callable[[], None] | None = None
+        # Called before each write-out to put deferred lines into `buffer` (the access log's): at most its
+        # argument's number of them (None: all); True: more are pending (written out next, at once).
+        self.fill: Callable[[int | None], bool] | None = None
         self._periodic = False  # write out every flush_delay_s, lines or not (`keep_flushing`)
 
     # -- the request path --------------------------------------------------------------------
@@ -120,17 +125,19 @@ class LineWriter:
         self.wrote()
 
     # -- off the request path ----------------------------------------------------------------
-    def flush(self) -> None:
-        """Write what the output takes now; keep the rest for the next flush."""
+    def flush(self, whole: bool = False) -> None:
+        """Write what the output takes now; keep the rest for the next flush. Deferred lines are made
+        ``FILL_SLICE_LINES`` at a time, the rest in a callback of their own right after (``whole``: all now)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self.fill is not None:
-            self.fill()
+        more = self.fill is not None and self.fill(None if whole else FILL_SLICE_LINES)
         buffer = self.buffer
         done = self._write_out()
         del buffer[:done]
-        if buffer or self._periodic:
+        if more:
+            self._timer = self._loop.call_soon(self.flush)
+        elif buffer or self._periodic:
             self._timer = self._loop.call_later(self.flush_delay_s, self.flush)
 
     def _write_out(self) -> int:
@@ -171,7 +178,7 @@ class LineWriter:
         """SIGUSR1 (logrotate): write what is buffered where it was going, then open ``path`` again."""
         if self.path == STDOUT:
             return
-        self.flush()
+        self.flush(whole=True)
         try:
             output = open_output(self.path)
         except OSError as exc:
@@ -185,10 +192,10 @@ class LineWriter:
     async def close(self, timeout_s: float = 1.0) -> None:
         """Write what is left (waiting up to ``timeout_s`` for a slow output), then close."""
         deadline = self._loop.time() + timeout_s
-        self.flush()
+        self.flush(whole=True)
         while self.buffer and self._loop.time() < deadline:
             await asyncio.sleep(0.01)
-            self.flush()
+            self.flush(whole=True)
         self._periodic = False
         if self._timer is not None:
             self._timer.cancel()

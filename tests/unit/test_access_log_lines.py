@@ -283,3 +283,50 @@ def test_unsampled_lines_are_written_out_on_the_writers_own_timer_and_bounded_pe
     assert [line["request_id"] for line in lines] == ["req-1", "more-0", "more-1", "more-2"]
     assert (dropped, left) == (2, 0)
 
+
+
+def test_a_write_out_makes_its_lines_a_slice_per_callback_in_order_and_loses_none(tmp_path: Path) -> None:
+    # A busy worker's write-out formats its pending lines FILL_SLICE_LINES at a time, the rest in callbacks
+    # right after (no one stall of the loop for all of them); every line arrives, in the order recorded.
+    from workers.line_writer import FILL_SLICE_LINES
+
+    count = FILL_SLICE_LINES * 3 + 5
+    path = tmp_path / "access.log"
+
+    async def write() -> tuple[list[int], list[str]]:
+        access_log = AccessLog(LineWriter(str(path), flush_delay_s=10.0))
+        writer = access_log.writer
+        assert writer is not None
+        ends = SimpleNamespace(close=access_log.record)
+        for n in range(count):
+            RequestRecord(exchange=_exchange(ended_ms_ago=0, took_ms=1), ends=ends, request_id=b"req-%d" % n,
+                          tenant="team-a", status=200).close()
+        seen: list[int] = []
+        writer.flush()  # the timer's call: one slice now
+        seen.append(len(path.read_text().splitlines()))
+        for _ in range(4):
+            await asyncio.sleep(0)  # each callback after it: one more slice
+            seen.append(len(path.read_text().splitlines()))
+        await access_log.close()
+        return seen, [json.loads(text)["request_id"] for text in path.read_text().splitlines()]
+
+    seen, ids = asyncio.run(write())
+    assert seen == [FILL_SLICE_LINES, 2 * FILL_SLICE_LINES, 3 * FILL_SLICE_LINES, count, count]
+    assert ids == [f"req-{n}" for n in range(count)]
+
+
+def test_closing_the_log_writes_every_pending_line_at_once(tmp_path: Path) -> None:
+    from workers.line_writer import FILL_SLICE_LINES
+
+    path = tmp_path / "access.log"
+
+    async def write() -> int:
+        access_log = AccessLog(LineWriter(str(path), flush_delay_s=10.0))
+        ends = SimpleNamespace(close=access_log.record)
+        for n in range(FILL_SLICE_LINES * 2 + 1):
+            RequestRecord(exchange=_exchange(ended_ms_ago=0, took_ms=1), ends=ends, request_id=b"r%d" % n,
+                          tenant="team-a", status=200).close()
+        await access_log.close()
+        return len(path.read_text().splitlines())
+
+    assert asyncio.run(write()) == FILL_SLICE_LINES * 2 + 1
