@@ -8,12 +8,13 @@ route decision, the outcome): it keeps the record and returns. Before each write
 records are formatted and encoded with msgspec, joined into its bounded buffer, in one tight loop.
 The work is the same, but a batch runs with warm caches, where one line at the end of each request
 ran cold: a third of the CPU per line on the request path. Most lines share all but a dozen values
-with others (the same path, route, endpoint and model): such a line is written from a template, the
-line as msgspec encodes it with its per-request values left as ``%`` specs, made once per set of
-shared values and kept in a small bounded dict; lines with the rarer fields are encoded whole.
-Never keys, prompts or bodies: a closed record holds none (it lets go of the body and headers when it
-closes), the line has no field that could, and ``path`` stops before the query string (some APIs take
-keys there).
+with others (the same path, route, endpoint and model): such a line is a ``TemplateLine``
+(workers/access_line.py), its own values beside runs of the shared ones as raw JSON, made once per set
+of shared values and kept in a small bounded dict; a response cache hit's line comes from a ``%``
+template of its own; lines with the rarer fields are encoded whole. A write-out's lines are encoded by
+one msgspec call (``encode_lines``). Never keys, prompts or bodies: a closed record holds none (it lets
+go of the body and headers when it closes), the line has no field that could, and ``path`` stops before
+the query string (some APIs take keys there).
 
 Successful requests are sampled (``access_log.sample``); errors (status >= 400, or an ``error`` code
 such as a stream that failed after its head) are always logged.
@@ -25,6 +26,7 @@ import random
 import time
 from collections.abc import Callable
 from operator import attrgetter, itemgetter
+from typing import Any
 
 import msgspec
 
@@ -32,7 +34,7 @@ from gateway.config import AccessLog as AccessLogConfig
 from gateway.config import Config
 from gateway.routing.eligibility import reason_names
 from gateway.routing.plan import RouteDecision
-from workers.access_line import AccessLine
+from workers.access_line import AccessLine, TemplateLine, line_runs
 from workers.line_writer import LineWriter
 from workers.request_record import RequestRecord
 
@@ -41,6 +43,9 @@ _time = time.time
 _random = random.random
 _astuple = msgspec.structs.astuple
 _encode = msgspec.json.encode
+_encode_lines = msgspec.json.Encoder().encode_lines
+_Raw = msgspec.Raw
+_UNSET = msgspec.UNSET
 
 
 # How often a worker writes its lines out. 50 ms: 200 ms read 82.9-83.4 % of the core against 81.0-81.8 % at
@@ -86,25 +91,10 @@ assert _KEPT[_RARE_AT] == _RARE
 _ROUTE_FIELDS = slice(1, 7)
 assert RouteDecision._fields[_ROUTE_FIELDS] == (
     "cluster", "stable_id", "selection_group", "mode", "revision", "affinity")
-# The per-request fields of a template's line, in the line's order, and their ``%`` specs: the arguments
-# `_fill` formats a template with follow this order (the timestamp's date and millisecond, the request id
-# encoded by msgspec, the tenant encoded by msgspec (`_JsonTexts`), the numbers, the times encoded by msgspec,
-# the spend fields, the subject encoded by msgspec). Of these, a template's line may have the tenant or both
-# token counts None (null: `_NULL_SPECS`; usage not reported) and lack spend fields (on a line only when priced, each only when not
-# None) and the subject (only for a JWT's or a certificate's request); with any other None (or one token
-# count), no template is made of it.
-_TEMPLATE_FIELDS = (
-    ("ts", b'"%s%03dZ"'), ("request_id", b"%s"), ("tenant", b"%s"), ("status", b"%d"), ("attempts", b"%d"),
-    ("bytes_in", b"%d"), ("bytes_out", b"%d"), ("tokens_prompt", b"%d"), ("tokens_completion", b"%d"),
-    ("overhead_ms", b"%s"), ("first_byte_ms", b"%s"), ("duration_ms", b"%s"), ("cost_nusd", b"%d"),
-    ("tokens_cached", b"%d"), ("tokens_reasoning", b"%d"), ("subject", b"%s"),
-)
-_SKIP = b"%.0a"  # takes its argument and writes nothing: an optional field that is not on the line
-# A template's optional field not on its line takes b"" (`_fill` passes it for each), written by a plain %s:
-# ``_SKIP`` formats the repr of what it drops, a third of a line's formatting for its three absent fields.
-_EMPTY_SKIPS = {"cost_nusd": b"%s", "tokens_cached": b"%s", "tokens_reasoning": b"%s", "subject": b"%s"}
-_OPTIONAL_FIELDS = frozenset(("cost_nusd", "tokens_cached", "tokens_reasoning", "subject"))
-# A per-request field None on a template's line, written as msgspec writes None (the tenant: encoded by it).
+# A timestamp's milliseconds and zone, its text after the second's (`_fill`).
+_MILLIS_Z = tuple(f"{millis:03d}Z" for millis in range(1000))
+_SKIP = b"%.0a"  # takes its argument and writes nothing: an optional field that is not on a hit's line
+# A per-request field None on a hit template's line, written as msgspec writes None (the tenant: encoded by it).
 _NULL_SPECS = {"tenant": b"%s", "tokens_prompt": b"null" + _SKIP, "tokens_completion": b"null" + _SKIP}
 # A response cache hit's line (docs/cache.md) from a template of its own: its overhead_ms is null (no
 # upstream), the savings are its own values and the token counts are null. Kept under the line's `_fill` key
@@ -121,8 +111,8 @@ _hit_values = itemgetter(*map(_KEPT.index, ("t_start", "t_first_byte", "ended", 
                                             "request_id", "tenant")))
 _CACHE_AT = _KEPT.index("cache")
 # The others of a template's line: none of them may be None.
-_required = attrgetter(*(name for name, _ in _TEMPLATE_FIELDS
-                          if name not in _OPTIONAL_FIELDS and name not in _NULL_SPECS))
+_required = attrgetter("ts", "request_id", "status", "attempts", "bytes_in", "bytes_out", "overhead_ms", "first_byte_ms",
+                       "duration_ms")
 
 
 class _JsonTexts(dict[str | None, bytes]):
@@ -189,8 +179,8 @@ class AccessLog:
         self._paths = _Paths()
         self._tenant_texts = _JsonTexts()
         self._millis_texts = _MillisTexts()  # a cache hit's times (`_hit_line`)
-        # The values a line shares with others (`_fill`'s key) -> its template (`_template`).
-        self._templates: dict[tuple, bytes] = {}
+        # The values a line shares with others (`_fill`'s key) -> its TemplateLine's runs (`line_runs`).
+        self._templates: dict[tuple, tuple] = {}
         self._hit_templates: dict[tuple, bytes] = {}  # (the `_fill` key, savings None) -> a hit's template
         if writer is not None:
             writer.fill = self._fill
@@ -292,20 +282,17 @@ class AccessLog:
         return pending
 
     def _fill(self, most: int | None = None) -> bool:
-        """The writer is about to write out: encode the first ``most`` pending lines (None: all) into its
-        buffer; True: more are pending. Lines past its bound
-        are dropped and counted by it, after the loop (``trim``): the loop does no per-line checks. The lines
-        are joined into the buffer at once: one by one, it grew by reallocations (a write-out empties it)."""
+        """The writer is about to write out: the first ``most`` pending lines (None: all), encoded by one call
+        into its buffer; True: more are pending. Lines past its bound are dropped and counted by it (``trim``)."""
         pending = self._taken(most)
         if not pending:
             return False
-        writer = self.writer
+        writer, paths, templates = self.writer, self._paths, self._templates
         assert writer is not None
-        paths, templates, tenant_texts = self._paths, self._templates, self._tenant_texts
-        lines: list[bytes] = []
+        lines: list[Any] = []  # AccessLine, TemplateLine or Raw (a hit's from its template): one encode for all
         add = lines.append
         wall_offset = _time() - _perf()  # perf_counter -> epoch seconds, for the lines' timestamps
-        second, date = -1, b""  # the date part of the lines' timestamps, formatted once per second
+        second, date, date_text = -1, b"", ""  # the date part of the lines' timestamps, formatted once per second
         for entry in pending:
             values = _kept(entry)
             (ended, t_start, t_first_byte, overhead_s, request_id, tenant, route, target, cost, cached, reasoning,
@@ -314,31 +301,34 @@ class AccessLog:
             if millis // 1000 != second:  # _timestamp written out, its date formatted once per second
                 second = millis // 1000
                 date = self._date(second)
+                date_text = date.decode()
             if not t_first_byte:  # no answer was sent (or the record has no exchange): no first_byte_ms
                 self._encode_line(_record_of(entry), millis, add, None)
                 continue
             numbers = values[_NUMBERS_AT]
-            key = ((route or _NO_ROUTE)[_ROUTE_FIELDS], paths[target], values[_SHARED_AT], numbers.count(None),
-                   cost is None, cached is None, reasoning is None, subject is None)
+            key = ((route or _NO_ROUTE)[_ROUTE_FIELDS], paths[target], values[_SHARED_AT], cost is None)
             if overhead_s is None:  # a cache hit's line (never the common template's: no overhead_ms)
-                self._hit_line(entry, values, millis, date, add, key)
+                self._hit_line(entry, values, millis, date, add,
+                               (key, numbers.count(None), cached is None, reasoning is None, subject is None))
                 continue
             try:
-                # The times in milliseconds with three decimals: whole microseconds (a quarter of the cost of
-                # round()). A field not on the line gives b"" (cached and reasoning are on it only when priced).
-                add(templates[key] % ((date, millis % 1000, _encode(request_id.decode("latin-1")),
-                                       tenant_texts[tenant]) + numbers + (
-                    _encode(int(overhead_s * 1e6 + 0.5) / 1000), _encode(int((t_first_byte - t_start) * 1e6 + 0.5) / 1000),
-                    _encode(int((ended - t_start) * 1e6 + 0.5) / 1000), b"" if cost is None else cost,
-                    b"" if cost is None or cached is None else cached, b"" if cost is None or reasoning is None else reasoning,
-                    b"" if subject is None else _encode(subject))))
+                # Times: whole microseconds in ms (round() costs 4x). Spend fields only when priced; the subject with an identity.
+                runs = templates[key]
+                status, attempts, bytes_in, bytes_out, prompt, completion = numbers
+                add(TemplateLine(
+                    date_text + _MILLIS_Z[millis % 1000], request_id.decode("latin-1"), tenant, runs[0], status,
+                    runs[1], attempts, runs[2], bytes_in, bytes_out, prompt, completion,
+                    int(overhead_s * 1e6 + 0.5) / 1000, int((t_first_byte - t_start) * 1e6 + 0.5) / 1000,
+                    int((ended - t_start) * 1e6 + 0.5) / 1000, runs[3], _UNSET if cost is None else cost,
+                    _UNSET if cost is None or cached is None else cached,
+                    _UNSET if cost is None or reasoning is None else reasoning, runs[4],
+                    _UNSET if subject is None or runs[4] is _UNSET else subject, runs[5]))
             except (KeyError, TypeError, AttributeError):
-                # No template yet for its shared values (the line makes it), a rarer field set (its key is
-                # unhashable or never kept), or a None among its request id and times (refused, cut short:
-                # no template is made of such a line): encoded whole.
+                # No runs yet for its shared values (the line makes them), a rarer field set (its key is unhashable
+                # or never kept), or a None among its request id and times (no runs are made of such a line): whole.
                 self._encode_line(_record_of(entry), millis, add, key)
         start = len(writer.buffer)
-        writer.buffer += b"".join(lines)
+        writer.buffer += _encode_lines(lines)
         writer.trim(start)
         return bool(self._pending)
 
@@ -388,20 +378,23 @@ class AccessLog:
             line.cache, line.saved_tokens, line.saved_nusd = entry.cache, entry.saved_tokens, entry.saved_nusd
         return line
 
-    def _encode_line(self, entry: RequestRecord, millis: int, add: Callable[[bytes], None],
+    def _encode_line(self, entry: RequestRecord, millis: int, add: Callable[[Any], None],
                      key: tuple | None) -> None:
-        """The line of ``entry`` (ended at ``millis`` since the epoch) encoded whole, given to ``add``; and
-        the template of ``key`` made of it, when a line can have one and ``key`` has none yet."""
+        """The line of ``entry`` (ended at ``millis`` since the epoch), whole, given to ``add``; and the runs
+        of ``key``'s TemplateLine made of it (``line_runs``), when a line can have one and ``key`` has none
+        yet. ``key`` holds every other value the runs are made of: nothing of one request's own reaches
+        another's line."""
         line = self._line(entry, self._timestamp(millis))
-        add(_encode(line) + b"\n")
+        add(line)
         if (key is not None and _rare_fields(entry) == _PLAIN and None not in _required(line)
-                and (line.tokens_prompt is None) == (line.tokens_completion is None)
-                and (entry.subject is None or line.subject is not None)  # (a subject off the line: it would get b"")
-                and key not in self._templates):
-            self._template(key, line, skips=_EMPTY_SKIPS)
+                and line.saved_tokens is None and line.saved_nusd is None and key not in self._templates):
+            templates = self._templates
+            if len(templates) >= _MAX_TEMPLATES:
+                templates.clear()
+            templates[key] = line_runs(line)
 
     def _hit_line(self, entry: RequestRecord | tuple, values: tuple, millis: int, date: bytes,
-                  add: Callable[[bytes], None], key: tuple) -> None:
+                  add: Callable[[Any], None], key: tuple) -> None:
         """A line with no overhead_ms (``values``: its kept values, ``_KEPT``): a response cache hit's from its
         template (the first line of its kind is encoded whole, and its template made of it unless a value no
         template can hold is None); any other, or with a rarer field set, encoded whole."""
@@ -409,56 +402,53 @@ class AccessLog:
          saved_nusd, request_id, tenant) = _hit_values(values)
         if (values[_CACHE_AT] != "hit" or t_start is None or request_id is None
                 or values[_RARE_AT] != _PLAIN):  # (a rarer field: the key may not even be hashable)
-            self._encode_line(_record_of(entry), millis, add, key)
+            self._encode_line(_record_of(entry), millis, add, None)
             return
         hit_key = (key, saved_tokens is None, saved_nusd is None)
         template = self._hit_templates.get(hit_key)
         if template is None:  # the first of its kind: encoded whole, and its template made of it when it can be
             line = self._line(_record_of(values), self._timestamp(millis))
-            add(_encode(line) + b"\n")
+            add(line)
             if (line.tokens_prompt is None and line.tokens_completion is None and line.tokens_cached is None
                     and line.tokens_reasoning is None):
-                self._template(key, line, _HIT_FIELDS, _HIT_OPTIONAL_FIELDS, self._hit_templates, hit_key)
+                self._template(line, self._hit_templates, hit_key)
             return
         millis_texts = self._millis_texts  # a hit's times are short (no upstream): their texts looked up
-        add(template % (
+        add(_Raw(template % (
             date, millis % 1000, _encode(request_id.decode("latin-1")), self._tenant_texts[tenant],
             status, attempts, bytes_in, bytes_out, millis_texts[int((t_first_byte - t_start) * 1e6 + 0.5)],
             millis_texts[int((ended - t_start) * 1e6 + 0.5)], cost, subject if subject is None else _encode(subject),
-            saved_tokens, saved_nusd))
+            saved_tokens, saved_nusd)))
 
-    def _template(self, key: tuple, line: AccessLine, fields: tuple[tuple[str, bytes], ...] = _TEMPLATE_FIELDS,
-                  optional: frozenset[str] = _OPTIONAL_FIELDS, templates: dict[tuple, bytes] | None = None,
-                  kept_as: tuple | None = None, skips: dict[str, bytes] | None = None) -> bytes | None:
-        """The template of the lines that share ``key``, made of ``line`` (one of them, with no rarer
-        field and no None where `_required`), kept under ``key`` (bounded): the line as msgspec encodes it,
-        with its per-request values (_TEMPLATE_FIELDS) in as unique markers, each marker then replaced by
-        its ``%`` spec (a literal ``%`` doubled first). A spend field not on the line takes its argument
-        with ``_SKIP`` (or its spec in ``skips``) after the spec before it. ``key`` holds every other value
-        the line is made of (those read only with a rarer field set aside): nothing of one request's own reaches another's
-        line. No template is made should a marker not come out exactly once (a shared value holds one)."""
+    def _template(self, line: AccessLine, templates: dict[tuple, bytes], kept_as: tuple) -> bytes | None:
+        """The template of the hit lines that share ``kept_as``, made of ``line`` (one of them, with no rarer
+        field and no None where `_required`), kept under ``kept_as`` (bounded): the line as msgspec encodes
+        it, with its per-request values (_HIT_FIELDS) in as unique markers, each marker then replaced by its
+        ``%`` spec (a literal ``%`` doubled first). An optional field not on the line takes its argument with
+        ``_SKIP`` after the spec before it. ``kept_as`` holds every other value the line is made of (those
+        read only with a rarer field set aside): nothing of one request's own reaches another's line. No
+        template is made should a marker not come out exactly once (a shared value holds one)."""
+        line = msgspec.structs.replace(line)  # a copy: ``line`` itself is still to be written
         replaced: list[tuple[bytes, bytes]] = []
-        for index, (name, spec) in enumerate(fields):
+        for index, (name, spec) in enumerate(_HIT_FIELDS):
             if getattr(line, name) is None:
-                if name in optional:
+                if name in _HIT_OPTIONAL_FIELDS:
                     marker, previous = replaced[-1]
-                    replaced[-1] = (marker, previous + (_SKIP if skips is None else skips[name]))
+                    replaced[-1] = (marker, previous + _SKIP)
                     continue
                 spec = _NULL_SPECS[name]
             marker = f"\0{index}"
             setattr(line, name, marker)
             replaced.append((_encode(marker), spec))
         text = _encode(line).replace(b"%", b"%%")
-        template = text + b"\n"
+        template = text
         for marker, spec in replaced:
             if text.count(marker) != 1:
                 return None
             template = template.replace(marker, spec)
-        if templates is None:
-            templates = self._templates
         if len(templates) >= _MAX_TEMPLATES:
             templates.clear()
-        templates[key if kept_as is None else kept_as] = template
+        templates[kept_as] = template
         return template
 
     def reopen(self) -> None:
