@@ -52,3 +52,31 @@ def test_the_scanner_counts_a_long_answer_from_its_tail() -> None:
     scanner.feed(msgspec.json.encode(answer))
     assert (scanner.total_tokens, scanner.prompt_tokens, scanner.completion_tokens) == (26, 10, 16)
     assert (scanner.cached_tokens, scanner.reasoning_tokens) == (4, 2)
+
+
+def _counts(observer: UsageScanner) -> tuple[int | None, ...]:
+    return (observer.total_tokens, observer.prompt_tokens, observer.completion_tokens, observer.cached_tokens,
+            observer.reasoning_tokens)
+
+
+@pytest.mark.parametrize("document", DOCUMENTS)
+@pytest.mark.parametrize("indent", [0, 2])
+def test_the_scanner_takes_what_top_level_usage_finds(document: dict, indent: int) -> None:
+    """``UsageScanner.feed`` writes ``top_level_usage`` out for a whole answer in one chunk: a usage with a
+    total is taken as it is; anything else goes the byte scan, as the same answer in two chunks does."""
+    data = msgspec.json.format(msgspec.json.encode(document), indent=indent)
+    whole = UsageScanner()
+    whole.feed(data)
+    whole.flush()
+    usage = top_level_usage(data)
+    if usage is not None and usage.total_tokens is not None:
+        cached = None if usage.prompt_tokens_details is None else usage.prompt_tokens_details.cached_tokens
+        reasoning = (None if usage.completion_tokens_details is None
+                     else usage.completion_tokens_details.reasoning_tokens)
+        assert _counts(whole) == (usage.total_tokens, usage.prompt_tokens, usage.completion_tokens, cached, reasoning)
+    else:
+        scanned = UsageScanner()
+        scanned.feed(data[:1])  # an opening brace alone: not a whole document, so the byte scan reads on
+        scanned.feed(data[1:])
+        scanned.flush()
+        assert _counts(whole) == _counts(scanned)
