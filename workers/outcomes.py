@@ -104,36 +104,45 @@ class Outcomes:
                 and (model := record.served_model or record.capability) is not None):
             # The metered request as nearly every one ends (its serving attempt alone cost anything, usage in
             # counts): ``attempts_cost`` and ``_charge`` written out, cost clamped past ABSURD_FACTOR x the
-            # worst case; tests/unit/test_outcomes_fast.py holds it equal to the general path below.
+            # worst case; tests/unit/test_outcomes_fast.py holds it equal to the general path (``_priced_and_settled``).
             cost = prices.usage_cost(model, usage, True)
             worst = admission.worst_nusd
             if worst and cost > ABSURD_FACTOR * worst:  # type: ignore[operator]
                 cost = _clamped(quota, worst)
             record.cost_nusd = cost
             quota.settle(admission, tokens, record.tokens_prompt, record.tokens_completion, cost_nusd=cost)
+            if (spend := self.spend) is not None:  # ``count``'s checks known to pass (it reached, with a model)
+                spend.count_reached(record, model, cost)
         else:
-            reached = record.reached or relay is not None  # it reached a provider (workers/request_record.py)
-            if prices is not None and reached:
-                metered = admission is not None
-                record.cost_nusd, clamped = attempts_cost(prices, record.served_model or record.capability, result,
-                                                          served, record.owed, admission.estimate if metered else 0,
-                                                          admission.worst_nusd if metered else 0, metered)
-                if clamped and self.quota is not None:
-                    self.quota.counters.spend_usage_clamped += 1
-            if admission is not None and self.quota is not None:
-                if reached:
-                    self.quota.settle(admission, *self._charge(record, result, served), cost_nusd=record.cost_nusd)
-                else:  # it never reached a provider: nothing is charged, and its request slots go back too
-                    self.quota.settle(admission, 0, reached=False)
+            self._priced_and_settled(record, result, served)
         if record.prefix is not None:  # prefix affinity: cached tokens and the first token feed back
             self._prefix_ended(record, result if served else None)
-        if (spend := self.spend) is not None:  # the day's rollups and the spend metrics (docs/pricing.md)
-            spend.count(record)
         if record.trace is not None:  # its spans end and go to the exporter's queue (docs/tracing.md)
             record.trace.end(record, result)
         self.access_log.record(record)
         if (recent := self.recent) is not None:  # the console's last requests (workers/recent_requests.py)
             recent.add(record)
+
+    def _priced_and_settled(self, record: RequestRecord, result: AttemptResult | None, served: bool) -> None:
+        """``close``'s general path (what its fast path writes out): the request's attempts priced, its quota
+        settled with their tokens and cost, and it counted in the day's rollups."""
+        admission = record.admission
+        prices = self.prices
+        reached = record.reached or record.attempt is not None  # it reached a provider (workers/request_record.py)
+        if prices is not None and reached:
+            metered = admission is not None
+            record.cost_nusd, clamped = attempts_cost(prices, record.served_model or record.capability, result,
+                                                      served, record.owed, admission.estimate if metered else 0,
+                                                      admission.worst_nusd if metered else 0, metered)
+            if clamped and self.quota is not None:
+                self.quota.counters.spend_usage_clamped += 1
+        if admission is not None and self.quota is not None:
+            if reached:
+                self.quota.settle(admission, *self._charge(record, result, served), cost_nusd=record.cost_nusd)
+            else:  # it never reached a provider: nothing is charged, and its request slots go back too
+                self.quota.settle(admission, 0, reached=False)
+        if (spend := self.spend) is not None:  # the day's rollups and the spend metrics (docs/pricing.md)
+            spend.count(record)
 
     def _served(self, record: RequestRecord, result: AttemptResult) -> None:
         """A provider's response was relayed (completely, or cut after it started)."""

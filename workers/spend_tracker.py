@@ -79,12 +79,18 @@ class SpendTracker:
         # Once per request: ``record.served``, whether it reached a provider (workers/request_record.py) and,
         # for a cell the batch already holds (nearly every request), ``RollupBatch.add`` are written out.
         model = record.served_model or record.capability
-        cost = record.cost_nusd
         # (reached a provider: the attempt that served is there in nearly every one, so it is asked first)
-        if model is None or not (record.attempt is not None or record.reached) or (self._store_url is None
-                                                                                    and not cost):
+        if model is None or not (record.attempt is not None or record.reached):
             if record.cache == "hit" and self._store_url is not None and model is not None:
                 self._count_hit(record, model)  # a response cache hit: what it saved (docs/cache.md)
+            return
+        self.count_reached(record, model, record.cost_nusd)
+
+    def count_reached(self, record: RequestRecord, model: str, cost: int | None) -> None:
+        """``count`` of a request that reached a provider, served by ``model`` and priced ``cost`` (what
+        ``Outcomes.close`` knows already for the metered request as nearly every one ends: it calls this
+        directly, the checks ``count`` makes before it not made again)."""
+        if self._store_url is None and not cost:
             return  # without a store only a cost is worth counting (the metric)
         exchange = record.exchange
         admitted = None if exchange is None else exchange.admitted
