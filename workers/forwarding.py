@@ -25,7 +25,6 @@ from gateway.request.attempts import (
     never_taken,
     unanswered_tokens,
 )
-from gateway.request.headers import ask_identity_encoding
 from gateway.routing import RouteDecision, Router
 from gateway.routing.failover import COOLING_STATUSES, Failover
 from workers.clusters import ClusterManager, EndpointLease, UpstreamCluster, UpstreamEndpoint
@@ -66,8 +65,6 @@ class Forwarder:
         deadline, one attempt budget), and ``onward`` when another model may still be tried: then a
         retryable answer of this model's last provider is held back too, and so is a 400 whose error code
         is one of ``refusals`` (the chain moves on at once: no other provider of this model is tried)."""
-        if record.metering is not None:
-            ask_identity_encoding(record.forward)  # the usage must be readable in the answer
         first = route
         deadline = _monotonic() + float(self.retry.deadline) if failover is None else failover.deadline
         while True:

@@ -74,11 +74,6 @@ class JwtGate:
         except JwtRefusal as refusal:
             return refusal
 
-    def current(self, grant: JwtGrant) -> bool:
-        """A grant a connection kept (workers/head_gate.py) still admits its token: unexpired, key sets
-        unchanged since."""
-        return self.verifier.current(grant, time.time())
-
     def poll(self) -> bool:
         """Re-read every key file that changed, and report unusable limit claims; True when a key set
         changed."""

@@ -399,7 +399,7 @@ class Proxy:
         admitted = flow.admitted
         record.body, record.metering = upstream_body(flow.request, exchange.body, record.admission,
                                                      admitted.route.surface.rewrites_stream)
-        record.forward = forwarded_headers(exchange, admitted.headers, record.request_id, record.body)
+        record.forward = forwarded_headers(exchange, admitted.headers, record.request_id, record.body, record.metering)
         record.balance_keys = admitted.headers.balance_keys
         if record.model_route is not None:
             return self.chain.walk(record, flow.request, admitted, flow.policy, flow.route,  # type: ignore[arg-type]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from gateway.quota.gate import Admission
 from gateway.request.capability import CapabilityRequest
-from gateway.request.headers import ACCEPT_ENCODING, RequestHeaders
+from gateway.request.headers import ACCEPT_ENCODING, IDENTITY_ENCODING, RequestHeaders
 from gateway.request.usage import rewrite_request_for_usage
 from workers.exchange import Exchange
 
@@ -33,10 +33,11 @@ def upstream_body(request: CapabilityRequest, body: bytes, admission: Admission 
 
 
 def forwarded_headers(exchange: Exchange, headers: RequestHeaders, request_id: bytes,
-                      body: bytes) -> list[tuple[bytes, bytes]]:
+                      body: bytes, metering: bool | None = None) -> list[tuple[bytes, bytes]]:
     """The headers every provider attempt sends (each provider's own are added per attempt). The
-    client's ``Accept-Encoding`` goes last, where a metered request's ``identity`` replaces it
-    (``gateway.request.headers.ask_identity_encoding``)."""
+    client's ``Accept-Encoding`` goes last; a metered request (``metering`` not None: ``upstream_body``'s)
+    asks for ``identity`` instead, since the gateway reads the usage in the answer
+    (``gateway.request.headers.ask_identity_encoding``, written out here: decided once per request)."""
     forward = headers.forward
     peer = exchange.peer
     xff = headers.xff
@@ -46,6 +47,8 @@ def forwarded_headers(exchange: Exchange, headers: RequestHeaders, request_id: b
         forward.append((b"content-length", b"%d" % len(body)))
     elif exchange.method not in BODYLESS_METHODS:
         forward.append((b"content-length", b"0"))
-    if headers.accept_encoding is not None:
+    if metering is not None:
+        forward.append(IDENTITY_ENCODING)
+    elif headers.accept_encoding is not None:
         forward.append((ACCEPT_ENCODING, headers.accept_encoding))
     return forward

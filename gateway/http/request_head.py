@@ -27,8 +27,8 @@ from __future__ import annotations
 # tchar (RFC 9110 §5.6.2): method and field names.
 _TOKEN = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 _VCHAR = bytes(range(0x21, 0x7F))
-# Every byte a plainly valid head may hold anywhere (where each may stand is checked per part).
-_HEAD_BYTES = b"\t\n\r" + bytes(range(0x20, 0x7F)) + bytes(range(0x80, 0x100))
+# Every byte a plainly valid head's lines may hold, CRLF apart (where each may stand is checked per part).
+_LINE_BYTES = b"\t" + bytes(range(0x20, 0x7F)) + bytes(range(0x80, 0x100))
 
 
 def _to_nul_unless(allowed: bytes) -> bytes:
@@ -37,11 +37,12 @@ def _to_nul_unless(allowed: bytes) -> bytes:
 
 
 # translate + memchr is ~1 ns a byte, a third less than translate's deleting form and a fifth of sre's.
-_HEAD_BYTES_ONLY = _to_nul_unless(_HEAD_BYTES)
+_LINE_BYTES_ONLY = _to_nul_unless(_LINE_BYTES)
 _TOKEN_ONLY = _to_nul_unless(_TOKEN)
 _VERSIONS = {b"HTTP/1.1": b"1.1", b"HTTP/1.0": b"1.0"}
 _COMMON_METHODS = frozenset((b"GET", b"POST", b"HEAD", b"PUT", b"DELETE", b"OPTIONS", b"PATCH"))
 _OWS = b" \t"
+_NO_LINE_LIMIT = 1 << 62
 _MAX_LENGTH_DIGITS = 18  # any body limit is far below; a longer value goes to h11 (which allows 20)
 
 
@@ -64,15 +65,18 @@ class RequestHead:
         return f"RequestHead({self.method!r}, {self.target!r}, {self.http_version!r}, {self.headers!r})"
 
 
-def parse_plain_head(head: bytes) -> RequestHead | None:
+def parse_plain_head(head: bytes, max_lines: int = _NO_LINE_LIMIT) -> RequestHead | None:
     """``head`` (a complete request head, up to and including its empty line) when it is plainly valid
-    (see the module doc), else None: h11 decides."""
-    if b"\x00" in head.translate(_HEAD_BYTES_ONLY):
-        return None  # a control byte somewhere
+    (see the module doc) and has at most ``max_lines`` lines (its empty line counted), else None: h11
+    decides (the codec counts the lines of a head that comes back, and refuses too many)."""
     lines = head.split(b"\r\n")  # ends with the two empty pieces of the final CRLF CRLF
-    line_ends = len(lines) - 1
-    if head.count(b"\n") != line_ends or head.count(b"\r") != line_ends:
-        return None  # a bare LF or a bare CR: not every one is part of a CRLF
+    if len(lines) > max_lines + 1:
+        return None  # more lines than the codec admits: its count refuses them, before any Python loop over them
+    # The head without its CRLFs holds no control byte, and no CR or LF either (a bare one: not every one
+    # is part of a CRLF). One translate over the joined lines: two ``count`` passes (each a byte loop, 1 ns
+    # a byte: 1.5 µs on a head with a 700-byte bearer) were a third of the parse.
+    if b"\x00" in b"".join(lines).translate(_LINE_BYTES_ONLY):
+        return None
     request_line = lines[0].split(b" ")
     if len(request_line) != 3:
         return None

@@ -139,6 +139,16 @@ def test_the_head_is_limited_in_size_and_in_lines_before_h11_parses_it():
     parser = codec.ServerCodec(4096, max_header_count=5)
     parser.feed(b"GET / HTTP/1.1\r\nHost: g\r\n" + b"a:b\r\n" * 4 + b"\r\n")
     assert type(parser.next_event()) is codec.RequestHead
+    # A head the plain parser leaves to h11 (bare LFs) is counted as one: its LFs, whatever ends its lines.
+    parser = codec.ServerCodec(4096, max_header_count=5)
+    parser.feed(b"GET / HTTP/1.1\r\nHost: g\n" + b"a:b\n" * 5 + b"\r\n")
+    with pytest.raises(codec.ParseError) as caught:
+        parser.next_event()
+    assert caught.value.status == 431
+    parser = codec.ServerCodec(4096, max_header_count=5)
+    parser.feed(b"GET / HTTP/1.1\r\nHost: g\n" + b"a:b\n" * 4 + b"\r\n")
+    head = parser.next_event()
+    assert type(head) is codec.RequestHead and not head.plain and len(head.headers) == 5
     parser = codec.ServerCodec(64)
     parser.feed(b"GET / HTTP/1.1\r\nHost: g\r\nX: " + b"y" * 64)  # incomplete, already over the limit
     with pytest.raises(codec.ParseError) as caught:

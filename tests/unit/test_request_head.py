@@ -166,3 +166,11 @@ def test_any_head_parses_as_h11_or_goes_to_it(parts, seed):
     head = as_cut(start[:-2] + b"".join(parts) + b"\r\n\r\n")
     assert head is not None
     same_as_h11(head)
+
+
+def test_a_plain_head_over_the_line_limit_goes_back_to_the_codec_count():
+    # The codec's limit counts a head's LFs (its empty line's too): 2 field lines + 3 = 5 lines here.
+    head = b"GET / HTTP/1.1\r\nHost: g\r\nX: y\r\n\r\n"
+    assert head.count(b"\n") == 4
+    assert parse_plain_head(head, 4) is not None and parse_plain_head(head) is not None
+    assert parse_plain_head(head, 3) is None
