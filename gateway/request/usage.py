@@ -159,11 +159,6 @@ def top_level_usage(document: bytes) -> _UsageCounts | None:
             return _usage_document.decode(_OPEN + document[at:]).usage
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             pass
-    return _whole_usage(document)
-
-
-def _whole_usage(document: bytes) -> _UsageCounts | None:
-    """``top_level_usage`` of a document whose tail is not a document of its own: the whole one decoded."""
     try:
         return _usage_document.decode(document).usage
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
@@ -195,13 +190,7 @@ class UsageScanner(msgspec.Struct, gc=False):
             # A whole JSON response in one chunk (the usual non-streamed answer): its top-level `usage`
             # decoded in C, ten times cheaper than the scan below, which takes anything else. A whole
             # document carries the whole usage: its counts are taken as they are (None where absent).
-            # ``top_level_usage`` written out (once per answer: one call fewer); test_usage_tail.py holds
-            # the scanner to it.
-            at = chunk.rfind(_USAGE_KEY)
-            try:
-                usage = _usage_document.decode(_OPEN + chunk[at:]).usage if at > 0 else _whole_usage(chunk)
-            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-                usage = _whole_usage(chunk)
+            usage = top_level_usage(chunk)
             if usage is not None and usage.total_tokens is not None:
                 self.total_tokens, self.prompt_tokens, self.completion_tokens = usage.total_tokens, \
                     usage.prompt_tokens, usage.completion_tokens

@@ -62,7 +62,7 @@ def _counts(observer: UsageScanner) -> tuple[int | None, ...]:
 @pytest.mark.parametrize("document", DOCUMENTS)
 @pytest.mark.parametrize("indent", [0, 2])
 def test_the_scanner_takes_what_top_level_usage_finds(document: dict, indent: int) -> None:
-    """``UsageScanner.feed`` writes ``top_level_usage`` out for a whole answer in one chunk: a usage with a
+    """``UsageScanner.feed`` takes ``top_level_usage`` of a whole answer in one chunk: a usage with a
     total is taken as it is; anything else goes the byte scan, as the same answer in two chunks does."""
     data = msgspec.json.format(msgspec.json.encode(document), indent=indent)
     whole = UsageScanner()
